@@ -1,0 +1,65 @@
+"""The CPM's matchmaking library (pure, no I/O): LinUCB pairing of agents (KNEXA-FL).
+
+``Matchmaker`` learns who should teach whom, with which protocol, from profiles and
+receiver-reported rewards; the baselines share its ``select`` / ``observe`` interface.
+See ``docs/matchmaker.md`` for the algorithm and every choice made beyond the paper.
+"""
+
+from .baselines import (
+    HeteroGreedyMatchmaker,
+    OracleMatchmaker,
+    RandomMatchmaker,
+    js_divergence,
+    js_divergence_matrix,
+)
+from .features import ContextFeatures, FeatureLayout
+from .linucb import LinUCB
+from .matching import greedy_disjoint, max_weight_disjoint
+from .matchmaker import Matchmaker, MatchmakerState, Pairing, PairingPolicy
+from .normalise import EPS, RewardNormaliser
+from .prefilter import cheap_pair_scores, prefilter_pairs
+from .profile import (
+    DISTRIBUTION_SLICE,
+    DYNAMIC_SLICE,
+    MAX_ABS_PROFILE_VALUE,
+    PERFORMANCE_INDEX,
+    PROFILE_DIM,
+    PROFILE_LAYOUT,
+    STATIC_SLICE,
+    ProfileLayout,
+    validate_profile,
+    validate_profiles,
+)
+from .trust import TrustLedger
+
+__all__ = [
+    "DISTRIBUTION_SLICE",
+    "DYNAMIC_SLICE",
+    "EPS",
+    "MAX_ABS_PROFILE_VALUE",
+    "PERFORMANCE_INDEX",
+    "PROFILE_DIM",
+    "PROFILE_LAYOUT",
+    "STATIC_SLICE",
+    "ContextFeatures",
+    "FeatureLayout",
+    "HeteroGreedyMatchmaker",
+    "LinUCB",
+    "Matchmaker",
+    "MatchmakerState",
+    "OracleMatchmaker",
+    "Pairing",
+    "PairingPolicy",
+    "ProfileLayout",
+    "RandomMatchmaker",
+    "RewardNormaliser",
+    "TrustLedger",
+    "cheap_pair_scores",
+    "greedy_disjoint",
+    "js_divergence",
+    "js_divergence_matrix",
+    "max_weight_disjoint",
+    "prefilter_pairs",
+    "validate_profile",
+    "validate_profiles",
+]

@@ -1,0 +1,115 @@
+"""The agent side of the CPM contract: submit profiles, follow directives, report rewards."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from peerlm.config import GrpcLimits
+from peerlm.rpc import create_channel
+from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
+
+__all__ = ["CpmClient", "DEV_IDENTITY_METADATA"]
+
+#: Metadata key carrying the caller's SPIFFE id in insecure-dev mode only.
+DEV_IDENTITY_METADATA = "peerlm-dev-identity"
+
+# Codes after which re-opening the directive feed can succeed.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
+
+
+class CpmClient:
+    """A channel to the CPM with the calls an agent makes.
+
+    ``credentials=None`` means plaintext, which only peerlm.security.mode's insecure-dev
+    decision may choose; then ``dev_identity`` (a SPIFFE URI) is sent as metadata.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        limits: GrpcLimits,
+        credentials: grpc.ChannelCredentials | None,
+        *,
+        dev_identity: str | None = None,
+    ) -> None:
+        self._limits = limits
+        self._channel = create_channel(target, limits, credentials)
+        self._stub = cpm_pb2_grpc.MatchmakerStub(self._channel)  # type: ignore[no-untyped-call]
+        self._metadata: tuple[tuple[str, str], ...] = (
+            ((DEV_IDENTITY_METADATA, dev_identity),) if dev_identity else ()
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_ready(self, timeout: float) -> None:
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
+    async def submit_profile(
+        self, round_: int, features: Sequence[float], peer_endpoint: str = ""
+    ) -> cpm_pb2.SubmitProfileResponse:
+        req = cpm_pb2.SubmitProfileRequest(
+            round=round_, features=list(features), peer_endpoint=peer_endpoint
+        )
+        resp: cpm_pb2.SubmitProfileResponse = await self._stub.SubmitProfile(
+            req, timeout=self._limits.rpc_timeout_s, metadata=self._metadata
+        )
+        return resp
+
+    async def report_reward(
+        self,
+        directive_id: str,
+        reward: float,
+        *,
+        loss_pre: float = 0.0,
+        loss_post: float = 0.0,
+        kilobytes: int = 0,
+    ) -> cpm_pb2.ReportRewardResponse:
+        req = cpm_pb2.ReportRewardRequest(
+            directive_id=directive_id,
+            reward=reward,
+            loss_pre=loss_pre,
+            loss_post=loss_post,
+            kilobytes=kilobytes,
+        )
+        resp: cpm_pb2.ReportRewardResponse = await self._stub.ReportReward(
+            req, timeout=self._limits.rpc_timeout_s, metadata=self._metadata
+        )
+        return resp
+
+    async def directives(self, max_backoff_s: float = 10.0) -> AsyncIterator[cpm_pb2.Directive]:
+        """Directives for this agent, forever; the feed is re-opened after transient errors.
+
+        Open directives are replayed by the CPM on every (re)connect, so a directive may be
+        seen twice across a reconnect; consumers de-duplicate by id (this iterator does).
+        Authentication and authorisation failures, and ABORTED (another feed for this
+        agent replaced this one), are raised, not retried.
+        """
+        seen: set[str] = set()
+        backoff = 0.2
+        while True:
+            call = self._stub.StreamDirectives(
+                cpm_pb2.StreamDirectivesRequest(), metadata=self._metadata
+            )
+            try:
+                async for d in call:
+                    backoff = 0.2
+                    if d.directive_id not in seen:
+                        seen.add(d.directive_id)
+                        yield d
+                # A clean end means the CPM is shutting down: reconnect once it is back.
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in _RETRYABLE:
+                    raise
+            finally:
+                call.cancel()
+            await asyncio.sleep(backoff)
+            backoff = min(max_backoff_s, backoff * 2)

@@ -1,0 +1,158 @@
+"""A simulated agent: a real process speaking the real CPM protocol over mTLS, whose
+learning is the synthetic federation of :mod:`peerlm.services.cpm.synthetic`.
+
+It stands in for the model-hosting agent in ``peerlm up`` and in scale tests. Each process
+builds the same seeded federation and plays one client of it: its profile is that client's
+profile, and as a student it draws the reward of its exchange from the environment. The
+teacher's state in a student's copy advances through local training only (each process
+sees its own exchanges), a simplification that does not matter for exercising the CPM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import grpc
+import typer
+
+from peerlm.agent.cpm_client import CpmClient
+from peerlm.config import GrpcLimits
+from peerlm.pki.identity import PeerIdentity, Role
+from peerlm.security.credentials import TlsFiles, channel_credentials
+from peerlm.services.cpm.synthetic import SyntheticFederation
+from peerlm.wire.v1 import cpm_pb2
+
+__all__ = ["SimAgentReport", "run_sim_agent", "sim_agent_command"]
+
+
+@dataclass
+class SimAgentReport:
+    """What one simulated agent did; printed as one JSON line on stdout."""
+
+    name: str
+    rounds: int = 0
+    as_student: int = 0
+    as_teacher: int = 0
+    rewards: list[float] = field(default_factory=list)
+    pass_at_1_before: float = 0.0
+    pass_at_1_after: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+async def run_sim_agent(
+    *,
+    name: str,
+    index: int,
+    peers: list[str],
+    cpm: str,
+    tls: TlsFiles | None,
+    federation: str,
+    rounds: int,
+    seed: int,
+    heterogeneity: str,
+    round_timeout_s: float,
+) -> SimAgentReport:
+    """Play ``rounds`` rounds of Algorithm 3 against the CPM at ``cpm``."""
+    env = SyntheticFederation(len(peers), "high" if heterogeneity == "high" else "low", seed)
+    me = env.names[index]
+    env_name = dict(zip(peers, env.names, strict=True))
+    report = SimAgentReport(name=name)
+    report.pass_at_1_before = float(env.client_pass_at_1()[index])
+    creds = channel_credentials(tls) if tls else None
+    dev_identity = None if tls else PeerIdentity(federation, Role.AGENT, name).spiffe_uri
+    client = CpmClient(cpm, GrpcLimits(), creds, dev_identity=dev_identity)
+    inbox: asyncio.Queue[cpm_pb2.Directive] = asyncio.Queue()
+
+    async def follow() -> None:
+        async for d in client.directives():
+            await inbox.put(d)
+
+    feed = asyncio.create_task(follow())
+    try:
+        await client.wait_ready(30)
+        for r in range(1, rounds + 1):
+            await client.submit_profile(r, [float(x) for x in env.profiles()[me]], "")
+            directive = await _next_directive(inbox, feed, round_timeout_s)
+            if directive is None:
+                env.step([])
+            elif directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
+                teacher = env_name.get(directive.teacher)
+                if teacher is None:
+                    report.errors.append(f"unknown teacher {directive.teacher}")
+                    env.step([])
+                else:
+                    [reward] = env.step([(teacher, me)])
+                    await client.report_reward(directive.directive_id, reward)
+                    report.as_student += 1
+                    report.rewards.append(round(reward, 6))
+            else:
+                report.as_teacher += 1
+                env.step([])
+            report.rounds = r
+    except grpc.aio.AioRpcError as err:
+        report.errors.append(f"{err.code().name}: {err.details()}")
+    finally:
+        feed.cancel()
+        await asyncio.gather(feed, return_exceptions=True)
+        await client.close()
+    report.pass_at_1_after = float(env.client_pass_at_1()[index])
+    return report
+
+
+async def _next_directive(
+    inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None], timeout: float
+) -> cpm_pb2.Directive | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if feed.done() and inbox.empty():
+            feed.result()  # surfaces the feed's error
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            return await asyncio.wait_for(inbox.get(), min(remaining, 0.5))
+        except TimeoutError:
+            continue
+
+
+def sim_agent_command(
+    name: Annotated[str, typer.Option(help="This agent's certificate name.")],
+    index: Annotated[int, typer.Option(help="Which client of the federation this agent plays.")],
+    peers: Annotated[str, typer.Option(help="Comma-separated names of all agents, in order.")],
+    cpm: Annotated[str, typer.Option(help="CPM HOST:PORT.")],
+    ca_cert: Annotated[Path | None, typer.Option()] = None,
+    cert: Annotated[Path | None, typer.Option()] = None,
+    key: Annotated[Path | None, typer.Option()] = None,
+    federation: Annotated[str, typer.Option()] = "peerlm",
+    rounds: Annotated[int, typer.Option(min=1)] = 5,
+    seed: Annotated[int, typer.Option()] = 0,
+    heterogeneity: Annotated[str, typer.Option()] = "high",
+    round_timeout: Annotated[float, typer.Option(help="Seconds to wait for a directive.")] = 5.0,
+) -> None:
+    """Run a simulated agent (used by `peerlm up` until the model-hosting agent lands)."""
+    tls = TlsFiles(ca_cert, cert, key) if ca_cert and cert and key else None
+    report = asyncio.run(
+        run_sim_agent(
+            name=name,
+            index=index,
+            peers=peers.split(","),
+            cpm=cpm,
+            tls=tls,
+            federation=federation,
+            rounds=rounds,
+            seed=seed,
+            heterogeneity=heterogeneity,
+            round_timeout_s=round_timeout,
+        )
+    )
+    sys.stdout.write(json.dumps(asdict(report)) + "\n")
+    sys.stdout.flush()
+    if report.errors:
+        raise typer.Exit(code=1)

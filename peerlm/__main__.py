@@ -1,0 +1,3 @@
+from peerlm.cli import main
+
+main()

@@ -1,0 +1,148 @@
+"""The ``peerlm`` command line (typer + rich)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from peerlm import __version__
+from peerlm.config import ConfigError, CpmSettings, load_settings
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="peerlm",
+    help="Federated fine-tuning of language models by orchestrated peer-to-peer exchange.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Inspect configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+_COMPONENTS: dict[str, type[Any]] = {"cpm": CpmSettings}
+
+
+def _fail(message: str) -> typer.Exit:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code=2)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"peerlm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """peerlm: CPM matchmaking, agents and the semantic overlay."""
+
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML configuration file.", exists=True)
+]
+
+
+@app.command()
+def cpm(
+    config: ConfigOpt = None,
+    listen: Annotated[str | None, typer.Option(help="HOST:PORT to listen on.")] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="Federation CA certificate.")] = None,
+    cert: Annotated[Path | None, typer.Option(help="This CPM's certificate.")] = None,
+    key: Annotated[Path | None, typer.Option(help="This CPM's private key.")] = None,
+    db: Annotated[Path | None, typer.Option(help="SQLite state file.")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus /metrics port.")] = None,
+    federation: Annotated[str | None, typer.Option(help="Federation name.")] = None,
+    insecure_dev: Annotated[
+        bool | None,
+        typer.Option(
+            "--insecure-dev",
+            help="Plaintext, loopback only, for development. Never in production.",
+        ),
+    ] = None,
+    log_format: Annotated[str | None, typer.Option(help="auto, json or console.")] = None,
+    port_file: Annotated[
+        Path | None, typer.Option(help="Write the bound port here once serving (for --listen :0).")
+    ] = None,
+) -> None:
+    """Run the Central Profiler/Matchmaker service."""
+    from peerlm.security.mode import SecurityConfigError
+    from peerlm.services.cpm.server import run_cpm
+
+    overrides = {
+        "listen": listen,
+        "tls.ca_cert": ca_cert,
+        "tls.cert": cert,
+        "tls.key": key,
+        "db": db,
+        "metrics_port": metrics_port,
+        "federation": federation,
+        "insecure_dev": insecure_dev,
+        "log_format": log_format,
+    }
+    try:
+        settings = load_settings(CpmSettings, config, overrides)
+        run_cpm(settings, port_file=port_file)
+    except (ConfigError, SecurityConfigError, ValueError, OSError) as exc:
+        raise _fail(str(exc)) from None
+
+
+@config_app.command("show")
+def config_show(
+    component: Annotated[str, typer.Option(help="Which process: " + ", ".join(_COMPONENTS))] = "cpm",
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Print the effective configuration (file < environment < defaults resolved)."""
+    cls = _COMPONENTS.get(component)
+    if cls is None:
+        raise _fail(f"unknown component {component!r}; choose from {', '.join(_COMPONENTS)}")
+    try:
+        settings = load_settings(cls, config, {})
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    data = settings.model_dump(mode="json")
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        import yaml
+
+        typer.echo(yaml.safe_dump(data, sort_keys=False).rstrip())
+
+
+def _mount_subapps() -> None:
+    from peerlm.cli_ca import app as ca_app
+
+    app.add_typer(ca_app, name="ca", help="Federation PKI: CA, certificates.")
+    try:
+        from peerlm.cli_bench import app as bench_app
+    except ImportError:  # pragma: no cover - the bench module is part of the package
+        return
+    app.add_typer(bench_app, name="bench", help="Benchmarks.")
+
+
+def _mount_dev() -> None:
+    from peerlm.devfed import up_command
+    from peerlm.agent.simulated import sim_agent_command
+
+    app.command("up")(up_command)
+    app.command("sim-agent", hidden=True)(sim_agent_command)
+
+
+_mount_subapps()
+_mount_dev()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,289 @@
+"""``peerlm up``: a local federation of real processes on loopback with real mTLS.
+
+Creates (or reuses) a dev CA and certificates under the state directory, starts a CPM and N
+agents as separate processes, shows live progress from the CPM's admin stats, and ends
+with a summary table (or one JSON object with ``--json``). Ctrl-C stops everything.
+Until the model-hosting agent lands, the agents are simulated agents
+(:mod:`peerlm.agent.simulated`): real processes and real RPCs, synthetic learning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Annotated, Any
+
+import grpc
+import typer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from peerlm.config import GrpcLimits
+from peerlm.pki.ca import init_ca, issue_certificate
+from peerlm.pki.identity import Role
+from peerlm.rpc import create_channel
+from peerlm.security.credentials import TlsFiles, channel_credentials
+from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
+
+__all__ = ["DevFederation", "up_command"]
+
+FEDERATION = "dev"
+
+
+@dataclass
+class DevFederation:
+    """Paths of a dev federation's state directory."""
+
+    root: Path
+
+    @property
+    def pki(self) -> Path:
+        return self.root / "pki"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def tls(self, name: str) -> TlsFiles:
+        return TlsFiles(self.pki / "ca.crt", self.pki / f"{name}.crt", self.pki / f"{name}.key")
+
+    def provision(self, agents: list[str]) -> None:
+        """Create the CA and every certificate that does not exist yet."""
+        self.pki.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        if not (self.pki / "ca.crt").exists():
+            init_ca(self.pki, federation=FEDERATION)
+        wanted = [("cpm", Role.CPM), ("admin", Role.ADMIN)] + [(a, Role.AGENT) for a in agents]
+        for name, role in wanted:
+            if not (self.pki / f"{name}.crt").exists():
+                issue_certificate(self.pki, role, name, sans=["127.0.0.1", "localhost"], days=30)
+
+
+def _spawn(
+    args: list[str], log: Path, stdout: int | IO[Any] | None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    handle = log.open("ab")
+    # Own process group: Ctrl-C in the terminal reaches only `peerlm up`, which then stops
+    # the children in order (agents first, CPM last) instead of all dying at once.
+    return subprocess.Popen(
+        args, stdout=stdout, stderr=handle, start_new_session=True, env={**os.environ, **(env or {})}
+    )
+
+
+async def _wait_serving(target: str, tls: TlsFiles, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    channel = create_channel(target, GrpcLimits(), channel_credentials(tls))
+    stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
+    try:
+        while True:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CPM at {target} not serving after {timeout:.0f}s")
+            await asyncio.sleep(0.2)
+    finally:
+        await channel.close()
+
+
+async def _stats(stub: Any) -> cpm_pb2.CpmStats | None:
+    try:
+        result: cpm_pb2.CpmStats = await stub.GetStats(cpm_pb2.GetStatsRequest(), timeout=2)
+        return result
+    except grpc.aio.AioRpcError:
+        return None
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+async def _run(
+    fed: DevFederation, agents: list[str], rounds: int, seed: int, heterogeneity: str,
+    metrics_port: int | None, console: Console | None,
+) -> dict[str, Any]:
+    py = sys.executable
+    port_file = fed.root / "cpm.port"
+    port_file.unlink(missing_ok=True)
+    cpm_tls = fed.tls("cpm")
+    cpm_args = [
+        py, "-m", "peerlm", "cpm", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+        "--db", str(fed.root / "cpm.db"), "--federation", FEDERATION,
+        "--ca-cert", str(cpm_tls.ca_cert), "--cert", str(cpm_tls.cert),
+        "--key", str(cpm_tls.key), "--log-format", "json",
+    ]
+    if metrics_port is not None:
+        cpm_args += ["--metrics-port", str(metrics_port)]
+    # Dev pace: a 3 s round timer instead of 30 s keeps a round with a missing agent short.
+    dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "3", "PEERLM_CPM_DIRECTIVE_TTL_S": "60"}
+    started = time.monotonic()
+    cpm = _spawn(cpm_args, fed.logs / "cpm.log", subprocess.DEVNULL, dev_env)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if cpm.poll() is not None:
+                raise RuntimeError(f"CPM exited with {cpm.returncode}; see {fed.logs / 'cpm.log'}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("CPM did not start within 60 s")
+            await asyncio.sleep(0.1)
+        target = f"127.0.0.1:{port_file.read_text().strip()}"
+        await _wait_serving(target, fed.tls("admin"), 30)
+        for i, name in enumerate(agents):
+            t = fed.tls(name)
+            procs.append(
+                _spawn(
+                    [
+                        py, "-m", "peerlm", "sim-agent", "--name", name, "--index", str(i),
+                        "--peers", ",".join(agents), "--cpm", target,
+                        "--ca-cert", str(t.ca_cert), "--cert", str(t.cert), "--key", str(t.key),
+                        "--federation", FEDERATION, "--rounds", str(rounds), "--seed", str(seed),
+                        "--heterogeneity", heterogeneity,
+                    ],
+                    fed.logs / f"{name}.log",
+                    subprocess.PIPE,
+                )
+            )
+        admin = create_channel(target, GrpcLimits(), channel_credentials(fed.tls("admin")))
+        stub = cpm_pb2_grpc.MatchmakerStub(admin)  # type: ignore[no-untyped-call]
+        stats = await _watch(stub, procs, agents, rounds, console)
+        await admin.close()
+        reports = []
+        for name, p in zip(agents, procs, strict=True):
+            out = p.stdout.read().decode() if p.stdout else ""
+            p.wait()
+            line = out.strip().splitlines()[-1] if out.strip() else "{}"
+            try:
+                reports.append(json.loads(line))
+            except json.JSONDecodeError:
+                reports.append({"name": name, "errors": [f"no report (exit {p.returncode})"]})
+    finally:
+        for p in procs:
+            _stop(p)
+        cpm_rc = _stop(cpm)
+    return {
+        "federation": FEDERATION,
+        "state_dir": str(fed.root),
+        "cpm": target,
+        "cpm_exit_code": cpm_rc,
+        "seconds": round(time.monotonic() - started, 2),
+        "rounds": rounds,
+        "matchmaking_rounds": stats.matchmaking_rounds if stats else 0,
+        "directives_issued": stats.directives_issued if stats else 0,
+        "rewards_observed": stats.rewards_observed if stats else 0,
+        "theta_norm": stats.theta_norm if stats else 0.0,
+        "agents": reports,
+    }
+
+
+async def _watch(
+    stub: Any, procs: list[subprocess.Popen[bytes]], agents: list[str], rounds: int,
+    console: Console | None,
+) -> cpm_pb2.CpmStats | None:
+    last: cpm_pb2.CpmStats | None = None
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, disable=console is None, transient=False,
+    )
+    with progress:
+        tasks = {a: progress.add_task(f"agent {a}", total=rounds) for a in agents}
+        cpm_task = progress.add_task("CPM rewards", total=None)
+        while True:
+            stats = await _stats(stub)
+            if stats is not None:
+                last = stats
+                for a in stats.agents:
+                    if a.name in tasks:
+                        progress.update(tasks[a.name], completed=a.last_round)
+                progress.update(
+                    cpm_task,
+                    completed=stats.rewards_observed,
+                    description=f"CPM: {stats.matchmaking_rounds} matchmaking rounds, "
+                    f"{stats.rewards_observed} rewards",
+                )
+            if all(p.poll() is not None for p in procs):
+                final = await _stats(stub)
+                return final or last
+            await asyncio.sleep(0.5)
+
+
+def _table(result: dict[str, Any]) -> Table:
+    table = Table(title=f"peerlm dev federation: {result['rounds']} rounds in {result['seconds']} s")
+    for col in ("agent", "pass@1 before", "pass@1 after", "as student", "as teacher",
+                "mean reward", "errors"):
+        table.add_column(col, justify="right" if col != "agent" else "left")
+    for r in result["agents"]:
+        rewards = r.get("rewards", [])
+        table.add_row(
+            r.get("name", "?"),
+            f"{r.get('pass_at_1_before', 0):.3f}",
+            f"{r.get('pass_at_1_after', 0):.3f}",
+            str(r.get("as_student", 0)),
+            str(r.get("as_teacher", 0)),
+            f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
+            "; ".join(r.get("errors", [])) or "-",
+        )
+    return table
+
+
+def up_command(
+    agents: Annotated[int, typer.Option("--agents", "-n", min=2, help="Number of agents.")] = 4,
+    rounds: Annotated[int, typer.Option("--rounds", "-r", min=1, help="Rounds per agent.")] = 5,
+    state_dir: Annotated[Path, typer.Option(help="Where CA, databases and logs live.")] = Path(
+        "state/dev-federation"
+    ),
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic learning.")] = 0,
+    heterogeneity: Annotated[str, typer.Option(help="high or low.")] = "high",
+    fresh: Annotated[bool, typer.Option(help="Start from an empty CPM database.")] = False,
+    metrics_port: Annotated[int | None, typer.Option(help="CPM /metrics port.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
+    console = None if as_json else Console(stderr=True)
+    fed = DevFederation(state_dir)
+    names = [f"agent-{i}" for i in range(agents)]
+    if fresh:
+        for suffix in ("", "-wal", "-shm"):
+            (state_dir / f"cpm.db{suffix}").unlink(missing_ok=True)
+    fed.provision(names)
+    if console:
+        console.print(f"[bold]peerlm up[/]: {agents} agents, {rounds} rounds, state in {state_dir}")
+    try:
+        result = asyncio.run(_run(fed, names, rounds, seed, heterogeneity, metrics_port, console))
+    except KeyboardInterrupt:
+        if console:
+            console.print("[yellow]interrupted; all processes stopped[/]")
+        raise typer.Exit(code=130) from None
+    except (RuntimeError, TimeoutError) as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(code=1) from None
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        Console().print(_table(result))
+        Console().print(
+            f"CPM: {result['matchmaking_rounds']} matchmaking rounds, "
+            f"{result['directives_issued']} directives, {result['rewards_observed']} rewards "
+            f"committed, |theta| = {result['theta_norm']:.3f}; logs in {fed.logs}"
+        )
+    if any(r.get("errors") for r in result["agents"]) or result["cpm_exit_code"] != 0:
+        raise typer.Exit(code=1)

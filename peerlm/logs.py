@@ -1,0 +1,61 @@
+"""Structured logging: JSON lines for services, a readable console format on a TTY.
+
+Every line carries ``component`` and ``identity`` so that logs from many processes of a
+federation can be merged and filtered. Configure once, in a process entry point.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+from peerlm.config import LogFormat
+
+__all__ = ["configure_logging", "get_logger"]
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+
+
+def configure_logging(
+    component: str, identity: str, fmt: LogFormat = "auto", level: str = "info"
+) -> structlog.stdlib.BoundLogger:
+    """Configure structlog for this process and return a logger bound to it.
+
+    ``fmt="auto"`` renders for people when stderr is a terminal and JSON otherwise.
+    """
+    use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    static = {"component": component, "identity": identity}
+
+    def add_static(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+        for key, value in static.items():
+            event.setdefault(key, value)
+        return event
+
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer(colors=True)
+        if use_console
+        else structlog.processors.JSONRenderer(sort_keys=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            add_static,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.ERROR)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    return get_logger()
+
+
+def get_logger(**bind: Any) -> Any:
+    """A structlog logger with ``bind`` fields attached."""
+    return structlog.get_logger().bind(**bind)

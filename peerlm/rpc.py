@@ -1,0 +1,247 @@
+"""The one factory for gRPC servers and channels: every limit and keepalive, with reasons.
+
+Every peerlm process builds its servers with :func:`create_server` and its channels with
+:func:`create_channel`, so limits are set in one place and can be read in one place.
+Health (``grpc.health.v1``) and reflection are registered on every server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from peerlm.config import GrpcLimits
+
+__all__ = [
+    "MetricsInterceptor",
+    "add_health_and_reflection",
+    "channel_options",
+    "create_channel",
+    "create_server",
+    "server_options",
+]
+
+
+def server_options(limits: GrpcLimits) -> list[tuple[str, int]]:
+    """Channel arguments for a server, each with the reason it is set."""
+    ms = 1000
+    return [
+        # Large payloads travel as chunk streams; a single message above a few MiB is a
+        # client bug or an attack, and gRPC allocates the whole message before we see it.
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        # Directive feeds are long-lived and often idle: ping to notice dead peers and to
+        # keep NAT and load-balancer state alive.
+        ("grpc.keepalive_time_ms", int(limits.keepalive_time_s * ms)),
+        ("grpc.keepalive_timeout_ms", int(limits.keepalive_timeout_s * ms)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Accept client keepalive pings this often, no faster; a client pinging faster is
+        # answered with GOAWAY instead of being allowed to burn CPU.
+        ("grpc.http2.min_ping_interval_without_data_ms", int(limits.min_ping_interval_s * ms)),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Bounds the streams one connection can open at once (each directive feed and each
+        # chunked transfer is one stream).
+        ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
+        # No max_connection_age: it would cut long-lived directive feeds at random times.
+    ]
+
+
+def channel_options(limits: GrpcLimits) -> list[tuple[str, int]]:
+    """Channel arguments for a client, matching :func:`server_options`."""
+    ms = 1000
+    return [
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        # Must not be shorter than the server's min_ping_interval or the server GOAWAYs us.
+        (
+            "grpc.keepalive_time_ms",
+            int(max(limits.keepalive_time_s, limits.min_ping_interval_s) * ms),
+        ),
+        ("grpc.keepalive_timeout_ms", int(limits.keepalive_timeout_s * ms)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Reconnect quickly after a restart of the CPM, but back off under persistent failure.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 10_000),
+    ]
+
+
+def create_server(
+    limits: GrpcLimits, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+) -> grpc.aio.Server:
+    """A grpc.aio server with every limit set from ``limits``."""
+    return grpc.aio.server(
+        interceptors=list(interceptors),
+        options=server_options(limits),
+        # Beyond this many concurrent RPCs new ones fail fast with RESOURCE_EXHAUSTED instead
+        # of queueing without bound.
+        maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
+    )
+
+
+def create_channel(
+    target: str, limits: GrpcLimits, credentials: grpc.ChannelCredentials | None
+) -> grpc.aio.Channel:
+    """A grpc.aio channel: secure when ``credentials`` is given, else plaintext.
+
+    Plaintext is only reachable through peerlm.security.mode's insecure-dev decision.
+    """
+    options = channel_options(limits)
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+def add_health_and_reflection(
+    server: grpc.aio.Server, service_names: Iterable[str]
+) -> health.aio.HealthServicer:
+    """Register the standard health and reflection services; every service starts NOT_SERVING."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, names: Iterable[str], on: bool) -> None:
+    """Flip the health status of ``names`` and of the whole server ("")."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING if on else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in [*names, ""]:
+        await servicer.set(name, status)
+
+
+Behaviour = Callable[..., Any]
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts requests by method and status code, and times them.
+
+    Put it first in the interceptor list so that refusals by later interceptors are counted.
+    """
+
+    def __init__(self, registry: CollectorRegistry, component: str) -> None:
+        self._component = component
+        self._requests = Counter(
+            "peerlm_grpc_server_requests_total",
+            "gRPC requests handled, by method and status code.",
+            ["component", "method", "code"],
+            registry=registry,
+        )
+        self._latency = Histogram(
+            "peerlm_grpc_server_handling_seconds",
+            "Time from the start of a gRPC call until its last response or error.",
+            ["component", "method"],
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60),
+        )
+
+    def _record(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        started: float,
+        failed: BaseException | None,
+    ) -> None:
+        code = _status_name(context, failed)
+        self._requests.labels(self._component, method, code).inc()
+        self._latency.labels(self._component, method).observe(time.perf_counter() - started)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        return wrap_handler(
+            handler, lambda behaviour, streaming: self._wrap(method, behaviour, streaming)
+        )
+
+    def _wrap(self, method: str, behaviour: Behaviour, streaming: bool) -> Behaviour:
+        if streaming:
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                started = time.perf_counter()
+                failed: BaseException | None = None
+                try:
+                    async for item in behaviour(request, context):
+                        yield item
+                except BaseException as exc:
+                    failed = exc
+                    raise
+                finally:
+                    self._record(method, context, started, failed)
+
+            return stream
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            failed: BaseException | None = None
+            try:
+                return await behaviour(request, context)
+            except BaseException as exc:
+                failed = exc
+                raise
+            finally:
+                self._record(method, context, started, failed)
+
+        return unary
+
+
+def _status_name(context: grpc.aio.ServicerContext, failed: BaseException | None) -> str:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if failed is None:
+        return "OK"
+    if isinstance(failed, (GeneratorExit,)) or type(failed).__name__ == "CancelledError":
+        return "CANCELLED"
+    return "UNKNOWN"
+
+
+WrapFn = Callable[[Behaviour, bool], Behaviour]
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, wrap: WrapFn) -> grpc.RpcMethodHandler:
+    """Rebuild ``handler`` with its behaviour passed through ``wrap(behaviour, streaming)``.
+
+    ``streaming`` is True when the behaviour returns a response stream. Works for all four
+    call kinds; serializers are kept.
+    """
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            wrap(handler.unary_unary, False),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            wrap(handler.unary_stream, True),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(
+            wrap(handler.stream_unary, False),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(
+            wrap(handler.stream_stream, True),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return handler

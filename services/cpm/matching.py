@@ -1,0 +1,108 @@
+"""Disjoint pair selection: Algorithm 2's greedy pass, and an exact max-weight alternative.
+
+*Greedy* (the paper's lines 8-12): walk the candidates in descending UCB order and keep a
+candidate when both its agents are still unmatched, until ``K_p`` pairs are kept. Its
+total weight is at least half the optimum (greedy matching is a 1/2-approximation).
+
+*Blossom* (``matching="blossom"``): the exact problem the greedy pass approximates —
+a matching of exactly ``k = min(K_p, floor(N/2))`` pairs with the largest total weight —
+solved with Edmonds' blossom algorithm (``networkx.max_weight_matching``). Choices:
+
+* One edge per unordered pair, weighted by the pair's best UCB over both directions,
+  all protocols and all roles; the matched edge is then played with that best tuple.
+* Algorithm 2 fills the budget whenever agents remain (it takes a negative-UCB pair
+  rather than none), so the blossom variant fills it too: ``maxcardinality=True``.
+* A budget below ``floor(N/2)`` is made exact, not approximated by truncating a
+  maximum matching (which can lose: with ``w(ab)=10, w(cd)=1, w(ac)=w(bd)=6`` and
+  ``K_p = 1`` the best perfect matching is {ac, bd}, truncated to 6 < 10). Instead
+  ``N - 2k`` dummy vertices are joined to every agent by weight-0 edges: a perfect
+  matching of the augmented graph then has exactly ``k`` agent-agent edges, and the
+  maximum-weight perfect matching is the best ``k``-pair matching.
+* Weights are shifted to be >= 1 so that every agent-agent edge outweighs a dummy edge
+  (relevant only when the candidate graph is too sparse for ``k`` pairs; among perfect
+  matchings, all of which have ``k`` agent edges, a constant shift changes nothing).
+* Blossom is O(V^3) in pure Python: meant for small federations and the oracle
+  benchmark, not for thousands of agents (the greedy default is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import networkx as nx
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["greedy_disjoint", "max_weight_disjoint"]
+
+
+def greedy_disjoint(
+    senders: NDArray[np.intp],
+    receivers: NDArray[np.intp],
+    order: NDArray[np.intp],
+    budget: int,
+    n_agents: int,
+) -> list[int]:
+    """Indices of the candidates kept by the greedy disjoint pass, in the order kept.
+
+    ``order`` lists candidate indices best first (ties already broken by the caller).
+    Stops as soon as ``budget`` pairs are kept or fewer than two agents are left.
+    """
+    limit = min(budget, n_agents // 2)
+    chosen: list[int] = []
+    if limit <= 0:
+        return chosen
+    used = bytearray(n_agents)
+    # Python lists iterate far faster than numpy scalars; the loop usually exits early.
+    s_list = senders[order].tolist()
+    r_list = receivers[order].tolist()
+    for pos, (s, r) in enumerate(zip(s_list, r_list, strict=True)):
+        if used[s] or used[r] or s == r:
+            continue
+        used[s] = used[r] = 1
+        chosen.append(int(order[pos]))
+        if len(chosen) == limit:
+            break
+    return chosen
+
+
+def max_weight_disjoint(
+    left: Sequence[int] | NDArray[np.intp],
+    right: Sequence[int] | NDArray[np.intp],
+    weights: Sequence[float] | NDArray[np.float64],
+    budget: int,
+    n_agents: int,
+) -> list[int]:
+    """Indices of the edges in a maximum-weight matching of ``min(budget, N//2)`` edges.
+
+    Edge ``e`` joins agents ``left[e]`` and ``right[e]`` (distinct, each unordered pair at
+    most once) with weight ``weights[e]``. Returned best edge first.
+    """
+    k = min(budget, n_agents // 2)
+    w = np.asarray(weights, dtype=np.float64)
+    if k <= 0 or len(w) == 0:
+        return []
+    shifted = w - float(w.min()) + 1.0
+    graph = nx.Graph()
+    graph.add_nodes_from(range(n_agents))
+    index: dict[tuple[int, int], int] = {}
+    for e, (a, b) in enumerate(
+        zip(np.asarray(left).tolist(), np.asarray(right).tolist(), strict=True)
+    ):
+        key = (a, b) if a < b else (b, a)
+        index[key] = e
+        graph.add_edge(a, b, weight=float(shifted[e]))
+    n_dummy = n_agents - 2 * k
+    if n_dummy >= 2:
+        graph.add_edges_from(
+            (n_agents + d, a, {"weight": 0.0}) for d in range(n_dummy) for a in range(n_agents)
+        )
+    matching = nx.max_weight_matching(graph, maxcardinality=True, weight="weight")
+    edges = []
+    for a, b in matching:
+        if a >= n_agents or b >= n_agents:
+            continue
+        edges.append(index[(a, b) if a < b else (b, a)])
+    # The matching comes back as a set: sort by weight, then edge index, to be deterministic.
+    edges.sort(key=lambda e: (-float(w[e]), e))
+    return edges[:k]

@@ -1,0 +1,396 @@
+"""The CPM matchmaker: LinUCB over (sender, receiver, protocol, role) tuples (Algorithm 2).
+
+Pure state machine: :meth:`Matchmaker.select` turns the round's profiles into disjoint
+pairing directives; :meth:`Matchmaker.observe` folds one receiver-reported reward (Eq. 3)
+into the bandit (Algorithm 3, l.12); :meth:`~Matchmaker.snapshot` /
+:meth:`~Matchmaker.restore` move the whole learnt state in and out as plain arrays.
+
+Choices the paper leaves open (see also ``docs/matchmaker.md``):
+
+* **Direction is learnt.** Algorithm 2 enumerates unordered pairs; here both directions
+  of every pair (i teaches j, j teaches i) are separate candidates, because the context
+  of ``i -> j`` differs from that of ``j -> i`` and who should teach whom is exactly what
+  the bandit is meant to learn.
+* **Agents are indexed by sorted id**, so results never depend on the iteration order of
+  the ``profiles`` mapping; exact UCB ties are broken by a seeded random permutation.
+* **Per-round randomness is derived, not streamed**: round randomness comes from
+  ``default_rng([seed, n_updates, selects since the last update])``. Two matchmakers with
+  the same seed and state therefore select identically — including one freshly
+  :meth:`~Matchmaker.restore`-d from a snapshot taken after the last reward — while
+  consecutive rounds without new rewards still draw fresh tie-breaks and random partners.
+* **The reward is normalised before the update** (running z-score, :mod:`.normalise`), and
+  ``observe`` updates with exactly ``pairing.context``, the vector scored at selection.
+* **Trust** is counted for the sender only; see :mod:`.trust`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from .features import ContextFeatures
+from .linucb import LinUCB
+from .matching import greedy_disjoint, max_weight_disjoint
+from .normalise import RewardNormaliser, check_reward
+from .prefilter import prefilter_pairs
+from .profile import validate_profiles
+from .trust import TrustLedger
+
+__all__ = ["Matchmaker", "MatchmakerState", "Pairing", "PairingPolicy"]
+
+#: Seeded random partners per agent added by the prefilter (exploration beyond top-k).
+DEFAULT_PREFILTER_RANDOM = 2
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """One directive of a round: ``sender`` teaches ``receiver`` with ``protocol``.
+
+    ``context`` is the x that was scored (stored read-only: :meth:`Matchmaker.observe`
+    updates with exactly this vector); ``ucb`` and ``mean`` are ``theta^T x + beta *
+    sqrt(x^T A^-1 x)`` and ``theta^T x`` at selection time. Baselines fill ``context``
+    and the scores as their docstrings say.
+    """
+
+    sender: str
+    receiver: str
+    protocol: str
+    role: str
+    context: NDArray[np.float64] = field(repr=False)
+    ucb: float
+    mean: float
+
+    def __post_init__(self) -> None:
+        arr = np.asarray(self.context, dtype=np.float64)
+        if arr.flags.writeable:
+            # A private read-only copy: nobody can change the x a reward will be tied to.
+            arr = arr.copy()
+            arr.flags.writeable = False
+        object.__setattr__(self, "context", arr)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Pairing):
+            return NotImplemented
+        return (
+            (self.sender, self.receiver, self.protocol, self.role, self.ucb, self.mean)
+            == (other.sender, other.receiver, other.protocol, other.role, other.ucb, other.mean)
+            and self.context.shape == other.context.shape
+            and bool(np.array_equal(self.context, other.context))
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.sender, self.receiver, self.protocol, self.role, self.ucb, self.mean))
+
+
+@dataclass(eq=False)
+class MatchmakerState:
+    """Everything :class:`Matchmaker` learns, as plain arrays, ints and floats.
+
+    Nothing here needs pickle: the arrays are float64 (store as raw bytes plus shape).
+    The seed and hyper-parameters are configuration, not state, and are not included.
+    """
+
+    context_dim: int
+    a_inv: NDArray[np.float64]
+    b: NDArray[np.float64]
+    n_updates: int
+    reward_count: int
+    reward_mean: float
+    reward_m2: float
+    trust: dict[str, tuple[int, int]]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MatchmakerState):
+            return NotImplemented
+        return (
+            (self.context_dim, self.n_updates, self.reward_count)
+            == (other.context_dim, other.n_updates, other.reward_count)
+            and (self.reward_mean, self.reward_m2) == (other.reward_mean, other.reward_m2)
+            and self.trust == other.trust
+            and bool(np.array_equal(self.a_inv, other.a_inv))
+            and bool(np.array_equal(self.b, other.b))
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+
+class PairingPolicy(Protocol):
+    """What a benchmark or the service needs from a matchmaker (learnt or baseline)."""
+
+    def select(self, profiles: Mapping[str, ArrayLike]) -> list[Pairing]:
+        """Disjoint pairing directives for this round's profiles."""
+        ...
+
+    def observe(self, pairing: Pairing, reward: float) -> float:
+        """Feed back the reward reported for ``pairing``; returns the value learnt from."""
+        ...
+
+
+class Matchmaker:
+    """LinUCB matchmaker over (sender, receiver, protocol, role) tuples (Algorithm 2).
+
+    Args:
+        profile_dim: ``d_p``, the length of every profile vector.
+        beta: exploration weight of the UCB bonus (>= 0).
+        pair_budget: ``K_p``; ``None`` means ``floor(N / 2)`` (every agent may be paired).
+        protocols: the admissible knowledge-exchange protocols ``K_rec``.
+        seed: seeds every random choice (tie-breaks, random prefilter partners).
+        roles: admissible role assignments ``R_ij``; ``"one_way"`` means the sender
+            teaches the receiver (the only role AKD has). Every (protocol, role)
+            combination is admissible.
+        interaction_features: add ``|p_s - p_r|`` and ``p_s * p_r`` to the context.
+        trust_features: add the CPM-maintained trust of sender and receiver.
+        matching: ``"greedy"`` (Algorithm 2) or ``"blossom"`` (exact max-weight).
+        prefilter_k: partners kept per agent by the cheap prefilter score.
+        prefilter_min_agents: prefilter only from this many agents on (exact below).
+        ridge: ``A`` starts as ``ridge * I``.
+        prefilter_random: seeded random partners added per agent by the prefilter.
+    """
+
+    def __init__(
+        self,
+        profile_dim: int = 32,
+        beta: float = 1.0,
+        pair_budget: int | None = None,
+        protocols: Sequence[str] = ("akd",),
+        seed: int = 0,
+        *,
+        roles: Sequence[str] = ("one_way",),
+        interaction_features: bool = True,
+        trust_features: bool = True,
+        matching: Literal["greedy", "blossom"] = "greedy",
+        prefilter_k: int = 8,
+        prefilter_min_agents: int = 64,
+        ridge: float = 1.0,
+        prefilter_random: int = DEFAULT_PREFILTER_RANDOM,
+    ) -> None:
+        if not (math.isfinite(beta) and beta >= 0):
+            raise ValueError("beta must be a finite number >= 0")
+        if pair_budget is not None and pair_budget < 0:
+            raise ValueError("pair_budget must be >= 0 or None")
+        if seed < 0:
+            raise ValueError("seed must be >= 0")
+        if matching not in ("greedy", "blossom"):
+            raise ValueError(f"matching must be 'greedy' or 'blossom', got {matching!r}")
+        if prefilter_k < 1 or prefilter_random < 0:
+            raise ValueError("prefilter_k must be >= 1 and prefilter_random >= 0")
+        if prefilter_min_agents < 2:
+            raise ValueError("prefilter_min_agents must be >= 2")
+        self._features = ContextFeatures(
+            profile_dim,
+            protocols,
+            roles,
+            interaction=interaction_features,
+            trust=trust_features,
+        )
+        self._bandit = LinUCB(self._features.dim, ridge)
+        self._normaliser = RewardNormaliser()
+        self._trust = TrustLedger()
+        self._beta = float(beta)
+        self._ridge = float(ridge)
+        self._pair_budget = pair_budget
+        self._seed = int(seed)
+        self._matching = matching
+        self._prefilter_k = int(prefilter_k)
+        self._prefilter_min_agents = int(prefilter_min_agents)
+        self._prefilter_random = int(prefilter_random)
+        self._selects_since_update = 0
+        self._last_candidates = 0
+        # The per-pair candidate pattern: direction x protocol x role, pair-major.
+        n_p, n_r = len(self._features.protocols), len(self._features.roles)
+        combos = 2 * n_p * n_r
+        self._combo_forward = np.arange(combos) < n_p * n_r
+        self._combo_protocol = (np.arange(combos) // n_r) % n_p
+        self._combo_role = np.arange(combos) % n_r
+
+    # -- read-only views -------------------------------------------------------------
+
+    @property
+    def context_dim(self) -> int:
+        """Dimension d of the context vectors (132 with every default)."""
+        return self._features.dim
+
+    @property
+    def features(self) -> ContextFeatures:
+        """The context map phi in use."""
+        return self._features
+
+    @property
+    def theta(self) -> NDArray[np.float64]:
+        """Current reward-model weights ``A^-1 b`` (read-only)."""
+        return self._bandit.theta
+
+    @property
+    def n_updates(self) -> int:
+        """Number of rewards learnt from."""
+        return self._bandit.n_updates
+
+    @property
+    def last_candidates(self) -> int:
+        """Number of (sender, receiver, protocol, role) tuples the last select scored."""
+        return self._last_candidates
+
+    def trust(self, agent: str) -> float:
+        """The smoothed success rate of ``agent`` as a teacher (0.5 if never seen)."""
+        return self._trust.score(agent)
+
+    # -- Algorithm 2 -------------------------------------------------------------------
+
+    def select(self, profiles: Mapping[str, ArrayLike]) -> list[Pairing]:
+        """Pick up to ``K_p`` disjoint pairings for the agents in ``profiles``.
+
+        Raises ``ValueError`` for an invalid profile (wrong shape, NaN/Inf, absurd
+        magnitude). Returns ``[]`` for fewer than two agents. Pairings come best first.
+        """
+        ids = sorted(profiles)
+        if any(not isinstance(a, str) for a in ids):
+            raise ValueError("agent ids must be strings")
+        mat = validate_profiles(ids, [profiles[a] for a in ids], self._features.profile_dim)
+        n = len(ids)
+        budget = n // 2 if self._pair_budget is None else min(self._pair_budget, n // 2)
+        self._last_candidates = 0
+        if n < 2 or budget == 0:
+            return []
+        rng = np.random.default_rng(
+            [self._seed, self._bandit.n_updates, self._selects_since_update]
+        )
+        self._selects_since_update += 1
+        trust = self._trust.scores(ids) if self._features.trust else None
+        left, right = self._candidate_pairs(mat, trust, rng)
+
+        n_pairs, combos = len(left), len(self._combo_forward)
+        fwd = self._combo_forward[None, :]
+        senders = np.where(fwd, left[:, None], right[:, None]).ravel()
+        receivers = np.where(fwd, right[:, None], left[:, None]).ravel()
+        protocol_idx = np.tile(self._combo_protocol, n_pairs)
+        role_idx = np.tile(self._combo_role, n_pairs)
+        contexts = self._features.build(mat, trust, senders, receivers, protocol_idx, role_idx)
+        ucb, mean = self._bandit.score(contexts, self._beta)
+        self._last_candidates = len(ucb)
+
+        # Descending UCB; exact ties fall to a seeded random permutation (never to input order).
+        perm = rng.permutation(len(ucb))
+        order = perm[np.argsort(-ucb[perm], kind="stable")]
+        if self._matching == "greedy":
+            chosen = greedy_disjoint(senders, receivers, order, budget, n)
+        else:
+            rank = np.empty(len(ucb), dtype=np.intp)
+            rank[order] = np.arange(len(ucb))
+            # Each pair's best tuple (over directions, protocols, roles) under the same order.
+            best = rank.reshape(n_pairs, combos).argmin(axis=1) + np.arange(n_pairs) * combos
+            edges = max_weight_disjoint(left, right, ucb[best], budget, n)
+            chosen = sorted((int(best[e]) for e in edges), key=lambda c: int(rank[c]))
+        return [
+            Pairing(
+                sender=ids[int(senders[c])],
+                receiver=ids[int(receivers[c])],
+                protocol=self._features.protocols[int(protocol_idx[c])],
+                role=self._features.roles[int(role_idx[c])],
+                context=contexts[c].copy(),
+                ucb=float(ucb[c]),
+                mean=float(mean[c]),
+            )
+            for c in chosen
+        ]
+
+    def _candidate_pairs(
+        self,
+        mat: NDArray[np.float64],
+        trust: NDArray[np.float64] | None,
+        rng: np.random.Generator,
+    ) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
+        """Unordered candidate pairs: all of them, or the prefiltered ones for large N."""
+        n = mat.shape[0]
+        survivors = self._prefilter_k + self._prefilter_random
+        if n >= self._prefilter_min_agents and survivors < n - 1:
+            return prefilter_pairs(
+                mat,
+                trust,
+                self._features.layout,
+                self._bandit.theta,
+                np.diagonal(self._bandit.a_inv),
+                self._beta,
+                self._prefilter_k,
+                self._prefilter_random,
+                rng,
+            )
+        left, right = np.triu_indices(n, 1)
+        return left.astype(np.intp), right.astype(np.intp)
+
+    # -- feedback (Algorithm 3, phase 4) -----------------------------------------------
+
+    def observe(self, pairing: Pairing, reward: float) -> float:
+        """Learn from ``reward`` (Eq. 3, raw) for ``pairing``; returns the z-scored reward.
+
+        Updates the running normaliser, then ``A^-1`` (Sherman–Morrison) and ``b`` with
+        exactly ``pairing.context``, then the sender's trust (success: raw reward > 0).
+        Raises ``ValueError`` — with no state changed — for a non-finite or absurd reward
+        or a context of the wrong shape or with non-finite entries.
+        """
+        value = check_reward(reward)
+        x = np.asarray(pairing.context, dtype=np.float64)
+        s = self._bandit.prepare(x)  # validates x before anything changes
+        r_norm = self._normaliser.update(value)
+        self._bandit.commit(x, s, r_norm)
+        self._trust.record(pairing.sender, value > 0.0)
+        self._selects_since_update = 0
+        return r_norm
+
+    # -- persistence -------------------------------------------------------------------
+
+    def snapshot(self) -> MatchmakerState:
+        """A copy of the learnt state (A^-1, b, normaliser, trust)."""
+        count, mean, m2 = self._normaliser.state()
+        return MatchmakerState(
+            context_dim=self.context_dim,
+            a_inv=np.array(self._bandit.a_inv, dtype=np.float64),
+            b=np.array(self._bandit.b, dtype=np.float64),
+            n_updates=self._bandit.n_updates,
+            reward_count=count,
+            reward_mean=mean,
+            reward_m2=m2,
+            trust=self._trust.state(),
+        )
+
+    def restore(self, state: MatchmakerState) -> None:
+        """Replace the learnt state with ``state`` exactly; all-or-nothing.
+
+        Raises ``ValueError`` (leaving this matchmaker unchanged) if ``state`` does not
+        fit this configuration or is inconsistent (shapes, non-finite values, asymmetric
+        ``A^-1``, negative counts, successes > exchanges).
+        """
+        if state.context_dim != self.context_dim:
+            raise ValueError(
+                f"state has context_dim {state.context_dim}, this matchmaker {self.context_dim}"
+            )
+        bandit = LinUCB.from_arrays(state.a_inv, state.b, state.n_updates)
+        if bandit.dim != self.context_dim:
+            raise ValueError(f"a_inv is {bandit.dim}-dimensional, expected {self.context_dim}")
+        normaliser = RewardNormaliser(state.reward_count, state.reward_mean, state.reward_m2)
+        trust = TrustLedger(state.trust)
+        self._bandit, self._normaliser, self._trust = bandit, normaliser, trust
+        self._selects_since_update = 0
+
+    def config(self) -> dict[str, Any]:
+        """The hyper-parameters (for logs and for checking a stored state belongs here)."""
+        return {
+            "profile_dim": self._features.profile_dim,
+            "beta": self._beta,
+            "ridge": self._ridge,
+            "pair_budget": self._pair_budget,
+            "protocols": self._features.protocols,
+            "roles": self._features.roles,
+            "seed": self._seed,
+            "interaction_features": self._features.interaction,
+            "trust_features": self._features.trust,
+            "matching": self._matching,
+            "prefilter_k": self._prefilter_k,
+            "prefilter_min_agents": self._prefilter_min_agents,
+            "prefilter_random": self._prefilter_random,
+            "context_dim": self.context_dim,
+        }

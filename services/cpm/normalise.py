@@ -1,0 +1,97 @@
+"""Running z-score normalisation of rewards (KNEXA-FL, "Reward Normalization").
+
+``r_norm = (r - mu_r) / (sigma_r + eps)`` with ``eps = 1e-6`` and ``mu_r``, ``sigma_r`` the
+running mean and standard deviation of every reward the CPM has observed, kept with
+Welford's algorithm (numerically stable, O(1) per reward, no history stored).
+
+Choices the paper leaves open:
+
+* **The new reward is included before it is normalised.** ``update(r)`` first folds ``r``
+  into ``mu``/``sigma`` and then normalises it. The first reward therefore normalises to
+  exactly 0 (``(r - r) / (0 + eps)``) instead of ``(r - 0) / eps``, which would be a
+  reward of up to millions and would swamp the bandit's first update; the second reward
+  normalises to +-1 (or 0 if equal to the first).
+* **Population standard deviation** (``ddof = 0``, numpy's default), so ``sigma`` is
+  defined from the first reward on.
+* Non-finite rewards are rejected with ``ValueError`` and leave the state unchanged, as
+  do rewards beyond :data:`MAX_ABS_REWARD` (whose squares could overflow the running sum
+  of squares and poison every later normalisation).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["EPS", "MAX_ABS_REWARD", "RewardNormaliser", "check_reward"]
+
+EPS = 1e-6
+#: A guard against overflow, far above any loss reduction or KB penalty (the CPM service
+#: applies its own, tighter, configured bound before the reward gets here).
+MAX_ABS_REWARD = 1e12
+
+
+def check_reward(reward: float) -> float:
+    """Return ``reward`` as a float, or raise ``ValueError`` if non-finite or absurd."""
+    value = float(reward)
+    if not math.isfinite(value):
+        raise ValueError(f"reward must be finite, got {value!r}")
+    if abs(value) > MAX_ABS_REWARD:
+        raise ValueError(f"reward magnitude exceeds {MAX_ABS_REWARD:g}: {value!r}")
+    return value
+
+
+class RewardNormaliser:
+    """Welford running mean/variance; :meth:`update` returns the z-scored reward."""
+
+    __slots__ = ("_count", "_m2", "_mean")
+
+    def __init__(self, count: int = 0, mean: float = 0.0, m2: float = 0.0) -> None:
+        if count < 0:
+            raise ValueError("count must be >= 0")
+        if not (math.isfinite(mean) and math.isfinite(m2)) or m2 < 0:
+            raise ValueError("mean and m2 must be finite and m2 >= 0")
+        if count == 0 and (mean != 0.0 or m2 != 0.0):
+            raise ValueError("an empty normaliser has mean 0 and m2 0")
+        self._count = int(count)
+        self._mean = float(mean)
+        self._m2 = float(m2)
+
+    @property
+    def count(self) -> int:
+        """Number of rewards folded in so far."""
+        return self._count
+
+    @property
+    def mean(self) -> float:
+        """Running mean ``mu_r`` (0 before the first reward)."""
+        return self._mean
+
+    @property
+    def m2(self) -> float:
+        """Welford's running sum of squared deviations from the mean."""
+        return self._m2
+
+    @property
+    def std(self) -> float:
+        """Running population standard deviation ``sigma_r`` (ddof = 0)."""
+        return math.sqrt(self._m2 / self._count) if self._count else 0.0
+
+    def normalise(self, reward: float) -> float:
+        """Z-score ``reward`` with the current statistics, without folding it in."""
+        return (check_reward(reward) - self._mean) / (self.std + EPS)
+
+    def update(self, reward: float) -> float:
+        """Fold ``reward`` into the statistics, then return its z-score under them."""
+        value = check_reward(reward)
+        count = self._count + 1
+        delta = value - self._mean
+        mean = self._mean + delta / count
+        # Welford: m2 += (x - old_mean) * (x - new_mean); never negative in exact arithmetic,
+        # and max() keeps rounding from making it so.
+        m2 = max(self._m2 + delta * (value - mean), 0.0)
+        self._count, self._mean, self._m2 = count, mean, m2
+        return (value - mean) / (math.sqrt(m2 / count) + EPS)
+
+    def state(self) -> tuple[int, float, float]:
+        """``(count, mean, m2)``: everything needed to rebuild this normaliser exactly."""
+        return self._count, self._mean, self._m2

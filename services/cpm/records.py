@@ -1,0 +1,65 @@
+"""Plain records the CPM keeps: profiles and the directive ledger."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["DirectiveRecord", "DirectiveStatus", "ProfileRecord", "RewardRecord"]
+
+
+class DirectiveStatus(StrEnum):
+    OPEN = "open"
+    REWARDED = "rewarded"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class ProfileRecord:
+    """The latest profile an agent submitted."""
+
+    agent: str
+    round: int
+    features: NDArray[np.float64]
+    endpoint: str
+    received_at: float
+
+
+@dataclass(frozen=True)
+class RewardRecord:
+    """What the receiver of a directive reported, and what the bandit learned from it."""
+
+    reward: float
+    normalised: float
+    loss_pre: float
+    loss_post: float
+    kilobytes: int
+    rewarded_at: float
+
+
+@dataclass(frozen=True)
+class DirectiveRecord:
+    """One pairing directive: single-use id, the pair, and the context the bandit scored."""
+
+    directive_id: str
+    matchmaking_round: int
+    protocol: str
+    role: str
+    teacher: str
+    student: str
+    teacher_endpoint: str
+    student_endpoint: str
+    context: NDArray[np.float64]
+    ucb: float
+    issued_at: float
+    expires_at: float
+    status: DirectiveStatus = DirectiveStatus.OPEN
+    reward: RewardRecord | None = None
+
+    def with_status(
+        self, status: DirectiveStatus, reward: RewardRecord | None = None
+    ) -> DirectiveRecord:
+        return replace(self, status=status, reward=reward)

@@ -1,0 +1,140 @@
+"""The ``peerlm cpm`` process: configuration, security mode, server, signals, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from peerlm.config import CpmSettings, parse_host_port
+from peerlm.logs import configure_logging
+from peerlm.metrics import new_registry, serve_metrics
+from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
+from peerlm.security.authz import AuthInterceptor
+from peerlm.security.credentials import TlsFiles, server_credentials
+from peerlm.security.mode import SecurityMode, resolve_security
+from peerlm.services.cpm.core import CpmCore
+from peerlm.services.cpm.metrics import CpmMetrics
+from peerlm.services.cpm.service import CPM_POLICY, CpmService
+from peerlm.services.cpm.store import SqliteCpmStore
+from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
+
+__all__ = ["run_cpm", "serve_cpm"]
+
+SERVICE_NAME = cpm_pb2.DESCRIPTOR.services_by_name["Matchmaker"].full_name
+
+
+def tls_files(settings: CpmSettings) -> TlsFiles | None:
+    t = settings.tls
+    if t.ca_cert is None and t.cert is None and t.key is None:
+        return None
+    missing = [
+        n for n, v in (("ca_cert", t.ca_cert), ("cert", t.cert), ("key", t.key)) if v is None
+    ]
+    if missing:
+        from peerlm.security.mode import SecurityConfigError
+
+        raise SecurityConfigError(f"TLS settings incomplete: missing {', '.join(missing)}")
+    assert t.ca_cert and t.cert and t.key
+    return TlsFiles(ca_cert=t.ca_cert, cert=t.cert, key=t.key)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def serve_cpm(
+    settings: CpmSettings,
+    stop: asyncio.Event,
+    *,
+    port_file: Path | None = None,
+    log: Any,
+) -> None:
+    """Run the CPM until ``stop`` is set, then shut down gracefully."""
+    host, port = parse_host_port(settings.listen)
+    tls = tls_files(settings)
+    mode = resolve_security(
+        insecure_dev=settings.insecure_dev, listen_host=host, tls=tls, component="cpm", logger=log
+    )
+    registry = new_registry()
+    metrics = CpmMetrics(registry)
+    store = SqliteCpmStore(settings.db)
+    core = CpmCore(settings, store, time.time)
+    server = create_server(
+        settings.limits,
+        [
+            MetricsInterceptor(registry, "cpm"),
+            AuthInterceptor(
+                CPM_POLICY,
+                federation=settings.federation,
+                mode=mode,
+                registry=registry,
+                component="cpm",
+            ),
+        ],
+    )
+    service = CpmService(core, metrics, log, queue_depth=settings.stream_queue_depth)
+    cpm_pb2_grpc.add_MatchmakerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if mode is SecurityMode.MTLS:
+        assert tls is not None
+        bound = server.add_secure_port(address, server_credentials(tls))
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"could not bind {settings.listen}")
+    endpoint = None
+    if settings.metrics_port is not None:
+        endpoint = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
+    await server.start()
+    service.start()
+    await set_serving(health, [SERVICE_NAME], True)
+    if port_file is not None:
+        _write_port_file(port_file, bound)
+    log.info(
+        "cpm_started",
+        listen=f"{host}:{bound}",
+        security_mode=mode.value,
+        db=str(settings.db),
+        metrics_port=endpoint.port if endpoint else None,
+        bandit_updates=core.matchmaker.n_updates,
+        matchmaking_round=core.matchmaking_round,
+        open_directives=core.open_count,
+    )
+    try:
+        await stop.wait()
+    finally:
+        log.info("cpm_stopping")
+        await set_serving(health, [SERVICE_NAME], False)
+        await service.stop()
+        await server.stop(settings.limits.shutdown_grace_s)
+        service.close()
+        store.close()
+        if endpoint is not None:
+            endpoint.close()
+        log.info("cpm_stopped")
+
+
+def run_cpm(settings: CpmSettings, *, port_file: Path | None = None) -> None:
+    """Blocking entry point: uvloop where available, SIGTERM/SIGINT stop gracefully."""
+    log = configure_logging("cpm", "cpm", settings.log_format, settings.log_level)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_cpm(settings, stop, port_file=port_file, log=log)
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        asyncio.run(main())

@@ -1,0 +1,383 @@
+"""The CPM's gRPC adapter: authorised calls in, the core's decisions out.
+
+Everything that decides lives in :mod:`peerlm.services.cpm.core`; this module maps
+messages to core calls, core refusals to gRPC status codes (and a metric), and fans
+directives out to per-agent feeds. All core calls run on one dedicated thread, so the
+event loop never blocks on SQLite's fsync and the core never sees two calls at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from peerlm.pki.identity import Role
+from peerlm.security.authz import current_identity
+from peerlm.services.cpm.core import CpmCore, CpmError, MatchOutcome
+from peerlm.services.cpm.metrics import CpmMetrics
+from peerlm.services.cpm.records import DirectiveRecord
+from peerlm.wire.v1 import common_pb2, cpm_pb2, cpm_pb2_grpc
+
+__all__ = ["CPM_POLICY", "CpmService", "DirectiveHub"]
+
+T = TypeVar("T")
+_SERVICE = "/peerlm.v1.Matchmaker/"
+
+#: Which certificate roles may call which method. Anything not listed is denied.
+CPM_POLICY: dict[str, frozenset[Role]] = {
+    _SERVICE + "SubmitProfile": frozenset({Role.AGENT}),
+    _SERVICE + "StreamDirectives": frozenset({Role.AGENT}),
+    _SERVICE + "ReportReward": frozenset({Role.AGENT}),
+    _SERVICE + "GetStats": frozenset({Role.ADMIN}),
+    _SERVICE + "TriggerMatchmaking": frozenset({Role.ADMIN}),
+}
+
+
+class _Signal:
+    """A control item on a feed queue (never sent to the agent)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+_SHUTDOWN = _Signal("shutdown")
+_OVERFLOW = _Signal("overflow")
+_REPLACED = _Signal("replaced")
+FeedItem = DirectiveRecord | _Signal
+
+
+class DirectiveHub:
+    """One bounded queue per connected agent. A slow agent is disconnected (it reconnects
+    and gets its open directives replayed) rather than letting its queue grow."""
+
+    def __init__(self, depth: int) -> None:
+        self._depth = depth
+        self._queues: dict[str, asyncio.Queue[FeedItem]] = {}
+
+    @property
+    def connected(self) -> int:
+        return len(self._queues)
+
+    def attach(self, agent: str) -> asyncio.Queue[FeedItem]:
+        old = self._queues.get(agent)
+        if old is not None:
+            self._force(old, _REPLACED)
+        q: asyncio.Queue[FeedItem] = asyncio.Queue(maxsize=self._depth + 1)
+        self._queues[agent] = q
+        return q
+
+    def detach(self, agent: str, q: asyncio.Queue[FeedItem]) -> None:
+        if self._queues.get(agent) is q:
+            del self._queues[agent]
+
+    def publish(self, directive: DirectiveRecord) -> None:
+        for agent in (directive.teacher, directive.student):
+            q = self._queues.get(agent)
+            if q is None:
+                continue  # replayed when the agent connects
+            if q.qsize() >= self._depth:
+                self._force(q, _OVERFLOW)
+                del self._queues[agent]
+            else:
+                q.put_nowait(directive)
+
+    def close_all(self) -> None:
+        for q in self._queues.values():
+            self._force(q, _SHUTDOWN)
+        self._queues.clear()
+
+    @staticmethod
+    def _force(q: asyncio.Queue[FeedItem], item: _Signal) -> None:
+        # The queue has one slot of headroom for signals; drop a directive if needed
+        # (the agent gets it again by replay when it reconnects).
+        if q.full():
+            q.get_nowait()
+        q.put_nowait(item)
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def directive_message(d: DirectiveRecord, recipient: str) -> cpm_pb2.Directive:
+    """The directive as ``recipient`` (teacher or student) sees it."""
+    teaching = recipient == d.teacher
+    peer_name, peer_endpoint = (
+        (d.student, d.student_endpoint) if teaching else (d.teacher, d.teacher_endpoint)
+    )
+    return cpm_pb2.Directive(
+        directive_id=d.directive_id,
+        matchmaking_round=d.matchmaking_round,
+        protocol=d.protocol,
+        role=cpm_pb2.EXCHANGE_ROLE_TEACHER if teaching else cpm_pb2.EXCHANGE_ROLE_STUDENT,
+        teacher=d.teacher,
+        student=d.student,
+        peer=common_pb2.PeerAddress(name=peer_name, endpoint=peer_endpoint),
+        issued_at=_timestamp(d.issued_at),
+        expires_at=_timestamp(d.expires_at),
+    )
+
+
+class CpmService(cpm_pb2_grpc.MatchmakerServicer):
+    """Implements ``peerlm.v1.Matchmaker`` over a :class:`CpmCore`."""
+
+    def __init__(
+        self, core: CpmCore, metrics: CpmMetrics, log: Any, *, queue_depth: int, tick_s: float = 1.0
+    ) -> None:
+        self._core = core
+        self._m = metrics
+        self._log = log
+        self._hub = DirectiveHub(queue_depth)
+        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpm-core")
+        self._kick = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._tick = tick_s
+        self._loop_task: asyncio.Task[None] | None = None
+        self._refresh_gauges()
+
+    # ------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._matchmaking_loop())
+
+    async def stop(self) -> None:
+        """End every feed cleanly and stop the matchmaking loop."""
+        self._stopping.set()
+        self._kick.set()
+        self._hub.close_all()
+        if self._loop_task is not None:
+            await self._loop_task
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=True)
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, err: CpmError) -> None:
+        self._m.rejected.labels(rpc, err.reason).inc()
+        self._log.warning(
+            "request_refused", rpc=rpc, reason=err.reason, detail=err.message, peer=_caller_name()
+        )
+        await context.abort(grpc.StatusCode[err.code], err.message)
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def SubmitProfile(
+        self, request: cpm_pb2.SubmitProfileRequest, context: grpc.aio.ServicerContext
+    ) -> cpm_pb2.SubmitProfileResponse:
+        agent = current_identity().name
+        try:
+            out = await self._call(
+                self._core.submit_profile,
+                agent,
+                request.round,
+                list(request.features),
+                request.peer_endpoint,
+                self._hub.connected,
+            )
+        except CpmError as err:
+            await self._refuse(context, "SubmitProfile", err)
+            raise AssertionError("unreachable") from None
+        self._m.profiles.inc()
+        self._refresh_gauges()
+        self._log.info(
+            "profile_received",
+            agent=agent,
+            round=request.round,
+            pending=out.pending,
+            quorum=out.quorum_reached,
+        )
+        if out.quorum_reached:
+            self._kick.set()
+        return cpm_pb2.SubmitProfileResponse(
+            matchmaking_round=out.matchmaking_round, profiles_pending=out.pending
+        )
+
+    async def StreamDirectives(
+        self, request: cpm_pb2.StreamDirectivesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[cpm_pb2.Directive]:
+        agent = current_identity().name
+        queue = self._hub.attach(agent)
+        self._m.connected.set(self._hub.connected)
+        self._log.info("directive_feed_opened", agent=agent)
+        seen: set[str] = set()
+        try:
+            for d in await self._call(self._core.open_directives_for, agent):
+                seen.add(d.directive_id)
+                yield directive_message(d, agent)
+            # A matchmaking round may have started while we replayed: quorum counts us now.
+            self._kick.set()
+            while True:
+                item = await queue.get()
+                if item is _SHUTDOWN:
+                    return
+                if item is _OVERFLOW:
+                    self._m.rejected.labels("StreamDirectives", "overflow").inc()
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "directive feed fell behind; reconnect to get open directives replayed",
+                    )
+                if item is _REPLACED:
+                    await context.abort(
+                        grpc.StatusCode.ABORTED,
+                        "another directive feed was opened for this agent",
+                    )
+                assert isinstance(item, DirectiveRecord)
+                if item.directive_id in seen:
+                    continue
+                seen.add(item.directive_id)
+                yield directive_message(item, agent)
+        finally:
+            self._hub.detach(agent, queue)
+            self._m.connected.set(self._hub.connected)
+            self._log.info("directive_feed_closed", agent=agent)
+
+    async def ReportReward(
+        self, request: cpm_pb2.ReportRewardRequest, context: grpc.aio.ServicerContext
+    ) -> cpm_pb2.ReportRewardResponse:
+        agent = current_identity().name
+        try:
+            out = await self._call(
+                self._core.report_reward,
+                agent,
+                request.directive_id,
+                request.reward,
+                request.loss_pre,
+                request.loss_post,
+                request.kilobytes,
+            )
+        except CpmError as err:
+            await self._refuse(context, "ReportReward", err)
+            raise AssertionError("unreachable") from None
+        self._m.rewards.inc()
+        self._m.normalised_reward.observe(out.normalised)
+        self._refresh_gauges()
+        self._log.info(
+            "reward_committed",
+            agent=agent,
+            directive=request.directive_id,
+            teacher=out.directive.teacher,
+            round=out.directive.matchmaking_round,
+            reward=request.reward,
+            normalised=round(out.normalised, 4),
+        )
+        return cpm_pb2.ReportRewardResponse(
+            directive_id=request.directive_id,
+            normalised_reward=out.normalised,
+            bandit_updates=out.bandit_updates,
+        )
+
+    async def GetStats(
+        self, request: cpm_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> cpm_pb2.CpmStats:
+        return await self._call(self._stats)
+
+    async def TriggerMatchmaking(
+        self, request: cpm_pb2.TriggerMatchmakingRequest, context: grpc.aio.ServicerContext
+    ) -> cpm_pb2.TriggerMatchmakingResponse:
+        out = await self._run_matchmaking("admin")
+        return cpm_pb2.TriggerMatchmakingResponse(
+            matchmaking_round=out.matchmaking_round, pairs=len(out.directives)
+        )
+
+    # ------------------------------------------------------------ internals
+
+    def _stats(self) -> cpm_pb2.CpmStats:
+        core = self._core
+        state = core.matchmaker.snapshot()
+        counts = core.directive_counts()
+        std = math.sqrt(state.reward_m2 / state.reward_count) if state.reward_count else 0.0
+        agents = [
+            cpm_pb2.AgentStats(
+                name=p.agent,
+                last_round=p.round,
+                exchanges=state.trust.get(p.agent, (0, 0))[0],
+                successes=state.trust.get(p.agent, (0, 0))[1],
+                peer_endpoint=p.endpoint,
+            )
+            for p in core.agents()
+        ]
+        return cpm_pb2.CpmStats(
+            matchmaking_rounds=core.matchmaking_round,
+            profiles_received=core.profiles_received,
+            directives_issued=sum(counts.values()),
+            directives_open=core.open_count,
+            rewards_observed=state.n_updates,
+            bandit_updates=state.n_updates,
+            theta_norm=float(np.linalg.norm(core.matchmaker.theta)),
+            reward_mean=state.reward_mean,
+            reward_std=std,
+            context_dim=state.context_dim,
+            agents=agents,
+        )
+
+    def _refresh_gauges(self) -> None:
+        self._m.open_directives.set(self._core.open_count)
+        self._m.bandit_updates.set(self._core.matchmaker.n_updates)
+        self._m.agents.set(len(self._core.agents()))
+        self._m.connected.set(self._hub.connected)
+
+    async def _run_matchmaking(self, trigger: str) -> MatchOutcome:
+        out = await self._call(self._core.matchmake)
+        if out.candidates >= 2:
+            self._m.matchmaking_rounds.labels(trigger).inc()
+            self._m.matchmaking_seconds.observe(out.seconds)
+            theta = await self._call(lambda: float(np.linalg.norm(self._core.matchmaker.theta)))
+            self._m.theta_norm.set(theta)
+        for d in out.directives:
+            self._m.directives.labels(d.protocol).inc()
+            self._hub.publish(d)
+        self._refresh_gauges()
+        if out.directives:
+            self._log.info(
+                "matchmaking_round",
+                round=out.matchmaking_round,
+                trigger=trigger,
+                candidates=out.candidates,
+                pairs=[f"{d.teacher}->{d.student}" for d in out.directives],
+                ms=round(out.seconds * 1000, 2),
+            )
+        return out
+
+    async def _matchmaking_loop(self) -> None:
+        """Quorum (kicked by SubmitProfile) or timer; also closes expired directives.
+
+        The loop waits on an event with a timeout rather than sleeping a fixed period, so
+        it neither drifts nor delays a quorum round by up to a tick.
+        """
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._kick.wait(), timeout=self._tick)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+            if self._stopping.is_set():
+                return
+            try:
+                trigger = await self._call(self._core.match_due, self._hub.connected)
+                if trigger is not None:
+                    await self._run_matchmaking(trigger)
+                expired = await self._call(self._core.expire_due)
+                if expired:
+                    self._m.expired.inc(len(expired))
+                    self._refresh_gauges()
+                    self._log.info("directives_expired", count=len(expired))
+            except Exception:
+                self._log.exception("matchmaking_loop_error")
+
+
+def _caller_name() -> str:
+    try:
+        return current_identity().spiffe_uri
+    except RuntimeError:
+        return "unknown"

@@ -1,0 +1,453 @@
+"""Durable CPM state behind one interface, with SQLite (WAL) and in-memory backends.
+
+What is stored: the bandit (A^-1, b, update count), the reward normaliser, per-agent trust,
+the latest profile per agent, the directive ledger and a few meta values. A reward is
+committed in one transaction together with the bandit state it produced and the ledger
+row that makes its directive single-use, so a crash can never apply a reward twice or
+lose an acknowledged one. Arrays are stored as raw little-endian float64 bytes, never
+pickled.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+
+from peerlm.services.cpm.matchmaker import MatchmakerState
+from peerlm.services.cpm.records import (
+    DirectiveRecord,
+    DirectiveStatus,
+    ProfileRecord,
+    RewardRecord,
+)
+
+__all__ = ["CpmStore", "MemoryCpmStore", "SqliteCpmStore", "StoreConflict"]
+
+
+class StoreConflict(RuntimeError):
+    """A write lost a race it must not win (e.g. rewarding a directive that is not open)."""
+
+
+class CpmStore(ABC):
+    """Persistence the CPM core needs. Implementations must make each method atomic."""
+
+    @abstractmethod
+    def get_meta(self, key: str) -> str | None: ...
+
+    @abstractmethod
+    def set_meta(self, key: str, value: str) -> None: ...
+
+    @abstractmethod
+    def load_bandit(self) -> MatchmakerState | None: ...
+
+    @abstractmethod
+    def save_bandit(self, state: MatchmakerState) -> None: ...
+
+    @abstractmethod
+    def upsert_profile(self, profile: ProfileRecord) -> None: ...
+
+    @abstractmethod
+    def load_profiles(self) -> list[ProfileRecord]: ...
+
+    @abstractmethod
+    def record_round(self, matchmaking_round: int, directives: Iterable[DirectiveRecord]) -> None:
+        """Store new directives and the round counter together."""
+
+    @abstractmethod
+    def get_directive(self, directive_id: str) -> DirectiveRecord | None: ...
+
+    @abstractmethod
+    def open_directives(self) -> list[DirectiveRecord]: ...
+
+    @abstractmethod
+    def commit_reward(
+        self, directive_id: str, reward: RewardRecord, state: MatchmakerState
+    ) -> None:
+        """Mark the directive rewarded and store the bandit state, atomically.
+
+        Raises :class:`StoreConflict` if the directive is not open.
+        """
+
+    @abstractmethod
+    def expire(self, directive_ids: Iterable[str]) -> None: ...
+
+    @abstractmethod
+    def count_directives(self) -> dict[DirectiveStatus, int]: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; the default has none."""
+
+
+def _copy_state(state: MatchmakerState) -> MatchmakerState:
+    return replace(state, a_inv=state.a_inv.copy(), b=state.b.copy(), trust=dict(state.trust))
+
+
+class MemoryCpmStore(CpmStore):
+    """Volatile store for simulations and tests; same semantics as SQLite, minus durability."""
+
+    def __init__(self) -> None:
+        self._meta: dict[str, str] = {}
+        self._bandit: MatchmakerState | None = None
+        self._profiles: dict[str, ProfileRecord] = {}
+        self._directives: dict[str, DirectiveRecord] = {}
+
+    def get_meta(self, key: str) -> str | None:
+        return self._meta.get(key)
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._meta[key] = value
+
+    def load_bandit(self) -> MatchmakerState | None:
+        return None if self._bandit is None else _copy_state(self._bandit)
+
+    def save_bandit(self, state: MatchmakerState) -> None:
+        self._bandit = _copy_state(state)
+
+    def upsert_profile(self, profile: ProfileRecord) -> None:
+        self._profiles[profile.agent] = profile
+
+    def load_profiles(self) -> list[ProfileRecord]:
+        return list(self._profiles.values())
+
+    def record_round(self, matchmaking_round: int, directives: Iterable[DirectiveRecord]) -> None:
+        for d in directives:
+            if d.directive_id in self._directives:
+                raise StoreConflict(f"directive id {d.directive_id} already exists")
+            self._directives[d.directive_id] = d
+        self._meta["matchmaking_round"] = str(matchmaking_round)
+
+    def get_directive(self, directive_id: str) -> DirectiveRecord | None:
+        return self._directives.get(directive_id)
+
+    def open_directives(self) -> list[DirectiveRecord]:
+        return [d for d in self._directives.values() if d.status is DirectiveStatus.OPEN]
+
+    def commit_reward(
+        self, directive_id: str, reward: RewardRecord, state: MatchmakerState
+    ) -> None:
+        d = self._directives.get(directive_id)
+        if d is None or d.status is not DirectiveStatus.OPEN:
+            raise StoreConflict(f"directive {directive_id} is not open")
+        self._directives[directive_id] = d.with_status(DirectiveStatus.REWARDED, reward)
+        self._bandit = _copy_state(state)
+
+    def expire(self, directive_ids: Iterable[str]) -> None:
+        for i in directive_ids:
+            d = self._directives.get(i)
+            if d is not None and d.status is DirectiveStatus.OPEN:
+                self._directives[i] = d.with_status(DirectiveStatus.EXPIRED)
+
+    def count_directives(self) -> dict[DirectiveStatus, int]:
+        counts = dict.fromkeys(DirectiveStatus, 0)
+        for d in self._directives.values():
+            counts[d.status] += 1
+        return counts
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS bandit (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    context_dim INTEGER NOT NULL,
+    a_inv BLOB NOT NULL,
+    b BLOB NOT NULL,
+    n_updates INTEGER NOT NULL,
+    reward_count INTEGER NOT NULL,
+    reward_mean REAL NOT NULL,
+    reward_m2 REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS trust (
+    agent TEXT PRIMARY KEY, exchanges INTEGER NOT NULL, successes INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS profiles (
+    agent TEXT PRIMARY KEY, round INTEGER NOT NULL, features BLOB NOT NULL,
+    endpoint TEXT NOT NULL, received_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS directives (
+    directive_id TEXT PRIMARY KEY,
+    matchmaking_round INTEGER NOT NULL,
+    protocol TEXT NOT NULL, role TEXT NOT NULL,
+    teacher TEXT NOT NULL, student TEXT NOT NULL,
+    teacher_endpoint TEXT NOT NULL, student_endpoint TEXT NOT NULL,
+    context BLOB NOT NULL, ucb REAL NOT NULL,
+    issued_at REAL NOT NULL, expires_at REAL NOT NULL,
+    status TEXT NOT NULL,
+    reward REAL, normalised_reward REAL, loss_pre REAL, loss_post REAL,
+    kilobytes INTEGER, rewarded_at REAL
+);
+CREATE INDEX IF NOT EXISTS directives_open ON directives(status) WHERE status = 'open';
+"""
+
+
+def _blob(a: NDArray[np.float64]) -> bytes:
+    return np.ascontiguousarray(a, dtype="<f8").tobytes()
+
+
+def _array(blob: bytes, shape: tuple[int, ...]) -> NDArray[np.float64]:
+    arr = np.frombuffer(blob, dtype="<f8").astype(np.float64)
+    return arr.reshape(shape)
+
+
+class SqliteCpmStore(CpmStore):
+    """SQLite in WAL mode with ``synchronous=FULL``: a committed reward survives kill -9
+    and power loss. One connection, guarded by a lock, so callers may use any one thread
+    at a time (the service uses a single dedicated thread)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+
+    def _tx(self) -> _Tx:
+        return _Tx(self._db, self._lock)
+
+    def get_meta(self, key: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    def load_bandit(self) -> MatchmakerState | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT context_dim, a_inv, b, n_updates, reward_count, reward_mean, reward_m2"
+                " FROM bandit WHERE id=1"
+            ).fetchone()
+            trust_rows = self._db.execute(
+                "SELECT agent, exchanges, successes FROM trust"
+            ).fetchall()
+        if row is None:
+            return None
+        d = int(row[0])
+        return MatchmakerState(
+            context_dim=d,
+            a_inv=_array(row[1], (d, d)),
+            b=_array(row[2], (d,)),
+            n_updates=int(row[3]),
+            reward_count=int(row[4]),
+            reward_mean=float(row[5]),
+            reward_m2=float(row[6]),
+            trust={str(a): (int(e), int(s)) for a, e, s in trust_rows},
+        )
+
+    @staticmethod
+    def _write_bandit(db: sqlite3.Connection, state: MatchmakerState) -> None:
+        db.execute(
+            "INSERT OR REPLACE INTO bandit(id, context_dim, a_inv, b, n_updates, reward_count,"
+            " reward_mean, reward_m2) VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                state.context_dim,
+                _blob(state.a_inv),
+                _blob(state.b),
+                state.n_updates,
+                state.reward_count,
+                state.reward_mean,
+                state.reward_m2,
+            ),
+        )
+        db.executemany(
+            "INSERT OR REPLACE INTO trust(agent, exchanges, successes) VALUES (?, ?, ?)",
+            [(a, e, s) for a, (e, s) in state.trust.items()],
+        )
+
+    def save_bandit(self, state: MatchmakerState) -> None:
+        with self._tx() as db:
+            self._write_bandit(db, state)
+
+    def upsert_profile(self, profile: ProfileRecord) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO profiles(agent, round, features, endpoint, received_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (
+                    profile.agent,
+                    profile.round,
+                    _blob(profile.features),
+                    profile.endpoint,
+                    profile.received_at,
+                ),
+            )
+
+    def load_profiles(self) -> list[ProfileRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT agent, round, features, endpoint, received_at FROM profiles"
+            ).fetchall()
+        return [
+            ProfileRecord(
+                agent=str(a),
+                round=int(r),
+                features=_array(f, (len(f) // 8,)),
+                endpoint=str(e),
+                received_at=float(t),
+            )
+            for a, r, f, e, t in rows
+        ]
+
+    def record_round(self, matchmaking_round: int, directives: Iterable[DirectiveRecord]) -> None:
+        rows = [
+            (
+                d.directive_id,
+                d.matchmaking_round,
+                d.protocol,
+                d.role,
+                d.teacher,
+                d.student,
+                d.teacher_endpoint,
+                d.student_endpoint,
+                _blob(d.context),
+                d.ucb,
+                d.issued_at,
+                d.expires_at,
+                d.status.value,
+            )
+            for d in directives
+        ]
+        with self._tx() as db:
+            try:
+                db.executemany(
+                    "INSERT INTO directives(directive_id, matchmaking_round, protocol, role,"
+                    " teacher, student, teacher_endpoint, student_endpoint, context, ucb,"
+                    " issued_at, expires_at, status) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    rows,
+                )
+            except sqlite3.IntegrityError as exc:
+                raise StoreConflict(f"directive id collision: {exc}") from None
+            db.execute(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES ('matchmaking_round', ?)",
+                (str(matchmaking_round),),
+            )
+
+    _DIRECTIVE_COLUMNS = (
+        "directive_id, matchmaking_round, protocol, role, teacher, student, teacher_endpoint,"
+        " student_endpoint, context, ucb, issued_at, expires_at, status, reward,"
+        " normalised_reward, loss_pre, loss_post, kilobytes, rewarded_at"
+    )
+
+    @staticmethod
+    def _directive(row: tuple[object, ...]) -> DirectiveRecord:
+        ctx = row[8]
+        assert isinstance(ctx, bytes)
+        status = DirectiveStatus(str(row[12]))
+        reward = None
+        if status is DirectiveStatus.REWARDED:
+            reward = RewardRecord(
+                reward=float(row[13]),  # type: ignore[arg-type]
+                normalised=float(row[14]),  # type: ignore[arg-type]
+                loss_pre=float(row[15]),  # type: ignore[arg-type]
+                loss_post=float(row[16]),  # type: ignore[arg-type]
+                kilobytes=int(row[17]),  # type: ignore[call-overload]
+                rewarded_at=float(row[18]),  # type: ignore[arg-type]
+            )
+        return DirectiveRecord(
+            directive_id=str(row[0]),
+            matchmaking_round=int(row[1]),  # type: ignore[call-overload]
+            protocol=str(row[2]),
+            role=str(row[3]),
+            teacher=str(row[4]),
+            student=str(row[5]),
+            teacher_endpoint=str(row[6]),
+            student_endpoint=str(row[7]),
+            context=_array(ctx, (len(ctx) // 8,)),
+            ucb=float(row[9]),  # type: ignore[arg-type]
+            issued_at=float(row[10]),  # type: ignore[arg-type]
+            expires_at=float(row[11]),  # type: ignore[arg-type]
+            status=status,
+            reward=reward,
+        )
+
+    def get_directive(self, directive_id: str) -> DirectiveRecord | None:
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {self._DIRECTIVE_COLUMNS} FROM directives WHERE directive_id=?",
+                (directive_id,),
+            ).fetchone()
+        return None if row is None else self._directive(row)
+
+    def open_directives(self) -> list[DirectiveRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {self._DIRECTIVE_COLUMNS} FROM directives WHERE status='open'"
+            ).fetchall()
+        return [self._directive(r) for r in rows]
+
+    def commit_reward(
+        self, directive_id: str, reward: RewardRecord, state: MatchmakerState
+    ) -> None:
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE directives SET status='rewarded', reward=?, normalised_reward=?,"
+                " loss_pre=?, loss_post=?, kilobytes=?, rewarded_at=?"
+                " WHERE directive_id=? AND status='open'",
+                (
+                    reward.reward,
+                    reward.normalised,
+                    reward.loss_pre,
+                    reward.loss_post,
+                    reward.kilobytes,
+                    reward.rewarded_at,
+                    directive_id,
+                ),
+            )
+            if cur.rowcount != 1:
+                raise StoreConflict(f"directive {directive_id} is not open")
+            self._write_bandit(db, state)
+
+    def expire(self, directive_ids: Iterable[str]) -> None:
+        with self._tx() as db:
+            db.executemany(
+                "UPDATE directives SET status='expired' WHERE directive_id=? AND status='open'",
+                [(i,) for i in directive_ids],
+            )
+
+    def count_directives(self) -> dict[DirectiveStatus, int]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT status, COUNT(*) FROM directives GROUP BY status"
+            ).fetchall()
+        counts = dict.fromkeys(DirectiveStatus, 0)
+        for status, n in rows:
+            counts[DirectiveStatus(str(status))] = int(n)
+        return counts
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.close()
+
+
+class _Tx:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` under the store lock; rollback on error."""
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.Lock) -> None:
+        self._db = db
+        self._lock = lock
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._lock.acquire()
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._lock.release()
+            raise
+        return self._db
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self._lock.release()

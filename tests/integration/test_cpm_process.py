@@ -1,0 +1,240 @@
+"""A real CPM process on loopback over mTLS: the happy path, refusals, bad input, metrics."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from peerlm.wire.v1 import cpm_pb2
+from tests.cpm_harness import CpmProcess, Pki
+
+pytestmark = pytest.mark.integration
+
+MANUAL = {"PEERLM_CPM_MIN_QUORUM": "1000", "PEERLM_CPM_ROUND_INTERVAL_S": "3600"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cpm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpmProcess]:
+    tmp = tmp_path_factory.mktemp("cpm")
+    proc = CpmProcess(Pki.create(tmp), tmp / "cpm.db", tmp, MANUAL, metrics_port=_free_port())
+    proc.start()
+    yield proc
+    assert proc.terminate() == 0, proc.log()[-3000:]
+
+
+def _profile(i: int) -> list[float]:
+    return [float(x) for x in np.random.default_rng(i).uniform(0, 1, 32)]
+
+
+def _metric(cpm: CpmProcess, name: str, **labels: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{cpm.metrics_port}/metrics").read().decode()
+    total = 0.0
+    for line in body.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+async def test_health_serving(cpm: CpmProcess) -> None:
+    ch = cpm.pki.channel(cpm.target, "a0")
+    stub = health_pb2_grpc.HealthStub(ch)  # type: ignore[no-untyped-call]
+    resp = await stub.Check(health_pb2.HealthCheckRequest(service="peerlm.v1.Matchmaker"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    await ch.close()
+
+
+async def test_round_trip_profile_directive_reward(cpm: CpmProcess) -> None:
+    chans = {}
+    for i in range(4):
+        ch, stub = cpm.pki.stub(cpm.target, f"a{i}")
+        chans[f"a{i}"] = (ch, stub)
+        resp = await stub.SubmitProfile(
+            cpm_pb2.SubmitProfileRequest(round=1, features=_profile(i), peer_endpoint=f"127.0.0.1:{7000 + i}")
+        )
+        assert resp.profiles_pending == i + 1
+    admin_ch, admin = cpm.pki.stub(cpm.target, "admin")
+    out = await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())
+    assert out.pairs == 2
+    directives = {}
+    for name, (_, stub) in chans.items():
+        call = stub.StreamDirectives(cpm_pb2.StreamDirectivesRequest())
+        d = await call.read()
+        call.cancel()
+        directives[name] = d
+        assert name in (d.teacher, d.student)
+        me_teacher = d.teacher == name
+        assert d.role == (cpm_pb2.EXCHANGE_ROLE_TEACHER if me_teacher else cpm_pb2.EXCHANGE_ROLE_STUDENT)
+        assert d.peer.name == (d.student if me_teacher else d.teacher)
+        assert d.peer.endpoint.startswith("127.0.0.1:")
+        assert d.protocol == "akd" and len(d.directive_id) == 32
+    students = [n for n, d in directives.items() if d.role == cpm_pb2.EXCHANGE_ROLE_STUDENT]
+    assert len(students) == 2
+    for n in students:
+        d = directives[n]
+        ack = await chans[n][1].ReportReward(
+            cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=0.5, loss_pre=2.0, loss_post=1.5, kilobytes=3)
+        )
+        assert ack.directive_id == d.directive_id and ack.bandit_updates >= 1
+    stats = await admin.GetStats(cpm_pb2.GetStatsRequest())
+    assert stats.rewards_observed >= 2 and stats.matchmaking_rounds >= 1
+    assert {a.name for a in stats.agents} >= {"a0", "a1", "a2", "a3"}
+    assert _metric(cpm, "peerlm_cpm_rewards_observed_total") >= 2
+    assert _metric(cpm, "peerlm_grpc_server_requests_total", method="/peerlm.v1.Matchmaker/ReportReward", code="OK") >= 2
+
+    # Replay and wrong reporter, on a real directive.
+    d = directives[students[0]]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await chans[students[0]][1].ReportReward(cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=0.5))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    other = directives[students[1]]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await chans[students[0]][1].ReportReward(cpm_pb2.ReportRewardRequest(directive_id=other.directive_id, reward=0.5))
+    assert e.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS)
+    assert _metric(cpm, "peerlm_cpm_rejected_requests_total", rpc="ReportReward", reason="replayed") >= 1
+    after = await admin.GetStats(cpm_pb2.GetStatsRequest())
+    assert after.bandit_updates == stats.bandit_updates
+    for ch, _ in chans.values():
+        await ch.close()
+    await admin_ch.close()
+
+
+async def test_teacher_cannot_report(cpm: CpmProcess) -> None:
+    stubs = {}
+    for i in (4, 5):
+        ch, stub = cpm.pki.stub(cpm.target, f"a{i}")
+        stubs[f"a{i}"] = stub
+        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=_profile(i)))
+    admin_ch, admin = cpm.pki.stub(cpm.target, "admin")
+    await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())
+    call = stubs["a4"].StreamDirectives(cpm_pb2.StreamDirectivesRequest())
+    d = await call.read()
+    call.cancel()
+    before = await admin.GetStats(cpm_pb2.GetStatsRequest())
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stubs[d.teacher].ReportReward(cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=1.0))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    after = await admin.GetStats(cpm_pb2.GetStatsRequest())
+    assert after.bandit_updates == before.bandit_updates
+    assert _metric(cpm, "peerlm_cpm_rejected_requests_total", rpc="ReportReward", reason="not_receiver") >= 1
+    await admin_ch.close()
+
+
+@pytest.mark.parametrize(
+    ("features", "code"),
+    [
+        ([0.5] * 31, grpc.StatusCode.INVALID_ARGUMENT),
+        ([float("nan")] * 32, grpc.StatusCode.INVALID_ARGUMENT),
+        ([float("-inf")] + [0.0] * 31, grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_bad_profiles(cpm: CpmProcess, features: list[float], code: grpc.StatusCode) -> None:
+    ch, stub = cpm.pki.stub(cpm.target, "a5")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=99, features=features))
+    assert e.value.code() == code and e.value.details()
+    await ch.close()
+
+
+async def test_oversized_message_refused(cpm: CpmProcess) -> None:
+    ch, stub = cpm.pki.stub(cpm.target, "a5")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=[0.0] * 1_000_000))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await ch.close()
+
+
+@pytest.mark.parametrize(
+    ("directive_id", "reward", "code"),
+    [
+        ("zz", 1.0, grpc.StatusCode.INVALID_ARGUMENT),
+        ("0" * 32, float("nan"), grpc.StatusCode.INVALID_ARGUMENT),
+        ("0" * 32, 1.0, grpc.StatusCode.NOT_FOUND),
+    ],
+)
+async def test_bad_rewards(cpm: CpmProcess, directive_id: str, reward: float, code: grpc.StatusCode) -> None:
+    ch, stub = cpm.pki.stub(cpm.target, "a1")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.ReportReward(cpm_pb2.ReportRewardRequest(directive_id=directive_id, reward=reward))
+    assert e.value.code() == code
+    await ch.close()
+
+
+async def test_roles_enforced(cpm: CpmProcess) -> None:
+    ch, agent = cpm.pki.stub(cpm.target, "a0")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await agent.GetStats(cpm_pb2.GetStatsRequest())
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await agent.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    ch2, admin = cpm.pki.stub(cpm.target, "admin")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await admin.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert _metric(cpm, "peerlm_auth_refusals_total") >= 3
+    await ch.close()
+    await ch2.close()
+
+
+async def test_foreign_ca_and_missing_cert_refused(cpm: CpmProcess) -> None:
+    ch, stub = cpm.pki.stub(cpm.target, "a0", foreign=True)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    await ch.close()
+    ca = (cpm.pki.root / "ca.crt").read_bytes()
+    ch = grpc.aio.secure_channel(cpm.target, grpc.ssl_channel_credentials(root_certificates=ca))
+    from peerlm.wire.v1 import cpm_pb2_grpc
+
+    stub = cpm_pb2_grpc.MatchmakerStub(ch)  # type: ignore[no-untyped-call]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    await ch.close()
+    ch = grpc.aio.insecure_channel(cpm.target)
+    stub = cpm_pb2_grpc.MatchmakerStub(ch)  # type: ignore[no-untyped-call]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    await ch.close()
+
+
+def test_insecure_dev_refuses_non_loopback(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "peerlm", "cpm", "--insecure-dev", "--listen", "0.0.0.0:0",
+         "--db", str(tmp_path / "x.db")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "loopback" in out.stderr
+
+
+def test_missing_tls_refuses_to_start(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "peerlm", "cpm", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "x.db")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "TLS" in out.stderr or "tls" in out.stderr or "certificate" in out.stderr

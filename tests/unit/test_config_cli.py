@@ -1,0 +1,66 @@
+"""Configuration layering and the root CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from peerlm import __version__
+from peerlm.cli import app
+from peerlm.config import ConfigError, CpmSettings, load_settings
+
+
+def test_precedence_file_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "cpm.yaml"
+    cfg.write_text("beta: 0.5\nseed: 3\nlisten: 127.0.0.1:1000\ntls:\n  cert: /from/file\n")
+    monkeypatch.setenv("PEERLM_CPM_SEED", "4")
+    monkeypatch.setenv("PEERLM_CPM_TLS__KEY", "/from/env")
+    s = load_settings(CpmSettings, cfg, {"listen": "127.0.0.1:2000", "beta": None})
+    assert s.beta == 0.5  # file
+    assert s.seed == 4  # env beats file
+    assert s.listen == "127.0.0.1:2000"  # flag beats file
+    assert str(s.tls.cert) == "/from/file" and str(s.tls.key) == "/from/env"  # nested merge
+
+
+def test_invalid_config_fails_fast_with_every_field(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("beta: -1\nlisten: nowhere\nunknown_key: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(CpmSettings, cfg)
+    msg = str(e.value)
+    assert "beta" in msg and "listen" in msg and "unknown_key" in msg
+
+
+def test_not_yaml_and_not_mapping(tmp_path: Path) -> None:
+    bad = tmp_path / "x.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(CpmSettings, bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_settings(CpmSettings, bad)
+
+
+def test_version() -> None:
+    out = CliRunner().invoke(app, ["--version"])
+    assert out.exit_code == 0 and __version__ in out.output
+
+
+def test_config_show(tmp_path: Path) -> None:
+    cfg = tmp_path / "cpm.yaml"
+    cfg.write_text("beta: 2.0\n")
+    out = CliRunner().invoke(app, ["config", "show", "--component", "cpm", "--config", str(cfg), "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["beta"] == 2.0
+    out = CliRunner().invoke(app, ["config", "show", "--component", "nope"])
+    assert out.exit_code == 2
+
+
+def test_config_show_invalid(tmp_path: Path) -> None:
+    cfg = tmp_path / "cpm.yaml"
+    cfg.write_text("beta: -2\n")
+    out = CliRunner().invoke(app, ["config", "show", "--config", str(cfg)])
+    assert out.exit_code == 2

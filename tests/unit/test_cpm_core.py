@@ -1,0 +1,213 @@
+"""The CPM protocol core with an in-memory store and a fake clock."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from peerlm.config import CpmSettings
+from peerlm.services.cpm.core import CpmCore, CpmError
+from peerlm.services.cpm.records import DirectiveStatus
+from peerlm.services.cpm.store import MemoryCpmStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _profile(i: int) -> list[float]:
+    rng = np.random.default_rng(i)
+    p = rng.uniform(0, 1, 32)
+    return [float(x) for x in p]
+
+
+@pytest.fixture
+def core() -> tuple[CpmCore, Clock, MemoryCpmStore]:
+    clock = Clock()
+    store = MemoryCpmStore()
+    settings = CpmSettings(directive_ttl_s=60, round_interval_s=30)
+    return CpmCore(settings, store, clock), clock, store
+
+
+def _submit_all(c: CpmCore, agents: list[str], round_: int = 1) -> None:
+    for i, a in enumerate(agents):
+        c.submit_profile(a, round_, _profile(i), f"127.0.0.1:{5000 + i}", connected=len(agents))
+
+
+def test_quorum_then_disjoint_directives(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    c, _, _ = core
+    agents = ["a", "b", "c", "d"]
+    for i, a in enumerate(agents[:3]):
+        out = c.submit_profile(a, 1, _profile(i), "", connected=4)
+        assert not out.quorum_reached
+    out = c.submit_profile("d", 1, _profile(3), "h:1", connected=4)
+    assert out.quorum_reached and c.match_due(4) == "quorum"
+    match = c.matchmake()
+    assert match.matchmaking_round == 1 and len(match.directives) == 2
+    seen = [x for d in match.directives for x in (d.teacher, d.student)]
+    assert sorted(seen) == agents
+    for d in match.directives:
+        assert d in c.open_directives_for(d.teacher) and d in c.open_directives_for(d.student)
+    assert c.pending == 0 and c.match_due(4) is None
+
+
+def test_timer_trigger(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    c, clock, _ = core
+    c.submit_profile("a", 1, _profile(0), "", connected=10)
+    c.submit_profile("b", 1, _profile(1), "", connected=10)
+    assert c.match_due(10) is None
+    clock.now += 31
+    assert c.match_due(10) == "timer"
+
+
+def test_reward_once_from_student_only(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    c, _, store = core
+    _submit_all(c, ["a", "b"])
+    [d] = c.matchmake().directives
+    with pytest.raises(CpmError) as e:
+        c.report_reward(d.teacher, d.directive_id, 1.0)
+    assert e.value.code == "PERMISSION_DENIED"
+    with pytest.raises(CpmError) as e:
+        c.report_reward("mallory", d.directive_id, 1.0)
+    assert e.value.code == "PERMISSION_DENIED"
+    out = c.report_reward(d.student, d.directive_id, 0.7, loss_pre=2, loss_post=1.3, kilobytes=4)
+    assert out.bandit_updates == 1 and out.normalised == 0.0
+    assert store.get_directive(d.directive_id).status is DirectiveStatus.REWARDED  # type: ignore[union-attr]
+    with pytest.raises(CpmError) as e:
+        c.report_reward(d.student, d.directive_id, 0.7)
+    assert e.value.code == "ALREADY_EXISTS"
+    assert c.matchmaker.n_updates == 1
+
+
+@pytest.mark.parametrize(
+    ("directive_id", "reward", "code", "reason"),
+    [
+        ("nothex", 1.0, "INVALID_ARGUMENT", "directive_id"),
+        ("0" * 32, float("nan"), "INVALID_ARGUMENT", "non_finite"),
+        ("0" * 32, float("inf"), "INVALID_ARGUMENT", "non_finite"),
+        ("0" * 32, 1e12, "INVALID_ARGUMENT", "reward_magnitude"),
+        ("0" * 32, 1.0, "NOT_FOUND", "unknown_directive"),
+    ],
+)
+def test_bad_rewards_leave_state_unchanged(
+    core: tuple[CpmCore, Clock, MemoryCpmStore],
+    directive_id: str,
+    reward: float,
+    code: str,
+    reason: str,
+) -> None:
+    c, _, _ = core
+    before = c.matchmaker.snapshot()
+    with pytest.raises(CpmError) as e:
+        c.report_reward("a", directive_id, reward)
+    assert (e.value.code, e.value.reason) == (code, reason)
+    after = c.matchmaker.snapshot()
+    np.testing.assert_array_equal(before.a_inv, after.a_inv)
+    assert after.n_updates == before.n_updates
+
+
+def test_expired_directive(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    c, clock, _ = core
+    _submit_all(c, ["a", "b"])
+    [d] = c.matchmake().directives
+    clock.now += 61
+    with pytest.raises(CpmError) as e:
+        c.report_reward(d.student, d.directive_id, 1.0)
+    assert e.value.code == "FAILED_PRECONDITION"
+    assert c.open_count == 0 and c.matchmaker.n_updates == 0
+
+
+def test_expire_due(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    c, clock, _ = core
+    _submit_all(c, ["a", "b", "c", "d"])
+    c.matchmake()
+    assert c.expire_due() == []
+    clock.now += 61
+    assert len(c.expire_due()) == 2 and c.open_count == 0
+
+
+@pytest.mark.parametrize(
+    ("features", "endpoint", "reason"),
+    [
+        ([0.0] * 31, "", "profile_dim"),
+        ([0.0] * 33, "", "profile_dim"),
+        ([float("nan")] + [0.0] * 31, "", "profile_values"),
+        ([float("inf")] + [0.0] * 31, "", "profile_values"),
+        ([1e9] + [0.0] * 31, "", "profile_values"),
+        ([0.0] * 32, "not an endpoint", "endpoint"),
+        ([0.0] * 32, "h:1" + "x" * 300, "endpoint"),
+    ],
+)
+def test_bad_profiles_refused(
+    core: tuple[CpmCore, Clock, MemoryCpmStore], features: list[float], endpoint: str, reason: str
+) -> None:
+    c, _, store = core
+    with pytest.raises(CpmError) as e:
+        c.submit_profile("a", 1, features, endpoint, connected=1)
+    assert e.value.code == "INVALID_ARGUMENT" and e.value.reason == reason
+    assert store.load_profiles() == [] and c.pending == 0
+
+
+def test_stale_round_refused_same_round_accepted(
+    core: tuple[CpmCore, Clock, MemoryCpmStore],
+) -> None:
+    c, _, _ = core
+    c.submit_profile("a", 5, _profile(0), "", connected=1)
+    c.submit_profile("a", 5, _profile(1), "", connected=1)
+    with pytest.raises(CpmError) as e:
+        c.submit_profile("a", 4, _profile(0), "", connected=1)
+    assert e.value.code == "FAILED_PRECONDITION"
+
+
+def test_max_agents(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    clock = Clock()
+    c = CpmCore(CpmSettings(max_agents=2), MemoryCpmStore(), clock)
+    c.submit_profile("a", 1, _profile(0), "", connected=0)
+    c.submit_profile("b", 1, _profile(1), "", connected=0)
+    with pytest.raises(CpmError) as e:
+        c.submit_profile("c", 1, _profile(2), "", connected=0)
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+
+
+def test_restart_restores_everything(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    c, clock, store = core
+    _submit_all(c, ["a", "b", "c", "d"])
+    ds = c.matchmake().directives
+    c.report_reward(ds[0].student, ds[0].directive_id, 0.3)
+    c2 = CpmCore(CpmSettings(directive_ttl_s=60, round_interval_s=30), store, clock)
+    assert c2.matchmaker.n_updates == 1
+    np.testing.assert_array_equal(c2.matchmaker.snapshot().a_inv, c.matchmaker.snapshot().a_inv)
+    assert c2.matchmaking_round == 1 and c2.open_count == 1
+    with pytest.raises(CpmError) as e:
+        c2.report_reward(ds[0].student, ds[0].directive_id, 0.3)
+    assert e.value.code == "ALREADY_EXISTS"
+    c2.report_reward(ds[1].student, ds[1].directive_id, -0.3)
+    assert c2.matchmaker.n_updates == 2
+
+
+def test_changed_bandit_settings_refused(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    _, clock, store = core
+    with pytest.raises(ValueError, match="different bandit settings"):
+        CpmCore(CpmSettings(interaction_features=False), store, clock)
+
+
+def test_failed_commit_rolls_back_model(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    c, _, store = core
+    _submit_all(c, ["a", "b"])
+    [d] = c.matchmake().directives
+    before = c.matchmaker.snapshot()
+
+    def boom(*_: object) -> None:
+        raise OSError("disk full")
+
+    store.commit_reward = boom  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        c.report_reward(d.student, d.directive_id, 1.0)
+    after = c.matchmaker.snapshot()
+    np.testing.assert_array_equal(before.a_inv, after.a_inv)
+    np.testing.assert_array_equal(before.b, after.b)
+    assert after.reward_count == before.reward_count and c.open_count == 1
