@@ -11,7 +11,7 @@ from peerlm.config import GrpcLimits
 from peerlm.rpc import create_channel
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
-__all__ = ["CpmClient", "DEV_IDENTITY_METADATA"]
+__all__ = ["DEV_IDENTITY_METADATA", "CpmClient"]
 
 #: Metadata key carrying the caller's SPIFFE id in insecure-dev mode only.
 DEV_IDENTITY_METADATA = "peerlm-dev-identity"
@@ -48,7 +48,7 @@ class CpmClient:
         )
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._channel.close(None)
 
     async def wait_ready(self, timeout: float) -> None:
         await asyncio.wait_for(self._channel.channel_ready(), timeout)

@@ -20,12 +20,12 @@ from typing import Annotated
 
 import grpc
 import typer
-
 from peerlm.agent.cpm_client import CpmClient
+from peerlm.services.cpm.synthetic import SyntheticFederation
+
 from peerlm.config import GrpcLimits
 from peerlm.pki.identity import PeerIdentity, Role
 from peerlm.security.credentials import TlsFiles, channel_credentials
-from peerlm.services.cpm.synthetic import SyntheticFederation
 from peerlm.wire.v1 import cpm_pb2
 
 __all__ = ["SimAgentReport", "run_sim_agent", "sim_agent_command"]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from peerlm.wire.v1 import common_pb2
 
-__all__ = ["ChunkError", "ChunkAssembler", "iter_chunks"]
+__all__ = ["ChunkAssembler", "ChunkError", "iter_chunks"]
 
 
 class ChunkError(ValueError):

@@ -99,7 +99,9 @@ def cpm(
 
 @config_app.command("show")
 def config_show(
-    component: Annotated[str, typer.Option(help="Which process: " + ", ".join(_COMPONENTS))] = "cpm",
+    component: Annotated[
+        str, typer.Option(help="Which process: " + ", ".join(_COMPONENTS))
+    ] = "cpm",
     config: ConfigOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
@@ -132,8 +134,8 @@ def _mount_subapps() -> None:
 
 
 def _mount_dev() -> None:
-    from peerlm.devfed import up_command
     from peerlm.agent.simulated import sim_agent_command
+    from peerlm.devfed import up_command
 
     app.command("up")(up_command)
     app.command("sim-agent", hidden=True)(sim_agent_command)

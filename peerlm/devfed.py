@@ -75,7 +75,11 @@ def _spawn(
     # Own process group: Ctrl-C in the terminal reaches only `peerlm up`, which then stops
     # the children in order (agents first, CPM last) instead of all dying at once.
     return subprocess.Popen(
-        args, stdout=stdout, stderr=handle, start_new_session=True, env={**os.environ, **(env or {})}
+        args,
+        stdout=stdout,
+        stderr=handle,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -95,7 +99,7 @@ async def _wait_serving(target: str, tls: TlsFiles, timeout: float) -> None:
                 raise TimeoutError(f"CPM at {target} not serving after {timeout:.0f}s")
             await asyncio.sleep(0.2)
     finally:
-        await channel.close()
+        await channel.close(None)
 
 
 async def _stats(stub: Any) -> cpm_pb2.CpmStats | None:
@@ -118,18 +122,39 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:
 
 
 async def _run(
-    fed: DevFederation, agents: list[str], rounds: int, seed: int, heterogeneity: str,
-    metrics_port: int | None, console: Console | None,
+    fed: DevFederation,
+    agents: list[str],
+    rounds: int,
+    seed: int,
+    heterogeneity: str,
+    metrics_port: int | None,
+    console: Console | None,
 ) -> dict[str, Any]:
     py = sys.executable
     port_file = fed.root / "cpm.port"
     port_file.unlink(missing_ok=True)
     cpm_tls = fed.tls("cpm")
     cpm_args = [
-        py, "-m", "peerlm", "cpm", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-        "--db", str(fed.root / "cpm.db"), "--federation", FEDERATION,
-        "--ca-cert", str(cpm_tls.ca_cert), "--cert", str(cpm_tls.cert),
-        "--key", str(cpm_tls.key), "--log-format", "json",
+        py,
+        "-m",
+        "peerlm",
+        "cpm",
+        "--listen",
+        "127.0.0.1:0",
+        "--port-file",
+        str(port_file),
+        "--db",
+        str(fed.root / "cpm.db"),
+        "--federation",
+        FEDERATION,
+        "--ca-cert",
+        str(cpm_tls.ca_cert),
+        "--cert",
+        str(cpm_tls.cert),
+        "--key",
+        str(cpm_tls.key),
+        "--log-format",
+        "json",
     ]
     if metrics_port is not None:
         cpm_args += ["--metrics-port", str(metrics_port)]
@@ -153,11 +178,32 @@ async def _run(
             procs.append(
                 _spawn(
                     [
-                        py, "-m", "peerlm", "sim-agent", "--name", name, "--index", str(i),
-                        "--peers", ",".join(agents), "--cpm", target,
-                        "--ca-cert", str(t.ca_cert), "--cert", str(t.cert), "--key", str(t.key),
-                        "--federation", FEDERATION, "--rounds", str(rounds), "--seed", str(seed),
-                        "--heterogeneity", heterogeneity,
+                        py,
+                        "-m",
+                        "peerlm",
+                        "sim-agent",
+                        "--name",
+                        name,
+                        "--index",
+                        str(i),
+                        "--peers",
+                        ",".join(agents),
+                        "--cpm",
+                        target,
+                        "--ca-cert",
+                        str(t.ca_cert),
+                        "--cert",
+                        str(t.cert),
+                        "--key",
+                        str(t.key),
+                        "--federation",
+                        FEDERATION,
+                        "--rounds",
+                        str(rounds),
+                        "--seed",
+                        str(seed),
+                        "--heterogeneity",
+                        heterogeneity,
                     ],
                     fed.logs / f"{name}.log",
                     subprocess.PIPE,
@@ -166,7 +212,7 @@ async def _run(
         admin = create_channel(target, GrpcLimits(), channel_credentials(fed.tls("admin")))
         stub = cpm_pb2_grpc.MatchmakerStub(admin)  # type: ignore[no-untyped-call]
         stats = await _watch(stub, procs, agents, rounds, console)
-        await admin.close()
+        await admin.close(None)
         reports = []
         for name, p in zip(agents, procs, strict=True):
             out = p.stdout.read().decode() if p.stdout else ""
@@ -196,13 +242,21 @@ async def _run(
 
 
 async def _watch(
-    stub: Any, procs: list[subprocess.Popen[bytes]], agents: list[str], rounds: int,
+    stub: Any,
+    procs: list[subprocess.Popen[bytes]],
+    agents: list[str],
+    rounds: int,
     console: Console | None,
 ) -> cpm_pb2.CpmStats | None:
     last: cpm_pb2.CpmStats | None = None
     progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=console, disable=console is None, transient=False,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=console is None,
+        transient=False,
     )
     with progress:
         tasks = {a: progress.add_task(f"agent {a}", total=rounds) for a in agents}
@@ -227,9 +281,18 @@ async def _watch(
 
 
 def _table(result: dict[str, Any]) -> Table:
-    table = Table(title=f"peerlm dev federation: {result['rounds']} rounds in {result['seconds']} s")
-    for col in ("agent", "pass@1 before", "pass@1 after", "as student", "as teacher",
-                "mean reward", "errors"):
+    table = Table(
+        title=f"peerlm dev federation: {result['rounds']} rounds in {result['seconds']} s"
+    )
+    for col in (
+        "agent",
+        "pass@1 before",
+        "pass@1 after",
+        "as student",
+        "as teacher",
+        "mean reward",
+        "errors",
+    ):
         table.add_column(col, justify="right" if col != "agent" else "left")
     for r in result["agents"]:
         rewards = r.get("rewards", [])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -21,7 +22,7 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 def configure_logging(
     component: str, identity: str, fmt: LogFormat = "auto", level: str = "info"
-) -> structlog.stdlib.BoundLogger:
+) -> Any:
     """Configure structlog for this process and return a logger bound to it.
 
     ``fmt="auto"`` renders for people when stderr is a terminal and JSON otherwise.
@@ -29,7 +30,7 @@ def configure_logging(
     use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
     static = {"component": component, "identity": identity}
 
-    def add_static(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    def add_static(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         for key, value in static.items():
             event.setdefault(key, value)
         return event

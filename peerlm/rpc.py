@@ -13,10 +13,12 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from peerlm.config import GrpcLimits
+from peerlm.grpc_types import RpcMethodHandler, ServerInterceptor, ServicerContext
 
 __all__ = [
     "MetricsInterceptor",
@@ -73,7 +75,7 @@ def channel_options(limits: GrpcLimits) -> list[tuple[str, int]]:
 
 
 def create_server(
-    limits: GrpcLimits, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+    limits: GrpcLimits, interceptors: Sequence[ServerInterceptor] = ()
 ) -> grpc.aio.Server:
     """A grpc.aio server with every limit set from ``limits``."""
     return grpc.aio.server(
@@ -100,9 +102,9 @@ def create_channel(
 
 def add_health_and_reflection(
     server: grpc.aio.Server, service_names: Iterable[str]
-) -> health.aio.HealthServicer:
+) -> HealthServicer:
     """Register the standard health and reflection services; every service starts NOT_SERVING."""
-    servicer = health.aio.HealthServicer()
+    servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection(
@@ -111,7 +113,7 @@ def add_health_and_reflection(
     return servicer
 
 
-async def set_serving(servicer: health.aio.HealthServicer, names: Iterable[str], on: bool) -> None:
+async def set_serving(servicer: HealthServicer, names: Iterable[str], on: bool) -> None:
     """Flip the health status of ``names`` and of the whole server ("")."""
     status = (
         health_pb2.HealthCheckResponse.SERVING if on else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -123,7 +125,7 @@ async def set_serving(servicer: health.aio.HealthServicer, names: Iterable[str],
 Behaviour = Callable[..., Any]
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(ServerInterceptor):
     """Counts requests by method and status code, and times them.
 
     Put it first in the interceptor list so that refusals by later interceptors are counted.
@@ -148,7 +150,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
     def _record(
         self,
         method: str,
-        context: grpc.aio.ServicerContext,
+        context: ServicerContext,
         started: float,
         failed: BaseException | None,
     ) -> None:
@@ -158,11 +160,11 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None:
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
             return handler
         method = handler_call_details.method
         return wrap_handler(
@@ -172,7 +174,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
     def _wrap(self, method: str, behaviour: Behaviour, streaming: bool) -> Behaviour:
         if streaming:
 
-            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def stream(request: Any, context: ServicerContext) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 failed: BaseException | None = None
                 try:
@@ -186,7 +188,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
 
             return stream
 
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unary(request: Any, context: ServicerContext) -> Any:
             started = time.perf_counter()
             failed: BaseException | None = None
             try:
@@ -200,7 +202,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         return unary
 
 
-def _status_name(context: grpc.aio.ServicerContext, failed: BaseException | None) -> str:
+def _status_name(context: ServicerContext, failed: BaseException | None) -> str:
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code.name
@@ -214,7 +216,7 @@ def _status_name(context: grpc.aio.ServicerContext, failed: BaseException | None
 WrapFn = Callable[[Behaviour, bool], Behaviour]
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler, wrap: WrapFn) -> grpc.RpcMethodHandler:
+def wrap_handler(handler: RpcMethodHandler, wrap: WrapFn) -> RpcMethodHandler:
     """Rebuild ``handler`` with its behaviour passed through ``wrap(behaviour, streaming)``.
 
     ``streaming`` is True when the behaviour returns a response stream. Works for all four

@@ -58,7 +58,9 @@ class Pki:
             return create_channel(target, GrpcLimits(), creds)
         return create_channel(target, GrpcLimits(), channel_credentials(self.tls(name)))
 
-    def stub(self, target: str, name: str, *, foreign: bool = False) -> tuple[grpc.aio.Channel, cpm_pb2_grpc.MatchmakerStub]:
+    def stub(
+        self, target: str, name: str, *, foreign: bool = False
+    ) -> tuple[grpc.aio.Channel, cpm_pb2_grpc.MatchmakerStub]:
         ch = self.channel(target, name, foreign=foreign)
         return ch, cpm_pb2_grpc.MatchmakerStub(ch)  # type: ignore[no-untyped-call]
 
@@ -84,10 +86,26 @@ class CpmProcess:
         port_file.unlink(missing_ok=True)
         tls = self.pki.tls("cpm")
         args = [
-            sys.executable, "-m", "peerlm", "cpm", "--listen", "127.0.0.1:0",
-            "--port-file", str(port_file), "--db", str(self.db), "--federation", FEDERATION,
-            "--ca-cert", str(tls.ca_cert), "--cert", str(tls.cert), "--key", str(tls.key),
-            "--log-format", "json",
+            sys.executable,
+            "-m",
+            "peerlm",
+            "cpm",
+            "--listen",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+            "--db",
+            str(self.db),
+            "--federation",
+            FEDERATION,
+            "--ca-cert",
+            str(tls.ca_cert),
+            "--cert",
+            str(tls.cert),
+            "--key",
+            str(tls.key),
+            "--log-format",
+            "json",
         ]
         if self.metrics_port is not None:
             args += ["--metrics-port", str(self.metrics_port)]

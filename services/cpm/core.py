@@ -30,8 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from peerlm.config import CpmSettings
 from peerlm.services.cpm.matchmaker import Matchmaker, Pairing
 from peerlm.services.cpm.profile import validate_profile
 from peerlm.services.cpm.records import (
@@ -41,6 +39,8 @@ from peerlm.services.cpm.records import (
     RewardRecord,
 )
 from peerlm.services.cpm.store import CpmStore
+
+from peerlm.config import CpmSettings
 
 __all__ = ["CpmCore", "CpmError", "MatchOutcome", "RewardOutcome", "SubmitOutcome"]
 

@@ -23,7 +23,12 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
+from .features import FeatureLayout
+
 __all__ = ["LinUCB"]
+
+# Unordered pairs scored per block in score_pairs (bounds the O(block * d) temporaries).
+_PAIR_BLOCK = 8192
 
 
 class LinUCB:
@@ -153,3 +158,101 @@ class LinUCB:
         quad *= beta
         quad += mean
         return quad, mean
+
+    def score_pairs(
+        self,
+        layout: FeatureLayout,
+        profiles: NDArray[np.float64],
+        trust: NDArray[np.float64] | None,
+        left: NDArray[np.intp],
+        right: NDArray[np.intp],
+        beta: float,
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """Exact UCB and mean of every candidate tuple of the pairs ``(left[p], right[p])``.
+
+        Returns two ``(n_pairs, 2 * C)`` arrays (``C`` = protocols x roles): columns
+        ``[0, C)`` are ``left -> right`` with one-hot combo ``c``, columns ``[C, 2C)`` are
+        ``right -> left``. Equal (to rounding) to :meth:`score` on the contexts built by
+        :class:`~.features.ContextFeatures` — but without building them. The context is
+        ``x = E_s u_s + E_r u_r + E_z z + k_c`` with ``u_a = [p_a, t_a]`` per agent,
+        ``z = [|p_i - p_j|, p_i * p_j]`` per unordered pair (the same for both
+        directions) and ``k_c`` the one-hot plus bias, so ``x^T A^-1 x`` splits into
+        per-agent terms (computed once per agent), one ``z^T M_zz z`` per pair, and dot
+        products of length ``d_p``. That is ~``(2 d_p)^2`` work per pair instead of
+        ``2 C d^2`` with ``d ~ 4 d_p``, and no ``(M, d)`` context matrix.
+        """
+        lay = layout
+        m = self._a_inv
+        th = self.theta
+        n, dp = profiles.shape
+        if dp != lay.profile_dim or lay.dim != self._dim:
+            raise ValueError("layout does not match the profiles or this bandit")
+        s_idx = np.arange(lay.sender.start, lay.sender.stop)
+        r_idx = np.arange(lay.receiver.start, lay.receiver.stop)
+        if lay.trust_sender is not None and lay.trust_receiver is not None:
+            if trust is None or trust.shape != (n,):
+                raise ValueError("trust features are on: trust must have shape (N,)")
+            u = np.hstack([profiles, trust[:, None]])
+            s_idx = np.append(s_idx, lay.trust_sender)
+            r_idx = np.append(r_idx, lay.trust_receiver)
+        else:
+            u = profiles
+        oh_idx = np.arange(lay.onehot.start, lay.onehot.stop)
+        # Per agent: quadratic self-terms, the sender-receiver cross map, combo terms, means.
+        q_s = np.einsum("ij,ij->i", u @ m[np.ix_(s_idx, s_idx)], u)
+        q_r = np.einsum("ij,ij->i", u @ m[np.ix_(r_idx, r_idx)], u)
+        cross = 2.0 * (u @ m[np.ix_(s_idx, r_idx)])
+        k_rows = m[oh_idx] + m[lay.bias]  # (C, d): row c is M k_c
+        h_s = 2.0 * (u @ k_rows[:, s_idx].T)
+        h_r = 2.0 * (u @ k_rows[:, r_idx].T)
+        kk = k_rows[np.arange(len(oh_idx)), oh_idx] + k_rows[:, lay.bias]
+        mean_s = u @ th[s_idx]
+        mean_r = u @ th[r_idx]
+        mean_c = th[oh_idx] + th[lay.bias]
+        inter = lay.absdiff is not None and lay.product is not None
+        if lay.absdiff is not None and lay.product is not None:
+            z_idx = np.r_[
+                np.arange(lay.absdiff.start, lay.absdiff.stop),
+                np.arange(lay.product.start, lay.product.stop),
+            ]
+            m_zz = m[np.ix_(z_idx, z_idx)]
+            g_s = 2.0 * (u @ m[np.ix_(s_idx, z_idx)])
+            g_r = 2.0 * (u @ m[np.ix_(r_idx, z_idx)])
+            k_z = 2.0 * k_rows[:, z_idx]
+            th_z = th[z_idx]
+
+        n_pairs, n_c = len(left), len(oh_idx)
+        ucb = np.empty((n_pairs, 2 * n_c), dtype=np.float64)
+        mean = np.empty((n_pairs, 2 * n_c), dtype=np.float64)
+        for lo in range(0, n_pairs, _PAIR_BLOCK):
+            i = left[lo : lo + _PAIR_BLOCK]
+            j = right[lo : lo + _PAIR_BLOCK]
+            fwd = q_s[i] + q_r[j] + np.einsum("ij,ij->i", cross[i], u[j])
+            rev = q_s[j] + q_r[i] + np.einsum("ij,ij->i", cross[j], u[i])
+            m_fwd = mean_s[i] + mean_r[j]
+            m_rev = mean_s[j] + mean_r[i]
+            combo = h_s[i] + h_r[j], h_s[j] + h_r[i]
+            if inter:
+                pi, pj = profiles[i], profiles[j]
+                z = np.hstack([np.abs(pi - pj), pi * pj])
+                q_z = np.einsum("ij,ij->i", z @ m_zz, z)
+                fwd += q_z + np.einsum("ij,ij->i", z, g_s[i] + g_r[j])
+                rev += q_z + np.einsum("ij,ij->i", z, g_s[j] + g_r[i])
+                z_c = z @ k_z.T + kk
+                m_z = z @ th_z
+                m_fwd += m_z
+                m_rev += m_z
+            else:
+                z_c = np.broadcast_to(kk, (len(i), n_c))
+            for col, (quad, mu, per_combo) in enumerate(
+                ((fwd, m_fwd, combo[0]), (rev, m_rev, combo[1]))
+            ):
+                block = quad[:, None] + per_combo + z_c
+                np.maximum(block, 0.0, out=block)
+                np.sqrt(block, out=block)
+                block *= beta
+                mu_block = mu[:, None] + mean_c
+                cols = slice(col * n_c, (col + 1) * n_c)
+                mean[lo : lo + len(i), cols] = mu_block
+                ucb[lo : lo + len(i), cols] = block + mu_block
+        return ucb, mean

@@ -45,6 +45,8 @@ __all__ = ["Matchmaker", "MatchmakerState", "Pairing", "PairingPolicy"]
 
 #: Seeded random partners per agent added by the prefilter (exploration beyond top-k).
 DEFAULT_PREFILTER_RANDOM = 2
+# Refill passes per select (each pairs leftovers of the previous; two or three suffice).
+_MAX_PASSES = 8
 
 
 @dataclass(frozen=True)
@@ -203,10 +205,8 @@ class Matchmaker:
         self._last_candidates = 0
         # The per-pair candidate pattern: direction x protocol x role, pair-major.
         n_p, n_r = len(self._features.protocols), len(self._features.roles)
-        combos = 2 * n_p * n_r
-        self._combo_forward = np.arange(combos) < n_p * n_r
-        self._combo_protocol = (np.arange(combos) // n_r) % n_p
-        self._combo_role = np.arange(combos) % n_r
+        # Column layout of LinUCB.score_pairs: C forward combos, then C reverse ones.
+        self._combo_forward = np.arange(2 * n_p * n_r) < n_p * n_r
 
     # -- read-only views -------------------------------------------------------------
 
@@ -245,7 +245,8 @@ class Matchmaker:
         """Pick up to ``K_p`` disjoint pairings for the agents in ``profiles``.
 
         Raises ``ValueError`` for an invalid profile (wrong shape, NaN/Inf, absurd
-        magnitude). Returns ``[]`` for fewer than two agents. Pairings come best first.
+        magnitude). Returns ``[]`` for fewer than two agents. Pairings come best first
+        (within a refill pass, see :meth:`_select_pass`).
         """
         ids = sorted(profiles)
         if any(not isinstance(a, str) for a in ids):
@@ -261,41 +262,97 @@ class Matchmaker:
         )
         self._selects_since_update += 1
         trust = self._trust.scores(ids) if self._features.trust else None
-        left, right = self._candidate_pairs(mat, trust, rng)
 
-        n_pairs, combos = len(left), len(self._combo_forward)
+        # Refill passes: a prefiltered candidate graph is sparse, so greedy can strand
+        # agents whose few candidate partners were taken. Algorithm 2 would still pair
+        # them (it stops only at K_p or when nobody is left), so the leftovers get another
+        # pass among themselves. With all pairs scored the first pass already fills K_p.
+        chosen: list[tuple[int, int, int, float, float]] = []
+        free = np.arange(n, dtype=np.intp)
+        for _ in range(_MAX_PASSES):
+            picked = self._select_pass(free, mat, trust, budget - len(chosen), rng)
+            if not picked:
+                break
+            chosen.extend(picked)
+            if len(chosen) >= budget:
+                break
+            taken = np.array([a for c in picked for a in c[:2]], dtype=np.intp)
+            free = np.setdiff1d(free, taken, assume_unique=True)
+            if len(free) < 2:
+                break
+        if not chosen:
+            return []
+
+        senders = np.array([c[0] for c in chosen], dtype=np.intp)
+        receivers = np.array([c[1] for c in chosen], dtype=np.intp)
+        combo = np.array([c[2] for c in chosen], dtype=np.intp)
+        n_roles = len(self._features.roles)
+        contexts = self._features.build(
+            mat, trust, senders, receivers, combo // n_roles, combo % n_roles
+        )
+        # Read-only, so each Pairing can hold a row view instead of a copy.
+        contexts.flags.writeable = False
+        return [
+            Pairing(
+                sender=ids[s],
+                receiver=ids[r],
+                protocol=self._features.protocols[c // n_roles],
+                role=self._features.roles[c % n_roles],
+                context=contexts[row],
+                ucb=u,
+                mean=mu,
+            )
+            for row, (s, r, c, u, mu) in enumerate(chosen)
+        ]
+
+    def _select_pass(
+        self,
+        agents: NDArray[np.intp],
+        mat: NDArray[np.float64],
+        trust: NDArray[np.float64] | None,
+        budget: int,
+        rng: np.random.Generator,
+    ) -> list[tuple[int, int, int, float, float]]:
+        """One Algorithm-2 pass over ``agents``: ``(sender, receiver, combo, ucb, mean)``.
+
+        Indices are into ``mat``; ``combo`` indexes the (protocol, role) one-hot.
+        """
+        sub = mat[agents]
+        sub_trust = None if trust is None else trust[agents]
+        n = len(agents)
+        left, right = self._candidate_pairs(sub, sub_trust, rng)
+        ucb2, mean2 = self._bandit.score_pairs(
+            self._features.layout, sub, sub_trust, left, right, self._beta
+        )
+        n_pairs, combos = ucb2.shape
+        ucb, mean = ucb2.ravel(), mean2.ravel()
+        self._last_candidates += len(ucb)
         fwd = self._combo_forward[None, :]
         senders = np.where(fwd, left[:, None], right[:, None]).ravel()
         receivers = np.where(fwd, right[:, None], left[:, None]).ravel()
-        protocol_idx = np.tile(self._combo_protocol, n_pairs)
-        role_idx = np.tile(self._combo_role, n_pairs)
-        contexts = self._features.build(mat, trust, senders, receivers, protocol_idx, role_idx)
-        ucb, mean = self._bandit.score(contexts, self._beta)
-        self._last_candidates = len(ucb)
 
         # Descending UCB; exact ties fall to a seeded random permutation (never to input order).
         perm = rng.permutation(len(ucb))
         order = perm[np.argsort(-ucb[perm], kind="stable")]
         if self._matching == "greedy":
-            chosen = greedy_disjoint(senders, receivers, order, budget, n)
+            picked = greedy_disjoint(senders, receivers, order, budget, n)
         else:
             rank = np.empty(len(ucb), dtype=np.intp)
             rank[order] = np.arange(len(ucb))
             # Each pair's best tuple (over directions, protocols, roles) under the same order.
             best = rank.reshape(n_pairs, combos).argmin(axis=1) + np.arange(n_pairs) * combos
             edges = max_weight_disjoint(left, right, ucb[best], budget, n)
-            chosen = sorted((int(best[e]) for e in edges), key=lambda c: int(rank[c]))
+            picked = sorted((int(best[e]) for e in edges), key=lambda c: int(rank[c]))
+        n_combo = combos // 2
         return [
-            Pairing(
-                sender=ids[int(senders[c])],
-                receiver=ids[int(receivers[c])],
-                protocol=self._features.protocols[int(protocol_idx[c])],
-                role=self._features.roles[int(role_idx[c])],
-                context=contexts[c].copy(),
-                ucb=float(ucb[c]),
-                mean=float(mean[c]),
+            (
+                int(agents[senders[c]]),
+                int(agents[receivers[c]]),
+                c % n_combo,
+                float(ucb[c]),
+                float(mean[c]),
             )
-            for c in chosen
+            for c in picked
         ]
 
     def _candidate_pairs(

@@ -9,6 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peerlm.services.cpm.core import CpmCore
+from peerlm.services.cpm.metrics import CpmMetrics
+from peerlm.services.cpm.service import CPM_POLICY, CpmService
+from peerlm.services.cpm.store import SqliteCpmStore
+
 from peerlm.config import CpmSettings, parse_host_port
 from peerlm.logs import configure_logging
 from peerlm.metrics import new_registry, serve_metrics
@@ -16,10 +21,6 @@ from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_ser
 from peerlm.security.authz import AuthInterceptor
 from peerlm.security.credentials import TlsFiles, server_credentials
 from peerlm.security.mode import SecurityMode, resolve_security
-from peerlm.services.cpm.core import CpmCore
-from peerlm.services.cpm.metrics import CpmMetrics
-from peerlm.services.cpm.service import CPM_POLICY, CpmService
-from peerlm.services.cpm.store import SqliteCpmStore
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["run_cpm", "serve_cpm"]

@@ -9,6 +9,7 @@ event loop never blocks on SQLite's fsync and the core never sees two calls at o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,12 +18,13 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
-
-from peerlm.pki.identity import Role
-from peerlm.security.authz import current_identity
 from peerlm.services.cpm.core import CpmCore, CpmError, MatchOutcome
 from peerlm.services.cpm.metrics import CpmMetrics
 from peerlm.services.cpm.records import DirectiveRecord
+
+from peerlm.grpc_types import ServicerContext
+from peerlm.pki.identity import Role
+from peerlm.security.authz import current_identity
 from peerlm.wire.v1 import common_pb2, cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["CPM_POLICY", "CpmService", "DirectiveHub"]
@@ -163,7 +165,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, err: CpmError) -> None:
+    async def _refuse(self, context: ServicerContext, rpc: str, err: CpmError) -> None:
         self._m.rejected.labels(rpc, err.reason).inc()
         self._log.warning(
             "request_refused", rpc=rpc, reason=err.reason, detail=err.message, peer=_caller_name()
@@ -173,7 +175,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
     # ------------------------------------------------------------------ RPCs
 
     async def SubmitProfile(
-        self, request: cpm_pb2.SubmitProfileRequest, context: grpc.aio.ServicerContext
+        self, request: cpm_pb2.SubmitProfileRequest, context: ServicerContext
     ) -> cpm_pb2.SubmitProfileResponse:
         agent = current_identity().name
         try:
@@ -204,7 +206,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         )
 
     async def StreamDirectives(
-        self, request: cpm_pb2.StreamDirectivesRequest, context: grpc.aio.ServicerContext
+        self, request: cpm_pb2.StreamDirectivesRequest, context: ServicerContext
     ) -> AsyncIterator[cpm_pb2.Directive]:
         agent = current_identity().name
         queue = self._hub.attach(agent)
@@ -243,7 +245,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
             self._log.info("directive_feed_closed", agent=agent)
 
     async def ReportReward(
-        self, request: cpm_pb2.ReportRewardRequest, context: grpc.aio.ServicerContext
+        self, request: cpm_pb2.ReportRewardRequest, context: ServicerContext
     ) -> cpm_pb2.ReportRewardResponse:
         agent = current_identity().name
         try:
@@ -278,12 +280,12 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         )
 
     async def GetStats(
-        self, request: cpm_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+        self, request: cpm_pb2.GetStatsRequest, context: ServicerContext
     ) -> cpm_pb2.CpmStats:
         return await self._call(self._stats)
 
     async def TriggerMatchmaking(
-        self, request: cpm_pb2.TriggerMatchmakingRequest, context: grpc.aio.ServicerContext
+        self, request: cpm_pb2.TriggerMatchmakingRequest, context: ServicerContext
     ) -> cpm_pb2.TriggerMatchmakingResponse:
         out = await self._run_matchmaking("admin")
         return cpm_pb2.TriggerMatchmakingResponse(
@@ -356,10 +358,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         it neither drifts nor delays a quorum round by up to a tick.
         """
         while not self._stopping.is_set():
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), timeout=self._tick)
-            except TimeoutError:
-                pass
             self._kick.clear()
             if self._stopping.is_set():
                 return

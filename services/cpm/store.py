@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
-
 from peerlm.services.cpm.matchmaker import MatchmakerState
 from peerlm.services.cpm.records import (
     DirectiveRecord,

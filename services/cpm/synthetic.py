@@ -448,6 +448,22 @@ class SyntheticFederation:
         """Row of client ``name`` in the matrices (``names`` order)."""
         return self._index[name]
 
+    def js_matrix(self) -> FloatArray:
+        """Pairwise JS divergence (base 2) of the clients' TRUE data distributions."""
+        d = self.distribution
+        mix = 0.5 * (d[:, None, :] + d[None, :, :])
+
+        def _entropy(x: FloatArray) -> FloatArray:
+            logs = np.log2(x, out=np.zeros_like(x), where=x > 0)
+            out: FloatArray = -(x * logs).sum(axis=-1)
+            return out
+
+        ent = _entropy(d)
+        js = _entropy(mix) - 0.5 * (ent[:, None] + ent[None, :])
+        np.fill_diagonal(js, 0.0)
+        result: FloatArray = np.clip(js, 0.0, 1.0)
+        return result
+
     def js_divergence(self, a: str, b: str) -> float:
         """JS divergence (base 2) between the TRUE data distributions of two clients."""
         return js_divergence(self.distribution[self._index[a]], self.distribution[self._index[b]])

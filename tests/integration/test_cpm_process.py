@@ -65,7 +65,9 @@ async def test_round_trip_profile_directive_reward(cpm: CpmProcess) -> None:
         ch, stub = cpm.pki.stub(cpm.target, f"a{i}")
         chans[f"a{i}"] = (ch, stub)
         resp = await stub.SubmitProfile(
-            cpm_pb2.SubmitProfileRequest(round=1, features=_profile(i), peer_endpoint=f"127.0.0.1:{7000 + i}")
+            cpm_pb2.SubmitProfileRequest(
+                round=1, features=_profile(i), peer_endpoint=f"127.0.0.1:{7000 + i}"
+            )
         )
         assert resp.profiles_pending == i + 1
     admin_ch, admin = cpm.pki.stub(cpm.target, "admin")
@@ -79,7 +81,9 @@ async def test_round_trip_profile_directive_reward(cpm: CpmProcess) -> None:
         directives[name] = d
         assert name in (d.teacher, d.student)
         me_teacher = d.teacher == name
-        assert d.role == (cpm_pb2.EXCHANGE_ROLE_TEACHER if me_teacher else cpm_pb2.EXCHANGE_ROLE_STUDENT)
+        assert d.role == (
+            cpm_pb2.EXCHANGE_ROLE_TEACHER if me_teacher else cpm_pb2.EXCHANGE_ROLE_STUDENT
+        )
         assert d.peer.name == (d.student if me_teacher else d.teacher)
         assert d.peer.endpoint.startswith("127.0.0.1:")
         assert d.protocol == "akd" and len(d.directive_id) == 32
@@ -88,25 +92,42 @@ async def test_round_trip_profile_directive_reward(cpm: CpmProcess) -> None:
     for n in students:
         d = directives[n]
         ack = await chans[n][1].ReportReward(
-            cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=0.5, loss_pre=2.0, loss_post=1.5, kilobytes=3)
+            cpm_pb2.ReportRewardRequest(
+                directive_id=d.directive_id, reward=0.5, loss_pre=2.0, loss_post=1.5, kilobytes=3
+            )
         )
         assert ack.directive_id == d.directive_id and ack.bandit_updates >= 1
     stats = await admin.GetStats(cpm_pb2.GetStatsRequest())
     assert stats.rewards_observed >= 2 and stats.matchmaking_rounds >= 1
     assert {a.name for a in stats.agents} >= {"a0", "a1", "a2", "a3"}
     assert _metric(cpm, "peerlm_cpm_rewards_observed_total") >= 2
-    assert _metric(cpm, "peerlm_grpc_server_requests_total", method="/peerlm.v1.Matchmaker/ReportReward", code="OK") >= 2
+    assert (
+        _metric(
+            cpm,
+            "peerlm_grpc_server_requests_total",
+            method="/peerlm.v1.Matchmaker/ReportReward",
+            code="OK",
+        )
+        >= 2
+    )
 
     # Replay and wrong reporter, on a real directive.
     d = directives[students[0]]
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await chans[students[0]][1].ReportReward(cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=0.5))
+        await chans[students[0]][1].ReportReward(
+            cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=0.5)
+        )
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
     other = directives[students[1]]
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await chans[students[0]][1].ReportReward(cpm_pb2.ReportRewardRequest(directive_id=other.directive_id, reward=0.5))
+        await chans[students[0]][1].ReportReward(
+            cpm_pb2.ReportRewardRequest(directive_id=other.directive_id, reward=0.5)
+        )
     assert e.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS)
-    assert _metric(cpm, "peerlm_cpm_rejected_requests_total", rpc="ReportReward", reason="replayed") >= 1
+    assert (
+        _metric(cpm, "peerlm_cpm_rejected_requests_total", rpc="ReportReward", reason="replayed")
+        >= 1
+    )
     after = await admin.GetStats(cpm_pb2.GetStatsRequest())
     assert after.bandit_updates == stats.bandit_updates
     for ch, _ in chans.values():
@@ -117,7 +138,7 @@ async def test_round_trip_profile_directive_reward(cpm: CpmProcess) -> None:
 async def test_teacher_cannot_report(cpm: CpmProcess) -> None:
     stubs = {}
     for i in (4, 5):
-        ch, stub = cpm.pki.stub(cpm.target, f"a{i}")
+        _ch, stub = cpm.pki.stub(cpm.target, f"a{i}")
         stubs[f"a{i}"] = stub
         await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=_profile(i)))
     admin_ch, admin = cpm.pki.stub(cpm.target, "admin")
@@ -127,11 +148,18 @@ async def test_teacher_cannot_report(cpm: CpmProcess) -> None:
     call.cancel()
     before = await admin.GetStats(cpm_pb2.GetStatsRequest())
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stubs[d.teacher].ReportReward(cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=1.0))
+        await stubs[d.teacher].ReportReward(
+            cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=1.0)
+        )
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     after = await admin.GetStats(cpm_pb2.GetStatsRequest())
     assert after.bandit_updates == before.bandit_updates
-    assert _metric(cpm, "peerlm_cpm_rejected_requests_total", rpc="ReportReward", reason="not_receiver") >= 1
+    assert (
+        _metric(
+            cpm, "peerlm_cpm_rejected_requests_total", rpc="ReportReward", reason="not_receiver"
+        )
+        >= 1
+    )
     await admin_ch.close()
 
 
@@ -167,10 +195,14 @@ async def test_oversized_message_refused(cpm: CpmProcess) -> None:
         ("0" * 32, 1.0, grpc.StatusCode.NOT_FOUND),
     ],
 )
-async def test_bad_rewards(cpm: CpmProcess, directive_id: str, reward: float, code: grpc.StatusCode) -> None:
+async def test_bad_rewards(
+    cpm: CpmProcess, directive_id: str, reward: float, code: grpc.StatusCode
+) -> None:
     ch, stub = cpm.pki.stub(cpm.target, "a1")
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.ReportReward(cpm_pb2.ReportRewardRequest(directive_id=directive_id, reward=reward))
+        await stub.ReportReward(
+            cpm_pb2.ReportRewardRequest(directive_id=directive_id, reward=reward)
+        )
     assert e.value.code() == code
     await ch.close()
 
@@ -195,7 +227,9 @@ async def test_roles_enforced(cpm: CpmProcess) -> None:
 async def test_foreign_ca_and_missing_cert_refused(cpm: CpmProcess) -> None:
     ch, stub = cpm.pki.stub(cpm.target, "a0", foreign=True)
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)), timeout=5)
+        await stub.SubmitProfile(
+            cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)), timeout=5
+        )
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     await ch.close()
     ca = (cpm.pki.root / "ca.crt").read_bytes()
@@ -204,13 +238,17 @@ async def test_foreign_ca_and_missing_cert_refused(cpm: CpmProcess) -> None:
 
     stub = cpm_pb2_grpc.MatchmakerStub(ch)  # type: ignore[no-untyped-call]
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)), timeout=5)
+        await stub.SubmitProfile(
+            cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)), timeout=5
+        )
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     await ch.close()
     ch = grpc.aio.insecure_channel(cpm.target)
     stub = cpm_pb2_grpc.MatchmakerStub(ch)  # type: ignore[no-untyped-call]
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)), timeout=5)
+        await stub.SubmitProfile(
+            cpm_pb2.SubmitProfileRequest(round=1, features=_profile(0)), timeout=5
+        )
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     await ch.close()
 
@@ -220,9 +258,20 @@ def test_insecure_dev_refuses_non_loopback(tmp_path: Path) -> None:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "peerlm", "cpm", "--insecure-dev", "--listen", "0.0.0.0:0",
-         "--db", str(tmp_path / "x.db")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "peerlm",
+            "cpm",
+            "--insecure-dev",
+            "--listen",
+            "0.0.0.0:0",
+            "--db",
+            str(tmp_path / "x.db"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 2
     assert "loopback" in out.stderr
@@ -233,8 +282,19 @@ def test_missing_tls_refuses_to_start(tmp_path: Path) -> None:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "peerlm", "cpm", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "x.db")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "peerlm",
+            "cpm",
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            str(tmp_path / "x.db"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 2, out.stderr
     assert "TLS" in out.stderr or "tls" in out.stderr or "certificate" in out.stderr

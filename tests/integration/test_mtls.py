@@ -224,19 +224,19 @@ def refused(code: grpc.StatusCode) -> Iterator[list[grpc.aio.AioRpcError]]:
 
 
 async def test_agent_is_accepted_and_handlers_see_its_identity(pki: Pki) -> None:
-    async with serving(pki.kit("cpm")) as served:
-        async with secure(served, channel_credentials(pki.kit("a1"))) as channel:
-            assert await whoami(channel) == f"spiffe://{FEDERATION}/agent/a1"
-            stream = channel.unary_stream(method("Count"))(b"3", timeout=TIMEOUT)
-            assert [m async for m in stream] == [b"0:a1", b"1:a1", b"2:a1"]
-            written = channel.unary_stream(method("Written"))(b"", timeout=TIMEOUT)
-            assert [m async for m in written] == [b"spiffe://acme/agent/a1"]
-            gathered = await channel.stream_unary(method("Gather"))(
-                iter([b"x", b"y"]), timeout=TIMEOUT
-            )
-            assert gathered == b"x,y|a1"
-            chat = channel.stream_stream(method("Chat"))(iter([b"p", b"q"]), timeout=TIMEOUT)
-            assert [m async for m in chat] == [b"p@a1", b"q@a1"]
+    async with (
+        serving(pki.kit("cpm")) as served,
+        secure(served, channel_credentials(pki.kit("a1"))) as channel,
+    ):
+        assert await whoami(channel) == f"spiffe://{FEDERATION}/agent/a1"
+        stream = channel.unary_stream(method("Count"))(b"3", timeout=TIMEOUT)
+        assert [m async for m in stream] == [b"0:a1", b"1:a1", b"2:a1"]
+        written = channel.unary_stream(method("Written"))(b"", timeout=TIMEOUT)
+        assert [m async for m in written] == [b"spiffe://acme/agent/a1"]
+        gathered = await channel.stream_unary(method("Gather"))(iter([b"x", b"y"]), timeout=TIMEOUT)
+        assert gathered == b"x,y|a1"
+        chat = channel.stream_stream(method("Chat"))(iter([b"p", b"q"]), timeout=TIMEOUT)
+        assert [m async for m in chat] == [b"p@a1", b"q@a1"]
     context = served.auth_contexts[0]
     # What gRPC core puts in the auth context of a verified mTLS peer (grpcio 1.85).
     assert context["transport_security_type"] == [b"ssl"]
@@ -246,18 +246,20 @@ async def test_agent_is_accepted_and_handlers_see_its_identity(pki: Pki) -> None
 
 
 async def test_health_and_reflection_are_open_to_any_member(pki: Pki) -> None:
-    async with serving(pki.kit("cpm")) as served:
-        async with secure(served, channel_credentials(pki.kit("ov1"))) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            request = reflection_pb2.ServerReflectionRequest(list_services="")
-            responses = [r async for r in stub.ServerReflectionInfo(iter([request]))]
-            names = {s.name for s in responses[0].list_services_response.service}
-            assert "grpc.health.v1.Health" in names
-            # The overlay role may call Whoami too.
-            assert await whoami(channel) == "spiffe://acme/overlay/ov1"
+    async with (
+        serving(pki.kit("cpm")) as served,
+        secure(served, channel_credentials(pki.kit("ov1"))) as channel,
+    ):
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        responses = [r async for r in stub.ServerReflectionInfo(iter([request]))]
+        names = {s.name for s in responses[0].list_services_response.service}
+        assert "grpc.health.v1.Health" in names
+        # The overlay role may call Whoami too.
+        assert await whoami(channel) == "spiffe://acme/overlay/ov1"
 
 
 async def test_tls13_is_negotiated(pki: Pki) -> None:
@@ -326,11 +328,13 @@ async def test_other_federation_is_unauthenticated(pki: Pki) -> None:
 
 async def test_dev_identity_metadata_is_ignored_under_mtls(pki: Pki) -> None:
     claim = dev_identity_metadata(PeerIdentity(FEDERATION, Role.ADMIN, "root"))
-    async with serving(pki.kit("cpm")) as served:
-        async with secure(served, channel_credentials(pki.kit("a1"))) as channel:
-            assert await whoami(channel, metadata=claim) == "spiffe://acme/agent/a1"
-            with refused(grpc.StatusCode.PERMISSION_DENIED):
-                await channel.unary_unary(method("AdminOnly"))(b"", timeout=TIMEOUT, metadata=claim)
+    async with (
+        serving(pki.kit("cpm")) as served,
+        secure(served, channel_credentials(pki.kit("a1"))) as channel,
+    ):
+        assert await whoami(channel, metadata=claim) == "spiffe://acme/agent/a1"
+        with refused(grpc.StatusCode.PERMISSION_DENIED):
+            await channel.unary_unary(method("AdminOnly"))(b"", timeout=TIMEOUT, metadata=claim)
 
 
 # -- handshake refusals ---------------------------------------------------------------------
@@ -419,7 +423,7 @@ def test_resolve_security_refuses_unsafe_setups(pki: Pki, tmp_path: Path) -> Non
         )
     kit = pki.kit("a1")
     keyless = TlsFiles(ca_cert=kit.ca_cert, cert=kit.cert, key=tmp_path / "missing.key")
-    with pytest.raises(SecurityConfigError, match="missing.key"):
+    with pytest.raises(SecurityConfigError, match=r"missing\.key"):
         resolve_security(
             insecure_dev=False,
             listen_host="0.0.0.0",
@@ -427,3 +431,13 @@ def test_resolve_security_refuses_unsafe_setups(pki: Pki, tmp_path: Path) -> Non
             component="t",
             logger=_NullLogger(),
         )
+
+
+async def test_mtls_interceptor_on_a_plaintext_port_refuses_everyone() -> None:
+    """A mis-wired server (mTLS policy, plaintext port) fails closed, not open."""
+    async with serving(None, mode=SecurityMode.MTLS) as served:
+        async with grpc.aio.insecure_channel(served.target) as channel:
+            claim = dev_identity_metadata(PeerIdentity(FEDERATION, Role.AGENT, "a1"))
+            with refused(grpc.StatusCode.UNAUTHENTICATED):
+                await whoami(channel, metadata=claim)
+        assert served.refusals("Whoami", "no_certificate") == 1.0

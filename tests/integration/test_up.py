@@ -15,9 +15,22 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_up_runs_a_federation_and_reports(tmp_path: Path) -> None:
     state = tmp_path / "fed"
     out = subprocess.run(
-        [sys.executable, "-m", "peerlm", "up", "-n", "4", "-r", "3", "--json",
-         "--state-dir", str(state)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "peerlm",
+            "up",
+            "-n",
+            "4",
+            "-r",
+            "3",
+            "--json",
+            "--state-dir",
+            str(state),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)

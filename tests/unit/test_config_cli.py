@@ -52,7 +52,9 @@ def test_version() -> None:
 def test_config_show(tmp_path: Path) -> None:
     cfg = tmp_path / "cpm.yaml"
     cfg.write_text("beta: 2.0\n")
-    out = CliRunner().invoke(app, ["config", "show", "--component", "cpm", "--config", str(cfg), "--json"])
+    out = CliRunner().invoke(
+        app, ["config", "show", "--component", "cpm", "--config", str(cfg), "--json"]
+    )
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["beta"] == 2.0
     out = CliRunner().invoke(app, ["config", "show", "--component", "nope"])

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from peerlm.config import CpmSettings
 from peerlm.services.cpm.core import CpmCore, CpmError
 from peerlm.services.cpm.records import DirectiveStatus
 from peerlm.services.cpm.store import MemoryCpmStore
+
+from peerlm.config import CpmSettings
 
 
 class Clock:

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from peerlm.services.cpm.matchmaker import MatchmakerState
 from peerlm.services.cpm.records import (
     DirectiveRecord,

@@ -28,8 +28,18 @@ SUBPACKAGES = [
 @pytest.mark.slow
 def test_wheel_imports_every_subpackage(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
         check=True,
         capture_output=True,
     )
@@ -68,3 +78,18 @@ def test_generated_wire_code_is_current() -> None:
         text=True,
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_compose_file_is_valid_and_refers_to_real_files() -> None:
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert "cpm" in compose["services"]
+    for svc in compose["services"].values():
+        build = svc.get("build", {})
+        if build:
+            assert (ROOT / build["context"] / build["dockerfile"]).exists()
+        for volume in svc.get("volumes", []):
+            host = volume.split(":")[0]
+            if host.startswith("./deploy/"):
+                assert (ROOT / host).exists(), host

@@ -336,8 +336,10 @@ def test_cli_init_issue_inspect(tmp_path: Path) -> None:
     assert "acme" in result.stdout
     result = runner.invoke(
         app,
-        ["issue", "--dir", str(tmp_path), "--role", "agent", "--name", "a1"]
-        + ["--san", "127.0.0.1", "--san", "localhost", "--days", "30"],
+        [
+            *("issue", "--dir", str(tmp_path), "--role", "agent", "--name", "a1"),
+            *("--san", "127.0.0.1", "--san", "localhost", "--days", "30"),
+        ],
     )
     assert result.exit_code == 0, result.output
     assert "spiffe://acme/agent/a1" in result.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -9,9 +10,12 @@ from typing import Any
 import grpc
 import pytest
 
+from peerlm.metrics import new_registry
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import PeerIdentity, Role
 from peerlm.security.authz import (
+    AuthInterceptor,
+    TlsFailureCounter,
     current_identity,
     describe_rpc_error,
     tls_failure_reason,
@@ -168,7 +172,7 @@ def test_mtls_without_files_never_falls_back() -> None:
 def test_mtls_names_the_missing_file(kit: TlsFiles, missing: str) -> None:
     path: Path = getattr(kit, missing)
     path.unlink()
-    with pytest.raises(SecurityConfigError, match=str(path)):
+    with pytest.raises(SecurityConfigError, match=re.escape(str(path))):
         resolve_security(
             insecure_dev=False,
             listen_host="0.0.0.0",
@@ -176,7 +180,7 @@ def test_mtls_names_the_missing_file(kit: TlsFiles, missing: str) -> None:
             component="x",
             logger=RecordingLogger(),
         )
-    with pytest.raises(SecurityConfigError, match=str(path)):
+    with pytest.raises(SecurityConfigError, match=re.escape(str(path))):
         resolve_channel_security(
             insecure_dev=False,
             target="10.0.0.1:1",
@@ -340,3 +344,12 @@ def test_describe_other_errors() -> None:
     assert "did not accept our identity" in describe_rpc_error(
         _error(grpc.StatusCode.UNAUTHENTICATED, "x")
     )
+
+
+def test_interceptors_can_share_a_registry() -> None:
+    registry = new_registry()
+    for component in ("cpm", "overlay"):
+        AuthInterceptor(
+            {}, federation="acme", mode=SecurityMode.MTLS, registry=registry, component=component
+        )
+        TlsFailureCounter(registry, component)

@@ -31,9 +31,7 @@ def test_cpm_messages_have_no_bytes_and_no_unbounded_payloads() -> None:
         assert f.type != FieldDescriptor.TYPE_BYTES, f"{name} could carry a payload"
         assert f.message_type is None or f.message_type.full_name != "peerlm.v1.Chunk", name
     # The only repeated scalar is the profile vector, whose length the CPM checks (d_p).
-    repeated_scalars = [
-        n for n, f in fields if f.is_repeated and f.message_type is None
-    ]
+    repeated_scalars = [n for n, f in fields if f.is_repeated and f.message_type is None]
     assert repeated_scalars == ["peerlm.v1.SubmitProfileRequest.features"]
 
 

@@ -1,0 +1,34 @@
+"""The docs stay true: every config field and every metric is documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from peerlm.config import CpmSettings, GrpcLimits
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_config_field_is_documented() -> None:
+    doc = (ROOT / "docs/configuration.md").read_text()
+    for name in CpmSettings.model_fields:
+        if name in ("tls", "limits"):
+            continue
+        assert f"`{name}`" in doc, name
+    for name in GrpcLimits.model_fields:
+        assert f"`limits.{name}`" in doc, name
+
+
+def test_every_metric_is_catalogued() -> None:
+    doc = (ROOT / "docs/metrics.md").read_text()
+    names: set[str] = set()
+    for path in [*ROOT.glob("peerlm/**/*.py"), *ROOT.glob("services/**/*.py")]:
+        names |= set(
+            re.findall(
+                r'"(peerlm_[a-z_]+_(?:total|seconds|count|ratio|zscore|bytes))"', path.read_text()
+            )
+        )
+    assert names
+    for name in sorted(names):
+        assert f"`{name}`" in doc, name

@@ -1,0 +1,193 @@
+"""LinUCB state: Sherman–Morrison against an explicit inverse, and UCB scoring."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from peerlm.services.cpm import ContextFeatures, LinUCB
+
+FINITE = st.floats(-10, 10, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def update_sequences(draw: st.DrawFn) -> tuple[int, float, list[np.ndarray], list[float]]:
+    dim = draw(st.integers(1, 8))
+    ridge = draw(st.floats(0.1, 10))
+    n = draw(st.integers(0, 40))
+    xs = [draw(arrays(np.float64, dim, elements=FINITE)) for _ in range(n)]
+    rs = [draw(FINITE) for _ in range(n)]
+    return dim, ridge, xs, rs
+
+
+@settings(max_examples=60, deadline=None)
+@given(update_sequences())
+def test_sherman_morrison_matches_explicit_inverse(
+    case: tuple[int, float, list[np.ndarray], list[float]],
+) -> None:
+    dim, ridge, xs, rs = case
+    bandit = LinUCB(dim, ridge)
+    a = ridge * np.eye(dim)
+    b = np.zeros(dim)
+    for x, r in zip(xs, rs, strict=True):
+        bandit.update(x, r)
+        a += np.outer(x, x)
+        b += r * x
+    expected = np.linalg.inv(a)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(bandit.a_inv, expected, rtol=1e-8, atol=1e-10 * scale)
+    np.testing.assert_allclose(bandit.b, b, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(bandit.theta, np.linalg.solve(a, b), rtol=1e-6, atol=1e-8)
+    assert bandit.n_updates == len(xs)
+    # The s s^T form keeps A^-1 bitwise symmetric without a symmetrising pass.
+    assert np.array_equal(bandit.a_inv, bandit.a_inv.T)
+
+
+def _trained(dim: int, n: int, seed: int) -> LinUCB:
+    rng = np.random.default_rng(seed)
+    bandit = LinUCB(dim, 0.5)
+    for _ in range(n):
+        bandit.update(rng.normal(size=dim), float(rng.normal()))
+    return bandit
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.integers(0, 30),
+    st.integers(1, 12),
+    st.floats(0, 3),
+    st.integers(0, 2**32 - 1),
+)
+def test_ucb_scores_match_per_candidate_loop(
+    dim: int, n_updates: int, m: int, beta: float, seed: int
+) -> None:
+    bandit = _trained(dim, n_updates, seed)
+    contexts = np.random.default_rng(seed + 1).normal(size=(m, dim))
+    ucb, mean = bandit.score(contexts, beta)
+    a_inv, theta = np.array(bandit.a_inv), np.array(bandit.theta)
+    for k, x in enumerate(contexts):
+        mu = float(theta @ x)
+        bonus = beta * np.sqrt(max(float(x @ a_inv @ x), 0.0))
+        assert mean[k] == pytest.approx(mu, rel=1e-10, abs=1e-10)
+        assert ucb[k] == pytest.approx(mu + bonus, rel=1e-10, abs=1e-10)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(1, 5),
+    st.integers(2, 7),
+    st.booleans(),
+    st.booleans(),
+    st.integers(1, 2),
+    st.integers(1, 2),
+    st.integers(0, 2**32 - 1),
+)
+def test_score_pairs_matches_scoring_built_contexts(
+    profile_dim: int,
+    n_agents: int,
+    interaction: bool,
+    trust: bool,
+    n_protocols: int,
+    n_roles: int,
+    seed: int,
+) -> None:
+    rng = np.random.default_rng(seed)
+    protocols = [f"p{k}" for k in range(n_protocols)]
+    roles = [f"r{k}" for k in range(n_roles)]
+    features = ContextFeatures(
+        profile_dim, protocols, roles, interaction=interaction, trust=trust
+    )
+    bandit = _trained(features.dim, 25, seed)
+    profiles = rng.normal(size=(n_agents, profile_dim))
+    trust_vec = rng.random(n_agents)
+    left, right = np.triu_indices(n_agents, 1)
+    ucb2, mean2 = bandit.score_pairs(features.layout, profiles, trust_vec, left, right, 0.7)
+    combos = n_protocols * n_roles
+    assert ucb2.shape == (len(left), 2 * combos)
+    for p, (i, j) in enumerate(zip(left, right, strict=True)):
+        for col in range(2 * combos):
+            s, r = (i, j) if col < combos else (j, i)
+            c = col % combos
+            x = features.single(
+                profiles[s], profiles[r], protocols[c // n_roles], roles[c % n_roles],
+                trust_vec[s], trust_vec[r],
+            )  # fmt: skip
+            ucb, mean = bandit.score(x[None, :], 0.7)
+            assert ucb2[p, col] == pytest.approx(ucb[0], rel=1e-9, abs=1e-9)
+            assert mean2[p, col] == pytest.approx(mean[0], rel=1e-9, abs=1e-9)
+
+
+def test_initial_state_is_ridge_identity() -> None:
+    bandit = LinUCB(4, ridge=2.0)
+    np.testing.assert_array_equal(bandit.a_inv, np.eye(4) / 2.0)
+    np.testing.assert_array_equal(bandit.theta, np.zeros(4))
+    ucb, mean = bandit.score(np.array([[1.0, 0, 0, 0]]), beta=2.0)
+    assert mean[0] == 0.0
+    assert ucb[0] == pytest.approx(2.0 * np.sqrt(0.5))
+
+
+def test_views_are_read_only() -> None:
+    bandit = _trained(3, 5, 0)
+    for arr in (bandit.a_inv, bandit.b, bandit.theta):
+        with pytest.raises(ValueError):
+            arr[0] = 1.0
+
+
+@pytest.mark.parametrize(
+    "x",
+    [np.array([1.0, np.nan, 0.0]), np.array([np.inf, 0.0, 0.0]), np.ones(4), np.ones((3, 1))],
+)
+def test_bad_context_rejected_without_change(x: np.ndarray) -> None:
+    bandit = _trained(3, 5, 1)
+    a_inv, b, n = np.array(bandit.a_inv), np.array(bandit.b), bandit.n_updates
+    with pytest.raises(ValueError):
+        bandit.update(x, 1.0)
+    np.testing.assert_array_equal(bandit.a_inv, a_inv)
+    np.testing.assert_array_equal(bandit.b, b)
+    assert bandit.n_updates == n
+
+
+def test_non_finite_reward_rejected() -> None:
+    bandit = LinUCB(2)
+    with pytest.raises(ValueError):
+        bandit.update(np.ones(2), float("nan"))
+    assert bandit.n_updates == 0
+
+
+def test_from_arrays_round_trip_is_exact() -> None:
+    bandit = _trained(5, 20, 2)
+    copy = LinUCB.from_arrays(np.array(bandit.a_inv), np.array(bandit.b), bandit.n_updates)
+    assert np.array_equal(copy.a_inv, bandit.a_inv)
+    assert np.array_equal(copy.b, bandit.b)
+    assert copy.n_updates == bandit.n_updates
+    x = np.arange(5.0)
+    assert np.array_equal(copy.score(x[None], 1.0)[0], bandit.score(x[None], 1.0)[0])
+
+
+@pytest.mark.parametrize(
+    ("a_inv", "b", "n"),
+    [
+        (np.eye(3), np.zeros(2), 0),  # b of the wrong length
+        (np.ones((2, 3)), np.zeros(2), 0),  # not square
+        (np.array([[1.0, 0.5], [0.0, 1.0]]), np.zeros(2), 0),  # asymmetric
+        (np.array([[1.0, np.nan], [np.nan, 1.0]]), np.zeros(2), 0),
+        (-np.eye(2), np.zeros(2), 0),  # not positive definite
+        (np.eye(2), np.zeros(2), -1),
+    ],
+)
+def test_from_arrays_rejects_inconsistent_state(a_inv: np.ndarray, b: np.ndarray, n: int) -> None:
+    with pytest.raises(ValueError):
+        LinUCB.from_arrays(a_inv, b, n)
+
+
+def test_constructor_validates() -> None:
+    with pytest.raises(ValueError):
+        LinUCB(0)
+    with pytest.raises(ValueError):
+        LinUCB(3, ridge=0.0)
+    with pytest.raises(ValueError):
+        LinUCB(3, ridge=float("inf"))
