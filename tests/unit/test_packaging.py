@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -54,9 +55,9 @@ def test_wheel_imports_every_subpackage(tmp_path: Path) -> None:
     code = (
         "import importlib, sys\n"
         f"mods = {SUBPACKAGES!r}\n"
-        "for m in mods: importlib.import_module(m)\n"
-        "import peerlm\n"
-        f"assert peerlm.__file__.startswith({str(unpacked)!r}), peerlm.__file__\n"
+        "for m in mods:\n"
+        "    mod = importlib.import_module(m)\n"
+        f"    assert mod.__file__.startswith({str(unpacked)!r}), (m, mod.__file__)\n"
         "print('ok')\n"
     )
     out = subprocess.run(
