@@ -30,6 +30,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter
 
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem, parse_spiffe_uri
+from peerlm.rpc import wrap_handler
 from peerlm.security.mode import SecurityMode
 
 if TYPE_CHECKING:
@@ -288,26 +289,16 @@ class AuthInterceptor(_ServerInterceptor):
     def _wrap(
         self, handler: grpc.RpcMethodHandler[Any, Any], method: str
     ) -> grpc.RpcMethodHandler[Any, Any]:
-        deserializer = handler.request_deserializer
-        serializer = handler.response_serializer
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary_response(handler.unary_unary, method), deserializer, serializer
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream_response(handler.unary_stream, method), deserializer, serializer
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary_response(handler.stream_unary, method), deserializer, serializer
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap_stream_response(handler.stream_stream, method), deserializer, serializer
-            )
-        # A handler with no behaviour cannot run anything; refuse rather than pass it through.
-        raise RuntimeError(f"handler for {method} has no behaviour")
+        def guard(behaviour: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+            if streaming:
+                return self._wrap_stream_response(behaviour, method)
+            return self._wrap_unary_response(behaviour, method)
+
+        wrapped = wrap_handler(handler, guard)
+        if wrapped is handler:
+            # A handler with no behaviour cannot run anything; refuse rather than pass it on.
+            raise RuntimeError(f"handler for {method} has no behaviour")
+        return wrapped
 
     def _wrap_unary_response(
         self, behaviour: Callable[..., Any], method: str
