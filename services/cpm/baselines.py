@@ -43,9 +43,9 @@ def _budget(pair_budget: int | None, n: int) -> int:
 def _sorted_matrix(
     profiles: Mapping[str, ArrayLike], dim: int
 ) -> tuple[list[str], NDArray[np.float64]]:
-    ids = sorted(profiles)
-    if any(not isinstance(a, str) for a in ids):
+    if any(not isinstance(a, str) for a in profiles):
         raise ValueError("agent ids must be strings")
+    ids = sorted(profiles)
     return ids, validate_profiles(ids, [profiles[a] for a in ids], dim)
 
 

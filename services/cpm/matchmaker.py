@@ -21,6 +21,13 @@ Choices the paper leaves open (see also ``docs/matchmaker.md``):
 * **The reward is normalised before the update** (running z-score, :mod:`.normalise`), and
   ``observe`` updates with exactly ``pairing.context``, the vector scored at selection.
 * **Trust** is counted for the sender only; see :mod:`.trust`.
+* **Exact scores without building contexts**: every candidate's UCB is computed exactly
+  by :meth:`.LinUCB.score_pairs` from per-agent and per-pair pieces of ``x^T A^-1 x``;
+  only the chosen pairings' contexts are materialised (see :mod:`.linucb`).
+* **Large federations** (``N >= prefilter_min_agents``) score only prefiltered pairs
+  (:mod:`.prefilter`). The sparse candidate graph can strand agents, so leftovers get
+  further passes among themselves until ``K_p`` is met or nobody is left, as Algorithm 2
+  would; pairings are best-first within a pass. ``last_candidates`` counts all passes.
 """
 
 from __future__ import annotations
@@ -203,9 +210,8 @@ class Matchmaker:
         self._prefilter_random = int(prefilter_random)
         self._selects_since_update = 0
         self._last_candidates = 0
-        # The per-pair candidate pattern: direction x protocol x role, pair-major.
+        # Column layout of LinUCB.score_pairs per pair: C forward combos, then C reverse.
         n_p, n_r = len(self._features.protocols), len(self._features.roles)
-        # Column layout of LinUCB.score_pairs: C forward combos, then C reverse ones.
         self._combo_forward = np.arange(2 * n_p * n_r) < n_p * n_r
 
     # -- read-only views -------------------------------------------------------------
@@ -248,9 +254,9 @@ class Matchmaker:
         magnitude). Returns ``[]`` for fewer than two agents. Pairings come best first
         (within a refill pass, see :meth:`_select_pass`).
         """
-        ids = sorted(profiles)
-        if any(not isinstance(a, str) for a in ids):
+        if any(not isinstance(a, str) for a in profiles):
             raise ValueError("agent ids must be strings")
+        ids = sorted(profiles)
         mat = validate_profiles(ids, [profiles[a] for a in ids], self._features.profile_dim)
         n = len(ids)
         budget = n // 2 if self._pair_budget is None else min(self._pair_budget, n // 2)

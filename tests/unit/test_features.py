@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from peerlm.services.cpm import (
     DISTRIBUTION_SLICE,
     DYNAMIC_SLICE,
@@ -24,11 +23,11 @@ from peerlm.services.cpm import (
 
 def test_profile_layout_constants() -> None:
     assert PROFILE_DIM == PROFILE_LAYOUT.dim == 32
-    assert (STATIC_SLICE, DYNAMIC_SLICE, DISTRIBUTION_SLICE) == (
+    assert (
         slice(0, 8),
         slice(8, 20),
         slice(20, 32),
-    )
+    ) == (STATIC_SLICE, DYNAMIC_SLICE, DISTRIBUTION_SLICE)
     assert PROFILE_LAYOUT.static == STATIC_SLICE
     assert PROFILE_LAYOUT.distribution == DISTRIBUTION_SLICE
     assert PERFORMANCE_INDEX == PROFILE_LAYOUT.performance_index == 8
@@ -98,7 +97,8 @@ def test_single_context_blocks() -> None:
     np.testing.assert_array_equal(x[lay.product], ps * pr)
     onehot = x[lay.onehot]
     assert onehot.sum() == 1.0 and onehot[f.combo_index("lora", "one_way")] == 1.0
-    assert (x[lay.trust_sender], x[lay.trust_receiver]) == (0.8, 0.25)
+    assert lay.trust_sender is not None and lay.trust_receiver is not None
+    assert (float(x[lay.trust_sender]), float(x[lay.trust_receiver])) == (0.8, 0.25)
     assert x[lay.bias] == 1.0 and lay.bias == f.dim - 1
 
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from peerlm.services.cpm import EPS, RewardNormaliser
 
 REWARDS = st.lists(
