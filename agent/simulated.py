@@ -21,7 +21,6 @@ from typing import Annotated
 import grpc
 import typer
 from peerlm.agent.cpm_client import CpmClient
-from peerlm.services.cpm.synthetic import SyntheticFederation
 
 from peerlm.config import GrpcLimits
 from peerlm.pki.identity import PeerIdentity, Role
@@ -59,6 +58,8 @@ async def run_sim_agent(
     round_timeout_s: float,
 ) -> SimAgentReport:
     """Play ``rounds`` rounds of Algorithm 3 against the CPM at ``cpm``."""
+    from peerlm.services.cpm.synthetic import SyntheticFederation  # numpy: only when run
+
     env = SyntheticFederation(len(peers), "high" if heterogeneity == "high" else "low", seed)
     me = env.names[index]
     env_name = dict(zip(peers, env.names, strict=True))

@@ -17,6 +17,7 @@ from peerlm.services.cpm.store import SqliteCpmStore
 from peerlm.config import CpmSettings, parse_host_port
 from peerlm.logs import configure_logging
 from peerlm.metrics import new_registry, serve_metrics
+from peerlm.pki.identity import identity_from_certificate_pem
 from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
 from peerlm.security.authz import AuthInterceptor
 from peerlm.security.credentials import TlsFiles, server_credentials
@@ -41,6 +42,17 @@ def tls_files(settings: CpmSettings) -> TlsFiles | None:
         raise SecurityConfigError(f"TLS settings incomplete: missing {', '.join(missing)}")
     assert t.ca_cert and t.cert and t.key
     return TlsFiles(ca_cert=t.ca_cert, cert=t.cert, key=t.key)
+
+
+def _identity_label(settings: CpmSettings) -> str:
+    """The SPIFFE id of this process's certificate, for log lines; a placeholder without one."""
+    cert = settings.tls.cert
+    if cert is None:
+        return f"spiffe://{settings.federation}/cpm/(insecure-dev)"
+    try:
+        return identity_from_certificate_pem(cert.read_bytes()).spiffe_uri
+    except (OSError, ValueError):
+        return f"(unreadable certificate {cert})"  # resolve_security reports the real error
 
 
 def _write_port_file(path: Path, port: int) -> None:
@@ -124,7 +136,9 @@ async def serve_cpm(
 
 def run_cpm(settings: CpmSettings, *, port_file: Path | None = None) -> None:
     """Blocking entry point: uvloop where available, SIGTERM/SIGINT stop gracefully."""
-    log = configure_logging("cpm", "cpm", settings.log_format, settings.log_level)
+    log = configure_logging(
+        "cpm", _identity_label(settings), settings.log_format, settings.log_level
+    )
 
     async def main() -> None:
         stop = asyncio.Event()
