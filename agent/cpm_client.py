@@ -9,6 +9,7 @@ import grpc
 
 from peerlm.config import GrpcLimits
 from peerlm.rpc import create_channel
+from peerlm.security.authz import DEV_IDENTITY_METADATA_KEY
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["DEV_IDENTITY_METADATA", "CpmClient"]
@@ -44,7 +45,7 @@ class CpmClient:
         self._channel = create_channel(target, limits, credentials)
         self._stub = cpm_pb2_grpc.MatchmakerStub(self._channel)  # type: ignore[no-untyped-call]
         self._metadata: tuple[tuple[str, str], ...] = (
-            ((DEV_IDENTITY_METADATA, dev_identity),) if dev_identity else ()
+            ((DEV_IDENTITY_METADATA_KEY, dev_identity),) if dev_identity else ()
         )
 
     async def close(self) -> None:

@@ -298,3 +298,52 @@ def test_missing_tls_refuses_to_start(tmp_path: Path) -> None:
     )
     assert out.returncode == 2, out.stderr
     assert "TLS" in out.stderr or "tls" in out.stderr or "certificate" in out.stderr
+
+
+async def test_insecure_dev_on_loopback_uses_metadata_identity(tmp_path: Path) -> None:
+    import asyncio
+    import subprocess
+    import sys
+
+    from peerlm.agent.cpm_client import CpmClient
+    from peerlm.config import GrpcLimits
+
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "peerlm",
+            "cpm",
+            "--insecure-dev",
+            "--listen",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+            "--db",
+            str(tmp_path / "x.db"),
+            "--log-format",
+            "json",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for _ in range(600):
+            if port_file.exists():
+                break
+            await asyncio.sleep(0.05)
+        target = f"127.0.0.1:{port_file.read_text().strip()}"
+        client = CpmClient(target, GrpcLimits(), None, dev_identity="spiffe://peerlm/agent/dev1")
+        resp = await client.submit_profile(1, [0.1] * 32)
+        assert resp.profiles_pending == 1
+        await client.close()
+        anonymous = CpmClient(target, GrpcLimits(), None)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await anonymous.submit_profile(1, [0.1] * 32)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        await anonymous.close()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert b"insecure" in err.lower()
