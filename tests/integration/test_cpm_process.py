@@ -306,6 +306,7 @@ async def test_insecure_dev_on_loopback_uses_metadata_identity(tmp_path: Path) -
     import sys
 
     from peerlm.agent.cpm_client import CpmClient
+
     from peerlm.config import GrpcLimits
 
     port_file = tmp_path / "port"

@@ -28,22 +28,25 @@ SUBPACKAGES = [
 
 @pytest.mark.slow
 def test_wheel_imports_every_subpackage(tmp_path: Path) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
+    # Build from a clean copy: setuptools reuses a stale build/lib, which would hide a
+    # package missing from pyproject.toml.
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".venv",
+            "build",
+            "*.egg-info",
+            ".git",
+            "state",
+            "__pycache__",
+            ".*_cache",
+            ".hypothesis",
+        ),
     )
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*cmd, "-w", str(tmp_path), str(src)], check=True, capture_output=True)
     [wheel] = tmp_path.glob("peerlm-*.whl")
     unpacked = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:

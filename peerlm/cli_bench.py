@@ -1,0 +1,101 @@
+"""``peerlm bench ...``: benchmarks (typer sub-app; mounted by :mod:`peerlm.cli`).
+
+``peerlm bench cpm`` runs the CPM matchmaking benchmark on the synthetic federation
+(:mod:`peerlm.services.cpm.bench`): progress on stderr, rich tables (or one JSON object with
+``--json``) on stdout, optional PNG plots with ``--plots DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+__all__ = ["app", "cpm_command", "parse_sizes"]
+
+app = typer.Typer(help="Benchmarks.", no_args_is_help=True, add_completion=False)
+
+
+@app.callback()
+def _bench() -> None:
+    """Benchmarks (tables on stdout, progress on stderr)."""
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``"8,16,32"`` -> ``(8, 16, 32)``; raises ``typer.BadParameter`` on bad input."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or any(n < 2 for n in sizes):
+        raise typer.BadParameter("every federation size must be >= 2")
+    return sizes
+
+
+@app.command("cpm")
+def cpm_command(
+    quick: Annotated[bool, typer.Option("--quick", help="Small settings (seconds).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+    seeds: Annotated[int | None, typer.Option(min=1, help="Seeds per setting.")] = None,
+    rounds: Annotated[int | None, typer.Option(min=2, help="Rounds per run.")] = None,
+    sizes: Annotated[
+        str | None, typer.Option(help="Federation sizes, comma-separated (e.g. 8,16,32,64).")
+    ] = None,
+    plots: Annotated[
+        Path | None, typer.Option(help="Write PNG learning and regret curves to DIR.")
+    ] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Worker processes for the runs (default: up to 2 cores)."),
+    ] = None,
+    no_speed: Annotated[
+        bool, typer.Option("--no-speed", help="Skip the select/observe speed section.")
+    ] = False,
+) -> None:
+    """Matchmakers (LinUCB variants, Random, Hetero-Greedy, Oracle) on a synthetic federation."""
+    from peerlm.services.cpm.bench import (
+        BenchParams,
+        params_with,
+        render_report,
+        run_benchmark,
+        write_plots,
+    )
+
+    params = BenchParams.quick() if quick else BenchParams()
+    params = params_with(
+        params,
+        seeds=seeds,
+        rounds=rounds,
+        sizes=parse_sizes(sizes) if sizes is not None else None,
+        jobs=jobs if jobs is not None else min(2, os.cpu_count() or 1),
+        speed=False if no_speed else None,
+    )
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]bench cpm[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("starting", total=None)
+
+        def on_progress(label: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, description=label)
+
+        report = run_benchmark(params, on_progress)
+    if plots is not None:
+        written = write_plots(report, plots)
+        report["plots"] = [str(p) for p in written]
+        err.print(f"wrote {len(written)} plot(s) to {plots}")
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        render_report(report, Console())
