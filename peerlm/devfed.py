@@ -34,7 +34,7 @@ from peerlm.rpc import create_channel
 from peerlm.security.credentials import TlsFiles, channel_credentials
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
-__all__ = ["DevFederation", "up_command"]
+__all__ = ["DevFederation", "cpm_command", "up_command"]
 
 FEDERATION = "dev"
 
@@ -66,6 +66,27 @@ class DevFederation:
         for name, role in wanted:
             if not (self.pki / f"{name}.crt").exists():
                 issue_certificate(self.pki, role, name, sans=["127.0.0.1", "localhost"], days=30)
+
+
+def cpm_command(
+    *,
+    tls: TlsFiles,
+    db: Path,
+    port_file: Path,
+    federation: str,
+    metrics_port: int | None = None,
+    listen: str = "127.0.0.1:0",
+) -> list[str]:
+    """The argv of a ``peerlm cpm`` child that writes its bound port to ``port_file``."""
+    args = [
+        sys.executable, "-m", "peerlm", "cpm", "--listen", listen,
+        "--port-file", str(port_file), "--db", str(db), "--federation", federation,
+        "--ca-cert", str(tls.ca_cert), "--cert", str(tls.cert), "--key", str(tls.key),
+        "--log-format", "json",
+    ]  # fmt: skip
+    if metrics_port is not None:
+        args += ["--metrics-port", str(metrics_port)]
+    return args
 
 
 def _spawn(
@@ -133,31 +154,13 @@ async def _run(
     py = sys.executable
     port_file = fed.root / "cpm.port"
     port_file.unlink(missing_ok=True)
-    cpm_tls = fed.tls("cpm")
-    cpm_args = [
-        py,
-        "-m",
-        "peerlm",
-        "cpm",
-        "--listen",
-        "127.0.0.1:0",
-        "--port-file",
-        str(port_file),
-        "--db",
-        str(fed.root / "cpm.db"),
-        "--federation",
-        FEDERATION,
-        "--ca-cert",
-        str(cpm_tls.ca_cert),
-        "--cert",
-        str(cpm_tls.cert),
-        "--key",
-        str(cpm_tls.key),
-        "--log-format",
-        "json",
-    ]
-    if metrics_port is not None:
-        cpm_args += ["--metrics-port", str(metrics_port)]
+    cpm_args = cpm_command(
+        tls=fed.tls("cpm"),
+        db=fed.root / "cpm.db",
+        port_file=port_file,
+        federation=FEDERATION,
+        metrics_port=metrics_port,
+    )
     # Dev pace: a 3 s round timer instead of 30 s keeps a round with a missing agent short.
     dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "3", "PEERLM_CPM_DIRECTIVE_TTL_S": "60"}
     started = time.monotonic()

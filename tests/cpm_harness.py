@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from peerlm.config import GrpcLimits
+from peerlm.devfed import cpm_command
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
 from peerlm.rpc import create_channel
@@ -84,31 +84,13 @@ class CpmProcess:
     def start(self, timeout: float = 60) -> CpmProcess:
         port_file = self.workdir / "cpm.port"
         port_file.unlink(missing_ok=True)
-        tls = self.pki.tls("cpm")
-        args = [
-            sys.executable,
-            "-m",
-            "peerlm",
-            "cpm",
-            "--listen",
-            "127.0.0.1:0",
-            "--port-file",
-            str(port_file),
-            "--db",
-            str(self.db),
-            "--federation",
-            FEDERATION,
-            "--ca-cert",
-            str(tls.ca_cert),
-            "--cert",
-            str(tls.cert),
-            "--key",
-            str(tls.key),
-            "--log-format",
-            "json",
-        ]
-        if self.metrics_port is not None:
-            args += ["--metrics-port", str(self.metrics_port)]
+        args = cpm_command(
+            tls=self.pki.tls("cpm"),
+            db=self.db,
+            port_file=port_file,
+            federation=FEDERATION,
+            metrics_port=self.metrics_port,
+        )
         log = (self.workdir / "cpm.log").open("ab")
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **self.env}

@@ -176,30 +176,18 @@ def resolve_security(
     Raises :class:`SecurityConfigError` if insecure-dev is asked for on a non-loopback host,
     if it is combined with TLS files, or if mTLS is chosen and a kit file is missing or bad.
     """
-    if insecure_dev:
-        _refuse_mixed(tls, component)
-        if not is_loopback(listen_host):
-            raise SecurityConfigError(
-                f"{component}: --insecure-dev is only allowed on a loopback address "
-                f"(127.0.0.1, ::1, localhost), not on {listen_host!r}; use mTLS to listen there"
-            )
-        logger.warning(
-            "security_mode",
-            component=component,
-            security_mode=SecurityMode.INSECURE_DEV.value,
-            listen_host=listen_host,
-            warning="INSECURE: plaintext and unauthenticated; loopback development only",
-        )
-        return SecurityMode.INSECURE_DEV
-    spiffe_id = _check_tls(tls, component=component, logger=logger)
-    logger.info(
-        "security_mode",
+    return _decide(
+        insecure_dev=insecure_dev,
+        local=is_loopback(listen_host),
+        where={"listen_host": listen_host},
+        refusal=(
+            f"{component}: --insecure-dev is only allowed on a loopback address "
+            f"(127.0.0.1, ::1, localhost), not on {listen_host!r}; use mTLS to listen there"
+        ),
+        tls=tls,
         component=component,
-        security_mode=SecurityMode.MTLS.value,
-        listen_host=listen_host,
-        identity=spiffe_id,
+        logger=logger,
     )
-    return SecurityMode.MTLS
 
 
 def resolve_channel_security(
@@ -215,19 +203,42 @@ def resolve_channel_security(
     The same rules as :func:`resolve_security`: insecure-dev only to a loopback target or a
     Unix socket, otherwise mTLS with a complete kit.
     """
+    return _decide(
+        insecure_dev=insecure_dev,
+        local=is_loopback_target(target),
+        where={"target": target},
+        refusal=(
+            f"{component}: --insecure-dev may only dial loopback targets "
+            f"(127.0.0.1, ::1, localhost, unix:), not {target!r}; use mTLS for it"
+        ),
+        tls=tls,
+        component=component,
+        logger=logger,
+    )
+
+
+def _decide(
+    *,
+    insecure_dev: bool,
+    local: bool,
+    where: dict[str, str],
+    refusal: str,
+    tls: TlsFiles | None,
+    component: str,
+    logger: SecurityLogger,
+) -> SecurityMode:
+    """The single decision: insecure-dev only when local and without TLS files, else mTLS
+    with a complete, valid kit. Logs the mode in force."""
     if insecure_dev:
         _refuse_mixed(tls, component)
-        if not is_loopback_target(target):
-            raise SecurityConfigError(
-                f"{component}: --insecure-dev may only dial loopback targets "
-                f"(127.0.0.1, ::1, localhost, unix:), not {target!r}; use mTLS for it"
-            )
+        if not local:
+            raise SecurityConfigError(refusal)
         logger.warning(
             "security_mode",
             component=component,
             security_mode=SecurityMode.INSECURE_DEV.value,
-            target=target,
             warning="INSECURE: plaintext and unauthenticated; loopback development only",
+            **where,
         )
         return SecurityMode.INSECURE_DEV
     spiffe_id = _check_tls(tls, component=component, logger=logger)
@@ -235,7 +246,7 @@ def resolve_channel_security(
         "security_mode",
         component=component,
         security_mode=SecurityMode.MTLS.value,
-        target=target,
         identity=spiffe_id,
+        **where,
     )
     return SecurityMode.MTLS
