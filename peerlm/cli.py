@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from peerlm import __version__
-from peerlm.config import ConfigError, CpmSettings, load_settings
+from peerlm.config import AgentSettings, ConfigError, CpmSettings, load_settings
 
 __all__ = ["app", "main"]
 
@@ -25,7 +25,7 @@ app = typer.Typer(
 config_app = typer.Typer(help="Inspect configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
-_COMPONENTS: dict[str, type[Any]] = {"cpm": CpmSettings}
+_COMPONENTS: dict[str, type[Any]] = {"cpm": CpmSettings, "agent": AgentSettings}
 
 
 def _fail(message: str) -> typer.Exit:
@@ -103,6 +103,50 @@ def cpm(
         raise _fail(str(exc)) from None
 
 
+@app.command()
+def agent(
+    config: ConfigOpt = None,
+    listen: Annotated[
+        str | None, typer.Option(help="HOST:PORT of the peer-exchange server.")
+    ] = None,
+    cpm_target: Annotated[str | None, typer.Option("--cpm", help="CPM HOST:PORT.")] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="Federation CA certificate.")] = None,
+    cert: Annotated[Path | None, typer.Option(help="This agent's certificate.")] = None,
+    key: Annotated[Path | None, typer.Option(help="This agent's private key.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model path or name (from_pretrained).")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="Checkpoints and state.")] = None,
+    rounds: Annotated[int | None, typer.Option(help="Rounds to play (0: forever).")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus /metrics port.")] = None,
+    insecure_dev: Annotated[
+        bool | None, typer.Option("--insecure-dev", help="Plaintext, loopback only.")
+    ] = None,
+    log_format: Annotated[str | None, typer.Option(help="auto, json or console.")] = None,
+) -> None:
+    """Run an agent: host a LoRA-tuned model, train, exchange knowledge with peers."""
+    from peerlm.agent.main import run_agent
+    from peerlm.security.mode import SecurityConfigError
+
+    overrides = {
+        "listen": listen,
+        "cpm": cpm_target,
+        "tls.ca_cert": ca_cert,
+        "tls.cert": cert,
+        "tls.key": key,
+        "model": model,
+        "state_dir": state_dir,
+        "rounds": rounds,
+        "metrics_port": metrics_port,
+        "insecure_dev": insecure_dev,
+        "log_format": log_format,
+    }
+    try:
+        settings = load_settings(AgentSettings, config, overrides)
+        code = run_agent(settings)
+    except (ConfigError, SecurityConfigError, ValueError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    raise typer.Exit(code=code)
+
+
 @config_app.command("show")
 def config_show(
     component: Annotated[
@@ -130,8 +174,12 @@ def config_show(
 
 def _mount_subapps() -> None:
     from peerlm.cli_ca import app as ca_app
+    from peerlm.cli_data import app as data_app
+    from peerlm.cli_models import app as models_app
 
     app.add_typer(ca_app, name="ca", help="Federation PKI: CA, certificates.")
+    app.add_typer(data_app, name="data", help="Bundled task data: build, show.")
+    app.add_typer(models_app, name="models", help="Tiny local models: build.")
     try:
         from peerlm.cli_bench import app as bench_app
     except ImportError:  # pragma: no cover - the bench module is part of the package

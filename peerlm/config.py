@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 __all__ = [
+    "AgentSettings",
     "ConfigError",
     "CpmSettings",
     "GrpcLimits",
@@ -136,6 +137,66 @@ class CpmSettings(ServiceSettings):
             raise ValueError("must be a non-empty list of identifiers like 'akd'")
         if len(set(v)) != len(v):
             raise ValueError("must not repeat a name")
+        return v
+
+
+class AgentSettings(ServiceSettings):
+    """The agent daemon (``peerlm agent``). ``listen`` is its peer-exchange endpoint."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", env_prefix="PEERLM_AGENT_", env_nested_delimiter="__"
+    )
+
+    listen: str = "127.0.0.1:50061"
+    advertise: str | None = None
+    cpm: str = "127.0.0.1:50051"
+    state_dir: Path = Path("state/agent")
+    # Model (any causal LM loadable by from_pretrained from a path or hub name).
+    model: str = "state/models/gpt2"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    lora_rank: int = Field(default=8, ge=1, le=1024)
+    lora_alpha: float = Field(default=16.0, gt=0)
+    lora_dropout: float = Field(default=0.05, ge=0, lt=1)
+    lora_target_modules: tuple[str, ...] | None = None
+    # Data: private train/validation JSONL and the public transfer set X_u, pinned by hash.
+    train_file: Path = Path("data/train.jsonl")
+    val_file: Path = Path("data/val.jsonl")
+    transfer_file: Path = Path("data/transfer.jsonl")
+    transfer_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    # Rounds (Algorithm 3) and local training (Table 6; tiny models need a larger lr).
+    rounds: int = Field(default=20, ge=0)
+    round_timeout_s: float = Field(default=60.0, gt=0)
+    local_steps: int | None = Field(default=None, ge=1)
+    learning_rate: float = Field(default=1e-3, gt=0)
+    batch_size: int = Field(default=8, ge=1)
+    grad_accumulation: int = Field(default=4, ge=1)
+    max_length: int = Field(default=256, ge=16)
+    seed: int = 0
+    # AKD (Eq. 2) schedules over the rounds: linear from start to end.
+    akd_mode: Literal["text", "logits"] = "text"
+    alpha_kd_start: float = Field(default=0.2, ge=0, le=1)
+    alpha_kd_end: float = Field(default=0.5, ge=0, le=1)
+    temperature_start: float = Field(default=2.5, gt=0)
+    temperature_end: float = Field(default=1.5, gt=0)
+    transfer_limit: int | None = Field(default=None, ge=1)
+    max_new_tokens: int = Field(default=96, ge=1, le=4096)
+    # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB.
+    reward_gamma: float = Field(default=1.0, ge=0)
+    reward_delta: float = Field(default=0.001, ge=0)
+    # Evaluation (pass@k in the sandbox) and profile privacy.
+    eval_every: int = Field(default=1, ge=1)
+    eval_limit: int | None = Field(default=None, ge=1)
+    sandbox_timeout_s: float = Field(default=5.0, gt=0)
+    sandbox_memory_mb: int = Field(default=256, ge=32)
+    profile_dp_epsilon: float | None = Field(default=None, gt=0)
+    guardrail_ngram: int = Field(default=8, ge=3)
+    max_package_bytes: int = Field(default=64 * MiB, ge=1024)
+
+    @field_validator("cpm", "advertise")
+    @classmethod
+    def _target_is_host_port(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_host_port(v)
         return v
 
 

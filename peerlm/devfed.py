@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Annotated, Any
@@ -142,16 +143,17 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:
     return proc.returncode
 
 
+AgentArgv = Callable[[int, str, str], list[str]]
+
+
 async def _run(
     fed: DevFederation,
     agents: list[str],
     rounds: int,
-    seed: int,
-    heterogeneity: str,
+    agent_argv: AgentArgv,
     metrics_port: int | None,
     console: Console | None,
 ) -> dict[str, Any]:
-    py = sys.executable
     port_file = fed.root / "cpm.port"
     port_file.unlink(missing_ok=True)
     cpm_args = cpm_command(
@@ -162,7 +164,7 @@ async def _run(
         metrics_port=metrics_port,
     )
     # Dev pace: a 3 s round timer instead of 30 s keeps a round with a missing agent short.
-    dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "3", "PEERLM_CPM_DIRECTIVE_TTL_S": "60"}
+    dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "3"}
     started = time.monotonic()
     cpm = _spawn(cpm_args, fed.logs / "cpm.log", subprocess.DEVNULL, dev_env)
     procs: list[subprocess.Popen[bytes]] = []
@@ -177,39 +179,12 @@ async def _run(
         target = f"127.0.0.1:{port_file.read_text().strip()}"
         await _wait_serving(target, fed.tls("admin"), 30)
         for i, name in enumerate(agents):
-            t = fed.tls(name)
             procs.append(
                 _spawn(
-                    [
-                        py,
-                        "-m",
-                        "peerlm",
-                        "sim-agent",
-                        "--name",
-                        name,
-                        "--index",
-                        str(i),
-                        "--peers",
-                        ",".join(agents),
-                        "--cpm",
-                        target,
-                        "--ca-cert",
-                        str(t.ca_cert),
-                        "--cert",
-                        str(t.cert),
-                        "--key",
-                        str(t.key),
-                        "--federation",
-                        FEDERATION,
-                        "--rounds",
-                        str(rounds),
-                        "--seed",
-                        str(seed),
-                        "--heterogeneity",
-                        heterogeneity,
-                    ],
+                    agent_argv(i, name, target),
                     fed.logs / f"{name}.log",
                     subprocess.PIPE,
+                    AGENT_ENV,
                 )
             )
         admin = create_channel(target, GrpcLimits(), channel_credentials(fed.tls("admin")))
@@ -229,6 +204,7 @@ async def _run(
         for p in procs:
             _stop(p)
         cpm_rc = _stop(cpm)
+    rewards = sum(len(r.get("rewards", [])) for r in reports)
     return {
         "federation": FEDERATION,
         "state_dir": str(fed.root),
@@ -236,6 +212,10 @@ async def _run(
         "cpm_exit_code": cpm_rc,
         "seconds": round(time.monotonic() - started, 2),
         "rounds": rounds,
+        "rounds_completed": min(
+            (int(r.get("rounds_completed", r.get("rounds", 0))) for r in reports), default=0
+        ),
+        "rewards_reported": rewards,
         "matchmaking_rounds": stats.matchmaking_rounds if stats else 0,
         "directives_issued": stats.directives_issued if stats else 0,
         "rewards_observed": stats.rewards_observed if stats else 0,
@@ -283,29 +263,130 @@ async def _watch(
             await asyncio.sleep(0.5)
 
 
+def _sim_argv(
+    fed: DevFederation, agents: list[str], rounds: int, seed: int, heterogeneity: str
+) -> AgentArgv:
+    def argv(i: int, name: str, target: str) -> list[str]:
+        t = fed.tls(name)
+        return [
+            sys.executable, "-m", "peerlm", "sim-agent", "--name", name, "--index", str(i),
+            "--peers", ",".join(agents), "--cpm", target, "--ca-cert", str(t.ca_cert),
+            "--cert", str(t.cert), "--key", str(t.key), "--federation", FEDERATION,
+            "--rounds", str(rounds), "--seed", str(seed), "--heterogeneity", heterogeneity,
+        ]  # fmt: skip
+
+    return argv
+
+
+#: N agents share the machine's cores: one BLAS/torch thread each avoids oversubscription
+#: (measured 3-5x slower steps with 2 threads per agent on 2 cores). No hub, no progress bars.
+AGENT_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+
+#: Architectures of the bundled tiny models, assigned to agents round-robin.
+ARCHS: tuple[str, ...] = ("gpt2", "gpt_neox", "bloom", "qwen2")
+
+
+@dataclass(frozen=True)
+class RealPlan:
+    """How ``peerlm up`` runs model-hosting agents."""
+
+    size: str = "tiny"
+    local_steps: int = 8
+    transfer_limit: int = 16
+    eval_limit: int = 12
+    max_new_tokens: int = 64
+    round_timeout_s: float = 60.0
+    alpha: float = 0.1
+
+
+def _prepare_real(
+    fed: DevFederation,
+    agents: list[str],
+    rounds: int,
+    seed: int,
+    plan: RealPlan,
+    console: Console | None,
+) -> AgentArgv:
+    """Build (or reuse) models and Dirichlet-partitioned data; write one config per agent."""
+    from peerlm.agent.models.tiny import build_models
+    from peerlm.agent.tasks.dataset import build_federation_data
+
+    models_dir = fed.root / "models"
+    if console:
+        console.print(f"building or reusing {plan.size} models in {models_dir} ...")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    build_models(models_dir, ARCHS, size=plan.size, seed=seed)  # type: ignore[arg-type]
+    data_dir = fed.root / "data"
+    manifest = build_federation_data(data_dir, len(agents), alpha=plan.alpha, seed=seed)
+    configs = fed.root / "agents"
+    configs.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(agents):
+        t = fed.tls(name)
+        client = data_dir / "clients" / str(i)
+        config = {
+            "federation": FEDERATION,
+            "listen": "127.0.0.1:0",
+            "state_dir": str(fed.root / "agents" / name),
+            "model": str(models_dir / ARCHS[i % len(ARCHS)]),
+            "device": "cpu",
+            "train_file": str(client / "train.jsonl"),
+            "val_file": str(client / "val.jsonl"),
+            "transfer_file": str(data_dir / "transfer.jsonl"),
+            "transfer_sha256": manifest.transfer_sha256,
+            "rounds": rounds,
+            "round_timeout_s": plan.round_timeout_s,
+            "local_steps": plan.local_steps,
+            "transfer_limit": plan.transfer_limit,
+            "eval_limit": plan.eval_limit,
+            "max_new_tokens": plan.max_new_tokens,
+            "seed": seed + i,
+            "log_format": "json",
+            "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
+        }
+        (configs / f"{name}.yaml").write_text(json.dumps(config, indent=2))
+
+    def argv(i: int, name: str, target: str) -> list[str]:
+        return [
+            sys.executable, "-m", "peerlm", "agent", "--config", str(configs / f"{name}.yaml"),
+            "--cpm", target,
+        ]  # fmt: skip
+
+    return argv
+
+
 def _table(result: dict[str, Any]) -> Table:
     table = Table(
         title=f"peerlm dev federation: {result['rounds']} rounds in {result['seconds']} s"
     )
     for col in (
-        "agent",
-        "pass@1 before",
-        "pass@1 after",
-        "as student",
-        "as teacher",
-        "mean reward",
-        "errors",
-    ):
-        table.add_column(col, justify="right" if col != "agent" else "left")
+        "agent", "model", "pass@1 before", "pass@1 after", "loss before", "loss after",
+        "exchanges", "as teacher", "mean reward", "KB sent", "KB received", "errors",
+    ):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("agent", "model") else "right")
     for r in result["agents"]:
         rewards = r.get("rewards", [])
         table.add_row(
             r.get("name", "?"),
+            Path(str(r.get("model", "simulated"))).name,
             f"{r.get('pass_at_1_before', 0):.3f}",
             f"{r.get('pass_at_1_after', 0):.3f}",
-            str(r.get("as_student", 0)),
+            f"{r.get('loss_before', float('nan')):.3f}",
+            f"{r.get('loss_after', float('nan')):.3f}",
+            str(r.get("exchanges", r.get("as_student", 0))),
             str(r.get("as_teacher", 0)),
-            f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
+            f"{sum(rewards) / len(rewards):.4f}" if rewards else "-",
+            f"{r.get('bytes_sent', 0) / 1024:.1f}",
+            f"{r.get('bytes_received', 0) / 1024:.1f}",
             "; ".join(r.get("errors", [])) or "-",
         )
     return table
@@ -317,9 +398,18 @@ def up_command(
     state_dir: Annotated[Path, typer.Option(help="Where CA, databases and logs live.")] = Path(
         "state/dev-federation"
     ),
-    seed: Annotated[int, typer.Option(help="Seed of the synthetic learning.")] = 0,
-    heterogeneity: Annotated[str, typer.Option(help="high or low.")] = "high",
-    fresh: Annotated[bool, typer.Option(help="Start from an empty CPM database.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of data partition, models and learning.")] = 0,
+    simulated: Annotated[
+        bool, typer.Option(help="Synthetic-learning agents instead of model-hosting ones.")
+    ] = False,
+    micro: Annotated[
+        bool, typer.Option(help="Micro models (seconds to build; for smoke tests).")
+    ] = False,
+    heterogeneity: Annotated[str, typer.Option(help="--simulated only: high or low.")] = "high",
+    resume: Annotated[
+        bool,
+        typer.Option(help="Keep the CPM database and agent checkpoints of the last run."),
+    ] = False,
     metrics_port: Annotated[int | None, typer.Option(help="CPM /metrics port.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
@@ -327,14 +417,22 @@ def up_command(
     console = None if as_json else Console(stderr=True)
     fed = DevFederation(state_dir)
     names = [f"agent-{i}" for i in range(agents)]
-    if fresh:
+    if not resume:
+        import shutil
+
         for suffix in ("", "-wal", "-shm"):
             (state_dir / f"cpm.db{suffix}").unlink(missing_ok=True)
+        shutil.rmtree(state_dir / "agents", ignore_errors=True)
     fed.provision(names)
     if console:
         console.print(f"[bold]peerlm up[/]: {agents} agents, {rounds} rounds, state in {state_dir}")
     try:
-        result = asyncio.run(_run(fed, names, rounds, seed, heterogeneity, metrics_port, console))
+        if simulated:
+            argv = _sim_argv(fed, names, rounds, seed, heterogeneity)
+        else:
+            plan = RealPlan(size="micro" if micro else "tiny")
+            argv = _prepare_real(fed, names, rounds, seed, plan, console)
+        result = asyncio.run(_run(fed, names, rounds, argv, metrics_port, console))
     except KeyboardInterrupt:
         if console:
             console.print("[yellow]interrupted; all processes stopped[/]")

@@ -1,0 +1,573 @@
+"""The agent daemon: one hosted model, the KNEXA-FL round loop, a peer-exchange server.
+
+Algorithm 3 from the agent's side, every round t:
+
+1. local epochs on private data (off the event loop, in the model worker thread);
+2. evaluate (validation loss, perplexity, pass@1 in the sandbox) and build the profile p_i;
+3. submit the profile to the CPM and wait (bounded) for a directive of this round;
+4. as a student: fetch the teacher's knowledge package over mTLS, integrate it by AKD
+   (Eq. 2), measure L_pre and L_post on the validation set and report the reward of Eq. 3;
+   as a teacher: serve the package to the named student from the peer server (it is
+   generated lazily on the first verified request and cached for the directive);
+   without a directive the round is local training only;
+5. checkpoint the adapter and round state atomically.
+
+The event loop never runs model code: training, generation and evaluation go to a single
+worker thread that owns the :class:`ModelHost`, so gRPC (health, peer exchange, the
+directive feed) stays responsive while a training step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from peerlm.agent.cpm_client import CpmClient
+from peerlm.agent.metrics import AgentTelemetry
+from peerlm.agent.profile import AgentMetrics, build_profile
+
+from peerlm.config import AgentSettings, parse_host_port
+from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
+from peerlm.security.credentials import TlsFiles, channel_credentials
+from peerlm.security.mode import SecurityMode, resolve_channel_security, resolve_security
+from peerlm.wire.v1 import cpm_pb2
+
+__all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
+
+T = TypeVar("T")
+
+
+def linear_schedule(start: float, end: float, t: int, total: int) -> float:
+    """Value at round ``t`` (1-based) of a linear ramp from ``start`` (t=1) to ``end`` (t=T)."""
+    if total <= 1:
+        return end
+    frac = min(max((t - 1) / (total - 1), 0.0), 1.0)
+    return start + (end - start) * frac
+
+
+@dataclass
+class AgentSummary:
+    """What the agent did; printed as one JSON line on stdout when it ends."""
+
+    name: str
+    model: str
+    family: str
+    trainable_share: float = 0.0
+    rounds_completed: int = 0
+    pass_at_1_before: float = 0.0
+    pass_at_1_after: float = 0.0
+    loss_before: float = 0.0
+    loss_after: float = 0.0
+    exchanges: int = 0
+    as_teacher: int = 0
+    rewards: list[float] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class AgentDaemon:
+    """Create with :meth:`create` (async factory), then :meth:`run` until done or stopped."""
+
+    def __init__(self, settings: AgentSettings, log: Any) -> None:
+        self.s = settings
+        self.log = log
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._stop = asyncio.Event()
+        self._prebuild: asyncio.Task[bytes] | None = None
+        self._last_taught: str | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    @classmethod
+    async def create(cls, settings: AgentSettings, log: Any) -> AgentDaemon:
+        """Load everything, verify the transfer set, restore the checkpoint, start servers."""
+        self = cls(settings, log)
+        await self._setup()
+        return self
+
+    async def _model(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, lambda: fn(*args, **kwargs))
+
+    async def _setup(self) -> None:
+        from peerlm.agent.checkpoint import CheckpointStore
+        from peerlm.agent.directives import DirectiveBook
+        from peerlm.agent.guardrail import Guardrail
+        from peerlm.agent.modelhost import ModelHost
+        from peerlm.agent.models.lora import LoraSettings
+        from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+        from peerlm.agent.tasks.dataset import read_jsonl, transfer_set_sha256
+
+        from peerlm.metrics import new_registry, serve_metrics
+
+        s = self.s
+        host, _ = parse_host_port(s.listen)
+        self.tls = _tls_files(s)
+        self.mode = resolve_security(
+            insecure_dev=s.insecure_dev,
+            listen_host=host,
+            tls=self.tls,
+            component="agent",
+            logger=self.log,
+        )
+        resolve_channel_security(
+            insecure_dev=s.insecure_dev,
+            target=s.cpm,
+            tls=self.tls,
+            component="agent",
+            logger=self.log,
+        )
+        if self.tls is not None:
+            self.identity = identity_from_certificate_pem(self.tls.cert.read_bytes())
+        else:
+            self.identity = PeerIdentity(s.federation, Role.AGENT, "dev-agent")
+        self.creds = channel_credentials(self.tls) if self.tls else None
+
+        # Data: private sets and the pinned public transfer set.
+        self.train = read_jsonl(s.train_file)
+        self.val = read_jsonl(s.val_file)
+        transfer = read_jsonl(s.transfer_file)
+        self.transfer_prompts = [p.prompt for p in transfer]
+        digest = transfer_set_sha256(self.transfer_prompts)
+        if s.transfer_sha256 and digest != s.transfer_sha256:
+            raise ValueError(
+                f"transfer set {s.transfer_file} has SHA-256 {digest}, but the federation "
+                f"pins {s.transfer_sha256}; refusing to exchange on a different X_u"
+            )
+        self.transfer_digest = digest
+        if s.transfer_limit is not None:
+            self.transfer_prompts = self.transfer_prompts[: s.transfer_limit]
+        self.train_texts = [p.prompt + p.reference for p in self.train]
+        self.val_texts = [p.prompt + p.reference for p in self.val]
+
+        lora = LoraSettings(
+            r=s.lora_rank,
+            alpha=s.lora_alpha,
+            dropout=s.lora_dropout,
+            target_modules=list(s.lora_target_modules) if s.lora_target_modules else None,
+        )
+        self.host = await self._model(ModelHost.load, s.model, lora, device=s.device, seed=s.seed)
+        self.registry = new_registry()
+        self.telemetry = AgentTelemetry(self.registry)
+        self.guardrail = Guardrail(
+            self.train_texts, ngram=s.guardrail_ngram, registry=self.registry
+        )
+        self.checkpoints = CheckpointStore(s.state_dir / "checkpoints")
+        self.summary = AgentSummary(
+            name=self.identity.name,
+            model=str(s.model),
+            family=self.host.family,
+            trainable_share=self.host.trainable_share,
+        )
+        self.state: dict[str, Any] = {"round": 0, "processed": [], "history": []}
+        restored = await self._model(self.checkpoints.load_latest)
+        if restored is not None:
+            await self._model(self.host.load_adapter_state, dict(restored.tensors))
+            self.state = dict(restored.state)
+            saved = self.state.get("summary")
+            if isinstance(saved, dict):
+                self.summary = AgentSummary(**saved)
+            self.log.info("checkpoint_restored", round=self.state["round"])
+
+        # Peer exchange server and the directive book it verifies requests against.
+        self.book = DirectiveBook(time.time)
+        self._packages: dict[str, asyncio.Future[bytes]] = {}
+        service = PeerExchangeService(
+            self.book,
+            self._package_for,
+            self._adapter_for,
+            chunk_bytes=s.limits.chunk_bytes,
+            max_package_bytes=s.max_package_bytes,
+            registry=self.registry,
+            log=self.log,
+        )
+        self.server, self.port = await serve_peer(
+            service,
+            listen=s.listen,
+            tls=self.tls,
+            limits=s.limits,
+            registry=self.registry,
+            federation=s.federation,
+            mode=self.mode,
+            log=self.log,
+        )
+        self.endpoint = s.advertise or f"{host}:{self.port}"
+        self.metrics_endpoint = (
+            serve_metrics(self.registry, s.metrics_host, s.metrics_port)
+            if s.metrics_port is not None
+            else None
+        )
+        dev_identity = None if self.mode is SecurityMode.MTLS else self.identity.spiffe_uri
+        self.cpm = CpmClient(s.cpm, s.limits, self.creds, dev_identity=dev_identity)
+        self.log.info(
+            "agent_ready",
+            endpoint=self.endpoint,
+            model=str(s.model),
+            family=self.host.family,
+            trainable_share=round(self.host.trainable_share, 5),
+            train=len(self.train),
+            val=len(self.val),
+            transfer=len(self.transfer_prompts),
+            transfer_sha256=digest,
+            round=self.state["round"],
+        )
+
+    # ------------------------------------------------------------ teacher side
+
+    async def _package_for(self, directive: cpm_pb2.Directive) -> bytes:
+        """Teacher predictions on X_u for a verified student, guardrailed and encoded once.
+
+        The build is shared: the round loop starts it when the directive arrives and the peer
+        server's fetch awaits the same task, so the model generates once per directive.
+        """
+        task = self._packages.get(directive.directive_id)
+        if task is None:
+            task = asyncio.ensure_future(self._build_package(directive))
+            # Keep only the latest few: a package is worth nothing after its directive.
+            self._packages = {
+                **dict(list(self._packages.items())[-3:]),
+                directive.directive_id: task,
+            }
+        return await asyncio.shield(task)
+
+    async def _build_package(self, directive: cpm_pb2.Directive) -> bytes:
+        from peerlm.agent.package import build_text_package
+
+        completions = await self._model(
+            self.host.generate,
+            self.transfer_prompts,
+            max_new_tokens=self.s.max_new_tokens,
+            temperature=0.0,
+        )
+        data = build_text_package(
+            prompts=self.transfer_prompts,
+            completions=[c[0] for c in completions],
+            teacher=self.identity.name,
+            directive_id=directive.directive_id,
+            transfer_sha256=self.transfer_digest,
+            family=self.host.family,
+            guardrail=self.guardrail,
+        )
+        return data
+
+    async def _adapter_for(self, round_: int) -> tuple[int, bytes] | None:
+        data = await self._model(self.host.adapter_bytes)
+        return int(self.state["round"]), data
+
+    # ------------------------------------------------------------ evaluation
+
+    async def _evaluate(self, with_pass: bool) -> tuple[float, float, float]:
+        """(validation loss, pass@1, pass@5). pass@k runs generated code in the sandbox."""
+        from peerlm.agent.evaluation import evaluate
+
+        loss, _ppl = await self._model(self.host.eval_loss, self.val_texts)
+        if not with_pass:
+            return loss, float("nan"), float("nan")
+        problems = self.val[: self.s.eval_limit] if self.s.eval_limit else self.val
+        completions = await self._model(
+            self.host.generate,
+            [p.prompt for p in problems],
+            max_new_tokens=self.s.max_new_tokens,
+            temperature=0.0,
+        )
+        report = await asyncio.get_running_loop().run_in_executor(
+            None,
+            lambda: evaluate(
+                problems,
+                {p.task_id: c for p, c in zip(problems, completions, strict=True)},
+                ks=(1,),
+                max_workers=2,
+                timeout_s=self.s.sandbox_timeout_s,
+                memory_mb=self.s.sandbox_memory_mb,
+            ),
+        )
+        pass1 = float(report.mean.get(1, 0.0))
+        return loss, pass1, float("nan")
+
+    # ------------------------------------------------------------ round loop
+
+    async def run(self) -> AgentSummary:
+        """Play rounds until ``rounds`` are done (0: forever) or :meth:`stop` is called."""
+        from peerlm.agent.training import TrainSettings
+
+        s = self.s
+        inbox: asyncio.Queue[cpm_pb2.Directive] = asyncio.Queue()
+        feed = asyncio.create_task(self._follow(inbox))
+        settings = TrainSettings(
+            learning_rate=s.learning_rate,
+            batch_size=s.batch_size,
+            grad_accumulation=s.grad_accumulation,
+            max_length=s.max_length,
+            seed=s.seed,
+        )
+        try:
+            if self.state["round"] == 0:
+                loss, pass1, _ = await self._evaluate(with_pass=True)
+                self.summary.loss_before, self.summary.pass_at_1_before = loss, pass1
+                self.summary.loss_after, self.summary.pass_at_1_after = loss, pass1
+            t = int(self.state["round"])
+            while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
+                t += 1
+                await self._round(t, settings, inbox, feed)
+        except grpc.aio.AioRpcError as err:
+            self.summary.errors.append(f"{err.code().name}: {err.details()}")
+            self.log.error("cpm_error", code=err.code().name, detail=err.details())
+        finally:
+            feed.cancel()
+            await asyncio.gather(feed, return_exceptions=True)
+            await self._linger()
+        sent = self.registry.get_sample_value("peerlm_agent_package_bytes_sent_total")
+        self.summary.bytes_sent = int(sent or 0)
+        return self.summary
+
+    async def _linger(self) -> None:
+        """After the last round, keep serving until the last student has started its fetch
+        (bounded by ``round_timeout_s``); the server's graceful stop lets it finish."""
+        if self._prebuild is not None:
+            await asyncio.gather(self._prebuild, return_exceptions=True)
+        if self._last_taught is None or self._stop.is_set():
+            return
+        deadline = time.monotonic() + self.s.round_timeout_s
+        while self.book.fetches(self._last_taught) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+
+    async def _follow(self, inbox: asyncio.Queue[cpm_pb2.Directive]) -> None:
+        """Every directive goes into the book (the peer server verifies fetches against it);
+        new ones also go to the round loop, which waits for this round's pairing."""
+        async for d in self.cpm.directives():
+            self.book.add(d)
+            if d.directive_id not in self.state["processed"]:
+                await inbox.put(d)
+
+    async def _round(
+        self,
+        t: int,
+        settings: Any,
+        inbox: asyncio.Queue[cpm_pb2.Directive],
+        feed: asyncio.Task[None],
+    ) -> None:
+        s = self.s
+        started = mark = time.monotonic()
+        phase = self.telemetry.phase_seconds
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phase.labels(name).observe(now - mark)
+            mark = now
+
+        stats = await self._model(
+            self.host.train_local, self.train_texts, settings, steps=s.local_steps
+        )
+        lap("train")
+        with_pass = t % s.eval_every == 0 or t == s.rounds
+        loss, pass1, pass5 = await self._evaluate(with_pass)
+        lap("evaluate")
+        self.telemetry.val_loss.set(loss)
+        history = self.state["history"]
+        prev = history[-1] if history else {"loss": loss, "pass1": pass1}
+        if math.isnan(pass1):
+            pass1 = float(prev.get("pass1", 0.0))
+        metrics = AgentMetrics(
+            pass_at_1=pass1,
+            pass_at_5=0.0 if math.isnan(pass5) else pass5,
+            val_loss=loss,
+            prev_pass_at_1=float(prev["pass1"]),
+            prev_val_loss=float(prev["loss"]),
+            trainable_share=self.host.trainable_share,
+            trainable_parameters=self.host.trainable_parameters,
+            last_reward=self.summary.rewards[-1] if self.summary.rewards else 0.0,
+            exchanges=self.summary.exchanges,
+            round=t,
+            total_rounds=s.rounds,
+        )
+        counts = self._category_counts()
+        profile = build_profile(
+            self.host.model_type,
+            metrics,
+            counts,
+            dp_epsilon=s.profile_dp_epsilon,
+            rng=np.random.default_rng([s.seed, t]),
+        )
+        await self.cpm.submit_profile(t, [float(x) for x in profile], self.endpoint)
+        self.log.info(
+            "round_trained",
+            round=t,
+            train_loss=round(stats.mean_loss, 4),
+            val_loss=round(loss, 4),
+            pass_at_1=pass1,
+        )
+        directive = await _next(inbox, feed, s.round_timeout_s)
+        lap("wait")
+        if directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
+            await self._learn_from(directive, t, settings)
+            lap("integrate")
+        elif directive is not None:
+            # Teacher: build the package now, ahead of the next round's training in the model
+            # worker's queue, so the student does not wait behind it. Served by the peer server.
+            self.log.info(
+                "directive_teacher",
+                round=t,
+                directive=directive.directive_id,
+                student=directive.student,
+            )
+            self.summary.as_teacher += 1
+            self._last_taught = directive.directive_id
+            self._prebuild = asyncio.create_task(self._package_for(directive))
+        if directive is not None:
+            self.state["processed"] = [*self.state["processed"][-255:], directive.directive_id]
+        if not math.isnan(pass1):
+            self.telemetry.pass_at_1.set(pass1)
+        self.summary.loss_after, self.summary.pass_at_1_after = loss, pass1
+        history.append({"round": t, "loss": loss, "pass1": pass1})
+        self.state["round"] = t
+        self.summary.rounds_completed = t
+        self.state["summary"] = asdict(self.summary)
+        adapter = await self._model(self.host.adapter_state)
+        await self._model(self.checkpoints.save, t, adapter, _jsonable(self.state))
+        lap("checkpoint")
+        self.telemetry.rounds.inc()
+        self.log.info("round_done", round=t, seconds=round(time.monotonic() - started, 2))
+
+    async def _learn_from(self, d: cpm_pb2.Directive, t: int, settings: Any) -> None:
+        """Student side of a directive: fetch, integrate by AKD (Eq. 2), report Eq. 3."""
+        from peerlm.agent.package import TextPackage, decode_package, text_pairs
+        from peerlm.agent.peer_client import fetch_package
+
+        s = self.s
+        try:
+            data = await fetch_package(
+                d.peer.endpoint,
+                self.creds,
+                d.directive_id,
+                limits=s.limits,
+                max_bytes=s.max_package_bytes,
+                timeout_s=s.round_timeout_s,
+                dev_identity=None if self.mode is SecurityMode.MTLS else self.identity.spiffe_uri,
+            )
+            package = decode_package(
+                data,
+                expect_transfer_sha256=self.transfer_digest,
+                expect_directive_id=d.directive_id,
+                expect_teacher=d.teacher,
+            )
+        except Exception as exc:  # a failed exchange is logged and the round goes on
+            self.telemetry.exchange_failures.labels(getattr(exc, "reason", "error")).inc()
+            self.log.warning(
+                "exchange_failed", directive=d.directive_id, teacher=d.teacher, error=str(exc)
+            )
+            self.summary.errors.append(f"exchange {d.directive_id[:8]}: {exc}")
+            return
+        if not isinstance(package, TextPackage):
+            self.log.warning("package_mode_unsupported", teacher=d.teacher)
+            return
+        kb = len(data) / 1024.0
+        alpha = linear_schedule(s.alpha_kd_start, s.alpha_kd_end, t, max(s.rounds, 1))
+        pre, _ = await self._model(self.host.eval_loss, self.val_texts)
+        teacher_texts = text_pairs(package, self.transfer_prompts)
+        await self._model(
+            self.host.train_akd,
+            self.train_texts,
+            teacher_texts,
+            alpha,
+            settings,
+            steps=s.local_steps,
+        )
+        post, _ = await self._model(self.host.eval_loss, self.val_texts)
+        reward = s.reward_gamma * (pre - post) - s.reward_delta * kb
+        try:
+            ack = await self.cpm.report_reward(
+                d.directive_id, reward, loss_pre=pre, loss_post=post, kilobytes=round(kb)
+            )
+        except grpc.aio.AioRpcError as err:
+            # The knowledge is integrated either way; only the CPM's bandit misses this one.
+            self.telemetry.exchange_failures.labels("reward_refused").inc()
+            self.log.warning(
+                "reward_refused",
+                directive=d.directive_id,
+                code=err.code().name,
+                detail=err.details(),
+            )
+            self.summary.errors.append(f"reward {d.directive_id[:8]}: {err.code().name}")
+            return
+        self.telemetry.rewards.inc()
+        self.summary.exchanges += 1
+        self.summary.bytes_received += len(data)
+        self.summary.rewards.append(round(reward, 6))
+        self.log.info(
+            "exchange_integrated",
+            round=t,
+            teacher=d.teacher,
+            directive=d.directive_id,
+            alpha_kd=round(alpha, 3),
+            loss_pre=round(pre, 4),
+            loss_post=round(post, 4),
+            kilobytes=round(kb, 1),
+            reward=round(reward, 5),
+            normalised=round(ack.normalised_reward, 4),
+        )
+
+    def _category_counts(self) -> np.ndarray:
+        from peerlm.agent.tasks.bank import CATEGORIES
+
+        counts = np.zeros(len(CATEGORIES))
+        for p in self.train:
+            if p.category in CATEGORIES:
+                counts[CATEGORIES.index(p.category)] += 1
+        return counts
+
+    # ------------------------------------------------------------ shutdown
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def close(self) -> None:
+        await self.cpm.close()
+        await self.server.stop(self.s.limits.shutdown_grace_s)
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
+        self._worker.shutdown(wait=True)
+
+
+async def _next(
+    inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None], timeout: float
+) -> cpm_pb2.Directive | None:
+    """The next student directive, or None after ``timeout`` (a round without a pairing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if feed.done() and inbox.empty():
+            feed.result()
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            return await asyncio.wait_for(inbox.get(), min(remaining, 0.5))
+        except TimeoutError:
+            continue
+
+
+def _tls_files(s: AgentSettings) -> TlsFiles | None:
+    t = s.tls
+    if t.ca_cert is None and t.cert is None and t.key is None:
+        return None
+    if t.ca_cert is None or t.cert is None or t.key is None:
+        from peerlm.security.mode import SecurityConfigError
+
+        raise SecurityConfigError("TLS settings incomplete: ca_cert, cert and key are required")
+    return TlsFiles(ca_cert=t.ca_cert, cert=t.cert, key=t.key)
+
+
+def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
+    # NaN is not JSON; the checkpoint's state.json must parse everywhere.
+    clean: dict[str, Any] = json.loads(json.dumps(state, default=str).replace("NaN", "null"))
+    return clean

@@ -1,0 +1,40 @@
+"""The agent daemon's own Prometheus metrics (catalogue in docs/metrics.md)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["AgentTelemetry"]
+
+
+class AgentTelemetry:
+    """Round-loop series, registered in the agent's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.rounds = Counter("peerlm_agent_rounds_total", "Rounds completed.", registry=registry)
+        self.phase_seconds = Histogram(
+            "peerlm_agent_round_duration_seconds",
+            "Time per round phase.",
+            ["phase"],
+            registry=registry,
+            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600),
+        )
+        self.val_loss = Gauge(
+            "peerlm_agent_validation_loss_nats",
+            "Mean token cross-entropy on the private validation set.",
+            registry=registry,
+        )
+        self.pass_at_1 = Gauge(
+            "peerlm_agent_pass_at_1_ratio", "pass@1 on the validation set.", registry=registry
+        )
+        self.rewards = Counter(
+            "peerlm_agent_rewards_reported_total",
+            "Rewards reported to the CPM as a student.",
+            registry=registry,
+        )
+        self.exchange_failures = Counter(
+            "peerlm_agent_exchange_failures_total",
+            "Exchanges that failed before integration.",
+            ["reason"],
+            registry=registry,
+        )

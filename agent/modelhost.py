@@ -1,0 +1,707 @@
+"""The model host: one causal LM with a LoRA adapter, and everything an agent does with it.
+
+:meth:`ModelHost.load` takes a directory (or, where a hub is reachable, a model name) and
+loads it with ``AutoTokenizer``/``AutoModelForCausalLM.from_pretrained``, the same path for
+Qwen1.5-0.5B as for the project's locally built tiny models (DESIGN.md principle 8), then
+wraps the frozen base W0 with a fresh, seeded LoRA adapter phi_i.
+
+The host then offers the agent-side operations of KNEXA-FL:
+
+- :meth:`~ModelHost.train_local`: causal-LM fine-tuning of phi_i on private data D_i;
+- :meth:`~ModelHost.generate`: teacher predictions y_j(x) on the transfer set X_u (and
+  completions for pass@k), batched, greedy or sampled, cut at stop sequences;
+- :meth:`~ModelHost.train_akd`: Adaptive Knowledge Distillation, Eq. 2, with the teacher's
+  text re-encoded by this host's tokenizer (any pair of architectures);
+- :meth:`~ModelHost.topk_logits` / :meth:`~ModelHost.train_akd_logits`: the logit mode,
+  defined only between hosts that share a tokenizer;
+- :meth:`~ModelHost.eval_loss`: validation loss and perplexity (profile, Eq. 3's reward);
+- adapter I/O as safetensors (checkpoints, adapter exchange); never pickle.
+
+Thread-safety: a ModelHost is not thread-safe. Every method mutates or reads the model, the
+tokenizer or torch's RNG; the agent daemon owns one worker thread that makes all calls, and
+callers elsewhere must do the same (one thread at a time). All methods are synchronous.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import torch
+from peerlm.agent.models.lora import LoraSettings, apply_lora, trainable_share
+from peerlm.agent.training import (
+    Encoded,
+    Example,
+    LogitTarget,
+    Source,
+    TrainSettings,
+    TrainStats,
+    collate,
+    encode_example,
+    encode_pair,
+    fit_lengths,
+    kd_kl_sum,
+    run_training,
+    token_ids,
+    token_loss_sum,
+)
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+__all__ = [
+    "DEFAULT_STOPS",
+    "AdapterMismatchError",
+    "ModelHost",
+    "TokenizerMismatchError",
+    "family_of",
+    "truncate_at_stops",
+]
+
+DEFAULT_STOPS: tuple[str, ...] = (
+    "\ndef ",
+    "\nclass ",
+    "\nif __name__",
+    "\nprint(",
+    "\n#",
+    "\n@",
+    "\nassert ",
+)
+"""Top-level constructs that end a function body (HumanEval's stop set, plus decorators and
+asserts): a completion of a ``def ...: \"\"\"docstring\"\"\"`` prompt stops at the body's end."""
+
+_ADAPTER_FORMAT = "peerlm-lora/1"
+
+# config.model_type -> the family one-hot of the profile (8 static features).
+_FAMILIES: Mapping[str, str] = MappingProxyType(
+    {
+        "gpt2": "gpt2",
+        "gpt_bigcode": "gpt2",
+        "gpt_neox": "gpt_neox",
+        "bloom": "bloom",
+        "qwen2": "qwen2",
+        "qwen3": "qwen2",
+        "llama": "llama",
+        "mistral": "llama",
+    }
+)
+
+
+class AdapterMismatchError(ValueError):
+    """An adapter does not fit this host (other base model, other rank, other modules)."""
+
+
+class TokenizerMismatchError(ValueError):
+    """Logit distillation between hosts whose tokenizers (token id spaces) differ."""
+
+
+def family_of(model_type: str) -> str:
+    """Family of a ``config.model_type``: gpt2, gpt_neox, bloom, qwen2, llama or other."""
+    return _FAMILIES.get(model_type, "other")
+
+
+def truncate_at_stops(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to (excluding) the earliest occurrence of any stop sequence."""
+    cut = len(text)
+    for stop in stops:
+        if stop:
+            at = text.find(stop)
+            if 0 <= at < cut:
+                cut = at
+    return text[:cut]
+
+
+class _StopOnStrings(StoppingCriteria):
+    """Marks a sequence finished once its generated text contains a stop sequence."""
+
+    def __init__(self, tokenizer: Any, prompt_width: int, stops: Sequence[str]) -> None:
+        self._tokenizer = tokenizer
+        self._width = prompt_width
+        self._stops = [s for s in stops if s]
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
+        done = [
+            any(s in text for s in self._stops)
+            for text in self._tokenizer.batch_decode(
+                input_ids[:, self._width :], skip_special_tokens=True
+            )
+        ]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+
+
+def _vocab_hash(tokenizer: Any) -> str:
+    # The id -> token mapping is what logit distillation needs to agree on.
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors blob (read from its JSON header, no tensors)."""
+    if len(data) < 8:
+        raise AdapterMismatchError("not a safetensors adapter: too short")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise AdapterMismatchError("not a safetensors adapter: header length out of range")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as exc:
+        raise AdapterMismatchError(f"not a safetensors adapter: {exc}") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+
+
+class ModelHost:
+    """A causal LM with a LoRA adapter (see the module docstring). Build with :meth:`load`."""
+
+    def __init__(
+        self,
+        model: PeftModel,
+        tokenizer: Any,
+        lora: LoraSettings,
+        *,
+        source: str,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.lora = lora
+        self.source = source
+        self.seed = seed
+        self.tokenizer_hash = _vocab_hash(tokenizer)
+        self._pad_id = int(tokenizer.pad_token_id)
+        self.model.eval()
+
+    # ------------------------------------------------------------------------ construction
+
+    @classmethod
+    def load(
+        cls,
+        path_or_name: str | Path,
+        lora: LoraSettings | None = None,
+        *,
+        device: str = "auto",
+        seed: int = 0,
+    ) -> ModelHost:
+        """Load tokenizer and model with ``from_pretrained`` and attach a seeded LoRA adapter.
+
+        ``device="auto"`` picks CUDA in bfloat16 where available, otherwise CPU in float32;
+        "cpu" and "cuda" force the device (CUDA still uses bfloat16 when supported). A
+        tokenizer without a pad token pads with EOS (padding is always masked).
+        """
+        if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {device!r}")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+        dtype = torch.float32
+        if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+            dtype = torch.bfloat16
+        source = str(path_or_name)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError(f"tokenizer of {source} has neither a pad nor an EOS token")
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model.to(device)  # type: ignore[arg-type]
+        settings = lora or LoraSettings()
+        # Seeded adapter initialisation (LoRA A is random, B zero) without touching the
+        # caller's RNG: agents with the same seed start from the same phi_i.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            peft_model = apply_lora(model, settings)
+        return cls(peft_model, tokenizer, settings, source=source, seed=seed)
+
+    # -------------------------------------------------------------------------- properties
+
+    @property
+    def model_type(self) -> str:
+        """``config.model_type`` of the base model (e.g. "gpt2", "qwen2")."""
+        return str(self.model.config.model_type)
+
+    @property
+    def family(self) -> str:
+        """gpt2, gpt_neox, bloom, qwen2, llama or other (see :func:`family_of`)."""
+        return family_of(self.model_type)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the tokenizer's vocabulary (the token id space of this host)."""
+        return len(self.tokenizer)
+
+    @property
+    def trainable_parameters(self) -> int:
+        """Parameters that LoRA trains."""
+        return trainable_share(self.model)[0]
+
+    @property
+    def total_parameters(self) -> int:
+        """All parameters, base and adapter."""
+        return trainable_share(self.model)[1]
+
+    @property
+    def trainable_share(self) -> float:
+        """trainable / total (Table 3's *Trainable %* as a fraction)."""
+        return trainable_share(self.model)[2]
+
+    @property
+    def device(self) -> str:
+        """Device of the model's parameters, e.g. "cpu" or "cuda:0"."""
+        return str(next(self.model.parameters()).device)
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence the model accepts (position table size; 2048 for ALiBi models)."""
+        config = self.model.config
+        for name in ("max_position_embeddings", "n_positions", "seq_length"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        limit = getattr(self.tokenizer, "model_max_length", 0)
+        return int(limit) if isinstance(limit, int) and 0 < limit < 1_000_000 else 2048
+
+    # ------------------------------------------------------------------------------ helpers
+
+    @contextmanager
+    def _seeded(self, seed: int) -> Iterator[None]:
+        dev = next(self.model.parameters()).device
+        with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            yield
+
+    def _encode_all(self, examples: Sequence[Example], max_length: int) -> list[Encoded]:
+        limit = min(max_length, self.context_length)
+        out = [encode_example(self.tokenizer, ex, limit) for ex in examples]
+        return [e for e in out if e is not None]
+
+    def _text_source(self, name: str, weight: float, items: list[Encoded]) -> Source:
+        return Source(
+            name, weight, items, lambda batch: token_loss_sum(self.model, batch, self._pad_id)
+        )
+
+    # ----------------------------------------------------------------------------- training
+
+    def train_local(
+        self, examples: Sequence[Example], settings: TrainSettings, *, steps: int | None = None
+    ) -> TrainStats:
+        """Fine-tune the adapter on private examples by causal-LM loss (``L_i(D_i)``).
+
+        A ``str`` example is trained on all its tokens, a (prompt, completion) pair on the
+        completion only (see :mod:`peerlm.agent.training`). ``steps`` optimiser steps, or
+        ``settings.epochs`` passes over the data.
+        """
+        items = self._encode_all(examples, settings.max_length)
+        if not items:
+            raise ValueError("train_local: no example has a token to train on")
+        stats = run_training(self.model, [self._text_source("local", 1.0, items)], settings, steps)
+        stats.local_loss = stats.mean_loss
+        return stats
+
+    def _check_alpha(self, alpha_kd: float) -> float:
+        alpha = float(alpha_kd)
+        if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
+            raise ValueError(f"alpha_kd must lie in [0, 1], got {alpha_kd}")
+        return alpha
+
+    def train_akd(
+        self,
+        local_examples: Sequence[Example],
+        teacher_texts: Sequence[tuple[str, str]],
+        alpha_kd: float,
+        settings: TrainSettings,
+        *,
+        steps: int | None = None,
+    ) -> TrainStats:
+        """Adaptive Knowledge Distillation, Eq. 2, text mode.
+
+        Minimises ``(1 - alpha_kd) * L_local + alpha_kd * CE(y~_j(x), p_i(. | x))`` where
+        ``teacher_texts`` are (prompt x, teacher completion y_j(x)) pairs on X_u. The
+        teacher's *text* is re-encoded with this host's tokenizer, so any teacher
+        architecture and tokenizer works; the CE covers the completion tokens given the
+        prompt. Each step takes one accumulation window from each source (the sources
+        interleave; the smaller cycles); a source of weight 0 is skipped entirely. Without
+        ``steps``: ``settings.epochs`` passes over the larger source.
+        """
+        alpha = self._check_alpha(alpha_kd)
+        local = self._encode_all(local_examples, settings.max_length) if alpha < 1 else []
+        teacher = self._encode_all(list(teacher_texts), settings.max_length) if alpha > 0 else []
+        if alpha < 1 and not local:
+            raise ValueError("train_akd: alpha_kd < 1 needs local examples with tokens")
+        if alpha > 0 and not teacher:
+            raise ValueError("train_akd: alpha_kd > 0 needs teacher completions with tokens")
+        local_src = self._text_source("local", 1.0 - alpha, local)
+        kd_src = self._text_source("kd", alpha, teacher)
+        stats = run_training(self.model, [local_src, kd_src], settings, steps)
+        stats.local_loss, stats.kd_loss, stats.alpha_kd = local_src.mean(), kd_src.mean(), alpha
+        return stats
+
+    def train_akd_logits(
+        self,
+        local_examples: Sequence[Example],
+        teacher_logits: Sequence[Mapping[str, Any]],
+        alpha_kd: float,
+        settings: TrainSettings,
+        *,
+        temperature: float = 1.0,
+        steps: int | None = None,
+    ) -> TrainStats:
+        """Eq. 2 with the logit mode's KD term: T^2 * KL(teacher || student) on top-k.
+
+        ``teacher_logits`` are the dictionaries of a teacher's :meth:`topk_logits`. Token
+        distributions only compare within one id space, so this mode requires the teacher's
+        tokenizer to be this host's (same vocabulary hash) and raises
+        :class:`TokenizerMismatchError` otherwise; across tokenizers use :meth:`train_akd`.
+        ``temperature`` is the student-side T (Table 6 anneals 2.5 -> 1.5).
+        """
+        alpha = self._check_alpha(alpha_kd)
+        if temperature <= 0:
+            raise ValueError("temperature must be > 0")
+        targets: list[LogitTarget] = []
+        if alpha > 0:
+            limit = min(settings.max_length, self.context_length)
+            targets = [self._logit_target(entry, limit) for entry in teacher_logits]
+            targets = [t for t in targets if t.targets > 0]
+            if not targets:
+                raise ValueError("train_akd_logits: alpha_kd > 0 needs teacher logits")
+        local = self._encode_all(local_examples, settings.max_length) if alpha < 1 else []
+        if alpha < 1 and not local:
+            raise ValueError("train_akd_logits: alpha_kd < 1 needs local examples with tokens")
+        local_src = self._text_source("local", 1.0 - alpha, local)
+        kd_src = Source(
+            "kd",
+            alpha,
+            targets,
+            lambda batch: kd_kl_sum(self.model, batch, self._pad_id, temperature),
+        )
+        stats = run_training(self.model, [local_src, kd_src], settings, steps)
+        stats.local_loss, stats.kd_loss, stats.alpha_kd = local_src.mean(), kd_src.mean(), alpha
+        return stats
+
+    def _logit_target(self, entry: Mapping[str, Any], limit: int) -> LogitTarget:
+        their = str(entry.get("tokenizer_hash", ""))
+        if their != self.tokenizer_hash:
+            raise TokenizerMismatchError(
+                "logit distillation needs the teacher's tokenizer to be the student's "
+                f"(teacher vocabulary {their[:12] or 'unknown'}, student "
+                f"{self.tokenizer_hash[:12]}); use text distillation (train_akd) across "
+                "tokenizers"
+            )
+        ids = [int(i) for i in np.asarray(entry["input_ids"]).tolist()]
+        prompt_length = int(entry["prompt_length"])
+        top_ids = np.asarray(entry["ids"], dtype=np.int64)
+        logprobs = np.asarray(entry["logprobs"], dtype=np.float32)
+        n_completion = len(ids) - prompt_length
+        if (
+            not 0 < prompt_length <= len(ids)
+            or top_ids.ndim != 2
+            or top_ids.shape != logprobs.shape
+            or top_ids.shape[0] != n_completion
+        ):
+            raise ValueError("malformed teacher logits entry (shapes do not match the ids)")
+        if (ids and (min(ids) < 0 or max(ids) >= self.vocab_size)) or (
+            top_ids.size and (top_ids.min() < 0 or top_ids.max() >= self.vocab_size)
+        ):
+            raise ValueError("teacher logits entry has token ids outside the vocabulary")
+        if not np.isfinite(logprobs).all():
+            raise ValueError("teacher logits entry has non-finite log-probabilities")
+        keep_p, keep_c = fit_lengths(ids[:prompt_length], ids[prompt_length:], limit)
+        prompt = ids[prompt_length - keep_p : prompt_length]
+        completion = ids[prompt_length : prompt_length + keep_c]
+        return LogitTarget(
+            input_ids=prompt + completion,
+            prompt_length=len(prompt),
+            ids=top_ids[:keep_c],
+            logprobs=logprobs[:keep_c],
+            temperature=float(entry.get("temperature", 1.0)),
+        )
+
+    # --------------------------------------------------------------------- teacher outputs
+
+    @torch.inference_mode()
+    def topk_logits(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        k: int = 16,
+        temperature: float = 1.0,
+        *,
+        max_length: int = 256,
+        batch_size: int = 8,
+    ) -> list[dict[str, Any]]:
+        """Teacher side of the logit mode: top-k log-probabilities per completion token.
+
+        One dictionary per (prompt, completion): ``input_ids`` (int32, prompt + completion +
+        EOS as this tokenizer encodes them), ``prompt_length``, ``ids`` (int32, [L, k]) and
+        ``logprobs`` (float32, [L, k], log-softmax of logits / ``temperature``),
+        ``temperature`` and ``tokenizer_hash`` (the student checks it).
+        """
+        if len(prompts) != len(completions):
+            raise ValueError("prompts and completions differ in length")
+        if k < 1 or temperature <= 0:
+            raise ValueError("k must be >= 1 and temperature > 0")
+        k = min(k, self.vocab_size)
+        limit = min(max_length, self.context_length)
+        encoded: list[tuple[list[int], int]] = []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            p, c = encode_pair(self.tokenizer, prompt, completion)
+            keep_p, keep_c = fit_lengths(p, c, limit)
+            encoded.append((p[len(p) - keep_p :] + c[:keep_c], keep_p))
+        out: list[dict[str, Any]] = []
+        self.model.eval()
+        for lo in range(0, len(encoded), batch_size):
+            chunk = encoded[lo : lo + batch_size]
+            items = [Encoded(ids, ids) for ids, _ in chunk]
+            ids_t, mask, _ = collate(items, self._pad_id, next(self.model.parameters()).device)
+            logits = self.model(input_ids=ids_t, attention_mask=mask, use_cache=False).logits
+            for row, (ids, plen) in enumerate(chunk):
+                n = len(ids) - plen
+                scores = torch.log_softmax(
+                    logits[row, plen - 1 : plen - 1 + n].float() / temperature, -1
+                )
+                top = scores.topk(k, dim=-1)
+                out.append(
+                    {
+                        "input_ids": np.asarray(ids, dtype=np.int32),
+                        "prompt_length": plen,
+                        "ids": top.indices.cpu().numpy().astype(np.int32),
+                        "logprobs": top.values.cpu().numpy().astype(np.float32),
+                        "temperature": float(temperature),
+                        "tokenizer_hash": self.tokenizer_hash,
+                    }
+                )
+        return out
+
+    # --------------------------------------------------------------------------- evaluation
+
+    @torch.inference_mode()
+    def eval_loss(
+        self, examples: Sequence[Example], *, batch_size: int = 8, max_length: int = 256
+    ) -> tuple[float, float]:
+        """(mean token loss, perplexity) over ``examples``, token-weighted, without gradients.
+
+        Examples are encoded as for training (whole text, or completion given prompt).
+        """
+        items = self._encode_all(examples, max_length)
+        if not items:
+            raise ValueError("eval_loss: no example has a token to score")
+        self.model.eval()
+        total = 0.0
+        count = 0
+        for lo in range(0, len(items), batch_size):
+            loss_sum, n = token_loss_sum(self.model, items[lo : lo + batch_size], self._pad_id)
+            total += float(loss_sum)
+            count += n
+        loss = total / count
+        return loss, (math.exp(loss) if loss < 700 else math.inf)
+
+    # --------------------------------------------------------------------------- generation
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[str],
+        *,
+        max_new_tokens: int = 96,
+        temperature: float = 0.0,
+        top_p: float = 0.95,
+        n: int = 1,
+        seed: int = 0,
+        stop: Sequence[str] = DEFAULT_STOPS,
+        batch_size: int = 8,
+    ) -> list[list[str]]:
+        """``n`` completions per prompt: the text after the prompt, cut at ``stop``.
+
+        ``temperature=0`` is greedy (deterministic; n copies of the same completion);
+        otherwise nucleus sampling with ``top_p``, seeded by ``seed`` (reproducible, and
+        the caller's RNG is untouched). Prompts are batched with left padding; a prompt
+        longer than the context minus ``max_new_tokens`` keeps its end.
+        """
+        if n < 1 or max_new_tokens < 1 or temperature < 0:
+            raise ValueError("need n >= 1, max_new_tokens >= 1, temperature >= 0")
+        sample = temperature > 0
+        budget = max(1, self.context_length - max_new_tokens)
+        device = next(self.model.parameters()).device
+        eos = self.tokenizer.eos_token_id
+        start = int(eos) if eos is not None else self._pad_id
+        results: list[list[str]] = []
+        self.model.eval()
+        with self._seeded(seed):
+            for lo in range(0, len(prompts), batch_size):
+                chunk = prompts[lo : lo + batch_size]
+                # An empty prompt starts from EOS (a document boundary): a row with no
+                # attended position at all has no defined attention.
+                encoded = [
+                    token_ids(self.tokenizer, p, special=True)[-budget:] or [start] for p in chunk
+                ]
+                width = max(len(e) for e in encoded)
+                ids = torch.full((len(chunk), width), self._pad_id, dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for row, e in enumerate(encoded):
+                    ids[row, width - len(e) :] = torch.tensor(e, dtype=torch.long)
+                    mask[row, width - len(e) :] = 1
+                kwargs: dict[str, Any] = {
+                    "max_new_tokens": max_new_tokens,
+                    "do_sample": sample,
+                    "num_return_sequences": n if sample else 1,
+                    "pad_token_id": self._pad_id,
+                    "eos_token_id": eos,
+                    "stopping_criteria": StoppingCriteriaList(
+                        [_StopOnStrings(self.tokenizer, width, stop)]
+                    ),
+                }
+                if sample:
+                    kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+                else:
+                    # Explicit neutral values: a checkpoint's generation_config may carry
+                    # sampling defaults that would otherwise trigger warnings.
+                    kwargs.update(temperature=None, top_p=None, top_k=None)
+                out = self.model.generate(  # type: ignore[no-untyped-call]
+                    input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs
+                )
+                texts = self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+                texts = [truncate_at_stops(t, stop) for t in texts]
+                per = n if sample else 1
+                for i in range(len(chunk)):
+                    group = texts[i * per : (i + 1) * per]
+                    results.append(group if sample else group * n)
+        return results
+
+    # ---------------------------------------------------------------------------- adapters
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights only (``peft.get_peft_model_state_dict``), detached CPU copies."""
+        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+
+    def _metadata(self) -> dict[str, str]:
+        return {
+            "format": "pt",
+            "peerlm.format": _ADAPTER_FORMAT,
+            "peerlm.model_type": self.model_type,
+            "peerlm.tokenizer_hash": self.tokenizer_hash,
+            "peerlm.lora": self.lora.model_dump_json(),
+        }
+
+    def load_adapter_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace the adapter's weights; :class:`AdapterMismatchError` if they do not fit.
+
+        Every expected tensor must be present with the expected shape, no other tensor may
+        be, and all values must be finite (a peer's adapter is untrusted input).
+        """
+        expected = {
+            k: tuple(v.shape)
+            for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()
+        }
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        wrong = sorted(
+            f"{k}: {tuple(state[k].shape)} != {expected[k]}"
+            for k in set(expected) & set(state)
+            if tuple(state[k].shape) != expected[k]
+        )
+        if missing or unexpected or wrong:
+            parts = []
+            for label, names in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("shape", wrong),
+            ):
+                if names:
+                    more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+                    parts.append(f"{label}: {', '.join(names[:3])}{more}")
+            raise AdapterMismatchError(
+                f"adapter does not fit this {self.model_type} host with LoRA r={self.lora.r} "
+                f"({len(expected)} tensors expected); " + "; ".join(parts)
+            )
+        for k, v in state.items():
+            if not torch.is_floating_point(v) or not bool(torch.isfinite(v).all()):
+                raise AdapterMismatchError(f"adapter tensor {k} is not finite floating point")
+        params = dict(self.model.named_parameters())
+        device = next(self.model.parameters()).device
+        converted: dict[str, torch.Tensor] = {}
+        for k, v in state.items():
+            # peft names tensors without the adapter name; find the live one for its dtype.
+            live = params.get(k.replace(".weight", ".default.weight"))
+            dtype = live.dtype if live is not None else v.dtype
+            converted[k] = v.to(device=device, dtype=dtype)
+        result = set_peft_model_state_dict(self.model, converted)
+        unexpected_after = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected_after:
+            raise AdapterMismatchError(f"peft did not use tensors: {unexpected_after[:3]}")
+
+    def adapter_bytes(self) -> bytes:
+        """The adapter as safetensors bytes (with base and LoRA metadata), for peers."""
+        return bytes(st_save(self.adapter_state(), metadata=self._metadata()))
+
+    def load_adapter_bytes(self, data: bytes, *, strict: bool = True) -> None:
+        """Load safetensors bytes from :meth:`adapter_bytes` (never pickle).
+
+        With ``strict`` the metadata must name this host's model type and tokenizer, so an
+        adapter of another base model is refused even where shapes happen to agree.
+        """
+        meta = _safetensors_metadata(data)
+        if strict and meta.get("peerlm.format") == _ADAPTER_FORMAT:
+            their_type = meta.get("peerlm.model_type")
+            if their_type != self.model_type:
+                raise AdapterMismatchError(
+                    f"adapter was trained on a {their_type} model; this host is {self.model_type}"
+                )
+            if meta.get("peerlm.tokenizer_hash") != self.tokenizer_hash:
+                raise AdapterMismatchError(
+                    "adapter was trained on a base model with another tokenizer than this host's"
+                )
+        try:
+            state = st_load(data)
+        except Exception as exc:  # safetensors raises its own error type for corrupt input
+            raise AdapterMismatchError(f"cannot decode adapter: {exc}") from None
+        self.load_adapter_state(state)
+
+    def save_adapter(self, path: str | Path) -> Path:
+        """Write the adapter to ``path`` as safetensors, atomically (temp file + rename)."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = self.adapter_bytes()
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return target
+
+    def load_adapter(self, path: str | Path, *, strict: bool = True) -> None:
+        """Load an adapter written by :meth:`save_adapter`."""
+        self.load_adapter_bytes(Path(path).read_bytes(), strict=strict)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready summary (logs, status endpoints)."""
+        trainable, total, share = trainable_share(self.model)
+        return {
+            "source": self.source,
+            "model_type": self.model_type,
+            "family": self.family,
+            "vocab_size": self.vocab_size,
+            "trainable_parameters": trainable,
+            "total_parameters": total,
+            "trainable_share": share,
+            "device": self.device,
+            "lora": self.lora.model_dump(),
+            "tokenizer_hash": self.tokenizer_hash,
+        }

@@ -1,0 +1,566 @@
+"""Tiny causal LMs of four real architectures, built locally with their own tokenizers.
+
+No model hub is reachable where peerlm is developed and tested, yet the agent must load its
+model exactly as it would load Qwen1.5-0.5B or pythia-410m (DESIGN.md principle 8). This
+module builds stand-ins of the same families (GPT-2, GPT-NeoX, BLOOM, Qwen2) from scratch:
+
+1. a **corpus** every machine has: the Python standard library's top-level ``*.py`` files
+   (sorted paths, the first ``corpus_bytes`` of them; no test suites, no site-packages);
+2. a **byte-level BPE tokenizer per architecture** trained with ``tokenizers`` on that
+   corpus, each with a *different* vocabulary size, so tokenizer heterogeneity in the
+   federation is real: the same text becomes different token sequences for different agents.
+   ``<|endoftext|>`` (id 0) is the only special token and serves as bos, eos, pad and unk,
+   as in GPT-2;
+3. a **small config of the family** (``tiny``: 1-2 M parameters, ``micro``: under 100 k for
+   tests) with randomly initialised weights;
+4. a **brief pre-training** (full parameters, AdamW, batches of 8 x 128-token windows drawn
+   from the corpus) so that the models know something about Python before LoRA fine-tuning;
+5. ``save_pretrained`` of model and tokenizer into ``out_dir/<arch>/`` plus a
+   ``peerlm-model.json`` manifest; the directory then loads with
+   ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+
+Builds are deterministic under ``seed`` and cached: a directory whose manifest carries the
+same configuration hash (shapes, steps, seed, corpus digest) is left as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sysconfig
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BloomConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "MANIFEST_NAME",
+    "SPECIAL_TOKEN",
+    "BuildEvent",
+    "ModelInfo",
+    "Size",
+    "build_models",
+    "read_manifest",
+    "stdlib_corpus",
+]
+
+Size = Literal["tiny", "micro"]
+
+ARCHITECTURES: tuple[str, ...] = ("gpt2", "gpt_neox", "bloom", "qwen2")
+MANIFEST_NAME = "peerlm-model.json"
+SPECIAL_TOKEN = "<|endoftext|>"
+
+# Bump when the build procedure changes in a way that changes the weights: cached models of
+# an older format are rebuilt.
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class _Shape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    context: int
+    kv_heads: int | None = None
+
+
+# Vocabulary sizes differ per architecture on purpose (tokenizer heterogeneity); hidden
+# sizes and depths differ too so the families are not the same network under four names.
+_SHAPES: Mapping[tuple[str, str], _Shape] = MappingProxyType(
+    {
+        ("gpt2", "tiny"): _Shape(2048, 128, 4, 4, 512, 512),
+        ("gpt_neox", "tiny"): _Shape(3072, 160, 3, 4, 640, 512),
+        ("bloom", "tiny"): _Shape(4096, 128, 3, 4, 512, 512),
+        ("qwen2", "tiny"): _Shape(6144, 192, 2, 4, 512, 512, kv_heads=2),
+        ("gpt2", "micro"): _Shape(512, 32, 1, 2, 128, 256),
+        ("gpt_neox", "micro"): _Shape(640, 32, 1, 2, 128, 256),
+        ("bloom", "micro"): _Shape(768, 32, 1, 2, 128, 256),
+        ("qwen2", "micro"): _Shape(1024, 48, 1, 2, 96, 256, kv_heads=1),
+    }
+)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How one size is built: corpus, pre-training batch shape and optimiser."""
+
+    corpus_bytes: int
+    steps: int
+    batch: int
+    seq_len: int
+    lr: float
+
+
+_RECIPES: Mapping[str, _Recipe] = MappingProxyType(
+    {
+        # ~70 ms a step for these shapes on 2 CPU cores: 500 steps ~ 35-45 s per model.
+        "tiny": _Recipe(corpus_bytes=4_000_000, steps=500, batch=8, seq_len=128, lr=2e-3),
+        # Tests: a tokenizer trained on 256 kB and a handful of steps, ~1 s per model.
+        "micro": _Recipe(corpus_bytes=256_000, steps=4, batch=4, seq_len=64, lr=2e-3),
+    }
+)
+
+
+@dataclass(frozen=True)
+class BuildEvent:
+    """Progress of :func:`build_models`, one per phase change and per pre-training step."""
+
+    arch: str
+    phase: Literal["tokenizer", "pretrain", "save", "done", "cached"]
+    step: int = 0
+    total: int = 0
+    loss: float | None = None
+
+
+@dataclass
+class ModelInfo:
+    """One built model: where it is and what it is (also the manifest's content)."""
+
+    arch: str
+    size: str
+    path: str
+    model_type: str
+    vocab_size: int
+    parameters: int
+    hidden_size: int
+    layers: int
+    context: int
+    steps: int
+    final_loss: float | None
+    build_seconds: float
+    config_hash: str
+    corpus_sha256: str
+    corpus_bytes: int
+    seed: int
+    cached: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dictionary."""
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------- corpus
+
+
+def stdlib_corpus(max_bytes: int) -> tuple[list[str], str]:
+    """Texts of the standard library's top-level modules, sorted by name, about ``max_bytes``.
+
+    Whole files are taken in order until the budget is reached (the last one is cut), so
+    the sample is the same on every machine with the same Python. Returns the texts and
+    the SHA-256 of what was taken (part of the build's cache key).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    if not files:
+        raise RuntimeError(f"no Python sources under {root}: cannot build a corpus")
+    texts: list[str] = []
+    digest = hashlib.sha256()
+    used = 0
+    for path in files:
+        if used >= max_bytes:
+            break
+        data = path.read_bytes()[: max_bytes - used]
+        used += len(data)
+        digest.update(path.name.encode() + b"\0" + data + b"\0")
+        texts.append(data.decode("utf-8", errors="replace"))
+    return texts, digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------- tokenizer
+
+
+# Qwen2's pre-tokenisation regex. transformers (v5) loads every ``qwen2`` checkpoint through
+# ``Qwen2Tokenizer``, which rebuilds the pipeline (NFC, this split, byte level) around the
+# saved vocabulary and merges: training with the same pipeline keeps the tokenizer an agent
+# loads identical to the one the model was pre-trained with.
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _train_tokenizer(
+    arch: str, texts: Sequence[str], vocab_size: int, context: int
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (any byte sequence encodes; decode inverts encode) for ``arch``.
+
+    GPT-2, GPT-NeoX and BLOOM use GPT-2's byte-level pre-tokenisation; Qwen2 its own split
+    regex with NFC normalisation, as the real families do.
+    """
+    tok = Tokenizer(models.BPE())
+    if arch == "qwen2":
+        tok.normalizer = normalizers.NFC()  # type: ignore[assignment]
+        tok.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]
+    tok.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    trainer = trainers.BpeTrainer(  # type: ignore[call-arg]
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[SPECIAL_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKEN,
+        eos_token=SPECIAL_TOKEN,
+        pad_token=SPECIAL_TOKEN,
+        unk_token=SPECIAL_TOKEN,
+        model_max_length=context,
+    )
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
+    tokenizer.save_pretrained(directory)
+    # transformers 5 writes its new class name, which 4.x cannot resolve; the classic name
+    # loads as the same tokenizers-backed class in both.
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _check_reload(directory: Path, trained: PreTrainedTokenizerFast, texts: Sequence[str]) -> None:
+    """Fail the build if ``AutoTokenizer`` would give agents a different tokenizer."""
+    loaded = AutoTokenizer.from_pretrained(directory)
+    for text in texts:
+        a = trained.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        b = loaded.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        if a != b or len(loaded) != len(trained):
+            raise RuntimeError(
+                f"AutoTokenizer.from_pretrained({directory}) loads {type(loaded).__name__}, "
+                "which tokenizes differently from the trained tokenizer"
+            )
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+def _model_config(arch: str, shape: _Shape, vocab: int, special_id: int) -> PretrainedConfig:
+    ids: dict[str, Any] = {
+        "bos_token_id": special_id,
+        "eos_token_id": special_id,
+        "pad_token_id": special_id,
+        "vocab_size": vocab,
+    }
+    # Dropout off: pre-training is short and LoRA adds its own dropout during fine-tuning.
+    if arch == "gpt2":
+        return GPT2Config(
+            n_embd=shape.hidden,
+            n_layer=shape.layers,
+            n_head=shape.heads,
+            n_inner=shape.intermediate,
+            n_positions=shape.context,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **ids,
+        )
+    if arch == "gpt_neox":
+        return GPTNeoXConfig(
+            hidden_size=shape.hidden,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            intermediate_size=shape.intermediate,
+            max_position_embeddings=shape.context,
+            tie_word_embeddings=False,
+            **ids,
+        )
+    if arch == "bloom":
+        # BLOOM's MLP width is fixed at 4 x hidden and positions are ALiBi (no table).
+        return BloomConfig(
+            hidden_size=shape.hidden,
+            n_layer=shape.layers,
+            n_head=shape.heads,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **ids,
+        )
+    if arch == "qwen2":
+        return Qwen2Config(
+            hidden_size=shape.hidden,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads or shape.heads,
+            intermediate_size=shape.intermediate,
+            max_position_embeddings=shape.context,
+            tie_word_embeddings=True,
+            **ids,
+        )
+    raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+
+
+def _shape(arch: str, size: str) -> _Shape:
+    try:
+        return _SHAPES[(arch, size)]
+    except KeyError:
+        raise ValueError(
+            f"unknown architecture/size {arch!r}/{size!r}; architectures: "
+            f"{', '.join(ARCHITECTURES)}; sizes: tiny, micro"
+        ) from None
+
+
+def _arch_seed(seed: int, arch: str) -> int:
+    # Stable across processes (unlike hash()): each architecture gets its own stream.
+    return int.from_bytes(hashlib.sha256(f"{seed}:{arch}".encode()).digest()[:4], "little")
+
+
+def _config_hash(arch: str, size: str, steps: int, seed: int, corpus_sha: str) -> str:
+    recipe = _RECIPES[size]
+    key = {
+        "format": _FORMAT,
+        "arch": arch,
+        "size": size,
+        "shape": asdict(_shape(arch, size)),
+        "recipe": asdict(recipe),
+        "steps": steps,
+        "seed": seed,
+        "corpus_sha256": corpus_sha,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+# -------------------------------------------------------------------------------- manifest
+
+
+def read_manifest(model_dir: Path) -> ModelInfo | None:
+    """The manifest of a built model directory, or None (absent, unreadable, incomplete)."""
+    path = model_dir / MANIFEST_NAME
+    try:
+        data = json.loads(path.read_text())
+        if data.pop("format", None) != _FORMAT:
+            return None
+        info = ModelInfo(**{**data, "path": str(model_dir), "cached": False})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        if not (model_dir / name).is_file():
+            return None
+    return info
+
+
+# -------------------------------------------------------------------------------- pretrain
+
+
+def _token_stream(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str]) -> torch.Tensor:
+    eos = int(tokenizer.eos_token_id)  # type: ignore[arg-type]
+    ids: list[int] = []
+    # The backend directly: the wrapper warns about every document longer than the context,
+    # which is expected here (windows are cut from the stream afterwards).
+    for encoding in tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False):
+        ids.extend(encoding.ids)
+        ids.append(eos)  # a document boundary, as in GPT-2's pre-training
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _lr_factor(step: int, total: int) -> float:
+    """5 % linear warm-up, then cosine decay to 10 % of the peak."""
+    warmup = max(1, math.ceil(0.05 * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _pretrain(
+    model: torch.nn.Module,
+    stream: torch.Tensor,
+    recipe: _Recipe,
+    steps: int,
+    generator: torch.Generator,
+    on_step: Callable[[int, float], None],
+) -> float | None:
+    """Full-parameter causal-LM training on random windows; mean loss of the last 10 %."""
+    if steps <= 0:
+        return None
+    seq = min(recipe.seq_len, stream.numel() - 1)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.01
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, steps))
+    tail = max(1, steps // 10)
+    tail_losses: list[float] = []
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, stream.numel() - seq, (recipe.batch,), generator=generator)
+        batch = torch.stack([stream[s : s + seq] for s in starts.tolist()])
+        logits = model(input_ids=batch).logits
+        loss_t = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
+        )
+        loss_t.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = float(loss_t.detach())
+        if step >= steps - tail:
+            tail_losses.append(loss)
+        on_step(step + 1, loss)
+    model.eval()
+    return sum(tail_losses) / len(tail_losses)
+
+
+# ----------------------------------------------------------------------------------- build
+
+
+def _build_one(
+    arch: str,
+    size: Size,
+    target: Path,
+    steps: int,
+    seed: int,
+    texts: Sequence[str],
+    corpus_sha: str,
+    corpus_bytes: int,
+    config_hash: str,
+    emit: Callable[[BuildEvent], None],
+) -> ModelInfo:
+    started = time.perf_counter()
+    shape = _shape(arch, size)
+    recipe = _RECIPES[size]
+    emit(BuildEvent(arch, "tokenizer"))
+    tokenizer = _train_tokenizer(arch, texts, shape.vocab, shape.context)
+    vocab = len(tokenizer)
+    special_id = int(tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN))  # type: ignore[arg-type]
+    config = _model_config(arch, shape, vocab, special_id)
+    stream = _token_stream(tokenizer, texts)
+
+    # fork_rng: model init and window sampling are seeded without touching the caller's RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_arch_seed(seed, arch))
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        generator = torch.Generator().manual_seed(_arch_seed(seed + 1, arch))
+        emit(BuildEvent(arch, "pretrain", 0, steps))
+        final_loss = _pretrain(
+            model,
+            stream,
+            recipe,
+            steps,
+            generator,
+            lambda step, loss: emit(BuildEvent(arch, "pretrain", step, steps, loss)),
+        )
+    parameters = sum(p.numel() for p in model.parameters())
+
+    emit(BuildEvent(arch, "save", steps, steps, final_loss))
+    # Build next to the target and swap it in: a killed build leaves no manifest behind, so
+    # the next run rebuilds instead of trusting half-written files.
+    tmp = target.parent / f".{target.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    _save_tokenizer(tokenizer, tmp)
+    _check_reload(tmp, tokenizer, texts[:8])
+    info = ModelInfo(
+        arch=arch,
+        size=size,
+        path=str(target),
+        model_type=str(config.model_type),
+        vocab_size=vocab,
+        parameters=parameters,
+        hidden_size=shape.hidden,
+        layers=shape.layers,
+        context=shape.context,
+        steps=steps,
+        final_loss=None if final_loss is None else round(final_loss, 5),
+        build_seconds=round(time.perf_counter() - started, 3),
+        config_hash=config_hash,
+        corpus_sha256=corpus_sha,
+        corpus_bytes=corpus_bytes,
+        seed=seed,
+        extra={"pretrain_batch": recipe.batch, "pretrain_seq_len": recipe.seq_len},
+    )
+    manifest = {"format": _FORMAT, **info.to_dict()}
+    manifest.pop("path")
+    manifest.pop("cached")
+    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    emit(BuildEvent(arch, "done", steps, steps, final_loss))
+    return info
+
+
+def build_models(
+    out_dir: Path,
+    archs: Sequence[str] = ARCHITECTURES,
+    *,
+    size: Size = "tiny",
+    pretrain_steps: int | None = None,
+    seed: int = 0,
+    force: bool = False,
+    progress: Callable[[BuildEvent], None] | None = None,
+) -> list[ModelInfo]:
+    """Build (or find cached) tiny models into ``out_dir/<arch>/``; one :class:`ModelInfo` each.
+
+    ``pretrain_steps`` overrides the size's default (tiny: 500, micro: 4). A directory whose
+    manifest has the same configuration hash is reused unless ``force``. ``progress``
+    receives a :class:`BuildEvent` per phase and per pre-training step.
+    """
+    if size not in _RECIPES:
+        raise ValueError(f"unknown size {size!r}; choose tiny or micro")
+    for arch in archs:
+        _shape(arch, size)  # fail before any work on a bad name
+    if pretrain_steps is not None and pretrain_steps < 0:
+        raise ValueError("pretrain_steps must be >= 0")
+    recipe = _RECIPES[size]
+    steps = recipe.steps if pretrain_steps is None else pretrain_steps
+    emit = progress or (lambda _event: None)
+    texts, corpus_sha = stdlib_corpus(recipe.corpus_bytes)
+    corpus_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    infos: list[ModelInfo] = []
+    for arch in dict.fromkeys(archs):  # de-duplicated, order kept
+        target = out_dir / arch
+        config_hash = _config_hash(arch, size, steps, seed, corpus_sha)
+        cached = None if force else read_manifest(target)
+        if cached is not None and cached.config_hash == config_hash:
+            cached.cached = True
+            emit(BuildEvent(arch, "cached", cached.steps, cached.steps, cached.final_loss))
+            infos.append(cached)
+            continue
+        infos.append(
+            _build_one(
+                arch,
+                size,
+                target,
+                steps,
+                seed,
+                texts,
+                corpus_sha,
+                corpus_bytes,
+                config_hash,
+                emit,
+            )
+        )
+    return infos

@@ -1,0 +1,249 @@
+"""The client side of ``peerlm.v1.PeerExchange``: fetch a package, pull an adapter.
+
+Each call opens its own channel to the peer (exchanges are ephemeral and peers change
+every round), streams the payload's chunks into a :class:`~peerlm.chunks.ChunkAssembler`
+and returns the verified bytes. Every failure is a :class:`PeerExchangeError` whose
+``reason`` says what went wrong:
+
+* ``too_large``: the first chunk announced more than ``max_bytes``; the call is cancelled
+  there, before any further chunk is accepted.
+* ``corrupt``: gaps, changed totals, surplus bytes, a wrong SHA-256 or content type.
+* ``timeout``: the deadline (``timeout_s``, for the whole stream) passed.
+* ``unavailable``: the peer cannot be reached, or the TLS handshake failed.
+* ``refused``: the peer answered with an error status (``code`` holds it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import grpc
+from peerlm.agent.package import PACKAGE_CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter
+
+from peerlm.chunks import ChunkAssembler, ChunkError
+from peerlm.config import GrpcLimits
+from peerlm.rpc import create_channel
+from peerlm.security.authz import DEV_IDENTITY_METADATA_KEY, describe_rpc_error
+from peerlm.wire.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+__all__ = [
+    "ADAPTER_CONTENT_TYPE",
+    "PACKAGE_CONTENT_TYPE",
+    "PeerExchangeError",
+    "adapter_content_type",
+    "fetch_package",
+    "get_counter",
+    "parse_adapter_round",
+    "pull_adapter",
+    "pull_adapter_with_round",
+]
+
+#: Media type of an adapter; the server appends ``; round=N`` naming the round it sent.
+ADAPTER_CONTENT_TYPE: Final = "application/vnd.peerlm.adapter+safetensors"
+
+
+class PeerExchangeError(Exception):
+    """A peer transfer failed; ``reason`` classifies it, ``code`` is the gRPC status if any."""
+
+    def __init__(self, message: str, *, reason: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.code = code
+
+
+def get_counter(
+    registry: CollectorRegistry, name: str, documentation: str, labels: Sequence[str] = ()
+) -> Counter:
+    """A counter in ``registry``, reused if this process registered it before.
+
+    Clients are plain functions called once per exchange with the agent's one registry,
+    and prometheus-client refuses to register a name twice.
+    """
+    try:
+        return Counter(name, documentation, list(labels), registry=registry)
+    except ValueError:
+        existing = getattr(registry, "_names_to_collectors", {}).get(name)
+        if isinstance(existing, Counter):
+            return existing
+        raise
+
+
+def adapter_content_type(round_: int) -> str:
+    """The content type naming the round of an adapter payload."""
+    return f"{ADAPTER_CONTENT_TYPE}; round={round_}"
+
+
+def parse_adapter_round(content_type: str) -> int:
+    """The round in an adapter content type; raises ``ValueError`` if it is not one."""
+    base, _, params = content_type.partition(";")
+    if base.strip() != ADAPTER_CONTENT_TYPE:
+        raise ValueError(f"content type {content_type!r} is not {ADAPTER_CONTENT_TYPE}")
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key == "round" and value.isdigit():
+            return int(value)
+    raise ValueError(f"content type {content_type!r} names no round")
+
+
+def _metadata(dev_identity: str | None) -> tuple[tuple[str, str], ...]:
+    # Only an insecure-dev server reads this; an mTLS server ignores it entirely.
+    return ((DEV_IDENTITY_METADATA_KEY, dev_identity),) if dev_identity else ()
+
+
+async def fetch_package(
+    target: str,
+    creds: grpc.ChannelCredentials | None,
+    directive_id: str,
+    *,
+    limits: GrpcLimits,
+    max_bytes: int,
+    timeout_s: float,
+    registry: CollectorRegistry | None = None,
+    dev_identity: str | None = None,
+) -> bytes:
+    """Fetch the knowledge package ``directive_id`` entitles us to from teacher ``target``.
+
+    ``creds=None`` is plaintext, which only the insecure-dev mode decision may choose; then
+    ``dev_identity`` (our SPIFFE id) names us. Received bytes are counted in
+    ``peerlm_agent_package_bytes_received_total`` when ``registry`` is given.
+    """
+    counter = (
+        get_counter(
+            registry,
+            "peerlm_agent_package_bytes_received_total",
+            "Knowledge-package bytes received from teachers",
+        )
+        if registry is not None
+        else None
+    )
+    async with create_channel(target, limits, creds) as channel:
+        stub = peer_pb2_grpc.PeerExchangeStub(channel)  # type: ignore[no-untyped-call]
+        call = stub.FetchPackage(
+            peer_pb2.FetchPackageRequest(directive_id=directive_id),
+            timeout=timeout_s,
+            metadata=_metadata(dev_identity),
+        )
+        payload, content_type = await _receive(call, max_bytes, counter, what="package")
+    if content_type != PACKAGE_CONTENT_TYPE:
+        raise PeerExchangeError(
+            f"teacher sent content type {content_type!r}, expected {PACKAGE_CONTENT_TYPE}",
+            reason="corrupt",
+        )
+    return payload
+
+
+async def pull_adapter_with_round(
+    target: str,
+    creds: grpc.ChannelCredentials | None,
+    round_: int,
+    *,
+    limits: GrpcLimits,
+    max_bytes: int,
+    timeout_s: float | None = None,
+    registry: CollectorRegistry | None = None,
+    dev_identity: str | None = None,
+) -> tuple[int, bytes]:
+    """Pull a peer's adapter (``round_`` 0 = its latest); returns (round sent, safetensors).
+
+    ``timeout_s`` defaults to ``limits.rpc_timeout_s``. Counted in
+    ``peerlm_agent_adapter_bytes_received_total`` when ``registry`` is given.
+    """
+    if round_ < 0:
+        raise ValueError(f"round must be >= 0, got {round_}")
+    counter = (
+        get_counter(
+            registry,
+            "peerlm_agent_adapter_bytes_received_total",
+            "Adapter bytes pulled from peers",
+        )
+        if registry is not None
+        else None
+    )
+    async with create_channel(target, limits, creds) as channel:
+        stub = peer_pb2_grpc.PeerExchangeStub(channel)  # type: ignore[no-untyped-call]
+        call = stub.PullAdapter(
+            peer_pb2.PullAdapterRequest(round=round_),
+            timeout=limits.rpc_timeout_s if timeout_s is None else timeout_s,
+            metadata=_metadata(dev_identity),
+        )
+        payload, content_type = await _receive(call, max_bytes, counter, what="adapter")
+    try:
+        sent_round = parse_adapter_round(content_type)
+    except ValueError as err:
+        raise PeerExchangeError(str(err), reason="corrupt") from None
+    if round_ and sent_round != round_:
+        raise PeerExchangeError(
+            f"asked for the adapter of round {round_}, got round {sent_round}", reason="corrupt"
+        )
+    return sent_round, payload
+
+
+async def pull_adapter(
+    target: str,
+    creds: grpc.ChannelCredentials | None,
+    round_: int,
+    *,
+    limits: GrpcLimits,
+    max_bytes: int,
+    timeout_s: float | None = None,
+    registry: CollectorRegistry | None = None,
+    dev_identity: str | None = None,
+) -> bytes:
+    """Pull a peer's adapter as safetensors bytes; see :func:`pull_adapter_with_round`."""
+    _, payload = await pull_adapter_with_round(
+        target,
+        creds,
+        round_,
+        limits=limits,
+        max_bytes=max_bytes,
+        timeout_s=timeout_s,
+        registry=registry,
+        dev_identity=dev_identity,
+    )
+    return payload
+
+
+async def _receive(
+    call: grpc.aio.UnaryStreamCall[Any, common_pb2.Chunk],
+    max_bytes: int,
+    counter: Counter | None,
+    *,
+    what: str,
+) -> tuple[bytes, str]:
+    """Assemble the call's chunks; map every failure to :class:`PeerExchangeError`."""
+    assembler = ChunkAssembler(max_bytes)
+    first = True
+    try:
+        async for chunk in call:
+            if counter is not None:
+                counter.inc(len(chunk.data))
+            if first and chunk.total_size > max_bytes:
+                call.cancel()
+                raise PeerExchangeError(
+                    f"peer announced a {what} of {chunk.total_size} bytes, over our limit "
+                    f"of {max_bytes}; refused at the first chunk",
+                    reason="too_large",
+                )
+            first = False
+            try:
+                assembler.add(chunk)
+            except ChunkError as err:
+                call.cancel()
+                raise PeerExchangeError(f"{what} stream corrupt: {err}", reason="corrupt") from None
+        payload = assembler.finish()
+    except ChunkError as err:
+        raise PeerExchangeError(f"{what} stream corrupt: {err}", reason="corrupt") from None
+    except grpc.aio.AioRpcError as err:
+        code = err.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            reason = "timeout"
+        elif code == grpc.StatusCode.UNAVAILABLE:
+            reason = "unavailable"
+        else:
+            reason = "refused"
+        raise PeerExchangeError(
+            f"{what} transfer failed: {describe_rpc_error(err)}", reason=reason, code=code
+        ) from None
+    return payload, assembler.content_type

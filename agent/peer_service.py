@@ -1,0 +1,321 @@
+"""The server side of ``peerlm.v1.PeerExchange``: knowledge packages and adapters, streamed.
+
+``FetchPackage``: the caller's name comes from its certificate (``current_identity()``,
+set by :class:`~peerlm.security.authz.AuthInterceptor`); the :class:`DirectiveBook` decides
+whether a directive this agent holds as teacher names that caller as its student. Refusals
+answer with the book's status code and count in
+``peerlm_agent_peer_refusals_total{rpc, reason}``. An authorised request gets the package
+from the provider (built once per directive and cached: concurrent and retried fetches
+share one build), streamed with :func:`~peerlm.chunks.iter_chunks`.
+
+``PullAdapter``: any authenticated agent may pull this agent's current adapter (round 0 =
+latest, else exactly that round) as safetensors; ``NOT_FOUND`` when there is none. The
+first chunk's content type names the round sent (``...; round=N``).
+
+Both methods are for the ``agent`` role only (:data:`PEER_POLICY`). Bytes sent count in
+``peerlm_agent_package_bytes_sent_total`` and ``peerlm_agent_adapter_bytes_sent_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Final, NoReturn
+
+import grpc
+import structlog
+from peerlm.agent.directives import DirectiveBook, DirectiveError
+from peerlm.agent.package import PACKAGE_CONTENT_TYPE
+from peerlm.agent.peer_client import adapter_content_type, get_counter
+from prometheus_client import CollectorRegistry
+
+from peerlm.chunks import iter_chunks
+from peerlm.config import GrpcLimits, parse_host_port
+from peerlm.grpc_types import ServicerContext
+from peerlm.pki.identity import Role
+from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
+from peerlm.security.authz import AuthInterceptor, current_identity
+from peerlm.security.credentials import TlsFiles, server_credentials
+from peerlm.security.mode import SecurityConfigError, SecurityMode
+from peerlm.wire.v1 import common_pb2, cpm_pb2, peer_pb2, peer_pb2_grpc
+
+__all__ = [
+    "PEER_POLICY",
+    "PEER_SERVICE_NAME",
+    "AdapterProvider",
+    "PackageProvider",
+    "PeerExchangeService",
+    "serve_peer",
+]
+
+PEER_SERVICE_NAME: Final = peer_pb2.DESCRIPTOR.services_by_name["PeerExchange"].full_name
+_METHOD = f"/{PEER_SERVICE_NAME}/"
+
+#: Which certificate roles may call which method. Anything not listed is denied.
+PEER_POLICY: dict[str, frozenset[Role]] = {
+    _METHOD + "FetchPackage": frozenset({Role.AGENT}),
+    _METHOD + "PullAdapter": frozenset({Role.AGENT}),
+}
+
+#: Builds the package a verified directive entitles its student to (encoded bytes).
+PackageProvider = Callable[[cpm_pb2.Directive], Awaitable[bytes]]
+#: The adapter of a round (0 = latest) as (round, safetensors bytes), or None if absent.
+AdapterProvider = Callable[[int], Awaitable[tuple[int, bytes] | None]]
+
+_DIRECTIVE_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class _PeerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.refusals = get_counter(
+            registry,
+            "peerlm_agent_peer_refusals_total",
+            "PeerExchange requests refused by per-object checks or missing content",
+            ("rpc", "reason"),
+        )
+        self.package_bytes = get_counter(
+            registry,
+            "peerlm_agent_package_bytes_sent_total",
+            "Knowledge-package bytes streamed to students",
+        )
+        self.adapter_bytes = get_counter(
+            registry, "peerlm_agent_adapter_bytes_sent_total", "Adapter bytes streamed to peers"
+        )
+        self.builds = get_counter(
+            registry,
+            "peerlm_agent_package_builds_total",
+            "Knowledge packages built by the provider (cache misses)",
+        )
+
+
+class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
+    """Implements ``peerlm.v1.PeerExchange`` over a directive book and two providers.
+
+    ``max_package_bytes`` (and ``max_adapter_bytes``, default the same) bound what this
+    agent sends: a provider returning more is refused with ``RESOURCE_EXHAUSTED`` rather
+    than streamed. Up to ``cache_entries`` built packages are kept (least recently used
+    evicted first).
+    """
+
+    def __init__(
+        self,
+        book: DirectiveBook,
+        package_provider: PackageProvider,
+        adapter_provider: AdapterProvider,
+        *,
+        chunk_bytes: int,
+        max_package_bytes: int,
+        max_adapter_bytes: int | None = None,
+        registry: CollectorRegistry,
+        log: Any = None,
+        cache_entries: int = 4,
+    ) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if cache_entries < 1:
+            raise ValueError(f"cache_entries must be at least 1, got {cache_entries}")
+        self._book = book
+        self._package_provider = package_provider
+        self._adapter_provider = adapter_provider
+        self._chunk_bytes = chunk_bytes
+        self._max_package = max_package_bytes
+        self._max_adapter = max_package_bytes if max_adapter_bytes is None else max_adapter_bytes
+        self._cache_entries = cache_entries
+        self._builds: collections.OrderedDict[str, asyncio.Future[bytes]] = (
+            collections.OrderedDict()
+        )
+        self._m = _PeerMetrics(registry)
+        self._log: Any = log if log is not None else structlog.get_logger("peerlm.agent.peer")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Size of the chunks payloads are streamed in."""
+        return self._chunk_bytes
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def FetchPackage(
+        self, request: peer_pb2.FetchPackageRequest, context: ServicerContext
+    ) -> AsyncIterator[common_pb2.Chunk]:
+        rpc, caller = "FetchPackage", current_identity().name
+        directive_id = request.directive_id
+        if not _DIRECTIVE_ID.fullmatch(directive_id):
+            await self._refuse(
+                context,
+                rpc,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "bad_directive_id",
+                "directive_id must be 1-128 characters of [A-Za-z0-9_-]",
+                caller,
+            )
+        try:
+            directive = self._book.teaching_for(directive_id, caller)
+        except DirectiveError as err:
+            await self._refuse(context, rpc, err.code, err.reason, err.message, caller)
+        try:
+            payload = await self._package(directive)
+        except Exception as err:  # the provider's failure is ours, not the caller's
+            self._book.refund(directive_id)
+            self._log.error(
+                "package_build_failed",
+                directive=directive_id,
+                round=directive.matchmaking_round,
+                peer=caller,
+                error=repr(err),
+            )
+            await self._refuse(
+                context,
+                rpc,
+                grpc.StatusCode.UNAVAILABLE,
+                "build_failed",
+                "the teacher could not build the package; retry later",
+                caller,
+            )
+        if len(payload) > self._max_package:
+            self._book.refund(directive_id)
+            await self._refuse(
+                context,
+                rpc,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "package_too_large",
+                f"package of {len(payload)} bytes exceeds this teacher's limit "
+                f"of {self._max_package}",
+                caller,
+            )
+        chunks = 0
+        for chunk in iter_chunks(payload, self._chunk_bytes, PACKAGE_CONTENT_TYPE):
+            yield chunk
+            chunks += 1
+            self._m.package_bytes.inc(len(chunk.data))
+        self._log.info(
+            "package_sent",
+            directive=directive_id,
+            round=directive.matchmaking_round,
+            peer=caller,
+            bytes=len(payload),
+            chunks=chunks,
+            fetch=self._book.fetches(directive_id),
+        )
+
+    async def PullAdapter(
+        self, request: peer_pb2.PullAdapterRequest, context: ServicerContext
+    ) -> AsyncIterator[common_pb2.Chunk]:
+        rpc, caller = "PullAdapter", current_identity().name
+        wanted = int(request.round)
+        found = await self._adapter_provider(wanted)
+        if found is None or (wanted and found[0] != wanted):
+            what = "no adapter yet" if wanted == 0 else f"no adapter of round {wanted}"
+            await self._refuse(context, rpc, grpc.StatusCode.NOT_FOUND, "no_adapter", what, caller)
+        sent_round, payload = found
+        if len(payload) > self._max_adapter:
+            await self._refuse(
+                context,
+                rpc,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "adapter_too_large",
+                f"adapter of {len(payload)} bytes exceeds this agent's limit "
+                f"of {self._max_adapter}",
+                caller,
+            )
+        for chunk in iter_chunks(payload, self._chunk_bytes, adapter_content_type(sent_round)):
+            yield chunk
+            self._m.adapter_bytes.inc(len(chunk.data))
+        self._log.info("adapter_sent", round=sent_round, peer=caller, bytes=len(payload))
+
+    # ------------------------------------------------------------- internals
+
+    async def _refuse(
+        self,
+        context: ServicerContext,
+        rpc: str,
+        code: grpc.StatusCode,
+        reason: str,
+        detail: str,
+        caller: str,
+    ) -> NoReturn:
+        self._m.refusals.labels(rpc, reason).inc()
+        self._log.warning(
+            "peer_request_refused",
+            rpc=rpc,
+            reason=reason,
+            code=code.name,
+            peer=caller,
+            detail=detail,
+        )
+        await context.abort(code, detail)
+        raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+    async def _package(self, directive: cpm_pb2.Directive) -> bytes:
+        """The package for ``directive``, built at most once however many fetch it at once."""
+        key = directive.directive_id
+        build = self._builds.get(key)
+        if build is None:
+            self._m.builds.inc()
+            build = asyncio.ensure_future(self._package_provider(directive))
+            build.add_done_callback(lambda done: self._forget_failed(key, done))
+            self._builds[key] = build
+            while len(self._builds) > self._cache_entries:
+                self._builds.popitem(last=False)
+        else:
+            self._builds.move_to_end(key)
+        # shield: a student hanging up must not cancel a build others (or its retry) await.
+        return await asyncio.shield(build)
+
+    def _forget_failed(self, key: str, done: asyncio.Future[bytes]) -> None:
+        # Retrieve the exception (no "never retrieved" warning when nobody awaits any more)
+        # and drop the failed build so that the next fetch tries again.
+        failed = done.cancelled() or done.exception() is not None
+        if failed and self._builds.get(key) is done:
+            del self._builds[key]
+
+
+async def serve_peer(
+    service: PeerExchangeService,
+    *,
+    listen: str,
+    tls: TlsFiles | None,
+    limits: GrpcLimits,
+    registry: CollectorRegistry,
+    federation: str,
+    mode: SecurityMode,
+    log: Any,
+) -> tuple[grpc.aio.Server, int]:
+    """Build, bind and start the peer server; returns it and the bound port.
+
+    ``mode`` comes from :func:`peerlm.security.mode.resolve_security`, the one place that
+    decides it; mTLS needs ``tls``. Interceptors: metrics first (so refusals are counted),
+    then authentication and :data:`PEER_POLICY`. Health reports SERVING once started; the
+    caller stops the server (``await server.stop(grace)``).
+    """
+    host, port = parse_host_port(listen)
+    server = create_server(
+        limits,
+        [
+            MetricsInterceptor(registry, "agent"),
+            AuthInterceptor(
+                PEER_POLICY, federation=federation, mode=mode, registry=registry, component="agent"
+            ),
+        ],
+    )
+    peer_pb2_grpc.add_PeerExchangeServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    health = add_health_and_reflection(server, [PEER_SERVICE_NAME])
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if mode is SecurityMode.MTLS:
+        if tls is None:
+            raise SecurityConfigError("the peer server runs mTLS but no TLS files were given")
+        bound = server.add_secure_port(address, server_credentials(tls))
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"could not bind the peer server to {listen}")
+    await server.start()
+    await set_serving(health, [PEER_SERVICE_NAME], True)
+    log.info(
+        "peer_server_started",
+        listen=f"{host}:{bound}",
+        security_mode=SecurityMode(mode).value,
+        chunk_bytes=service.chunk_bytes,
+    )
+    return server, bound

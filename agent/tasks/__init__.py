@@ -1,0 +1,41 @@
+"""Code-generation tasks: the bundled task bank, datasets and HumanEval.
+
+``peerlm.agent.tasks.bank`` generates the 12-category bank; ``peerlm.agent.tasks.dataset``
+holds :class:`Problem`, JSONL I/O, the Dirichlet client split, the transfer set and
+``build_federation_data``; ``peerlm.agent.tasks.humaneval`` converts the bundled HumanEval.
+"""
+
+from __future__ import annotations
+
+from peerlm.agent.tasks.bank import CATEGORIES, generate_bank
+from peerlm.agent.tasks.dataset import (
+    Manifest,
+    Problem,
+    build_federation_data,
+    category_histogram,
+    category_index,
+    dirichlet_partition,
+    read_jsonl,
+    read_manifest,
+    split_validation,
+    transfer_set,
+    transfer_set_sha256,
+    write_jsonl,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "Manifest",
+    "Problem",
+    "build_federation_data",
+    "category_histogram",
+    "category_index",
+    "dirichlet_partition",
+    "generate_bank",
+    "read_jsonl",
+    "read_manifest",
+    "split_validation",
+    "transfer_set",
+    "transfer_set_sha256",
+    "write_jsonl",
+]

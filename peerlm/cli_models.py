@@ -1,0 +1,188 @@
+"""``peerlm models ...``: build and list the locally built tiny models (typer sub-app).
+
+``peerlm models build`` trains a byte-level BPE tokenizer and pre-trains a small model for
+each architecture (GPT-2, GPT-NeoX, BLOOM, Qwen2) on the Python standard library, saving
+each as a ``from_pretrained`` directory (:mod:`peerlm.agent.models.tiny`). Progress goes to
+stderr, a summary table (or one JSON object with ``--json``) to stdout. Cached directories
+whose manifest matches the request are reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from peerlm.agent.models.tiny import BuildEvent, ModelInfo
+
+__all__ = ["app", "build_command", "list_command"]
+
+app = typer.Typer(help="Locally built tiny models.", no_args_is_help=True, add_completion=False)
+
+DEFAULT_DIR = Path("state/models")
+
+
+@app.callback()
+def _models() -> None:
+    """Build and inspect the tiny models agents load with from_pretrained."""
+
+
+def _quiet_transformers() -> None:
+    # A CLI process owns its logging: the library's per-file tqdm bars and info notices
+    # would interleave with the rich progress display.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def _table(infos: list[ModelInfo], title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("arch")
+    for name in ("params", "vocab", "shape", "steps", "loss", "seconds"):
+        table.add_column(name, justify="right")
+    table.add_column("cached")
+    for info in infos:
+        table.add_row(
+            info.arch,
+            f"{info.parameters:,}",
+            f"{info.vocab_size:,}",
+            f"{info.hidden_size}x{info.layers}",
+            str(info.steps),
+            "-" if info.final_loss is None else f"{info.final_loss:.3f}",
+            f"{info.build_seconds:.1f}",
+            "yes" if info.cached else "no",
+        )
+    return table
+
+
+@app.command("build")
+def build_command(
+    directory: Annotated[
+        Path, typer.Option("--dir", help="Output folder; one sub-folder per architecture.")
+    ] = DEFAULT_DIR,
+    arch: Annotated[
+        list[str] | None,
+        typer.Option("--arch", help="Architecture (repeatable): gpt2, gpt_neox, bloom, qwen2."),
+    ] = None,
+    size: Annotated[
+        str, typer.Option(help="tiny (1-2 M parameters) or micro (tests, < 100 k).")
+    ] = "tiny",
+    steps: Annotated[
+        int | None, typer.Option(min=0, help="Pre-training steps (default: tiny 500, micro 4).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of weights and batches.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="torch CPU threads (1 is faster on a busy shared machine)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """Build tokenizers and models (cached: an up-to-date directory is left alone)."""
+    from peerlm.agent.models.tiny import ARCHITECTURES, build_models
+
+    if size not in ("tiny", "micro"):
+        raise typer.BadParameter("size must be tiny or micro", param_hint="--size")
+    archs = tuple(arch) if arch else ARCHITECTURES
+    unknown = [a for a in archs if a not in ARCHITECTURES]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown architecture(s) {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}",
+            param_hint="--arch",
+        )
+    _quiet_transformers()
+    if threads is not None:
+        import torch
+
+        # Process-wide, which is fine here: this CLI process does nothing else. Oversubscribed
+        # cores make torch's OpenMP threads spin against each other (3-5x slower steps).
+        torch.set_num_threads(threads)
+    err = Console(stderr=True)
+    started = time.perf_counter()
+    chosen: Literal["tiny", "micro"] = "tiny" if size == "tiny" else "micro"
+    with Progress(
+        TextColumn("{task.description:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+        disable=not err.is_terminal,
+    ) as bar:
+        tasks: dict[str, TaskID] = {
+            a: bar.add_task(a, total=None, status="waiting") for a in dict.fromkeys(archs)
+        }
+
+        def on_event(event: BuildEvent) -> None:
+            task = tasks[event.arch]
+            if event.phase == "pretrain":
+                loss = "" if event.loss is None else f"loss {event.loss:.3f}"
+                bar.update(task, total=max(event.total, 1), completed=event.step, status=loss)
+            elif event.phase in ("done", "cached"):
+                bar.update(
+                    task,
+                    total=max(event.total, 1),
+                    completed=max(event.total, 1),
+                    status=event.phase,
+                )
+            else:
+                bar.update(task, status=event.phase)
+
+        infos = build_models(
+            directory,
+            archs,
+            size=chosen,
+            pretrain_steps=steps,
+            seed=seed,
+            force=force,
+            progress=on_event,
+        )
+    seconds = time.perf_counter() - started
+    if as_json:
+        payload: dict[str, Any] = {
+            "dir": str(directory),
+            "size": size,
+            "seconds": round(seconds, 3),
+            "models": [info.to_dict() for info in infos],
+        }
+        typer.echo(json.dumps(payload))
+    else:
+        Console().print(_table(infos, f"{directory} ({size}, {seconds:.1f} s)"))
+
+
+@app.command("list")
+def list_command(
+    directory: Annotated[Path, typer.Option("--dir", help="Models folder.")] = DEFAULT_DIR,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """List the built models under a folder (from their manifests)."""
+    from peerlm.agent.models.tiny import read_manifest
+
+    infos = []
+    if directory.is_dir():
+        for sub in sorted(p for p in directory.iterdir() if p.is_dir()):
+            info = read_manifest(sub)
+            if info is not None:
+                infos.append(info)
+    if as_json:
+        typer.echo(json.dumps({"dir": str(directory), "models": [i.to_dict() for i in infos]}))
+    else:
+        Console().print(_table(infos, str(directory)))

@@ -1,0 +1,272 @@
+"""The Guardrail Filter: planted secrets go, ordinary code stays, private text does not leak."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import fnmatch
+import functools
+import heapq
+import inspect
+import json
+import os
+import random
+import secrets
+import shutil
+import string
+import textwrap
+import urllib.parse
+
+import pytest
+import structlog
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from peerlm.agent.guardrail import (
+    KINDS,
+    Guardrail,
+    is_high_entropy,
+    placeholder,
+    shannon_entropy,
+)
+from prometheus_client import CollectorRegistry
+
+PRIVATE = [
+    "the patient record for ward seven lists a severe allergy to penicillin and latex gloves",
+    "def acme_internal_pricing(customer, tier):\n    return customer.base_rate * TIER_MULTIPLIER"
+    "[tier] - loyalty_discount(customer)  # confidential formula from finance",
+]
+
+# One planted instance of each secret kind (built at run time so that no scanner flags this
+# file as leaking credentials).
+_GH = "ghp_" + "A1b2C3d4E5" * 4
+_AWS = "AKIA" + "IOSFODNN7EXAMPLE"
+_SLACK = "xoxb-" + "1234567890-0987654321-AbCdEfGhIjKlMnOp"
+_SK = "sk-proj-" + "Xy9Zq8Wv7Ut6Sr5Qp4On3Ml2"
+_JWT = (
+    "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9."
+    "eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4gRG9lIn0."
+    "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c"
+)
+_BEARER = "Qm9vZ2llV29vZ2llQm9vZ2ll"
+_PEM = (
+    "-----BEGIN RSA PRIVATE KEY-----\n"
+    "MIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0tRgeLezV6ffAt0gun\n"
+    "VTLw7onLRnrq0/IzW7yWR7QkrmBL7jTKEn5u+qKhbwKfBstIs+bMY2Zkp18gnTxK\n"
+    "-----END RSA PRIVATE KEY-----"
+)
+_ENTROPY = "Zx8Qp3Lk9Vb2Nw7Rt5Ym1Hc4Jd6"
+
+PLANTED = {
+    "email": "Write to jane.doe@example.com for access.",
+    "aws_access_key": f"aws_key_id {_AWS} is active",
+    "github_token": f"git clone https://{_GH}@github.com/acme/x",
+    "slack_token": f"SLACK={_SLACK}",
+    "secret_key": f"client = OpenAI({_SK!r})",
+    "api_key": 'API_KEY = "k9d8s7a6f5g4h3j2"',
+    "bearer_token": f"Authorization: Bearer {_BEARER}",
+    "jwt": f"token {_JWT} expires",
+    "private_key": f"key:\n{_PEM}\nend",
+    "high_entropy": f"salt {_ENTROPY} ok",
+}
+
+SECRET_VALUES = {
+    "email": "jane.doe@example.com",
+    "aws_access_key": _AWS,
+    "github_token": _GH,
+    "slack_token": _SLACK,
+    "secret_key": _SK,
+    "api_key": "k9d8s7a6f5g4h3j2",
+    "bearer_token": _BEARER,
+    "jwt": _JWT,
+    "private_key": "MIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0tRgeLezV6ffAt0gun",
+    "high_entropy": _ENTROPY,
+}
+
+
+@pytest.fixture(scope="module")
+def guard() -> Guardrail:
+    return Guardrail(PRIVATE)
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_each_planted_secret_is_removed_and_counted(guard: Guardrail, kind: str) -> None:
+    result = guard.filter_text(PLANTED[kind])
+    assert SECRET_VALUES[kind] not in result.text
+    assert placeholder(kind) in result.text
+    assert result.removals == {kind: 1}
+
+
+def test_all_secrets_at_once_counts_every_kind(guard: Guardrail) -> None:
+    text = "\n".join(PLANTED.values())
+    result = guard.filter_text(text)
+    assert result.removals == dict.fromkeys(PLANTED, 1)
+    for value in SECRET_VALUES.values():
+        assert value not in result.text
+    # Context survives: only the secret spans go.
+    assert "Authorization: Bearer " + placeholder("bearer_token") in result.text
+    assert 'API_KEY = "' + placeholder("api_key") + '"' in result.text
+
+
+def test_assignment_forms() -> None:
+    guard = Guardrail([])
+    cases = [
+        '"password": "correct-horse-42"',
+        "db_password = 'S3cure!pass'",
+        "export GITLAB_TOKEN=abc123def456ghi789jkl",
+        "client_secret: 9f8e7d6c5b4a39281706",
+    ]
+    for text in cases:
+        assert guard.filter_text(text).removals == {"api_key": 1}, text
+    # Not secrets: words ending differently, short or obviously non-secret values, calls.
+    for text in [
+        'tokenizer = "bert-base-uncased"',
+        "max_tokens = 1024",
+        'token_type = "access_token"',
+        "api_key = load_api_key_from_environment2(path)",
+        'eos_token = "</s>"',
+    ]:
+        assert guard.filter_text(text).removals == {}, text
+
+
+@pytest.fixture(scope="module")
+def stdlib_code() -> str:
+    """Source of a few ordinary standard-library functions (not frozen modules)."""
+    return "\n\n".join(
+        inspect.getsource(fn)
+        for fn in (
+            json.dumps,
+            json.loads,
+            textwrap.dedent,
+            textwrap.TextWrapper._wrap_chunks,
+            random.Random.shuffle,
+            string.capwords,
+            shutil.copyfileobj,
+            heapq.nsmallest,
+            urllib.parse.urlsplit,
+            functools.total_ordering,
+            collections.Counter.most_common,
+            fnmatch.translate,
+        )
+    )
+
+
+def test_ordinary_code_and_prose_are_untouched(guard: Guardrail, stdlib_code: str) -> None:
+    result = guard.filter_text(stdlib_code)
+    assert result.removals == {}
+    assert result.text == stdlib_code
+    prose = (
+        "Internationalization and responsibilities of the HighDpiScaleFactorRoundingPolicy "
+        "class, test_something_really_long_identifier_name and CamelCaseIdentifierNames."
+    )
+    assert guard.filter_text(prose).text == prose
+
+
+def test_leaked_private_ngrams_are_removed_novel_text_stays(guard: Guardrail) -> None:
+    leak = (
+        "As noted, the patient record for ward seven lists a severe allergy to penicillin "
+        "and nothing else."
+    )
+    result = guard.filter_text(leak)
+    assert result.removals == {"private_text": 1}
+    assert "penicillin" not in result.text
+    assert result.text.startswith("As noted, " + placeholder("private_text"))
+    # Whitespace differences do not hide a leak (tokens are whitespace-normalised).
+    spaced = (
+        "code:  def   acme_internal_pricing(customer,\ttier):\n\n return customer.base_rate"
+        " *  TIER_MULTIPLIER[tier]   - ..."
+    )
+    assert guard.filter_text(spaced).removals == {"private_text": 1}
+    # Seven shared words (< n = 8) are not a leak; novel text stays.
+    novel = "the patient record for ward seven lists nothing unusual today"
+    assert guard.filter_text(novel).text == novel
+
+
+def test_overlapping_windows_merge_into_one_span(guard: Guardrail) -> None:
+    words = PRIVATE[0].split()
+    text = "START " + " ".join(words) + " END"
+    result = guard.filter_text(text)
+    assert result.text == f"START {placeholder('private_text')} END"
+    assert result.removals == {"private_text": 1}
+    two = "a " + " ".join(words[:9]) + " middle words here " + " ".join(words[-9:]) + " z"
+    assert guard.filter_text(two).removals == {"private_text": 2}
+
+
+def test_public_texts_are_not_leaks() -> None:
+    shared = "def add(a, b):\n    return a + b  # add two numbers together please"
+    guard = Guardrail([shared + " and private tail words follow"], public_texts=[shared])
+    assert guard.filter_text(shared).removals == {}
+    assert guard.indexed_ngrams > 0
+
+
+def test_metrics_and_logs_count_without_content() -> None:
+    registry = CollectorRegistry()
+    guard = Guardrail(PRIVATE, registry=registry, component="agent")
+    with structlog.testing.capture_logs() as logs:
+        guard.filter_many([PLANTED["email"], PLANTED["jwt"], "nothing here", PLANTED["email"]])
+        guard.filter_text(PLANTED["aws_access_key"])
+
+    def count(kind: str) -> float:
+        value = registry.get_sample_value(
+            "peerlm_agent_guardrail_removals_total", {"component": "agent", "kind": kind}
+        )
+        return value or 0.0
+
+    assert count("email") == 2 and count("jwt") == 1 and count("aws_access_key") == 1
+    assert len(logs) == 2
+    assert logs[0]["removals"] == {"email": 2, "jwt": 1} and logs[0]["texts"] == 4
+    dumped = json.dumps(logs, default=str)
+    for value in SECRET_VALUES.values():
+        assert value not in dumped
+    # A second guardrail on the same registry shares the counter instead of failing.
+    Guardrail([], registry=registry).filter_text(PLANTED["email"])
+    assert count("email") == 3
+
+
+def test_entropy_rule() -> None:
+    assert shannon_entropy("") == 0.0
+    assert shannon_entropy("aaaa") == 0.0
+    assert shannon_entropy("abcd") == pytest.approx(2.0)
+    rng = random.Random(7)
+    alphabet = string.ascii_letters + string.digits
+    caught = sum(
+        is_high_entropy("".join(rng.choice(alphabet) for _ in range(32))) for _ in range(200)
+    )
+    assert caught >= 170  # ~93% documented for 32 characters
+    assert is_high_entropy(secrets.token_hex(20))
+    assert is_high_entropy(base64.b64encode(b"\x8f\x00\x13\xfe" * 4 + os.urandom(16)).decode())
+    for word in [
+        "HighDpiScaleFactorRoundingPolicy",
+        "test_something_really_long_identifier",
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+        "internationalization_support",
+        "short",
+    ]:
+        assert not is_high_entropy(word), word
+
+
+def test_kinds_and_bad_arguments() -> None:
+    assert set(PLANTED) | {"private_text"} == set(KINDS)
+    assert all(len(kind) < 20 for kind in KINDS)  # placeholders never look high-entropy
+    with pytest.raises(ValueError):
+        Guardrail([], ngram=0)
+    with pytest.raises(ValueError):
+        Guardrail([], entropy_threshold=float("nan"))
+
+
+_PIECES = st.sampled_from(
+    [*PLANTED.values(), *PRIVATE, "plain words", "x = 1\n", " ", "\n", "@", "=", "<", "\udc80"]
+)
+
+
+@pytest.fixture(scope="module")
+def small_guard() -> Guardrail:
+    return Guardrail(PRIVATE, ngram=4)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parts=st.lists(st.one_of(_PIECES, st.text(max_size=40)), max_size=8))
+def test_filtering_is_idempotent(small_guard: Guardrail, parts: list[str]) -> None:
+    once = small_guard.filter_text("".join(parts))
+    twice = small_guard.filter_text(once.text)
+    assert twice.text == once.text
+    assert twice.removals == {}

@@ -1,0 +1,218 @@
+"""Tiny models: built from the stdlib corpus, saved, and loaded back like any real checkpoint.
+
+The micro size (tens of thousands of parameters, a few pre-training steps) keeps this fast;
+the models are built once per session into a shared temporary folder (the build is cached,
+so test_modelhost.py reuses them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from peerlm.agent.models.lora import (
+    LoraSettings,
+    apply_lora,
+    default_target_modules,
+    known_model_types,
+    trainable_share,
+)
+from peerlm.agent.models.tiny import (
+    ARCHITECTURES,
+    MANIFEST_NAME,
+    BuildEvent,
+    ModelInfo,
+    build_models,
+    read_manifest,
+    stdlib_corpus,
+)
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from peerlm.cli_models import app
+
+CODE = 'def add(a, b):\n    """Return a + b."""\n    return a + b\n\n\nprint(add(1, 2))  # 3\n'
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _offline() -> Iterator[None]:
+    # Nothing here may reach a hub: every load below is from a local directory.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+
+
+@pytest.fixture(scope="module")
+def micro_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.getbasetemp() / "peerlm-micro-models"
+
+
+@pytest.fixture(scope="module")
+def micro(micro_dir: Path) -> list[ModelInfo]:
+    events: list[BuildEvent] = []
+    infos = build_models(micro_dir, size="micro", progress=events.append)
+    assert {e.arch for e in events} == set(ARCHITECTURES)
+    return infos
+
+
+def test_builds_four_architectures_with_different_vocabularies(micro: list[ModelInfo]) -> None:
+    assert [i.arch for i in micro] == list(ARCHITECTURES)
+    vocabs = [i.vocab_size for i in micro]
+    assert len(set(vocabs)) == len(vocabs), "tokenizer heterogeneity must be real"
+    for info in micro:
+        assert 0 < info.parameters < 200_000
+        assert info.size == "micro"
+        manifest = json.loads((Path(info.path) / MANIFEST_NAME).read_text())
+        assert manifest["arch"] == info.arch
+        assert manifest["config_hash"] == info.config_hash
+        assert manifest["vocab_size"] == info.vocab_size
+        assert manifest["parameters"] == info.parameters
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_loads_through_the_auto_classes(micro: list[ModelInfo], arch: str) -> None:
+    info = next(i for i in micro if i.arch == arch)
+    tokenizer = AutoTokenizer.from_pretrained(info.path)
+    model = AutoModelForCausalLM.from_pretrained(info.path)
+    assert model.config.model_type == arch
+    assert len(tokenizer) == info.vocab_size
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>"
+    ids = tokenizer(CODE)["input_ids"]
+    assert tokenizer.decode(ids) == CODE  # byte-level: lossless
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), model.config.vocab_size)
+    assert model.config.vocab_size >= info.vocab_size
+
+
+def test_tokenizers_split_the_same_text_differently(micro: list[ModelInfo]) -> None:
+    encodings = [tuple(AutoTokenizer.from_pretrained(i.path)(CODE)["input_ids"]) for i in micro]
+    assert len(set(encodings)) == len(encodings)
+
+
+def test_second_build_is_cached(micro: list[ModelInfo], micro_dir: Path) -> None:
+    weights = Path(micro[0].path) / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    again = build_models(micro_dir, size="micro")
+    assert all(i.cached for i in again)
+    assert [i.config_hash for i in again] == [i.config_hash for i in micro]
+    assert weights.stat().st_mtime_ns == mtime
+    assert read_manifest(Path(micro[0].path)) is not None
+
+
+def test_builds_are_deterministic_and_a_new_request_rebuilds(tmp_path: Path) -> None:
+    [a] = build_models(tmp_path / "a", ["gpt2"], size="micro", pretrain_steps=2, seed=3)
+    [b] = build_models(tmp_path / "b", ["gpt2"], size="micro", pretrain_steps=2, seed=3)
+    wa = load_file(str(Path(a.path) / "model.safetensors"))
+    wb = load_file(str(Path(b.path) / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert a.final_loss == b.final_loss
+    [c] = build_models(tmp_path / "a", ["gpt2"], size="micro", pretrain_steps=3, seed=3)
+    assert not c.cached and c.steps == 3 and c.config_hash != a.config_hash
+
+
+def test_a_half_built_directory_is_rebuilt(tmp_path: Path) -> None:
+    [a] = build_models(tmp_path, ["bloom"], size="micro", pretrain_steps=0)
+    assert a.final_loss is None
+    (Path(a.path) / "model.safetensors").unlink()
+    [b] = build_models(tmp_path, ["bloom"], size="micro", pretrain_steps=0)
+    assert not b.cached
+    assert (Path(b.path) / "model.safetensors").is_file()
+
+
+def test_bad_requests_fail_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown architecture"):
+        build_models(tmp_path, ["llama"], size="micro")
+    with pytest.raises(ValueError, match="size"):
+        build_models(tmp_path, ["gpt2"], size="huge")  # type: ignore[arg-type]
+    assert not any(tmp_path.iterdir())
+
+
+def test_stdlib_corpus_is_bounded_and_stable() -> None:
+    texts, digest = stdlib_corpus(50_000)
+    again, digest2 = stdlib_corpus(50_000)
+    assert texts == again and digest == digest2
+    assert 0 < sum(len(t.encode()) for t in texts) <= 50_000 + 16  # replacement chars
+
+
+# ------------------------------------------------------------------------------------ LoRA
+
+
+def test_default_target_modules() -> None:
+    assert default_target_modules("gpt2") == ["c_attn", "c_proj"]
+    assert default_target_modules("gpt_neox") == ["query_key_value", "dense"]
+    assert default_target_modules("bloom") == ["query_key_value", "dense"]
+    for model_type in ("qwen2", "llama", "mistral"):
+        assert default_target_modules(model_type) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert set(ARCHITECTURES) <= set(known_model_types())
+    with pytest.raises(ValueError, match="target_modules"):
+        default_target_modules("mamba")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_lora_applies_with_the_architecture_defaults(micro: list[ModelInfo], arch: str) -> None:
+    info = next(i for i in micro if i.arch == arch)
+    model = AutoModelForCausalLM.from_pretrained(info.path)
+    peft_model = apply_lora(model, LoraSettings())
+    trainable, total, share = trainable_share(peft_model)
+    assert 0 < trainable < total and 0 < share < 0.5
+    for name, param in peft_model.named_parameters():
+        assert param.requires_grad == ("lora_" in name), name
+    adapted = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == set(default_target_modules(arch))
+    if arch == "gpt2":  # Conv1D layers store (in, out) weights
+        assert peft_model.peft_config["default"].fan_in_fan_out
+
+
+def test_lora_rank_and_explicit_targets(micro: list[ModelInfo]) -> None:
+    path = micro[0].path  # gpt2
+    small = trainable_share(
+        apply_lora(AutoModelForCausalLM.from_pretrained(path), LoraSettings(r=2))
+    )
+    big = trainable_share(apply_lora(AutoModelForCausalLM.from_pretrained(path), LoraSettings(r=8)))
+    assert big[0] == 4 * small[0]
+    only_attn = apply_lora(
+        AutoModelForCausalLM.from_pretrained(path), LoraSettings(target_modules=["c_attn"])
+    )
+    assert trainable_share(only_attn)[0] < big[0]
+    with pytest.raises(ValueError, match="no_such_layer"):
+        apply_lora(
+            AutoModelForCausalLM.from_pretrained(path),
+            LoraSettings(target_modules=["no_such_layer"]),
+        )
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_build_json_then_list(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["build", "--size", "micro", "--dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["size"] == "micro"
+    assert [m["arch"] for m in summary["models"]] == list(ARCHITECTURES)
+    assert all(Path(m["path"]).is_dir() and not m["cached"] for m in summary["models"])
+    listed = runner.invoke(app, ["list", "--dir", str(tmp_path), "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert len(json.loads(listed.stdout)["models"]) == len(ARCHITECTURES)
+    table = runner.invoke(app, ["build", "--size", "micro", "--dir", str(tmp_path)])
+    assert table.exit_code == 0 and "gpt_neox" in table.stdout
+
+
+def test_cli_rejects_unknown_architecture(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["build", "--arch", "t5", "--dir", str(tmp_path)])
+    assert result.exit_code != 0
+    assert not any(tmp_path.iterdir())
+
+
+def test_environment_is_offline() -> None:
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
