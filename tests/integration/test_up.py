@@ -6,41 +6,55 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_up_runs_a_federation_and_reports(tmp_path: Path) -> None:
-    state = tmp_path / "fed"
+def _up(state: Path, *flags: str, timeout: float = 600) -> dict[str, Any]:
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "peerlm",
-            "up",
-            "-n",
-            "4",
-            "-r",
-            "3",
-            "--json",
-            "--state-dir",
-            str(state),
-        ],
+        [sys.executable, "-m", "peerlm", "up", "--json", "--state-dir", str(state), *flags],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
-    assert result["cpm_exit_code"] == 0
-    assert len(result["agents"]) == 4
-    assert all(not a["errors"] for a in result["agents"])
-    assert all(a["rounds"] == 3 for a in result["agents"])
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def test_up_with_simulated_agents(tmp_path: Path) -> None:
+    state = tmp_path / "fed"
+    result = _up(state, "--simulated", "-n", "4", "-r", "3")
+    assert result["cpm_exit_code"] == 0 and result["rounds_completed"] == 3
+    assert len(result["agents"]) == 4 and all(not a["errors"] for a in result["agents"])
     # Four agents, K_p = 2 pairs per round, 3 rounds: every student reported its reward.
-    assert result["rewards_observed"] == sum(a["as_student"] for a in result["agents"])
-    assert result["rewards_observed"] >= 4
+    assert result["rewards_observed"] == result["rewards_reported"] >= 4
     assert (state / "pki" / "ca.crt").exists() and (state / "cpm.db").exists()
     logs = (state / "logs" / "cpm.log").read_text()
     assert '"security_mode"' in logs and "mtls" in logs
+
+
+def test_up_with_model_hosting_agents(tmp_path: Path) -> None:
+    """Micro models of four architectures, Dirichlet data, AKD over mTLS, rewards to the CPM."""
+    state = tmp_path / "fed"
+    result = _up(state, "--micro", "-n", "4", "-r", "2")
+    assert result["cpm_exit_code"] == 0
+    assert result["rounds_completed"] == 2
+    agents = result["agents"]
+    assert [a["name"] for a in agents] == [f"agent-{i}" for i in range(4)]
+    assert {Path(a["model"]).name for a in agents} == {"gpt2", "gpt_neox", "bloom", "qwen2"}
+    for a in agents:
+        for key in ("pass_at_1_before", "pass_at_1_after", "exchanges", "bytes_sent",
+                    "bytes_received", "loss_before", "loss_after"):  # fmt: skip
+            assert key in a, key
+        assert not a["errors"], a["errors"]
+    assert result["rewards_reported"] >= 2
+    assert result["rewards_observed"] == result["rewards_reported"]
+    assert sum(a["bytes_sent"] for a in agents) > 0
+    assert sum(a["bytes_received"] for a in agents) == sum(a["bytes_sent"] for a in agents)
+    # Every agent checkpointed every round.
+    for a in agents:
+        assert (state / "agents" / a["name"] / "checkpoints").exists()

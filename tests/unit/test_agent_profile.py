@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from peerlm.agent.daemon import linear_schedule
 from peerlm.agent.profile import FAMILIES, AgentMetrics, build_profile, family_index
 from peerlm.services.cpm.profile import PERFORMANCE_INDEX, validate_profile
@@ -37,9 +36,9 @@ def test_families() -> None:
 
 def test_laplace_noise_keeps_a_distribution() -> None:
     counts = np.array([10.0] + [0.0] * 11)
-    noisy = build_profile(
-        "gpt2", _metrics(), counts, dp_epsilon=0.5, rng=np.random.default_rng(0)
-    )[20:32]
+    noisy = build_profile("gpt2", _metrics(), counts, dp_epsilon=0.5, rng=np.random.default_rng(0))[
+        20:32
+    ]
     assert noisy.min() >= 0 and noisy.sum() == pytest.approx(1.0)
     assert not np.allclose(noisy, counts / counts.sum())
     with pytest.raises(ValueError):

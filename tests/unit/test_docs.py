@@ -23,7 +23,11 @@ def test_every_config_field_is_documented() -> None:
 def test_every_metric_is_catalogued() -> None:
     doc = (ROOT / "docs/metrics.md").read_text()
     names: set[str] = set()
-    for path in [*ROOT.glob("peerlm/**/*.py"), *ROOT.glob("services/**/*.py"), *ROOT.glob("agent/**/*.py")]:
+    for path in [
+        *ROOT.glob("peerlm/**/*.py"),
+        *ROOT.glob("services/**/*.py"),
+        *ROOT.glob("agent/**/*.py"),
+    ]:
         names |= set(
             re.findall(
                 r'"(peerlm_[a-z_]+_(?:total|seconds|count|ratio|zscore|bytes))"', path.read_text()
