@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -72,51 +73,20 @@ def _table(infos: list[ModelInfo], title: str) -> Table:
     return table
 
 
-@app.command("build")
-def build_command(
-    directory: Annotated[
-        Path, typer.Option("--dir", help="Output folder; one sub-folder per architecture.")
-    ] = DEFAULT_DIR,
-    arch: Annotated[
-        list[str] | None,
-        typer.Option("--arch", help="Architecture (repeatable): gpt2, gpt_neox, bloom, qwen2."),
-    ] = None,
-    size: Annotated[
-        str, typer.Option(help="tiny (1-2 M parameters) or micro (tests, < 100 k).")
-    ] = "tiny",
-    steps: Annotated[
-        int | None, typer.Option(min=0, help="Pre-training steps (default: tiny 500, micro 4).")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of weights and batches.")] = 0,
-    force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
-    threads: Annotated[
-        int | None,
-        typer.Option(min=1, help="torch CPU threads (1 is faster on a busy shared machine)."),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
-) -> None:
-    """Build tokenizers and models (cached: an up-to-date directory is left alone)."""
-    from peerlm.agent.models.tiny import ARCHITECTURES, build_models
+def build_with_progress(
+    directory: Path,
+    archs: Sequence[str],
+    size: Literal["tiny", "micro"],
+    err: Console,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    force: bool = False,
+) -> list[ModelInfo]:
+    """:func:`build_models` with one progress bar per architecture on ``err``."""
+    from peerlm.agent.models.tiny import build_models
 
-    if size not in ("tiny", "micro"):
-        raise typer.BadParameter("size must be tiny or micro", param_hint="--size")
-    archs = tuple(arch) if arch else ARCHITECTURES
-    unknown = [a for a in archs if a not in ARCHITECTURES]
-    if unknown:
-        raise typer.BadParameter(
-            f"unknown architecture(s) {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}",
-            param_hint="--arch",
-        )
     _quiet_transformers()
-    if threads is not None:
-        import torch
-
-        # Process-wide, which is fine here: this CLI process does nothing else. Oversubscribed
-        # cores make torch's OpenMP threads spin against each other (3-5x slower steps).
-        torch.set_num_threads(threads)
-    err = Console(stderr=True)
-    started = time.perf_counter()
-    chosen: Literal["tiny", "micro"] = "tiny" if size == "tiny" else "micro"
     with Progress(
         TextColumn("{task.description:<10}"),
         BarColumn(),
@@ -146,15 +116,63 @@ def build_command(
             else:
                 bar.update(task, status=event.phase)
 
-        infos = build_models(
+        return build_models(
             directory,
-            archs,
-            size=chosen,
+            tuple(archs),
+            size=size,
             pretrain_steps=steps,
             seed=seed,
             force=force,
             progress=on_event,
         )
+
+
+@app.command("build")
+def build_command(
+    directory: Annotated[
+        Path, typer.Option("--dir", help="Output folder; one sub-folder per architecture.")
+    ] = DEFAULT_DIR,
+    arch: Annotated[
+        list[str] | None,
+        typer.Option("--arch", help="Architecture (repeatable): gpt2, gpt_neox, bloom, qwen2."),
+    ] = None,
+    size: Annotated[
+        str, typer.Option(help="tiny (1-2 M parameters) or micro (tests, < 100 k).")
+    ] = "tiny",
+    steps: Annotated[
+        int | None, typer.Option(min=0, help="Pre-training steps (default: tiny 500, micro 4).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of weights and batches.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="torch CPU threads (1 is faster on a busy shared machine)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """Build tokenizers and models (cached: an up-to-date directory is left alone)."""
+    from peerlm.agent.models.tiny import ARCHITECTURES
+
+    if size not in ("tiny", "micro"):
+        raise typer.BadParameter("size must be tiny or micro", param_hint="--size")
+    archs = tuple(arch) if arch else ARCHITECTURES
+    unknown = [a for a in archs if a not in ARCHITECTURES]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown architecture(s) {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}",
+            param_hint="--arch",
+        )
+    _quiet_transformers()
+    if threads is not None:
+        import torch
+
+        # Process-wide, which is fine here: this CLI process does nothing else. Oversubscribed
+        # cores make torch's OpenMP threads spin against each other (3-5x slower steps).
+        torch.set_num_threads(threads)
+    err = Console(stderr=True)
+    started = time.perf_counter()
+    chosen: Literal["tiny", "micro"] = "tiny" if size == "tiny" else "micro"
+    infos = build_with_progress(directory, archs, chosen, err, steps=steps, seed=seed, force=force)
     seconds = time.perf_counter() - started
     if as_json:
         payload: dict[str, Any] = {

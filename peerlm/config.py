@@ -172,12 +172,9 @@ class AgentSettings(ServiceSettings):
     grad_accumulation: int = Field(default=4, ge=1)
     max_length: int = Field(default=256, ge=16)
     seed: int = 0
-    # AKD (Eq. 2) schedules over the rounds: linear from start to end.
-    akd_mode: Literal["text", "logits"] = "text"
+    # AKD (Eq. 2), text mode; alpha_KD linear over the rounds from start to end (Table 6).
     alpha_kd_start: float = Field(default=0.2, ge=0, le=1)
     alpha_kd_end: float = Field(default=0.5, ge=0, le=1)
-    temperature_start: float = Field(default=2.5, gt=0)
-    temperature_end: float = Field(default=1.5, gt=0)
     transfer_limit: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=96, ge=1, le=4096)
     # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB.

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import IO, Annotated, Any, Literal
 
 import grpc
 import typer
@@ -316,16 +316,16 @@ def _prepare_real(
     console: Console | None,
 ) -> AgentArgv:
     """Build (or reuse) models and Dirichlet-partitioned data; write one config per agent."""
-    from peerlm.agent.models.tiny import build_models
     from peerlm.agent.tasks.dataset import build_federation_data
+    from peerlm.cli_models import build_with_progress
 
     models_dir = fed.root / "models"
     if console:
         console.print(f"building or reusing {plan.size} models in {models_dir} ...")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    build_models(models_dir, ARCHS, size=plan.size, seed=seed)  # type: ignore[arg-type]
+    size: Literal["tiny", "micro"] = "micro" if plan.size == "micro" else "tiny"
+    build_with_progress(
+        models_dir, ARCHS, size, console or Console(stderr=True, quiet=True), seed=seed
+    )
     data_dir = fed.root / "data"
     manifest = build_federation_data(data_dir, len(agents), alpha=plan.alpha, seed=seed)
     configs = fed.root / "agents"

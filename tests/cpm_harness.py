@@ -37,7 +37,7 @@ class Pki:
         issue_certificate(root, Role.CPM, "cpm", sans=["127.0.0.1", "localhost"])
         issue_certificate(root, Role.ADMIN, "admin")
         for i in range(agents):
-            issue_certificate(root, Role.AGENT, f"a{i}")
+            issue_certificate(root, Role.AGENT, f"a{i}", sans=["127.0.0.1", "localhost"])
         issue_certificate(foreign, Role.AGENT, "a0")
         return cls(root, foreign)
 

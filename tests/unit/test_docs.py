@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from peerlm.config import CpmSettings, GrpcLimits
+from peerlm.config import AgentSettings, CpmSettings, GrpcLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_config_field_is_documented() -> None:
     doc = (ROOT / "docs/configuration.md").read_text()
     for name in CpmSettings.model_fields:
+        if name in ("tls", "limits"):
+            continue
+        assert f"`{name}`" in doc, name
+    for name in AgentSettings.model_fields:
         if name in ("tls", "limits"):
             continue
         assert f"`{name}`" in doc, name
