@@ -9,9 +9,7 @@ import functools
 import heapq
 import inspect
 import json
-import os
 import random
-import secrets
 import shutil
 import string
 import textwrap
@@ -232,8 +230,14 @@ def test_entropy_rule() -> None:
         is_high_entropy("".join(rng.choice(alphabet) for _ in range(32))) for _ in range(200)
     )
     assert caught >= 170  # ~93% documented for 32 characters
-    assert is_high_entropy(secrets.token_hex(20))
-    assert is_high_entropy(base64.b64encode(b"\x8f\x00\x13\xfe" * 4 + os.urandom(16)).decode())
+    # Detection is statistical (documented 85-97%), so measure rates on seeded samples
+    # rather than single random draws, which made this test flaky.
+    hexes = ["".join(rng.choice("0123456789abcdef") for _ in range(40)) for _ in range(200)]
+    assert sum(map(is_high_entropy, hexes)) >= 180
+    blobs = [
+        base64.b64encode(bytes(rng.randrange(256) for _ in range(32))).decode() for _ in range(200)
+    ]
+    assert sum(map(is_high_entropy, blobs)) >= 180
     for word in [
         "HighDpiScaleFactorRoundingPolicy",
         "test_something_really_long_identifier",
