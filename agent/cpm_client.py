@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -114,3 +115,22 @@ class CpmClient:
                 call.cancel()
             await asyncio.sleep(backoff)
             backoff = min(max_backoff_s, backoff * 2)
+
+
+async def next_directive(
+    inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None], timeout: float
+) -> cpm_pb2.Directive | None:
+    """The next directive from a feed task's ``inbox``, or None after ``timeout`` (a round
+    without a pairing). A feed that ended with an error re-raises it here."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if feed.done() and inbox.empty():
+            feed.result()
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            return await asyncio.wait_for(inbox.get(), min(remaining, 0.5))
+        except TimeoutError:
+            continue

@@ -30,13 +30,13 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from peerlm.agent.cpm_client import CpmClient
+from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.agent.metrics import AgentTelemetry
 from peerlm.agent.profile import AgentMetrics, build_profile
 
 from peerlm.config import AgentSettings, parse_host_port
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
-from peerlm.security.credentials import TlsFiles, channel_credentials
+from peerlm.security.credentials import channel_credentials, tls_files_from_settings
 from peerlm.security.mode import SecurityMode, resolve_channel_security, resolve_security
 from peerlm.wire.v1 import cpm_pb2
 
@@ -111,7 +111,7 @@ class AgentDaemon:
 
         s = self.s
         host, _ = parse_host_port(s.listen)
-        self.tls = _tls_files(s)
+        self.tls = tls_files_from_settings(s.tls)
         self.mode = resolve_security(
             insecure_dev=s.insecure_dev,
             listen_host=host,
@@ -406,7 +406,7 @@ class AgentDaemon:
             val_loss=round(loss, 4),
             pass_at_1=pass1,
         )
-        directive = await _next(inbox, feed, s.round_timeout_s)
+        directive = await next_directive(inbox, feed, s.round_timeout_s)
         lap("wait")
         if directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
             await self._learn_from(directive, t, settings)
@@ -536,35 +536,6 @@ class AgentDaemon:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self._worker.shutdown(wait=True)
-
-
-async def _next(
-    inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None], timeout: float
-) -> cpm_pb2.Directive | None:
-    """The next student directive, or None after ``timeout`` (a round without a pairing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if feed.done() and inbox.empty():
-            feed.result()
-            return None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        try:
-            return await asyncio.wait_for(inbox.get(), min(remaining, 0.5))
-        except TimeoutError:
-            continue
-
-
-def _tls_files(s: AgentSettings) -> TlsFiles | None:
-    t = s.tls
-    if t.ca_cert is None and t.cert is None and t.key is None:
-        return None
-    if t.ca_cert is None or t.cert is None or t.key is None:
-        from peerlm.security.mode import SecurityConfigError
-
-        raise SecurityConfigError("TLS settings incomplete: ca_cert, cert and key are required")
-    return TlsFiles(ca_cert=t.ca_cert, cert=t.cert, key=t.key)
 
 
 def _jsonable(state: dict[str, Any]) -> dict[str, Any]:

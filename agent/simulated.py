@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import grpc
 import typer
-from peerlm.agent.cpm_client import CpmClient
+from peerlm.agent.cpm_client import CpmClient, next_directive
 
 from peerlm.config import GrpcLimits
 from peerlm.pki.identity import PeerIdentity, Role
@@ -79,7 +78,7 @@ async def run_sim_agent(
         await client.wait_ready(30)
         for r in range(1, rounds + 1):
             await client.submit_profile(r, [float(x) for x in env.profiles()[me]], "")
-            directive = await _next_directive(inbox, feed, round_timeout_s)
+            directive = await next_directive(inbox, feed, round_timeout_s)
             if directive is None:
                 env.step([])
             elif directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
@@ -104,23 +103,6 @@ async def run_sim_agent(
         await client.close()
     report.pass_at_1_after = float(env.client_pass_at_1()[index])
     return report
-
-
-async def _next_directive(
-    inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None], timeout: float
-) -> cpm_pb2.Directive | None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if feed.done() and inbox.empty():
-            feed.result()  # surfaces the feed's error
-            return None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        try:
-            return await asyncio.wait_for(inbox.get(), min(remaining, 0.5))
-        except TimeoutError:
-            continue
 
 
 def sim_agent_command(

@@ -18,6 +18,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
+from peerlm.config import TlsSettings
+
 __all__ = ["TlsBundle", "TlsFiles", "channel_credentials", "server_credentials"]
 
 _FIX = "issue one with `peerlm ca issue --dir <ca-dir> --role <role> --name <name>`"
@@ -129,3 +131,19 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
         private_key=bundle.key,
         certificate_chain=bundle.cert,
     )
+
+
+def tls_files_from_settings(tls: TlsSettings) -> TlsFiles | None:
+    """The kit named in a process's ``tls`` settings; None when none of it is set.
+
+    A partial kit is an error, never a reason to fall back to plaintext.
+    """
+    missing = [n for n in ("ca_cert", "cert", "key") if getattr(tls, n) is None]
+    if len(missing) == 3:
+        return None
+    if missing:
+        from peerlm.security.mode import SecurityConfigError
+
+        raise SecurityConfigError(f"TLS settings incomplete: missing {', '.join(missing)}")
+    assert tls.ca_cert is not None and tls.cert is not None and tls.key is not None
+    return TlsFiles(ca_cert=tls.ca_cert, cert=tls.cert, key=tls.key)

@@ -20,28 +20,13 @@ from peerlm.metrics import new_registry, serve_metrics
 from peerlm.pki.identity import identity_from_certificate_pem
 from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
 from peerlm.security.authz import AuthInterceptor
-from peerlm.security.credentials import TlsFiles, server_credentials
+from peerlm.security.credentials import server_credentials, tls_files_from_settings
 from peerlm.security.mode import SecurityMode, resolve_security
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["run_cpm", "serve_cpm"]
 
 SERVICE_NAME = cpm_pb2.DESCRIPTOR.services_by_name["Matchmaker"].full_name
-
-
-def tls_files(settings: CpmSettings) -> TlsFiles | None:
-    t = settings.tls
-    if t.ca_cert is None and t.cert is None and t.key is None:
-        return None
-    missing = [
-        n for n, v in (("ca_cert", t.ca_cert), ("cert", t.cert), ("key", t.key)) if v is None
-    ]
-    if missing:
-        from peerlm.security.mode import SecurityConfigError
-
-        raise SecurityConfigError(f"TLS settings incomplete: missing {', '.join(missing)}")
-    assert t.ca_cert and t.cert and t.key
-    return TlsFiles(ca_cert=t.ca_cert, cert=t.cert, key=t.key)
 
 
 def _identity_label(settings: CpmSettings) -> str:
@@ -70,7 +55,7 @@ async def serve_cpm(
 ) -> None:
     """Run the CPM until ``stop`` is set, then shut down gracefully."""
     host, port = parse_host_port(settings.listen)
-    tls = tls_files(settings)
+    tls = tls_files_from_settings(settings.tls)
     mode = resolve_security(
         insecure_dev=settings.insecure_dev, listen_host=host, tls=tls, component="cpm", logger=log
     )
