@@ -146,8 +146,12 @@ class AgentDaemon:
         self.transfer_digest = digest
         if s.transfer_limit is not None:
             self.transfer_prompts = self.transfer_prompts[: s.transfer_limit]
+        # Guardrail index: the private samples as whole texts.
         self.train_texts = [p.prompt + p.reference for p in self.train]
-        self.val_texts = [p.prompt + p.reference for p in self.val]
+        # Training and validation as (prompt, completion) pairs: the loss covers the solution,
+        # tokenised apart from the prompt exactly as generation sees it at evaluation time.
+        self.train_examples = [(p.prompt, p.reference) for p in self.train]
+        self.val_examples = [(p.prompt, p.reference) for p in self.val]
 
         lora = LoraSettings(
             r=s.lora_rank,
@@ -269,7 +273,7 @@ class AgentDaemon:
         """(validation loss, pass@1, pass@5). pass@k runs generated code in the sandbox."""
         from peerlm.agent.evaluation import evaluate
 
-        loss, _ppl = await self._model(self.host.eval_loss, self.val_texts)
+        loss, _ppl = await self._model(self.host.eval_loss, self.val_examples)
         if not with_pass:
             return loss, float("nan"), float("nan")
         problems = self.val[: self.s.eval_limit] if self.s.eval_limit else self.val
@@ -366,7 +370,7 @@ class AgentDaemon:
             mark = now
 
         stats = await self._model(
-            self.host.train_local, self.train_texts, settings, steps=s.local_steps
+            self.host.train_local, self.train_examples, settings, steps=s.local_steps
         )
         lap("train")
         with_pass = t % s.eval_every == 0 or t == s.rounds
@@ -472,17 +476,17 @@ class AgentDaemon:
             return
         kb = len(data) / 1024.0
         alpha = linear_schedule(s.alpha_kd_start, s.alpha_kd_end, t, max(s.rounds, 1))
-        pre, _ = await self._model(self.host.eval_loss, self.val_texts)
+        pre, _ = await self._model(self.host.eval_loss, self.val_examples)
         teacher_texts = text_pairs(package, self.transfer_prompts)
         await self._model(
             self.host.train_akd,
-            self.train_texts,
+            self.train_examples,
             teacher_texts,
             alpha,
             settings,
             steps=s.local_steps,
         )
-        post, _ = await self._model(self.host.eval_loss, self.val_texts)
+        post, _ = await self._model(self.host.eval_loss, self.val_examples)
         reward = s.reward_gamma * (pre - post) - s.reward_delta * kb
         try:
             ack = await self.cpm.report_reward(
