@@ -163,8 +163,9 @@ async def _run(
         federation=FEDERATION,
         metrics_port=metrics_port,
     )
-    # Dev pace: a 3 s round timer instead of 30 s keeps a round with a missing agent short.
-    dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "3"}
+    # Dev pace: the timer matches whoever is waiting after 15 s (30 s in production) when an
+    # agent is missing; shorter fragments rounds when agents of different speeds finish apart.
+    dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "15"}
     started = time.monotonic()
     cpm = _spawn(cpm_args, fed.logs / "cpm.log", subprocess.DEVNULL, dev_env)
     procs: list[subprocess.Popen[bytes]] = []
