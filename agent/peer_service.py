@@ -37,8 +37,8 @@ from peerlm.grpc_types import ServicerContext
 from peerlm.pki.identity import Role
 from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
 from peerlm.security.authz import AuthInterceptor, current_identity
-from peerlm.security.credentials import TlsFiles, server_credentials
-from peerlm.security.mode import SecurityConfigError, SecurityMode
+from peerlm.security.credentials import TlsFiles, bind_server
+from peerlm.security.mode import SecurityMode
 from peerlm.wire.v1 import common_pb2, cpm_pb2, peer_pb2, peer_pb2_grpc
 
 __all__ = [
@@ -289,7 +289,7 @@ async def serve_peer(
     then authentication and :data:`PEER_POLICY`. Health reports SERVING once started; the
     caller stops the server (``await server.stop(grace)``).
     """
-    host, port = parse_host_port(listen)
+    host, _ = parse_host_port(listen)
     server = create_server(
         limits,
         [
@@ -301,15 +301,7 @@ async def serve_peer(
     )
     peer_pb2_grpc.add_PeerExchangeServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     health = add_health_and_reflection(server, [PEER_SERVICE_NAME])
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if mode is SecurityMode.MTLS:
-        if tls is None:
-            raise SecurityConfigError("the peer server runs mTLS but no TLS files were given")
-        bound = server.add_secure_port(address, server_credentials(tls))
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"could not bind the peer server to {listen}")
+    bound = bind_server(server, listen, mode, tls)
     await server.start()
     await set_serving(health, [PEER_SERVICE_NAME], True)
     log.info(

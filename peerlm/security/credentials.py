@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from cryptography import x509
@@ -19,6 +20,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from peerlm.config import TlsSettings
+
+if TYPE_CHECKING:
+    from peerlm.security.mode import SecurityMode
 
 __all__ = ["TlsBundle", "TlsFiles", "channel_credentials", "server_credentials"]
 
@@ -147,3 +151,25 @@ def tls_files_from_settings(tls: TlsSettings) -> TlsFiles | None:
         raise SecurityConfigError(f"TLS settings incomplete: missing {', '.join(missing)}")
     assert tls.ca_cert is not None and tls.cert is not None and tls.key is not None
     return TlsFiles(ca_cert=tls.ca_cert, cert=tls.cert, key=tls.key)
+
+
+def bind_server(
+    server: grpc.aio.Server, listen: str, mode: SecurityMode, tls: TlsFiles | None
+) -> int:
+    """Bind ``server`` to ``listen`` in the mode :func:`resolve_security` decided; returns
+    the bound port. Plaintext only in INSECURE_DEV, which that decision allows on loopback
+    alone; mTLS without a kit is an error, never a fallback."""
+    from peerlm.config import parse_host_port
+    from peerlm.security.mode import SecurityConfigError, SecurityMode
+
+    host, port = parse_host_port(listen)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if mode is SecurityMode.MTLS:
+        if tls is None:
+            raise SecurityConfigError("mTLS was decided but no TLS files were given")
+        bound = server.add_secure_port(address, server_credentials(tls))
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"could not bind {listen}")
+    return bound

@@ -20,8 +20,8 @@ from peerlm.metrics import new_registry, serve_metrics
 from peerlm.pki.identity import identity_from_certificate_pem
 from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
 from peerlm.security.authz import AuthInterceptor
-from peerlm.security.credentials import server_credentials, tls_files_from_settings
-from peerlm.security.mode import SecurityMode, resolve_security
+from peerlm.security.credentials import bind_server, tls_files_from_settings
+from peerlm.security.mode import resolve_security
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["run_cpm", "serve_cpm"]
@@ -54,7 +54,7 @@ async def serve_cpm(
     log: Any,
 ) -> None:
     """Run the CPM until ``stop`` is set, then shut down gracefully."""
-    host, port = parse_host_port(settings.listen)
+    host, _ = parse_host_port(settings.listen)
     tls = tls_files_from_settings(settings.tls)
     mode = resolve_security(
         insecure_dev=settings.insecure_dev, listen_host=host, tls=tls, component="cpm", logger=log
@@ -79,14 +79,7 @@ async def serve_cpm(
     service = CpmService(core, metrics, log, queue_depth=settings.stream_queue_depth)
     cpm_pb2_grpc.add_MatchmakerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     health = add_health_and_reflection(server, [SERVICE_NAME])
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if mode is SecurityMode.MTLS:
-        assert tls is not None
-        bound = server.add_secure_port(address, server_credentials(tls))
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"could not bind {settings.listen}")
+    bound = bind_server(server, settings.listen, mode, tls)
     endpoint = None
     if settings.metrics_port is not None:
         endpoint = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
