@@ -109,14 +109,10 @@ async def fetch_package(
     ``dev_identity`` (our SPIFFE id) names us. Received bytes are counted in
     ``peerlm_agent_package_bytes_received_total`` when ``registry`` is given.
     """
-    counter = (
-        get_counter(
-            registry,
-            "peerlm_agent_package_bytes_received_total",
-            "Knowledge-package bytes received from teachers",
-        )
-        if registry is not None
-        else None
+    counter = _bytes_counter(
+        registry,
+        "peerlm_agent_package_bytes_received_total",
+        "Knowledge-package bytes received from teachers",
     )
     async with create_channel(target, limits, creds) as channel:
         stub = peer_pb2_grpc.PeerExchangeStub(channel)  # type: ignore[no-untyped-call]
@@ -132,6 +128,12 @@ async def fetch_package(
             reason="corrupt",
         )
     return payload
+
+
+def _bytes_counter(
+    registry: CollectorRegistry | None, name: str, documentation: str
+) -> Counter | None:
+    return get_counter(registry, name, documentation) if registry is not None else None
 
 
 async def pull_adapter_with_round(
@@ -152,14 +154,8 @@ async def pull_adapter_with_round(
     """
     if round_ < 0:
         raise ValueError(f"round must be >= 0, got {round_}")
-    counter = (
-        get_counter(
-            registry,
-            "peerlm_agent_adapter_bytes_received_total",
-            "Adapter bytes pulled from peers",
-        )
-        if registry is not None
-        else None
+    counter = _bytes_counter(
+        registry, "peerlm_agent_adapter_bytes_received_total", "Adapter bytes pulled from peers"
     )
     async with create_channel(target, limits, creds) as channel:
         stub = peer_pb2_grpc.PeerExchangeStub(channel)  # type: ignore[no-untyped-call]
