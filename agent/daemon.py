@@ -329,9 +329,12 @@ class AgentDaemon:
             feed.cancel()
             await asyncio.gather(feed, return_exceptions=True)
             await self._linger()
+        self._count_sent()
+        return self.summary
+
+    def _count_sent(self) -> None:
         sent = self.registry.get_sample_value("peerlm_agent_package_bytes_sent_total")
         self.summary.bytes_sent = int(sent or 0)
-        return self.summary
 
     async def _linger(self) -> None:
         """After the last round, keep serving until the last student has started its fetch
@@ -537,6 +540,9 @@ class AgentDaemon:
     async def close(self) -> None:
         await self.cpm.close()
         await self.server.stop(self.s.limits.shutdown_grace_s)
+        # A fetch that started during the linger finishes inside the graceful stop; count
+        # its bytes too, so the summary's sent and the students' received agree.
+        self._count_sent()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self._worker.shutdown(wait=True)
