@@ -18,11 +18,14 @@ import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from peerlm.security.credentials import TlsFiles
 
 __all__ = ["health_command", "stats_to_dict", "status_command"]
 
@@ -38,7 +41,7 @@ def _fail(message: str, code: int = _USAGE_ERROR) -> NoReturn:
 
 def _tls_files(
     pki_dir: Path | None, name: str, ca_cert: Path | None, cert: Path | None, key: Path | None
-) -> Any:
+) -> TlsFiles:
     from peerlm.security.credentials import TlsFiles
 
     if pki_dir is not None:
@@ -88,7 +91,7 @@ def stats_to_dict(stats: Any, now: float) -> dict[str, Any]:
     }
 
 
-async def _get_stats(target: str, tls: Any, timeout: float) -> Any:
+async def _get_stats(target: str, tls: TlsFiles, timeout: float) -> Any:
     from peerlm.config import GrpcLimits
     from peerlm.rpc import create_channel
     from peerlm.security.credentials import channel_credentials
@@ -211,7 +214,7 @@ def _local_target(listen: str) -> str:
 
 
 async def _check(
-    target: str, tls: Any, service: str, timeout: float, dev_identity: str | None
+    target: str, tls: TlsFiles | None, service: str, timeout: float, dev_identity: str | None
 ) -> str:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
