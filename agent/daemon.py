@@ -405,7 +405,7 @@ class AgentDaemon:
             dp_epsilon=s.profile_dp_epsilon,
             rng=np.random.default_rng([s.seed, t]),
         )
-        await self.cpm.submit_profile(t, [float(x) for x in profile], self.endpoint)
+        submitted = await self._submit_profile(t, [float(x) for x in profile])
         self.log.info(
             "round_trained",
             round=t,
@@ -413,7 +413,7 @@ class AgentDaemon:
             val_loss=round(loss, 4),
             pass_at_1=pass1,
         )
-        directive = await next_directive(inbox, feed, s.round_timeout_s)
+        directive = await next_directive(inbox, feed, s.round_timeout_s) if submitted else None
         lap("wait")
         if directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
             await self._learn_from(directive, t, settings)
@@ -444,6 +444,33 @@ class AgentDaemon:
         lap("checkpoint")
         self.telemetry.rounds.inc()
         self.log.info("round_done", round=t, seconds=round(time.monotonic() - started, 2))
+
+    async def _submit_profile(self, t: int, features: list[float]) -> bool:
+        """Submit this round's profile; False if the CPM cannot be reached right now.
+
+        An unreachable CPM (restarting, or the network to it cut) makes the round a local
+        one instead of ending the agent: it waits up to ``round_timeout_s`` for the channel
+        to come back (so a long outage does not turn into back-to-back local rounds) and
+        tries again next round. The directive feed reconnects on its own. Other errors
+        (refused identity, invalid profile) still end the run.
+        """
+        try:
+            await self.cpm.submit_profile(t, features, self.endpoint)
+            return True
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            self.telemetry.exchange_failures.labels("cpm_unreachable").inc()
+            self.log.warning("cpm_unreachable", round=t, code=err.code().name, detail=err.details())
+        waits = [
+            asyncio.ensure_future(self.cpm.wait_ready(self.s.round_timeout_s)),
+            asyncio.ensure_future(self._stop.wait()),
+        ]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        return False
 
     async def _learn_from(self, d: cpm_pb2.Directive, t: int, settings: Any) -> None:
         """Student side of a directive: fetch, integrate by AKD (Eq. 2), report Eq. 3."""
