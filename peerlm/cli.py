@@ -200,8 +200,10 @@ def _mount_operations() -> None:
 def _mount_dev() -> None:
     from peerlm.agent.simulated import sim_agent_command
     from peerlm.devfed import up_command
+    from peerlm.experiment_cli import run_experiment_command
 
     app.command("up")(up_command)
+    app.command("run-experiment")(run_experiment_command)
     app.command("sim-agent", hidden=True)(sim_agent_command)
 
 

@@ -172,9 +172,16 @@ class AgentSettings(ServiceSettings):
     grad_accumulation: int = Field(default=4, ge=1)
     max_length: int = Field(default=256, ge=16)
     seed: int = 0
-    # AKD (Eq. 2), text mode; alpha_KD linear over the rounds from start to end (Table 6).
+    # AKD (Eq. 2); alpha_KD and the KD temperature linear over the rounds (Table 6).
     alpha_kd_start: float = Field(default=0.2, ge=0, le=1)
     alpha_kd_end: float = Field(default=0.5, ge=0, le=1)
+    kd_temperature_start: float = Field(default=2.5, gt=0, le=100)
+    kd_temperature_end: float = Field(default=1.5, gt=0, le=100)
+    # What this agent sends as a teacher: "directive" follows the directive's protocol
+    # (akd: text, akd_logits: logits), "text" always text, "logits" logits whenever the
+    # student's tokenizer is ours; logits fall back to text for any other tokenizer.
+    akd_mode: Literal["directive", "text", "logits"] = "directive"
+    logits_top_k: int = Field(default=16, ge=1, le=1024)
     transfer_limit: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=96, ge=1, le=4096)
     # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB.
@@ -188,6 +195,9 @@ class AgentSettings(ServiceSettings):
     profile_dp_epsilon: float | None = Field(default=None, gt=0)
     guardrail_ngram: int = Field(default=8, ge=3)
     max_package_bytes: int = Field(default=64 * MiB, ge=1024)
+    # SIGTERM: finish the current round within this grace, else stop training at the next
+    # optimiser step, checkpoint and exit 0.
+    stop_grace_s: float = Field(default=30.0, ge=0)
 
     @field_validator("cpm", "advertise")
     @classmethod
