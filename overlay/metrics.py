@@ -112,8 +112,8 @@ class OverlayMetrics:
         )
         self.dropped = Counter(
             "peerlm_overlay_messages_dropped_total",
-            "Outgoing protocol messages given up on, by kind and reason (unavailable, "
-            "deadline_exceeded, queue_full, stale, evicted, refused, unencodable, oversized).",
+            "Outgoing protocol messages given up on, by kind and reason (the final gRPC "
+            "status in lower case, refused, queue_full, stale, evicted, unencodable, ...).",
             ["kind", "reason"],
             registry=registry,
         )

@@ -416,7 +416,7 @@ class PeerPool:
                     self._m.retries.inc()
                     await asyncio.sleep(self._policy.backoff_s * (2**attempt))
                     continue
-                reason = code.name.lower() if code in _RETRYABLE else "refused"
+                reason = code.name.lower()
                 for kind, _ in batch:
                     self._m.dropped.labels(kind, reason).inc()
                 if not peer.failing or code not in _RETRYABLE:
@@ -638,7 +638,10 @@ class OverlayHost:
                 continue
             self._pool.send(send.dst_id, send.dst_address, send.msg)
         for event in self.node.pop_events():
-            self._on_event(event)
+            try:
+                self._on_event(event)
+            except Exception:  # an event must never take the timer or a call down
+                self._log.exception("overlay_event_failed", kind=type(event).__name__)
         self._wake.set()
 
     def _on_event(self, event: Event) -> None:
@@ -658,7 +661,7 @@ class OverlayHost:
                 epoch=event.epoch,
             )
         else:
-            self._log.info("overlay_event", event=type(event).__name__, **_fields(event))
+            self._log.info("overlay_event", kind=type(event).__name__, **_fields(event))
         if self._events.full():
             self._events.get_nowait()
         self._events.put_nowait(event)
@@ -670,7 +673,12 @@ class OverlayHost:
 
     async def _timer_loop(self) -> None:
         while not self._stopped:
-            deadline = self.node.next_deadline()
+            try:
+                deadline = self.node.next_deadline()
+            except Exception:
+                self._m.core_errors.labels("next_deadline").inc()
+                self._log.exception("overlay_core_error", operation="next_deadline")
+                deadline = self._clock() + 1.0  # keep ticking; the error is counted
             now = self._clock()
             if deadline is not None and now >= deadline:
                 self._call("on_tick", self.node.on_tick)

@@ -272,9 +272,14 @@ def test_batches_are_bounded_and_all_or_nothing() -> None:
 )
 def test_query_messages_round_trip_any_valid_values(similarity: float, qid: str, k: int) -> None:
     cand = m.Candidate("n2", "127.0.0.1:5", similarity)
-    partial = m.QueryPartial(qid, "c1", 0, (cand,), 3, m.SearchStats(samples=(similarity,)))
+    partial = dataclasses.replace(
+        _instance(m.QueryPartial, none=False),
+        qid=qid,
+        candidates=(cand,),
+        stats=m.SearchStats(samples=(similarity,)),
+    )
     assert _roundtrip(partial) == partial
-    query = m.Query(qid, 3, _ref(), _signature(), k, None, 2, False)
+    query = dataclasses.replace(_instance(m.Query, none=True), qid=qid, k=k)
     assert _roundtrip(query) == query
 
 
