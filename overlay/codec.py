@@ -342,7 +342,10 @@ def encode_message(
     if MESSAGE_TYPES.get(getattr(cls, "KIND", "")) is not cls:
         raise CodecError("schema", f"{cls.__name__} is not a protocol message")
     out = overlay_pb2.OverlayMessage()
-    _Encoder(sender, certificate_for).fill(getattr(out, _oneof_field(cls)), msg)
+    name = _oneof_field(cls)
+    if name not in out.DESCRIPTOR.fields_by_name:
+        raise CodecError("schema", f"OverlayMessage has no field {name} for {cls.__name__}")
+    _Encoder(sender, certificate_for).fill(getattr(out, name), msg)
     return out
 
 

@@ -175,12 +175,14 @@ async def _resolve_bootstrap(
     stop: asyncio.Event,
     log: Any,
 ) -> list[NodeRef]:
-    """Named entries as they are; unnamed ones asked for their name with Describe (retried
-    until at least one entry is known, or all are)."""
-    refs = [NodeRef(name, target) for name, target in entries if name is not None]
-    unnamed = [target for name, target in entries if name is None]
-    while unnamed and not stop.is_set():
-        for target in list(unnamed):
+    """Ask every bootstrap address for its node id with ``Describe`` until at least one
+    answers (or ``stop``). Joining only through nodes that answered keeps the first
+    neighbour exchange from being lost to a node that is still starting; a named entry whose
+    node reports another id is skipped (a stale or mistyped configuration)."""
+    refs: list[NodeRef] = []
+    pending = list(entries)
+    while pending and not stop.is_set():
+        for name, target in list(pending):
             channel = dial(target)
             try:
                 stub = overlay_pb2_grpc.OverlayStub(channel)  # type: ignore[no-untyped-call]
@@ -194,9 +196,14 @@ async def _resolve_bootstrap(
                 continue
             finally:
                 await channel.close(None)
+            pending.remove((name, target))
+            if name is not None and desc.node_id != name:
+                log.warning(
+                    "overlay_bootstrap_mismatch", target=target, expected=name, got=desc.node_id
+                )
+                continue
             refs.append(NodeRef(desc.node_id, target))
-            unnamed.remove(target)
-        if refs or not unnamed:
+        if refs:
             break
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), retry_s)

@@ -356,8 +356,14 @@ class PeerPool:
         try:
             while peer.queue:
                 batch = self._take(peer)
-                if batch:
+                if not batch:
+                    continue
+                try:
                     await self._deliver(peer, batch)
+                except Exception:  # a bug must not leave this queue without a worker
+                    for kind, _ in batch:
+                        self._m.dropped.labels(kind, "internal").inc()
+                    self._log.exception("overlay_delivery_error", peer=peer.node_id)
         except asyncio.CancelledError:
             for _, msg in peer.queue:
                 self._m.dropped.labels(msg.KIND, "closing").inc()
@@ -380,10 +386,10 @@ class PeerPool:
                 pb = codec.encode_message(
                     msg, sender=self._sender, certificate_for=self._certificate_for
                 )
-            except codec.CodecError as err:
+            except Exception as err:  # CodecError, or a bug: drop this message, keep going
                 peer.queue.popleft()
                 self._m.dropped.labels(msg.KIND, "unencodable").inc()
-                self._log.error("overlay_unencodable", kind=msg.KIND, error=err.detail)
+                self._log.error("overlay_unencodable", kind=msg.KIND, error=str(err))
                 continue
             cost = pb.ByteSize() + 8
             if cost > self._policy.max_batch_bytes:

@@ -34,6 +34,7 @@ from tests.overlay_harness import (
     OverlayPki,
     clustered_signatures,
     describe,
+    free_port,
     node_settings,
     oracle_top_k,
     search,
@@ -42,6 +43,8 @@ from tests.overlay_harness import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 NAMES = [f"n{i}" for i in range(8)]
+# A dedicated node without a model: no signature, routes but is never a result.
+RELAY = "relay"
 K = 3
 # Time from launching the processes to the start of epoch 0's build: every node must be
 # serving by then (8 Python processes on two busy cores).
@@ -56,7 +59,6 @@ PROTOCOL = {
     "lease_duration": 2.0,
     "epoch_period": 3600.0,
     "query_timeout": 6.0,
-    "child_timeout": 1.0,
 }
 
 
@@ -74,34 +76,59 @@ class Overlay:
         return [n for n, p in self.nodes.items() if p.alive()]
 
 
+def _launch(
+    tmp: Path, pki: OverlayPki, signatures: dict[str, Signature], genesis: float
+) -> dict[str, OverlayNodeProcess]:
+    """Start every node at once; n0 on a known port, the others bootstrap through it (half
+    by name, half by address only)."""
+    protocol = {**PROTOCOL, "genesis_time": genesis}
+    extra = {"metrics_interval_s": 0.2, "deliver_timeout_s": 1.0, "send_max_age_s": 3.0}
+    first = f"127.0.0.1:{free_port()}"
+    nodes: dict[str, OverlayNodeProcess] = {}
+    for i, name in enumerate([*NAMES, RELAY]):
+        sig_file = None
+        if name in signatures:
+            sig_file = tmp / f"{name}.sig"
+            sig_file.write_bytes(signatures[name].to_bytes())
+        bootstrap = [] if i == 0 else [f"n0@{first}" if i % 2 else first]
+        settings = node_settings(
+            pki,
+            name,
+            signature_file=sig_file,
+            bootstrap=bootstrap,
+            protocol=protocol,
+            extra={**extra, "listen": first} if i == 0 else extra,
+        )
+        nodes[name] = OverlayNodeProcess(name, tmp, settings).spawn()
+    for proc in nodes.values():
+        proc.wait_port()
+    return nodes
+
+
 @pytest.fixture(scope="module")
 def overlay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlay]:
     tmp = tmp_path_factory.mktemp("overlay")
-    pki = OverlayPki.create(tmp, NAMES)
+    pki = OverlayPki.create(tmp, [*NAMES, RELAY])
     signatures = clustered_signatures(NAMES)
-    protocol = {**PROTOCOL, "genesis_time": time.time() + STARTUP_ALLOWANCE_S}
-    params = OverlayParams(**protocol)  # type: ignore[arg-type]
     nodes: dict[str, OverlayNodeProcess] = {}
-    extra = {"metrics_interval_s": 0.2, "deliver_timeout_s": 1.0, "send_max_age_s": 3.0}
-
-    def start(name: str, bootstrap: list[str]) -> OverlayNodeProcess:
-        sig_file = tmp / f"{name}.sig"
-        sig_file.write_bytes(signatures[name].to_bytes())
-        settings = node_settings(
-            pki, name, signature_file=sig_file, bootstrap=bootstrap, protocol=protocol, extra=extra
-        )
-        return OverlayNodeProcess(name, tmp, settings).spawn()
-
     try:
-        first = start(NAMES[0], [])
-        nodes[first.name] = first
-        first.wait_port()
-        # Half name their bootstrap node, half let the process ask it for its name.
-        for i, name in enumerate(NAMES[1:], start=1):
-            entry = f"n0@{first.target}" if i % 2 else first.target
-            nodes[name] = start(name, [entry])
-        for proc in nodes.values():
-            proc.wait_port()
+        allowance = STARTUP_ALLOWANCE_S
+        for attempt in range(2):
+            launched = time.time()
+            genesis = launched + allowance
+            nodes = _launch(tmp, pki, signatures, genesis)
+            took = time.time() - launched
+            if time.time() < genesis - 1.0:
+                break
+            # Too slow to be up before the build (a busy machine): once more, with room.
+            for proc in nodes.values():
+                proc.terminate()
+            assert attempt == 0, (
+                f"9 overlay processes took {took:.0f} s to start, more than the "
+                f"{allowance:.0f} s allowed; raise PEERLM_TEST_OVERLAY_STARTUP_S"
+            )
+            allowance = max(allowance, 2 * took)
+        params = OverlayParams(**{**PROTOCOL, "genesis_time": genesis})  # type: ignore[arg-type]
         yield Overlay(pki, nodes, signatures, params)
     finally:
         codes = {name: proc.terminate() for name, proc in nodes.items() if proc.proc}
@@ -114,8 +141,9 @@ async def _wait_built(overlay: Overlay, timeout: float) -> dict[str, overlay_pb2
     deadline = time.monotonic() + timeout
     while True:
         descs = {n: await describe(overlay.pki, overlay.target(n)) for n in overlay.live()}
-        if all(d.depth > 0 and d.cluster_id for d in descs.values()):
-            return descs
+        members = {n: d for n, d in descs.items() if n != RELAY}
+        if all(d.depth > 0 and d.cluster_id for d in members.values()):
+            return members
         if time.monotonic() > deadline:
             counters = {n: dict(d.counters) for n, d in descs.items()}
             raise AssertionError(
@@ -148,6 +176,18 @@ async def test_overlay_builds_a_hierarchy(overlay: Overlay) -> None:
         assert d.node_id == name and d.has_signature
         assert d.address == overlay.target(name)
         assert d.epoch == 0
+    relay = await describe(overlay.pki, overlay.target(RELAY))
+    assert not relay.has_signature and not relay.cluster_id
+
+
+async def test_a_node_without_a_signature_is_never_a_result(overlay: Overlay) -> None:
+    await _wait_built(overlay, 60)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await search(overlay.pki, overlay.target(RELAY), K)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    for name in NAMES[:3]:
+        resp = await search(overlay.pki, overlay.target(name), len(NAMES) - 1)
+        assert RELAY not in {c.node_id for c in resp.candidates}
 
 
 def _check_against_oracle(
@@ -328,9 +368,12 @@ async def test_sigkilled_super_peer_is_taken_over_within_the_lease(overlay: Over
     # A querier whose answer contains the victim: correct again only once the victim's leaf
     # cluster has dropped it, and the query must get past the dead root primary.
     querier = next(
-        n
-        for n in NAMES
-        if n != victim and victim in [v for v, _ in oracle_top_k(overlay.signatures, n, K)]
+        (
+            n
+            for n in NAMES
+            if n != victim and victim in [v for v, _ in oracle_top_k(overlay.signatures, n, K)]
+        ),
+        next(n for n in NAMES if n != victim),  # the victim is the signature-less relay
     )
     takeovers_before = sum(
         overlay.nodes[n].metric("peerlm_overlay_lease_takeovers_total") for n in overlay.live()
@@ -365,7 +408,7 @@ async def test_sigkilled_super_peer_is_taken_over_within_the_lease(overlay: Over
         assert time.monotonic() < deadline, "no lease takeover was counted"
         await asyncio.sleep(0.2)
     # Every surviving node answers correctly too.
-    for name in overlay.live():
+    for name in [n for n in overlay.live() if n != RELAY]:
         resp = await search(overlay.pki, overlay.target(name), K)
         assert resp.complete, name
         _check_against_oracle(overlay, name, resp, [victim])

@@ -292,3 +292,9 @@ def test_arbitrary_bytes_never_crash_the_decoder(data: bytes) -> None:
         return
     with contextlib.suppress(CodecError):
         codec.decode_message(pb, CodecLimits(), sender=SENDER)
+
+
+def test_only_protocol_messages_can_be_encoded() -> None:
+    with pytest.raises(CodecError) as err:
+        codec.encode_message(_ref())  # type: ignore[arg-type]
+    assert err.value.reason == "schema"

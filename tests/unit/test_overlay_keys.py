@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
-
 from peerlm.overlay import vrf
 from peerlm.overlay.transport import CertificateRefused, KeyDirectory
+
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role, identity_from_certificate_pem, load_vrf_secret
 
