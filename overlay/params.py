@@ -64,8 +64,9 @@ class OverlayParams:
     """Dampings retried when AP does not converge, before the k-medoids fallback."""
     ap_max_iter: int = 200
     ap_convergence_iter: int = 15
-    ap_preference: str = "median"
-    """``median`` (scikit-learn's default) or ``min`` of the similarities."""
+    ap_preference_quantile: float = 0.9
+    """AP preference = this quantile of the off-diagonal similarities (0.5: the median,
+    scikit-learn's default; lower gives fewer, larger clusters)."""
     ap_random_state: int = 0
 
     # --- search (Sec. 3.4-3.5) ----------------------------------------------------------
@@ -74,7 +75,7 @@ class OverlayParams:
     dead_end_keep: int = 1
     """Children kept when none passes ``tau`` (paper: the best ``B``; we keep the best one
     and let relax-and-retry widen the search, which scores fewer prototypes)."""
-    target_acceptance: float = 0.6
+    target_acceptance: float = 0.3
     """``phi``: target global acceptance rate of scored edges (our choice)."""
     tau_step: float = 0.05
     """``eta_tau``: controller step size (our choice)."""
@@ -141,7 +142,7 @@ class OverlayParams:
             "relax_step > 0": self.relax_step > 0,
             "max_relax >= 0": self.max_relax >= 0,
             "0 < ap_damping < 1": 0.5 <= self.ap_damping < 1,
-            "ap_preference in (median, min)": self.ap_preference in ("median", "min"),
+            "0 <= ap_preference_quantile <= 1": 0 <= self.ap_preference_quantile <= 1,
             "lease_duration > heartbeat_interval": self.lease_duration > self.heartbeat_interval,
             "query_timeout > 0": self.query_timeout > 0,
             "epoch_period > build time": self.epoch_period > self.level_duration * 2,
