@@ -81,7 +81,6 @@ class Roles:
         self._loops: set[str] = set()
         self._ticks: dict[str, int] = {}
         self._parent_ack: dict[str, float] = {}
-        self._parent_try: dict[str, int] = {}
         self._reported: dict[str, ClusterDescriptor] = {}
         self._reattach_sent: dict[str, float] = {}
         self._early_parents: dict[str, tuple[str, ParentUpdate, float]] = {}
@@ -330,10 +329,13 @@ class Roles:
             role.members.pop(nid, None)
         role.term += 1
         role.bump(replicas=(keep[0][0], *rest_refs), scores=(keep[0][1], *rest_scores))
+        self._parent_ack[role.cluster_id] = self.ctx.now
         role.refresh_size()
         role.lease_renewed = self.ctx.now
+        # Members and children heartbeated the old primary: give them a fresh grace period.
         now = self.ctx.now
-        role.last_seen.update({nid: now for nid in role.replica_ids()})
+        for nid in [*role.members, *role.children, *role.replica_ids()]:
+            role.last_seen[nid] = now
         self.ctx.counters["maintenance.takeovers"] += 1
         self.ctx.emit(
             LeaseTakeover(role.descriptor.epoch, role.cluster_id, role.level, previous, reason)
@@ -420,7 +422,7 @@ class Roles:
                     role.descriptor.replicas,
                 ),
             )
-        dead_after = 2 * params.lease_duration
+        dead_after = params.orphan_after
         changed = False
         # Replicas silent for a lease are replaced.
         silent = [
@@ -556,15 +558,16 @@ class Roles:
         cid = role.cluster_id
         last = self._parent_ack.setdefault(cid, self.ctx.now)
         silent = self.ctx.now - last
-        tries = self._parent_try.get(cid, 0)
-        if silent > params.lease_duration * (tries + 1) + params.heartbeat_interval:
-            tries += 1
-            self._parent_try[cid] = tries
-        if tries >= len(role.parent.replicas):
-            self._reattach(role)
+        hb = Heartbeat(role.descriptor.epoch, role.parent.cluster_id)
+        if silent <= params.lease_duration:
+            self.ctx.send(role.parent.replicas[0], hb)
             return
-        target = role.parent.replicas[tries % len(role.parent.replicas)]
-        self.ctx.send(target, Heartbeat(role.descriptor.epoch, role.parent.cluster_id))
+        # The parent's primary is silent: ask every replica (whichever is primary now
+        # answers with the current descriptor); after orphan_after also re-attach.
+        for ref in role.parent.replicas:
+            self.ctx.send(ref, hb)
+        if silent > params.orphan_after:
+            self._reattach(role)
 
     def _reattach(self, role: ClusterRole) -> None:
         """The parent cluster is gone: ask the root to place this cluster again."""
@@ -616,7 +619,6 @@ class Roles:
             ):
                 role.parent = msg.cluster
                 self._parent_ack[role.cluster_id] = self.ctx.now
-                self._parent_try[role.cluster_id] = 0
                 found = True
         return found
 
@@ -717,6 +719,10 @@ class Roles:
         self._place(role, fwd)
 
     def _place(self, role: ClusterRole, msg: JoinRequest) -> None:
+        if not self.is_primary(role):
+            # A stale pointer led here: only the primary changes a cluster.
+            self.ctx.send(role.descriptor.replicas[0], msg)
+            return
         if role.level <= msg.target_level:
             self._admit(role, msg)
             return
@@ -782,7 +788,6 @@ class Roles:
             return True
         role.parent = msg.cluster
         self._parent_ack[role.cluster_id] = self.ctx.now
-        self._parent_try[role.cluster_id] = 0
         return True
 
     # ------------------------------------------------------------------ leaving

@@ -55,7 +55,7 @@ class Membership:
         self._loop = False
         self._joining: int | None = None
         self._join_attempts = 0
-        self._sig_round_at_build = 1
+        self._placed_round: dict[int, int] = {}
 
     # ------------------------------------------------------------------ views
     def view(self, epoch: int) -> _EpochView:
@@ -96,8 +96,8 @@ class Membership:
         if changed:
             self.ctx.emit(Placed(epoch, leaf.cluster_id, via))
             self.ctx.counters[f"member.placed_{via}"] += 1
-            if via != "build" or self.ctx.signature_round > self._sig_round_at_build:
-                self._push_signature(epoch)
+            # The build's SigProbe or the JOIN carried the current signature already.
+            self._placed_round[epoch] = self.ctx.signature_round
         self._start_loop()
 
     def on_member_assign(self, src: str, msg: MemberAssign) -> None:
@@ -173,16 +173,19 @@ class Membership:
         v = self.views[epoch]
         assert v.leaf is not None
         silent = self.ctx.now - v.last_ack
-        if silent > params.lease_duration * (v.replica_try + 1) + params.heartbeat_interval:
-            v.replica_try += 1
-        if v.replica_try >= len(v.leaf.replicas) + 1:
-            # Every replica of our leaf is gone: re-join.
+        if silent > params.orphan_after:
+            # No replica of our leaf answers: re-join.
             self.ctx.counters["member.leaf_lost"] += 1
             v.leaf = None
             self.start_join(epoch)
             return
-        target = v.leaf.replicas[v.replica_try % len(v.leaf.replicas)]
-        self.ctx.send(target, Heartbeat(epoch, v.leaf.cluster_id))
+        hb = Heartbeat(epoch, v.leaf.cluster_id)
+        if silent <= params.lease_duration:
+            self.ctx.send(v.leaf.replicas[0], hb)
+            return
+        # The primary is silent: ask every replica; whichever is primary now answers.
+        for ref in v.leaf.replicas:
+            self.ctx.send(ref, hb)
 
     def _push_signature(self, epoch: int) -> None:
         leaf = self.leaf(epoch)
@@ -195,7 +198,7 @@ class Membership:
 
     def signature_changed(self) -> None:
         for epoch, v in self.views.items():
-            if v.leaf is not None:
+            if v.leaf is not None and self.ctx.signature_round > self._placed_round.get(epoch, 0):
                 self._push_signature(epoch)
 
     # ------------------------------------------------------------------ joining
@@ -233,7 +236,8 @@ class Membership:
         if neighbours:
             self.ctx.send(neighbours[self._join_attempts % len(neighbours)], req)
 
-    def leave(self) -> None:
+    def leave(self, skip: set[str]) -> None:
+        """LEAVE to each leaf primary (not for leaves whose role we already handed over)."""
         for epoch, v in self.views.items():
-            if v.leaf is not None:
+            if v.leaf is not None and v.leaf.cluster_id not in skip:
                 self.ctx.send(v.leaf.replicas[0], Leave(epoch, v.leaf.cluster_id))

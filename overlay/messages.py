@@ -55,6 +55,7 @@ __all__ = [
     "PeerExchange",
     "Probe",
     "Query",
+    "QueryAck",
     "QueryDown",
     "QueryPartial",
     "QueryResult",
@@ -405,6 +406,18 @@ class QueryDown:
     tau: float
     attempt: int
     reply_to: NodeRef
+    budget: float
+
+
+@dataclass(frozen=True, slots=True)
+class QueryAck:
+    """An inner super-peer confirms a QUERY_DOWN at once, so its parent can fail over to
+    another replica after one round trip instead of after the child's whole budget."""
+
+    KIND: ClassVar[str] = "QUERY_ACK"
+    qid: str
+    cluster_id: str
+    attempt: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,6 +591,7 @@ Message = (
     | EpochAnnounce
     | Query
     | QueryDown
+    | QueryAck
     | QueryPartial
     | QueryResult
     | Heartbeat
@@ -612,6 +626,7 @@ MESSAGE_TYPES: dict[str, type[Any]] = {
         EpochAnnounce,
         Query,
         QueryDown,
+        QueryAck,
         QueryPartial,
         QueryResult,
         Heartbeat,

@@ -51,6 +51,7 @@ from peerlm.overlay.messages import (
     PeerExchange,
     Probe,
     Query,
+    QueryAck,
     QueryDown,
     QueryPartial,
     QueryResult,
@@ -132,7 +133,7 @@ class OverlayNode:
         self.search = SearchServer(
             self.ctx, self.roles.get, self.roles.root_role, self._top_role, self.membership.root
         )
-        self.querier = Querier(self.ctx, self._query_entry, self.membership.note_root)
+        self.querier = Querier(self.ctx, self._query_entry, self.membership.note_root, self._depth)
         self._last_roles: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ identity
@@ -222,6 +223,10 @@ class OverlayNode:
         self.roles.forget_before(epoch)
         self.membership.forget_before(epoch)
 
+    def _depth(self) -> int:
+        epoch = self.membership.active_epoch()
+        return self.membership.views[epoch].depth if epoch is not None else self.params.max_levels
+
     def _top_role(self, epoch: int) -> ClusterRole | None:
         roles = [r for r in self.roles.roles.values() if r.descriptor.epoch == epoch]
         return max(roles, key=lambda r: (r.level, r.cluster_id)) if roles else None
@@ -307,6 +312,9 @@ class OverlayNode:
                 self.search.on_query(src, msg)
             case QueryDown():
                 self.search.on_query_down(src, msg)
+            case QueryAck():
+                if not self.search.on_query_ack(src, msg):
+                    self.querier.on_ack(src, msg.qid)
             case QueryPartial():
                 self.search.on_query_partial(src, msg)
             case QueryResult():
@@ -440,7 +448,6 @@ class OverlayNode:
         Before an epoch's build the node simply takes part in it; once a tree exists the
         request goes to the root (through a bootstrap peer) and is placed top-down.
         """
-        fresh = not self._started
         self._begin(now)
         for ref in bootstrap:
             if ref.node_id == self.node_id:
@@ -450,7 +457,11 @@ class OverlayNode:
             self._probe_sent[ref.node_id] = now
             self.ctx.send(ref, PeerExchange(self.ctx.ref, (), want_reply=True))
         epoch = self.params.epoch_of(now)
-        if fresh and epoch >= 0 and now > self.params.level_start(epoch, 1):
+        if (
+            epoch >= 0
+            and now > self.params.level_start(epoch, 1)
+            and self.membership.leaf(epoch) is None
+        ):
             self.membership.start_join(epoch)
         return self._drain()
 
@@ -459,8 +470,9 @@ class OverlayNode:
         self._begin(now)
         if self.ctx.inert:
             return []
+        held = set(self.roles.roles)
         self.roles.resign_all()
-        self.membership.leave()
+        self.membership.leave(skip=held)
         out = self._drain()
         self.ctx.inert = True
         self.ctx.timers.clear()

@@ -87,9 +87,10 @@ class OverlayParams:
     """Visit budget: relax-and-retry descents per query (our choice)."""
     tau_window: int = 512
     """Recent probe similarities kept for the streaming ``(1 - phi)`` quantile (our choice)."""
-    child_timeout: float = 0.6
-    """A super-peer waits this long per level below it for a child's partial result before
-    trying the child's next replica (our choice)."""
+    search_budget: float = 0.4
+    """Share of ``Delta_t`` the root may spend on a query; each super-peer gives a child
+    half of what it has left (the other half is for failing over to another replica), and
+    answers with what it has when its own budget runs out (our choice)."""
 
     # --- synchronisation (Sec. 3.6) -----------------------------------------------------
     query_timeout: float = 5.0
@@ -105,6 +106,10 @@ class OverlayParams:
     """Members and replicas renew every this many seconds (our choice)."""
     lease_duration: float = 1.6
     """A primary super-peer's lease; missing renewals for this long triggers takeover."""
+    orphan_after: float = 4.0
+    """A member (or child cluster) whose leaf (parent) has not answered a heartbeat for this
+    long re-joins (re-attaches); a primary drops members and children silent this long.
+    Our choice: two and a half leases, so failover to a successor is tried first."""
     epoch_period: float = 3600.0
     """Seconds between overlay rebuilds (initiator rotation); our choice."""
     genesis_time: float = 0.0
@@ -144,6 +149,7 @@ class OverlayParams:
             "0 < ap_damping < 1": 0.5 <= self.ap_damping < 1,
             "0 <= ap_preference_quantile <= 1": 0 <= self.ap_preference_quantile <= 1,
             "lease_duration > heartbeat_interval": self.lease_duration > self.heartbeat_interval,
+            "orphan_after > lease_duration": self.orphan_after > self.lease_duration,
             "query_timeout > 0": self.query_timeout > 0,
             "epoch_period > build time": self.epoch_period > self.level_duration * 2,
             "max_levels >= 1": self.max_levels >= 1,

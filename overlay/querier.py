@@ -39,6 +39,7 @@ class _Pending:
     signature: Signature
     tau: float | None
     entries: int = 0
+    acked: bool = False
 
 
 class Querier:
@@ -49,7 +50,9 @@ class Querier:
         ctx: NodeContext,
         entry: Callable[[], tuple[int, ClusterDescriptor | None, ClusterDescriptor | None]],
         note_root: Callable[[int, ClusterDescriptor | None], None],
+        depth: Callable[[], int] = lambda: 1,
     ) -> None:
+        self._depth = depth
         self.ctx = ctx
         p = ctx.params
         self.threshold = ThresholdController(
@@ -85,21 +88,43 @@ class Querier:
         return qid
 
     def _send(self, p: _Pending) -> bool:
+        """Send to the next entry: the root's replicas in turn (from a hash of the qid),
+        then up through the leaf's replicas (ascending the parent pointers, which also
+        reaches a root whose replica set changed since we cached it)."""
         epoch, root, leaf = self._entry()
         p.epoch = epoch
         msg = Query(p.qid, epoch, self.ctx.ref, p.signature, p.k, p.tau, p.round)
-        if root is not None:
-            target = pick_replica(root.replicas, p.qid, p.entries)
-            p.entries += 1
-            self.ctx.send(target, msg)
-            return True
-        if leaf is not None:
-            target = pick_replica(leaf.replicas, p.qid, p.entries)
-            p.entries += 1
-            self.ctx.send(target, replace(msg, ascend=True))
-            return True
-        self.ctx.counters["query.no_route"] += 1
-        return False
+        roots = len(root.replicas) if root is not None else 0
+        attempt = p.entries
+        p.entries += 1
+        p.acked = False
+        if root is not None and attempt < roots:
+            self.ctx.send(pick_replica(root.replicas, p.qid, attempt), msg)
+            wait = 2 * self.ctx.params.hop_time
+        elif leaf is not None:
+            self.ctx.send(pick_replica(leaf.replicas, p.qid, attempt), replace(msg, ascend=True))
+            wait = 2 * self.ctx.params.hop_time * (self._depth() + 1)
+        elif root is not None:
+            self.ctx.send(pick_replica(root.replicas, p.qid, attempt), msg)
+            wait = 2 * self.ctx.params.hop_time
+        else:
+            self.ctx.counters["query.no_route"] += 1
+            return False
+        self.ctx.after(wait, lambda: self._ack_timeout(p.qid, attempt))
+        return True
+
+    def _ack_timeout(self, qid: str, attempt: int) -> None:
+        p = self._pending.get(qid)
+        if p is None or self.ctx.inert or p.acked or p.entries != attempt + 1:
+            return
+        self.ctx.counters["query.entry_failover"] += 1
+        self._send(p)
+
+    def on_ack(self, src: str, qid: str) -> None:
+        p = self._pending.get(qid)
+        if p is None:
+            return
+        p.acked = True
 
     def _retry(self, qid: str) -> None:
         p = self._pending.get(qid)

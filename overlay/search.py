@@ -15,9 +15,13 @@ most ``max_relax`` steps (the visit budget). Sessions are kept per query, so a r
 re-entered only if its reported *frontier* (the best score it left unexpanded) now passes.
 Relax steps that cannot reach anything new cost no messages.
 
-Failure handling: a child that does not answer within ``child_timeout`` per level below is
-asked through its next replica; when all replicas fail the branch counts as failed (the
-result is then marked incomplete).
+Deadlines and failover: the root may spend ``search_budget * Delta_t``. Every QUERY_DOWN
+carries the time the child may take (the sender's remaining time less a round-trip
+allowance of ``2 t_a``); a super-peer replies with whatever it has when its time is up. An
+inner super-peer acknowledges a QUERY_DOWN at once (QUERY_ACK) and a leaf answers within a
+round trip, so a replica that stays silent for ``2 t_a`` is presumed gone and the next
+replica is asked. A branch none of whose replicas answered in time counts as failed and the
+result is marked incomplete. So every query is answered before the querier's soft barrier.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from peerlm.overlay.messages import (
     ClusterDescriptor,
     NodeRef,
     Query,
+    QueryAck,
     QueryDown,
     QueryPartial,
     QueryResult,
@@ -109,6 +114,7 @@ class _Branch:
     frontier: float = NO_FRONTIER
     stats: SearchStats = field(default_factory=SearchStats)
     failed: bool = False
+    acked: bool = False
     timer: object | None = None
 
 
@@ -127,6 +133,7 @@ class _Session:
     prototypes: int = 0
     samples: tuple[float, ...] = ()
     replied_attempt: int = -1
+    deadline: float = 0.0
 
 
 @dataclass(slots=True)
@@ -181,6 +188,7 @@ class SearchServer:
             self._forward_up(msg)
             return
         self.ctx.counters["search.queries"] += 1
+        self.ctx.send(msg.querier, QueryAck(msg.qid, root.cluster_id, -1))
         self._roots[msg.qid] = _RootQuery(msg.querier, msg.epoch)
         tau = msg.tau
         if tau is None:
@@ -188,6 +196,7 @@ class SearchServer:
         session = self._new_session(
             msg.qid, root, msg.querier.node_id, msg.signature, msg.k, tau, None
         )
+        self._arm_deadline(session, params.search_budget * params.query_timeout)
         self._visit(session, root)
         self.ctx.after(2 * params.query_timeout, lambda: self._forget(msg.qid))
 
@@ -240,17 +249,17 @@ class SearchServer:
         if msg.reply_to.node_id != src or msg.signature.p > params.max_signature_p:
             self.ctx.reject("bad_field")
             return
+        if not 0.0 <= msg.budget <= params.query_timeout:
+            self.ctx.reject("bad_field")
+            return
         role = self._role_of(msg.cluster_id)
         if role is None:
             self.ctx.reject("unknown_cluster")
             return
-        if role.parent is not None and src not in [r.node_id for r in role.parent.replicas]:
-            # Only our parent's replicas route queries to us.
-            self.ctx.reject("not_member")
-            return
         if role.level == 1:
             self._answer_leaf(role, msg)
             return
+        self.ctx.send(msg.reply_to, QueryAck(msg.qid, role.cluster_id, msg.attempt))
         session = self._sessions.get((msg.qid, role.cluster_id))
         if session is None:
             session = self._new_session(
@@ -264,6 +273,7 @@ class SearchServer:
                 msg.attempt,
             )
             self.ctx.after(2 * params.query_timeout, lambda: self._forget_session(session))
+            self._arm_deadline(session, msg.budget)
             self._visit(session, role)
             return
         if msg.attempt <= session.attempt:
@@ -271,7 +281,24 @@ class SearchServer:
         session.attempt = msg.attempt
         session.tau = msg.tau
         session.reply_to = msg.reply_to
+        self._arm_deadline(session, msg.budget)
         self._expand(session)
+
+    def _arm_deadline(self, session: _Session, budget: float) -> None:
+        session.deadline = self.ctx.now + budget
+        attempt = session.attempt
+        self.ctx.at(session.deadline, lambda: self._deadline(session, attempt))
+
+    def _deadline(self, session: _Session, attempt: int) -> None:
+        """Out of time: give up on branches still pending and answer with what we have."""
+        if self.ctx.inert or session.attempt != attempt or session.replied_attempt == attempt:
+            return
+        for b in session.branches.values():
+            if b.pending:
+                b.pending = False
+                b.failed = True
+                self.ctx.counters["search.branch_deadline"] += 1
+        self._maybe_reply(session)
 
     def _answer_leaf(self, role: ClusterRole, msg: QueryDown) -> None:
         candidates, stats = self._score_members(role, msg.signature, msg.querier_id, msg.k, msg.tau)
@@ -347,8 +374,16 @@ class SearchServer:
         self._maybe_reply(session)
 
     def _send_down(self, session: _Session, b: _Branch) -> None:
-        b.pending = True
+        allowance = 2 * self.ctx.params.hop_time
+        remaining = session.deadline - self.ctx.now - allowance
         b.attempt = session.attempt
+        if remaining <= 0:
+            b.pending = False
+            b.failed = True
+            return
+        budget = remaining
+        b.pending = True
+        b.acked = False
         target = pick_replica(b.child.replicas, session.qid, b.replica_offset)
         msg = QueryDown(
             session.qid,
@@ -360,14 +395,38 @@ class SearchServer:
             session.tau,
             session.attempt,
             self.ctx.ref,
+            budget,
         )
         self.ctx.send(target, msg)
-        wait = self.ctx.params.child_timeout * b.child.level
-        attempt = session.attempt
-        b.timer = self.ctx.after(wait, lambda: self._child_timeout(session, b, attempt))
+        # A leaf answers within a round trip and an inner super-peer acknowledges at once, so
+        # silence for one allowance means this replica is gone: fail over to the next.
+        attempt, offset = session.attempt, b.replica_offset
+        b.timer = self.ctx.after(
+            allowance, lambda: self._child_timeout(session, b, attempt, offset)
+        )
 
-    def _child_timeout(self, session: _Session, b: _Branch, attempt: int) -> None:
-        if not b.pending or b.attempt != attempt or self.ctx.inert:
+    def on_query_ack(self, src: str, msg: QueryAck) -> bool:
+        """A child's acknowledgement (``False``: not one of ours, e.g. a root's to a querier)."""
+        if msg.attempt < 0:
+            return False
+        key = self._by_child.get((msg.qid, msg.cluster_id))
+        session = self._sessions.get(key) if key is not None else None
+        b = session.branches.get(msg.cluster_id) if session is not None else None
+        if session is None or b is None or src not in [r.node_id for r in b.child.replicas]:
+            self.ctx.reject("unknown_query")
+            return True
+        if not b.pending or b.attempt != msg.attempt or b.acked:
+            return True
+        b.acked = True
+        if b.timer is not None:
+            b.timer.cancelled = True  # type: ignore[attr-defined]
+        attempt, offset = session.attempt, b.replica_offset
+        wait = max(0.0, session.deadline - self.ctx.now)
+        b.timer = self.ctx.after(wait, lambda: self._child_timeout(session, b, attempt, offset))
+        return True
+
+    def _child_timeout(self, session: _Session, b: _Branch, attempt: int, offset: int) -> None:
+        if not b.pending or b.attempt != attempt or b.replica_offset != offset or self.ctx.inert:
             return
         b.replica_offset += 1
         self.ctx.counters["search.child_timeouts"] += 1
@@ -376,6 +435,7 @@ class SearchServer:
             return
         b.pending = False
         b.failed = True
+        self.ctx.counters["search.branch_failed"] += 1
         self._maybe_reply(session)
 
     def on_query_partial(self, src: str, msg: QueryPartial) -> None:
@@ -469,6 +529,7 @@ class SearchServer:
             return
         rq.finished = True
         complete = stats.failed_branches == 0 and (passed >= session.k or frontier == NO_FRONTIER)
+        root_role = self._role_of(session.cluster_id)
         result = QueryResult(
             session.qid,
             rq.epoch,
@@ -476,7 +537,7 @@ class SearchServer:
             stats,
             tau,
             complete,
-            self._root_of(rq.epoch),
+            root_role.descriptor if root_role is not None else self._root_of(rq.epoch),
         )
         self._done[session.qid] = result
         self.ctx.send(rq.querier, result)

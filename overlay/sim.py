@@ -48,7 +48,7 @@ class LinkModel:
     """Latency and loss of the simulated network (seconds, probabilities)."""
 
     base: float = 0.005
-    per_unit: float = 0.06
+    per_unit: float = 0.04
     asymmetry: float = 0.3
     jitter: float = 0.2
     loss: float = 0.0
