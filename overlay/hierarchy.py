@@ -13,7 +13,9 @@ Choices made here (the paper leaves them open):
 * **Replica set** ``R_j`` at level 1: the ``r`` members closest (cosine) to the prototype;
   above level 1: the children's primaries in order of their prototypes' closeness, then
   their second replicas, and so on, until ``r`` distinct nodes. Either way the set is kept in
-  succession order ``(VRF score, id)`` and the first is the primary.
+  succession order ``(VRF score, id)`` and the first is the primary. The root keeps
+  ``root_replication`` replicas (default ``2r - 1``): every query enters there, and losing
+  all of them at once would leave the tree headless until the next epoch.
 * **Cluster ids** are ``"<zone_id>.<j>"`` with ``zone_id = "<epoch>.<level>.<initiator>"``:
   unique without coordination.
 """
@@ -125,7 +127,9 @@ def _inner_descriptor(
     children: Sequence[ClusterDescriptor],
     exemplar: ClusterDescriptor,
     params: OverlayParams,
+    replication: int | None = None,
 ) -> ClusterDescriptor:
+    want = params.replication if replication is None else replication
     protos = [c.prototype for c in children]
     proto = prototype(protos, _common_p(protos))
     closeness = cosine_to_many(proto, protos)
@@ -141,9 +145,9 @@ def _inner_descriptor(
                 seen.add(child.replicas[rank].node_id)
                 refs.append(child.replicas[rank])
                 scores.append(child.scores[rank])
-            if len(refs) == params.replication:
+            if len(refs) == want:
                 break
-        if len(refs) == params.replication:
+        if len(refs) == want:
             break
     replicas, ordered_scores = ordered_replicas(refs, scores)
     return ClusterDescriptor(
@@ -204,7 +208,14 @@ def form_root(
     proto = prototype(protos, _common_p(protos))
     central = int(np.argmax(cosine_to_many(proto, protos)))
     descriptor = _inner_descriptor(
-        epoch, level, f"{zone_id}.root", zone_id, children, children[central], params
+        epoch,
+        level,
+        f"{zone_id}.root",
+        zone_id,
+        children,
+        children[central],
+        params,
+        params.root_replication,
     )
     return FormedCluster(descriptor, children=tuple(children))
 

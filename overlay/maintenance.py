@@ -85,6 +85,7 @@ class Roles:
         self._reattach_sent: dict[str, float] = {}
         self._early_parents: dict[str, tuple[str, ParentUpdate, float]] = {}
         self._announcements: dict[int, EpochAnnounce] = {}
+        self._suspects: dict[str, float] = {}
 
     # ------------------------------------------------------------------ helpers
     def get(self, cluster_id: str) -> ClusterRole | None:
@@ -431,13 +432,15 @@ class Roles:
             if now - role.last_seen.get(r.node_id, now) > params.lease_duration
         ]
         if silent:
+            self._suspect(set(silent))
             self._remove_replicas(role, set(silent))
             changed = True
         if role.level == 1:
             gone = [
                 nid
                 for nid in role.members
-                if nid != self.ctx.node_id and now - role.last_seen.get(nid, now) > dead_after
+                if nid != self.ctx.node_id
+                and now - role.last_seen.get(nid, now) > params.member_timeout
             ]
             for nid in gone:
                 del role.members[nid]
@@ -467,6 +470,14 @@ class Roles:
         self._report_to_parent(role)
         self._heartbeat_parent(role)
 
+    def _suspect(self, gone: set[str]) -> None:
+        """Remember nodes found silent, so backfill does not pick them again for a while."""
+        until = self.ctx.now + self.ctx.params.orphan_after
+        for nid in gone:
+            self._suspects[nid] = until
+        for nid in [n for n, t in self._suspects.items() if t < self.ctx.now]:
+            del self._suspects[nid]
+
     def _remove_replicas(self, role: ClusterRole, gone: set[str]) -> None:
         pairs = [
             (r, s)
@@ -479,12 +490,20 @@ class Roles:
             self.ctx.counters["maintenance.replicas_lost"] += 1
 
     def _backfill(self, role: ClusterRole) -> None:
-        want = self.ctx.params.replication
+        want = self.ctx.params.root_replication if role.is_root else self.ctx.params.replication
         ids = set(role.replica_ids())
         added: list[tuple[NodeRef, int]] = []
+        now = self.ctx.now
+        fresh = self.ctx.params.lease_duration
         if role.level == 1:
+            # Only members heard from recently: never re-promote a silent (dead) one.
             candidates = [
-                m for nid, m in role.members.items() if nid not in ids and m.signature is not None
+                m
+                for nid, m in role.members.items()
+                if nid not in ids
+                and m.signature is not None
+                and now - role.last_seen.get(nid, -fresh - 1.0) <= fresh
+                and nid not in self._suspects
             ]
             if len(ids) < want and candidates:
                 sigs: list[Signature] = [m.signature for m in candidates if m.signature is not None]
@@ -506,6 +525,7 @@ class Roles:
                         ref = child.replicas[rank]
                         if (
                             ref.node_id not in ids
+                            and ref.node_id not in self._suspects
                             and len(ids) + len(added) < want
                             and all(a.node_id != ref.node_id for a, _ in added)
                         ):
@@ -517,9 +537,10 @@ class Roles:
         rest.extend(added)
         refs, scores = ordered_replicas([r for r, _ in rest], [s for _, s in rest])
         role.bump(replicas=(primary[0], *refs), scores=(primary[1], *scores))
-        now = self.ctx.now
         for ref, _ in added:
-            role.last_seen[ref.node_id] = now
+            role.last_seen.setdefault(ref.node_id, now)
+            if role.level > 1:
+                role.last_seen[ref.node_id] = now
         role.dirty = True
         self.ctx.counters["maintenance.backfills"] += len(added)
         state = self._state_msg(role)
@@ -669,17 +690,20 @@ class Roles:
         if src not in role.members and src not in role.replica_ids():
             self.ctx.reject("not_member")
             return
+        if src == role.primary_id():
+            # A primary hands over with RESIGN, not LEAVE.
+            self.ctx.reject("not_member")
+            return
         role.members.pop(src, None)
+        if not self.is_primary(role):
+            # Stop offering the leaver as a candidate now; the primary syncs the rest.
+            return
         if src in role.replica_ids():
-            if src == role.primary_id():
-                self.ctx.reject("not_member")
-                return
             self._remove_replicas(role, {src})
         role.refresh_size()
         role.dirty = True
         self.ctx.counters["maintenance.leaves"] += 1
-        if self.is_primary(role):
-            self._backfill(role)
+        self._backfill(role)
 
     # ------------------------------------------------------------------ join placement
     def on_join(self, src: str, msg: JoinRequest) -> None:
@@ -698,17 +722,29 @@ class Roles:
             return
         fwd = replace(msg, hops=msg.hops + 1)
         if not msg.descending:
+            # Climb the parent pointers (kept current by maintenance) rather than trust a
+            # cached root descriptor that churn may have outdated.
             root_role = self.root_role(msg.epoch)
             if root_role is not None:
                 self._place(root_role, fwd)
                 return
+            tops = [
+                r
+                for r in self.roles.values()
+                if r.descriptor.epoch == msg.epoch and r.parent is not None
+            ]
+            if tops:
+                top = max(tops, key=lambda r: (r.level, r.cluster_id))
+                assert top.parent is not None
+                self.ctx.send(top.parent.replicas[0], fwd)
+                return
+            leaf = self._leaf_of(msg.epoch)
+            if leaf is not None and leaf.replicas[0].node_id != self.ctx.node_id:
+                self.ctx.send(leaf.replicas[0], fwd)
+                return
             root = self._root_of(msg.epoch)
             if root is not None:
                 self.ctx.send(root.replicas[msg.hops % len(root.replicas)], fwd)
-                return
-            leaf = self._leaf_of(msg.epoch)
-            if leaf is not None:
-                self.ctx.send(leaf.replicas[0], fwd)
                 return
             self.ctx.reject("join_unroutable")
             return

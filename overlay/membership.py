@@ -237,7 +237,9 @@ class Membership:
             self.ctx.send(neighbours[self._join_attempts % len(neighbours)], req)
 
     def leave(self, skip: set[str]) -> None:
-        """LEAVE to each leaf primary (not for leaves whose role we already handed over)."""
+        """LEAVE to every replica of each leaf (so none keeps offering us as a candidate),
+        except for leaves whose role we already handed over."""
         for epoch, v in self.views.items():
             if v.leaf is not None and v.leaf.cluster_id not in skip:
-                self.ctx.send(v.leaf.replicas[0], Leave(epoch, v.leaf.cluster_id))
+                for ref in v.leaf.replicas:
+                    self.ctx.send(ref, Leave(epoch, v.leaf.cluster_id))

@@ -55,6 +55,8 @@ class OverlayParams:
     # --- clustering (Sec. 3.3.2-3.3.3) --------------------------------------------------
     replication: int = 3
     """``r``: super-peers per cluster (``|R_j| = min(r, |C_j|)``)."""
+    root_replication: int = 5
+    """Replicas of the root cluster (our choice, ``2r - 1``): every query enters there."""
     max_children: int = 8
     """``F``: fan-out cap, the most children a super-peer above level 1 keeps; larger
     affinity-propagation clusters are split (paper ``F = 8``)."""
@@ -106,6 +108,9 @@ class OverlayParams:
     """Members and replicas renew every this many seconds (our choice)."""
     lease_duration: float = 1.6
     """A primary super-peer's lease; missing renewals for this long triggers takeover."""
+    member_timeout: float = 2.1
+    """A leaf primary drops a member whose heartbeats stopped this long ago (our choice:
+    a lease plus a heartbeat, so a dropout stops being offered as a candidate quickly)."""
     orphan_after: float = 4.0
     """A member (or child cluster) whose leaf (parent) has not answered a heartbeat for this
     long re-joins (re-attaches); a primary drops members and children silent this long.
@@ -140,6 +145,7 @@ class OverlayParams:
             "hop_time > 0": self.hop_time > 0,
             "max_neighbours >= 1": self.max_neighbours >= 1,
             "replication >= 1": self.replication >= 1,
+            "root_replication >= replication": self.root_replication >= self.replication,
             "max_children >= 2": self.max_children >= 2,
             "beam >= 1": self.beam >= 1,
             "dead_end_keep >= 1": self.dead_end_keep >= 1,
@@ -150,6 +156,7 @@ class OverlayParams:
             "0 <= ap_preference_quantile <= 1": 0 <= self.ap_preference_quantile <= 1,
             "lease_duration > heartbeat_interval": self.lease_duration > self.heartbeat_interval,
             "orphan_after > lease_duration": self.orphan_after > self.lease_duration,
+            "member_timeout > heartbeat_interval": self.member_timeout > self.heartbeat_interval,
             "query_timeout > 0": self.query_timeout > 0,
             "epoch_period > build time": self.epoch_period > self.level_duration * 2,
             "max_levels >= 1": self.max_levels >= 1,
