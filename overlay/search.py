@@ -65,13 +65,7 @@ def merge_top_k(lists: Iterable[Iterable[Candidate]], k: int) -> tuple[Candidate
             seen = best.get(cand.node_id)
             if seen is None or cand.similarity > seen.similarity:
                 best[cand.node_id] = cand
-    top = heapq.nlargest(k, best.values(), key=lambda c: (c.similarity, _neg(c.node_id)))
-    return tuple(top)
-
-
-def _neg(node_id: str) -> tuple[int, ...]:
-    # nlargest with a lexicographically *smaller* id first on equal similarity.
-    return tuple(-b for b in node_id.encode())
+    return tuple(heapq.nsmallest(k, best.values(), key=lambda c: (-c.similarity, c.node_id)))
 
 
 def pick_replica(replicas: tuple[NodeRef, ...], qid: str, offset: int = 0) -> NodeRef:
