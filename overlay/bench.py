@@ -11,7 +11,8 @@ One run per network size N (see ``docs/bench-overlay.md`` for the definitions):
    round after the first ``f N`` peers leave (half drop out without a word, half leave
    gracefully) and ``f N`` newcomers (fresh members of the same population) join, at
    uniform times in the first ``period - settle`` seconds; then every live peer (or a
-   seeded sample of ``queries``) asks for its top K.
+   seeded sample of ``queries`` peers, the same ones every round while they live) asks
+   for its top K.
 4. Recall@K = ``|returned ∩ exact| / K`` against the exact top-K by cosine over the live
    peers' signatures (Sec. 5.3), averaged over queriers and over the rounds after the first
    (the first round also initialises ``tau``; it is reported separately). The HNSW
@@ -179,6 +180,7 @@ def run_one(cfg: BenchConfig, n: int, progress: Progress | None = None) -> dict[
     rng = random.Random(cfg.seed * 7919 + n)
     next_id = n
     rounds: list[_Round] = []
+    sample: list[str] = []
     hnsw = float("nan")
     for rnd in range(cfg.rounds):
         t0 = sim.now
@@ -206,7 +208,13 @@ def run_one(cfg: BenchConfig, n: int, progress: Progress | None = None) -> dict[
         truth = exact_top_k(sigs, k)
         queriers = live
         if cfg.queries is not None and cfg.queries < len(live):
-            queriers = sorted(rng.sample(live, cfg.queries))
+            # The same peers query every round (their tau controllers warm up), topped up
+            # with random live peers where churn took some away.
+            kept = [nid for nid in sample if nid in sim.alive]
+            fresh = [nid for nid in live if nid not in set(kept)]
+            kept += rng.sample(fresh, min(len(fresh), cfg.queries - len(kept)))
+            sample = kept
+            queriers = sorted(sample)
         start_events = len(sim.events)
         messages0 = sim.messages_by_kind(set(QUERY_KINDS))
         qids: dict[str, str] = {}

@@ -67,8 +67,9 @@ class OverlayParams:
     ap_max_iter: int = 200
     ap_convergence_iter: int = 15
     ap_preference_quantile: float = 0.9
-    """AP preference = this quantile of the off-diagonal similarities (0.5: the median,
-    scikit-learn's default; lower gives fewer, larger clusters)."""
+    """AP preference = this quantile of the off-diagonal similarities. 0.5 is the median,
+    scikit-learn's default; we use 0.9 (more, purer clusters): at N = 400 the median left
+    leaf clusters 73 % pure and capped Recall@K near 0.90, 0.9 gives 94 % (docs/overlay.md)."""
     ap_random_state: int = 0
 
     # --- search (Sec. 3.4-3.5) ----------------------------------------------------------
@@ -78,7 +79,8 @@ class OverlayParams:
     """Children kept when none passes ``tau`` (paper: the best ``B``; we keep the best one
     and let relax-and-retry widen the search, which scores fewer prototypes)."""
     target_acceptance: float = 0.3
-    """``phi``: target global acceptance rate of scored edges (our choice)."""
+    """``phi``: target global acceptance rate of scored edges (our choice; ``tau(0)`` is
+    the ``(1 - phi)`` quantile of the first round's scored similarities)."""
     tau_step: float = 0.05
     """``eta_tau``: controller step size (our choice)."""
     drift_slack: float = 0.05

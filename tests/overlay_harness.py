@@ -72,7 +72,8 @@ def federation(
     n: int, seed: int = 0, *, zone_cap: int = 10, spec: PopulationSpec = SPEC, **overrides: object
 ) -> Federation:
     """``n`` nodes on a low-RTT graph, signatures set, nothing run yet."""
-    params = OverlayParams(zone_cap=zone_cap, genesis_time=1.0, **overrides)  # type: ignore[arg-type]
+    settings: dict[str, object] = {"zone_cap": zone_cap, "genesis_time": 1.0, **overrides}
+    params = OverlayParams(**settings)  # type: ignore[arg-type]
     sim = Simulator(params, seed=seed)
     population = ClusteredPopulation(spec, seed=seed)
     fed = Federation(sim, params, population=population)

@@ -143,3 +143,23 @@ def test_churn_keeps_every_query_answered() -> None:
     assert len(results) == len(sim.alive)
     assert _answered_by_overlay(results)
     assert fed.recall(results, K) >= 0.85
+
+
+def test_next_epoch_rotates_initiators_and_replaces_the_tree() -> None:
+    fed = federation(60, seed=2, zone_cap=8, epoch_period=40.0)
+    fed.build()
+    sim = fed.sim
+
+    def initiators() -> set[str]:
+        return {n for n in sim.alive if 1 in sim.nodes[n].describe()["initiator_levels"]}
+
+    first = initiators()
+    fed.query_all(6)
+    sim.run_until(fed.params.epoch_start(1) + fed.params.max_levels * fed.params.level_duration)
+    assert {sim.nodes[n].describe()["epoch"] for n in sim.alive} == {1}
+    assert initiators() != first
+    epochs = {r.descriptor.epoch for n in sim.alive for r in sim.nodes[n].roles.roles.values()}
+    assert epochs == {1}, "the old tree's roles are dropped once the new one is announced"
+    results = fed.query_all(6)
+    assert len(results) == 60 and all(ev.stats.visited > 0 for ev in results.values())
+    assert fed.recall(results, 6) >= 0.75
