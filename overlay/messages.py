@@ -55,6 +55,7 @@ __all__ = [
     "PeerExchange",
     "Probe",
     "Query",
+    "QueryAck",
     "QueryDown",
     "QueryPartial",
     "QueryResult",
@@ -70,8 +71,16 @@ __all__ = [
     "ZoneInfo",
     "ZoneInfoRequest",
     "ZoneMember",
+    "score_of",
     "wire_size",
 ]
+
+
+def score_of(beta: bytes) -> int:
+    """The VRF score used for ordering: the first 8 bytes of ``beta`` as a big-endian
+    integer (ordering by it equals ordering the full 64-byte output except on a 2**-64
+    prefix tie, which ``node_id`` then breaks)."""
+    return int.from_bytes(beta[:8], "big")
 
 
 # --------------------------------------------------------------------------- value types
@@ -114,8 +123,9 @@ class ClusterDescriptor:
     """``CD_j = (j, e_j, u_bar_j, R_j, |C_j|, zoneID)`` plus the level and epoch it lives in.
 
     ``replicas`` is the replica set ``R_j`` in succession order: ``replicas[0]`` is the
-    primary (lease holder), the next live one takes over. ``size`` counts the peers in the
-    cluster's subtree. ``version`` grows with every change the primary makes.
+    primary (lease holder), the next live one takes over; ``scores`` are the replicas' VRF
+    score prefixes (see :func:`score_of`), which order the successors. ``size`` counts the
+    peers in the cluster's subtree. ``version`` grows with every change the primary makes.
     """
 
     cluster_id: str
@@ -123,6 +133,7 @@ class ClusterDescriptor:
     exemplar: str
     prototype: Signature
     replicas: tuple[NodeRef, ...]
+    scores: tuple[int, ...]
     size: int
     zone_id: str
     epoch: int
@@ -135,6 +146,7 @@ class MemberEntry:
 
     ref: NodeRef
     signature: Signature | None
+    score: int
     round: int = 0
 
 
@@ -393,18 +405,35 @@ class QueryDown:
     k: int
     tau: float
     attempt: int
+    reply_to: NodeRef
+    budget: float
+
+
+@dataclass(frozen=True, slots=True)
+class QueryAck:
+    """An inner super-peer confirms a QUERY_DOWN at once, so its parent can fail over to
+    another replica after one round trip instead of after the child's whole budget."""
+
+    KIND: ClassVar[str] = "QUERY_ACK"
+    qid: str
+    cluster_id: str
+    attempt: int
 
 
 @dataclass(frozen=True, slots=True)
 class QueryPartial:
-    """A subtree's size-K candidate list (a max-heap merge, de-duplicated) going up."""
+    """A subtree's size-K candidate list (a max-heap merge, de-duplicated) going up.
+
+    ``frontier`` is the best similarity among prototypes the subtree scored but did not
+    expand (``-2.0`` when none), so the root knows whether relaxing ``tau`` can reach more.
+    """
 
     KIND: ClassVar[str] = "QUERY_PARTIAL"
     qid: str
     cluster_id: str
     attempt: int
     candidates: tuple[Candidate, ...]
-    passed: int
+    frontier: float
     stats: SearchStats
 
 
@@ -516,6 +545,7 @@ class JoinRequest:
     epoch: int
     joiner: NodeRef
     signature: Signature
+    ticket: VrfTicket | None
     target_level: int
     descending: bool
     cluster_id: str | None = None
@@ -561,6 +591,7 @@ Message = (
     | EpochAnnounce
     | Query
     | QueryDown
+    | QueryAck
     | QueryPartial
     | QueryResult
     | Heartbeat
@@ -595,6 +626,7 @@ MESSAGE_TYPES: dict[str, type[Any]] = {
         EpochAnnounce,
         Query,
         QueryDown,
+        QueryAck,
         QueryPartial,
         QueryResult,
         Heartbeat,
@@ -621,9 +653,9 @@ _FIELD_BYTES = 2
 
 
 def signature_wire_size(sig: Signature) -> int:
-    """Bytes of ``sig.to_bytes()`` without serialising: header plus 4-byte index and
-    2-byte fp16 value per non-zero (the paper's ``6 P`` bytes, Sec. 3.4)."""
-    return 16 + 6 * int(sig.p)
+    """``len(sig.to_bytes())`` without serialising: a 20-byte header, the space fingerprint,
+    then a 4-byte index and a 2-byte fp16 value per non-zero (the paper's ``6 P``)."""
+    return 20 + len(sig.space) + 6 * int(sig.p)
 
 
 def _value_size(value: object) -> int:
@@ -639,12 +671,12 @@ def _value_size(value: object) -> int:
         return _FIELD_BYTES + len(value)
     if isinstance(value, tuple):
         return _FIELD_BYTES + sum(_value_size(v) for v in value)
+    if hasattr(value, "indices") and hasattr(value, "space"):
+        return _FIELD_BYTES + signature_wire_size(value)  # type: ignore[arg-type]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _FIELD_BYTES + sum(
             _value_size(getattr(value, f.name)) for f in dataclasses.fields(value)
         )
-    if hasattr(value, "p") and hasattr(value, "indices"):
-        return _FIELD_BYTES + signature_wire_size(value)  # type: ignore[arg-type]
     raise TypeError(f"no wire size for {type(value).__name__}")
 
 
