@@ -8,8 +8,8 @@ with the same field names, and a field's Python annotation decides how it travel
 ============================  ===============================================================
 annotation                    wire form
 ============================  ===============================================================
-``str`` ``int`` ``bool``      the scalar (ints as unsigned protobuf integers: negative values
-                              cannot be encoded)
+``str`` ``int`` ``bool``      the scalar (ints as ``sint64``; VRF score prefixes, which need
+                              all 64 bits, as ``uint64``)
 ``float``                     ``double``; NaN and infinity are refused on decode
 ``bytes``                     ``bytes`` (at most :attr:`CodecLimits.max_bytes_field`)
 ``Signature``                 ``bytes`` in ``Signature.to_bytes()`` form, decoded with
@@ -102,6 +102,7 @@ _FLOAT_RANGES: Final[dict[str, tuple[float, float]]] = {
     "samples": (-1.0, 1.0),
     "tau": (-2.0, 2.0),
     "frontier": (-2.0, 1.0),
+    "budget": (0.0, 86400.0),
 }
 
 _DEFAULTS: Final = OverlayParams()

@@ -653,6 +653,19 @@ class OverlayHost:
     def _on_event(self, event: Event) -> None:
         if isinstance(event, QueryCompleted):
             self._m.observe_query(event)
+            self._log.info(
+                "overlay_query_completed",
+                qid=event.qid,
+                round=event.round,
+                complete=event.complete,
+                results=len(event.results),
+                latency_s=round(event.latency, 4),
+                tau=round(event.tau, 4),
+                prototypes=event.stats.prototypes,
+                members=event.stats.members,
+                visited=event.stats.visited,
+                failed_branches=event.stats.failed_branches,
+            )
             fut = self._queries.get(event.qid)
             if fut is not None and not fut.done():
                 fut.set_result(event)

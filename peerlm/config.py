@@ -219,8 +219,11 @@ class OverlayProtocolSettings(_Section):
     lease_duration: float | None = Field(default=None, gt=0)
     epoch_period: float | None = Field(default=None, gt=0)
     genesis_time: float | None = None
+    root_replication: int | None = Field(default=None, ge=1)
     query_timeout: float | None = Field(default=None, gt=0)
-    child_timeout: float | None = Field(default=None, gt=0)
+    search_budget: float | None = Field(default=None, gt=0, le=1)
+    member_timeout: float | None = Field(default=None, gt=0)
+    orphan_after: float | None = Field(default=None, gt=0)
     join_retry: float | None = Field(default=None, gt=0)
     max_signature_p: int | None = Field(default=None, ge=1)
     max_items_per_message: int | None = Field(default=None, ge=1)

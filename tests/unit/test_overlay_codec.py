@@ -245,10 +245,22 @@ def test_empty_message_is_refused() -> None:
     assert err.value.reason == "malformed"
 
 
-def test_negative_counts_cannot_be_encoded() -> None:
+def test_integers_keep_their_sign_and_scores_their_64_bits() -> None:
+    ack = m.QueryAck(qid="q", cluster_id="c", attempt=-1)
+    assert _roundtrip(ack) == ack
+    entry = dataclasses.replace(_instance(m.MemberEntry, none=False), score=2**64 - 1)
+    assert _roundtrip(m.ClusterState(1, entry_descriptor(), (), (entry,), None, 1)) is not None
     with pytest.raises(CodecError) as err:
-        codec.encode_message(m.Heartbeat(-1, "c"))
+        codec.encode_message(
+            m.ClusterState(
+                1, entry_descriptor(), (), (dataclasses.replace(entry, score=-1),), None, 1
+            )
+        )
     assert err.value.reason == "unencodable"
+
+
+def entry_descriptor() -> m.ClusterDescriptor:
+    return typing.cast(m.ClusterDescriptor, _instance(m.ClusterDescriptor, none=False))
 
 
 def test_batches_are_bounded_and_all_or_nothing() -> None:

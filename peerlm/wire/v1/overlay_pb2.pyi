@@ -11,6 +11,8 @@ Conventions of the mapping:
     indices, float16 values), never as a repeated float; its P is bounded by the node's
     `max_signature_p`, the message by the gRPC message limit;
   * `optional` marks a field the dataclass allows to be None;
+  * integers are sint64 (the core uses -1 as a sentinel in places and checks ranges
+    itself), except VRF score prefixes, which are unsigned 64-bit values;
   * ids are certificate names; the sender of a message is the peer that authenticated
     the connection, never a field. Fields that name the sender itself (PeerExchange.sender,
     Register.member) must equal it.
@@ -167,6 +169,7 @@ class OverlayMessage(_message.Message):
     JOIN_REQUEST_FIELD_NUMBER: _builtins.int
     JOIN_ACCEPT_FIELD_NUMBER: _builtins.int
     LEAVE_FIELD_NUMBER: _builtins.int
+    QUERY_ACK_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def peer_exchange(self) -> Global___OverlayPeerExchange: ...
     @_builtins.property
@@ -225,6 +228,8 @@ class OverlayMessage(_message.Message):
     def join_accept(self) -> Global___JoinAccept: ...
     @_builtins.property
     def leave(self) -> Global___Leave: ...
+    @_builtins.property
+    def query_ack(self) -> Global___QueryAck: ...
     def __init__(
         self,
         *,
@@ -257,12 +262,13 @@ class OverlayMessage(_message.Message):
         join_request: Global___JoinRequest | None = ...,
         join_accept: Global___JoinAccept | None = ...,
         leave: Global___Leave | None = ...,
+        query_ack: Global___QueryAck | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cluster_state", b"cluster_state", "descriptor_update", b"descriptor_update", "election_ticket", b"election_ticket", "epoch_announce", b"epoch_announce", "heartbeat", b"heartbeat", "heartbeat_ack", b"heartbeat_ack", "join_accept", b"join_accept", "join_request", b"join_request", "lease_ack", b"lease_ack", "lease_renew", b"lease_renew", "leave", b"leave", "member_assign", b"member_assign", "neighbor", b"neighbor", "parent_update", b"parent_update", "peer_exchange", b"peer_exchange", "probe", b"probe", "query", b"query", "query_down", b"query_down", "query_partial", b"query_partial", "query_result", b"query_result", "register", b"register", "resign", b"resign", "sig_probe", b"sig_probe", "sig_reply", b"sig_reply", "signature_update", b"signature_update", "split", b"split", "takeover", b"takeover", "zone_info", b"zone_info", "zone_info_request", b"zone_info_request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cluster_state", b"cluster_state", "descriptor_update", b"descriptor_update", "election_ticket", b"election_ticket", "epoch_announce", b"epoch_announce", "heartbeat", b"heartbeat", "heartbeat_ack", b"heartbeat_ack", "join_accept", b"join_accept", "join_request", b"join_request", "lease_ack", b"lease_ack", "lease_renew", b"lease_renew", "leave", b"leave", "member_assign", b"member_assign", "neighbor", b"neighbor", "parent_update", b"parent_update", "peer_exchange", b"peer_exchange", "probe", b"probe", "query", b"query", "query_ack", b"query_ack", "query_down", b"query_down", "query_partial", b"query_partial", "query_result", b"query_result", "register", b"register", "resign", b"resign", "sig_probe", b"sig_probe", "sig_reply", b"sig_reply", "signature_update", b"signature_update", "split", b"split", "takeover", b"takeover", "zone_info", b"zone_info", "zone_info_request", b"zone_info_request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cluster_state", b"cluster_state", "descriptor_update", b"descriptor_update", "election_ticket", b"election_ticket", "epoch_announce", b"epoch_announce", "heartbeat", b"heartbeat", "heartbeat_ack", b"heartbeat_ack", "join_accept", b"join_accept", "join_request", b"join_request", "lease_ack", b"lease_ack", "lease_renew", b"lease_renew", "leave", b"leave", "member_assign", b"member_assign", "neighbor", b"neighbor", "parent_update", b"parent_update", "peer_exchange", b"peer_exchange", "probe", b"probe", "query", b"query", "query_down", b"query_down", "query_partial", b"query_partial", "query_result", b"query_result", "register", b"register", "resign", b"resign", "sig_probe", b"sig_probe", "sig_reply", b"sig_reply", "signature_update", b"signature_update", "split", b"split", "takeover", b"takeover", "zone_info", b"zone_info", "zone_info_request", b"zone_info_request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cluster_state", b"cluster_state", "descriptor_update", b"descriptor_update", "election_ticket", b"election_ticket", "epoch_announce", b"epoch_announce", "heartbeat", b"heartbeat", "heartbeat_ack", b"heartbeat_ack", "join_accept", b"join_accept", "join_request", b"join_request", "lease_ack", b"lease_ack", "lease_renew", b"lease_renew", "leave", b"leave", "member_assign", b"member_assign", "neighbor", b"neighbor", "parent_update", b"parent_update", "peer_exchange", b"peer_exchange", "probe", b"probe", "query", b"query", "query_ack", b"query_ack", "query_down", b"query_down", "query_partial", b"query_partial", "query_result", b"query_result", "register", b"register", "resign", b"resign", "sig_probe", b"sig_probe", "sig_reply", b"sig_reply", "signature_update", b"signature_update", "split", b"split", "takeover", b"takeover", "zone_info", b"zone_info", "zone_info_request", b"zone_info_request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["peer_exchange", "election_ticket", "probe", "register", "neighbor", "split", "zone_info_request", "zone_info", "sig_probe", "sig_reply", "cluster_state", "member_assign", "parent_update", "descriptor_update", "epoch_announce", "query", "query_down", "query_partial", "query_result", "heartbeat", "heartbeat_ack", "lease_renew", "lease_ack", "takeover", "resign", "signature_update", "join_request", "join_accept", "leave"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["peer_exchange", "election_ticket", "probe", "register", "neighbor", "split", "zone_info_request", "zone_info", "sig_probe", "sig_reply", "cluster_state", "member_assign", "parent_update", "descriptor_update", "epoch_announce", "query", "query_down", "query_partial", "query_result", "heartbeat", "heartbeat_ack", "lease_renew", "lease_ack", "takeover", "resign", "signature_update", "join_request", "join_accept", "leave", "query_ack"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -367,6 +373,7 @@ class ClusterDescriptor(_message.Message):
     ZONE_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    SCORES_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.str
     level: _builtins.int
     exemplar: _builtins.str
@@ -378,6 +385,10 @@ class ClusterDescriptor(_message.Message):
     version: _builtins.int
     @_builtins.property
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeRef]: ...
+    @_builtins.property
+    def scores(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The replicas' VRF score prefixes (peerlm.overlay.messages.score_of), succession order."""
+
     def __init__(
         self,
         *,
@@ -390,10 +401,11 @@ class ClusterDescriptor(_message.Message):
         zone_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
         version: _builtins.int = ...,
+        scores: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "exemplar", b"exemplar", "level", b"level", "prototype", b"prototype", "replicas", b"replicas", "size", b"size", "version", b"version", "zone_id", b"zone_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "exemplar", b"exemplar", "level", b"level", "prototype", b"prototype", "replicas", b"replicas", "scores", b"scores", "size", b"size", "version", b"version", "zone_id", b"zone_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -406,8 +418,11 @@ class MemberEntry(_message.Message):
     REF_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
     signature: _builtins.bytes
     round: _builtins.int
+    score: _builtins.int
+    """The member's VRF score prefix."""
     @_builtins.property
     def ref(self) -> Global___NodeRef: ...
     def __init__(
@@ -416,10 +431,11 @@ class MemberEntry(_message.Message):
         ref: Global___NodeRef | None = ...,
         signature: _builtins.bytes | None = ...,
         round: _builtins.int = ...,
+        score: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_signature", b"_signature", "ref", b"ref", "signature", b"signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_signature", b"_signature", "ref", b"ref", "round", b"round", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_signature", b"_signature", "ref", b"ref", "round", b"round", "score", b"score", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__signature: _TypeAlias = _typing.Literal["signature"]  # noqa: Y015
     _WhichOneofArgType__signature: _TypeAlias = _typing.Literal["_signature", b"_signature"]  # noqa: Y015
@@ -1016,6 +1032,8 @@ class QueryDown(_message.Message):
     K_FIELD_NUMBER: _builtins.int
     TAU_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    REPLY_TO_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
     qid: _builtins.str
     epoch: _builtins.int
     cluster_id: _builtins.str
@@ -1024,6 +1042,12 @@ class QueryDown(_message.Message):
     k: _builtins.int
     tau: _builtins.float
     attempt: _builtins.int
+    budget: _builtins.float
+    """Seconds the subtree may spend before answering with what it has."""
+    @_builtins.property
+    def reply_to(self) -> Global___NodeRef:
+        """Where the partial result goes (the parent super-peer that sent it down)."""
+
     def __init__(
         self,
         *,
@@ -1035,14 +1059,41 @@ class QueryDown(_message.Message):
         k: _builtins.int = ...,
         tau: _builtins.float = ...,
         attempt: _builtins.int = ...,
+        reply_to: Global___NodeRef | None = ...,
+        budget: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reply_to", b"reply_to"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cluster_id", b"cluster_id", "epoch", b"epoch", "k", b"k", "qid", b"qid", "querier_id", b"querier_id", "signature", b"signature", "tau", b"tau"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "budget", b"budget", "cluster_id", b"cluster_id", "epoch", b"epoch", "k", b"k", "qid", b"qid", "querier_id", b"querier_id", "reply_to", b"reply_to", "signature", b"signature", "tau", b"tau"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___QueryDown: _TypeAlias = QueryDown  # noqa: Y015
+
+@_typing.final
+class QueryAck(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QID_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    qid: _builtins.str
+    cluster_id: _builtins.str
+    attempt: _builtins.int
+    def __init__(
+        self,
+        *,
+        qid: _builtins.str = ...,
+        cluster_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cluster_id", b"cluster_id", "qid", b"qid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueryAck: _TypeAlias = QueryAck  # noqa: Y015
 
 @_typing.final
 class QueryPartial(_message.Message):
@@ -1052,12 +1103,13 @@ class QueryPartial(_message.Message):
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
-    PASSED_FIELD_NUMBER: _builtins.int
+    FRONTIER_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     qid: _builtins.str
     cluster_id: _builtins.str
     attempt: _builtins.int
-    passed: _builtins.int
+    frontier: _builtins.float
+    """Best similarity the subtree scored but did not expand; -2 when none."""
     @_builtins.property
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___Candidate]: ...
     @_builtins.property
@@ -1069,12 +1121,12 @@ class QueryPartial(_message.Message):
         cluster_id: _builtins.str = ...,
         attempt: _builtins.int = ...,
         candidates: _abc.Iterable[Global___Candidate] | None = ...,
-        passed: _builtins.int = ...,
+        frontier: _builtins.float = ...,
         stats: Global___SearchStats | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "candidates", b"candidates", "cluster_id", b"cluster_id", "passed", b"passed", "qid", b"qid", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "candidates", b"candidates", "cluster_id", b"cluster_id", "frontier", b"frontier", "qid", b"qid", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1324,6 +1376,7 @@ class JoinRequest(_message.Message):
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     ITEM_FIELD_NUMBER: _builtins.int
     HOPS_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     signature: _builtins.bytes
     target_level: _builtins.int
@@ -1334,6 +1387,8 @@ class JoinRequest(_message.Message):
     def joiner(self) -> Global___NodeRef: ...
     @_builtins.property
     def item(self) -> Global___ClusterDescriptor: ...
+    @_builtins.property
+    def ticket(self) -> Global___VrfTicket: ...
     def __init__(
         self,
         *,
@@ -1345,10 +1400,11 @@ class JoinRequest(_message.Message):
         cluster_id: _builtins.str | None = ...,
         item: Global___ClusterDescriptor | None = ...,
         hops: _builtins.int = ...,
+        ticket: Global___VrfTicket | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cluster_id", b"_cluster_id", "cluster_id", b"cluster_id", "item", b"item", "joiner", b"joiner"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cluster_id", b"_cluster_id", "cluster_id", b"cluster_id", "item", b"item", "joiner", b"joiner", "ticket", b"ticket"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cluster_id", b"_cluster_id", "cluster_id", b"cluster_id", "descending", b"descending", "epoch", b"epoch", "hops", b"hops", "item", b"item", "joiner", b"joiner", "signature", b"signature", "target_level", b"target_level"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cluster_id", b"_cluster_id", "cluster_id", b"cluster_id", "descending", b"descending", "epoch", b"epoch", "hops", b"hops", "item", b"item", "joiner", b"joiner", "signature", b"signature", "target_level", b"target_level", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cluster_id: _TypeAlias = _typing.Literal["cluster_id"]  # noqa: Y015
     _WhichOneofArgType__cluster_id: _TypeAlias = _typing.Literal["_cluster_id", b"_cluster_id"]  # noqa: Y015

@@ -11,6 +11,8 @@ Conventions of the mapping:
     indices, float16 values), never as a repeated float; its P is bounded by the node's
     `max_signature_p`, the message by the gRPC message limit;
   * `optional` marks a field the dataclass allows to be None;
+  * integers are sint64 (the core uses -1 as a sentinel in places and checks ranges
+    itself), except VRF score prefixes, which are unsigned 64-bit values;
   * ids are certificate names; the sender of a message is the peer that authenticated
     the connection, never a field. Fields that name the sender itself (PeerExchange.sender,
     Register.member) must equal it.
