@@ -14,6 +14,8 @@ import contextlib
 import hashlib
 import os
 import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +37,11 @@ from peerlm.overlay.transport import (
     OverlayHost,
     PeerPool,
 )
+from prometheus_client import CollectorRegistry
 
 from peerlm.config import OverlaySettings, parse_host_port
 from peerlm.logs import configure_logging
-from peerlm.metrics import new_registry, serve_metrics
+from peerlm.metrics import MetricsEndpoint, new_registry, serve_metrics
 from peerlm.pki.identity import (
     PeerIdentity,
     Role,
@@ -72,7 +75,14 @@ from peerlm.security.mode import (
 )
 from peerlm.wire.v1 import overlay_pb2, overlay_pb2_grpc
 
-__all__ = ["load_signature", "parse_bootstrap", "run_overlay", "serve_overlay"]
+__all__ = [
+    "OverlayRuntime",
+    "delivery_policy",
+    "load_signature",
+    "parse_bootstrap",
+    "run_overlay",
+    "serve_overlay",
+]
 
 
 def load_signature(path: Path, max_p: int) -> Signature:
@@ -210,88 +220,200 @@ async def _resolve_bootstrap(
     return refs
 
 
-async def serve_overlay(
-    settings: OverlaySettings,
-    stop: asyncio.Event,
-    *,
-    port_file: Path | None = None,
-    log: Any,
-) -> None:
-    """Run one overlay node until ``stop`` is set, then leave gracefully and shut down."""
-    host, _ = parse_host_port(settings.listen)
-    tls = tls_files_from_settings(settings.tls)
-    mode = resolve_security(
-        insecure_dev=settings.insecure_dev,
-        listen_host=host,
-        tls=tls,
-        component="overlay",
-        logger=log,
-    )
-    identity = _own_identity(settings, tls)
-    secret = _vrf_secret(settings, identity, tls)
-    params = _params(settings)
-    signature = (
-        load_signature(settings.signature_file, params.max_signature_p)
-        if settings.signature_file is not None
-        else None
-    )
-    registry = new_registry()
-    metrics = OverlayMetrics(registry)
-    tls_failures = TlsFailureCounter(registry, "overlay")
-    server = create_server(
-        settings.limits,
-        [
-            MetricsInterceptor(registry, "overlay"),
-            AuthInterceptor(
-                OVERLAY_POLICY,
-                federation=settings.federation,
-                mode=mode,
-                registry=registry,
-                component="overlay",
-            ),
-        ],
-    )
-    bound = bind_server(server, settings.listen, mode, tls)
-    address = _advertised(settings, host, bound)
+@dataclass
+class OverlayRuntime:
+    """Everything one overlay node process runs: server, node host, keys, metrics.
 
-    keys: KeyDirectory | None = None
-    credentials: grpc.ChannelCredentials | None = None
-    metadata: tuple[tuple[str, str], ...] = ()
-    if mode is SecurityMode.MTLS:
-        assert tls is not None
-        bundle = tls.load()
-        ca = x509.load_pem_x509_certificate(bundle.ca_cert)
-        own_der = bundle.certificate.public_bytes(Encoding.DER)
-        assert identity.vrf_public_key is not None
-        keys = KeyDirectory(
-            federation=settings.federation,
-            ca_certificate=ca,
-            own=(identity.name, identity.vrf_public_key, own_der),
-            capacity=settings.key_cache,
+    :meth:`create` builds and starts it (the server is bound and serving calls, the host's
+    timer runs, nothing is joined yet); :meth:`enter` joins through the bootstrap nodes and
+    publishes the signature; :meth:`close` leaves gracefully and stops. The process main
+    and in-process tests use the same steps.
+    """
+
+    settings: OverlaySettings
+    log: Any
+    host: OverlayHost
+    server: grpc.aio.Server
+    health: Any
+    registry: CollectorRegistry
+    metrics: OverlayMetrics
+    keys: KeyDirectory | None
+    mode: SecurityMode
+    port: int
+    dial: Callable[[str], grpc.aio.Channel]
+    metadata: tuple[tuple[str, str], ...]
+    signature: Signature | None
+    endpoint: MetricsEndpoint | None = None
+    bootstrap: list[NodeRef] = field(default_factory=list)
+
+    @classmethod
+    async def create(cls, settings: OverlaySettings, log: Any) -> OverlayRuntime:
+        """Check the configuration and keys, bind and start the server and the host."""
+        listen_host, _ = parse_host_port(settings.listen)
+        tls = tls_files_from_settings(settings.tls)
+        mode = resolve_security(
+            insecure_dev=settings.insecure_dev,
+            listen_host=listen_host,
+            tls=tls,
+            component="overlay",
+            logger=log,
         )
-        credentials = channel_credentials(tls)
-    else:
-        # No certificates, so no certified keys: the core trusts the key in each ticket.
-        log.warning("overlay_vrf_keys_unverified", reason="insecure-dev has no certificates")
-        metadata = ((DEV_IDENTITY_METADATA_KEY, identity.spiffe_uri),)
+        identity = _own_identity(settings, tls)
+        secret = _vrf_secret(settings, identity, tls)
+        params = _params(settings)
+        signature = (
+            load_signature(settings.signature_file, params.max_signature_p)
+            if settings.signature_file is not None
+            else None
+        )
+        registry = new_registry()
+        metrics = OverlayMetrics(registry)
+        server = create_server(
+            settings.limits,
+            [
+                MetricsInterceptor(registry, "overlay"),
+                AuthInterceptor(
+                    OVERLAY_POLICY,
+                    federation=settings.federation,
+                    mode=mode,
+                    registry=registry,
+                    component="overlay",
+                ),
+            ],
+        )
+        port = bind_server(server, settings.listen, mode, tls)
+        address = _advertised(settings, listen_host, port)
 
-    def dial(target: str) -> grpc.aio.Channel:
-        if credentials is None and not is_loopback_target(target):
-            raise SecurityConfigError(f"insecure-dev may only dial loopback targets, not {target}")
-        return create_channel(target, settings.limits, credentials)
+        keys: KeyDirectory | None = None
+        credentials: grpc.ChannelCredentials | None = None
+        metadata: tuple[tuple[str, str], ...] = ()
+        if mode is SecurityMode.MTLS:
+            assert tls is not None and identity.vrf_public_key is not None
+            bundle = tls.load()
+            keys = KeyDirectory(
+                federation=settings.federation,
+                ca_certificate=x509.load_pem_x509_certificate(bundle.ca_cert),
+                own=(
+                    identity.name,
+                    identity.vrf_public_key,
+                    bundle.certificate.public_bytes(Encoding.DER),
+                ),
+                capacity=settings.key_cache,
+            )
+            credentials = channel_credentials(tls)
+        else:
+            # No certificates, so no certified keys: the core trusts the key in each ticket.
+            log.warning("overlay_vrf_keys_unverified", reason="insecure-dev has no certificates")
+            metadata = ((DEV_IDENTITY_METADATA_KEY, identity.spiffe_uri),)
 
-    seed = settings.seed
-    if seed is None:
-        seed = int.from_bytes(hashlib.sha256(identity.name.encode()).digest()[:8], "big")
-    node = OverlayNode(
-        identity.name,
-        address,
-        params,
-        secret,
-        rng=seed,
-        key_resolver=keys.resolve if keys is not None else None,
-    )
-    policy = DeliveryPolicy(
+        def dial(target: str) -> grpc.aio.Channel:
+            if credentials is None and not is_loopback_target(target):
+                raise SecurityConfigError(
+                    f"insecure-dev may only dial loopback targets, not {target}"
+                )
+            return create_channel(target, settings.limits, credentials)
+
+        seed = settings.seed
+        if seed is None:
+            seed = int.from_bytes(hashlib.sha256(identity.name.encode()).digest()[:8], "big")
+        node = OverlayNode(
+            identity.name,
+            address,
+            params,
+            secret,
+            rng=seed,
+            key_resolver=keys.resolve if keys is not None else None,
+        )
+        pool = PeerPool(
+            identity.name,
+            dial,
+            delivery_policy(settings),
+            metrics,
+            log,
+            certificate_for=keys.certificate if keys is not None else None,
+            metadata=metadata,
+            tls_failures=TlsFailureCounter(registry, "overlay"),
+        )
+        host = OverlayHost(
+            node,
+            pool,
+            metrics,
+            log,
+            clock=OverlayClock(),
+            event_queue_depth=settings.event_queue_depth,
+            metrics_interval_s=settings.metrics_interval_s,
+        )
+        limits = CodecLimits.from_params(params, max_batch=settings.max_receive_batch)
+        service = OverlayService(host, keys, limits, metrics, log)
+        overlay_pb2_grpc.add_OverlayServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+        health = add_health_and_reflection(server, [SERVICE_NAME])
+        endpoint = None
+        if settings.metrics_port is not None:
+            endpoint = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
+        await server.start()
+        await host.start()
+        return cls(
+            settings=settings,
+            log=log,
+            host=host,
+            server=server,
+            health=health,
+            registry=registry,
+            metrics=metrics,
+            keys=keys,
+            mode=mode,
+            port=port,
+            dial=dial,
+            metadata=metadata,
+            signature=signature,
+            endpoint=endpoint,
+        )
+
+    async def enter(self, stop: asyncio.Event) -> None:
+        """Join through the bootstrap nodes, publish the signature, report SERVING."""
+        settings = self.settings
+        self.bootstrap = await _resolve_bootstrap(
+            parse_bootstrap(settings.bootstrap),
+            self.dial,
+            self.metadata,
+            settings.bootstrap_retry_s,
+            stop,
+            self.log,
+        )
+        # join first: a node that starts mid-epoch enters through the tree only on its
+        # first call into the core.
+        self.host.join(self.bootstrap)
+        if self.signature is not None:
+            self.host.set_signature(self.signature)
+        await set_serving(self.health, [SERVICE_NAME], True)
+        params = self.host.node.params
+        self.log.info(
+            "overlay_started",
+            listen=settings.listen.rsplit(":", 1)[0] + f":{self.port}",
+            address=self.host.address,
+            security_mode=self.mode.value,
+            bootstrap=[f"{r.node_id}@{r.address}" for r in self.bootstrap],
+            has_signature=self.signature is not None,
+            metrics_port=self.endpoint.port if self.endpoint else None,
+            epoch_period=params.epoch_period,
+            genesis_time=params.genesis_time,
+            next_epoch=max(0, params.epoch_of(self.host.now()) + 1),
+        )
+
+    async def close(self) -> None:
+        """Leave gracefully, then stop the server and the metrics endpoint."""
+        self.log.info("overlay_stopping")
+        await set_serving(self.health, [SERVICE_NAME], False)
+        await self.host.stop(self.settings.leave_grace_s)
+        await self.server.stop(self.settings.limits.shutdown_grace_s)
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self.log.info("overlay_stopped")
+
+
+def delivery_policy(settings: OverlaySettings) -> DeliveryPolicy:
+    """The delivery bounds of ``settings`` (a batch stays below the gRPC message limit)."""
+    return DeliveryPolicy(
         max_peers=settings.max_peers,
         queue_depth=settings.send_queue_depth,
         max_batch=settings.max_batch,
@@ -301,72 +423,24 @@ async def serve_overlay(
         backoff_s=settings.retry_backoff_s,
         max_age_s=settings.send_max_age_s,
     )
-    pool = PeerPool(
-        identity.name,
-        dial,
-        policy,
-        metrics,
-        log,
-        certificate_for=keys.certificate if keys is not None else None,
-        metadata=metadata,
-        tls_failures=tls_failures,
-    )
-    overlay = OverlayHost(
-        node,
-        pool,
-        metrics,
-        log,
-        clock=OverlayClock(),
-        event_queue_depth=settings.event_queue_depth,
-        metrics_interval_s=settings.metrics_interval_s,
-    )
-    limits = CodecLimits.from_params(params, max_batch=settings.max_receive_batch)
-    service = OverlayService(overlay, keys, limits, metrics, log)
-    overlay_pb2_grpc.add_OverlayServicer_to_server(service, server)  # type: ignore[no-untyped-call]
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    endpoint = None
-    if settings.metrics_port is not None:
-        endpoint = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
-    await server.start()
-    await overlay.start()
+
+
+async def serve_overlay(
+    settings: OverlaySettings,
+    stop: asyncio.Event,
+    *,
+    port_file: Path | None = None,
+    log: Any,
+) -> None:
+    """Run one overlay node until ``stop`` is set, then leave gracefully and shut down."""
+    runtime = await OverlayRuntime.create(settings, log)
     try:
-        bootstrap = await _resolve_bootstrap(
-            parse_bootstrap(settings.bootstrap),
-            dial,
-            metadata,
-            settings.bootstrap_retry_s,
-            stop,
-            log,
-        )
-        # join first: a node that starts mid-epoch enters through the tree only on its
-        # first call into the core.
-        overlay.join(bootstrap)
-        if signature is not None:
-            overlay.set_signature(signature)
-        await set_serving(health, [SERVICE_NAME], True)
+        await runtime.enter(stop)
         if port_file is not None:
-            _write_port_file(port_file, bound)
-        log.info(
-            "overlay_started",
-            listen=f"{host}:{bound}",
-            address=address,
-            security_mode=mode.value,
-            bootstrap=[f"{r.node_id}@{r.address}" for r in bootstrap],
-            has_signature=signature is not None,
-            metrics_port=endpoint.port if endpoint else None,
-            epoch_period=params.epoch_period,
-            genesis_time=params.genesis_time,
-            next_epoch=max(0, params.epoch_of(overlay.now()) + 1),
-        )
+            _write_port_file(port_file, runtime.port)
         await stop.wait()
     finally:
-        log.info("overlay_stopping")
-        await set_serving(health, [SERVICE_NAME], False)
-        await overlay.stop(settings.leave_grace_s)
-        await server.stop(settings.limits.shutdown_grace_s)
-        if endpoint is not None:
-            endpoint.close()
-        log.info("overlay_stopped")
+        await runtime.close()
 
 
 def _identity_label(settings: OverlaySettings) -> str:
