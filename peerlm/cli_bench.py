@@ -1,8 +1,9 @@
 """``peerlm bench ...``: benchmarks (typer sub-app; mounted by :mod:`peerlm.cli`).
 
 ``peerlm bench cpm`` runs the CPM matchmaking benchmark on the synthetic federation
-(:mod:`peerlm.services.cpm.bench`): progress on stderr, rich tables (or one JSON object with
-``--json``) on stdout, optional PNG plots with ``--plots DIR``.
+(:mod:`peerlm.services.cpm.bench`); ``peerlm bench overlay`` the semantic overlay in the
+simulator (:mod:`peerlm.overlay.bench`). Both: progress on stderr, rich tables (or one JSON
+object with ``--json``) on stdout, optional PNG plots with ``--plots DIR``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["app", "cpm_command", "parse_sizes"]
+__all__ = ["app", "cpm_command", "overlay_command", "parse_sizes"]
 
 app = typer.Typer(help="Benchmarks.", no_args_is_help=True, add_completion=False)
 
@@ -97,5 +98,75 @@ def cpm_command(
         err.print(f"wrote {len(written)} plot(s) to {plots}")
     if as_json:
         typer.echo(json.dumps(report))
+    else:
+        render_report(report, Console())
+
+
+@app.command("overlay")
+def overlay_command(
+    peers: Annotated[
+        str, typer.Option(help="Network sizes N, comma-separated (e.g. 100,400,1000).")
+    ] = "1000",
+    k: Annotated[str, typer.Option("--k", help="K: absolute (25) or a share of N (10%).")] = "10%",
+    zone_cap: Annotated[
+        str, typer.Option(help="S_Z: absolute (20) or a share of N (the paper's 5%).")
+    ] = "5%",
+    churn: Annotated[
+        float, typer.Option(min=0.0, max=0.9, help="Share of peers replaced per round.")
+    ] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of population, network and keys.")] = 0,
+    rounds: Annotated[int, typer.Option(min=1, help="Query rounds per size.")] = 3,
+    queries: Annotated[
+        int | None, typer.Option(min=1, help="Queriers per round (default: every peer).")
+    ] = None,
+    no_hnsw: Annotated[
+        bool, typer.Option("--no-hnsw", help="Skip the centralised HNSW reference.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+    plots: Annotated[
+        Path | None, typer.Option(help="Write PNG plots (recall, comparisons, build) to DIR.")
+    ] = None,
+) -> None:
+    """Semantic overlay (SemanticDFL) in the simulator: Recall@K vs exact and HNSW, cost."""
+    from peerlm.overlay.bench import BenchConfig, parse_k, render_report, run_benchmark, write_plots
+
+    sizes = parse_sizes(peers)
+    for value, hint in ((k, "--k"), (zone_cap, "--zone-cap")):
+        try:
+            parse_k(value)
+        except ValueError as bad:
+            raise typer.BadParameter(str(bad), param_hint=hint) from None
+    cfg = BenchConfig(
+        peers=sizes,
+        k=k,
+        zone_cap=zone_cap,
+        churn=churn,
+        seed=seed,
+        rounds=rounds,
+        queries=queries,
+        hnsw=not no_hnsw,
+    )
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]bench overlay[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("starting", total=None)
+
+        def on_progress(label: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, description=label)
+
+        report = run_benchmark(cfg, on_progress)
+    if plots is not None:
+        written = write_plots(report, plots)
+        report["plots"] = [str(p) for p in written]
+        err.print(f"wrote {len(written)} plot(s) to {plots}")
+    if as_json:
+        typer.echo(json.dumps(report, default=str, allow_nan=False))
     else:
         render_report(report, Console())

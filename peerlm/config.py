@@ -16,12 +16,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
+from peerlm.pki.identity import validate_name
+
 __all__ = [
     "AgentSettings",
     "ConfigError",
     "CpmSettings",
     "GrpcLimits",
     "LogFormat",
+    "OverlayProtocolSettings",
+    "OverlaySettings",
     "ServiceSettings",
     "TlsSettings",
     "load_settings",
@@ -204,6 +208,95 @@ class AgentSettings(ServiceSettings):
     def _target_is_host_port(cls, v: str | None) -> str | None:
         if v is not None:
             parse_host_port(v)
+        return v
+
+
+class OverlayProtocolSettings(_Section):
+    """Overrides of the overlay protocol parameters (``peerlm.overlay.params.OverlayParams``).
+
+    ``None`` keeps the parameter's default. They must agree across every node of an overlay
+    (the epoch schedule and the limits are network-wide); see docs/overlay.md.
+    """
+
+    zone_cap: int | None = Field(default=None, ge=2)
+    ttl_radius: int | None = Field(default=None, ge=1)
+    hop_time: float | None = Field(default=None, gt=0)
+    max_neighbours: int | None = Field(default=None, ge=1)
+    replication: int | None = Field(default=None, ge=1)
+    max_children: int | None = Field(default=None, ge=2)
+    beam: int | None = Field(default=None, ge=1)
+    heartbeat_interval: float | None = Field(default=None, gt=0)
+    lease_duration: float | None = Field(default=None, gt=0)
+    epoch_period: float | None = Field(default=None, gt=0)
+    genesis_time: float | None = None
+    root_replication: int | None = Field(default=None, ge=1)
+    query_timeout: float | None = Field(default=None, gt=0)
+    search_budget: float | None = Field(default=None, gt=0, le=1)
+    member_timeout: float | None = Field(default=None, gt=0)
+    orphan_after: float | None = Field(default=None, gt=0)
+    join_retry: float | None = Field(default=None, gt=0)
+    max_signature_p: int | None = Field(default=None, ge=1)
+    max_items_per_message: int | None = Field(default=None, ge=1)
+    max_k: int | None = Field(default=None, ge=1)
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields that are set, as ``OverlayParams`` keyword arguments."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class OverlaySettings(ServiceSettings):
+    """A dedicated overlay node (``peerlm overlay-node``). ``listen`` serves the overlay."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", env_prefix="PEERLM_OVERLAY_", env_nested_delimiter="__"
+    )
+
+    listen: str = "127.0.0.1:50071"
+    advertise: str | None = None
+    name: str | None = None
+    bootstrap: tuple[str, ...] = ()
+    vrf_key: Path | None = None
+    signature_file: Path | None = None
+    seed: int | None = None
+    protocol: OverlayProtocolSettings = OverlayProtocolSettings()
+    # Delivery to other nodes (peerlm.overlay.transport.DeliveryPolicy).
+    max_peers: int = Field(default=256, ge=1, le=65536)
+    send_queue_depth: int = Field(default=1024, ge=1)
+    max_batch: int = Field(default=64, ge=1, le=4096)
+    deliver_timeout_s: float = Field(default=2.0, gt=0)
+    deliver_retries: int = Field(default=3, ge=0, le=20)
+    retry_backoff_s: float = Field(default=0.05, gt=0)
+    send_max_age_s: float = Field(default=5.0, gt=0)
+    # Incoming bounds and bookkeeping.
+    max_receive_batch: int = Field(default=256, ge=1, le=65536)
+    key_cache: int = Field(default=4096, ge=16)
+    event_queue_depth: int = Field(default=1024, ge=1)
+    metrics_interval_s: float = Field(default=1.0, gt=0)
+    bootstrap_retry_s: float = Field(default=1.0, gt=0)
+    leave_grace_s: float = Field(default=2.0, ge=0)
+
+    @field_validator("advertise")
+    @classmethod
+    def _advertise_is_host_port(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_host_port(v)
+        return v
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _bootstrap_entries(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in v:
+            name, _, target = entry.rpartition("@")
+            if name:
+                validate_name(name)
+            parse_host_port(target)
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_certificate_name(cls, v: str | None) -> str | None:
+        if v is not None:
+            validate_name(v)
         return v
 
 
