@@ -136,6 +136,13 @@ def _certs_script(plan: ComposePlan) -> str:
         '  chmod 0644 "$kit/ca.crt" "$kit/$name.crt"',
         '  chmod 0600 "$kit/$name.key"',
         '  chown "$owner" "$kit/ca.crt" "$kit/$name.crt" "$kit/$name.key"',
+        # Agent and overlay certificates certify an overlay (VRF) key; it travels with them.
+        '  if [ -f "$ca/$name.vrf.key" ]; then',
+        '    rm -f "$kit/$name.vrf.key"',
+        '    cp "$ca/$name.vrf.key" "$kit/"',
+        '    chmod 0600 "$kit/$name.vrf.key"',
+        '    chown "$owner" "$kit/$name.vrf.key"',
+        "  fi",
         "}",
         *(f"kit {role} {name} {KITS}/{name}" for role, name in members),
         'echo "certificates ready"',
@@ -244,6 +251,13 @@ def compose_document(plan: ComposePlan) -> dict[str, Any]:
                 "PEERLM_OVERLAY_FEDERATION": plan.federation,
                 "PEERLM_OVERLAY_TLS__CERT": f"{PKI}/{name}.crt",
                 "PEERLM_OVERLAY_TLS__KEY": f"{PKI}/{name}.key",
+                # Listening on 0.0.0.0: peers must be told the name compose resolves.
+                "PEERLM_OVERLAY_ADVERTISE": f"{name}:{OVERLAY_PORT}",
+                **(
+                    {"PEERLM_OVERLAY_BOOTSTRAP": f'["{plan.overlay_names[0]}:{OVERLAY_PORT}"]'}
+                    if name != plan.overlay_names[0]
+                    else {}
+                ),
             },
             volumes=[
                 f"{_kit_volume(name)}:{PKI}:ro",

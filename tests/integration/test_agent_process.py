@@ -113,8 +113,16 @@ def test_agent_resumes_at_the_saved_round_after_sigkill(world: World) -> None:
     log = world.tmp / "resume" / "a0.log"
     proc = _start(config, log)
     checkpoints = state / "checkpoints"
+    # The checkpoint is written before the round's "round_done" line: wait for both, so the
+    # kill cannot land between them.
     _wait_for(
-        lambda: any(checkpoints.glob("round-000001")) or proc.poll() is not None,
+        lambda: (
+            (
+                any(checkpoints.glob("round-000001"))
+                and any(e.get("event") == "round_done" for e in _events(log))
+            )
+            or proc.poll() is not None
+        ),
         240,
         "first checkpoint",
     )

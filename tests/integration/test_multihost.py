@@ -293,7 +293,8 @@ def test_compose_services_across_network_namespaces(network: Network, tmp_path: 
     assert (volumes / "ca" / "ca.crt").read_bytes() == ca, "a rerun of certs replaced the CA"
     for name in ("cpm", *AGENTS):
         kit = sorted(p.name for p in (volumes / f"kit-{name}").iterdir())
-        assert kit == sorted(["ca.crt", f"{name}.crt", f"{name}.key"]), kit
+        vrf = [f"{name}.vrf.key"] if name != "cpm" else []  # the certified overlay key
+        assert kit == sorted(["ca.crt", f"{name}.crt", f"{name}.key", *vrf]), kit
     models = services["models"]
     words = list(models.spec["command"])
     words[words.index("--size") + 1] = "micro"

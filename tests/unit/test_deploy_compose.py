@@ -213,9 +213,11 @@ def test_certs_step_is_idempotent_and_hands_out_only_own_keys(tmp_path: Path) ->
     assert (tmp_path / "ca" / "ca.key").read_bytes() == ca
     assert (tmp_path / "kits" / "agent-1" / "agent-1.crt").read_bytes() == agent_cert
     kit = tmp_path / "kits" / "agent-1"
-    assert sorted(p.name for p in kit.iterdir()) == ["agent-1.crt", "agent-1.key", "ca.crt"]
-    key = kit / "agent-1.key"
-    assert key.stat().st_mode & 0o777 == 0o600 and key.stat().st_uid == 10001
+    assert sorted(p.name for p in kit.iterdir()) == [
+        "agent-1.crt", "agent-1.key", "agent-1.vrf.key", "ca.crt"
+    ]  # fmt: skip
+    for key in (kit / "agent-1.key", kit / "agent-1.vrf.key"):
+        assert key.stat().st_mode & 0o777 == 0o600 and key.stat().st_uid == 10001
     info = inspect_certificate(kit / "agent-1.crt")
     assert info.identity is not None and info.identity.spiffe_uri == "spiffe://peerlm/agent/agent-1"
     assert {"agent-1", "localhost", "127.0.0.1"} <= {re.sub(r"^\w+:", "", s) for s in info.sans}
