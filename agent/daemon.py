@@ -85,6 +85,12 @@ class AgentSummary:
     packages_by_mode: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
     errors: list[str] = field(default_factory=list)
+    # SemanticDFL (overlay.enabled): distinct neighbours found by searches, adapters
+    # integrated, pull refusals by reason, step outcomes by name.
+    overlay_neighbours: list[str] = field(default_factory=list)
+    adapters_pulled: int = 0
+    overlay_refusals: dict[str, int] = field(default_factory=dict)
+    overlay_steps: dict[str, int] = field(default_factory=dict)
 
 
 class AgentDaemon:
@@ -100,6 +106,7 @@ class AgentDaemon:
         self._grace: asyncio.TimerHandle | None = None
         self._prebuild: asyncio.Task[list[str]] | None = None
         self._last_taught: str | None = None
+        self.overlay: Any = None  # AgentOverlay when overlay.enabled
 
     # ------------------------------------------------------------------ set-up
 
@@ -211,16 +218,34 @@ class AgentDaemon:
             registry=self.registry,
             log=self.log,
         )
-        self.server, self.port = await serve_peer(
-            service,
-            listen=s.listen,
-            tls=self.tls,
-            limits=s.limits,
-            registry=self.registry,
-            federation=s.federation,
-            mode=self.mode,
-            log=self.log,
-        )
+        if s.overlay.enabled:
+            from peerlm.agent.overlay_node import serve_agent
+            from peerlm.overlay.signature import ImportanceTracker
+
+            self.importance = ImportanceTracker(s.overlay.importance_beta)
+            saved_importance = self.state.get("importance")
+            if isinstance(saved_importance, dict):
+                self.importance.load_state_dict(saved_importance)
+            self.server, self.port, self.overlay = await serve_agent(
+                service,
+                settings=s,
+                identity=self.identity,
+                tls=self.tls,
+                mode=self.mode,
+                registry=self.registry,
+                log=self.log,
+            )
+        else:
+            self.server, self.port = await serve_peer(
+                service,
+                listen=s.listen,
+                tls=self.tls,
+                limits=s.limits,
+                registry=self.registry,
+                federation=s.federation,
+                mode=self.mode,
+                log=self.log,
+            )
         self.endpoint = s.advertise or f"{host}:{self.port}"
         self.metrics_endpoint = (
             serve_metrics(self.registry, s.metrics_host, s.metrics_port)
@@ -467,6 +492,9 @@ class AgentDaemon:
             self.summary.as_teacher += 1
             self._last_taught = directive.directive_id
             self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
+        if self.overlay is not None and not self._abort.is_set():
+            await self._overlay_step(t)
+            lap("overlay")
         if directive is not None:
             self.state["processed"] = [*self.state["processed"][-255:], directive.directive_id]
         if not math.isnan(pass1):
@@ -481,6 +509,45 @@ class AgentDaemon:
         lap("checkpoint")
         self.telemetry.rounds.inc()
         self.log.info("round_done", round=t, seconds=round(time.monotonic() - started, 2))
+
+    async def _overlay_step(self, t: int) -> None:
+        """SemanticDFL pull and personalised aggregation (:mod:`peerlm.agent.overlay_step`);
+        its failures are counted in the summary and never end the round."""
+        from peerlm.agent.overlay_step import overlay_round_step
+
+        if not await self.overlay.join(self._stop):
+            self._count_overlay("not_joined", None)
+            self.log.warning("overlay_step", round=t, outcome="not_joined")
+            return
+        result = await overlay_round_step(
+            self.overlay.host,
+            self.host,
+            self.importance,
+            settings=self.s.overlay,
+            round_=t,
+            round_timeout_s=self.s.round_timeout_s,
+            creds=self.creds,
+            limits=self.s.limits,
+            registry=self.registry,
+            run_model=self._model,
+            log=self.log,
+        )
+        self._count_overlay(result.outcome, result)
+        self.state["importance"] = _importance_state(self.importance)
+
+    def _count_overlay(self, outcome: str, result: Any) -> None:
+        steps = self.summary.overlay_steps
+        steps[outcome] = steps.get(outcome, 0) + 1
+        if result is None:
+            return
+        for peer in result.neighbours:
+            if peer not in self.summary.overlay_neighbours:
+                self.summary.overlay_neighbours.append(peer)
+        self.summary.adapters_pulled += len(result.pulled)
+        self.summary.bytes_received += result.bytes_received
+        for reason in result.refused.values():
+            refusals = self.summary.overlay_refusals
+            refusals[reason] = refusals.get(reason, 0) + 1
 
     async def _submit_profile(self, t: int, features: list[float]) -> bool:
         """Submit this round's profile; False if the CPM cannot be reached right now.
@@ -653,6 +720,9 @@ class AgentDaemon:
         if self._grace is not None:
             self._grace.cancel()
         await self.cpm.close()
+        if self.overlay is not None:
+            # Leave gracefully while the server still answers the neighbours' handover.
+            await self.overlay.close()
         await self.server.stop(self.s.limits.shutdown_grace_s)
         # A fetch that started during the linger finishes inside the graceful stop; count
         # its bytes too, so the summary's sent and the students' received agree.
@@ -660,6 +730,14 @@ class AgentDaemon:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self._worker.shutdown(wait=True)
+
+
+def _importance_state(tracker: Any) -> dict[str, Any]:
+    """The importance EMA as JSON for the round checkpoint (scores as a float list)."""
+    state: dict[str, Any] = tracker.state_dict()
+    scores = state["scores"]
+    state["scores"] = None if scores is None else [float(x) for x in scores]
+    return state
 
 
 def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
