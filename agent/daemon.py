@@ -91,6 +91,7 @@ class AgentSummary:
     adapters_pulled: int = 0
     overlay_refusals: dict[str, int] = field(default_factory=dict)
     overlay_steps: dict[str, int] = field(default_factory=dict)
+    overlay_bytes_received: int = 0
 
 
 class AgentDaemon:
@@ -385,6 +386,8 @@ class AgentDaemon:
                 loss, pass1 = await self._evaluate(with_pass=True)
                 self.summary.loss_before, self.summary.pass_at_1_before = loss, pass1
                 self.summary.loss_after, self.summary.pass_at_1_after = loss, pass1
+            if self.overlay is not None:
+                await self._overlay_enter()
             t = int(self.state["round"])
             while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
                 t += 1
@@ -510,6 +513,27 @@ class AgentDaemon:
         self.telemetry.rounds.inc()
         self.log.info("round_done", round=t, seconds=round(time.monotonic() - started, 2))
 
+    async def _overlay_enter(self) -> None:
+        """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and
+        publish a first signature, so the next overlay build places this agent."""
+        from peerlm.agent.overlay_step import publish_signature
+
+        deadline = time.monotonic() + self.s.round_timeout_s
+        while not await self.overlay.join(self._stop):
+            if self._stop.is_set() or time.monotonic() > deadline:
+                self.log.warning("overlay_not_joined", retry="next round")
+                return
+            await asyncio.sleep(self.s.overlay.bootstrap_retry_s)
+        try:
+            p, p_min = await publish_signature(
+                self.overlay.host, self.host, self.importance, self.s.overlay, self._model
+            )
+        except ValueError as err:
+            self.log.warning("overlay_signature_refused", error=str(err))
+            return
+        self.state["importance"] = _importance_state(self.importance)
+        self.log.info("overlay_signature_published", p=p, p_min=p_min)
+
     async def _overlay_step(self, t: int) -> None:
         """SemanticDFL pull and personalised aggregation (:mod:`peerlm.agent.overlay_step`);
         its failures are counted in the summary and never end the round."""
@@ -544,7 +568,7 @@ class AgentDaemon:
             if peer not in self.summary.overlay_neighbours:
                 self.summary.overlay_neighbours.append(peer)
         self.summary.adapters_pulled += len(result.pulled)
-        self.summary.bytes_received += result.bytes_received
+        self.summary.overlay_bytes_received += result.bytes_received
         for reason in result.refused.values():
             refusals = self.summary.overlay_refusals
             refusals[reason] = refusals.get(reason, 0) + 1

@@ -43,7 +43,8 @@ from peerlm.overlay.transport import (
 from prometheus_client import CollectorRegistry
 
 from peerlm.config import AgentSettings, parse_host_port
-from peerlm.pki.identity import PeerIdentity, load_vrf_secret, vrf_key_path
+from peerlm.pki.ca import vrf_key_path
+from peerlm.pki.identity import PeerIdentity, load_vrf_secret
 from peerlm.rpc import (
     MetricsInterceptor,
     add_health_and_reflection,

@@ -53,7 +53,7 @@ from prometheus_client import CollectorRegistry
 
 from peerlm.config import AgentOverlaySettings, GrpcLimits
 
-__all__ = ["OverlayStepResult", "overlay_round_step", "pull_settings"]
+__all__ = ["OverlayStepResult", "overlay_round_step", "publish_signature", "pull_settings"]
 
 
 @dataclass
@@ -95,6 +95,24 @@ def _signature_inputs(
     p_min = minimal_p(weights, scores, overlay.tau_min)
     p = min(overlay.signature_p or p_min, int(weights.shape[0]))
     return make_signature(weights, scores, p, space), p, p_min
+
+
+async def publish_signature(
+    overlay_host: OverlayHost,
+    model: ModelHost,
+    tracker: ImportanceTracker,
+    settings: AgentOverlaySettings,
+    run_model: ModelRunner,
+) -> tuple[int, int]:
+    """Fold the current adapter into the importance EMA and publish its signature;
+    ``(P, P_min)``. Raises ``ValueError`` (``SignatureError`` included) if refused.
+
+    The agent also calls this once on joining, before its first round: a node without a
+    signature when its zone is built is never placed in a leaf cluster (docs/overlay.md).
+    """
+    signature, p, p_min = await run_model(_signature_inputs, model, tracker, settings)
+    overlay_host.set_signature(signature, p_min)
+    return p, p_min
 
 
 async def overlay_round_step(
@@ -145,8 +163,7 @@ async def overlay_round_step(
         return result
 
     try:
-        signature, p, p_min = await run_model(_signature_inputs, model, tracker, settings)
-        overlay_host.set_signature(signature, p_min)
+        p, p_min = await publish_signature(overlay_host, model, tracker, settings, run_model)
     except (SignatureError, ValueError) as err:
         return done(OverlayStepResult("signature_error", detail=str(err)))
     timeout = min(settings.query_timeout_s or round_timeout_s, round_timeout_s)
