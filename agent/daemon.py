@@ -85,6 +85,13 @@ class AgentSummary:
     packages_by_mode: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
     errors: list[str] = field(default_factory=list)
+    # SemanticDFL (overlay.enabled): distinct neighbours found by searches, adapters
+    # integrated, pull refusals by reason, step outcomes by name.
+    overlay_neighbours: list[str] = field(default_factory=list)
+    adapters_pulled: int = 0
+    overlay_refusals: dict[str, int] = field(default_factory=dict)
+    overlay_steps: dict[str, int] = field(default_factory=dict)
+    overlay_bytes_received: int = 0
 
 
 class AgentDaemon:
@@ -100,6 +107,7 @@ class AgentDaemon:
         self._grace: asyncio.TimerHandle | None = None
         self._prebuild: asyncio.Task[list[str]] | None = None
         self._last_taught: str | None = None
+        self.overlay: Any = None  # AgentOverlay when overlay.enabled
 
     # ------------------------------------------------------------------ set-up
 
@@ -211,16 +219,34 @@ class AgentDaemon:
             registry=self.registry,
             log=self.log,
         )
-        self.server, self.port = await serve_peer(
-            service,
-            listen=s.listen,
-            tls=self.tls,
-            limits=s.limits,
-            registry=self.registry,
-            federation=s.federation,
-            mode=self.mode,
-            log=self.log,
-        )
+        if s.overlay.enabled:
+            from peerlm.agent.overlay_node import serve_agent
+            from peerlm.overlay.signature import ImportanceTracker
+
+            self.importance = ImportanceTracker(s.overlay.importance_beta)
+            saved_importance = self.state.get("importance")
+            if isinstance(saved_importance, dict):
+                self.importance.load_state_dict(saved_importance)
+            self.server, self.port, self.overlay = await serve_agent(
+                service,
+                settings=s,
+                identity=self.identity,
+                tls=self.tls,
+                mode=self.mode,
+                registry=self.registry,
+                log=self.log,
+            )
+        else:
+            self.server, self.port = await serve_peer(
+                service,
+                listen=s.listen,
+                tls=self.tls,
+                limits=s.limits,
+                registry=self.registry,
+                federation=s.federation,
+                mode=self.mode,
+                log=self.log,
+            )
         self.endpoint = s.advertise or f"{host}:{self.port}"
         self.metrics_endpoint = (
             serve_metrics(self.registry, s.metrics_host, s.metrics_port)
@@ -360,6 +386,8 @@ class AgentDaemon:
                 loss, pass1 = await self._evaluate(with_pass=True)
                 self.summary.loss_before, self.summary.pass_at_1_before = loss, pass1
                 self.summary.loss_after, self.summary.pass_at_1_after = loss, pass1
+            if self.overlay is not None:
+                await self._overlay_enter()
             t = int(self.state["round"])
             while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
                 t += 1
@@ -467,6 +495,9 @@ class AgentDaemon:
             self.summary.as_teacher += 1
             self._last_taught = directive.directive_id
             self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
+        if self.overlay is not None and not self._abort.is_set():
+            await self._overlay_step(t)
+            lap("overlay")
         if directive is not None:
             self.state["processed"] = [*self.state["processed"][-255:], directive.directive_id]
         if not math.isnan(pass1):
@@ -481,6 +512,66 @@ class AgentDaemon:
         lap("checkpoint")
         self.telemetry.rounds.inc()
         self.log.info("round_done", round=t, seconds=round(time.monotonic() - started, 2))
+
+    async def _overlay_enter(self) -> None:
+        """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and
+        publish a first signature, so the next overlay build places this agent."""
+        from peerlm.agent.overlay_step import publish_signature
+
+        deadline = time.monotonic() + self.s.round_timeout_s
+        while not await self.overlay.join(self._stop):
+            if self._stop.is_set() or time.monotonic() > deadline:
+                self.log.warning("overlay_not_joined", retry="next round")
+                return
+            await asyncio.sleep(self.s.overlay.bootstrap_retry_s)
+        try:
+            p, p_min = await publish_signature(
+                self.overlay.host, self.host, self.importance, self.s.overlay, self._model
+            )
+        except ValueError as err:
+            self.log.warning("overlay_signature_refused", error=str(err))
+            return
+        self.state["importance"] = _importance_state(self.importance)
+        self.log.info("overlay_signature_published", p=p, p_min=p_min)
+
+    async def _overlay_step(self, t: int) -> None:
+        """SemanticDFL pull and personalised aggregation (:mod:`peerlm.agent.overlay_step`);
+        its failures are counted in the summary and never end the round."""
+        from peerlm.agent.overlay_step import overlay_round_step
+
+        if not await self.overlay.join(self._stop):
+            self._count_overlay("not_joined", None)
+            self.log.warning("overlay_step", round=t, outcome="not_joined")
+            return
+        result = await overlay_round_step(
+            self.overlay.host,
+            self.host,
+            self.importance,
+            settings=self.s.overlay,
+            round_=t,
+            round_timeout_s=self.s.round_timeout_s,
+            creds=self.creds,
+            limits=self.s.limits,
+            registry=self.registry,
+            run_model=self._model,
+            log=self.log,
+        )
+        self._count_overlay(result.outcome, result)
+        self.state["importance"] = _importance_state(self.importance)
+
+    def _count_overlay(self, outcome: str, result: Any) -> None:
+        steps = self.summary.overlay_steps
+        steps[outcome] = steps.get(outcome, 0) + 1
+        if result is None:
+            return
+        for peer in result.neighbours:
+            if peer not in self.summary.overlay_neighbours:
+                self.summary.overlay_neighbours.append(peer)
+        self.summary.adapters_pulled += len(result.pulled)
+        self.summary.overlay_bytes_received += result.bytes_received
+        for reason in result.refused.values():
+            refusals = self.summary.overlay_refusals
+            refusals[reason] = refusals.get(reason, 0) + 1
 
     async def _submit_profile(self, t: int, features: list[float]) -> bool:
         """Submit this round's profile; False if the CPM cannot be reached right now.
@@ -653,6 +744,9 @@ class AgentDaemon:
         if self._grace is not None:
             self._grace.cancel()
         await self.cpm.close()
+        if self.overlay is not None:
+            # Leave gracefully while the server still answers the neighbours' handover.
+            await self.overlay.close()
         await self.server.stop(self.s.limits.shutdown_grace_s)
         # A fetch that started during the linger finishes inside the graceful stop; count
         # its bytes too, so the summary's sent and the students' received agree.
@@ -660,6 +754,14 @@ class AgentDaemon:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self._worker.shutdown(wait=True)
+
+
+def _importance_state(tracker: Any) -> dict[str, Any]:
+    """The importance EMA as JSON for the round checkpoint (scores as a float list)."""
+    state: dict[str, Any] = tracker.state_dict()
+    scores = state["scores"]
+    state["scores"] = None if scores is None else [float(x) for x in scores]
+    return state
 
 
 def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
