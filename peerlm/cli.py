@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from peerlm import __version__
-from peerlm.config import AgentSettings, ConfigError, CpmSettings, load_settings
+from peerlm.config import AgentSettings, ConfigError, CpmSettings, OverlaySettings, load_settings
 
 __all__ = ["app", "main"]
 
@@ -25,7 +25,11 @@ app = typer.Typer(
 config_app = typer.Typer(help="Inspect configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
-_COMPONENTS: dict[str, type[Any]] = {"cpm": CpmSettings, "agent": AgentSettings}
+_COMPONENTS: dict[str, type[Any]] = {
+    "cpm": CpmSettings,
+    "agent": AgentSettings,
+    "overlay": OverlaySettings,
+}
 
 
 def _fail(message: str) -> typer.Exit:
@@ -147,6 +151,57 @@ def agent(
     raise typer.Exit(code=code)
 
 
+@app.command("overlay-node")
+def overlay_node(
+    config: ConfigOpt = None,
+    listen: Annotated[str | None, typer.Option(help="HOST:PORT to listen on.")] = None,
+    advertise: Annotated[
+        str | None, typer.Option(help="HOST:PORT other nodes dial (default: the bound one).")
+    ] = None,
+    bootstrap: Annotated[
+        list[str] | None,
+        typer.Option(help="[NAME@]HOST:PORT of a node to enter through (repeatable)."),
+    ] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="Federation CA certificate.")] = None,
+    cert: Annotated[Path | None, typer.Option(help="This node's certificate.")] = None,
+    key: Annotated[Path | None, typer.Option(help="This node's private key.")] = None,
+    vrf_key: Annotated[
+        Path | None, typer.Option(help="VRF secret key (default: <cert stem>.vrf.key).")
+    ] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus /metrics port.")] = None,
+    federation: Annotated[str | None, typer.Option(help="Federation name.")] = None,
+    insecure_dev: Annotated[
+        bool | None, typer.Option("--insecure-dev", help="Plaintext, loopback only.")
+    ] = None,
+    log_format: Annotated[str | None, typer.Option(help="auto, json or console.")] = None,
+    port_file: Annotated[
+        Path | None, typer.Option(help="Write the bound port here once serving (for --listen :0).")
+    ] = None,
+) -> None:
+    """Run a dedicated semantic-overlay node (a super-peer host without a model)."""
+    from peerlm.overlay.main import run_overlay
+    from peerlm.security.mode import SecurityConfigError
+
+    overrides = {
+        "listen": listen,
+        "advertise": advertise,
+        "bootstrap": tuple(bootstrap) if bootstrap else None,
+        "tls.ca_cert": ca_cert,
+        "tls.cert": cert,
+        "tls.key": key,
+        "vrf_key": vrf_key,
+        "metrics_port": metrics_port,
+        "federation": federation,
+        "insecure_dev": insecure_dev,
+        "log_format": log_format,
+    }
+    try:
+        settings = load_settings(OverlaySettings, config, overrides)
+        run_overlay(settings, port_file=port_file)
+    except (ConfigError, SecurityConfigError, ValueError, OSError) as exc:
+        raise _fail(str(exc)) from None
+
+
 @config_app.command("show")
 def config_show(
     component: Annotated[
@@ -180,6 +235,7 @@ def _mount_subapps() -> None:
     app.add_typer(ca_app, name="ca", help="Federation PKI: CA, certificates.")
     app.add_typer(data_app, name="data", help="Bundled task data: build, show.")
     app.add_typer(models_app, name="models", help="Tiny local models: build.")
+    _mount_operations()
     try:
         from peerlm.cli_bench import app as bench_app
     except ImportError:  # pragma: no cover - the bench module is part of the package
@@ -187,11 +243,22 @@ def _mount_subapps() -> None:
     app.add_typer(bench_app, name="bench", help="Benchmarks.")
 
 
+def _mount_operations() -> None:
+    from peerlm.cli_status import health_command, status_command
+    from peerlm.compose import app as compose_app
+
+    app.command("status")(status_command)
+    app.command("health")(health_command)
+    app.add_typer(compose_app, name="compose")
+
+
 def _mount_dev() -> None:
     from peerlm.agent.simulated import sim_agent_command
     from peerlm.devfed import up_command
+    from peerlm.experiment_cli import run_experiment_command
 
     app.command("up")(up_command)
+    app.command("run-experiment")(run_experiment_command)
     app.command("sim-agent", hidden=True)(sim_agent_command)
 
 

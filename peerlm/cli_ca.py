@@ -80,7 +80,13 @@ def init_command(
 def issue_command(
     directory: Annotated[Path, typer.Option("--dir", help="CA directory (holds ca.crt/ca.key).")],
     role: Annotated[str, typer.Option(help="cpm, agent, overlay or admin.")],
-    name: Annotated[str, typer.Option(help="Peer name; also the file name <name>.crt/.key.")],
+    name: Annotated[
+        str,
+        typer.Option(
+            help="Peer name; also the file name <name>.crt/.key (agent and overlay members "
+            "also get <name>.vrf.key, their overlay identity key)."
+        ),
+    ],
     san: Annotated[
         list[str] | None,
         typer.Option(help="Host name or IP address peers dial this process by (repeatable)."),
@@ -94,18 +100,25 @@ def issue_command(
     except (OSError, ValueError) as err:
         _fail(str(err))
     typer.echo(f"issued {issued.identity.spiffe_uri}: {issued.cert} (key {issued.key})")
+    if issued.vrf_key is not None and issued.identity.vrf_public_key is not None:
+        typer.echo(
+            f"overlay identity (VRF) key {issued.vrf_key}, "
+            f"public key {issued.identity.vrf_public_key.hex()}"
+        )
 
 
 def _render(info: CertificateInfo, console: Console) -> None:
     table = Table(title=str(info.path), show_header=False)
     table.add_column("field", style="bold")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")
     table.add_row("subject", info.subject)
     table.add_row("issuer", info.issuer)
     table.add_row("identity", info.identity.spiffe_uri if info.identity else "(none)")
     table.add_row("SANs", "\n".join(info.sans) or "(none)")
     table.add_row("CA", "yes" if info.is_ca else "no")
     table.add_row("key type", info.key_type)
+    if info.vrf_public_key is not None:
+        table.add_row("VRF public key", info.vrf_public_key.hex())
     table.add_row("not before", info.not_valid_before.isoformat())
     expiry = info.not_valid_after.isoformat()
     table.add_row("not after", f"[red]{expiry} (EXPIRED)[/red]" if info.expired else expiry)
@@ -119,7 +132,7 @@ def inspect_command(
     file: Annotated[Path, typer.Argument(help="A PEM certificate file.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object.")] = False,
 ) -> None:
-    """Show a certificate's subject, SANs, federation identity and expiry."""
+    """Show a certificate's subject, SANs, federation identity, VRF public key and expiry."""
     try:
         info = inspect_certificate(file)
     except (OSError, ValueError) as err:

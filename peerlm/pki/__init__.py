@@ -1,6 +1,8 @@
 """Federation PKI: identities (SPIFFE IDs in certificates) and the federation CA."""
 
 from peerlm.pki.ca import (
+    VRF_KEY_SUFFIX,
+    VRF_ROLES,
     CaFiles,
     CertificateInfo,
     IssuedFiles,
@@ -10,16 +12,24 @@ from peerlm.pki.ca import (
     inspect_certificate,
     issue_certificate,
     load_ca,
+    vrf_key_path,
 )
 from peerlm.pki.identity import (
+    VRF_PUBLIC_KEY_OID,
     PeerIdentity,
     Role,
     identity_from_certificate,
     identity_from_certificate_pem,
+    load_vrf_secret,
     parse_spiffe_uri,
+    vrf_public_key_from_certificate,
+    vrf_public_key_from_certificate_pem,
 )
 
 __all__ = [
+    "VRF_KEY_SUFFIX",
+    "VRF_PUBLIC_KEY_OID",
+    "VRF_ROLES",
     "CaFiles",
     "CertificateInfo",
     "IssuedFiles",
@@ -33,5 +43,9 @@ __all__ = [
     "inspect_certificate",
     "issue_certificate",
     "load_ca",
+    "load_vrf_secret",
     "parse_spiffe_uri",
+    "vrf_key_path",
+    "vrf_public_key_from_certificate",
+    "vrf_public_key_from_certificate_pem",
 ]

@@ -4,8 +4,10 @@ Layout of a CA directory ``D`` (the same directory holds the issued kits)::
 
     D/ca.crt        the federation root, distributed to every member
     D/ca.key        its private key (mode 0600; keep it offline in production)
-    D/<name>.crt    a member certificate, URI SAN spiffe://<federation>/<role>/<name>
-    D/<name>.key    its private key (mode 0600)
+    D/<name>.crt     a member certificate, URI SAN spiffe://<federation>/<role>/<name>
+    D/<name>.key     its private key (mode 0600)
+    D/<name>.vrf.key agent and overlay members: the 32-byte Ed25519 seed of the overlay
+                     identity (ECVRF) key (mode 0600), its public key certified in <name>.crt
 
 Files are created with ``O_EXCL`` so nothing here ever overwrites a key or a certificate.
 The federation name is stored in the CA certificate twice: as the subject's ``O=`` and as a
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -29,18 +32,23 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from peerlm.pki.identity import (
+    VRF_SECRET_KEY_LEN,
     PeerIdentity,
     Role,
     identity_from_certificate,
     spiffe_uris,
     validate_federation,
     validate_name,
+    vrf_public_key_extension,
+    vrf_public_key_from_certificate,
 )
 
 __all__ = [
     "CA_CERT_FILE",
     "CA_KEY_FILE",
     "KEY_TYPES",
+    "VRF_KEY_SUFFIX",
+    "VRF_ROLES",
     "CaFiles",
     "CertificateInfo",
     "IssuedFiles",
@@ -54,6 +62,7 @@ __all__ = [
     "issue_certificate",
     "load_ca",
     "sign_leaf_certificate",
+    "vrf_key_path",
 ]
 
 KeyType = Literal["ec-p256", "ed25519"]
@@ -67,6 +76,9 @@ CA_KEY_FILE = "ca.key"
 # certificate issued a moment ago.
 _CLOCK_SKEW = timedelta(minutes=5)
 _RESERVED_NAMES = frozenset({"ca"})
+# Members that take part in the overlay get an overlay identity (VRF) key with their kit.
+VRF_ROLES = frozenset({Role.AGENT, Role.OVERLAY})
+VRF_KEY_SUFFIX = ".vrf.key"
 
 
 @dataclass(frozen=True)
@@ -80,11 +92,15 @@ class CaFiles:
 
 @dataclass(frozen=True)
 class IssuedFiles:
-    """Where :func:`issue_certificate` wrote a member's certificate and key."""
+    """Where :func:`issue_certificate` wrote a member's certificate and keys.
+
+    ``vrf_key`` is the overlay identity key file, written for :data:`VRF_ROLES` only.
+    """
 
     cert: Path
     key: Path
     identity: PeerIdentity
+    vrf_key: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +128,7 @@ class CertificateInfo:
     is_ca: bool
     key_type: str
     sha256_fingerprint: str
+    vrf_public_key: bytes | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
         """A JSON-serialisable view (times in ISO 8601 UTC, serial in hex)."""
@@ -131,6 +148,7 @@ class CertificateInfo:
             "is_ca": self.is_ca,
             "key_type": self.key_type,
             "sha256_fingerprint": self.sha256_fingerprint,
+            "vrf_public_key": self.vrf_public_key.hex() if self.vrf_public_key else None,
         }
 
 
@@ -179,15 +197,28 @@ def _write_exclusive(path: Path, data: bytes, mode: int) -> None:
     os.chmod(path, mode)
 
 
-def _write_pair(cert_path: Path, cert: x509.Certificate, key_path: Path, key: PrivateKey) -> None:
-    _refuse_existing(cert_path, key_path)
-    _write_exclusive(key_path, _key_pem(key), 0o600)
+def _write_kit(
+    cert_path: Path, cert: x509.Certificate, secret_files: Sequence[tuple[Path, bytes]]
+) -> None:
+    """Write the secret files (0600), then the certificate (0644), all with ``O_EXCL``."""
+    _refuse_existing(cert_path, *(path for path, _ in secret_files))
+    written: list[Path] = []
     try:
+        for path, data in secret_files:
+            _write_exclusive(path, data, 0o600)
+            written.append(path)
         _write_exclusive(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     except BaseException:
-        # A key without its certificate is useless and would block a retry.
-        key_path.unlink(missing_ok=True)
+        # Keys without their certificate are useless and would block a retry. Only files
+        # this call created are removed: O_EXCL failed before creating anything.
+        for path in written:
+            path.unlink(missing_ok=True)
         raise
+
+
+def vrf_key_path(directory: Path, name: str) -> Path:
+    """Where :func:`issue_certificate` writes ``name``'s VRF secret key: ``D/<name>.vrf.key``."""
+    return directory / f"{name}{VRF_KEY_SUFFIX}"
 
 
 def _now() -> datetime:
@@ -251,7 +282,7 @@ def init_ca(
         )
         .sign(key, _signature_hash(key))
     )
-    _write_pair(cert_path, cert, key_path, key)
+    _write_kit(cert_path, cert, [(key_path, _key_pem(key))])
     return CaFiles(cert=cert_path, key=key_path, federation=federation)
 
 
@@ -324,12 +355,14 @@ def sign_leaf_certificate(
     sans: Sequence[str] = (),
     not_valid_before: datetime,
     not_valid_after: datetime,
+    vrf_public_key: bytes | None = None,
 ) -> x509.Certificate:
     """Sign a member (leaf) certificate; the building block under :func:`issue_certificate`.
 
     ``uris`` are written verbatim as URI SANs and are *not* checked against the CA's
     federation; :func:`issue_certificate` is the safe entry point, this one exists for
     provisioning pipelines and for tests that need deliberately odd certificates.
+    ``vrf_public_key`` (32 bytes) is certified in the non-critical VRF extension.
     """
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
     names += [_general_name(s) for s in sans]
@@ -373,6 +406,9 @@ def sign_leaf_certificate(
     )
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    if vrf_public_key is not None:
+        # Non-critical: TLS stacks that do not know the OID must still accept the certificate.
+        builder = builder.add_extension(vrf_public_key_extension(vrf_public_key), critical=False)
     return builder.sign(ca.private_key, _signature_hash(ca.private_key))
 
 
@@ -397,6 +433,11 @@ def issue_certificate(
 
     Member keys are always ECDSA P-256: ``key_type="ed25519"`` raises ``ValueError`` because
     gRPC's TLS stack cannot use Ed25519 leaf certificates (see docs/security.md).
+
+    For the roles in :data:`VRF_ROLES` (agent, overlay) it also writes ``<name>.vrf.key``, a
+    fresh 32-byte Ed25519 seed for the overlay's ECVRF, and certifies its public key in the
+    certificate's VRF extension (:data:`peerlm.pki.identity.VRF_PUBLIC_KEY_OID`). Names
+    ending in ``.vrf`` are refused, since ``<name>.vrf.key`` would be another member's file.
     """
     role = Role(role)
     validate_name(name)
@@ -410,6 +451,11 @@ def issue_certificate(
         )
     if name.lower() in _RESERVED_NAMES:
         raise ValueError(f"name {name!r} is reserved for the CA's own files")
+    if name.lower().endswith(".vrf"):
+        raise ValueError(
+            f"name {name!r} is reserved: {name}.key would be the VRF key file of "
+            f"{name[: -len('.vrf')]!r}"
+        )
     if days <= 0:
         raise ValueError(f"days must be positive, got {days}")
     ca = load_ca(directory)
@@ -417,7 +463,8 @@ def issue_certificate(
     for san in sans:  # validate before writing anything
         _general_name(san)
     cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
-    _refuse_existing(cert_path, key_path)
+    vrf_path = vrf_key_path(directory, name) if role in VRF_ROLES else None
+    _refuse_existing(cert_path, key_path, *([vrf_path] if vrf_path else []))
 
     now = _now()
     start = not_valid_before if not_valid_before is not None else now - _CLOCK_SKEW
@@ -428,6 +475,15 @@ def issue_certificate(
     if end <= start:
         raise ValueError(f"certificate would expire ({end}) before it becomes valid ({start})")
     key = generate_private_key(key_type)
+    secret_files = [(key_path, _key_pem(key))]
+    vrf_public_key = None
+    if vrf_path is not None:
+        vrf_seed = secrets.token_bytes(VRF_SECRET_KEY_LEN)
+        # RFC 9381's ECVRF-EDWARDS25519 key pair is the RFC 8032 key pair of the seed.
+        vrf_public_key = (
+            ed25519.Ed25519PrivateKey.from_private_bytes(vrf_seed).public_key().public_bytes_raw()
+        )
+        secret_files.append((vrf_path, vrf_seed))
     cert = sign_leaf_certificate(
         ca,
         public_key=key.public_key(),
@@ -436,9 +492,15 @@ def issue_certificate(
         sans=sans,
         not_valid_before=start,
         not_valid_after=end,
+        vrf_public_key=vrf_public_key,
     )
-    _write_pair(cert_path, cert, key_path, key)
-    return IssuedFiles(cert=cert_path, key=key_path, identity=identity)
+    _write_kit(cert_path, cert, secret_files)
+    return IssuedFiles(
+        cert=cert_path,
+        key=key_path,
+        identity=identity_from_certificate(cert),
+        vrf_key=vrf_path,
+    )
 
 
 def _san_strings(cert: x509.Certificate) -> tuple[str, ...]:
@@ -484,6 +546,10 @@ def inspect_certificate(path: Path) -> CertificateInfo:
         is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     except x509.ExtensionNotFound:
         is_ca = False
+    try:
+        vrf_public_key = vrf_public_key_from_certificate(cert)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     der = cert.public_bytes(serialization.Encoding.DER)
     return CertificateInfo(
         path=path,
@@ -498,4 +564,5 @@ def inspect_certificate(path: Path) -> CertificateInfo:
         is_ca=is_ca,
         key_type=_key_type_name(cert),
         sha256_fingerprint=hashlib.sha256(der).hexdigest(),
+        vrf_public_key=vrf_public_key,
     )

@@ -5,7 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from peerlm.config import AgentSettings, CpmSettings, GrpcLimits
+from peerlm.config import (
+    AgentSettings,
+    CpmSettings,
+    GrpcLimits,
+    OverlayProtocolSettings,
+    OverlaySettings,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,6 +28,12 @@ def test_every_config_field_is_documented() -> None:
         assert f"`{name}`" in doc, name
     for name in GrpcLimits.model_fields:
         assert f"`limits.{name}`" in doc, name
+    for name in OverlaySettings.model_fields:
+        if name in ("tls", "limits", "protocol"):
+            continue
+        assert f"`{name}`" in doc, name
+    for name in OverlayProtocolSettings.model_fields:
+        assert f"`protocol.{name}`" in doc, name
 
 
 def test_every_metric_is_catalogued() -> None:
@@ -31,6 +43,7 @@ def test_every_metric_is_catalogued() -> None:
         *ROOT.glob("peerlm/**/*.py"),
         *ROOT.glob("services/**/*.py"),
         *ROOT.glob("agent/**/*.py"),
+        *ROOT.glob("overlay/**/*.py"),
     ]:
         names |= set(
             re.findall(

@@ -10,26 +10,32 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hypothesis import given
 from hypothesis import strategies as st
+from peerlm.overlay import vrf
 from typer.testing import CliRunner
 
 from peerlm.cli_ca import app
 from peerlm.pki.ca import (
+    VRF_ROLES,
     init_ca,
     inspect_certificate,
     issue_certificate,
     load_ca,
     sign_leaf_certificate,
+    vrf_key_path,
 )
 from peerlm.pki.identity import (
+    VRF_PUBLIC_KEY_OID,
     PeerIdentity,
     Role,
     identity_from_certificate_pem,
+    load_vrf_secret,
     parse_spiffe_uri,
+    vrf_public_key_from_certificate_pem,
 )
 
 NAMES = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", fullmatch=True)
@@ -44,7 +50,11 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def _leaf_with_uris(directory: Path, uris: list[str]) -> bytes:
+def _leaf_with_uris(
+    directory: Path,
+    uris: list[str],
+    extensions: list[x509.ExtensionType] | None = None,
+) -> bytes:
     """A certificate from the CA in ``directory`` with arbitrary URI SANs (PEM)."""
     ca = load_ca(directory)
     now = datetime.now(UTC)
@@ -56,6 +66,23 @@ def _leaf_with_uris(directory: Path, uris: list[str]) -> bytes:
         not_valid_before=now - timedelta(minutes=1),
         not_valid_after=now + timedelta(days=1),
     )
+    if extensions:
+        # Re-sign with the extra extensions (sign_leaf_certificate only adds well-formed ones).
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(cert.subject)
+            .issuer_name(cert.issuer)
+            .public_key(cert.public_key())
+            .serial_number(cert.serial_number)
+            .not_valid_before(cert.not_valid_before_utc)
+            .not_valid_after(cert.not_valid_after_utc)
+        )
+        for extension in cert.extensions:
+            builder = builder.add_extension(extension.value, critical=extension.critical)
+        for extra in extensions:
+            builder = builder.add_extension(extra, critical=False)
+        assert isinstance(ca.private_key, ec.EllipticCurvePrivateKey)
+        cert = builder.sign(ca.private_key, hashes.SHA256())
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
@@ -206,6 +233,196 @@ def test_issue_with_explicit_validity(tmp_path: Path) -> None:
         issue_certificate(tmp_path, Role.AGENT, "bad", not_valid_before=end, not_valid_after=start)
 
 
+@pytest.mark.parametrize("name", ["a1.vrf", "A.VRF"])
+def test_issue_refuses_names_that_shadow_a_vrf_key(tmp_path: Path, name: str) -> None:
+    init_ca(tmp_path)
+    with pytest.raises(ValueError, match="VRF key file"):
+        issue_certificate(tmp_path, Role.CPM, name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca.crt", "ca.key"]
+
+
+# -- the overlay identity (VRF) key ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", sorted(VRF_ROLES))
+def test_issue_writes_a_vrf_key_and_certifies_it(tmp_path: Path, role: Role) -> None:
+    init_ca(tmp_path)
+    issued = issue_certificate(tmp_path, role, "n1")
+    assert issued.vrf_key == vrf_key_path(tmp_path, "n1") == tmp_path / "n1.vrf.key"
+    assert _mode(issued.vrf_key) == 0o600
+    secret = load_vrf_secret(issued.vrf_key)
+    assert len(secret) == 32
+
+    pem = issued.cert.read_bytes()
+    extension = _cert(issued.cert).extensions.get_extension_for_oid(VRF_PUBLIC_KEY_OID)
+    assert not extension.critical
+    assert isinstance(extension.value, x509.UnrecognizedExtension)
+    certified = vrf_public_key_from_certificate_pem(pem)
+    assert certified == vrf.public_key(secret)
+    assert extension.value.value == b"\x04\x20" + certified  # DER OCTET STRING
+    assert identity_from_certificate_pem(pem).vrf_public_key == certified
+    assert issued.identity.vrf_public_key == certified
+
+    # What the overlay does with it: a proof made with the file's key verifies against the
+    # key the certificate (hence the CA) vouches for, and only for the input it was made for.
+    pi = vrf.prove(secret, b"epoch 3 seed")
+    assert vrf.verify(certified, pi, b"epoch 3 seed") == vrf.proof_to_hash(pi)
+    assert vrf.verify(certified, pi, b"epoch 4 seed") is None
+
+
+def test_each_issue_gets_its_own_vrf_key(tmp_path: Path) -> None:
+    init_ca(tmp_path)
+    a = issue_certificate(tmp_path, Role.AGENT, "a1")
+    b = issue_certificate(tmp_path, Role.AGENT, "a2")
+    assert a.identity.vrf_public_key != b.identity.vrf_public_key
+    assert load_vrf_secret(tmp_path / "a1.vrf.key") != load_vrf_secret(tmp_path / "a2.vrf.key")
+
+
+@pytest.mark.parametrize("role", [Role.CPM, Role.ADMIN])
+def test_roles_outside_the_overlay_get_no_vrf_key(tmp_path: Path, role: Role) -> None:
+    init_ca(tmp_path)
+    issued = issue_certificate(tmp_path, role, "x1")
+    assert issued.vrf_key is None and not (tmp_path / "x1.vrf.key").exists()
+    pem = issued.cert.read_bytes()
+    assert vrf_public_key_from_certificate_pem(pem) is None
+    assert identity_from_certificate_pem(pem).vrf_public_key is None
+    assert inspect_certificate(issued.cert).vrf_public_key is None
+
+
+def test_reissue_never_overwrites_the_vrf_key(tmp_path: Path) -> None:
+    init_ca(tmp_path)
+    issue_certificate(tmp_path, Role.AGENT, "a1")
+    files = ("a1.crt", "a1.key", "a1.vrf.key")
+    before = {f: (tmp_path / f).read_bytes() for f in files}
+    with pytest.raises(FileExistsError, match="already exists"):
+        issue_certificate(tmp_path, Role.AGENT, "a1")
+    # Even with the certificate and TLS key gone, a leftover VRF key is never replaced.
+    (tmp_path / "a1.crt").unlink()
+    (tmp_path / "a1.key").unlink()
+    with pytest.raises(FileExistsError, match=r"a1\.vrf\.key"):
+        issue_certificate(tmp_path, Role.OVERLAY, "a1")
+    assert (tmp_path / "a1.vrf.key").read_bytes() == before["a1.vrf.key"]
+    assert not (tmp_path / "a1.crt").exists() and not (tmp_path / "a1.key").exists()
+
+
+def test_a_failed_write_leaves_no_partial_kit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import peerlm.pki.ca as ca_module
+
+    init_ca(tmp_path)
+    real = ca_module._write_exclusive
+
+    def fail_on_certificate(path: Path, data: bytes, mode: int) -> None:
+        if path.suffix == ".crt":
+            raise OSError("disk full")
+        real(path, data, mode)
+
+    monkeypatch.setattr(ca_module, "_write_exclusive", fail_on_certificate)
+    with pytest.raises(OSError, match="disk full"):
+        issue_certificate(tmp_path, Role.AGENT, "a1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca.crt", "ca.key"]
+
+
+def test_vrf_extension_round_trips_through_sign_leaf_certificate(tmp_path: Path) -> None:
+    init_ca(tmp_path)
+    ca = load_ca(tmp_path)
+    now = datetime.now(UTC)
+    key = bytes(range(32))
+    cert = sign_leaf_certificate(
+        ca,
+        public_key=ec.generate_private_key(ec.SECP256R1()).public_key(),
+        common_name="o1",
+        uris=["spiffe://peerlm/overlay/o1"],
+        not_valid_before=now,
+        not_valid_after=now + timedelta(days=1),
+        vrf_public_key=key,
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    assert vrf_public_key_from_certificate_pem(pem) == key
+    parsed = identity_from_certificate_pem(pem)
+    assert parsed.vrf_public_key == key
+    # The key is an attribute of the identity, not part of it.
+    assert parsed == PeerIdentity("peerlm", Role.OVERLAY, "o1")
+    assert hash(parsed) == hash(PeerIdentity("peerlm", Role.OVERLAY, "o1"))
+    with pytest.raises(ValueError, match="32 bytes"):
+        sign_leaf_certificate(
+            ca,
+            public_key=ec.generate_private_key(ec.SECP256R1()).public_key(),
+            common_name="o2",
+            uris=[],
+            not_valid_before=now,
+            not_valid_after=now + timedelta(days=1),
+            vrf_public_key=key[:31],
+        )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"", bytes(32), b"\x04\x20" + bytes(31), b"\x04\x21" + bytes(33), b"\x05\x20" + bytes(32)],
+)
+def test_malformed_vrf_extensions_are_errors(tmp_path: Path, value: bytes) -> None:
+    init_ca(tmp_path)
+    pem = _leaf_with_uris(
+        tmp_path,
+        ["spiffe://peerlm/agent/a1"],
+        [x509.UnrecognizedExtension(VRF_PUBLIC_KEY_OID, value)],
+    )
+    with pytest.raises(ValueError, match="malformed VRF public key extension"):
+        vrf_public_key_from_certificate_pem(pem)
+    with pytest.raises(ValueError, match="malformed VRF public key extension"):
+        identity_from_certificate_pem(pem)
+    path = tmp_path / "odd.crt"
+    path.write_bytes(pem)
+    with pytest.raises(ValueError, match=r"odd\.crt: malformed VRF"):
+        inspect_certificate(path)
+
+
+def test_vrf_public_key_from_non_pem_is_an_error() -> None:
+    with pytest.raises(ValueError, match="PEM"):
+        vrf_public_key_from_certificate_pem(b"not a certificate")
+
+
+def test_peer_identity_checks_the_vrf_key_length() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        PeerIdentity("peerlm", Role.AGENT, "a1", vrf_public_key=bytes(31))
+    assert PeerIdentity("peerlm", Role.AGENT, "a1", bytes(32)).vrf_public_key == bytes(32)
+
+
+def test_load_vrf_secret_refusals(tmp_path: Path) -> None:
+    path = tmp_path / "k.vrf.key"
+    with pytest.raises(FileNotFoundError, match="peerlm ca issue"):
+        load_vrf_secret(path)
+    path.write_bytes(bytes(range(32)))
+    for mode in (0o640, 0o604, 0o620, 0o602, 0o644, 0o660):
+        path.chmod(mode)
+        with pytest.raises(PermissionError, match=rf"mode 0{mode:o}.*chmod 600"):
+            load_vrf_secret(path)
+    for mode in (0o600, 0o400):
+        path.chmod(mode)
+        assert load_vrf_secret(path) == bytes(range(32))
+    path.chmod(0o600)
+    for size, words in ((31, "31 bytes"), (0, "0 bytes"), (33, "more than 32 bytes")):
+        path.write_bytes(bytes(size))
+        with pytest.raises(ValueError, match=words):
+            load_vrf_secret(path)
+    (tmp_path / "dir.vrf.key").mkdir(mode=0o700)
+    with pytest.raises((ValueError, IsADirectoryError)):
+        load_vrf_secret(tmp_path / "dir.vrf.key")
+
+
+def test_load_vrf_secret_follows_symlinks_to_a_private_file(tmp_path: Path) -> None:
+    target = tmp_path / "real.key"
+    target.write_bytes(bytes(32))
+    target.chmod(0o600)
+    link = tmp_path / "link.vrf.key"
+    link.symlink_to(target)
+    assert load_vrf_secret(str(link)) == bytes(32)
+    target.chmod(0o644)
+    with pytest.raises(PermissionError):
+        load_vrf_secret(link)
+
+
 # -- identities -----------------------------------------------------------------------------
 
 
@@ -296,12 +513,16 @@ def test_inspect_certificate(tmp_path: Path) -> None:
     assert not info.expired and not info.is_ca
     assert info.key_type == "ec-secp256r1"
     assert len(info.sha256_fingerprint) == 64
+    assert info.vrf_public_key is not None
+    assert info.vrf_public_key == vrf_public_key_from_certificate_pem(issued.cert.read_bytes())
     as_json = info.to_json_dict()
     assert as_json["identity"] == "spiffe://acme/agent/a1" and as_json["role"] == "agent"
+    assert as_json["vrf_public_key"] == info.vrf_public_key.hex()
     json.dumps(as_json)
 
     ca_info = inspect_certificate(tmp_path / "ca.crt")
     assert ca_info.is_ca and ca_info.identity is None
+    assert ca_info.vrf_public_key is None and ca_info.to_json_dict()["vrf_public_key"] is None
 
 
 def test_inspect_flags_expired_certificates(tmp_path: Path) -> None:
@@ -344,6 +565,9 @@ def test_cli_init_issue_inspect(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "spiffe://acme/agent/a1" in result.stdout
     assert _mode(tmp_path / "a1.key") == 0o600
+    assert _mode(tmp_path / "a1.vrf.key") == 0o600
+    vrf_hex = vrf.public_key(load_vrf_secret(tmp_path / "a1.vrf.key")).hex()
+    assert f"{tmp_path / 'a1.vrf.key'}" in result.stdout and vrf_hex in result.stdout
 
     result = runner.invoke(app, ["inspect", str(tmp_path / "a1.crt"), "--json"])
     assert result.exit_code == 0, result.output
@@ -351,11 +575,20 @@ def test_cli_init_issue_inspect(tmp_path: Path) -> None:
     assert data["identity"] == "spiffe://acme/agent/a1"
     assert data["sans"] == ["URI:spiffe://acme/agent/a1", "IP:127.0.0.1", "DNS:localhost"]
     assert data["expired"] is False
+    assert data["vrf_public_key"] == vrf_hex
 
-    result = runner.invoke(app, ["inspect", str(tmp_path / "a1.crt")])
+    result = runner.invoke(app, ["inspect", str(tmp_path / "a1.crt")], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "spiffe://acme/agent/a1" in result.stdout
     assert "a1" in result.stdout
+    assert "VRF public key" in result.stdout and vrf_hex in result.stdout
+
+    result = runner.invoke(app, ["issue", "--dir", str(tmp_path), "--role", "cpm", "--name", "c"])
+    assert result.exit_code == 0, result.output
+    assert "VRF" not in result.stdout
+    result = runner.invoke(app, ["inspect", str(tmp_path / "c.crt")])
+    assert result.exit_code == 0, result.output
+    assert "VRF" not in result.stdout
 
 
 def test_cli_init_ed25519(tmp_path: Path) -> None:

@@ -39,6 +39,21 @@ class OverlayStub:
                 request_serializer=peerlm_dot_v1_dot_overlay__pb2.PingRequest.SerializeToString,
                 response_deserializer=peerlm_dot_v1_dot_overlay__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.Deliver = channel.unary_unary(
+                '/peerlm.v1.Overlay/Deliver',
+                request_serializer=peerlm_dot_v1_dot_overlay__pb2.OverlayEnvelope.SerializeToString,
+                response_deserializer=peerlm_dot_v1_dot_overlay__pb2.DeliverAck.FromString,
+                _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/peerlm.v1.Overlay/Describe',
+                request_serializer=peerlm_dot_v1_dot_overlay__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=peerlm_dot_v1_dot_overlay__pb2.NodeDescription.FromString,
+                _registered_method=True)
+        self.Search = channel.unary_unary(
+                '/peerlm.v1.Overlay/Search',
+                request_serializer=peerlm_dot_v1_dot_overlay__pb2.SearchRequest.SerializeToString,
+                response_deserializer=peerlm_dot_v1_dot_overlay__pb2.SearchResponse.FromString,
+                _registered_method=True)
 
 
 class OverlayServicer:
@@ -51,6 +66,34 @@ class OverlayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deliver(self, request, context):
+        """Delivers a batch of overlay protocol messages from the calling node to this one.
+        Accepted means decoded, validated and handed to the protocol core, in order; the core
+        may still ignore a message (and counts why). The whole batch is refused, with nothing
+        handed on, when any message is malformed (INVALID_ARGUMENT), names a sender other than
+        the caller's certificate (PERMISSION_DENIED) or the batch is for another node
+        (FAILED_PRECONDITION). Caller role: agent or overlay.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """This node's place in the overlay: roles, level, zone, cluster, parent and children,
+        threshold tau, epoch. Caller role: admin, overlay or agent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Search(self, request, context):
+        """Runs a top-K similarity search from this node's own signature and returns the result.
+        For operators and tests; agents search through their own overlay node. Caller role: admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OverlayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +101,21 @@ def add_OverlayServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=peerlm_dot_v1_dot_overlay__pb2.PingRequest.FromString,
                     response_serializer=peerlm_dot_v1_dot_overlay__pb2.PingResponse.SerializeToString,
+            ),
+            'Deliver': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deliver,
+                    request_deserializer=peerlm_dot_v1_dot_overlay__pb2.OverlayEnvelope.FromString,
+                    response_serializer=peerlm_dot_v1_dot_overlay__pb2.DeliverAck.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=peerlm_dot_v1_dot_overlay__pb2.DescribeRequest.FromString,
+                    response_serializer=peerlm_dot_v1_dot_overlay__pb2.NodeDescription.SerializeToString,
+            ),
+            'Search': grpc.unary_unary_rpc_method_handler(
+                    servicer.Search,
+                    request_deserializer=peerlm_dot_v1_dot_overlay__pb2.SearchRequest.FromString,
+                    response_serializer=peerlm_dot_v1_dot_overlay__pb2.SearchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +145,87 @@ class Overlay:
             '/peerlm.v1.Overlay/Ping',
             peerlm_dot_v1_dot_overlay__pb2.PingRequest.SerializeToString,
             peerlm_dot_v1_dot_overlay__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deliver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerlm.v1.Overlay/Deliver',
+            peerlm_dot_v1_dot_overlay__pb2.OverlayEnvelope.SerializeToString,
+            peerlm_dot_v1_dot_overlay__pb2.DeliverAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerlm.v1.Overlay/Describe',
+            peerlm_dot_v1_dot_overlay__pb2.DescribeRequest.SerializeToString,
+            peerlm_dot_v1_dot_overlay__pb2.NodeDescription.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Search(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerlm.v1.Overlay/Search',
+            peerlm_dot_v1_dot_overlay__pb2.SearchRequest.SerializeToString,
+            peerlm_dot_v1_dot_overlay__pb2.SearchResponse.FromString,
             options,
             channel_credentials,
             insecure,
