@@ -14,7 +14,19 @@ Algorithm 3 from the agent's side, every round t:
 
 The event loop never runs model code: training, generation and evaluation go to a single
 worker thread that owns the :class:`ModelHost`, so gRPC (health, peer exchange, the
-directive feed) stays responsive while a training step runs.
+directive feed) stays responsive while a training step runs. What is done with the model in
+each phase lives in :mod:`peerlm.agent.rounds`, shared with the in-process experiment.
+
+Package modes: as a teacher the agent sends text (protocol ``akd``) or, for a directive of
+protocol ``akd_logits`` (or with ``akd_mode: logits``), the top-k logits of its completions
+when the student announced the same tokenizer, text otherwise (the student announces its
+tokenizer hash with the fetch; see :mod:`peerlm.agent.rounds`).
+
+Stopping (SIGTERM, SIGINT): :meth:`AgentDaemon.stop` lets the round in progress finish for
+up to ``stop_grace_s``; after that, training ends at the next optimiser step, the wait for a
+directive ends, pass@k evaluation and new exchanges are skipped. Either way the round is
+checkpointed and :meth:`run` returns, so the process exits 0. A second signal ends the grace
+at once.
 """
 
 from __future__ import annotations
@@ -29,10 +41,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.agent.metrics import AgentTelemetry
-from peerlm.agent.profile import AgentMetrics, build_profile
+from peerlm.agent.rounds import (
+    PROTOCOL_LOGITS,
+    PackageMode,
+    ProfileInputs,
+    RoundConfig,
+    category_counts,
+    linear_schedule,
+    round_profile,
+)
 
 from peerlm.config import AgentSettings, parse_host_port
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
@@ -43,14 +62,6 @@ from peerlm.wire.v1 import cpm_pb2
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
 T = TypeVar("T")
-
-
-def linear_schedule(start: float, end: float, t: int, total: int) -> float:
-    """Value at round ``t`` (1-based) of a linear ramp from ``start`` (t=1) to ``end`` (t=T)."""
-    if total <= 1:
-        return end
-    frac = min(max((t - 1) / (total - 1), 0.0), 1.0)
-    return start + (end - start) * frac
 
 
 @dataclass
@@ -71,7 +82,16 @@ class AgentSummary:
     rewards: list[float] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
+    packages_by_mode: dict[str, int] = field(default_factory=dict)
+    interrupted: bool = False
     errors: list[str] = field(default_factory=list)
+    # SemanticDFL (overlay.enabled): distinct neighbours found by searches, adapters
+    # integrated, pull refusals by reason, step outcomes by name.
+    overlay_neighbours: list[str] = field(default_factory=list)
+    adapters_pulled: int = 0
+    overlay_refusals: dict[str, int] = field(default_factory=dict)
+    overlay_steps: dict[str, int] = field(default_factory=dict)
+    overlay_bytes_received: int = 0
 
 
 class AgentDaemon:
@@ -82,8 +102,12 @@ class AgentDaemon:
         self.log = log
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._stop = asyncio.Event()
-        self._prebuild: asyncio.Task[bytes] | None = None
+        # Set when the stop grace has run out: cut whatever the round is doing.
+        self._abort = asyncio.Event()
+        self._grace: asyncio.TimerHandle | None = None
+        self._prebuild: asyncio.Task[list[str]] | None = None
         self._last_taught: str | None = None
+        self.overlay: Any = None  # AgentOverlay when overlay.enabled
 
     # ------------------------------------------------------------------ set-up
 
@@ -160,6 +184,7 @@ class AgentDaemon:
             target_modules=list(s.lora_target_modules) if s.lora_target_modules else None,
         )
         self.host = await self._model(ModelHost.load, s.model, lora, device=s.device, seed=s.seed)
+        self.config = RoundConfig.from_settings(s)
         self.registry = new_registry()
         self.telemetry = AgentTelemetry(self.registry)
         self.guardrail = Guardrail(
@@ -184,7 +209,7 @@ class AgentDaemon:
 
         # Peer exchange server and the directive book it verifies requests against.
         self.book = DirectiveBook(time.time)
-        self._packages: dict[str, asyncio.Future[bytes]] = {}
+        self._predictions: dict[str, asyncio.Future[list[str]]] = {}
         service = PeerExchangeService(
             self.book,
             self._package_for,
@@ -194,16 +219,34 @@ class AgentDaemon:
             registry=self.registry,
             log=self.log,
         )
-        self.server, self.port = await serve_peer(
-            service,
-            listen=s.listen,
-            tls=self.tls,
-            limits=s.limits,
-            registry=self.registry,
-            federation=s.federation,
-            mode=self.mode,
-            log=self.log,
-        )
+        if s.overlay.enabled:
+            from peerlm.agent.overlay_node import serve_agent
+            from peerlm.overlay.signature import ImportanceTracker
+
+            self.importance = ImportanceTracker(s.overlay.importance_beta)
+            saved_importance = self.state.get("importance")
+            if isinstance(saved_importance, dict):
+                self.importance.load_state_dict(saved_importance)
+            self.server, self.port, self.overlay = await serve_agent(
+                service,
+                settings=s,
+                identity=self.identity,
+                tls=self.tls,
+                mode=self.mode,
+                registry=self.registry,
+                log=self.log,
+            )
+        else:
+            self.server, self.port = await serve_peer(
+                service,
+                listen=s.listen,
+                tls=self.tls,
+                limits=s.limits,
+                registry=self.registry,
+                federation=s.federation,
+                mode=self.mode,
+                log=self.log,
+            )
         self.endpoint = s.advertise or f"{host}:{self.port}"
         self.metrics_endpoint = (
             serve_metrics(self.registry, s.metrics_host, s.metrics_port)
@@ -227,39 +270,71 @@ class AgentDaemon:
 
     # ------------------------------------------------------------ teacher side
 
-    async def _package_for(self, directive: cpm_pb2.Directive) -> bytes:
-        """Teacher predictions on X_u for a verified student, guardrailed and encoded once.
+    def _wanted_mode(self, directive: cpm_pb2.Directive) -> PackageMode:
+        mode = self.s.akd_mode
+        if mode == "directive":
+            return "logits" if directive.protocol == PROTOCOL_LOGITS else "text"
+        return mode
 
-        The build is shared: the round loop starts it when the directive arrives and the peer
-        server's fetch awaits the same task, so the model generates once per directive.
+    async def _teacher_predictions(self, directive: cpm_pb2.Directive) -> list[str]:
+        """Greedy completions on X_u for a directive, generated once and shared.
+
+        The round loop starts this when the directive arrives; the peer server's fetch
+        awaits the same future, so the model generates once per directive.
         """
-        task = self._packages.get(directive.directive_id)
+        from peerlm.agent.rounds import teacher_completions
+
+        task = self._predictions.get(directive.directive_id)
         if task is None:
-            task = asyncio.ensure_future(self._build_package(directive))
-            # Keep only the latest few: a package is worth nothing after its directive.
-            self._packages = {
-                **dict(list(self._packages.items())[-3:]),
+            task = asyncio.ensure_future(
+                self._model(
+                    teacher_completions, self.host, self.transfer_prompts, self.s.max_new_tokens
+                )
+            )
+            # Keep only the latest few: predictions are worth nothing after their directive.
+            self._predictions = {
+                **dict(list(self._predictions.items())[-3:]),
                 directive.directive_id: task,
             }
         return await asyncio.shield(task)
 
-    async def _build_package(self, directive: cpm_pb2.Directive) -> bytes:
-        from peerlm.agent.package import build_text_package
+    async def _package_for(
+        self, directive: cpm_pb2.Directive, student_tokenizer: str | None
+    ) -> bytes:
+        """Teacher predictions on X_u for a verified student, guardrailed and encoded.
 
-        completions = await self._model(
-            self.host.generate,
-            self.transfer_prompts,
-            max_new_tokens=self.s.max_new_tokens,
-            temperature=0.0,
-        )
-        data = build_text_package(
+        Logits only where this directive (or ``akd_mode``) asks for them *and* the student
+        announced our tokenizer; text otherwise. The peer server caches the result per
+        directive.
+        """
+        from peerlm.agent.rounds import build_package, choose_package_mode
+
+        completions = await self._teacher_predictions(directive)
+        wanted = self._wanted_mode(directive)
+        mode = choose_package_mode(wanted, self.host.tokenizer_hash, student_tokenizer)
+        data = await self._model(
+            build_package,
+            self.host,
+            mode=mode,
             prompts=self.transfer_prompts,
-            completions=[c[0] for c in completions],
+            completions=completions,
             teacher=self.identity.name,
             directive_id=directive.directive_id,
             transfer_sha256=self.transfer_digest,
-            family=self.host.family,
             guardrail=self.guardrail,
+            top_k=self.s.logits_top_k,
+            max_length=self.s.max_length,
+        )
+        self.telemetry.packages_built.labels(mode).inc()
+        self.summary.packages_by_mode[mode] = self.summary.packages_by_mode.get(mode, 0) + 1
+        self.log.info(
+            "package_built",
+            directive=directive.directive_id,
+            student=directive.student,
+            protocol=directive.protocol,
+            wanted=wanted,
+            mode=mode,
+            bytes=len(data),
         )
         return data
 
@@ -269,59 +344,54 @@ class AgentDaemon:
 
     # ------------------------------------------------------------ evaluation
 
-    async def _evaluate(self, with_pass: bool) -> tuple[float, float, float]:
-        """(validation loss, pass@1, pass@5). pass@k runs generated code in the sandbox."""
-        from peerlm.agent.evaluation import evaluate
+    async def _evaluate(self, with_pass: bool) -> tuple[float, float]:
+        """(validation loss, pass@1; NaN when not measured). pass@1 runs generated code in
+        the sandbox.
 
-        loss, _ppl = await self._model(self.host.eval_loss, self.val_examples)
+        Generation runs in the model worker, the sandbox in the default executor, so the
+        model worker stays free (e.g. to build a package for a peer) while code runs.
+        """
+        from peerlm.agent.rounds import sample_completions, score_completions
+
+        loss, _ppl = await self._model(
+            self.host.eval_loss, self.val_examples, max_length=self.s.max_length
+        )
         if not with_pass:
-            return loss, float("nan"), float("nan")
+            return loss, float("nan")
         problems = self.val[: self.s.eval_limit] if self.s.eval_limit else self.val
         completions = await self._model(
-            self.host.generate,
-            [p.prompt for p in problems],
-            max_new_tokens=self.s.max_new_tokens,
-            temperature=0.0,
+            sample_completions, self.host, problems, max_new_tokens=self.s.max_new_tokens
         )
         report = await asyncio.get_running_loop().run_in_executor(
             None,
-            lambda: evaluate(
+            lambda: score_completions(
                 problems,
-                {p.task_id: c for p, c in zip(problems, completions, strict=True)},
+                completions,
                 ks=(1,),
-                max_workers=2,
                 timeout_s=self.s.sandbox_timeout_s,
                 memory_mb=self.s.sandbox_memory_mb,
             ),
         )
-        pass1 = float(report.mean.get(1, 0.0))
-        return loss, pass1, float("nan")
+        return loss, float(report.mean.get(1, 0.0))
 
     # ------------------------------------------------------------ round loop
 
     async def run(self) -> AgentSummary:
         """Play rounds until ``rounds`` are done (0: forever) or :meth:`stop` is called."""
-        from peerlm.agent.training import TrainSettings
-
         s = self.s
         inbox: asyncio.Queue[cpm_pb2.Directive] = asyncio.Queue()
         feed = asyncio.create_task(self._follow(inbox))
-        settings = TrainSettings(
-            learning_rate=s.learning_rate,
-            batch_size=s.batch_size,
-            grad_accumulation=s.grad_accumulation,
-            max_length=s.max_length,
-            seed=s.seed,
-        )
         try:
-            if self.state["round"] == 0:
-                loss, pass1, _ = await self._evaluate(with_pass=True)
+            if self.state["round"] == 0 and not self._stop.is_set():
+                loss, pass1 = await self._evaluate(with_pass=True)
                 self.summary.loss_before, self.summary.pass_at_1_before = loss, pass1
                 self.summary.loss_after, self.summary.pass_at_1_after = loss, pass1
+            if self.overlay is not None:
+                await self._overlay_enter()
             t = int(self.state["round"])
             while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
                 t += 1
-                await self._round(t, settings, inbox, feed)
+                await self._round(t, inbox, feed)
         except grpc.aio.AioRpcError as err:
             self.summary.errors.append(f"{err.code().name}: {err.details()}")
             self.log.error("cpm_error", code=err.code().name, detail=err.details())
@@ -358,10 +428,11 @@ class AgentDaemon:
     async def _round(
         self,
         t: int,
-        settings: Any,
         inbox: asyncio.Queue[cpm_pb2.Directive],
         feed: asyncio.Task[None],
     ) -> None:
+        from peerlm.agent.rounds import local_update
+
         s = self.s
         started = mark = time.monotonic()
         phase = self.telemetry.phase_seconds
@@ -372,40 +443,31 @@ class AgentDaemon:
             phase.labels(name).observe(now - mark)
             mark = now
 
-        stats = await self._model(
-            self.host.train_local, self.train_examples, settings, steps=s.local_steps
-        )
+        self.log.info("round_started", round=t)
+        stats = await self._model(local_update, self.host, self.train_examples, self.config, t)
+        self._note_interrupted(stats.interrupted, t, "train", stats.steps)
         lap("train")
-        with_pass = t % s.eval_every == 0 or t == s.rounds
-        loss, pass1, pass5 = await self._evaluate(with_pass)
+        with_pass = (t % s.eval_every == 0 or t == s.rounds) and not self._abort.is_set()
+        loss, pass1 = await self._evaluate(with_pass)
         lap("evaluate")
         self.telemetry.val_loss.set(loss)
         history = self.state["history"]
-        prev = history[-1] if history else {"loss": loss, "pass1": pass1}
-        if math.isnan(pass1):
-            pass1 = float(prev.get("pass1", 0.0))
-        metrics = AgentMetrics(
-            pass_at_1=pass1,
-            pass_at_5=0.0 if math.isnan(pass5) else pass5,
-            val_loss=loss,
-            prev_pass_at_1=float(prev["pass1"]),
-            prev_val_loss=float(prev["loss"]),
-            trainable_share=self.host.trainable_share,
-            trainable_parameters=self.host.trainable_parameters,
-            last_reward=self.summary.rewards[-1] if self.summary.rewards else 0.0,
-            exchanges=self.summary.exchanges,
-            round=t,
-            total_rounds=s.rounds,
-        )
-        counts = self._category_counts()
-        profile = build_profile(
-            self.host.model_type,
-            metrics,
-            counts,
+        profile, pass1 = round_profile(
+            self.host,
+            ProfileInputs(
+                t=t,
+                total_rounds=s.rounds,
+                val_loss=loss,
+                pass_at_1=pass1,
+                last_reward=self.summary.rewards[-1] if self.summary.rewards else 0.0,
+                exchanges=self.summary.exchanges,
+            ),
+            history,
+            category_counts(self.train),
             dp_epsilon=s.profile_dp_epsilon,
-            rng=np.random.default_rng([s.seed, t]),
+            seed=s.seed,
         )
-        await self.cpm.submit_profile(t, [float(x) for x in profile], self.endpoint)
+        submitted = await self._submit_profile(t, [float(x) for x in profile])
         self.log.info(
             "round_trained",
             round=t,
@@ -413,23 +475,29 @@ class AgentDaemon:
             val_loss=round(loss, 4),
             pass_at_1=pass1,
         )
-        directive = await next_directive(inbox, feed, s.round_timeout_s)
+        directive = await self._next_directive(inbox, feed) if submitted else None
         lap("wait")
-        if directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
-            await self._learn_from(directive, t, settings)
+        if directive is not None and self._abort.is_set():
+            self.log.info("directive_skipped", round=t, directive=directive.directive_id)
+        elif directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
+            await self._learn_from(directive, t)
             lap("integrate")
         elif directive is not None:
-            # Teacher: build the package now, ahead of the next round's training in the model
-            # worker's queue, so the student does not wait behind it. Served by the peer server.
+            # Teacher: generate the predictions now, ahead of the next round's training in
+            # the model worker's queue, so the student does not wait behind it.
             self.log.info(
                 "directive_teacher",
                 round=t,
                 directive=directive.directive_id,
                 student=directive.student,
+                protocol=directive.protocol,
             )
             self.summary.as_teacher += 1
             self._last_taught = directive.directive_id
-            self._prebuild = asyncio.create_task(self._package_for(directive))
+            self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
+        if self.overlay is not None and not self._abort.is_set():
+            await self._overlay_step(t)
+            lap("overlay")
         if directive is not None:
             self.state["processed"] = [*self.state["processed"][-255:], directive.directive_id]
         if not math.isnan(pass1):
@@ -445,10 +513,124 @@ class AgentDaemon:
         self.telemetry.rounds.inc()
         self.log.info("round_done", round=t, seconds=round(time.monotonic() - started, 2))
 
-    async def _learn_from(self, d: cpm_pb2.Directive, t: int, settings: Any) -> None:
+    async def _overlay_enter(self) -> None:
+        """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and
+        publish a first signature, so the next overlay build places this agent."""
+        from peerlm.agent.overlay_step import publish_signature
+
+        deadline = time.monotonic() + self.s.round_timeout_s
+        while not await self.overlay.join(self._stop):
+            if self._stop.is_set() or time.monotonic() > deadline:
+                self.log.warning("overlay_not_joined", retry="next round")
+                return
+            await asyncio.sleep(self.s.overlay.bootstrap_retry_s)
+        try:
+            p, p_min = await publish_signature(
+                self.overlay.host, self.host, self.importance, self.s.overlay, self._model
+            )
+        except ValueError as err:
+            self.log.warning("overlay_signature_refused", error=str(err))
+            return
+        self.state["importance"] = _importance_state(self.importance)
+        self.log.info("overlay_signature_published", p=p, p_min=p_min)
+
+    async def _overlay_step(self, t: int) -> None:
+        """SemanticDFL pull and personalised aggregation (:mod:`peerlm.agent.overlay_step`);
+        its failures are counted in the summary and never end the round."""
+        from peerlm.agent.overlay_step import overlay_round_step
+
+        if not await self.overlay.join(self._stop):
+            self._count_overlay("not_joined", None)
+            self.log.warning("overlay_step", round=t, outcome="not_joined")
+            return
+        result = await overlay_round_step(
+            self.overlay.host,
+            self.host,
+            self.importance,
+            settings=self.s.overlay,
+            round_=t,
+            round_timeout_s=self.s.round_timeout_s,
+            creds=self.creds,
+            limits=self.s.limits,
+            registry=self.registry,
+            run_model=self._model,
+            log=self.log,
+        )
+        self._count_overlay(result.outcome, result)
+        self.state["importance"] = _importance_state(self.importance)
+
+    def _count_overlay(self, outcome: str, result: Any) -> None:
+        steps = self.summary.overlay_steps
+        steps[outcome] = steps.get(outcome, 0) + 1
+        if result is None:
+            return
+        for peer in result.neighbours:
+            if peer not in self.summary.overlay_neighbours:
+                self.summary.overlay_neighbours.append(peer)
+        self.summary.adapters_pulled += len(result.pulled)
+        self.summary.overlay_bytes_received += result.bytes_received
+        for reason in result.refused.values():
+            refusals = self.summary.overlay_refusals
+            refusals[reason] = refusals.get(reason, 0) + 1
+
+    async def _submit_profile(self, t: int, features: list[float]) -> bool:
+        """Submit this round's profile; False if the CPM cannot be reached right now.
+
+        An unreachable CPM (restarting, or the network to it cut) makes the round a local
+        one instead of ending the agent: it waits up to ``round_timeout_s`` for the channel
+        to come back (so a long outage does not turn into back-to-back local rounds) and
+        tries again next round. The directive feed reconnects on its own. Other errors
+        (refused identity, invalid profile) still end the run.
+        """
+        try:
+            await self.cpm.submit_profile(t, features, self.endpoint)
+            return True
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            self.telemetry.exchange_failures.labels("cpm_unreachable").inc()
+            self.log.warning("cpm_unreachable", round=t, code=err.code().name, detail=err.details())
+        waits = [
+            asyncio.ensure_future(self.cpm.wait_ready(self.s.round_timeout_s)),
+            asyncio.ensure_future(self._stop.wait()),
+        ]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        return False
+
+    def _note_interrupted(self, interrupted: bool, t: int, what: str, steps: int) -> None:
+        if interrupted:
+            self.summary.interrupted = True
+            self.log.warning("training_interrupted", round=t, phase=what, steps_done=steps)
+
+    async def _next_directive(
+        self, inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None]
+    ) -> cpm_pb2.Directive | None:
+        """This round's directive, or None after ``round_timeout_s`` or once the stop grace
+        has run out."""
+        if self._abort.is_set():
+            return None
+        waiting = asyncio.ensure_future(next_directive(inbox, feed, self.s.round_timeout_s))
+        aborted = asyncio.ensure_future(self._abort.wait())
+        try:
+            await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not waiting.done():
+                waiting.cancel()
+        await asyncio.gather(aborted, return_exceptions=True)
+        if waiting.cancelled():
+            return None
+        return waiting.result()
+
+    async def _learn_from(self, d: cpm_pb2.Directive, t: int) -> None:
         """Student side of a directive: fetch, integrate by AKD (Eq. 2), report Eq. 3."""
-        from peerlm.agent.package import TextPackage, decode_package, text_pairs
+        from peerlm.agent.modelhost import TokenizerMismatchError
+        from peerlm.agent.package import PackageError, decode_package
         from peerlm.agent.peer_client import fetch_package
+        from peerlm.agent.rounds import integrate_package
 
         s = self.s
         try:
@@ -460,6 +642,7 @@ class AgentDaemon:
                 max_bytes=s.max_package_bytes,
                 timeout_s=s.round_timeout_s,
                 dev_identity=None if self.mode is SecurityMode.MTLS else self.identity.spiffe_uri,
+                tokenizer_sha256=self.host.tokenizer_hash,
             )
             package = decode_package(
                 data,
@@ -467,33 +650,33 @@ class AgentDaemon:
                 expect_directive_id=d.directive_id,
                 expect_teacher=d.teacher,
             )
-        except Exception as exc:  # a failed exchange is logged and the round goes on
-            self.telemetry.exchange_failures.labels(getattr(exc, "reason", "error")).inc()
-            self.log.warning(
-                "exchange_failed", directive=d.directive_id, teacher=d.teacher, error=str(exc)
+            kb = len(data) / 1024.0
+            result = await self._model(
+                integrate_package,
+                self.host,
+                package,
+                kilobytes=kb,
+                local_examples=self.train_examples,
+                val_examples=self.val_examples,
+                transfer_prompts=self.transfer_prompts,
+                config=self.config,
+                t=t,
             )
-            self.summary.errors.append(f"exchange {d.directive_id[:8]}: {exc}")
+        except (PackageError, TokenizerMismatchError) as exc:
+            reason = "package" if isinstance(exc, PackageError) else "tokenizer_mismatch"
+            self._exchange_failed(d, reason, exc)
             return
-        if not isinstance(package, TextPackage):
-            self.log.warning("package_mode_unsupported", teacher=d.teacher)
+        except Exception as exc:  # a failed exchange is logged and the round goes on
+            self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
             return
-        kb = len(data) / 1024.0
-        alpha = linear_schedule(s.alpha_kd_start, s.alpha_kd_end, t, max(s.rounds, 1))
-        pre, _ = await self._model(self.host.eval_loss, self.val_examples)
-        teacher_texts = text_pairs(package, self.transfer_prompts)
-        await self._model(
-            self.host.train_akd,
-            self.train_examples,
-            teacher_texts,
-            alpha,
-            settings,
-            steps=s.local_steps,
-        )
-        post, _ = await self._model(self.host.eval_loss, self.val_examples)
-        reward = s.reward_gamma * (pre - post) - s.reward_delta * kb
+        self._note_interrupted(result.stats.interrupted, t, "integrate", result.stats.steps)
         try:
             ack = await self.cpm.report_reward(
-                d.directive_id, reward, loss_pre=pre, loss_post=post, kilobytes=round(kb)
+                d.directive_id,
+                result.reward,
+                loss_pre=result.loss_pre,
+                loss_post=result.loss_post,
+                kilobytes=round(kb),
             )
         except grpc.aio.AioRpcError as err:
             # The knowledge is integrated either way; only the CPM's bandit misses this one.
@@ -507,38 +690,63 @@ class AgentDaemon:
             self.summary.errors.append(f"reward {d.directive_id[:8]}: {err.code().name}")
             return
         self.telemetry.rewards.inc()
+        self.telemetry.packages_integrated.labels(result.mode).inc()
         self.summary.exchanges += 1
         self.summary.bytes_received += len(data)
-        self.summary.rewards.append(round(reward, 6))
+        self.summary.rewards.append(round(result.reward, 6))
         self.log.info(
             "exchange_integrated",
             round=t,
             teacher=d.teacher,
             directive=d.directive_id,
-            alpha_kd=round(alpha, 3),
-            loss_pre=round(pre, 4),
-            loss_post=round(post, 4),
+            mode=result.mode,
+            alpha_kd=round(result.alpha_kd, 3),
+            temperature=None if result.temperature is None else round(result.temperature, 3),
+            loss_pre=round(result.loss_pre, 4),
+            loss_post=round(result.loss_post, 4),
             kilobytes=round(kb, 1),
-            reward=round(reward, 5),
+            reward=round(result.reward, 5),
             normalised=round(ack.normalised_reward, 4),
         )
 
-    def _category_counts(self) -> np.ndarray:
-        from peerlm.agent.tasks.bank import CATEGORIES
-
-        counts = np.zeros(len(CATEGORIES))
-        for p in self.train:
-            if p.category in CATEGORIES:
-                counts[CATEGORIES.index(p.category)] += 1
-        return counts
+    def _exchange_failed(self, d: cpm_pb2.Directive, reason: str, exc: BaseException) -> None:
+        self.telemetry.exchange_failures.labels(reason).inc()
+        self.log.warning(
+            "exchange_failed",
+            directive=d.directive_id,
+            teacher=d.teacher,
+            reason=reason,
+            error=str(exc),
+        )
+        self.summary.errors.append(f"exchange {d.directive_id[:8]}: {exc}")
 
     # ------------------------------------------------------------ shutdown
 
     def stop(self) -> None:
+        """Finish the round in progress within ``stop_grace_s``, then stop (see the module
+        docstring). A second call cuts the grace short."""
+        if self._stop.is_set():
+            self._abort_now("second_signal")
+            return
         self._stop.set()
+        self.log.info("stop_requested", grace_s=self.s.stop_grace_s)
+        loop = asyncio.get_running_loop()
+        self._grace = loop.call_later(self.s.stop_grace_s, self._abort_now, "grace_expired")
+
+    def _abort_now(self, why: str) -> None:
+        if self._abort.is_set():
+            return
+        self.log.warning("stop_grace_over", reason=why)
+        self._abort.set()
+        self.host.interrupt.set()
 
     async def close(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
         await self.cpm.close()
+        if self.overlay is not None:
+            # Leave gracefully while the server still answers the neighbours' handover.
+            await self.overlay.close()
         await self.server.stop(self.s.limits.shutdown_grace_s)
         # A fetch that started during the linger finishes inside the graceful stop; count
         # its bytes too, so the summary's sent and the students' received agree.
@@ -546,6 +754,14 @@ class AgentDaemon:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self._worker.shutdown(wait=True)
+
+
+def _importance_state(tracker: Any) -> dict[str, Any]:
+    """The importance EMA as JSON for the round checkpoint (scores as a float list)."""
+    state: dict[str, Any] = tracker.state_dict()
+    scores = state["scores"]
+    state["scores"] = None if scores is None else [float(x) for x in scores]
+    return state
 
 
 def _jsonable(state: dict[str, Any]) -> dict[str, Any]:

@@ -106,6 +106,9 @@ def evaluate(
 ) -> EvalReport:
     """Run every completion against its problem's tests in the sandbox; pass@k per problem.
 
+    Identical programs (the same completion to the same problem) are run once and their
+    outcome counted for each sample.
+
     ``completions`` maps task ids to samples; every problem needs at least one sample and
     every key must name a problem (``ValueError`` otherwise). ``limits`` go to
     :func:`~peerlm.agent.sandbox.run_program`.
@@ -130,7 +133,11 @@ def evaluate(
         raise ValueError(f"no completions for {len(missing)} problem(s), e.g. {missing[0]!r}")
 
     programs = [p.program(s) for p in problems for s in completions[p.task_id]]
-    outcomes = iter(run_many(programs, max_workers=max_workers, **limits))
+    # Identical programs (greedy copies, repeated samples of a small model) run once: the
+    # sandbox is deterministic for a given program and limits, and a run costs a process.
+    unique = list(dict.fromkeys(programs))
+    ran = dict(zip(unique, run_many(unique, max_workers=max_workers, **limits), strict=True))
+    outcomes = iter([ran[program] for program in programs])
     results: list[ProblemResult] = []
     totals = dict.fromkeys(STATUSES, 0)
     for problem in problems:

@@ -32,6 +32,18 @@ class AgentTelemetry:
             "Rewards reported to the CPM as a student.",
             registry=registry,
         )
+        self.packages_built = Counter(
+            "peerlm_agent_teacher_packages_total",
+            "Knowledge packages built as a teacher, by mode (text or logits).",
+            ["mode"],
+            registry=registry,
+        )
+        self.packages_integrated = Counter(
+            "peerlm_agent_student_packages_total",
+            "Knowledge packages integrated as a student, by mode (text or logits).",
+            ["mode"],
+            registry=registry,
+        )
         self.exchange_failures = Counter(
             "peerlm_agent_exchange_failures_total",
             "Exchanges that failed before integration.",

@@ -19,7 +19,9 @@ The host then offers the agent-side operations of KNEXA-FL:
 
 Thread-safety: a ModelHost is not thread-safe. Every method mutates or reads the model, the
 tokenizer or torch's RNG; the agent daemon owns one worker thread that makes all calls, and
-callers elsewhere must do the same (one thread at a time). All methods are synchronous.
+callers elsewhere must do the same (one thread at a time). All methods are synchronous. The
+one exception is :attr:`ModelHost.interrupt`, a ``threading.Event`` any thread may set to
+end training at the next optimiser step (graceful shutdown).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import hashlib
 import json
 import math
 import os
+import re
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +43,7 @@ import numpy as np
 import torch
 from peerlm.agent.models.lora import LoraSettings, apply_lora, trainable_share
 from peerlm.agent.training import (
+    IGNORE_INDEX,
     Encoded,
     Example,
     LogitTarget,
@@ -51,6 +56,7 @@ from peerlm.agent.training import (
     fit_lengths,
     kd_kl_sum,
     run_training,
+    split_prompt,
     token_ids,
     token_loss_sum,
 )
@@ -110,30 +116,48 @@ def family_of(model_type: str) -> str:
     return _FAMILIES.get(model_type, "other")
 
 
-def truncate_at_stops(text: str, stops: Sequence[str]) -> str:
-    """``text`` up to (excluding) the earliest occurrence of any stop sequence."""
+# A line that starts at column 0 after the body began: the function has ended.
+_DEDENT = re.compile(r"\n(?=[^\s])")
+
+
+def truncate_at_stops(text: str, stops: Sequence[str], *, dedent: bool = False) -> str:
+    """``text`` up to (excluding) the earliest occurrence of any stop sequence.
+
+    With ``dedent``, a newline followed by a non-blank character at column 0 is a stop
+    too: the completion of a function prompt ends where the function does, whatever
+    top-level statement follows (HumanEval's evaluation cuts the same way).
+    """
     cut = len(text)
     for stop in stops:
         if stop:
             at = text.find(stop)
             if 0 <= at < cut:
                 cut = at
+    if dedent:
+        match = _DEDENT.search(text, 0, cut)
+        if match is not None:
+            cut = match.start()
     return text[:cut]
 
 
 class _StopOnStrings(StoppingCriteria):
-    """Marks a sequence finished once its generated text contains a stop sequence."""
+    """Marks a sequence finished once its generated text contains a stop (see
+    :func:`truncate_at_stops`)."""
 
-    def __init__(self, tokenizer: Any, prompt_width: int, stops: Sequence[str]) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_width: int, stops: Sequence[str], *, dedent: bool
+    ) -> None:
         self._tokenizer = tokenizer
         self._width = prompt_width
         self._stops = [s for s in stops if s]
+        self._dedent = dedent
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
     ) -> torch.BoolTensor:
         done = [
             any(s in text for s in self._stops)
+            or (self._dedent and _DEDENT.search(text) is not None)
             for text in self._tokenizer.batch_decode(
                 input_ids[:, self._width :], skip_special_tokens=True
             )
@@ -181,6 +205,9 @@ class ModelHost:
         self.seed = seed
         self.tokenizer_hash = _vocab_hash(tokenizer)
         self._pad_id = int(tokenizer.pad_token_id)
+        #: Set from any thread to end the running (and any later) training call at its next
+        #: optimiser step boundary; the one cross-thread signal a host accepts.
+        self.interrupt = threading.Event()
         self.model.eval()
 
     # ------------------------------------------------------------------------ construction
@@ -306,7 +333,13 @@ class ModelHost:
         items = self._encode_all(examples, settings.max_length)
         if not items:
             raise ValueError("train_local: no example has a token to train on")
-        stats = run_training(self.model, [self._text_source("local", 1.0, items)], settings, steps)
+        stats = run_training(
+            self.model,
+            [self._text_source("local", 1.0, items)],
+            settings,
+            steps,
+            interrupt=self.interrupt,
+        )
         stats.local_loss = stats.mean_loss
         return stats
 
@@ -344,7 +377,9 @@ class ModelHost:
             raise ValueError("train_akd: alpha_kd > 0 needs teacher completions with tokens")
         local_src = self._text_source("local", 1.0 - alpha, local)
         kd_src = self._text_source("kd", alpha, teacher)
-        stats = run_training(self.model, [local_src, kd_src], settings, steps)
+        stats = run_training(
+            self.model, [local_src, kd_src], settings, steps, interrupt=self.interrupt
+        )
         stats.local_loss, stats.kd_loss, stats.alpha_kd = local_src.mean(), kd_src.mean(), alpha
         return stats
 
@@ -386,7 +421,9 @@ class ModelHost:
             targets,
             lambda batch: kd_kl_sum(self.model, batch, self._pad_id, temperature),
         )
-        stats = run_training(self.model, [local_src, kd_src], settings, steps)
+        stats = run_training(
+            self.model, [local_src, kd_src], settings, steps, interrupt=self.interrupt
+        )
         stats.local_loss, stats.kd_loss, stats.alpha_kd = local_src.mean(), kd_src.mean(), alpha
         return stats
 
@@ -444,9 +481,16 @@ class ModelHost:
         """Teacher side of the logit mode: top-k log-probabilities per completion token.
 
         One dictionary per (prompt, completion): ``input_ids`` (int32, prompt + completion +
-        EOS as this tokenizer encodes them), ``prompt_length``, ``ids`` (int32, [L, k]) and
+        EOS as this tokenizer encodes them, the prompt's trailing indent moved to the
+        completion as in training), ``prompt_length``, ``ids`` (int32, [L, k]) and
         ``logprobs`` (float32, [L, k], log-softmax of logits / ``temperature``),
         ``temperature`` and ``tokenizer_hash`` (the student checks it).
+
+        Row t describes the position that predicts ``input_ids[prompt_length + t]``.
+        Column 0 is that token itself (the completion's own token, whatever its rank),
+        columns 1..k-1 the k-1 most probable other tokens, best first. So the completion
+        can be rebuilt from column 0 (a package need not carry it twice), and the KD
+        support always contains the token the teacher's text has.
         """
         if len(prompts) != len(completions):
             raise ValueError("prompts and completions differ in length")
@@ -471,13 +515,23 @@ class ModelHost:
                 scores = torch.log_softmax(
                     logits[row, plen - 1 : plen - 1 + n].float() / temperature, -1
                 )
-                top = scores.topk(k, dim=-1)
+                # Column 0: the token the text has there; then the k-1 likeliest others.
+                actual = torch.as_tensor(ids[plen:], dtype=torch.long, device=scores.device)
+                own = scores.gather(-1, actual[:, None])
+                others = scores.scatter(-1, actual[:, None], float("-inf"))
+                top = others.topk(k - 1, dim=-1) if k > 1 else None
+                top_ids = (
+                    actual[:, None]
+                    if top is None
+                    else torch.cat([actual[:, None], top.indices], -1)
+                )
+                top_lp = own if top is None else torch.cat([own, top.values], -1)
                 out.append(
                     {
                         "input_ids": np.asarray(ids, dtype=np.int32),
                         "prompt_length": plen,
-                        "ids": top.indices.cpu().numpy().astype(np.int32),
-                        "logprobs": top.values.cpu().numpy().astype(np.float32),
+                        "ids": top_ids.cpu().numpy().astype(np.int32),
+                        "logprobs": top_lp.cpu().numpy().astype(np.float32),
                         "temperature": float(temperature),
                         "tokenizer_hash": self.tokenizer_hash,
                     }
@@ -507,6 +561,35 @@ class ModelHost:
         loss = total / count
         return loss, (math.exp(loss) if loss < 700 else math.inf)
 
+    @torch.inference_mode()
+    def sequence_logprobs(
+        self, pairs: Sequence[tuple[str, str]], *, batch_size: int = 8, max_length: int = 256
+    ) -> list[float]:
+        """log p(completion + EOS | prompt) of each (prompt, completion) pair, in nats.
+
+        The probability of a *string* under this model (its canonical tokenisation, as in
+        training), so values of hosts with different tokenizers compare. Pairs too long
+        for ``max_length`` are scored on what :func:`fit_lengths` keeps.
+        """
+        limit = min(max_length, self.context_length)
+        encoded = [encode_example(self.tokenizer, pair, limit) for pair in pairs]
+        # A pair with nothing to score (no room left for its completion) gets -inf.
+        empty = Encoded([self._pad_id], [IGNORE_INDEX])
+        items = [e if e is not None else empty for e in encoded]
+        device = next(self.model.parameters()).device
+        out: list[float] = []
+        self.model.eval()
+        for lo in range(0, len(items), batch_size):
+            chunk = items[lo : lo + batch_size]
+            ids, mask, labels = collate(chunk, self._pad_id, device)
+            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), -1)
+            target = labels[:, 1:]
+            picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+            picked = picked.masked_fill(target < 0, 0.0)
+            out.extend(float(v) for v in picked.sum(-1).cpu())
+        return [v if e is not None else float("-inf") for v, e in zip(out, encoded, strict=True)]
+
     # --------------------------------------------------------------------------- generation
 
     @torch.inference_mode()
@@ -520,6 +603,7 @@ class ModelHost:
         n: int = 1,
         seed: int = 0,
         stop: Sequence[str] = DEFAULT_STOPS,
+        dedent: bool = True,
         batch_size: int = 8,
     ) -> list[list[str]]:
         """``n`` completions per prompt: the text after the prompt, cut at ``stop``.
@@ -528,6 +612,13 @@ class ModelHost:
         otherwise nucleus sampling with ``top_p``, seeded by ``seed`` (reproducible, and
         the caller's RNG is untouched). Prompts are batched with left padding; a prompt
         longer than the context minus ``max_new_tokens`` keeps its end.
+
+        A prompt's trailing indent is not tokenised with it: the model generates it as the
+        start of the body (:func:`~peerlm.agent.training.split_prompt`, the same split as
+        training), and the completion returned is the text after the *whole* prompt (the
+        indent removed again when the model produced it). With ``dedent`` (the default),
+        generation also stops at the first line that starts at column 0
+        (:func:`truncate_at_stops`), so a completion is one function body.
         """
         if n < 1 or max_new_tokens < 1 or temperature < 0:
             raise ValueError("need n >= 1, max_new_tokens >= 1, temperature >= 0")
@@ -543,8 +634,10 @@ class ModelHost:
                 chunk = prompts[lo : lo + batch_size]
                 # An empty prompt starts from EOS (a document boundary): a row with no
                 # attended position at all has no defined attention.
+                heads = [split_prompt(self.tokenizer, p) for p in chunk]
                 encoded = [
-                    token_ids(self.tokenizer, p, special=True)[-budget:] or [start] for p in chunk
+                    token_ids(self.tokenizer, head, special=True)[-budget:] or [start]
+                    for head, _ in heads
                 ]
                 width = max(len(e) for e in encoded)
                 ids = torch.full((len(chunk), width), self._pad_id, dtype=torch.long)
@@ -559,7 +652,7 @@ class ModelHost:
                     "pad_token_id": self._pad_id,
                     "eos_token_id": eos,
                     "stopping_criteria": StoppingCriteriaList(
-                        [_StopOnStrings(self.tokenizer, width, stop)]
+                        [_StopOnStrings(self.tokenizer, width, stop, dedent=dedent)]
                     ),
                 }
                 if sample:
@@ -572,10 +665,14 @@ class ModelHost:
                     input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs
                 )
                 texts = self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-                texts = [truncate_at_stops(t, stop) for t in texts]
+                texts = [truncate_at_stops(t, stop, dedent=dedent) for t in texts]
                 per = n if sample else 1
                 for i in range(len(chunk)):
-                    group = texts[i * per : (i + 1) * per]
+                    indent = heads[i][1]
+                    group = [
+                        t[len(indent) :] if t.startswith(indent) else t
+                        for t in texts[i * per : (i + 1) * per]
+                    ]
                     results.append(group if sample else group * n)
         return results
 

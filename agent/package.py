@@ -6,10 +6,12 @@ A package holds the teacher's predictions on the public, pinned transfer set X_u
 * **text** (the paper's choice, and the default): for each prompt of X_u its id, the SHA-256
   of the prompt and the teacher's decoded completion. The student re-tokenises the text
   with its own tokenizer, so any architecture can learn from any other.
-* **logits**: for each prompt the teacher's top-k token ids (``int32 [L, k]``) and their
-  log-probabilities (``float16`` or ``float32 [L, k]``) at each of L positions, the
-  temperature they were taken at, the teacher tokenizer's hash and vocabulary size. Only
-  a student with the same tokenizer can use them.
+* **logits**: for each prompt, at each of the L positions of the teacher's completion,
+  k token ids (``int32 [L, k]``) and their log-probabilities (``float16`` or ``float32
+  [L, k]``): column 0 is the token the teacher's completion has at that position, columns
+  1..k-1 the most probable other tokens. Plus the temperature they were taken at, the
+  teacher tokenizer's hash and vocabulary size. Only a student with the same tokenizer can
+  use them; it rebuilds the completion from column 0.
 
 Format (``format=peerlm.akd``, ``version=1``): one safetensors file, never pickle.
 
@@ -241,9 +243,11 @@ def build_logits_package(
     """Encode a logits package; returns the bytes and the ids of withheld prompts.
 
     Token ids are numbers the guardrail cannot read, so each item is vetted through its
-    greedy decoding: ``detokenize`` (the teacher's tokenizer) turns the top-1 ids back into
-    text, and an item whose text the guardrail would change in any way is withheld whole
-    (cutting rows out of a distribution would leave it inconsistent).
+    text: ``detokenize`` (the teacher's tokenizer) turns column 0 (the completion's own
+    tokens) back into text, and an item whose text the guardrail would change in any way is
+    withheld whole (cutting rows out of a distribution would leave it inconsistent). The
+    other columns are the likeliest alternatives at each position; single tokens, they are
+    not vetted.
     """
     n = len(prompts)
     if len(token_ids) != n or len(logprobs) != n:

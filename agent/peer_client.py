@@ -31,6 +31,7 @@ from peerlm.wire.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 __all__ = [
     "ADAPTER_CONTENT_TYPE",
     "PACKAGE_CONTENT_TYPE",
+    "STUDENT_TOKENIZER_METADATA",
     "PeerExchangeError",
     "adapter_content_type",
     "fetch_package",
@@ -39,6 +40,9 @@ __all__ = [
     "pull_adapter",
     "pull_adapter_with_round",
 ]
+
+#: Request metadata announcing a student's tokenizer (see peer_service, which reads it).
+STUDENT_TOKENIZER_METADATA: Final = "peerlm-student-tokenizer-sha256"
 
 #: Media type of an adapter; the server appends ``; round=N`` naming the round it sent.
 ADAPTER_CONTENT_TYPE: Final = "application/vnd.peerlm.adapter+safetensors"
@@ -87,9 +91,13 @@ def parse_adapter_round(content_type: str) -> int:
     raise ValueError(f"content type {content_type!r} names no round")
 
 
-def _metadata(dev_identity: str | None) -> tuple[tuple[str, str], ...]:
-    # Only an insecure-dev server reads this; an mTLS server ignores it entirely.
-    return ((DEV_IDENTITY_METADATA_KEY, dev_identity),) if dev_identity else ()
+def _metadata(
+    dev_identity: str | None, tokenizer_sha256: str | None = None
+) -> tuple[tuple[str, str], ...]:
+    # Only an insecure-dev server reads the identity; an mTLS server ignores it entirely.
+    identity = ((DEV_IDENTITY_METADATA_KEY, dev_identity),) if dev_identity else ()
+    hint = ((STUDENT_TOKENIZER_METADATA, tokenizer_sha256),) if tokenizer_sha256 else ()
+    return identity + hint
 
 
 async def fetch_package(
@@ -102,11 +110,14 @@ async def fetch_package(
     timeout_s: float,
     registry: CollectorRegistry | None = None,
     dev_identity: str | None = None,
+    tokenizer_sha256: str | None = None,
 ) -> bytes:
     """Fetch the knowledge package ``directive_id`` entitles us to from teacher ``target``.
 
     ``creds=None`` is plaintext, which only the insecure-dev mode decision may choose; then
-    ``dev_identity`` (our SPIFFE id) names us. Received bytes are counted in
+    ``dev_identity`` (our SPIFFE id) names us. ``tokenizer_sha256`` announces our tokenizer
+    (request metadata ``peerlm-student-tokenizer-sha256``) so the teacher may send logits
+    when it shares it. Received bytes are counted in
     ``peerlm_agent_package_bytes_received_total`` when ``registry`` is given.
     """
     counter = _bytes_counter(
@@ -119,7 +130,7 @@ async def fetch_package(
         call = stub.FetchPackage(
             peer_pb2.FetchPackageRequest(directive_id=directive_id),
             timeout=timeout_s,
-            metadata=_metadata(dev_identity),
+            metadata=_metadata(dev_identity, tokenizer_sha256),
         )
         payload, content_type = await _receive(call, max_bytes, counter, what="package")
     if content_type != PACKAGE_CONTENT_TYPE:

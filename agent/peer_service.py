@@ -28,7 +28,7 @@ import grpc
 import structlog
 from peerlm.agent.directives import DirectiveBook, DirectiveError
 from peerlm.agent.package import PACKAGE_CONTENT_TYPE
-from peerlm.agent.peer_client import adapter_content_type, get_counter
+from peerlm.agent.peer_client import STUDENT_TOKENIZER_METADATA, adapter_content_type, get_counter
 from prometheus_client import CollectorRegistry
 
 from peerlm.chunks import iter_chunks
@@ -44,6 +44,7 @@ from peerlm.wire.v1 import common_pb2, cpm_pb2, peer_pb2, peer_pb2_grpc
 __all__ = [
     "PEER_POLICY",
     "PEER_SERVICE_NAME",
+    "STUDENT_TOKENIZER_METADATA",
     "AdapterProvider",
     "PackageProvider",
     "PeerExchangeService",
@@ -59,8 +60,15 @@ PEER_POLICY: dict[str, frozenset[Role]] = {
     _METHOD + "PullAdapter": frozenset({Role.AGENT}),
 }
 
-#: Builds the package a verified directive entitles its student to (encoded bytes).
-PackageProvider = Callable[[cpm_pb2.Directive], Awaitable[bytes]]
+#: Builds the package a verified directive entitles its student to (encoded bytes), given
+#: the tokenizer SHA-256 the student announced (None if it announced none).
+PackageProvider = Callable[[cpm_pb2.Directive, str | None], Awaitable[bytes]]
+
+# STUDENT_TOKENIZER_METADATA (from peer_client): a student announces its tokenizer (SHA-256
+# of its id -> token map, 64 hex digits) so the teacher can choose logits mode for a student
+# that can use logits. A hint, not an identity: a wrong value only gets the student a
+# package it cannot use, which it checks itself.
+_HEX64: Final = re.compile(r"[0-9a-f]{64}")
 #: The adapter of a round (0 = latest) as (round, safetensors bytes), or None if absent.
 AdapterProvider = Callable[[int], Awaitable[tuple[int, bytes] | None]]
 
@@ -150,12 +158,22 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
                 "directive_id must be 1-128 characters of [A-Za-z0-9_-]",
                 caller,
             )
+        tokenizer = _metadata_value(context, STUDENT_TOKENIZER_METADATA)
+        if tokenizer is not None and not _HEX64.fullmatch(tokenizer):
+            await self._refuse(
+                context,
+                rpc,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "bad_tokenizer_hash",
+                f"{STUDENT_TOKENIZER_METADATA} must be 64 lower-case hex digits",
+                caller,
+            )
         try:
             directive = self._book.teaching_for(directive_id, caller)
         except DirectiveError as err:
             await self._refuse(context, rpc, err.code, err.reason, err.message, caller)
         try:
-            payload = await self._package(directive)
+            payload = await self._package(directive, tokenizer)
         except Exception as err:  # the provider's failure is ours, not the caller's
             self._book.refund(directive_id)
             self._log.error(
@@ -247,13 +265,16 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         await context.abort(code, detail)
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
-    async def _package(self, directive: cpm_pb2.Directive) -> bytes:
-        """The package for ``directive``, built at most once however many fetch it at once."""
+    async def _package(self, directive: cpm_pb2.Directive, tokenizer: str | None) -> bytes:
+        """The package for ``directive``, built at most once however many fetch it at once.
+
+        The first fetch's tokenizer hint decides the build; retries get the same package.
+        """
         key = directive.directive_id
         build = self._builds.get(key)
         if build is None:
             self._m.builds.inc()
-            build = asyncio.ensure_future(self._package_provider(directive))
+            build = asyncio.ensure_future(self._package_provider(directive, tokenizer))
             build.add_done_callback(lambda done: self._forget_failed(key, done))
             self._builds[key] = build
             while len(self._builds) > self._cache_entries:
@@ -269,6 +290,13 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         failed = done.cancelled() or done.exception() is not None
         if failed and self._builds.get(key) is done:
             del self._builds[key]
+
+
+def _metadata_value(context: ServicerContext, key: str) -> str | None:
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+    return None
 
 
 async def serve_peer(

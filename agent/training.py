@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,7 @@ __all__ = [
     "kd_kl_sum",
     "lr_factor",
     "run_training",
+    "split_prompt",
     "token_ids",
     "token_loss_sum",
 ]
@@ -106,6 +108,7 @@ class TrainStats:
     ``mean_loss`` is the mean over steps of the optimised objective (for AKD the weighted
     sum of Eq. 2); ``local_loss`` and ``kd_loss`` are token-weighted means of the two
     components over the call (None where a component had weight zero and was skipped).
+    ``interrupted``: training stopped early at a step boundary (``steps`` were done).
     """
 
     mean_loss: float
@@ -118,6 +121,7 @@ class TrainStats:
     kd_loss: float | None = None
     alpha_kd: float | None = None
     step_losses: list[float] = field(default_factory=list)
+    interrupted: bool = False
 
     @property
     def seconds_per_step(self) -> float:
@@ -190,10 +194,49 @@ def token_ids(tokenizer: Any, text: str, *, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
 
 
+#: What a body usually starts with after the prompt's indent; :func:`split_prompt` checks
+#: its cut against it.
+_PROBE = "return"
+
+
+def split_prompt(tokenizer: Any, prompt: str) -> tuple[str, str]:
+    """``prompt`` cut into (head, whitespace tail) where ``tokenizer`` has a token boundary.
+
+    A bank prompt ends with ``'\"\"\"\n    '``: the docstring's end, a newline and the
+    four spaces that indent the body. Pre-tokenisers never put a token boundary at the end
+    of such a prompt: GPT-2's attaches the last space to the next word (``'\n   '``,
+    ``' return'``), Qwen2's the newline to the punctuation before it (``'\"\"\"\n'``).
+    Tokenised on its own, the prompt ends in tokens (a lone ``'\n'`` or ``'    '``) that
+    the model never saw before a body; after a lone ``'\n'`` it has only ever seen the
+    end of a document. So generation and training tokenise only the head and let the
+    completion start with the tail. The cut is the first position in the trailing
+    whitespace at which the head's tokens followed by those of ``tail + "return"`` are
+    the tokens of the whole text: a function of prompt and tokenizer alone, so training
+    (:func:`encode_pair`) and :meth:`~peerlm.agent.modelhost.ModelHost.generate` always
+    cut alike. A prompt without trailing whitespace, or without such a cut, is kept whole.
+    """
+    stripped = prompt.rstrip()
+    if not stripped or stripped == prompt:
+        return prompt, ""
+    whole = token_ids(tokenizer, prompt + _PROBE, special=True)
+    for cut in range(len(stripped), len(prompt)):
+        head, tail = prompt[:cut], prompt[cut:]
+        parts = token_ids(tokenizer, head, special=True)
+        parts += token_ids(tokenizer, tail + _PROBE, special=False)
+        if parts == whole:
+            return head, tail
+    return prompt, ""
+
+
 def encode_pair(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-    """Prompt ids (with the tokenizer's special prefix, if any) and completion ids + EOS."""
-    p = token_ids(tokenizer, prompt, special=True)
-    c = token_ids(tokenizer, completion, special=False) + _eos_list(tokenizer)
+    """Prompt ids (with the tokenizer's special prefix, if any) and completion ids + EOS.
+
+    The prompt's trailing indent moves to the completion (:func:`split_prompt`), exactly
+    as :meth:`~peerlm.agent.modelhost.ModelHost.generate` tokenises it.
+    """
+    head, indent = split_prompt(tokenizer, prompt)
+    p = token_ids(tokenizer, head, special=True)
+    c = token_ids(tokenizer, indent + completion, special=False) + _eos_list(tokenizer)
     return p, c
 
 
@@ -346,6 +389,8 @@ def run_training(
     sources: Sequence[Source],
     settings: TrainSettings,
     steps: int | None = None,
+    *,
+    interrupt: threading.Event | None = None,
 ) -> TrainStats:
     """Minimise sum_s weight_s * L_s over the trainable parameters of ``model``.
 
@@ -353,6 +398,10 @@ def run_training(
     every source with a positive weight, back-propagates each source's token-mean loss
     scaled by its weight, clips and updates. Without ``steps``, ``epochs`` passes over the
     largest active source; smaller sources cycle. ``model`` is left in eval mode.
+
+    ``interrupt`` (set from any thread) ends training at the next step boundary, after at
+    least one step: the parameters are then those of a completed optimiser update, and
+    ``TrainStats.interrupted`` says so.
     """
     active = [s for s in sources if s.weight > 0 and s.items]
     if not active:
@@ -378,6 +427,7 @@ def run_training(
     cycles = [_Cycle(len(s.items), settings.seed * 7919 + i) for i, s in enumerate(active)]
     started = time.perf_counter()
     step_losses: list[float] = []
+    interrupted = False
     micro_batches = 0
     examples = 0
     device = _device_of(model)
@@ -388,7 +438,10 @@ def run_training(
     try:
         with torch.random.fork_rng(devices=fork_devices):
             torch.manual_seed(settings.seed)
-            for _ in range(steps):
+            for step in range(steps):
+                if step > 0 and interrupt is not None and interrupt.is_set():
+                    interrupted = True
+                    break
                 optimizer.zero_grad(set_to_none=True)
                 objective = 0.0
                 for source, cycle in zip(active, cycles, strict=True):
@@ -417,10 +470,11 @@ def run_training(
         model.eval()
     return TrainStats(
         mean_loss=sum(step_losses) / len(step_losses),
-        steps=steps,
+        steps=len(step_losses),
         micro_batches=micro_batches,
         examples=examples,
         tokens=sum(s.token_count for s in active),
         seconds=round(time.perf_counter() - started, 4),
         step_losses=[round(x, 6) for x in step_losses],
+        interrupted=interrupted,
     )

@@ -69,8 +69,10 @@ class Roles:
         root_of: Callable[[int], ClusterDescriptor | None],
         leaf_of: Callable[[int], ClusterDescriptor | None],
         on_takeover_seen: Callable[[Takeover], None],
+        neighbours: Callable[[], dict[str, NodeRef]] = dict,
     ) -> None:
         self.ctx = ctx
+        self._neighbours = neighbours
         self.roles: dict[str, ClusterRole] = {}
         self._roles_changed = on_roles_changed
         self._on_announce = on_announce
@@ -84,6 +86,7 @@ class Roles:
         self._reported: dict[str, ClusterDescriptor] = {}
         self._reattach_sent: dict[str, float] = {}
         self._early_parents: dict[str, tuple[str, ParentUpdate, float]] = {}
+        self._reattach_tries: dict[str, int] = {}
         self._announcements: dict[int, EpochAnnounce] = {}
         self._suspects: dict[str, float] = {}
 
@@ -591,19 +594,31 @@ class Roles:
             self._reattach(role)
 
     def _reattach(self, role: ClusterRole) -> None:
-        """The parent cluster is gone: ask the root to place this cluster again."""
+        """The parent cluster is gone: ask the root to place this cluster again, through
+        the cached root's replicas and, since churn may have replaced all of those, through
+        physical neighbours, whose own parent pointers climb to the current root."""
         root = self._root_of(role.descriptor.epoch)
         cid = role.cluster_id
-        if root is None or (role.parent is not None and root.cluster_id == role.parent.cluster_id):
-            return
+        if (
+            root is not None
+            and role.parent is not None
+            and root.cluster_id == role.parent.cluster_id
+        ):
+            root = None  # our parent *was* the root: only a neighbour's path can help
         last = self._reattach_sent.get(cid)
         if last is not None and self.ctx.now - last < self.ctx.params.join_retry:
             return
         self._reattach_sent[cid] = self.ctx.now
+        tries = self._reattach_tries.get(cid, 0)
+        self._reattach_tries[cid] = tries + 1
+        entries = list(root.replicas) if root is not None else []
+        entries += sorted(self._neighbours().values(), key=lambda r: r.node_id)
+        if not entries:
+            return
         self.ctx.counters["maintenance.reattach"] += 1
         d = role.descriptor
         req = JoinRequest(d.epoch, self.ctx.ref, d.prototype, None, d.level + 1, False, item=d)
-        self.ctx.send(root.replicas[0], req)
+        self.ctx.send(entries[tries % len(entries)], req)
 
     # ------------------------------------------------------------------ inbound upkeep
     def on_heartbeat(self, src: str, msg: Heartbeat) -> None:

@@ -379,7 +379,10 @@ class EpochAnnounce:
 @dataclass(frozen=True, slots=True)
 class Query:
     """``Q_i = <u_i, K, qid>`` sent by the querier to a top-level super-peer (or, with
-    ``ascend``, to its leaf super-peer, which forwards it up the parent pointers)."""
+    ``ascend``, to its leaf super-peer or a neighbour, which forward it up the parent
+    pointers). ``budget`` is how many seconds the querier still waits for the answer
+    (each forwarding hop subtracts ``t_a``); the root spends at most that, less a return
+    trip."""
 
     KIND: ClassVar[str] = "QUERY"
     qid: str
@@ -390,6 +393,7 @@ class Query:
     tau: float | None
     round: int
     ascend: bool = False
+    budget: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

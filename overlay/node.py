@@ -66,6 +66,7 @@ from peerlm.overlay.messages import (
     ZoneInfoRequest,
 )
 from peerlm.overlay.params import OverlayParams
+from peerlm.overlay.peers import Neighbours
 from peerlm.overlay.querier import Querier
 from peerlm.overlay.search import SearchServer
 from peerlm.overlay.signature import Signature
@@ -115,13 +116,11 @@ class OverlayNode:
         self.node_id = node_id
         self.address = address
         self.params = params
-        self._neighbours: dict[str, NodeRef] = {}
-        self._probe_sent: dict[str, float] = {}
-        self.rtt: dict[str, float] = {}
+        self.peers = Neighbours(self.ctx)
         self._started = False
         self._scheduled: set[int] = set()
-        self.membership = Membership(self.ctx, lambda: self._neighbours)
-        self.zones = ZoneFormation(self.ctx, lambda: self._neighbours, self._roles_changed)
+        self.membership = Membership(self.ctx, lambda: self.peers.refs)
+        self.zones = ZoneFormation(self.ctx, lambda: self.peers.refs, self._roles_changed)
         self.roles = Roles(
             self.ctx,
             self._roles_changed,
@@ -129,11 +128,23 @@ class OverlayNode:
             self.membership.root,
             self.membership.leaf,
             self.membership.on_takeover,
+            lambda: self.peers.refs,
         )
         self.search = SearchServer(
-            self.ctx, self.roles.get, self.roles.root_role, self._top_role, self.membership.root
+            self.ctx,
+            self.roles.get,
+            self.roles.root_role,
+            self._top_role,
+            self.membership.root,
+            self.membership.leaf,
         )
-        self.querier = Querier(self.ctx, self._query_entry, self.membership.note_root, self._depth)
+        self.querier = Querier(
+            self.ctx,
+            self._query_entry,
+            self.membership.note_root,
+            self._depth,
+            self.peers.by_recency,
+        )
         self._last_roles: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ identity
@@ -225,7 +236,12 @@ class OverlayNode:
 
     def _depth(self) -> int:
         epoch = self.membership.active_epoch()
-        return self.membership.views[epoch].depth if epoch is not None else self.params.max_levels
+        if epoch is None:
+            return self.params.max_levels
+        view = self.membership.views[epoch]
+        if view.depth:
+            return view.depth
+        return view.root.level if view.root is not None else self.params.max_levels
 
     def _top_role(self, epoch: int) -> ClusterRole | None:
         roles = [r for r in self.roles.roles.values() if r.descriptor.epoch == epoch]
@@ -279,7 +295,7 @@ class OverlayNode:
     def _route(self, src: str, msg: Message) -> None:
         match msg:
             case PeerExchange():
-                self._on_peer_exchange(src, msg)
+                self.peers.on_exchange(src, msg)
             case ElectionTicket():
                 self.zones.on_election(src, msg)
             case Probe():
@@ -369,44 +385,12 @@ class OverlayNode:
     def set_neighbours(self, refs: list[NodeRef], now: float) -> list[Send]:
         """Replace the physical neighbour set (the first ``d_max`` distinct refs are kept)."""
         self._begin(now)
-        self._neighbours = {}
-        for ref in refs:
-            if ref.node_id != self.node_id and len(self._neighbours) < self.params.max_neighbours:
-                self._neighbours.setdefault(ref.node_id, ref)
+        self.peers.replace(refs)
         return self._drain()
 
     def neighbours(self) -> list[NodeRef]:
         """The current physical neighbours."""
-        return list(self._neighbours.values())
-
-    def _on_peer_exchange(self, src: str, msg: PeerExchange) -> None:
-        if msg.sender.node_id != src or len(msg.refs) > self.params.max_items_per_message:
-            self.ctx.reject("bad_field")
-            return
-        sent = self._probe_sent.pop(src, None)
-        if sent is not None:
-            self.rtt[src] = self.ctx.now - sent
-        known = self._neighbours
-        if src not in known and len(known) < self.params.max_neighbours:
-            known[src] = msg.sender
-        elif src not in known and src in self.rtt:
-            # Prefer low RTT: replace the slowest measured neighbour if the sender is faster.
-            slowest = max(known, key=lambda n: self.rtt.get(n, float("inf")))
-            if self.rtt[src] < self.rtt.get(slowest, float("inf")):
-                del known[slowest]
-                known[src] = msg.sender
-        if msg.want_reply:
-            self.ctx.send(msg.sender, PeerExchange(self.ctx.ref, tuple(known.values())))
-        for ref in msg.refs:
-            if (
-                ref.node_id != self.node_id
-                and ref.node_id not in known
-                and ref.node_id not in self._probe_sent
-                and ref.node_id not in self.rtt
-                and len(self._probe_sent) < self.params.max_neighbours
-            ):
-                self._probe_sent[ref.node_id] = self.ctx.now
-                self.ctx.send(ref, PeerExchange(self.ctx.ref, (), want_reply=True))
+        return list(self.peers.refs.values())
 
     def set_signature(self, sig: Signature, now: float, p_min: int | None = None) -> list[Send]:
         """Publish this round's signature (and optionally this node's ``P_min``).
@@ -449,13 +433,7 @@ class OverlayNode:
         request goes to the root (through a bootstrap peer) and is placed top-down.
         """
         self._begin(now)
-        for ref in bootstrap:
-            if ref.node_id == self.node_id:
-                continue
-            if len(self._neighbours) < self.params.max_neighbours:
-                self._neighbours.setdefault(ref.node_id, ref)
-            self._probe_sent[ref.node_id] = now
-            self.ctx.send(ref, PeerExchange(self.ctx.ref, (), want_reply=True))
+        self.peers.contact(bootstrap)
         epoch = self.params.epoch_of(now)
         if (
             epoch >= 0
@@ -522,7 +500,7 @@ class OverlayNode:
             "roles": roles,
             "root": root.cluster_id if root is not None else None,
             "depth": self.membership.views[epoch].depth if epoch in self.membership.views else 0,
-            "neighbours": sorted(self._neighbours),
+            "neighbours": sorted(self.peers.refs),
             "tau": self.querier.threshold.tau,
             "pending_queries": self.querier.pending(),
         }

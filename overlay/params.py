@@ -46,6 +46,9 @@ class OverlayParams:
     """``t_a``: per-hop time allowance; the diameter timeout is ``R * t_a`` (our choice)."""
     max_neighbours: int = 8
     """``d_max``: neighbour fan-out cap of the physical overlay graph (our choice)."""
+    peer_exchange_interval: float = 3.0
+    """Neighbours exchange peer lists this often; one silent for three intervals is
+    dropped and replaced from the lists (our choice)."""
     orphan_passes: int = 3
     """Passes in which a peer no probe reached adopts a neighbour's zone before it seeds
     its own (our choice; the paper defers such peers to the next epoch)."""
@@ -146,6 +149,7 @@ class OverlayParams:
             "ttl_radius >= 1": self.ttl_radius >= 1,
             "hop_time > 0": self.hop_time > 0,
             "max_neighbours >= 1": self.max_neighbours >= 1,
+            "peer_exchange_interval > 0": self.peer_exchange_interval > 0,
             "replication >= 1": self.replication >= 1,
             "root_replication >= replication": self.root_replication >= self.replication,
             "max_children >= 2": self.max_children >= 2,

@@ -21,7 +21,14 @@ from dataclasses import dataclass, replace
 
 from peerlm.overlay.context import NodeContext
 from peerlm.overlay.events import QueryCompleted
-from peerlm.overlay.messages import Candidate, ClusterDescriptor, Query, QueryResult, SearchStats
+from peerlm.overlay.messages import (
+    Candidate,
+    ClusterDescriptor,
+    NodeRef,
+    Query,
+    QueryResult,
+    SearchStats,
+)
 from peerlm.overlay.search import merge_top_k, pick_replica
 from peerlm.overlay.signature import Signature, sparse_cosine
 from peerlm.overlay.threshold import ThresholdController
@@ -51,8 +58,10 @@ class Querier:
         entry: Callable[[], tuple[int, ClusterDescriptor | None, ClusterDescriptor | None]],
         note_root: Callable[[int, ClusterDescriptor | None], None],
         depth: Callable[[], int] = lambda: 1,
+        neighbours: Callable[[], dict[str, NodeRef]] = dict,
     ) -> None:
         self._depth = depth
+        self._neighbours = neighbours
         self.ctx = ctx
         p = ctx.params
         self.threshold = ThresholdController(
@@ -88,28 +97,40 @@ class Querier:
         return qid
 
     def _send(self, p: _Pending) -> bool:
-        """Send to the next entry: the root's replicas in turn (from a hash of the qid),
-        then up through the leaf's replicas (ascending the parent pointers, which also
-        reaches a root whose replica set changed since we cached it)."""
+        """Send to the next entry, cycling through: the cached root's replicas (starting at
+        a hash of the qid), then up through our leaf's primary, then through each physical
+        neighbour. Climbing the parent pointers (ours or a neighbour's) reaches the root
+        even when churn replaced every replica we cached, or our own branch lost a
+        parent."""
         epoch, root, leaf = self._entry()
         p.epoch = epoch
-        msg = Query(p.qid, epoch, self.ctx.ref, p.signature, p.k, p.tau, p.round)
-        roots = len(root.replicas) if root is not None else 0
+        remaining = p.started + self.ctx.params.query_timeout - self.ctx.now
+        msg = Query(p.qid, epoch, self.ctx.ref, p.signature, p.k, p.tau, p.round, budget=remaining)
+        climb = replace(msg, ascend=True)
+        hop = 2 * self.ctx.params.hop_time
+        entries: list[tuple[str, NodeRef, Query, float]] = []
+        roots = []
+        if root is not None:
+            n = len(root.replicas)
+            roots = [("root", pick_replica(root.replicas, p.qid, i), msg, hop) for i in range(n)]
+        # Two tries at the cached root, then climb (ours, then neighbours'), then the rest.
+        entries += roots[:2]
+        # A climb is acknowledged by the root: one way up (a hop per level), one back.
+        up = self.ctx.params.hop_time * (self._depth() + 2)
+        if leaf is not None:
+            entries.append(("leaf", leaf.replicas[0], climb, up))
+        # Neighbours come most recently heard from first.
+        entries += [("neighbour", ref, climb, up) for ref in self._neighbours().values()]
+        entries += roots[2:]
+        if not entries:
+            self.ctx.counters["query.no_route"] += 1
+            return False
         attempt = p.entries
         p.entries += 1
         p.acked = False
-        if root is not None and attempt < roots:
-            self.ctx.send(pick_replica(root.replicas, p.qid, attempt), msg)
-            wait = 2 * self.ctx.params.hop_time
-        elif leaf is not None:
-            self.ctx.send(pick_replica(leaf.replicas, p.qid, attempt), replace(msg, ascend=True))
-            wait = 2 * self.ctx.params.hop_time * (self._depth() + 1)
-        elif root is not None:
-            self.ctx.send(pick_replica(root.replicas, p.qid, attempt), msg)
-            wait = 2 * self.ctx.params.hop_time
-        else:
-            self.ctx.counters["query.no_route"] += 1
-            return False
+        kind, target, out, wait = entries[attempt % len(entries)]
+        self.ctx.counters[f"query.entry_{kind}"] += 1
+        self.ctx.send(target, out)
         self.ctx.after(wait, lambda: self._ack_timeout(p.qid, attempt))
         return True
 

@@ -128,6 +128,7 @@ class _Session:
     samples: tuple[float, ...] = ()
     replied_attempt: int = -1
     deadline: float = 0.0
+    expired: bool = False
 
 
 @dataclass(slots=True)
@@ -148,8 +149,10 @@ class SearchServer:
         root_role_of: Callable[[int], ClusterRole | None],
         any_role: Callable[[int], ClusterRole | None],
         root_of: Callable[[int], ClusterDescriptor | None],
+        leaf_of: Callable[[int], ClusterDescriptor | None] = lambda _: None,
     ) -> None:
         self.ctx = ctx
+        self._leaf_of = leaf_of
         self._role_of = role_of
         self._root_role_of = root_role_of
         self._any_role = any_role
@@ -171,6 +174,9 @@ class SearchServer:
         if msg.tau is not None and not -1.0 <= msg.tau <= 1.0:
             self.ctx.reject("bad_field")
             return
+        if not 0.0 <= msg.budget <= params.query_timeout:
+            self.ctx.reject("bad_field")
+            return
         done = self._done.get(msg.qid)
         if done is not None:
             self.ctx.send(msg.querier, done)
@@ -190,14 +196,20 @@ class SearchServer:
         session = self._new_session(
             msg.qid, root, msg.querier.node_id, msg.signature, msg.k, tau, None
         )
-        self._arm_deadline(session, params.search_budget * params.query_timeout)
+        # Spend our share of Delta_t, but never more than the querier still waits for.
+        budget = min(params.search_budget * params.query_timeout, msg.budget - 2 * params.hop_time)
+        self._arm_deadline(session, max(0.0, budget))
         self._visit(session, root)
         self.ctx.after(2 * params.query_timeout, lambda: self._forget(msg.qid))
 
     def _forward_up(self, msg: Query) -> None:
         role = self._any_role(msg.epoch)
+        leaf = self._leaf_of(msg.epoch)
         if role is not None and role.parent is not None:
-            target = pick_replica(role.parent.replicas, msg.qid)
+            # The parent's primary: the replica our heartbeats keep us current about.
+            target = role.parent.replicas[0]
+        elif role is None and leaf is not None and leaf.replicas[0].node_id != self.ctx.node_id:
+            target = leaf.replicas[0]
         else:
             root = self._root_of(msg.epoch)
             if root is None or self.ctx.node_id in [r.node_id for r in root.replicas]:
@@ -205,7 +217,8 @@ class SearchServer:
                 return
             target = pick_replica(root.replicas, msg.qid)
         self.ctx.counters["search.forwarded_up"] += 1
-        self.ctx.send(target, replace(msg, ascend=True))
+        budget = max(0.0, msg.budget - self.ctx.params.hop_time)
+        self.ctx.send(target, replace(msg, ascend=True, budget=budget))
 
     def _initial_tau(self, root: ClusterRole, sig: Signature) -> float:
         if root.level == 1:
@@ -280,19 +293,24 @@ class SearchServer:
 
     def _arm_deadline(self, session: _Session, budget: float) -> None:
         session.deadline = self.ctx.now + budget
-        attempt = session.attempt
-        self.ctx.at(session.deadline, lambda: self._deadline(session, attempt))
+        session.expired = False
+        deadline = session.deadline
+        self.ctx.at(deadline, lambda: self._deadline(session, deadline))
 
-    def _deadline(self, session: _Session, attempt: int) -> None:
+    def _deadline(self, session: _Session, deadline: float) -> None:
         """Out of time: give up on branches still pending and answer with what we have."""
-        if self.ctx.inert or session.attempt != attempt or session.replied_attempt == attempt:
+        if self.ctx.inert or session.deadline != deadline:
             return
+        session.expired = True
+        pending = False
         for b in session.branches.values():
             if b.pending:
+                pending = True
                 b.pending = False
                 b.failed = True
                 self.ctx.counters["search.branch_deadline"] += 1
-        self._maybe_reply(session)
+        if pending or session.replied_attempt != session.attempt:
+            self._maybe_reply(session)
 
     def _answer_leaf(self, role: ClusterRole, msg: QueryDown) -> None:
         candidates, stats = self._score_members(role, msg.signature, msg.querier_id, msg.k, msg.tau)
@@ -426,6 +444,9 @@ class SearchServer:
         self.ctx.counters["search.child_timeouts"] += 1
         if b.replica_offset < len(b.child.replicas):
             self._send_down(session, b)
+            if b.pending:
+                return
+            self._maybe_reply(session)
             return
         b.pending = False
         b.failed = True
@@ -513,7 +534,13 @@ class SearchServer:
             tau = max(-1.0, tau - params.relax_step)
             rq.relax_steps += 1
             passed = sum(1 for c in candidates if c.similarity >= tau)
-        if passed < session.k and frontier >= tau and rq.relax_steps < params.max_relax:
+        if (
+            passed < session.k
+            and frontier >= tau
+            and rq.relax_steps < params.max_relax
+            and not session.expired
+            and session.deadline - self.ctx.now > 2 * params.hop_time
+        ):
             if tau == session.tau:
                 rq.relax_steps += 1
             session.tau = tau

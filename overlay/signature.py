@@ -85,6 +85,8 @@ _VERSION: Final = 1
 # magic, version, flags, space length, dim, p
 _HEADER: Final = struct.Struct("<4sBBHQI")
 _FP16_MAX: Final = float(np.finfo(np.float16).max)
+# cosine_to_many switches to a value table when dim <= this x the coordinates it locates.
+_LOOKUP_FACTOR: Final = 16
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -285,9 +287,10 @@ def _clip_cos(value: float) -> float:
 def cosine_to_many(query: Signature, others: Sequence[Signature]) -> FloatArray:
     """``[sparse_cosine(query, o) for o in others]`` as one vectorised pass (float64 array).
 
-    All others' coordinates are concatenated and located in the query's sorted index list
-    with one ``searchsorted``; per-signature dot products are a weighted ``bincount``.
-    Cost O(sum P log P) with no dim-sized allocation.
+    All others' coordinates are concatenated and looked up in the query at once (one
+    ``searchsorted``, or a value table when dim is at most 16 times the number of
+    coordinates: O(sum P + dim) instead of O(sum P log P)); the per-signature dot products
+    are one segmented sum (``np.add.reduceat``).
     """
     n = len(others)
     out = np.zeros(n, dtype=np.float64)
@@ -304,16 +307,28 @@ def cosine_to_many(query: Signature, others: Sequence[Signature]) -> FloatArray:
     lengths = np.fromiter((o.p for o in members), dtype=np.int64, count=len(members))
     idx = np.concatenate([o.indices for o in members])
     vals = np.concatenate([o.values64() for o in members])
-    owner = np.repeat(np.arange(len(members)), lengths)
-    pos = np.searchsorted(query.indices, idx)
-    pos[pos == query.p] = query.p - 1
-    hit = query.indices[pos] == idx
-    dots = np.bincount(
-        owner[hit], weights=vals[hit] * query.values64()[pos[hit]], minlength=len(members)
-    )
+    starts = np.zeros(len(members), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    # Every signature has P >= 1, so the segments are non-empty and reduceat sums each.
+    dots = np.add.reduceat(vals * _query_values_at(query, idx), starts)
     norms = np.fromiter((o.norm() for o in members), dtype=np.float64, count=len(members))
     out[np.asarray(same, dtype=np.int64)] = np.clip(dots / (norms * query.norm()), -1.0, 1.0)
     return out
+
+
+def _query_values_at(query: Signature, needles: npt.NDArray[np.int64]) -> FloatArray:
+    """The query's value at each needle coordinate (0.0 where the query has none).
+
+    Binary search in the query's sorted indices by default; when the space is small next
+    to the number of needles, a dim-long value table is an order of magnitude faster.
+    """
+    if query.dim <= _LOOKUP_FACTOR * needles.shape[0]:
+        table = np.zeros(query.dim, dtype=np.float64)
+        table[query.indices] = query.values64()
+        return table[needles]
+    pos = np.searchsorted(query.indices, needles)
+    pos[pos == query.p] = query.p - 1
+    return np.where(query.indices[pos] == needles, query.values64()[pos], 0.0)
 
 
 def cosine_matrix(signatures: Sequence[Signature]) -> FloatArray:

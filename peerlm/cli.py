@@ -235,6 +235,7 @@ def _mount_subapps() -> None:
     app.add_typer(ca_app, name="ca", help="Federation PKI: CA, certificates.")
     app.add_typer(data_app, name="data", help="Bundled task data: build, show.")
     app.add_typer(models_app, name="models", help="Tiny local models: build.")
+    _mount_operations()
     try:
         from peerlm.cli_bench import app as bench_app
     except ImportError:  # pragma: no cover - the bench module is part of the package
@@ -242,11 +243,22 @@ def _mount_subapps() -> None:
     app.add_typer(bench_app, name="bench", help="Benchmarks.")
 
 
+def _mount_operations() -> None:
+    from peerlm.cli_status import health_command, status_command
+    from peerlm.compose import app as compose_app
+
+    app.command("status")(status_command)
+    app.command("health")(health_command)
+    app.add_typer(compose_app, name="compose")
+
+
 def _mount_dev() -> None:
     from peerlm.agent.simulated import sim_agent_command
     from peerlm.devfed import up_command
+    from peerlm.experiment_cli import run_experiment_command
 
     app.command("up")(up_command)
+    app.command("run-experiment")(run_experiment_command)
     app.command("sim-agent", hidden=True)(sim_agent_command)
 
 

@@ -31,7 +31,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from peerlm.agent.models.tiny import BuildEvent, ModelInfo
 
-__all__ = ["app", "build_command", "list_command"]
+__all__ = ["app", "build_command", "list_command", "quiet_transformers"]
 
 app = typer.Typer(help="Locally built tiny models.", no_args_is_help=True, add_completion=False)
 
@@ -43,7 +43,7 @@ def _models() -> None:
     """Build and inspect the tiny models agents load with from_pretrained."""
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     # A CLI process owns its logging: the library's per-file tqdm bars and info notices
     # would interleave with the rich progress display.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -86,7 +86,7 @@ def build_with_progress(
     """:func:`build_models` with one progress bar per architecture on ``err``."""
     from peerlm.agent.models.tiny import build_models
 
-    _quiet_transformers()
+    quiet_transformers()
     with Progress(
         TextColumn("{task.description:<10}"),
         BarColumn(),
@@ -140,7 +140,7 @@ def build_command(
         str, typer.Option(help="tiny (1-2 M parameters) or micro (tests, < 100 k).")
     ] = "tiny",
     steps: Annotated[
-        int | None, typer.Option(min=0, help="Pre-training steps (default: tiny 500, micro 4).")
+        int | None, typer.Option(min=0, help="Pre-training steps (default: tiny 1000, micro 4).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of weights and batches.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
@@ -162,7 +162,7 @@ def build_command(
             f"unknown architecture(s) {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}",
             param_hint="--arch",
         )
-    _quiet_transformers()
+    quiet_transformers()
     if threads is not None:
         import torch
 

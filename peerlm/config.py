@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 from peerlm.pki.identity import validate_name
 
 __all__ = [
+    "AgentOverlaySettings",
     "AgentSettings",
     "ConfigError",
     "CpmSettings",
@@ -144,6 +145,63 @@ class CpmSettings(ServiceSettings):
         return v
 
 
+class OverlayProtocolSettings(_Section):
+    """Overrides of the overlay protocol parameters (``peerlm.overlay.params.OverlayParams``).
+
+    ``None`` keeps the parameter's default. They must agree across every node of an overlay
+    (the epoch schedule and the limits are network-wide); see docs/overlay.md.
+    """
+
+    zone_cap: int | None = Field(default=None, ge=2)
+    ttl_radius: int | None = Field(default=None, ge=1)
+    hop_time: float | None = Field(default=None, gt=0)
+    max_neighbours: int | None = Field(default=None, ge=1)
+    replication: int | None = Field(default=None, ge=1)
+    max_children: int | None = Field(default=None, ge=2)
+    beam: int | None = Field(default=None, ge=1)
+    heartbeat_interval: float | None = Field(default=None, gt=0)
+    lease_duration: float | None = Field(default=None, gt=0)
+    epoch_period: float | None = Field(default=None, gt=0)
+    genesis_time: float | None = None
+    root_replication: int | None = Field(default=None, ge=1)
+    query_timeout: float | None = Field(default=None, gt=0)
+    search_budget: float | None = Field(default=None, gt=0, le=1)
+    member_timeout: float | None = Field(default=None, gt=0)
+    orphan_after: float | None = Field(default=None, gt=0)
+    join_retry: float | None = Field(default=None, gt=0)
+    max_signature_p: int | None = Field(default=None, ge=1)
+    max_items_per_message: int | None = Field(default=None, ge=1)
+    max_k: int | None = Field(default=None, ge=1)
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields that are set, as ``OverlayParams`` keyword arguments."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class AgentOverlaySettings(_Section):
+    """The agent as an overlay node: SemanticDFL pull and personalised aggregation.
+
+    The overlay service shares the agent's peer-exchange server (one port, one certificate),
+    so the address a search returns is the address the adapter is pulled from. See
+    docs/overlay-aggregation.md ("Running it in the agent").
+    """
+
+    enabled: bool = False
+    bootstrap: tuple[str, ...] = ()
+    protocol: OverlayProtocolSettings = OverlayProtocolSettings()
+    k: int = Field(default=2, ge=1, le=1024)
+    query_timeout_s: float | None = Field(default=None, gt=0)
+    signature_p: int | None = Field(default=None, ge=1)
+    tau_min: float = Field(default=0.9, gt=0, le=1)
+    importance_beta: float = Field(default=0.5, ge=0, lt=1)
+    psi: float = Field(default=2.0, ge=0)
+    kappa: float = Field(default=0.25, gt=0)
+    eta: float = Field(default=1.0, gt=0)
+    max_adapter_bytes: int = Field(default=64 * MiB, ge=1024)
+    bootstrap_retry_s: float = Field(default=1.0, gt=0)
+    leave_grace_s: float = Field(default=2.0, ge=0)
+
+
 class AgentSettings(ServiceSettings):
     """The agent daemon (``peerlm agent``). ``listen`` is its peer-exchange endpoint."""
 
@@ -176,9 +234,16 @@ class AgentSettings(ServiceSettings):
     grad_accumulation: int = Field(default=4, ge=1)
     max_length: int = Field(default=256, ge=16)
     seed: int = 0
-    # AKD (Eq. 2), text mode; alpha_KD linear over the rounds from start to end (Table 6).
+    # AKD (Eq. 2); alpha_KD and the KD temperature linear over the rounds (Table 6).
     alpha_kd_start: float = Field(default=0.2, ge=0, le=1)
     alpha_kd_end: float = Field(default=0.5, ge=0, le=1)
+    kd_temperature_start: float = Field(default=2.5, gt=0, le=100)
+    kd_temperature_end: float = Field(default=1.5, gt=0, le=100)
+    # What this agent sends as a teacher: "directive" follows the directive's protocol
+    # (akd: text, akd_logits: logits), "text" always text, "logits" logits whenever the
+    # student's tokenizer is ours; logits fall back to text for any other tokenizer.
+    akd_mode: Literal["directive", "text", "logits"] = "directive"
+    logits_top_k: int = Field(default=16, ge=1, le=1024)
     transfer_limit: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=96, ge=1, le=4096)
     # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB.
@@ -192,6 +257,11 @@ class AgentSettings(ServiceSettings):
     profile_dp_epsilon: float | None = Field(default=None, gt=0)
     guardrail_ngram: int = Field(default=8, ge=3)
     max_package_bytes: int = Field(default=64 * MiB, ge=1024)
+    # SIGTERM: finish the current round within this grace, else stop training at the next
+    # optimiser step, checkpoint and exit 0.
+    stop_grace_s: float = Field(default=30.0, ge=0)
+    # SemanticDFL: the agent as an overlay node pulling its K most similar peers' adapters.
+    overlay: AgentOverlaySettings = AgentOverlaySettings()
 
     @field_validator("cpm", "advertise")
     @classmethod
@@ -199,39 +269,6 @@ class AgentSettings(ServiceSettings):
         if v is not None:
             parse_host_port(v)
         return v
-
-
-class OverlayProtocolSettings(_Section):
-    """Overrides of the overlay protocol parameters (``peerlm.overlay.params.OverlayParams``).
-
-    ``None`` keeps the parameter's default. They must agree across every node of an overlay
-    (the epoch schedule and the limits are network-wide); see docs/overlay.md.
-    """
-
-    zone_cap: int | None = Field(default=None, ge=2)
-    ttl_radius: int | None = Field(default=None, ge=1)
-    hop_time: float | None = Field(default=None, gt=0)
-    max_neighbours: int | None = Field(default=None, ge=1)
-    replication: int | None = Field(default=None, ge=1)
-    max_children: int | None = Field(default=None, ge=2)
-    beam: int | None = Field(default=None, ge=1)
-    heartbeat_interval: float | None = Field(default=None, gt=0)
-    lease_duration: float | None = Field(default=None, gt=0)
-    epoch_period: float | None = Field(default=None, gt=0)
-    genesis_time: float | None = None
-    root_replication: int | None = Field(default=None, ge=1)
-    query_timeout: float | None = Field(default=None, gt=0)
-    search_budget: float | None = Field(default=None, gt=0, le=1)
-    member_timeout: float | None = Field(default=None, gt=0)
-    orphan_after: float | None = Field(default=None, gt=0)
-    join_retry: float | None = Field(default=None, gt=0)
-    max_signature_p: int | None = Field(default=None, ge=1)
-    max_items_per_message: int | None = Field(default=None, ge=1)
-    max_k: int | None = Field(default=None, ge=1)
-
-    def overrides(self) -> dict[str, Any]:
-        """The fields that are set, as ``OverlayParams`` keyword arguments."""
-        return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
 class OverlaySettings(ServiceSettings):

@@ -206,6 +206,7 @@ async def _run(
             _stop(p)
         cpm_rc = _stop(cpm)
     rewards = sum(len(r.get("rewards", [])) for r in reports)
+    pulled = sum(int(r.get("adapters_pulled", 0)) for r in reports)
     return {
         "federation": FEDERATION,
         "state_dir": str(fed.root),
@@ -221,6 +222,7 @@ async def _run(
         "directives_issued": stats.directives_issued if stats else 0,
         "rewards_observed": stats.rewards_observed if stats else 0,
         "theta_norm": stats.theta_norm if stats else 0.0,
+        "adapters_pulled": pulled,
         "agents": reports,
     }
 
@@ -306,6 +308,33 @@ class RealPlan:
     max_new_tokens: int = 64
     round_timeout_s: float = 60.0
     alpha: float = 0.1
+    overlay: bool = False
+    family: str | None = None
+
+
+#: Dev overlay schedule (``peerlm up --overlay``): short hops and leases so a handful of
+#: agents build the overlay within seconds; the build starts ``OVERLAY_STARTUP_S`` after the
+#: configurations are written, when the agents have loaded their models and joined.
+DEV_OVERLAY_PROTOCOL: dict[str, Any] = {
+    "zone_cap": 4,
+    "ttl_radius": 1,
+    "hop_time": 0.3,
+    "max_neighbours": 8,
+    "replication": 2,
+    "heartbeat_interval": 0.5,
+    "lease_duration": 2.0,
+    "epoch_period": 3600.0,
+    "query_timeout": 6.0,
+}
+OVERLAY_STARTUP_S = 30.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _prepare_real(
@@ -331,14 +360,17 @@ def _prepare_real(
     manifest = build_federation_data(data_dir, len(agents), alpha=plan.alpha, seed=seed)
     configs = fed.root / "agents"
     configs.mkdir(parents=True, exist_ok=True)
+    # With the overlay every agent serves on a known port, and all bootstrap through agent-0.
+    ports = [_free_port() if plan.overlay else 0 for _ in agents]
+    protocol = {**DEV_OVERLAY_PROTOCOL, "genesis_time": time.time() + OVERLAY_STARTUP_S}
     for i, name in enumerate(agents):
         t = fed.tls(name)
         client = data_dir / "clients" / str(i)
-        config = {
+        config: dict[str, Any] = {
             "federation": FEDERATION,
-            "listen": "127.0.0.1:0",
+            "listen": f"127.0.0.1:{ports[i]}",
             "state_dir": str(fed.root / "agents" / name),
-            "model": str(models_dir / ARCHS[i % len(ARCHS)]),
+            "model": str(models_dir / (plan.family or ARCHS[i % len(ARCHS)])),
             "device": "cpu",
             "train_file": str(client / "train.jsonl"),
             "val_file": str(client / "val.jsonl"),
@@ -354,6 +386,13 @@ def _prepare_real(
             "log_format": "json",
             "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
         }
+        if plan.overlay:
+            config["overlay"] = {
+                "enabled": True,
+                "bootstrap": [f"{agents[0]}@127.0.0.1:{ports[0]}"],
+                "protocol": protocol,
+                "k": 2,
+            }
         (configs / f"{name}.yaml").write_text(json.dumps(config, indent=2))
 
     def argv(i: int, name: str, target: str) -> list[str]:
@@ -371,7 +410,8 @@ def _table(result: dict[str, Any]) -> Table:
     )
     for col in (
         "agent", "model", "pass@1 before", "pass@1 after", "loss before", "loss after",
-        "exchanges", "as teacher", "mean reward", "KB sent", "KB received", "errors",
+        "exchanges", "as teacher", "mean reward", "pulled", "KB sent", "KB received",
+        "errors",
     ):  # fmt: skip
         table.add_column(col, justify="left" if col in ("agent", "model") else "right")
     for r in result["agents"]:
@@ -386,6 +426,7 @@ def _table(result: dict[str, Any]) -> Table:
             str(r.get("exchanges", r.get("as_student", 0))),
             str(r.get("as_teacher", 0)),
             f"{sum(rewards) / len(rewards):.4f}" if rewards else "-",
+            str(r.get("adapters_pulled", 0)),
             f"{r.get('bytes_sent', 0) / 1024:.1f}",
             f"{r.get('bytes_received', 0) / 1024:.1f}",
             "; ".join(r.get("errors", [])) or "-",
@@ -412,6 +453,21 @@ def up_command(
         typer.Option(help="Keep the CPM database and agent checkpoints of the last run."),
     ] = False,
     metrics_port: Annotated[int | None, typer.Option(help="CPM /metrics port.")] = None,
+    overlay: Annotated[
+        bool,
+        typer.Option(
+            help="Agents are overlay nodes (bootstrap: agent-0) and pull and aggregate their "
+            "K most similar peers' adapters each round (SemanticDFL)."
+        ),
+    ] = False,
+    family: Annotated[
+        str | None,
+        typer.Option(
+            help=f"One model family for every agent ({', '.join(ARCHS)}); default round-robin. "
+            "Adapters aggregate only within a family: with mixed families the overlay's "
+            "pulls are refused (counted) by design."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
@@ -427,11 +483,15 @@ def up_command(
     fed.provision(names)
     if console:
         console.print(f"[bold]peerlm up[/]: {agents} agents, {rounds} rounds, state in {state_dir}")
+    if family is not None and family not in ARCHS:
+        raise typer.BadParameter(f"unknown family {family!r}; one of {', '.join(ARCHS)}")
+    if simulated and (overlay or family):
+        raise typer.BadParameter("--overlay and --family need model-hosting agents")
     try:
         if simulated:
             argv = _sim_argv(fed, names, rounds, seed, heterogeneity)
         else:
-            plan = RealPlan(size="micro" if micro else "tiny")
+            plan = RealPlan(size="micro" if micro else "tiny", overlay=overlay, family=family)
             argv = _prepare_real(fed, names, rounds, seed, plan, console)
         result = asyncio.run(_run(fed, names, rounds, argv, metrics_port, console))
     except KeyboardInterrupt:
@@ -450,5 +510,10 @@ def up_command(
             f"{result['directives_issued']} directives, {result['rewards_observed']} rewards "
             f"committed, |theta| = {result['theta_norm']:.3f}; logs in {fed.logs}"
         )
+        if overlay:
+            Console().print(
+                f"overlay: {result['adapters_pulled']} neighbour adapters integrated"
+                + ("" if family else "; mixed families: cross-family pulls are refused")
+            )
     if any(r.get("errors") for r in result["agents"]) or result["cpm_exit_code"] != 0:
         raise typer.Exit(code=1)

@@ -5,7 +5,11 @@ model exactly as it would load Qwen1.5-0.5B or pythia-410m (DESIGN.md principle 
 module builds stand-ins of the same families (GPT-2, GPT-NeoX, BLOOM, Qwen2) from scratch:
 
 1. a **corpus** every machine has: the Python standard library's top-level ``*.py`` files
-   (sorted paths, the first ``corpus_bytes`` of them; no test suites, no site-packages);
+   (sorted paths, the first ``corpus_bytes`` of them; no test suites, no site-packages),
+   plus a **public, bank-style corpus**: complete functions (prompt + reference) of the
+   public problems :func:`~peerlm.agent.tasks.bank.public_problems`, drawn with a seed of
+   their own; federation data never contain one of those functions, so no private,
+   validation, transfer or test problem was seen in pre-training;
 2. a **byte-level BPE tokenizer per architecture** trained with ``tokenizers`` on that
    corpus, each with a *different* vocabulary size, so tokenizer heterogeneity in the
    federation is real: the same text becomes different token sequences for different agents.
@@ -13,8 +17,10 @@ module builds stand-ins of the same families (GPT-2, GPT-NeoX, BLOOM, Qwen2) fro
    as in GPT-2;
 3. a **small config of the family** (``tiny``: 1-2 M parameters, ``micro``: under 100 k for
    tests) with randomly initialised weights;
-4. a **brief pre-training** (full parameters, AdamW, batches of 8 x 128-token windows drawn
-   from the corpus) so that the models know something about Python before LoRA fine-tuning;
+4. a **brief pre-training** (full parameters, AdamW, batches of 8 x 128-token windows;
+   a ``public_share`` of the windows start at a public function, the rest anywhere in the
+   standard library) so that the models know Python and the style of a small typed
+   function with a docstring before LoRA fine-tuning;
 5. ``save_pretrained`` of model and tokenizer into ``out_dir/<arch>/`` plus a
    ``peerlm-model.json`` manifest; the directory then loads with
    ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
@@ -59,6 +65,7 @@ __all__ = [
     "ModelInfo",
     "Size",
     "build_models",
+    "public_corpus",
     "read_manifest",
     "stdlib_corpus",
 ]
@@ -71,7 +78,7 @@ SPECIAL_TOKEN = "<|endoftext|>"
 
 # Bump when the build procedure changes in a way that changes the weights: cached models of
 # an older format are rebuilt.
-_FORMAT = 1
+_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -110,14 +117,32 @@ class _Recipe:
     batch: int
     seq_len: int
     lr: float
+    public_per_category: int = 0
+    public_share: float = 0.0
 
 
 _RECIPES: Mapping[str, _Recipe] = MappingProxyType(
     {
-        # ~70 ms a step for these shapes on 2 CPU cores: 500 steps ~ 35-45 s per model.
-        "tiny": _Recipe(corpus_bytes=4_000_000, steps=500, batch=8, seq_len=128, lr=2e-3),
+        # ~70 ms a step for these shapes on 2 CPU cores: 1000 steps ~ 70-110 s per model.
+        "tiny": _Recipe(
+            corpus_bytes=4_000_000,
+            steps=1000,
+            batch=8,
+            seq_len=128,
+            lr=2e-3,
+            public_per_category=150,
+            public_share=0.75,
+        ),
         # Tests: a tokenizer trained on 256 kB and a handful of steps, ~1 s per model.
-        "micro": _Recipe(corpus_bytes=256_000, steps=4, batch=4, seq_len=64, lr=2e-3),
+        "micro": _Recipe(
+            corpus_bytes=256_000,
+            steps=4,
+            batch=4,
+            seq_len=64,
+            lr=2e-3,
+            public_per_category=4,
+            public_share=0.5,
+        ),
     }
 )
 
@@ -186,6 +211,43 @@ def stdlib_corpus(max_bytes: int) -> tuple[list[str], str]:
         digest.update(path.name.encode() + b"\0" + data + b"\0")
         texts.append(data.decode("utf-8", errors="replace"))
     return texts, digest.hexdigest()
+
+
+def public_corpus(n_per_category: int) -> tuple[list[str], str]:
+    """Complete functions (prompt + reference) of the public bank problems, and their SHA-256.
+
+    See :func:`peerlm.agent.tasks.bank.public_problems`: a seed of their own, and federation
+    data exclude these functions, so pre-training on them leaks no evaluation problem.
+    """
+    from peerlm.agent.tasks.bank import public_problems
+
+    texts = [p.prompt + p.reference for p in public_problems(n_per_category)]
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode("utf-8") + b"\0")
+    return texts, digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class _Corpus:
+    stdlib: list[str]
+    public: list[str]
+    sha256: str
+
+    @property
+    def texts(self) -> list[str]:
+        return [*self.stdlib, *self.public]
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(len(t.encode("utf-8")) for t in self.texts)
+
+
+def _corpus(recipe: _Recipe) -> _Corpus:
+    stdlib, stdlib_sha = stdlib_corpus(recipe.corpus_bytes)
+    public, public_sha = public_corpus(recipe.public_per_category)
+    sha = hashlib.sha256(f"{stdlib_sha}:{public_sha}".encode()).hexdigest()
+    return _Corpus(stdlib, public, sha)
 
 
 # ------------------------------------------------------------------------------- tokenizer
@@ -371,15 +433,25 @@ def read_manifest(model_dir: Path) -> ModelInfo | None:
 # -------------------------------------------------------------------------------- pretrain
 
 
-def _token_stream(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str]) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Stream:
+    """Token ids of documents joined by EOS, and where each document starts."""
+
+    ids: torch.Tensor
+    starts: torch.Tensor
+
+
+def _token_stream(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str]) -> _Stream:
     eos = int(tokenizer.eos_token_id)  # type: ignore[arg-type]
     ids: list[int] = []
+    starts: list[int] = []
     # The backend directly: the wrapper warns about every document longer than the context,
     # which is expected here (windows are cut from the stream afterwards).
     for encoding in tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False):
+        starts.append(len(ids))
         ids.extend(encoding.ids)
         ids.append(eos)  # a document boundary, as in GPT-2's pre-training
-    return torch.tensor(ids, dtype=torch.long)
+    return _Stream(torch.tensor(ids, dtype=torch.long), torch.tensor(starts, dtype=torch.long))
 
 
 def _lr_factor(step: int, total: int) -> float:
@@ -391,6 +463,35 @@ def _lr_factor(step: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _windows(
+    stdlib: torch.Tensor,
+    public: _Stream | None,
+    recipe: _Recipe,
+    seq: int,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """One batch: ``public_share`` of the rows start at a public function (the model sees
+    whole functions from their ``def``), the others anywhere in the standard library."""
+    rows: list[torch.Tensor] = []
+    n_public = 0
+    if public is not None and recipe.public_share > 0:
+        draws = torch.rand(recipe.batch, generator=generator)
+        n_public = int((draws < recipe.public_share).sum())
+    if n_public:
+        assert public is not None
+        picks = torch.randint(0, public.starts.numel(), (n_public,), generator=generator)
+        eos = int(public.ids[-1])
+        for pick in picks.tolist():
+            start = int(public.starts[pick])
+            window = public.ids[start : start + seq]
+            if window.numel() < seq:  # the last functions: pad with document boundaries
+                window = torch.cat([window, window.new_full((seq - window.numel(),), eos)])
+            rows.append(window)
+    starts = torch.randint(0, stdlib.numel() - seq, (recipe.batch - n_public,), generator=generator)
+    rows.extend(stdlib[s : s + seq] for s in starts.tolist())
+    return torch.stack(rows)
+
+
 def _pretrain(
     model: torch.nn.Module,
     stream: torch.Tensor,
@@ -398,6 +499,7 @@ def _pretrain(
     steps: int,
     generator: torch.Generator,
     on_step: Callable[[int, float], None],
+    public: _Stream | None = None,
 ) -> float | None:
     """Full-parameter causal-LM training on random windows; mean loss of the last 10 %."""
     if steps <= 0:
@@ -411,8 +513,7 @@ def _pretrain(
     tail_losses: list[float] = []
     model.train()
     for step in range(steps):
-        starts = torch.randint(0, stream.numel() - seq, (recipe.batch,), generator=generator)
-        batch = torch.stack([stream[s : s + seq] for s in starts.tolist()])
+        batch = _windows(stream, public, recipe, seq, generator)
         logits = model(input_ids=batch).logits
         loss_t = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
@@ -439,9 +540,7 @@ def _build_one(
     target: Path,
     steps: int,
     seed: int,
-    texts: Sequence[str],
-    corpus_sha: str,
-    corpus_bytes: int,
+    corpus: _Corpus,
     config_hash: str,
     emit: Callable[[BuildEvent], None],
 ) -> ModelInfo:
@@ -449,11 +548,12 @@ def _build_one(
     shape = _shape(arch, size)
     recipe = _RECIPES[size]
     emit(BuildEvent(arch, "tokenizer"))
-    tokenizer = _train_tokenizer(arch, texts, shape.vocab, shape.context)
+    tokenizer = _train_tokenizer(arch, corpus.texts, shape.vocab, shape.context)
     vocab = len(tokenizer)
     special_id = int(tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN))  # type: ignore[arg-type]
     config = _model_config(arch, shape, vocab, special_id)
-    stream = _token_stream(tokenizer, texts)
+    stream = _token_stream(tokenizer, corpus.stdlib).ids
+    public = _token_stream(tokenizer, corpus.public) if corpus.public else None
 
     # fork_rng: model init and window sampling are seeded without touching the caller's RNG.
     with torch.random.fork_rng(devices=[]):
@@ -468,6 +568,7 @@ def _build_one(
             steps,
             generator,
             lambda step, loss: emit(BuildEvent(arch, "pretrain", step, steps, loss)),
+            public,
         )
     parameters = sum(p.numel() for p in model.parameters())
 
@@ -479,7 +580,7 @@ def _build_one(
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     _save_tokenizer(tokenizer, tmp)
-    _check_reload(tmp, tokenizer, texts[:8])
+    _check_reload(tmp, tokenizer, [*corpus.stdlib[:6], *corpus.public[:2]])
     info = ModelInfo(
         arch=arch,
         size=size,
@@ -494,10 +595,15 @@ def _build_one(
         final_loss=None if final_loss is None else round(final_loss, 5),
         build_seconds=round(time.perf_counter() - started, 3),
         config_hash=config_hash,
-        corpus_sha256=corpus_sha,
-        corpus_bytes=corpus_bytes,
+        corpus_sha256=corpus.sha256,
+        corpus_bytes=corpus.n_bytes,
         seed=seed,
-        extra={"pretrain_batch": recipe.batch, "pretrain_seq_len": recipe.seq_len},
+        extra={
+            "pretrain_batch": recipe.batch,
+            "pretrain_seq_len": recipe.seq_len,
+            "public_functions": len(corpus.public),
+            "public_share": recipe.public_share,
+        },
     )
     manifest = {"format": _FORMAT, **info.to_dict()}
     manifest.pop("path")
@@ -535,14 +641,13 @@ def build_models(
     recipe = _RECIPES[size]
     steps = recipe.steps if pretrain_steps is None else pretrain_steps
     emit = progress or (lambda _event: None)
-    texts, corpus_sha = stdlib_corpus(recipe.corpus_bytes)
-    corpus_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    corpus = _corpus(recipe)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     infos: list[ModelInfo] = []
     for arch in dict.fromkeys(archs):  # de-duplicated, order kept
         target = out_dir / arch
-        config_hash = _config_hash(arch, size, steps, seed, corpus_sha)
+        config_hash = _config_hash(arch, size, steps, seed, corpus.sha256)
         cached = None if force else read_manifest(target)
         if cached is not None and cached.config_hash == config_hash:
             cached.cached = True
@@ -556,9 +661,7 @@ def build_models(
                 target,
                 steps,
                 seed,
-                texts,
-                corpus_sha,
-                corpus_bytes,
+                corpus,
                 config_hash,
                 emit,
             )

@@ -15,8 +15,8 @@ reference against its tests in the sandbox, which keeps the two in agreement.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -25,11 +25,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CATEGORIES",
+    "PUBLIC_PER_CATEGORY",
+    "PUBLIC_SEED",
     "TEMPLATES",
     "Spec",
     "Template",
     "choose_inputs",
+    "function_key",
     "generate_bank",
+    "public_problems",
     "render",
 ]
 
@@ -48,6 +52,14 @@ CATEGORIES: tuple[str, ...] = (
     "boolean",
     "sequence",
 )
+
+#: Seed of the *public* problems (the tiny models' pre-training corpus, not any
+#: federation's data). Federation data never holds one of them (:func:`generate_bank`'s
+#: ``exclude``), whatever its own seed, so pre-training cannot have seen a private,
+#: validation, transfer or test problem.
+PUBLIC_SEED = 1_000_003
+#: Public problems per category; smaller public corpora are prefixes of this one.
+PUBLIC_PER_CATEGORY = 150
 
 _N_TESTS = 4  # asserts per problem; the first input is also the docstring example
 _MIN_TESTS = 3
@@ -123,8 +135,7 @@ def render(spec: Spec, inputs: Sequence[Args], task_id: str, category: str) -> P
         '    """\n'
         "    "
     )
-    first, *rest = spec.body.split("\n")
-    reference = first + "\n" + "".join(f"    {line}\n" for line in rest)
+    reference = _reference(spec.body)
     tests = "".join(
         f"assert {_call(name, args)} == {_lit(spec.oracle(*args))}\n" for args in inputs
     )
@@ -138,23 +149,61 @@ def render(spec: Spec, inputs: Sequence[Args], task_id: str, category: str) -> P
     )
 
 
-def generate_bank(n_per_category: int, seed: int) -> list[Problem]:
+def _reference(body: str) -> str:
+    first, *rest = body.split("\n")
+    return first + "\n" + "".join(f"    {line}\n" for line in rest)
+
+
+def function_key(problem: Problem) -> tuple[str, str]:
+    """What makes two problems the same function: its name and its body (the reference).
+
+    Two problems with the same key differ at most in their docstring example and tests.
+    """
+    return (problem.entry_point, problem.reference)
+
+
+def generate_bank(
+    n_per_category: int, seed: int, *, exclude: Collection[tuple[str, str]] = ()
+) -> list[Problem]:
     """``n_per_category`` distinct problems for each category, deterministic for a seed.
 
     Templates take turns within a category; a problem is new when its function (name and
-    body) is, so no function appears twice with different examples. Task ids are
+    body) is, so no function appears twice with different examples. Functions whose
+    :func:`function_key` is in ``exclude`` are skipped as if already drawn (the federation
+    data exclude the public pre-training problems this way). Task ids are
     ``bank/<category>/<NNNN>``. Raises ``ValueError`` when a category's templates cannot
     supply that many distinct problems (a few hundred per category are available).
     """
     if n_per_category < 0:
         raise ValueError(f"n_per_category must not be negative, got {n_per_category}")
+    excluded = frozenset(exclude)
     problems: list[Problem] = []
     for category in CATEGORIES:
-        problems.extend(_generate_category(category, n_per_category, seed))
+        problems.extend(_generate_category(category, n_per_category, seed, excluded))
     return problems
 
 
-def _generate_category(category: str, n: int, seed: int) -> list[Problem]:
+def public_problems(n_per_category: int = PUBLIC_PER_CATEGORY) -> list[Problem]:
+    """The public, bank-style problems of the models' pre-training corpus (:data:`PUBLIC_SEED`).
+
+    Per category, a smaller ``n_per_category`` gives a prefix of a larger one, so every
+    public corpus is inside the default one that federation data exclude. Task ids are
+    ``public/<category>/<NNNN>``.
+    """
+    if n_per_category > PUBLIC_PER_CATEGORY:
+        raise ValueError(
+            f"at most {PUBLIC_PER_CATEGORY} public problems per category (federation data "
+            "exclude exactly those)"
+        )
+    return [
+        replace(p, task_id="public/" + p.task_id.removeprefix("bank/"))
+        for p in generate_bank(n_per_category, PUBLIC_SEED)
+    ]
+
+
+def _generate_category(
+    category: str, n: int, seed: int, exclude: frozenset[tuple[str, str]] = frozenset()
+) -> list[Problem]:
     # A string seed is hashed with SHA-512 by random.seed: stable across runs and versions.
     rng = random.Random(f"peerlm-bank/{seed}/{category}")
     templates = TEMPLATES[category]
@@ -174,7 +223,7 @@ def _generate_category(category: str, n: int, seed: int) -> list[Problem]:
         for _ in range(_MAX_TRIES):
             spec = template.build(rng)
             identity = (spec.entry_point, spec.body)
-            if identity in seen:
+            if identity in seen or (spec.entry_point, _reference(spec.body)) in exclude:
                 continue
             inputs = choose_inputs(spec)
             if not _discriminating(spec, inputs):

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from peerlm.agent.tasks.bank import CATEGORIES, generate_bank
+from peerlm.agent.tasks.bank import CATEGORIES, function_key, generate_bank, public_problems
 
 __all__ = [
     "DEFAULT_MIN_PER_CLIENT",
@@ -437,12 +437,15 @@ def build_federation_data(
     teachers decode on and what ``transfer_sha256`` pins, the tests measure pass@1 on X_u),
     ``test.jsonl`` (global test set) and ``manifest.json``, written last. Test and transfer
     problems are taken round-robin over categories, so both cover the bank evenly and no
-    function is in more than one part. The same arguments write byte-identical files. A
-    directory built with other arguments is refused unless ``overwrite``, which first
-    removes its ``clients/``.
+    function is in more than one part. No function of the public pre-training corpus
+    (:func:`~peerlm.agent.tasks.bank.public_problems`) is in any part. The same arguments
+    write byte-identical files. A directory built with other arguments is refused unless
+    ``overwrite``, which first removes its ``clients/``.
     """
     out = Path(out_dir)
-    problems = generate_bank(n_per_category, seed)
+    # Never a function of the public pre-training corpus (tiny models saw those).
+    public = {function_key(p) for p in public_problems()}
+    problems = generate_bank(n_per_category, seed, exclude=public)
     if test_size < 0 or transfer_size < 0:
         raise ValueError("test_size and transfer_size must not be negative")
     if test_size + transfer_size >= len(problems):

@@ -306,6 +306,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                 exchanges=state.trust.get(p.agent, (0, 0))[0],
                 successes=state.trust.get(p.agent, (0, 0))[1],
                 peer_endpoint=p.endpoint,
+                last_profile_at=_timestamp(p.received_at),
             )
             for p in core.agents()
         ]

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from peerlm.agent.models.tiny import build_models
 
 from peerlm.devfed import AGENT_ENV
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
@@ -36,7 +37,6 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    from peerlm.agent.models.tiny import build_models
     from peerlm.agent.tasks.dataset import build_federation_data
 
     tmp = tmp_path_factory.mktemp("agent")
@@ -113,8 +113,16 @@ def test_agent_resumes_at_the_saved_round_after_sigkill(world: World) -> None:
     log = world.tmp / "resume" / "a0.log"
     proc = _start(config, log)
     checkpoints = state / "checkpoints"
+    # The checkpoint is written before the round's "round_done" line: wait for both, so the
+    # kill cannot land between them.
     _wait_for(
-        lambda: any(checkpoints.glob("round-000001")) or proc.poll() is not None,
+        lambda: (
+            (
+                any(checkpoints.glob("round-000001"))
+                and any(e.get("event") == "round_done" for e in _events(log))
+            )
+            or proc.poll() is not None
+        ),
         240,
         "first checkpoint",
     )
@@ -138,6 +146,136 @@ def test_agent_resumes_at_the_saved_round_after_sigkill(world: World) -> None:
         if e.get("event") == "round_trained"
     ]
     assert second_rounds and second_rounds[0] == int(restored[-1]["round"]) + 1  # type: ignore[call-overload]
+
+
+def _wait_round_started(log: Path, proc: subprocess.Popen[str]) -> None:
+    _wait_for(
+        lambda: (
+            any(e.get("event") == "round_started" for e in _events(log)) or proc.poll() is not None
+        ),
+        240,
+        "round 1 started",
+    )
+    assert proc.poll() is None, log.read_text()[-2000:]
+
+
+def test_sigterm_cuts_training_at_a_step_after_the_grace_and_exits_0(world: World) -> None:
+    """SIGTERM mid-training: the grace runs out, training stops at a step boundary, the round
+    is checkpointed, the process exits 0, and a restart resumes after that round."""
+    state = world.tmp / "sigterm" / "state"
+    config = _config(world, "a0", state, local_steps=1_000_000, rounds=3, stop_grace_s=1.0)
+    log = world.tmp / "sigterm" / "a0.log"
+    proc = _start(config, log)
+    try:
+        _wait_round_started(log, proc)
+        time.sleep(0.5)  # inside the million-step training call
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["rounds_completed"] == 1 and summary["interrupted"] is True
+    kinds = [e.get("event") for e in _events(log)]
+    for kind in ("stop_requested", "stop_grace_over", "training_interrupted", "round_done"):
+        assert kind in kinds, kind
+    assert kinds.index("stop_grace_over") < kinds.index("training_interrupted")
+    assert (state / "checkpoints" / "LATEST").read_text().strip() == "round-000001"
+
+    # The checkpoint is a clean one: a restart resumes at round 2.
+    config = _config(world, "a0", state, local_steps=2, rounds=2, stop_grace_s=1.0)
+    proc = _start(config, log)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["rounds_completed"] == 2
+
+
+def test_sigterm_within_the_grace_finishes_the_round(world: World) -> None:
+    state = world.tmp / "sigterm-grace" / "state"
+    config = _config(world, "a1", state, local_steps=20, rounds=50, stop_grace_s=600.0)
+    log = world.tmp / "sigterm-grace" / "a1.log"
+    proc = _start(config, log)
+    try:
+        _wait_round_started(log, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    # The round in progress was finished whole (not cut), then the agent stopped.
+    assert summary["interrupted"] is False
+    done = [e for e in _events(log) if e.get("event") == "round_done"]
+    assert summary["rounds_completed"] == len(done) >= 1
+    assert summary["rounds_completed"] < 50
+    kinds = [e.get("event") for e in _events(log)]
+    assert "stop_requested" in kinds and "stop_grace_over" not in kinds
+
+
+@pytest.fixture(scope="module")
+def logits_world(world: World) -> Iterator[World]:
+    """A CPM of its own that recommends logits-mode AKD (K_rec = akd_logits), fresh agents."""
+    tmp = world.tmp / "logits"
+    pki = Pki.create(tmp, agents=4)
+    cpm = CpmProcess(
+        pki,
+        tmp / "cpm.db",
+        tmp,
+        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": '["akd_logits"]'},
+    ).start()
+    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
+    cpm.terminate()
+
+
+def test_logits_mode_between_agents_with_one_tokenizer(logits_world: World) -> None:
+    """Two gpt2 agents: the directive asks for logits, the student announces the teacher's
+    tokenizer, so the package is logits and the student distils at the scheduled T."""
+    w = logits_world
+    procs, logs = [], []
+    for name in ("a0", "a1"):
+        state = w.tmp / name / "state"
+        config = _config(w, name, state, rounds=2, round_timeout_s=120, local_steps=2)
+        logs.append(w.tmp / name / f"{name}.log")
+        procs.append(_start(config, logs[-1]))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log.read_text()[-3000:]
+    summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert sum(s["exchanges"] for s in summaries) >= 1
+    events = [e for log in logs for e in _events(log)]
+    built = [e for e in events if e.get("event") == "package_built"]
+    assert built and all(e["mode"] == "logits" and e["protocol"] == "akd_logits" for e in built)
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    assert integrated and all(e["mode"] == "logits" for e in integrated)
+    # Table 6: T from 2.5 (round 1) to 1.5 (round 2 of 2).
+    assert {float(e["temperature"]) for e in integrated} <= {2.5, 1.5}
+
+
+def test_logits_mode_falls_back_to_text_for_another_tokenizer(logits_world: World) -> None:
+    """A gpt2 and a qwen2 agent under the same akd_logits directives: the teacher sends text."""
+    w = logits_world
+    build_models(w.models, ("qwen2",), size="micro")
+    procs, logs = [], []
+    for name, arch in (("a2", "qwen2"), ("a3", "gpt2")):
+        state = w.tmp / f"mixed-{name}" / "state"
+        config = _config(
+            w, name, state, rounds=3, round_timeout_s=120, local_steps=2,
+            model=str(w.models / arch),
+        )  # fmt: skip
+        logs.append(w.tmp / f"mixed-{name}" / f"{name}.log")
+        procs.append(_start(config, logs[-1]))
+    for p, log in zip(procs, logs, strict=True):
+        p.communicate(timeout=600)
+        assert p.returncode == 0, log.read_text()[-3000:]
+    events = [e for log in logs for e in _events(log)]
+    built = [e for e in events if e.get("event") == "package_built"]
+    assert built and all(e["wanted"] == "logits" and e["mode"] == "text" for e in built)
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    assert integrated and all(e["mode"] == "text" for e in integrated)
 
 
 def test_health_answers_while_a_training_step_runs(world: World) -> None:

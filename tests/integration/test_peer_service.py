@@ -93,6 +93,7 @@ class Peer:
     clock: list[float]
     payload: bytes
     builds: list[str] = field(default_factory=list)
+    tokenizers: list[str | None] = field(default_factory=list)
     adapter: tuple[int, bytes] | None = None
     fail_next_build: bool = False
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -129,8 +130,9 @@ async def peer(pki: Path, payload: bytes) -> AsyncIterator[Peer]:
     clock = [NOW]
     state = Peer("", registry, DirectiveBook(lambda: clock[0]), clock, payload)
 
-    async def package_for(directive: cpm_pb2.Directive) -> bytes:
+    async def package_for(directive: cpm_pb2.Directive, tokenizer: str | None) -> bytes:
         state.builds.append(directive.directive_id)
+        state.tokenizers.append(tokenizer)
         if directive.directive_id.startswith("slow"):
             await state.release.wait()
         if state.fail_next_build:
@@ -235,6 +237,22 @@ async def test_refusals_by_directive(peer: Peer, pki: Path) -> None:
     assert peer.builds == []
     assert await _fetch(peer, pki, "student", "b" * 32) == peer.payload
     assert peer.metric("peerlm_agent_package_bytes_sent_total") == len(peer.payload)
+
+
+async def test_student_tokenizer_hint_reaches_the_provider(peer: Peer, pki: Path) -> None:
+    """The student's announced tokenizer goes to the package provider (which picks logits or
+    text); a malformed hint is refused before anything is built or counted."""
+    peer.add("g" * 32)
+    peer.add("h" * 32)
+    err = await _refused(_fetch(peer, pki, "student", "g" * 32, tokenizer_sha256="not-hex"))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert peer.metric(
+        "peerlm_agent_peer_refusals_total", rpc="FetchPackage", reason="bad_tokenizer_hash"
+    )
+    assert peer.builds == []
+    await _fetch(peer, pki, "student", "g" * 32, tokenizer_sha256="ab" * 32)
+    await _fetch(peer, pki, "student", "h" * 32)
+    assert peer.tokenizers == ["ab" * 32, None]
 
 
 async def test_only_agents_may_call(peer: Peer, pki: Path) -> None:

@@ -22,7 +22,13 @@ from peerlm.agent.modelhost import (
 )
 from peerlm.agent.models.lora import LoraSettings
 from peerlm.agent.models.tiny import ARCHITECTURES, build_models
-from peerlm.agent.training import TrainSettings, encode_example, fit_lengths, lr_factor
+from peerlm.agent.training import (
+    TrainSettings,
+    encode_example,
+    fit_lengths,
+    lr_factor,
+    split_prompt,
+)
 from safetensors.torch import load_file
 
 LOCAL = [
@@ -135,11 +141,35 @@ def test_pairs_train_on_the_completion_only(models: dict[str, Path]) -> None:
     whole = encode_example(h.tokenizer, TEACHER[0][0] + TEACHER[0][1], 256)
     pair = encode_example(h.tokenizer, TEACHER[0], 256)
     assert whole is not None and pair is not None
-    prompt_len = len(h.tokenizer(TEACHER[0][0])["input_ids"])
+    head, indent = split_prompt(h.tokenizer, TEACHER[0][0])
+    assert indent == "\n"  # gpt2: the prompt's trailing newline starts the completion
+    prompt_len = len(h.tokenizer(head)["input_ids"])
     assert all(label == -100 for label in pair.labels[:prompt_len])
     assert pair.labels[prompt_len:] == pair.input_ids[prompt_len:]
     assert pair.input_ids[-1] == h.tokenizer.eos_token_id
     assert 0 < pair.targets < whole.targets
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        'def f(x: int) -> int:\n    """Return x times 7.\n\n    >>> f(1)\n    7\n    """\n    ',
+        'def g(s):\n    """Reverse."""\n',
+        "def h():\n\t",
+    ],
+)
+def test_split_prompt_gives_the_tokens_of_the_whole_text(
+    models: dict[str, Path], arch: str, prompt: str
+) -> None:
+    """Training pairs and generation see exactly the tokens of prompt + completion as one
+    text (what pre-training saw), whatever the prompt's trailing whitespace."""
+    tok = host(models, arch).tokenizer
+    completion = "return x * 7\n" if prompt.endswith(" ") else "    return 1\n"
+    pair = encode_example(tok, (prompt, completion), 256)
+    whole = encode_example(tok, prompt + completion, 256)
+    assert pair is not None and whole is not None
+    assert pair.input_ids == whole.input_ids
 
 
 def test_akd_student_with_another_tokenizer_learns_the_teacher_text(
@@ -211,7 +241,9 @@ def test_logit_mode_with_the_same_tokenizer(models: dict[str, Path]) -> None:
         n = len(entry["input_ids"]) - entry["prompt_length"]
         assert entry["ids"].shape == entry["logprobs"].shape == (n, 8)
         assert entry["ids"].dtype == np.int32 and entry["logprobs"].dtype == np.float32
-        assert np.all(np.diff(entry["logprobs"], axis=1) <= 1e-6)  # sorted, best first
+        # Column 0: the completion's own token; then the best others, best first.
+        assert entry["ids"][:, 0].tolist() == entry["input_ids"][entry["prompt_length"] :].tolist()
+        assert np.all(np.diff(entry["logprobs"][:, 1:], axis=1) <= 1e-6)
         assert entry["tokenizer_hash"] == teacher.tokenizer_hash
 
     student = host(models, "gpt2", seed=2)

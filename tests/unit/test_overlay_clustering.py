@@ -114,3 +114,15 @@ def test_hierarchy_descriptors_are_consistent() -> None:
     root = form_root(0, 3, "0.3.m0", [f.descriptor for f in inner], PARAMS)
     assert root.descriptor.size == 18 and root.descriptor.cluster_id.endswith(".root")
     assert len(root.descriptor.replicas) <= PARAMS.root_replication
+
+
+def test_population_from_real_vectors() -> None:
+    from peerlm.overlay.population import population_from_vectors
+
+    rng = np.random.default_rng(0)
+    vectors = [rng.standard_normal(200) for _ in range(5)]
+    members = population_from_vectors(vectors, p=20, space="adapter")
+    assert [m.signature.p for m in members] == [20] * 5
+    assert all(m.cluster == -1 and 1 <= m.p_min <= 200 for m in members)
+    top = np.argsort(-np.abs(vectors[0]))[:20]
+    assert sorted(members[0].signature.indices.tolist()) == sorted(top.tolist())

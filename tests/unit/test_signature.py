@@ -207,6 +207,23 @@ def test_cosine_to_many_and_matrix_match_pairwise(seed: int, n: int) -> None:
             assert matrix[i, j] == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("dim", [300, 10**6])  # lookup-table path, binary-search path
+def test_cosine_to_many_both_location_paths(dim: int) -> None:
+    rng = np.random.default_rng(dim)
+    pool = rng.choice(dim, 300, replace=False)  # shared candidates: supports overlap
+
+    def sig() -> Signature:
+        idx = np.sort(rng.choice(pool, 40, replace=False))
+        vals = rng.normal(size=40).astype(np.float16)
+        return Signature(indices=idx, values=vals, dim=dim, space=SPACE)
+
+    query, others = sig(), [sig() for _ in range(30)]
+    got = cosine_to_many(query, others)
+    expected = [dense_cos(query.dense(), o.dense()) for o in others]
+    np.testing.assert_allclose(got, expected, atol=1e-12)
+    assert np.count_nonzero(got) > 20
+
+
 def test_batch_helpers_on_empty_input() -> None:
     rng = np.random.default_rng(2)
     q = random_signature(rng, 20, 5)

@@ -365,3 +365,36 @@ def test_docs_name_every_category_and_template() -> None:
         assert f"`{category}`" in row
         for template in TEMPLATES[category]:
             assert f"`{template.key}`" in row, template.key
+
+
+def test_public_corpus_is_disjoint_from_federation_data(tmp_path: Path) -> None:
+    """Pre-training saw the public problems; no federation part may contain one of them,
+    compared by task text (function, prompt, whole function), for several seeds."""
+    from peerlm.agent.tasks.bank import PUBLIC_PER_CATEGORY, function_key, public_problems
+
+    public = public_problems()
+    assert len(public) == PUBLIC_PER_CATEGORY * len(CATEGORIES)
+    assert public_problems(4) == [p for p in public if int(p.task_id[-4:]) < 4]  # a prefix
+    assert all(p.task_id.startswith("public/") for p in public)
+    keys = {function_key(p) for p in public}
+    prompts = {p.prompt for p in public}
+    texts = {p.prompt + p.reference for p in public}
+    for seed in (0, 1, 7):
+        build_federation_data(tmp_path / str(seed), 4, seed=seed)
+        parts = [tmp_path / str(seed) / "test.jsonl", tmp_path / str(seed) / "transfer.jsonl"]
+        parts += sorted((tmp_path / str(seed) / "clients").glob("*/*.jsonl"))
+        problems = [p for part in parts for p in read_jsonl(part)]
+        assert len(problems) == 50 * len(CATEGORIES)
+        assert not {function_key(p) for p in problems} & keys
+        assert not {p.prompt for p in problems} & prompts
+        assert not {p.prompt + p.reference for p in problems} & texts
+    # Without the exclusion the seeds do collide: the exclusion is what keeps them apart.
+    plain = generate_bank(50, seed=0)
+    assert {function_key(p) for p in plain} & keys
+
+
+def test_public_corpus_size_is_bounded() -> None:
+    from peerlm.agent.tasks.bank import PUBLIC_PER_CATEGORY, public_problems
+
+    with pytest.raises(ValueError, match="public problems"):
+        public_problems(PUBLIC_PER_CATEGORY + 1)

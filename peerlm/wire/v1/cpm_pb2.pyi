@@ -255,11 +255,16 @@ class AgentStats(_message.Message):
     EXCHANGES_FIELD_NUMBER: _builtins.int
     SUCCESSES_FIELD_NUMBER: _builtins.int
     PEER_ENDPOINT_FIELD_NUMBER: _builtins.int
+    LAST_PROFILE_AT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     last_round: _builtins.int
     exchanges: _builtins.int
     successes: _builtins.int
     peer_endpoint: _builtins.str
+    @_builtins.property
+    def last_profile_at(self) -> _timestamp_pb2.Timestamp:
+        """When the CPM received the agent's latest profile (for `peerlm status` and alerts)."""
+
     def __init__(
         self,
         *,
@@ -268,10 +273,11 @@ class AgentStats(_message.Message):
         exchanges: _builtins.int = ...,
         successes: _builtins.int = ...,
         peer_endpoint: _builtins.str = ...,
+        last_profile_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_profile_at", b"last_profile_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exchanges", b"exchanges", "last_round", b"last_round", "name", b"name", "peer_endpoint", b"peer_endpoint", "successes", b"successes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exchanges", b"exchanges", "last_profile_at", b"last_profile_at", "last_round", b"last_round", "name", b"name", "peer_endpoint", b"peer_endpoint", "successes", b"successes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

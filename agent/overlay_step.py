@@ -1,0 +1,214 @@
+"""One SemanticDFL round step of the agent: signature, search, pull, aggregate (Sec. 3.4).
+
+After local training (and AKD integration, if the round had a directive) the agent:
+
+1. flattens its adapter (:func:`~peerlm.overlay.signature.flatten_adapter`) and folds it into
+   the importance EMA (:class:`~peerlm.overlay.signature.ImportanceTracker`, whose state
+   the daemon saves in the round checkpoint, so a restart resumes it);
+2. builds the raw masked signature ``mask(w, Top_P(s))`` and publishes it
+   (``OverlayHost.set_signature``) together with its ``P_min`` (Alg. 1 for ``tau_min``);
+3. asks the overlay for its ``k`` most similar peers (``OverlayHost.query``, bounded by
+   ``overlay.query_timeout_s`` or else the round timeout);
+4. pulls their adapters and applies the PDFL step
+   (:func:`~peerlm.agent.pull_aggregate.pull_and_aggregate`).
+
+**P.** The paper fixes one network-wide ``P = min(Quantile_q({P_i^min}), P_max)``
+agreed through the super-peers (App. B.1). The overlay core takes each node's ``P_min``
+but exposes no agreed P to the node, so the agent uses ``overlay.signature_p`` when set,
+which every agent of the federation must share (that *is* the network-wide P, fixed by
+configuration); unset, each agent uses its own ``P_min`` (documented deviation: the cosine
+is still defined across different supports, only less comparable).
+
+Nothing here ends a round: no overlay membership yet, a refused signature, a query that
+times out or answers nothing, and every pull refusal are logged and counted
+(``peerlm_agent_overlay_steps_total{outcome}``) and leave the adapter as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from peerlm.agent.modelhost import ModelHost
+from peerlm.agent.peer_client import get_counter
+from peerlm.agent.pull_aggregate import (
+    Candidate,
+    ModelRunner,
+    PullReport,
+    PullSettings,
+    pull_and_aggregate,
+)
+from peerlm.overlay.signature import (
+    ImportanceTracker,
+    SignatureError,
+    flatten_adapter,
+    make_signature,
+    minimal_p,
+)
+from peerlm.overlay.transport import OverlayHost
+from prometheus_client import CollectorRegistry
+
+from peerlm.config import AgentOverlaySettings, GrpcLimits
+
+__all__ = ["OverlayStepResult", "overlay_round_step", "publish_signature", "pull_settings"]
+
+
+@dataclass
+class OverlayStepResult:
+    """What one overlay step did. ``outcome``: ``aggregated`` (the adapter changed),
+    ``identity`` (pulled nothing usable), ``no_candidates``, ``query_timeout``,
+    ``query_refused`` (the core refused the search, e.g. not placed yet), ``signature_error``.
+    """
+
+    outcome: str
+    p: int = 0
+    p_min: int = 0
+    neighbours: list[str] = field(default_factory=list)
+    similarities: dict[str, float] = field(default_factory=dict)
+    pulled: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    bytes_received: int = 0
+    detail: str = ""
+
+
+def pull_settings(overlay: AgentOverlaySettings, timeout_s: float) -> PullSettings:
+    """The agent's overlay settings as :class:`PullSettings` (K = ``k``)."""
+    return PullSettings(
+        max_peers=overlay.k,
+        timeout_s=timeout_s,
+        max_adapter_bytes=overlay.max_adapter_bytes,
+        kappa=overlay.kappa,
+        eta=overlay.eta,
+        psi=overlay.psi,
+    )
+
+
+def _signature_inputs(
+    host: ModelHost, tracker: ImportanceTracker, overlay: AgentOverlaySettings
+) -> tuple[Any, int, int]:
+    """On the model thread: flatten, update the EMA, choose P; (signature, P, P_min)."""
+    weights, space = flatten_adapter(host.adapter_state())
+    scores = tracker.update(weights)
+    p_min = minimal_p(weights, scores, overlay.tau_min)
+    p = min(overlay.signature_p or p_min, int(weights.shape[0]))
+    return make_signature(weights, scores, p, space), p, p_min
+
+
+async def publish_signature(
+    overlay_host: OverlayHost,
+    model: ModelHost,
+    tracker: ImportanceTracker,
+    settings: AgentOverlaySettings,
+    run_model: ModelRunner,
+) -> tuple[int, int]:
+    """Fold the current adapter into the importance EMA and publish its signature;
+    ``(P, P_min)``. Raises ``ValueError`` (``SignatureError`` included) if refused.
+
+    The agent also calls this once on joining, before its first round: a node without a
+    signature when its zone is built is never placed in a leaf cluster (docs/overlay.md).
+    """
+    signature, p, p_min = await run_model(_signature_inputs, model, tracker, settings)
+    overlay_host.set_signature(signature, p_min)
+    return p, p_min
+
+
+async def overlay_round_step(
+    overlay_host: OverlayHost,
+    model: ModelHost,
+    tracker: ImportanceTracker,
+    *,
+    settings: AgentOverlaySettings,
+    round_: int,
+    round_timeout_s: float,
+    creds: grpc.ChannelCredentials | None,
+    limits: GrpcLimits,
+    registry: CollectorRegistry | None,
+    run_model: ModelRunner,
+    dev_identity: str | None = None,
+    log: Any,
+) -> OverlayStepResult:
+    """Publish this round's signature, search the ``k`` nearest peers, pull and aggregate.
+
+    Never raises for an overlay or peer failure (see the module docstring); the result says
+    what happened.
+    """
+    steps = (
+        get_counter(
+            registry,
+            "peerlm_agent_overlay_steps_total",
+            "Per-round overlay steps of the agent, by outcome",
+            ("outcome",),
+        )
+        if registry is not None
+        else None
+    )
+
+    def done(result: OverlayStepResult) -> OverlayStepResult:
+        if steps is not None:
+            steps.labels(result.outcome).inc()
+        level = "info" if result.outcome in ("aggregated", "identity") else "warning"
+        getattr(log, level)(
+            "overlay_step",
+            round=round_,
+            outcome=result.outcome,
+            p=result.p,
+            neighbours=result.neighbours,
+            pulled=result.pulled,
+            refused=result.refused,
+            detail=result.detail or None,
+        )
+        return result
+
+    try:
+        p, p_min = await publish_signature(overlay_host, model, tracker, settings, run_model)
+    except (SignatureError, ValueError) as err:
+        return done(OverlayStepResult("signature_error", detail=str(err)))
+    timeout = min(settings.query_timeout_s or round_timeout_s, round_timeout_s)
+    try:
+        found = await overlay_host.query(settings.k + 1, timeout=timeout)
+    except TimeoutError:
+        return done(OverlayStepResult("query_timeout", p, p_min, detail=f"after {timeout:g} s"))
+    except ValueError as err:
+        return done(OverlayStepResult("query_refused", p, p_min, detail=str(err)))
+    # k + 1: the search may count this node itself among the nearest.
+    candidates = [
+        Candidate(c.node_id, c.address, float(c.similarity))
+        for c in found
+        if c.node_id != overlay_host.node_id and math.isfinite(float(c.similarity))
+    ][: settings.k]
+    result = OverlayStepResult(
+        "no_candidates",
+        p,
+        p_min,
+        neighbours=[c.peer for c in candidates],
+        similarities={c.peer: round(c.similarity, 6) for c in candidates},
+    )
+    if not candidates:
+        return done(result)
+    try:
+        report: PullReport = await pull_and_aggregate(
+            model,
+            candidates,
+            self_name=overlay_host.node_id,
+            creds=creds,
+            limits=limits,
+            settings=pull_settings(settings, round_timeout_s),
+            registry=registry,
+            run_model=run_model,
+            dev_identity=dev_identity,
+            round_=round_,
+            log=log,
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # our own adapter invalid: reported, the round goes on
+        result.outcome, result.detail = "aggregate_error", f"{type(err).__name__}: {err}"
+        return done(result)
+    result.pulled = [p_.peer for p_ in report.pulled]
+    result.refused = {r.peer: r.reason for r in report.refused}
+    result.bytes_received = report.bytes_received
+    result.outcome = "aggregated" if report.applied else "identity"
+    return done(result)

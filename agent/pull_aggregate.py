@@ -1,0 +1,461 @@
+"""Pull the adapters an overlay search returned and integrate them (SemanticDFL, pull step).
+
+After a similarity search the agent holds up to K candidates ``(peer, address, similarity)``.
+:func:`pull_and_aggregate` pulls each candidate's latest adapter over
+``PeerExchange.PullAdapter`` (mTLS, chunked, SHA-256 verified by
+:func:`~peerlm.agent.peer_client.pull_adapter_with_round`), decodes it with
+``safetensors.torch.load`` (never pickle), checks it against the local adapter, and then
+applies the PDFL step of :func:`peerlm.overlay.aggregation.personalised_update`
+(``w <- (1 - alpha) w + alpha sum_j W_ij w_j``) to the local adapter.
+
+Each candidate is judged on its own. Every failure (unreachable, timed out, refused by the
+peer, too large, corrupt stream, undecodable, another base model, tokenizer or LoRA
+scaling, other tensor names or shapes, non-finite values) is logged with the round and peer,
+counted in ``peerlm_agent_overlay_pull_failures_total{reason}`` and listed in the
+:class:`PullReport`; it never aborts the others. The local adapter changes only when at
+least one neighbour was integrated (``peerlm_agent_overlay_pulled_adapters_total``); with
+none the update is the identity and the host is not touched.
+
+Choices made here:
+
+* **Bounded fan-out and size.** At most ``max_peers`` candidates (highest similarity first;
+  duplicates keep their best similarity, our own name is skipped), ``concurrency`` pulls at
+  a time, each within ``timeout_s``. A compatible adapter has our tensor names and shapes,
+  so its size is close to ours; a payload announced above ``2 x ours + 1 MiB`` (float32
+  against bfloat16 plus a larger header) or above ``max_adapter_bytes`` is refused at its
+  first chunk.
+* **Compatibility beyond shapes.** The safetensors metadata must be peerlm's adapter format
+  and name our model type, tokenizer and LoRA ``r``/``alpha``: equal shapes with another
+  scaling ``alpha / r`` or another base model would average numbers that mean different
+  things.
+* **One model-thread call.** Reading the local adapter, aggregating and loading the result
+  run as one call of ``run_model`` (the daemon passes its model-worker executor), so no
+  training step can interleave between read and write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+import grpc
+import structlog
+import torch
+from peerlm.agent.modelhost import ModelHost
+from peerlm.agent.peer_client import PeerExchangeError, get_counter, pull_adapter_with_round
+from peerlm.overlay.aggregation import (
+    DEFAULT_ETA,
+    DEFAULT_KAPPA,
+    DEFAULT_PSI,
+    AggregationError,
+    AggregationReport,
+    Refusal,
+    check_neighbour,
+    personalised_update,
+)
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load as st_load
+
+from peerlm.config import GrpcLimits
+
+__all__ = [
+    "ADAPTER_FORMAT",
+    "Candidate",
+    "ModelRunner",
+    "PullReport",
+    "PullSettings",
+    "PulledAdapter",
+    "pull_and_aggregate",
+]
+
+T = TypeVar("T")
+
+#: ``peerlm.format`` of adapters written by :meth:`ModelHost.adapter_bytes`.
+ADAPTER_FORMAT = "peerlm-lora/1"
+_MiB = 1024 * 1024
+_MAX_HEADER = 16 * _MiB
+
+
+class Candidate(NamedTuple):
+    """One result of an overlay search: a peer's name, its PeerExchange address, s_ij."""
+
+    peer: str
+    address: str
+    similarity: float
+
+
+class PullSettings(BaseModel):
+    """Limits and PDFL coefficients of one pull-and-aggregate step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_peers: int = Field(default=16, ge=1, le=1024, description="Most candidates pulled (K).")
+    concurrency: int = Field(default=4, ge=1, le=64, description="Pulls in flight at once.")
+    timeout_s: float = Field(default=60.0, gt=0, description="Deadline of one whole pull.")
+    max_adapter_bytes: int = Field(
+        default=64 * _MiB, ge=1024, description="Largest adapter accepted from a peer."
+    )
+    kappa: float = Field(default=DEFAULT_KAPPA, gt=0, description="Softmax temperature.")
+    eta: float = Field(default=DEFAULT_ETA, gt=0, description="Proximal step size.")
+    psi: float = Field(default=DEFAULT_PSI, ge=0, description="Personalisation weight.")
+
+
+@dataclass(frozen=True)
+class PulledAdapter:
+    """A neighbour integrated into the local adapter."""
+
+    peer: str
+    address: str
+    round: int
+    bytes: int
+    similarity: float
+
+
+@dataclass(frozen=True)
+class PullReport:
+    """Outcome of :func:`pull_and_aggregate`.
+
+    ``pulled``: neighbours in the anchor; ``refused``: every candidate left out, with the
+    reason; ``weights``: ``W_ij`` by peer (our own name included; ``{self: 1.0}`` when
+    nothing was integrated); ``alpha``: the mixing weight; ``bytes_received``: payload bytes
+    of all completed pulls (integrated or not); ``applied``: whether the local adapter was
+    replaced; ``delta_norm``: Euclidean norm of the change.
+    """
+
+    pulled: tuple[PulledAdapter, ...]
+    refused: tuple[Refusal, ...]
+    weights: dict[str, float]
+    alpha: float
+    bytes_received: int
+    applied: bool
+    delta_norm: float
+
+
+class ModelRunner(Protocol):
+    """Runs a model-host call where the host may be used (the daemon's model thread)."""
+
+    def __call__(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Awaitable[T]: ...
+
+
+async def _inline(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    return fn(*args, **kwargs)
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self._failures = (
+            get_counter(
+                registry,
+                "peerlm_agent_overlay_pull_failures_total",
+                "Overlay neighbours not integrated, by reason",
+                ("reason",),
+            )
+            if registry is not None
+            else None
+        )
+        self._pulled = (
+            get_counter(
+                registry,
+                "peerlm_agent_overlay_pulled_adapters_total",
+                "Neighbour adapters integrated by personalised aggregation",
+            )
+            if registry is not None
+            else None
+        )
+        self._steps = (
+            get_counter(
+                registry,
+                "peerlm_agent_overlay_aggregations_total",
+                "Pull-and-aggregate steps, by outcome (applied, identity, failed)",
+                ("outcome",),
+            )
+            if registry is not None
+            else None
+        )
+
+    def failure(self, reason: str) -> None:
+        if self._failures is not None:
+            self._failures.labels(reason).inc()
+
+    def pulled(self, n: int) -> None:
+        if self._pulled is not None and n:
+            self._pulled.inc(n)
+
+    def step(self, outcome: str) -> None:
+        if self._steps is not None:
+            self._steps.labels(outcome).inc()
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class _Local:
+    """What a neighbour is checked against: our adapter's tensors and identity."""
+
+    state: dict[str, torch.Tensor]
+    model_type: str
+    tokenizer_hash: str
+    lora_r: int
+    lora_alpha: float
+    adapter_bytes: int
+
+
+def _local_view(host: ModelHost) -> _Local:
+    data = host.adapter_bytes()
+    return _Local(
+        state=host.adapter_state(),
+        model_type=host.model_type,
+        tokenizer_hash=host.tokenizer_hash,
+        lora_r=host.lora.r,
+        lora_alpha=host.lora.alpha,
+        adapter_bytes=len(data),
+    )
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The safetensors ``__metadata__`` (from the JSON header alone, bounded)."""
+    if len(data) < 8:
+        raise _Refused("decode", "adapter payload is shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, _MAX_HEADER):
+        raise _Refused("decode", "safetensors header length out of range")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as err:
+        raise _Refused("decode", f"safetensors header is not JSON: {err}") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+
+
+def _check_metadata(meta: Mapping[str, str], local: _Local) -> None:
+    if meta.get("peerlm.format") != ADAPTER_FORMAT:
+        raise _Refused("format", f"not a {ADAPTER_FORMAT} adapter")
+    if meta.get("peerlm.model_type") != local.model_type:
+        raise _Refused(
+            "model_type",
+            f"adapter of a {meta.get('peerlm.model_type')} model; ours is {local.model_type}",
+        )
+    if meta.get("peerlm.tokenizer_hash") != local.tokenizer_hash:
+        raise _Refused("tokenizer", "adapter of a base model with another tokenizer")
+    try:
+        lora = json.loads(meta.get("peerlm.lora", ""))
+        r, alpha = int(lora["r"]), float(lora["alpha"])
+    except (ValueError, KeyError, TypeError):
+        raise _Refused("lora_config", "adapter metadata has no readable LoRA settings") from None
+    if r != local.lora_r or not math.isclose(alpha, local.lora_alpha):
+        raise _Refused(
+            "lora_config",
+            f"adapter has LoRA r={r}, alpha={alpha}; ours r={local.lora_r}, "
+            f"alpha={local.lora_alpha}",
+        )
+
+
+def _decode(payload: bytes, local: _Local, peer: str) -> dict[str, torch.Tensor]:
+    """Decode and check one pulled adapter; raises :class:`_Refused` with the reason."""
+    meta = _metadata(payload)
+    try:
+        tensors = st_load(payload)
+    except Exception as err:  # safetensors raises its own error type for corrupt input
+        raise _Refused("decode", f"cannot decode adapter: {err}") from None
+    try:
+        check_neighbour(local.state, tensors, peer)
+    except AggregationError as err:
+        raise _Refused(err.reason, str(err)) from None
+    _check_metadata(meta, local)
+    return tensors
+
+
+def _select(
+    candidates: Sequence[Candidate | tuple[str, str, float]],
+    self_name: str,
+    max_peers: int,
+) -> tuple[list[Candidate], list[Refusal]]:
+    """Deduplicate (best similarity wins), drop ourselves and bad entries, keep the top K."""
+    refused: list[Refusal] = []
+    best: dict[str, Candidate] = {}
+    for raw in candidates:
+        cand = Candidate(*raw)
+        try:
+            similarity = float(cand.similarity)
+        except (TypeError, ValueError):
+            similarity = math.nan
+        if cand.peer == self_name:
+            refused.append(Refusal(cand.peer, "self", "the search returned this agent itself"))
+            continue
+        if not math.isfinite(similarity):
+            refused.append(Refusal(cand.peer, "bad_similarity", f"similarity {cand.similarity!r}"))
+            continue
+        cand = Candidate(cand.peer, cand.address, similarity)
+        kept = best.get(cand.peer)
+        if kept is not None:
+            loser = kept if similarity > kept.similarity else cand
+            refused.append(Refusal(loser.peer, "duplicate", f"listed again at {loser.address}"))
+            if loser is cand:
+                continue
+        best[cand.peer] = cand
+    ranked = sorted(best.values(), key=lambda c: (-c.similarity, c.peer))
+    for extra in ranked[max_peers:]:
+        refused.append(
+            Refusal(extra.peer, "over_limit", f"beyond the {max_peers} most similar candidates")
+        )
+    return ranked[:max_peers], refused
+
+
+def _integrate(
+    host: ModelHost,
+    neighbours: Mapping[str, Mapping[str, torch.Tensor]],
+    similarities: Mapping[str, float],
+    settings: PullSettings,
+    self_name: str,
+) -> AggregationReport:
+    """Read, aggregate and load in one model-thread call; the host changes only if useful."""
+    own = host.adapter_state()
+    updated, report = personalised_update(
+        own,
+        neighbours,
+        similarities,
+        kappa=settings.kappa,
+        eta=settings.eta,
+        psi=settings.psi,
+        self_id=self_name,
+    )
+    if report.accepted:
+        host.load_adapter_state(updated)
+    return report
+
+
+async def pull_and_aggregate(
+    host: ModelHost,
+    candidates: Sequence[Candidate | tuple[str, str, float]],
+    *,
+    self_name: str,
+    creds: grpc.ChannelCredentials | None,
+    limits: GrpcLimits,
+    settings: PullSettings | None = None,
+    registry: CollectorRegistry | None = None,
+    run_model: ModelRunner | None = None,
+    dev_identity: str | None = None,
+    round_: int = 0,
+    log: Any = None,
+) -> PullReport:
+    """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
+
+    ``creds`` are the agent's mTLS channel credentials (``None`` only in the insecure-dev
+    mode, with ``dev_identity`` naming us); ``self_name`` is our agent name (the client's
+    own id in the weights). ``run_model`` runs host calls on the model thread (default:
+    inline, for callers that own the host on the event loop's thread). ``round_`` only
+    labels log lines. Failures of single peers are reported, never raised; an invalid local
+    adapter (non-finite) raises :class:`~peerlm.overlay.aggregation.AggregationError`.
+    """
+    cfg = settings or PullSettings()
+    run: ModelRunner = run_model or _inline
+    logger: Any = log if log is not None else structlog.get_logger("peerlm.agent.overlay")
+    metrics = _Metrics(registry)
+    chosen, refused = _select(candidates, self_name, cfg.max_peers)
+    local = await run(_local_view, host)
+    max_bytes = min(cfg.max_adapter_bytes, 2 * local.adapter_bytes + _MiB)
+    gate = asyncio.Semaphore(cfg.concurrency)
+
+    async def pull_one(cand: Candidate) -> tuple[Candidate, int, bytes]:
+        async with gate:
+            sent_round, payload = await pull_adapter_with_round(
+                cand.address,
+                creds,
+                0,
+                limits=limits,
+                max_bytes=max_bytes,
+                timeout_s=cfg.timeout_s,
+                registry=registry,
+                dev_identity=dev_identity,
+            )
+        return cand, sent_round, payload
+
+    outcomes = await asyncio.gather(*(pull_one(c) for c in chosen), return_exceptions=True)
+    neighbours: dict[str, dict[str, torch.Tensor]] = {}
+    received: dict[str, PulledAdapter] = {}
+    bytes_received = 0
+    for cand, outcome in zip(chosen, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            if isinstance(outcome, PeerExchangeError):
+                refused.append(Refusal(cand.peer, outcome.reason, str(outcome)))
+            else:  # e.g. a malformed address rejected by the channel factory
+                refused.append(Refusal(cand.peer, "error", f"{type(outcome).__name__}: {outcome}"))
+            continue
+        _, sent_round, payload = outcome
+        bytes_received += len(payload)
+        try:
+            neighbours[cand.peer] = _decode(payload, local, cand.peer)
+        except _Refused as err:
+            refused.append(Refusal(cand.peer, err.reason, err.detail))
+            continue
+        received[cand.peer] = PulledAdapter(
+            cand.peer, cand.address, sent_round, len(payload), cand.similarity
+        )
+
+    report: AggregationReport | None = None
+    applied = load_failed = False
+    if neighbours:
+        similarities = {peer: received[peer].similarity for peer in neighbours}
+        try:
+            report = await run(_integrate, host, neighbours, similarities, cfg, self_name)
+            applied = bool(report.accepted)
+        except AggregationError:
+            raise  # our own adapter is invalid: not a neighbour's fault
+        except Exception as err:  # loading into the host failed; the host validated first
+            for peer in neighbours:
+                refused.append(Refusal(peer, "load", f"loading the aggregate failed: {err}"))
+            logger.error("overlay_aggregate_load_failed", round=round_, error=repr(err))
+            report, load_failed = None, True
+    if report is not None:
+        refused.extend(report.refused)
+        pulled = tuple(received[p] for p in report.accepted)
+        weights, alpha, delta = report.weights, report.alpha, report.delta_norm
+    else:
+        pulled, weights = (), {self_name: 1.0}
+        alpha = cfg.eta * cfg.psi / (1.0 + cfg.eta * cfg.psi)
+        delta = 0.0
+
+    for item in refused:
+        metrics.failure(item.reason)
+        logger.warning(
+            "overlay_pull_refused",
+            round=round_,
+            peer=item.peer,
+            reason=item.reason,
+            detail=item.detail,
+        )
+    metrics.pulled(len(pulled))
+    outcome_label = "applied" if applied else ("failed" if load_failed else "identity")
+    metrics.step(outcome_label)
+    logger.info(
+        "overlay_aggregated",
+        round=round_,
+        outcome=outcome_label,
+        pulled=[p.peer for p in pulled],
+        refused=len(refused),
+        weights={k: round(v, 4) for k, v in weights.items()},
+        alpha=round(alpha, 4),
+        delta_norm=delta,
+        bytes=bytes_received,
+    )
+    return PullReport(
+        pulled=pulled,
+        refused=tuple(refused),
+        weights=weights,
+        alpha=alpha,
+        bytes_received=bytes_received,
+        applied=applied,
+        delta_norm=delta,
+    )

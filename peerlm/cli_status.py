@@ -1,0 +1,298 @@
+"""``peerlm status`` (the federation at a glance, from the CPM) and ``peerlm health``.
+
+``status`` calls the CPM's admin ``GetStats`` over mTLS with an ``admin`` certificate and
+shows matchmaking, pairings in flight, the reward summary and one row per agent (last
+profile round and time, exchanges, endpoint); ``--json`` prints the same as one object.
+
+``health`` asks a process's gRPC health service whether it is ``SERVING``. Without
+``--target`` it reads the process's own configuration (``--component`` and ``--config``,
+plus the environment, exactly as the process does) and dials its listen port on this host
+with the process's own certificate: the container HEALTHCHECK needs no extra settings.
+Exit status 0 when serving, 1 when not (or unreachable), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from peerlm.security.credentials import TlsFiles
+
+__all__ = ["health_command", "stats_to_dict", "status_command"]
+
+_USAGE_ERROR = 2
+_UNHEALTHY = 1
+
+
+def _fail(message: str, code: int = _USAGE_ERROR) -> NoReturn:
+    # Plain, unwrapped: scripts and healthcheck logs read this line.
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=code)
+
+
+def _tls_files(
+    pki_dir: Path | None, name: str, ca_cert: Path | None, cert: Path | None, key: Path | None
+) -> TlsFiles:
+    from peerlm.security.credentials import TlsFiles
+
+    if pki_dir is not None:
+        base = TlsFiles.from_directory(pki_dir, name)
+        return TlsFiles(ca_cert or base.ca_cert, cert or base.cert, key or base.key)
+    missing = [
+        flag
+        for flag, value in (("--ca-cert", ca_cert), ("--cert", cert), ("--key", key))
+        if value is None
+    ]
+    if missing:
+        _fail(
+            f"give --pki-dir, or all of --ca-cert, --cert and --key (missing {', '.join(missing)})"
+        )
+    assert ca_cert is not None and cert is not None and key is not None
+    return TlsFiles(ca_cert, cert, key)
+
+
+def stats_to_dict(stats: Any, now: float) -> dict[str, Any]:
+    """A ``CpmStats`` message as plain JSON-ready data (ages in seconds relative to ``now``)."""
+    agents = []
+    for a in stats.agents:
+        seen = a.last_profile_at.ToDatetime(tzinfo=UTC) if a.HasField("last_profile_at") else None
+        agents.append(
+            {
+                "name": a.name,
+                "last_round": a.last_round,
+                "last_profile_at": seen.isoformat() if seen else None,
+                "last_profile_age_s": round(now - seen.timestamp(), 1) if seen else None,
+                "exchanges": a.exchanges,
+                "successes": a.successes,
+                "peer_endpoint": a.peer_endpoint,
+            }
+        )
+    return {
+        "matchmaking_rounds": stats.matchmaking_rounds,
+        "profiles_received": stats.profiles_received,
+        "directives_issued": stats.directives_issued,
+        "pairings_in_flight": stats.directives_open,
+        "rewards_observed": stats.rewards_observed,
+        "bandit_updates": stats.bandit_updates,
+        "reward_mean": stats.reward_mean,
+        "reward_std": stats.reward_std,
+        "theta_norm": stats.theta_norm,
+        "context_dim": stats.context_dim,
+        "agents": agents,
+    }
+
+
+async def _get_stats(target: str, tls: TlsFiles, timeout: float) -> Any:
+    from peerlm.config import GrpcLimits
+    from peerlm.rpc import create_channel
+    from peerlm.security.credentials import channel_credentials
+    from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
+
+    channel = create_channel(target, GrpcLimits(), channel_credentials(tls))
+    try:
+        stub = cpm_pb2_grpc.MatchmakerStub(channel)  # type: ignore[no-untyped-call]
+        return await stub.GetStats(cpm_pb2.GetStatsRequest(), timeout=timeout)
+    finally:
+        await channel.close(None)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def _render(target: str, data: dict[str, Any], console: Console) -> None:
+    summary = Table(title=f"CPM {target}", show_header=False)
+    summary.add_column("what", style="bold")
+    summary.add_column("value", justify="right")
+    summary.add_row("agents known", str(len(data["agents"])))
+    summary.add_row("matchmaking rounds", str(data["matchmaking_rounds"]))
+    summary.add_row("profiles received", str(data["profiles_received"]))
+    summary.add_row("pairings issued", str(data["directives_issued"]))
+    summary.add_row("pairings in flight", str(data["pairings_in_flight"]))
+    summary.add_row("rewards observed", str(data["rewards_observed"]))
+    summary.add_row("reward mean ± std", f"{data['reward_mean']:.4f} ± {data['reward_std']:.4f}")
+    summary.add_row("‖θ‖", f"{data['theta_norm']:.3f}")
+    console.print(summary)
+    agents = Table(title="agents")
+    for column in ("agent", "last round", "last profile", "exchanges", "successes", "endpoint"):
+        agents.add_column(column, justify="left" if column in ("agent", "endpoint") else "right")
+    for a in data["agents"]:
+        agents.add_row(
+            a["name"],
+            str(a["last_round"]),
+            _age(a["last_profile_age_s"]),
+            str(a["exchanges"]),
+            str(a["successes"]),
+            a["peer_endpoint"] or "-",
+        )
+    console.print(agents)
+
+
+def status_command(
+    cpm: Annotated[str, typer.Option("--cpm", help="CPM HOST:PORT.")],
+    pki_dir: Annotated[
+        Path | None,
+        typer.Option(help="Directory with ca.crt and <name>.crt/.key (a CA dir or a kit)."),
+    ] = None,
+    name: Annotated[str, typer.Option(help="Certificate name in --pki-dir.")] = "admin",
+    ca_cert: Annotated[Path | None, typer.Option(help="Federation CA certificate.")] = None,
+    cert: Annotated[Path | None, typer.Option(help="An admin certificate.")] = None,
+    key: Annotated[Path | None, typer.Option(help="Its private key.")] = None,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait.")] = 10.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Show the federation at a glance: agents, pairings in flight, rewards (admin mTLS)."""
+    import grpc
+
+    from peerlm.config import parse_host_port
+    from peerlm.security.authz import describe_rpc_error
+
+    try:
+        parse_host_port(cpm)
+    except ValueError as err:
+        _fail(f"--cpm: {err}")
+    tls = _tls_files(pki_dir, name, ca_cert, cert, key)
+    try:
+        tls.load()
+    except (OSError, ValueError) as err:
+        _fail(str(err))
+    try:
+        stats = asyncio.run(_get_stats(cpm, tls, timeout))
+    except grpc.aio.AioRpcError as err:
+        _fail(f"CPM {cpm}: {describe_rpc_error(err)}", code=1)
+    data = stats_to_dict(stats, time.time())
+    if as_json:
+        typer.echo(json.dumps({"cpm": cpm, **data}))
+    else:
+        _render(cpm, data, Console())
+
+
+def _component_settings(component: str) -> type[Any]:
+    """The settings class of a process by its component name.
+
+    ``overlay`` is found by its environment prefix (``PEERLM_OVERLAY_``) so this keeps working
+    whatever the overlay issue names the class.
+    """
+    from pydantic_settings import BaseSettings
+
+    import peerlm.config as config_module
+
+    known: dict[str, type[Any]] = {}
+    for value in vars(config_module).values():
+        if isinstance(value, type) and issubclass(value, BaseSettings):
+            prefix = str(value.model_config.get("env_prefix") or "")
+            if prefix.startswith("PEERLM_") and prefix.endswith("_"):
+                known[prefix.removeprefix("PEERLM_").removesuffix("_").lower()] = value
+    cls = known.get(component)
+    if cls is None:
+        _fail(f"unknown component {component!r}; choose from {', '.join(sorted(known))}")
+    return cls
+
+
+def _local_target(listen: str) -> str:
+    from peerlm.config import parse_host_port
+
+    host, port = parse_host_port(listen)
+    if host in ("0.0.0.0", "", "::"):
+        host = "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _check(
+    target: str, tls: TlsFiles | None, service: str, timeout: float, dev_identity: str | None
+) -> str:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from peerlm.config import GrpcLimits
+    from peerlm.rpc import create_channel
+    from peerlm.security.authz import DEV_IDENTITY_METADATA_KEY
+    from peerlm.security.credentials import channel_credentials
+
+    creds = channel_credentials(tls) if tls is not None else None
+    channel = create_channel(target, GrpcLimits(), creds)
+    metadata = ((DEV_IDENTITY_METADATA_KEY, dev_identity),) if dev_identity else ()
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
+        resp = await stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=metadata
+        )
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+    except grpc.aio.AioRpcError as err:
+        from peerlm.security.authz import describe_rpc_error
+
+        return f"unreachable ({describe_rpc_error(err)})"
+    finally:
+        await channel.close(None)
+
+
+def health_command(
+    component: Annotated[
+        str, typer.Option(help="Whose configuration to read: cpm, agent, overlay.")
+    ] = "cpm",
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="That process's YAML configuration.")
+    ] = None,
+    target: Annotated[
+        str | None, typer.Option(help="HOST:PORT to check (default: the configured listen).")
+    ] = None,
+    service: Annotated[str, typer.Option(help="Health service name; empty: the server.")] = "",
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait.")] = 3.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Exit 0 if a peerlm process answers SERVING on the gRPC health service, else 1."""
+    from peerlm.config import ConfigError, load_settings
+    from peerlm.security.credentials import tls_files_from_settings
+    from peerlm.security.mode import SecurityConfigError
+
+    cls = _component_settings(component)
+    if config is not None and not config.is_file():
+        _fail(f"config file {config} not found")
+    try:
+        settings = load_settings(cls, config, {})
+        tls = tls_files_from_settings(settings.tls)
+        if tls is not None:
+            tls.load()
+    except (ConfigError, SecurityConfigError, OSError, ValueError) as err:
+        _fail(str(err))
+    if tls is None and not settings.insecure_dev:
+        _fail(f"{component}: no TLS files configured and not --insecure-dev")
+    dev_identity = None
+    if tls is None:
+        dev_identity = f"spiffe://{settings.federation}/{component}/healthcheck"
+    where = target or _local_target(settings.listen)
+    started = time.monotonic()
+    status = asyncio.run(_check(where, tls, service, timeout, dev_identity))
+    ok = status == "SERVING"
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "target": where,
+                    "service": service,
+                    "status": status,
+                    "serving": ok,
+                    "seconds": round(time.monotonic() - started, 3),
+                    "checked_at": datetime.now(UTC).isoformat(),
+                }
+            )
+        )
+    else:
+        typer.echo(f"{component} {where}: {status}", err=not ok)
+    if not ok:
+        raise typer.Exit(code=_UNHEALTHY)

@@ -1,0 +1,363 @@
+"""Overlay pull-and-aggregate over real mTLS on 127.0.0.1 with micro models.
+
+Two teachers with the student's architecture and LoRA shape are pulled and integrated by
+the PDFL step; teachers with another LoRA rank, another base model or LoRA scaling, NaN
+values, no adapter, or no server at all are refused with their reason and counted, and
+never change the student's adapter on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import huggingface_hub.constants
+import pytest
+import safetensors.torch
+import structlog
+import torch
+from peerlm.agent.directives import DirectiveBook
+from peerlm.agent.modelhost import ModelHost
+from peerlm.agent.models.lora import LoraSettings
+from peerlm.agent.models.tiny import build_models
+from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+from peerlm.agent.pull_aggregate import Candidate, PullSettings, pull_and_aggregate
+from peerlm.overlay.aggregation import neighbour_weights, proximal_alpha
+from prometheus_client import CollectorRegistry
+
+from peerlm.config import GrpcLimits
+from peerlm.metrics import new_registry
+from peerlm.pki.ca import init_ca, issue_certificate
+from peerlm.pki.identity import Role
+from peerlm.security.credentials import TlsFiles, channel_credentials
+from peerlm.security.mode import SecurityMode
+from peerlm.wire.v1 import cpm_pb2
+
+pytestmark = pytest.mark.integration
+
+FEDERATION = "pulltest"
+LIMITS = GrpcLimits()
+CHUNK = 4 * 1024  # micro adapters are ~12 KB: several chunks each
+NAMES = ("student", "t1", "t2", "narrow", "nan", "alien", "scaled", "empty")
+T = TypeVar("T")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _offline() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The folder the model-host tests use: whichever runs first builds, the others reuse.
+    base = tmp_path_factory.getbasetemp() / "peerlm-micro-models"
+    [info] = build_models(base, ("gpt2",), size="micro")
+    return Path(info.path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pki")
+    init_ca(root, federation=FEDERATION)
+    for name in NAMES:
+        issue_certificate(root, Role.AGENT, name, sans=["127.0.0.1"])
+    return root
+
+
+def _perturbed(host: ModelHost, seed: int, scale: float = 0.05) -> None:
+    """Give a host's adapter distinct, non-zero LoRA B weights (a freshly set up B is 0)."""
+    g = torch.Generator().manual_seed(seed)
+    state = host.adapter_state()
+    host.load_adapter_state(
+        {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    )
+
+
+def _crafted(host: ModelHost, *, nan: bool = False, **meta: str) -> bytes:
+    """The host's adapter bytes with values or metadata changed (what a bad peer sends)."""
+    state = host.adapter_state()
+    if nan:
+        first = sorted(state)[0]
+        state[first] = state[first].clone()
+        state[first].view(-1)[0] = math.nan
+    metadata = host._metadata()
+    metadata.update(meta)
+    return bytes(safetensors.torch.save(state, metadata=metadata))
+
+
+@dataclass
+class Teacher:
+    name: str
+    target: str
+    payload: bytes | None
+    registry: CollectorRegistry
+    server: grpc.aio.Server | None = None
+
+
+@dataclass
+class World:
+    student: ModelHost
+    teachers: dict[str, Teacher] = field(default_factory=dict)
+    hosts: dict[str, ModelHost] = field(default_factory=dict)
+    dead_address: str = ""
+
+
+async def _serve(pki: Path, name: str, payload: bytes | None) -> Teacher:
+    registry = new_registry()
+    teacher = Teacher(name, "", payload, registry)
+
+    async def no_package(directive: cpm_pb2.Directive) -> bytes:
+        raise RuntimeError("this test serves adapters only")
+
+    async def adapter_for(round_: int) -> tuple[int, bytes] | None:
+        return None if teacher.payload is None else (7, teacher.payload)
+
+    service = PeerExchangeService(
+        DirectiveBook(lambda: 0.0),
+        no_package,
+        adapter_for,
+        chunk_bytes=CHUNK,
+        max_package_bytes=64 * 1024 * 1024,
+        registry=registry,
+        log=structlog.get_logger("test"),
+    )
+    server, port = await serve_peer(
+        service,
+        listen="127.0.0.1:0",
+        tls=TlsFiles.from_directory(pki, name),
+        limits=LIMITS,
+        registry=registry,
+        federation=FEDERATION,
+        mode=SecurityMode.MTLS,
+        log=structlog.get_logger("test"),
+    )
+    teacher.server, teacher.target = server, f"127.0.0.1:{port}"
+    return teacher
+
+
+def _closed_port() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+async def world(gpt2: Path, pki: Path) -> AsyncIterator[World]:
+    student = ModelHost.load(gpt2, LoraSettings(r=8), device="cpu", seed=0)
+    _perturbed(student, 100)
+    t1 = ModelHost.load(gpt2, LoraSettings(r=8), device="cpu", seed=1)
+    t2 = ModelHost.load(gpt2, LoraSettings(r=8), device="cpu", seed=2)
+    narrow = ModelHost.load(gpt2, LoraSettings(r=4), device="cpu", seed=3)
+    for seed, host in enumerate((t1, t2, narrow), start=101):
+        _perturbed(host, seed)
+    payloads: dict[str, bytes | None] = {
+        "t1": t1.adapter_bytes(),
+        "t2": t2.adapter_bytes(),
+        "narrow": narrow.adapter_bytes(),
+        "nan": _crafted(t1, nan=True),
+        "alien": _crafted(t1, **{"peerlm.model_type": "bloom"}),
+        "scaled": _crafted(t1, **{"peerlm.lora": LoraSettings(r=8, alpha=32.0).model_dump_json()}),
+        "empty": None,
+    }
+    w = World(student, hosts={"t1": t1, "t2": t2}, dead_address=_closed_port())
+    try:
+        for name, payload in payloads.items():
+            w.teachers[name] = await _serve(pki, name, payload)
+        yield w
+    finally:
+        for teacher in w.teachers.values():
+            if teacher.server is not None:
+                await teacher.server.stop(None)
+
+
+def _runner() -> tuple[ThreadPoolExecutor, Callable[..., Awaitable[Any]]]:
+    """A one-thread model worker, as the daemon runs its model host."""
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    async def run(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*args, **kwargs))
+
+    return pool, run
+
+
+def _metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_two_teachers_integrated_bad_ones_refused(world: World, pki: Path) -> None:
+    student = world.student
+    before = student.adapter_state()
+    t = world.teachers
+    candidates = [
+        Candidate("t1", t["t1"].target, 0.9),
+        ("t2", t["t2"].target, 0.6),  # plain tuples work too
+        Candidate("narrow", t["narrow"].target, 0.95),
+        Candidate("nan", t["nan"].target, 0.8),
+        Candidate("alien", t["alien"].target, 0.8),
+        Candidate("scaled", t["scaled"].target, 0.8),
+        Candidate("empty", t["empty"].target, 0.8),
+        Candidate("gone", world.dead_address, 0.8),
+        Candidate("student", t["t1"].target, 1.0),  # the search found ourselves
+        Candidate("t2", t["t2"].target, 0.1),  # a duplicate with a worse similarity
+        Candidate("weird", t["t1"].target, math.nan),
+    ]
+    registry = new_registry()
+    pool, run = _runner()
+    try:
+        report = await pull_and_aggregate(
+            student,
+            candidates,
+            self_name="student",
+            creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
+            limits=LIMITS,
+            settings=PullSettings(kappa=0.25, eta=1.0, psi=2.0, timeout_s=20.0),
+            registry=registry,
+            run_model=run,
+            round_=3,
+        )
+    finally:
+        pool.shutdown()
+
+    reasons = {r.peer: r.reason for r in report.refused}
+    assert reasons == {
+        "narrow": "shape",
+        "nan": "non_finite",
+        "alien": "model_type",
+        "scaled": "lora_config",
+        "empty": "refused",  # NOT_FOUND: the peer has no adapter yet
+        "gone": "unavailable",
+        "student": "self",
+        "t2": "duplicate",
+        "weird": "bad_similarity",
+    }
+    assert [(p.peer, p.round, p.similarity) for p in report.pulled] == [
+        ("t1", 7, 0.9),
+        ("t2", 7, 0.6),
+    ]
+    assert report.applied
+    assert report.pulled[0].bytes == len(t["t1"].payload or b"")
+    completed = ("t1", "t2", "narrow", "nan", "alien", "scaled")
+    assert report.bytes_received == sum(len(t[n].payload or b"") for n in completed)
+
+    # The student's adapter is exactly (1 - alpha) w + alpha (W_ss w + W_1 w_1 + W_2 w_2).
+    weights = neighbour_weights({"t1": 0.9, "t2": 0.6}, self_id="student", kappa=0.25)
+    alpha = proximal_alpha(1.0, 2.0)
+    assert report.weights == pytest.approx(weights)
+    assert report.alpha == pytest.approx(alpha)
+    w1, w2 = world.hosts["t1"].adapter_state(), world.hosts["t2"].adapter_state()
+    after = student.adapter_state()
+    delta_sq = 0.0
+    for name, own in before.items():
+        anchor = weights["student"] * own + weights["t1"] * w1[name] + weights["t2"] * w2[name]
+        expected = (1 - alpha) * own + alpha * anchor
+        torch.testing.assert_close(after[name], expected, rtol=1e-5, atol=1e-6)
+        delta_sq += float(torch.sum((after[name] - own) ** 2))
+    assert delta_sq > 0
+    assert report.delta_norm == pytest.approx(math.sqrt(delta_sq), rel=1e-4)
+
+    # Counted: one pull-failure per refusal reason, two integrated adapters, one step.
+    for reason in set(reasons.values()):
+        expected_n = sum(1 for r in reasons.values() if r == reason)
+        assert (
+            _metric(registry, "peerlm_agent_overlay_pull_failures_total", reason=reason)
+            == expected_n
+        )
+    assert _metric(registry, "peerlm_agent_overlay_pulled_adapters_total") == 2
+    assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="applied") == 1
+    assert _metric(registry, "peerlm_agent_adapter_bytes_received_total") >= report.bytes_received
+    # what the teachers served, over mTLS, in several chunks
+    assert _metric(t["t1"].registry, "peerlm_agent_adapter_bytes_sent_total") == len(
+        t["t1"].payload or b""
+    )
+    assert len(t["t1"].payload or b"") > CHUNK
+
+
+async def test_no_usable_neighbour_leaves_the_adapter_untouched(world: World, pki: Path) -> None:
+    student = world.student
+    before = student.adapter_state()
+    t = world.teachers
+    registry = new_registry()
+    report = await pull_and_aggregate(
+        student,
+        [
+            Candidate("narrow", t["narrow"].target, 0.9),
+            Candidate("nan", t["nan"].target, 0.9),
+            Candidate("gone", world.dead_address, 0.9),
+        ],
+        self_name="student",
+        creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
+        limits=LIMITS,
+        registry=registry,
+    )
+    assert not report.applied and report.pulled == () and report.delta_norm == 0.0
+    assert report.weights == {"student": 1.0}
+    assert {r.reason for r in report.refused} == {"shape", "non_finite", "unavailable"}
+    after = student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="identity") == 1
+    assert _metric(registry, "peerlm_agent_overlay_pulled_adapters_total") == 0
+
+    empty = await pull_and_aggregate(
+        student, [], self_name="student", creds=None, limits=LIMITS, registry=registry
+    )
+    assert not empty.applied and empty.refused == () and empty.bytes_received == 0
+
+
+async def test_limits_bound_fan_out_and_size(world: World, pki: Path) -> None:
+    t = world.teachers
+    creds = channel_credentials(TlsFiles.from_directory(pki, "student"))
+    report = await pull_and_aggregate(
+        world.student,
+        [Candidate("t1", t["t1"].target, 0.5), Candidate("t2", t["t2"].target, 0.7)],
+        self_name="student",
+        creds=creds,
+        limits=LIMITS,
+        settings=PullSettings(max_peers=1),
+    )
+    assert [p.peer for p in report.pulled] == ["t2"]  # the more similar one
+    assert [(r.peer, r.reason) for r in report.refused] == [("t1", "over_limit")]
+
+    before = world.student.adapter_state()
+    report = await pull_and_aggregate(
+        world.student,
+        [Candidate("t1", t["t1"].target, 0.5)],
+        self_name="student",
+        creds=creds,
+        limits=LIMITS,
+        settings=PullSettings(max_adapter_bytes=1024),
+    )
+    assert [(r.peer, r.reason) for r in report.refused] == [("t1", "too_large")]
+    assert not report.applied
+    after = world.student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+async def test_a_student_from_another_ca_is_not_served(world: World, tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    init_ca(foreign, federation=FEDERATION)
+    issue_certificate(foreign, Role.AGENT, "student")
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(foreign / "ca.crt").read_bytes(),
+        private_key=(foreign / "student.key").read_bytes(),
+        certificate_chain=(foreign / "student.crt").read_bytes(),
+    )
+    report = await pull_and_aggregate(
+        world.student,
+        [Candidate("t1", world.teachers["t1"].target, 0.9)],
+        self_name="student",
+        creds=creds,
+        limits=LIMITS,
+        settings=PullSettings(timeout_s=10.0),
+    )
+    assert not report.applied
+    assert [r.reason for r in report.refused] == ["unavailable"]

@@ -1,0 +1,128 @@
+"""The agent's per-round overlay step when the overlay cannot help: the adapter stays as it
+was, the outcome is counted, nothing raises. A real overlay node host with no peers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import huggingface_hub.constants
+import pytest
+import structlog
+import torch
+from peerlm.agent.modelhost import ModelHost
+from peerlm.agent.models.lora import LoraSettings
+from peerlm.agent.models.tiny import build_models
+from peerlm.agent.overlay_step import overlay_round_step, pull_settings
+from peerlm.overlay.metrics import OverlayMetrics
+from peerlm.overlay.node import OverlayNode
+from peerlm.overlay.params import OverlayParams
+from peerlm.overlay.signature import ImportanceTracker
+from peerlm.overlay.transport import DeliveryPolicy, OverlayHost, PeerPool
+
+from peerlm.config import AgentOverlaySettings, GrpcLimits
+from peerlm.metrics import new_registry
+from peerlm.rpc import create_channel
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _offline() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> ModelHost:
+    base = tmp_path_factory.getbasetemp() / "peerlm-micro-models"
+    [info] = build_models(base, ("gpt2",), size="micro")
+    return ModelHost.load(str(info.path), LoraSettings(r=4, alpha=8.0), device="cpu", seed=0)
+
+
+def _lone_host(name: str) -> OverlayHost:
+    """A real overlay node host that never reaches anyone (no bootstrap peers)."""
+    params = OverlayParams(hop_time=0.05, epoch_period=3600.0, genesis_time=1e12)
+    node = OverlayNode(name, "127.0.0.1:9", params, bytes(range(32)), rng=1)
+    metrics = OverlayMetrics(new_registry())
+    log = structlog.get_logger("test")
+    pool = PeerPool(
+        name, lambda t: create_channel(t, GrpcLimits(), None), DeliveryPolicy(), metrics, log
+    )
+    return OverlayHost(node, pool, metrics, log)
+
+
+async def _step(host: OverlayHost, model: ModelHost, registry: object, **kw: object) -> object:
+    async def run(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return fn(*args, **kwargs)
+
+    return await overlay_round_step(
+        host,
+        model,
+        ImportanceTracker(),
+        settings=AgentOverlaySettings(enabled=True, k=2, **kw),  # type: ignore[arg-type]
+        round_=1,
+        round_timeout_s=2.0,
+        creds=None,
+        limits=GrpcLimits(),
+        registry=registry,  # type: ignore[arg-type]
+        run_model=run,
+        log=structlog.get_logger("test"),
+    )
+
+
+def test_lone_node_search_leaves_the_adapter_unchanged(model: ModelHost) -> None:
+    before = {k: v.clone() for k, v in model.adapter_state().items()}
+    registry = new_registry()
+
+    async def go() -> object:
+        host = _lone_host("solo")
+        await host.start()
+        try:
+            host.join([])
+            return await _step(host, model, registry, query_timeout_s=0.5)
+        finally:
+            await host.stop(0)
+
+    result = asyncio.run(go())
+    assert result.outcome in ("query_timeout", "query_refused", "no_candidates")  # type: ignore[attr-defined]
+    assert result.pulled == [] and result.p >= 1  # type: ignore[attr-defined]
+    after = model.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    counted = registry.get_sample_value(  # type: ignore[attr-defined]
+        "peerlm_agent_overlay_steps_total",
+        {"outcome": result.outcome},  # type: ignore[attr-defined]
+    )
+    assert counted == 1.0
+
+
+def test_stopped_host_is_a_refused_query_not_an_error(model: ModelHost) -> None:
+    registry = new_registry()
+
+    async def go() -> object:
+        host = _lone_host("gone")
+        await host.start()
+        host.join([])
+        await host.stop(0)
+        return await _step(host, model, registry)
+
+    result = asyncio.run(go())
+    assert result.outcome in ("query_refused", "signature_error")  # type: ignore[attr-defined]
+    assert result.detail  # type: ignore[attr-defined]
+
+
+def test_signature_p_is_the_configured_network_p(model: ModelHost) -> None:
+    settings = pull_settings(AgentOverlaySettings(k=3, psi=2.0), 7.0)
+    assert settings.max_peers == 3 and settings.timeout_s == 7.0 and settings.psi == 2.0
+
+    async def go() -> object:
+        host = _lone_host("fixed")
+        await host.start()
+        try:
+            host.join([])
+            return await _step(host, model, new_registry(), signature_p=5, query_timeout_s=0.3)
+        finally:
+            await host.stop(0)
+
+    result = asyncio.run(go())
+    assert result.p == 5 and result.p_min >= 1  # type: ignore[attr-defined]

@@ -1,0 +1,189 @@
+"""The shared round logic on micro models: schedules, packages in both modes, AKD, Eq. 3."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import huggingface_hub.constants
+import numpy as np
+import pytest
+from peerlm.agent.guardrail import Guardrail
+from peerlm.agent.modelhost import ModelHost, TokenizerMismatchError
+from peerlm.agent.models.lora import LoraSettings
+from peerlm.agent.models.tiny import build_models
+from peerlm.agent.package import LogitsPackage, TextPackage, decode_package
+from peerlm.agent.rounds import (
+    RoundConfig,
+    build_package,
+    choose_package_mode,
+    integrate_package,
+    linear_schedule,
+    logit_entries,
+    reward_eq3,
+    teacher_completions,
+)
+from peerlm.agent.training import TrainSettings
+
+from peerlm.config import AgentSettings
+
+PROMPTS = [
+    'def reverse(s: str) -> str:\n    """Reverse s.\n    """\n    ',
+    'def double(x: int) -> int:\n    """Return x times 2.\n    """\n    ',
+    'def first(xs: list[int]) -> int:\n    """First element.\n    """\n    ',
+]
+TEXTS = ["return s[::-1]\n", "return x * 2\n", "return xs[0]\n"]
+LOCAL = [
+    ('def add(a: int, b: int) -> int:\n    """Sum.\n    """\n    ', "return a + b\n"),
+    ('def neg(x: int) -> int:\n    """Negate.\n    """\n    ', "return -x\n"),
+]
+TRANSFER = "ab" * 32
+FAST = TrainSettings(learning_rate=1e-2, batch_size=4, grad_accumulation=1, seed=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _offline() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    # The same folder as test_tiny_models.py / test_modelhost.py: built once per session.
+    infos = build_models(tmp_path_factory.getbasetemp() / "peerlm-micro-models", size="micro")
+    return {i.arch: Path(i.path) for i in infos}
+
+
+def host(models: dict[str, Path], arch: str = "gpt2", seed: int = 0) -> ModelHost:
+    return ModelHost.load(models[arch], LoraSettings(r=8), device="cpu", seed=seed)
+
+
+def config(total: int = 4, steps: int = 6) -> RoundConfig:
+    return RoundConfig(total_rounds=total, train=FAST, local_steps=steps)
+
+
+def package_bytes(teacher: ModelHost, mode: str) -> bytes:
+    return build_package(
+        teacher,
+        mode=mode,  # type: ignore[arg-type]
+        prompts=PROMPTS,
+        completions=TEXTS,
+        teacher="teacher",
+        directive_id="d" * 32,
+        transfer_sha256=TRANSFER,
+        guardrail=Guardrail([]),
+        top_k=8,
+    )
+
+
+def test_schedules_follow_table_6() -> None:
+    c = RoundConfig.from_settings(AgentSettings(rounds=5))
+    assert [round(c.alpha_kd(t), 3) for t in (1, 3, 5)] == [0.2, 0.35, 0.5]
+    assert [round(c.kd_temperature(t), 3) for t in (1, 3, 5)] == [2.5, 2.0, 1.5]
+    # Run forever: no end to ramp towards, the start values hold.
+    forever = RoundConfig.from_settings(AgentSettings(rounds=0))
+    assert forever.alpha_kd(50) == 0.2 and forever.kd_temperature(50) == 2.5
+    assert linear_schedule(0.2, 0.5, 1, 1) == 0.5
+    assert c.train_settings(1).seed != c.train_settings(2).seed
+
+
+def test_reward_is_eq_3() -> None:
+    assert reward_eq3(2.0, 1.5, 10.0, 1.0, 0.001) == pytest.approx(0.49)
+    assert reward_eq3(1.0, 1.2, 0.0, 2.0, 0.0) == pytest.approx(-0.4)
+
+
+def test_logits_only_for_the_teachers_own_tokenizer() -> None:
+    assert choose_package_mode("logits", "t" * 64, "t" * 64) == "logits"
+    assert choose_package_mode("logits", "t" * 64, "s" * 64) == "text"
+    assert choose_package_mode("logits", "t" * 64, None) == "text"
+    assert choose_package_mode("text", "t" * 64, "t" * 64) == "text"
+
+
+def test_logits_package_rebuilds_the_teachers_input(models: dict[str, Path]) -> None:
+    teacher = host(models, "gpt2", seed=1)
+    package = decode_package(package_bytes(teacher, "logits"))
+    assert isinstance(package, LogitsPackage) and package.top_k == 8
+    entries = logit_entries(host(models, "gpt2", seed=2), package, PROMPTS)
+    direct = teacher.topk_logits(PROMPTS, TEXTS, k=8)
+    for entry, reference in zip(entries, direct, strict=True):
+        # Column 0 is the teacher's own text: the student's input is exactly the teacher's.
+        assert entry["input_ids"].tolist() == reference["input_ids"].tolist()
+        assert entry["prompt_length"] == reference["prompt_length"]
+        # ...and the other columns are the likeliest other tokens, best first.
+        lp = np.asarray(entry["logprobs"], dtype=np.float32)
+        assert np.all(np.diff(lp[:, 1:], axis=1) <= 1e-3)
+        assert not np.any(entry["ids"][:, 1:] == entry["ids"][:, :1])
+
+
+def test_student_loss_on_the_teachers_distribution_falls(models: dict[str, Path]) -> None:
+    teacher = host(models, "gpt2", seed=1)
+    teacher.train_local(list(zip(PROMPTS, TEXTS, strict=True)), FAST, steps=8)
+    data = package_bytes(teacher, "logits")
+    package = decode_package(data)
+    student = host(models, "gpt2", seed=2)
+    entries = logit_entries(student, package, PROMPTS)
+    before = student.train_akd_logits(LOCAL, entries, 1.0, FAST, temperature=2.0, steps=1)
+    result = integrate_package(
+        student,
+        package,
+        kilobytes=len(data) / 1024,
+        local_examples=LOCAL,
+        val_examples=LOCAL,
+        transfer_prompts=PROMPTS,
+        config=RoundConfig(total_rounds=2, train=FAST, local_steps=12, alpha_kd_end=1.0),
+        t=2,
+    )
+    assert result.mode == "logits" and result.alpha_kd == 1.0
+    assert result.temperature == pytest.approx(1.5)  # the last round of the schedule
+    assert result.stats.kd_loss is not None and before.kd_loss is not None
+    # The KL to the teacher's distribution falls as the student trains on it.
+    assert result.stats.step_losses[-1] < result.stats.step_losses[0]
+    after = student.train_akd_logits(LOCAL, entries, 1.0, FAST, temperature=2.0, steps=1)
+    assert after.kd_loss is not None and after.kd_loss < before.kd_loss
+    assert result.reward == pytest.approx(
+        result.loss_pre - result.loss_post - 0.001 * len(data) / 1024
+    )
+
+
+def test_logits_of_another_tokenizer_are_refused_and_text_works(models: dict[str, Path]) -> None:
+    teacher = host(models, "gpt2", seed=1)
+    logits = decode_package(package_bytes(teacher, "logits"))
+    student = host(models, "qwen2")
+    with pytest.raises(TokenizerMismatchError):
+        integrate_package(
+            student,
+            logits,
+            kilobytes=1.0,
+            local_examples=LOCAL,
+            val_examples=LOCAL,
+            transfer_prompts=PROMPTS,
+            config=config(),
+            t=1,
+        )
+    # What the teacher sends a student with another tokenizer: text, which any student uses.
+    mode = choose_package_mode("logits", teacher.tokenizer_hash, student.tokenizer_hash)
+    text = decode_package(package_bytes(teacher, mode))
+    assert isinstance(text, TextPackage)
+    result = integrate_package(
+        student,
+        text,
+        kilobytes=1.0,
+        local_examples=LOCAL,
+        val_examples=LOCAL,
+        transfer_prompts=PROMPTS,
+        config=config(),
+        t=1,
+    )
+    assert result.mode == "text" and result.temperature is None and result.alpha_kd == 0.2
+    assert math.isfinite(result.reward)
+
+
+def test_teacher_completions_are_greedy_and_cut(models: dict[str, Path]) -> None:
+    teacher = host(models, "bloom")
+    out = teacher_completions(teacher, PROMPTS, max_new_tokens=12)
+    assert out == teacher_completions(teacher, PROMPTS, max_new_tokens=12)
+    # One function body: nothing after a line that starts at column 0.
+    assert all(not line[:1].strip() for c in out for line in c.split("\n")[1:])
