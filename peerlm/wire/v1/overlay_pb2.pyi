@@ -989,6 +989,7 @@ class Query(_message.Message):
     TAU_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     ASCEND_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
     qid: _builtins.str
     epoch: _builtins.int
     signature: _builtins.bytes
@@ -996,6 +997,8 @@ class Query(_message.Message):
     tau: _builtins.float
     round: _builtins.int
     ascend: _builtins.bool
+    budget: _builtins.float
+    """Seconds the querier still waits for the answer (each forwarding hop subtracts t_a)."""
     @_builtins.property
     def querier(self) -> Global___NodeRef: ...
     def __init__(
@@ -1009,10 +1012,11 @@ class Query(_message.Message):
         tau: _builtins.float | None = ...,
         round: _builtins.int = ...,
         ascend: _builtins.bool = ...,
+        budget: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_tau", b"_tau", "querier", b"querier", "tau", b"tau"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tau", b"_tau", "ascend", b"ascend", "epoch", b"epoch", "k", b"k", "qid", b"qid", "querier", b"querier", "round", b"round", "signature", b"signature", "tau", b"tau"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tau", b"_tau", "ascend", b"ascend", "budget", b"budget", "epoch", b"epoch", "k", b"k", "qid", b"qid", "querier", b"querier", "round", b"round", "signature", b"signature", "tau", b"tau"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__tau: _TypeAlias = _typing.Literal["tau"]  # noqa: Y015
     _WhichOneofArgType__tau: _TypeAlias = _typing.Literal["_tau", b"_tau"]  # noqa: Y015
