@@ -1,7 +1,8 @@
 """Semantic overlay benchmark in the simulator (SemanticDFL Sec. 5.3-5.5).
 
-    python bench/overlay.py [--peers 100,400,1000] [--k 10%] [--churn 0.4] [--seed S]
-                            [--rounds R] [--queries Q] [--no-hnsw] [--json] [--plots DIR]
+    python bench/overlay.py [--peers 100,400,1000] [--k 10%] [--zone-cap 5%] [--churn 0.4]
+                            [--loss P] [--seed S] [--rounds R] [--queries Q] [--no-hnsw]
+                            [--json] [--plots DIR]
 
 The same as ``peerlm bench overlay``; see docs/bench-overlay.md.
 """

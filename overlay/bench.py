@@ -132,6 +132,7 @@ def hnsw_recall(
 class _Round:
     recall: list[float] = field(default_factory=list)
     comparisons: list[int] = field(default_factory=list)
+    prototypes: list[int] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
     answered: int = 0
     unanswered: int = 0
@@ -235,6 +236,7 @@ def run_one(cfg: BenchConfig, n: int, progress: Progress | None = None) -> dict[
             result.unanswered += not answered
             result.incomplete += not ev.complete
             result.comparisons.append(ev.stats.scored)
+            result.prototypes.append(ev.stats.prototypes)
             result.latency.append(ev.latency)
         missing = len(queriers) - len(result.recall)
         result.unanswered += missing
@@ -268,6 +270,7 @@ def run_one(cfg: BenchConfig, n: int, progress: Progress | None = None) -> dict[
         "recall_per_round": [mean(r.recall) for r in rounds],
         "hnsw_recall_at_k": hnsw,
         "comparisons_per_query": mean([float(x) for r in measured for x in r.comparisons]),
+        "prototype_comparisons_per_query": mean([float(x) for r in measured for x in r.prototypes]),
         "comparisons_share_of_n": mean([float(x) for r in measured for x in r.comparisons]) / n,
         "comparisons_per_k": mean([float(x) for r in measured for x in r.comparisons]) / k,
         "messages_per_query": sum(r.messages for r in measured)

@@ -114,6 +114,9 @@ def overlay_command(
     churn: Annotated[
         float, typer.Option(min=0.0, max=0.9, help="Share of peers replaced per round.")
     ] = 0.0,
+    loss: Annotated[
+        float, typer.Option(min=0.0, max=0.5, help="Probability that a message is lost.")
+    ] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of population, network and keys.")] = 0,
     rounds: Annotated[int, typer.Option(min=1, help="Query rounds per size.")] = 3,
     queries: Annotated[
@@ -129,6 +132,7 @@ def overlay_command(
 ) -> None:
     """Semantic overlay (SemanticDFL) in the simulator: Recall@K vs exact and HNSW, cost."""
     from peerlm.overlay.bench import BenchConfig, parse_k, render_report, run_benchmark, write_plots
+    from peerlm.overlay.sim import LinkModel
 
     sizes = parse_sizes(peers)
     for value, hint in ((k, "--k"), (zone_cap, "--zone-cap")):
@@ -145,6 +149,7 @@ def overlay_command(
         rounds=rounds,
         queries=queries,
         hnsw=not no_hnsw,
+        links=LinkModel(loss=loss),
     )
     err = Console(stderr=True)
     with Progress(

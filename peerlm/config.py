@@ -156,6 +156,7 @@ class OverlayProtocolSettings(_Section):
     ttl_radius: int | None = Field(default=None, ge=1)
     hop_time: float | None = Field(default=None, gt=0)
     max_neighbours: int | None = Field(default=None, ge=1)
+    peer_exchange_interval: float | None = Field(default=None, gt=0)
     replication: int | None = Field(default=None, ge=1)
     max_children: int | None = Field(default=None, ge=2)
     beam: int | None = Field(default=None, ge=1)

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -113,11 +114,19 @@ def _launch(
 
 def _stop_all(nodes: dict[str, OverlayNodeProcess]) -> dict[str, int]:
     """SIGTERM every node at once (each leaves gracefully), then collect the exit codes."""
-    for proc in nodes.values():
-        if proc.alive():
-            assert proc.proc is not None
-            proc.proc.send_signal(signal.SIGTERM)
-    return {name: proc.terminate() for name, proc in nodes.items() if proc.proc}
+    live = [p.proc for p in nodes.values() if p.proc is not None and p.proc.poll() is None]
+    for proc in live:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for proc in live:
+        # Wait without signalling again: a second SIGTERM during interpreter shutdown
+        # (after the graceful stop) would end the process with -15.
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return {name: p.proc.returncode for name, p in nodes.items() if p.proc is not None}
 
 
 @pytest.fixture(scope="module")

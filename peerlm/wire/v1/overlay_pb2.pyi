@@ -998,7 +998,7 @@ class Query(_message.Message):
     round: _builtins.int
     ascend: _builtins.bool
     budget: _builtins.float
-    """Seconds the querier still waits for the answer; each forwarding hop subtracts t_a."""
+    """Seconds the querier still waits for the answer (each forwarding hop subtracts t_a)."""
     @_builtins.property
     def querier(self) -> Global___NodeRef: ...
     def __init__(
