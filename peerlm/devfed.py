@@ -1,10 +1,12 @@
 """``peerlm up``: a local federation of real processes on loopback with real mTLS.
 
-Creates (or reuses) a dev CA and certificates under the state directory, starts a CPM and N
-agents as separate processes, shows live progress from the CPM's admin stats, and ends
-with a summary table (or one JSON object with ``--json``). Ctrl-C stops everything.
-Until the model-hosting agent lands, the agents are simulated agents
-(:mod:`peerlm.agent.simulated`): real processes and real RPCs, synthetic learning.
+Creates (or reuses) a dev CA and certificates under the state directory, builds (or
+reuses) the tiny models and the federation data, starts a CPM and N model-hosting agents
+(``peerlm agent``) as separate processes, shows live progress from the CPM's admin stats,
+and ends with a summary table (or one JSON object with ``--json``). Ctrl-C stops
+everything: agents first (SIGTERM, each finishes or cuts its round and checkpoints), the
+CPM last. ``--simulated`` runs synthetic-learning agents (:mod:`peerlm.agent.simulated`)
+instead: real processes and RPCs, no models.
 """
 
 from __future__ import annotations
