@@ -308,6 +308,8 @@ class RealPlan:
     max_new_tokens: int = 64
     round_timeout_s: float = 60.0
     alpha: float = 0.1
+    # Below _stop's 10 s before SIGKILL: Ctrl-C lets each agent cut its round and checkpoint.
+    stop_grace_s: float = 5.0
 
 
 def _prepare_real(
@@ -352,6 +354,7 @@ def _prepare_real(
             "transfer_limit": plan.transfer_limit,
             "eval_limit": plan.eval_limit,
             "max_new_tokens": plan.max_new_tokens,
+            "stop_grace_s": plan.stop_grace_s,
             "seed": seed + i,
             "log_format": "json",
             "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
