@@ -373,11 +373,13 @@ def integrate_package(
     """Integrate a decoded package by AKD (Eq. 2) and compute the reward of Eq. 3.
 
     L_pre and L_post are the validation loss right before and after the AKD update, so the
-    reward measures what this exchange did. Text packages are re-tokenised
+    reward measures what this exchange did. Empty and guardrail-redacted completions are
+    skipped; with none left the step is local training only. Text packages are re-tokenised
     (:meth:`ModelHost.train_akd`); logits packages are distilled on the teacher's top-k at
     the round's temperature (:meth:`ModelHost.train_akd_logits`), which raises
     :class:`~peerlm.agent.modelhost.TokenizerMismatchError` for another tokenizer.
     """
+    from peerlm.agent.guardrail import placeholder
     from peerlm.agent.package import TextPackage, text_pairs
 
     alpha = config.alpha_kd(t)
@@ -386,8 +388,15 @@ def integrate_package(
     temperature: float | None = None
     if isinstance(package, TextPackage):
         mode: PackageMode = "text"
-        # An empty completion would teach "stop at once"; it carries no knowledge.
-        pairs = [(p, c) for p, c in text_pairs(package, transfer_prompts) if c.strip()]
+        # Not learnt from: an empty completion (it would teach "stop at once") and one the
+        # teacher's guardrail redacted (its <redacted:KIND> placeholder is not code, and a
+        # student trained on it would learn to write placeholders).
+        redacted = placeholder("")[:-1]
+        pairs = [
+            (p, c)
+            for p, c in text_pairs(package, transfer_prompts)
+            if c.strip() and redacted not in c
+        ]
         if not pairs:  # nothing to learn from the teacher: local data only
             stats = host.train_local(local_examples, settings, steps=config.local_steps)
         else:

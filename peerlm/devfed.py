@@ -1,10 +1,12 @@
 """``peerlm up``: a local federation of real processes on loopback with real mTLS.
 
-Creates (or reuses) a dev CA and certificates under the state directory, starts a CPM and N
-agents as separate processes, shows live progress from the CPM's admin stats, and ends
-with a summary table (or one JSON object with ``--json``). Ctrl-C stops everything.
-Until the model-hosting agent lands, the agents are simulated agents
-(:mod:`peerlm.agent.simulated`): real processes and real RPCs, synthetic learning.
+Creates (or reuses) a dev CA and certificates under the state directory, builds (or
+reuses) the tiny models and the federation data, starts a CPM and N model-hosting agents
+(``peerlm agent``) as separate processes, shows live progress from the CPM's admin stats,
+and ends with a summary table (or one JSON object with ``--json``). Ctrl-C stops
+everything: agents first (SIGTERM, each finishes or cuts its round and checkpoints), the
+CPM last. ``--simulated`` runs synthetic-learning agents (:mod:`peerlm.agent.simulated`)
+instead: real processes and RPCs, no models.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, Annotated, Any, Literal
 
 import grpc
@@ -310,22 +313,26 @@ class RealPlan:
     alpha: float = 0.1
     overlay: bool = False
     family: str | None = None
+    # Below _stop's 10 s before SIGKILL: Ctrl-C lets each agent cut its round and checkpoint.
+    stop_grace_s: float = 5.0
 
 
 #: Dev overlay schedule (``peerlm up --overlay``): short hops and leases so a handful of
 #: agents build the overlay within seconds; the build starts ``OVERLAY_STARTUP_S`` after the
 #: configurations are written, when the agents have loaded their models and joined.
-DEV_OVERLAY_PROTOCOL: dict[str, Any] = {
-    "zone_cap": 4,
-    "ttl_radius": 1,
-    "hop_time": 0.3,
-    "max_neighbours": 8,
-    "replication": 2,
-    "heartbeat_interval": 0.5,
-    "lease_duration": 2.0,
-    "epoch_period": 3600.0,
-    "query_timeout": 6.0,
-}
+DEV_OVERLAY_PROTOCOL: Mapping[str, Any] = MappingProxyType(
+    {
+        "zone_cap": 4,
+        "ttl_radius": 1,
+        "hop_time": 0.3,
+        "max_neighbours": 8,
+        "replication": 2,
+        "heartbeat_interval": 0.5,
+        "lease_duration": 2.0,
+        "epoch_period": 3600.0,
+        "query_timeout": 6.0,
+    }
+)
 OVERLAY_STARTUP_S = 30.0
 
 
@@ -382,6 +389,7 @@ def _prepare_real(
             "transfer_limit": plan.transfer_limit,
             "eval_limit": plan.eval_limit,
             "max_new_tokens": plan.max_new_tokens,
+            "stop_grace_s": plan.stop_grace_s,
             "seed": seed + i,
             "log_format": "json",
             "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},

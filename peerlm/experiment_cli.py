@@ -107,13 +107,14 @@ def run_experiment_command(
                     f"round 0 (pre-trained) test pass@1: {data['test_pass@1']:.3f}"
                 )
             elif kind == "round":
-                progress.update(
-                    tasks[data["strategy"]],
-                    completed=data["round"],
-                    status=f"pass@1 {data['test_pass@1']:.3f}",
-                )
+                status = f"pass@1 {data['test_pass@1']:.3f}"
+                progress.update(tasks[data["strategy"]], completed=data["round"], status=status)
+                if not err.is_terminal:  # a log file gets one line per round instead of bars
+                    err.print(f"{data['strategy']}: round {data['round']} test {status}")
             elif kind == "final":
                 progress.update(tasks[data["strategy"]], completed=rounds + 1, status="done")
+                if not err.is_terminal:
+                    err.print(f"{data['strategy']}: done")
 
         result = run_experiment(plan, models=models, work=work_dir, event=on_event, jobs=jobs)
     if out is not None:

@@ -129,7 +129,7 @@ _RECIPES: Mapping[str, _Recipe] = MappingProxyType(
             steps=1000,
             batch=8,
             seq_len=128,
-            lr=2e-3,
+            lr=4e-3,
             public_per_category=150,
             public_share=0.75,
         ),

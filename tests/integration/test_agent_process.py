@@ -43,7 +43,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     models = tmp / "models"
     build_models(models, ("gpt2",), size="micro")
     manifest = build_federation_data(tmp / "data", 2, seed=0)
-    pki = Pki.create(tmp, agents=2)
+    # a0, a1: the original tests; a2, a3: the SIGTERM tests (one CPM remembers each name's
+    # last round, so every test that submits profiles needs names of its own).
+    pki = Pki.create(tmp, agents=4)
     cpm = CpmProcess(pki, tmp / "cpm.db", tmp, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"}).start()
     yield World(tmp, pki, cpm, models, tmp / "data", manifest.transfer_sha256)
     cpm.terminate()
@@ -163,8 +165,8 @@ def test_sigterm_cuts_training_at_a_step_after_the_grace_and_exits_0(world: Worl
     """SIGTERM mid-training: the grace runs out, training stops at a step boundary, the round
     is checkpointed, the process exits 0, and a restart resumes after that round."""
     state = world.tmp / "sigterm" / "state"
-    config = _config(world, "a0", state, local_steps=1_000_000, rounds=3, stop_grace_s=1.0)
-    log = world.tmp / "sigterm" / "a0.log"
+    config = _config(world, "a2", state, local_steps=1_000_000, rounds=3, stop_grace_s=1.0)
+    log = world.tmp / "sigterm" / "a2.log"
     proc = _start(config, log)
     try:
         _wait_round_started(log, proc)
@@ -185,7 +187,7 @@ def test_sigterm_cuts_training_at_a_step_after_the_grace_and_exits_0(world: Worl
     assert (state / "checkpoints" / "LATEST").read_text().strip() == "round-000001"
 
     # The checkpoint is a clean one: a restart resumes at round 2.
-    config = _config(world, "a0", state, local_steps=2, rounds=2, stop_grace_s=1.0)
+    config = _config(world, "a2", state, local_steps=2, rounds=2, stop_grace_s=1.0)
     proc = _start(config, log)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log.read_text()[-3000:]
@@ -194,8 +196,8 @@ def test_sigterm_cuts_training_at_a_step_after_the_grace_and_exits_0(world: Worl
 
 def test_sigterm_within_the_grace_finishes_the_round(world: World) -> None:
     state = world.tmp / "sigterm-grace" / "state"
-    config = _config(world, "a1", state, local_steps=20, rounds=50, stop_grace_s=600.0)
-    log = world.tmp / "sigterm-grace" / "a1.log"
+    config = _config(world, "a3", state, local_steps=20, rounds=50, stop_grace_s=600.0)
+    log = world.tmp / "sigterm-grace" / "a3.log"
     proc = _start(config, log)
     try:
         _wait_round_started(log, proc)

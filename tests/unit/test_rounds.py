@@ -187,3 +187,38 @@ def test_teacher_completions_are_greedy_and_cut(models: dict[str, Path]) -> None
     assert out == teacher_completions(teacher, PROMPTS, max_new_tokens=12)
     # One function body: nothing after a line that starts at column 0.
     assert all(not line[:1].strip() for c in out for line in c.split("\n")[1:])
+
+
+def test_redacted_and_empty_completions_are_not_learnt_from(models: dict[str, Path]) -> None:
+    from peerlm.agent.guardrail import placeholder
+    from peerlm.agent.package import TextItem, prompt_sha256
+
+    def package(texts: list[str]) -> TextPackage:
+        return TextPackage(
+            teacher="teacher",
+            directive_id="d" * 32,
+            transfer_sha256=TRANSFER,
+            model_family="gpt2",
+            items=tuple(
+                TextItem(str(i), prompt_sha256(p), t)
+                for i, (p, t) in enumerate(zip(PROMPTS, texts, strict=True))
+            ),
+        )
+
+    def integrate(texts: list[str]) -> object:
+        return integrate_package(
+            host(models, "gpt2"),
+            package(texts),
+            kilobytes=1.0,
+            local_examples=LOCAL,
+            val_examples=LOCAL,
+            transfer_prompts=PROMPTS,
+            config=config(steps=2),
+            t=1,
+        )
+
+    spoiled = ["return " + placeholder("private_text") + "\n", "  \n", ""]
+    nothing = integrate(spoiled)
+    assert nothing.stats.kd_loss is None  # type: ignore[attr-defined]  # local only
+    one_good = integrate([spoiled[0], "return x * 2\n", ""])
+    assert one_good.stats.kd_loss is not None  # type: ignore[attr-defined]
