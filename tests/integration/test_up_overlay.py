@@ -16,22 +16,23 @@ def test_up_overlay_agents_pull_same_family_adapters(tmp_path: Path) -> None:
     state = tmp_path / "fed"
     out = subprocess.run(
         [sys.executable, "-m", "peerlm", "up", "--json", "--state-dir", str(state),
-         "--micro", "--overlay", "--family", "gpt2", "-n", "4", "-r", "2"],
+         "--micro", "--overlay", "--family", "gpt2", "-n", "4", "-r", "3"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     agents = result["agents"]
-    assert result["cpm_exit_code"] == 0 and result["rounds_completed"] == 2
+    assert result["cpm_exit_code"] == 0 and result["rounds_completed"] == 3
     assert {Path(a["model"]).name for a in agents} == {"gpt2"}
     names = {a["name"] for a in agents}
     for a in agents:
         assert not a["errors"], a["errors"]
-        assert sum(a["overlay_steps"].values()) == 2  # one overlay step per round
+        assert sum(a["overlay_steps"].values()) == 3  # one overlay step per round
         assert a["name"] not in a["overlay_neighbours"]
         assert set(a["overlay_neighbours"]) <= names
     assert any(a["adapters_pulled"] >= 1 for a in agents)
     assert result["adapters_pulled"] == sum(a["adapters_pulled"] for a in agents)
-    # Which agents found neighbours depends on when the overlay build finished: any one.
+    # Which agents found neighbours depends on when the overlay build finished (round 1 may
+    # come before it on a loaded machine, hence three rounds): any one.
     logs = [(state / "logs" / f"{name}.log").read_text() for name in sorted(names)]
     assert any('"outcome": "applied"' in log or "overlay_aggregated" in log for log in logs)
