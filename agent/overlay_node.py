@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from peerlm.agent.peer_service import PEER_POLICY, PEER_SERVICE_NAME, PeerExchangeService
 from peerlm.overlay import vrf
 from peerlm.overlay.codec import CodecLimits
-from peerlm.overlay.main import parse_bootstrap
+from peerlm.overlay.main import describe_bootstrap, parse_bootstrap
 from peerlm.overlay.messages import NodeRef
 from peerlm.overlay.metrics import OverlayMetrics
 from peerlm.overlay.node import OverlayNode
@@ -52,10 +52,10 @@ from peerlm.rpc import (
     create_server,
     set_serving,
 )
-from peerlm.security.authz import AuthInterceptor, TlsFailureCounter, describe_rpc_error
+from peerlm.security.authz import AuthInterceptor, TlsFailureCounter
 from peerlm.security.credentials import TlsFiles, bind_server, channel_credentials
 from peerlm.security.mode import SecurityConfigError, SecurityMode
-from peerlm.wire.v1 import overlay_pb2, overlay_pb2_grpc, peer_pb2_grpc
+from peerlm.wire.v1 import overlay_pb2_grpc, peer_pb2_grpc
 
 __all__ = ["AgentOverlay", "serve_agent"]
 
@@ -81,32 +81,14 @@ class AgentOverlay:
         if self.joined:
             return True
         entries = parse_bootstrap(self.settings.overlay.bootstrap)
-        refs: list[NodeRef] = []
-        for name, target in entries:
-            if stop.is_set():
-                break
-            channel = self.dial(target)
-            try:
-                stub = overlay_pb2_grpc.OverlayStub(channel)  # type: ignore[no-untyped-call]
-                desc = await stub.Describe(
-                    overlay_pb2.DescribeRequest(),
-                    timeout=self.settings.overlay.bootstrap_retry_s * 2,
-                )
-            except grpc.aio.AioRpcError as err:
-                self.log.info(
-                    "overlay_bootstrap_unreachable", target=target, error=describe_rpc_error(err)
-                )
-                continue
-            finally:
-                await channel.close(None)
-            if desc.node_id == self.host.node_id:
-                continue  # our own address in a shared bootstrap list
-            if name is not None and desc.node_id != name:
-                self.log.warning(
-                    "overlay_bootstrap_mismatch", target=target, expected=name, got=desc.node_id
-                )
-                continue
-            refs.append(NodeRef(desc.node_id, target))
+        refs, _ = await describe_bootstrap(
+            entries,
+            self.dial,
+            timeout=self.settings.overlay.bootstrap_retry_s * 2,
+            log=self.log,
+            own_id=self.host.node_id,
+            stop=stop,
+        )
         if entries and not refs and any(t != self.host.address for _, t in entries):
             return False
         self.host.join(refs)

@@ -177,6 +177,48 @@ def _write_port_file(path: Path, port: int) -> None:
     os.replace(tmp, path)
 
 
+async def describe_bootstrap(
+    entries: list[tuple[str | None, str]],
+    dial: Any,
+    *,
+    timeout: float,
+    log: Any,
+    metadata: tuple[tuple[str, str], ...] = (),
+    own_id: str | None = None,
+    stop: asyncio.Event | None = None,
+) -> tuple[list[NodeRef], set[str]]:
+    """One pass over the bootstrap entries: ask each address for its node id with
+    ``Describe``. Returns the nodes to join through and the targets that answered. A named
+    entry whose node reports another id is skipped (a stale or mistyped configuration), and
+    so is this node's own address in a shared list (``own_id``)."""
+    refs: list[NodeRef] = []
+    answered: set[str] = set()
+    for name, target in entries:
+        if stop is not None and stop.is_set():
+            break
+        channel = dial(target)
+        try:
+            stub = overlay_pb2_grpc.OverlayStub(channel)  # type: ignore[no-untyped-call]
+            desc = await stub.Describe(
+                overlay_pb2.DescribeRequest(), timeout=timeout, metadata=metadata or None
+            )
+        except grpc.aio.AioRpcError as err:
+            log.info("overlay_bootstrap_unreachable", target=target, error=describe_rpc_error(err))
+            continue
+        finally:
+            await channel.close(None)
+        answered.add(target)
+        if own_id is not None and desc.node_id == own_id:
+            continue
+        if name is not None and desc.node_id != name:
+            log.warning(
+                "overlay_bootstrap_mismatch", target=target, expected=name, got=desc.node_id
+            )
+            continue
+        refs.append(NodeRef(desc.node_id, target))
+    return refs, answered
+
+
 async def _resolve_bootstrap(
     entries: list[tuple[str | None, str]],
     dial: Any,
@@ -185,34 +227,17 @@ async def _resolve_bootstrap(
     stop: asyncio.Event,
     log: Any,
 ) -> list[NodeRef]:
-    """Ask every bootstrap address for its node id with ``Describe`` until at least one
-    answers (or ``stop``). Joining only through nodes that answered keeps the first
-    neighbour exchange from being lost to a node that is still starting; a named entry whose
-    node reports another id is skipped (a stale or mistyped configuration)."""
+    """Pass over the bootstrap addresses until at least one answers (or ``stop``). Joining
+    only through nodes that answered keeps the first neighbour exchange from being lost to a
+    node that is still starting."""
     refs: list[NodeRef] = []
     pending = list(entries)
     while pending and not stop.is_set():
-        for name, target in list(pending):
-            channel = dial(target)
-            try:
-                stub = overlay_pb2_grpc.OverlayStub(channel)  # type: ignore[no-untyped-call]
-                desc = await stub.Describe(
-                    overlay_pb2.DescribeRequest(), timeout=retry_s * 2, metadata=metadata or None
-                )
-            except grpc.aio.AioRpcError as err:
-                log.info(
-                    "overlay_bootstrap_unreachable", target=target, error=describe_rpc_error(err)
-                )
-                continue
-            finally:
-                await channel.close(None)
-            pending.remove((name, target))
-            if name is not None and desc.node_id != name:
-                log.warning(
-                    "overlay_bootstrap_mismatch", target=target, expected=name, got=desc.node_id
-                )
-                continue
-            refs.append(NodeRef(desc.node_id, target))
+        found, answered = await describe_bootstrap(
+            pending, dial, timeout=retry_s * 2, log=log, metadata=metadata
+        )
+        refs += found
+        pending = [(name, target) for name, target in pending if target not in answered]
         if refs:
             break
         with contextlib.suppress(TimeoutError):
