@@ -25,9 +25,8 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from peerlm.agent.peer_service import PEER_POLICY, PEER_SERVICE_NAME, PeerExchangeService
-from peerlm.overlay import vrf
 from peerlm.overlay.codec import CodecLimits
-from peerlm.overlay.main import describe_bootstrap, parse_bootstrap
+from peerlm.overlay.main import certified_vrf_secret, describe_bootstrap, parse_bootstrap
 from peerlm.overlay.messages import NodeRef
 from peerlm.overlay.metrics import OverlayMetrics
 from peerlm.overlay.node import OverlayNode
@@ -44,7 +43,7 @@ from prometheus_client import CollectorRegistry
 
 from peerlm.config import AgentSettings, parse_host_port
 from peerlm.pki.ca import vrf_key_path
-from peerlm.pki.identity import PeerIdentity, load_vrf_secret
+from peerlm.pki.identity import PeerIdentity
 from peerlm.rpc import (
     MetricsInterceptor,
     add_health_and_reflection,
@@ -104,20 +103,7 @@ class AgentOverlay:
 
 def _vrf_secret(identity: PeerIdentity, tls: TlsFiles) -> bytes:
     path = vrf_key_path(tls.cert.parent, tls.cert.stem)
-    try:
-        secret = load_vrf_secret(path)
-    except (OSError, ValueError) as err:
-        raise SecurityConfigError(f"agent overlay: {err}") from None
-    if identity.vrf_public_key is None:
-        raise SecurityConfigError(
-            "agent overlay: the agent certificate certifies no VRF key; reissue it with "
-            "`peerlm ca issue --role agent` (it writes <name>.vrf.key)"
-        )
-    if vrf.public_key(secret) != identity.vrf_public_key:
-        raise SecurityConfigError(
-            f"agent overlay: VRF key {path} does not match the key certified in the certificate"
-        )
-    return secret
+    return certified_vrf_secret(path, identity, who="agent overlay", require_certified=True)
 
 
 async def serve_agent(

@@ -130,27 +130,39 @@ def _own_identity(settings: OverlaySettings, tls: TlsFiles | None) -> PeerIdenti
     return identity
 
 
+def certified_vrf_secret(
+    path: Path, identity: PeerIdentity, *, who: str, require_certified: bool
+) -> bytes:
+    """Load the ECVRF secret at ``path`` and check it is the key the certificate certifies.
+
+    ``require_certified``: a certificate without a certified VRF key is refused (always under
+    mTLS; insecure-dev has no certificate to check against)."""
+    try:
+        secret = load_vrf_secret(path)
+    except (OSError, ValueError) as err:
+        raise SecurityConfigError(f"{who}: {err}") from None
+    if identity.vrf_public_key is not None and vrf.public_key(secret) != identity.vrf_public_key:
+        raise SecurityConfigError(
+            f"{who}: VRF key {path} does not match the VRF public key certified in "
+            "the certificate; use the .vrf.key issued together with that certificate"
+        )
+    if require_certified and identity.vrf_public_key is None:
+        raise SecurityConfigError(
+            f"{who}: the certificate certifies no VRF key; reissue it with "
+            f"`peerlm ca issue --role {identity.role.value}` (it writes <name>.vrf.key)"
+        )
+    return secret
+
+
 def _vrf_secret(settings: OverlaySettings, identity: PeerIdentity, tls: TlsFiles | None) -> bytes:
     path = settings.vrf_key
     if path is None:
         if tls is None:
             raise SecurityConfigError("overlay-node: insecure-dev needs `vrf_key`")
         path = tls.cert.with_name(tls.cert.stem + ".vrf.key")
-    try:
-        secret = load_vrf_secret(path)
-    except (OSError, ValueError) as err:
-        raise SecurityConfigError(f"overlay-node: {err}") from None
-    if identity.vrf_public_key is not None and vrf.public_key(secret) != identity.vrf_public_key:
-        raise SecurityConfigError(
-            f"overlay-node: VRF key {path} does not match the VRF public key certified in "
-            "the certificate; use the .vrf.key issued together with that certificate"
-        )
-    if tls is not None and identity.vrf_public_key is None:
-        raise SecurityConfigError(
-            "overlay-node: the certificate certifies no VRF key; reissue it with "
-            "`peerlm ca issue --role overlay` (it writes <name>.vrf.key)"
-        )
-    return secret
+    return certified_vrf_secret(
+        path, identity, who="overlay-node", require_certified=tls is not None
+    )
 
 
 def _params(settings: OverlaySettings) -> OverlayParams:
