@@ -533,6 +533,14 @@ class AgentDaemon:
             return
         self.state["importance"] = _importance_state(self.importance)
         self.log.info("overlay_signature_published", p=p, p_min=p_min)
+        wait = self.s.overlay.placement_wait_s
+        if wait > 0:
+            started = time.monotonic()
+            ready = await self.overlay.wait_ready(self._stop, wait)
+            self.log.info(
+                "overlay_ready" if ready else "overlay_not_ready",
+                waited_s=round(time.monotonic() - started, 2),
+            )
 
     async def _overlay_step(self, t: int) -> None:
         """SemanticDFL pull and personalised aggregation (:mod:`peerlm.agent.overlay_step`);

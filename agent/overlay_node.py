@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,7 @@ class AgentOverlay:
         """
         if self.joined:
             return True
-        entries = parse_bootstrap(self.settings.overlay.bootstrap)
+        entries = parse_bootstrap(self.settings.overlay.bootstrap, self.host.address)
         refs, _ = await describe_bootstrap(
             entries,
             self.dial,
@@ -88,11 +89,25 @@ class AgentOverlay:
             own_id=self.host.node_id,
             stop=stop,
         )
-        if entries and not refs and any(t != self.host.address for _, t in entries):
+        if entries and not refs:
             return False
         self.host.join(refs)
         self.bootstrap, self.joined = tuple(refs), True
         self.log.info("overlay_joined", bootstrap=[f"{r.node_id}@{r.address}" for r in refs])
+        return True
+
+    async def wait_ready(self, stop: asyncio.Event, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until the node can search (the epoch's root is known).
+
+        Polls the core's description: readiness has no single event (a build, a top-down
+        join and a take-over all make a node ready), and a quarter second is far below a
+        round's length.
+        """
+        deadline = time.monotonic() + timeout
+        while not self.host.describe().get("ready"):
+            if stop.is_set() or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
         return True
 
     async def close(self) -> None:
@@ -136,7 +151,7 @@ async def serve_agent(
     server = create_server(
         settings.limits,
         [
-            MetricsInterceptor(registry, "agent"),
+            MetricsInterceptor(registry, "agent", settings.limits),
             AuthInterceptor(
                 {**PEER_POLICY, **OVERLAY_POLICY},
                 federation=settings.federation,

@@ -321,7 +321,7 @@ async def serve_peer(
     server = create_server(
         limits,
         [
-            MetricsInterceptor(registry, "agent"),
+            MetricsInterceptor(registry, "agent", limits),
             AuthInterceptor(
                 PEER_POLICY, federation=federation, mode=mode, registry=registry, component="agent"
             ),

@@ -97,12 +97,20 @@ def load_signature(path: Path, max_p: int) -> Signature:
         raise ValueError(f"signature file {path} is not a valid signature: {err}") from None
 
 
-def parse_bootstrap(entries: tuple[str, ...]) -> list[tuple[str | None, str]]:
-    """``name@host:port`` or ``host:port`` entries as ``(name or None, target)``."""
+def parse_bootstrap(
+    entries: tuple[str, ...], own_address: str | None = None
+) -> list[tuple[str | None, str]]:
+    """``name@host:port`` or ``host:port`` entries as ``(name or None, target)``.
+
+    An entry equal to ``own_address`` (the node's advertised address) is dropped: one
+    bootstrap list can then serve every node, the first included, which could otherwise
+    wait for itself (e.g. a Kubernetes pod whose DNS name resolves only once it is ready).
+    """
     out: list[tuple[str | None, str]] = []
     for entry in entries:
         name, _, target = entry.rpartition("@")
-        out.append((name or None, target))
+        if target != own_address:
+            out.append((name or None, target))
     return out
 
 
@@ -308,7 +316,7 @@ class OverlayRuntime:
         server = create_server(
             settings.limits,
             [
-                MetricsInterceptor(registry, "overlay"),
+                MetricsInterceptor(registry, "overlay", settings.limits),
                 AuthInterceptor(
                     OVERLAY_POLICY,
                     federation=settings.federation,
@@ -410,7 +418,7 @@ class OverlayRuntime:
         """Join through the bootstrap nodes, publish the signature, report SERVING."""
         settings = self.settings
         self.bootstrap = await _resolve_bootstrap(
-            parse_bootstrap(settings.bootstrap),
+            parse_bootstrap(settings.bootstrap, self.host.address),
             self.dial,
             self.metadata,
             settings.bootstrap_retry_s,

@@ -487,6 +487,7 @@ class OverlayNode:
         else:
             role = "unplaced"
         top_role = next((r for r in roles if r["level"] == top), None)
+        own_zone = self.zones.levels.get((epoch, 1)) if epoch is not None else None
         return {
             "node_id": self.node_id,
             "epoch": epoch,
@@ -494,6 +495,9 @@ class OverlayNode:
             "level": top,
             "zone": zone.initiator.node_id if zone is not None and zone.initiator else None,
             "initiator_levels": sorted(initiator_levels),
+            "zone_size": len(own_zone.members) if own_zone and own_zone.is_initiator else 0,
+            # Queries can be answered once the root of an epoch is known.
+            "ready": self.membership.active_epoch() is not None and not self.ctx.inert,
             "cluster": leaf.cluster_id if leaf is not None else None,
             "parent": top_role["parent"] if top_role else None,
             "children": top_role["children"] if top_role else [],

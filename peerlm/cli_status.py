@@ -27,7 +27,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from peerlm.security.credentials import TlsFiles
 
-__all__ = ["health_command", "stats_to_dict", "status_command"]
+__all__ = ["description_to_dict", "health_command", "stats_to_dict", "status_command"]
 
 _USAGE_ERROR = 2
 _UNHEALTHY = 1
@@ -105,6 +105,81 @@ async def _get_stats(target: str, tls: TlsFiles, timeout: float) -> Any:
         await channel.close(None)
 
 
+def description_to_dict(desc: Any) -> dict[str, Any]:
+    """An overlay ``NodeDescription`` as plain JSON-ready data."""
+    return {
+        "node_id": desc.node_id,
+        "address": desc.address,
+        "role": desc.role,
+        "level": desc.level,
+        "epoch": desc.epoch,
+        "depth": desc.depth,
+        "zone_id": desc.zone_id or None,
+        "zone_size": desc.zone_size,
+        "cluster_id": desc.cluster_id or None,
+        "parent_id": desc.parent_id or None,
+        "root_id": desc.root_id or None,
+        "children": desc.children_count,
+        "tau": desc.tau if desc.HasField("tau") else None,
+        "has_signature": desc.has_signature,
+    }
+
+
+async def _describe_overlay(
+    targets: list[str], tls: TlsFiles, timeout: float
+) -> list[dict[str, Any]]:
+    """``Describe`` every overlay node; an unreachable one is a row with its error, so one
+    node down does not hide the others."""
+    import grpc
+
+    from peerlm.config import GrpcLimits
+    from peerlm.rpc import create_channel
+    from peerlm.security.authz import describe_rpc_error
+    from peerlm.security.credentials import channel_credentials
+    from peerlm.wire.v1 import overlay_pb2, overlay_pb2_grpc
+
+    creds = channel_credentials(tls)
+
+    async def one(target: str) -> dict[str, Any]:
+        channel = create_channel(target, GrpcLimits(), creds)
+        try:
+            stub = overlay_pb2_grpc.OverlayStub(channel)  # type: ignore[no-untyped-call]
+            desc = await stub.Describe(overlay_pb2.DescribeRequest(), timeout=timeout)
+            return {"target": target, **description_to_dict(desc)}
+        except grpc.aio.AioRpcError as err:
+            return {"target": target, "error": describe_rpc_error(err)}
+        finally:
+            await channel.close(None)
+
+    return list(await asyncio.gather(*(one(t) for t in targets)))
+
+
+def _render_overlay(rows: list[dict[str, Any]], console: Console) -> None:
+    table = Table(title="overlay")
+    columns = ("node", "role", "level", "epoch", "depth", "zone", "zone size", "cluster",
+               "parent", "children", "τ")  # fmt: skip
+    for column in columns:
+        table.add_column(column)
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["target"], f"[red]{r['error']}[/red]", *["-"] * (len(columns) - 2))
+            continue
+        table.add_row(
+            r["node_id"],
+            r["role"],
+            str(r["level"]),
+            str(r["epoch"]),
+            str(r["depth"]),
+            r["zone_id"] or "-",
+            str(r["zone_size"]),
+            r["cluster_id"] or "-",
+            r["parent_id"] or "-",
+            str(r["children"]),
+            "-" if r["tau"] is None else f"{r['tau']:.3f}",
+        )
+    console.print(table)
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -144,7 +219,13 @@ def _render(target: str, data: dict[str, Any], console: Console) -> None:
 
 
 def status_command(
-    cpm: Annotated[str, typer.Option("--cpm", help="CPM HOST:PORT.")],
+    cpm: Annotated[str | None, typer.Option("--cpm", help="CPM HOST:PORT.")] = None,
+    overlay: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--overlay", help="An overlay node's or agent's HOST:PORT (repeatable): its role."
+        ),
+    ] = None,
     pki_dir: Annotated[
         Path | None,
         typer.Option(help="Directory with ca.crt and <name>.crt/.key (a CA dir or a kit)."),
@@ -156,30 +237,48 @@ def status_command(
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait.")] = 10.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Show the federation at a glance: agents, pairings in flight, rewards (admin mTLS)."""
+    """Show the federation at a glance (admin mTLS): from the CPM its agents, pairings in
+    flight and rewards; from each ``--overlay`` node its role, zone, cluster and place in
+    the tree. Exit 1 when the CPM or every overlay node is unreachable."""
     import grpc
 
     from peerlm.config import parse_host_port
     from peerlm.security.authz import describe_rpc_error
 
-    try:
-        parse_host_port(cpm)
-    except ValueError as err:
-        _fail(f"--cpm: {err}")
+    targets = list(overlay or [])
+    if cpm is None and not targets:
+        _fail("give --cpm HOST:PORT, --overlay HOST:PORT, or both")
+    flagged = [("--overlay", t) for t in targets] + ([("--cpm", cpm)] if cpm else [])
+    for flag, target in flagged:
+        try:
+            parse_host_port(target)
+        except ValueError as err:
+            _fail(f"{flag}: {err}")
     tls = _tls_files(pki_dir, name, ca_cert, cert, key)
     try:
         tls.load()
     except (OSError, ValueError) as err:
         _fail(str(err))
-    try:
-        stats = asyncio.run(_get_stats(cpm, tls, timeout))
-    except grpc.aio.AioRpcError as err:
-        _fail(f"CPM {cpm}: {describe_rpc_error(err)}", code=1)
-    data = stats_to_dict(stats, time.time())
+    out: dict[str, Any] = {}
+    if cpm is not None:
+        try:
+            stats = asyncio.run(_get_stats(cpm, tls, timeout))
+        except grpc.aio.AioRpcError as err:
+            _fail(f"CPM {cpm}: {describe_rpc_error(err)}", code=1)
+        out = {"cpm": cpm, **stats_to_dict(stats, time.time())}
+    rows = asyncio.run(_describe_overlay(targets, tls, timeout)) if targets else []
+    if targets:
+        out["overlay"] = rows
     if as_json:
-        typer.echo(json.dumps({"cpm": cpm, **data}))
+        typer.echo(json.dumps(out))
     else:
-        _render(cpm, data, Console())
+        console = Console()
+        if cpm is not None:
+            _render(cpm, out, console)
+        if rows:
+            _render_overlay(rows, console)
+    if rows and all("error" in r for r in rows):
+        raise typer.Exit(code=_UNHEALTHY)
 
 
 def _component_settings(component: str) -> type[Any]:

@@ -150,6 +150,14 @@ def _certs_script(plan: ComposePlan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _agent_bootstrap(plan: ComposePlan, name: str) -> list[str]:
+    """Overlay entry points of an agent: the first dedicated node, else the first agent."""
+    if plan.overlay_nodes:
+        return [f"{plan.overlay_names[0]}:{OVERLAY_PORT}"]
+    first = plan.agent_names[0]
+    return [] if name == first else [f"{first}:{AGENT_PORT}"]
+
+
 def _kit_volume(name: str) -> str:
     return f"kit-{name}"
 
@@ -292,6 +300,7 @@ def compose_document(plan: ComposePlan) -> dict[str, Any]:
                 "PEERLM_AGENT_VAL_FILE": f"{DATA}/clients/{i}/val.jsonl",
                 "PEERLM_AGENT_TRANSFER_SHA256": sha,
                 "PEERLM_AGENT_SEED": str(plan.seed + i),
+                "PEERLM_AGENT_OVERLAY__BOOTSTRAP": json.dumps(_agent_bootstrap(plan, name)),
                 **AGENT_ENV,
             },
             volumes=[

@@ -200,6 +200,10 @@ class AgentOverlaySettings(_Section):
     eta: float = Field(default=1.0, gt=0)
     max_adapter_bytes: int = Field(default=64 * MiB, ge=1024)
     bootstrap_retry_s: float = Field(default=1.0, gt=0)
+    # Before its first round the agent waits up to this long for the overlay to place it
+    # (root known, so searches can be answered); 0 starts at once and the rounds before the
+    # first overlay build skip the pull (outcome ``query_refused``).
+    placement_wait_s: float = Field(default=0.0, ge=0)
     leave_grace_s: float = Field(default=2.0, ge=0)
 
 

@@ -334,6 +334,8 @@ DEV_OVERLAY_PROTOCOL: Mapping[str, Any] = MappingProxyType(
     }
 )
 OVERLAY_STARTUP_S = 30.0
+#: How much longer than the startup an agent waits for its placement (a loaded machine).
+OVERLAY_PLACEMENT_SLACK_S = 90.0
 
 
 def _free_port() -> int:
@@ -400,6 +402,9 @@ def _prepare_real(
                 "bootstrap": [f"{agents[0]}@127.0.0.1:{ports[0]}"],
                 "protocol": protocol,
                 "k": 2,
+                # Rounds start once the first build (at genesis) has placed the agent, so
+                # short micro-model rounds cannot all pass before there is anyone to pull.
+                "placement_wait_s": OVERLAY_STARTUP_S + OVERLAY_PLACEMENT_SLACK_S,
             }
         (configs / f"{name}.yaml").write_text(json.dumps(config, indent=2))
 

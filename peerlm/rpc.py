@@ -22,12 +22,19 @@ from peerlm.grpc_types import RpcMethodHandler, ServerInterceptor, ServicerConte
 
 __all__ = [
     "MetricsInterceptor",
+    "Oversized",
     "add_health_and_reflection",
     "channel_options",
     "create_channel",
     "create_server",
+    "hard_receive_limit",
     "server_options",
 ]
+
+
+def hard_receive_limit(limits: GrpcLimits) -> int:
+    """gRPC's own cap on a received message: twice ``max_message_bytes`` (see above)."""
+    return 2 * limits.max_message_bytes
 
 
 def server_options(limits: GrpcLimits) -> list[tuple[str, int]]:
@@ -35,8 +42,11 @@ def server_options(limits: GrpcLimits) -> list[tuple[str, int]]:
     ms = 1000
     return [
         # Large payloads travel as chunk streams; a single message above a few MiB is a
-        # client bug or an attack, and gRPC allocates the whole message before we see it.
-        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        # client bug or an attack. Messages up to twice the limit reach MetricsInterceptor,
+        # which refuses those above it with RESOURCE_EXHAUSTED and counts them (gRPC's own
+        # refusal happens before any Python code runs, so it could not be counted); beyond
+        # twice the limit gRPC refuses on its own, before allocating the message.
+        ("grpc.max_receive_message_length", hard_receive_limit(limits)),
         ("grpc.max_send_message_length", limits.max_message_bytes),
         # Directive feeds are long-lived and often idle: ping to notice dead peers and to
         # keep NAT and load-balancer state alive.
@@ -125,14 +135,35 @@ async def set_serving(servicer: HealthServicer, names: Iterable[str], on: bool) 
 Behaviour = Callable[..., Any]
 
 
+class Oversized:
+    """What the guarded deserializer yields for a message above the size limit."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
 class MetricsInterceptor(ServerInterceptor):
-    """Counts requests by method and status code, and times them.
+    """Counts requests by method and status code, and times them; refuses oversized messages.
 
     Put it first in the interceptor list so that refusals by later interceptors are counted.
+    A request message above ``limits.max_message_bytes`` is never parsed: the call ends
+    with RESOURCE_EXHAUSTED and is counted in ``peerlm_grpc_server_oversized_messages_total``
+    (and in the requests counter under that code).
     """
 
-    def __init__(self, registry: CollectorRegistry, component: str) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, component: str, limits: GrpcLimits | None = None
+    ) -> None:
         self._component = component
+        self._max_bytes = (limits or GrpcLimits()).max_message_bytes
+        self._oversized = Counter(
+            "peerlm_grpc_server_oversized_messages_total",
+            "Request messages refused for exceeding max_message_bytes, by method.",
+            ["component", "method"],
+            registry=registry,
+        )
         self._requests = Counter(
             "peerlm_grpc_server_requests_total",
             "gRPC requests handled, by method and status code.",
@@ -167,17 +198,56 @@ class MetricsInterceptor(ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
             return handler
         method = handler_call_details.method
+        parse = handler.request_deserializer
+        limit = self._max_bytes
+
+        def guarded(raw: bytes) -> Any:
+            if len(raw) > limit:
+                return Oversized(len(raw))
+            return parse(raw) if parse is not None else raw
+
+        streamed_requests = handler.stream_unary is not None or handler.stream_stream is not None
         return wrap_handler(
-            handler, lambda behaviour, streaming: self._wrap(method, behaviour, streaming)
+            handler,
+            lambda behaviour, streaming: self._wrap(
+                method, behaviour, streaming, streamed_requests
+            ),
+            request_deserializer=guarded,
         )
 
-    def _wrap(self, method: str, behaviour: Behaviour, streaming: bool) -> Behaviour:
+    async def _refuse(self, method: str, size: int, context: ServicerContext) -> None:
+        self._oversized.labels(self._component, method).inc()
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"request message of {size} bytes exceeds the limit of {self._max_bytes} bytes "
+            "(large payloads travel as chunk streams)",
+        )
+
+    def _checked(self, method: str, request: Any, context: ServicerContext, streamed: bool) -> Any:
+        """The request stream with oversized messages turned into a refusal."""
+        if not streamed:
+            return request
+
+        async def messages() -> AsyncIterator[Any]:
+            async for message in request:
+                if isinstance(message, Oversized):
+                    await self._refuse(method, message.size, context)
+                yield message
+
+        return messages()
+
+    def _wrap(
+        self, method: str, behaviour: Behaviour, streaming: bool, streamed_requests: bool
+    ) -> Behaviour:
         if streaming:
 
             async def stream(request: Any, context: ServicerContext) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 failed: BaseException | None = None
                 try:
+                    if isinstance(request, Oversized):
+                        await self._refuse(method, request.size, context)
+                    request = self._checked(method, request, context, streamed_requests)
                     async for item in behaviour(request, context):
                         yield item
                 except BaseException as exc:
@@ -192,6 +262,9 @@ class MetricsInterceptor(ServerInterceptor):
             started = time.perf_counter()
             failed: BaseException | None = None
             try:
+                if isinstance(request, Oversized):
+                    await self._refuse(method, request.size, context)
+                request = self._checked(method, request, context, streamed_requests)
                 return await behaviour(request, context)
             except BaseException as exc:
                 failed = exc
@@ -216,34 +289,39 @@ def _status_name(context: ServicerContext, failed: BaseException | None) -> str:
 WrapFn = Callable[[Behaviour, bool], Behaviour]
 
 
-def wrap_handler(handler: RpcMethodHandler, wrap: WrapFn) -> RpcMethodHandler:
+def wrap_handler(
+    handler: RpcMethodHandler,
+    wrap: WrapFn,
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> RpcMethodHandler:
     """Rebuild ``handler`` with its behaviour passed through ``wrap(behaviour, streaming)``.
 
     ``streaming`` is True when the behaviour returns a response stream. Works for all four
-    call kinds; serializers are kept.
+    call kinds; serializers are kept unless ``request_deserializer`` replaces the request's.
     """
+    parse = request_deserializer or handler.request_deserializer
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
             wrap(handler.unary_unary, False),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
             wrap(handler.unary_stream, True),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(
             wrap(handler.stream_unary, False),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
     if handler.stream_stream is not None:
         return grpc.stream_stream_rpc_method_handler(
             wrap(handler.stream_stream, True),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
     return handler

@@ -66,7 +66,7 @@ async def serve_cpm(
     server = create_server(
         settings.limits,
         [
-            MetricsInterceptor(registry, "cpm"),
+            MetricsInterceptor(registry, "cpm", settings.limits),
             AuthInterceptor(
                 CPM_POLICY,
                 federation=settings.federation,

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from peerlm.wire.v1 import cpm_pb2
+from peerlm.config import GrpcLimits
+from peerlm.rpc import create_channel
+from peerlm.security.credentials import channel_credentials
+from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 from tests.cpm_harness import CpmProcess, Pki
 
 pytestmark = pytest.mark.integration
@@ -163,41 +166,86 @@ async def test_teacher_cannot_report(cpm: CpmProcess) -> None:
     await admin_ch.close()
 
 
+async def _admin_stats(cpm: CpmProcess) -> cpm_pb2.CpmStats:
+    ch, admin = cpm.pki.stub(cpm.target, "admin")
+    try:
+        return await admin.GetStats(cpm_pb2.GetStatsRequest())
+    finally:
+        await ch.close()
+
+
+def _state(stats: cpm_pb2.CpmStats) -> tuple[object, ...]:
+    """What a refused request must leave unchanged."""
+    agents = sorted((a.name, a.last_round) for a in stats.agents)
+    return (stats.profiles_received, stats.bandit_updates, stats.rewards_observed, agents)
+
+
 @pytest.mark.parametrize(
-    ("features", "code"),
+    ("features", "code", "reason"),
     [
-        ([0.5] * 31, grpc.StatusCode.INVALID_ARGUMENT),
-        ([float("nan")] * 32, grpc.StatusCode.INVALID_ARGUMENT),
-        ([float("-inf")] + [0.0] * 31, grpc.StatusCode.INVALID_ARGUMENT),
+        ([0.5] * 31, grpc.StatusCode.INVALID_ARGUMENT, "profile_dim"),
+        ([float("nan")] * 32, grpc.StatusCode.INVALID_ARGUMENT, "profile_values"),
+        ([float("-inf")] + [0.0] * 31, grpc.StatusCode.INVALID_ARGUMENT, "profile_values"),
     ],
 )
-async def test_bad_profiles(cpm: CpmProcess, features: list[float], code: grpc.StatusCode) -> None:
+async def test_bad_profiles(
+    cpm: CpmProcess, features: list[float], code: grpc.StatusCode, reason: str
+) -> None:
+    labels = {"rpc": "SubmitProfile", "reason": reason}
+    counted = _metric(cpm, "peerlm_cpm_rejected_requests_total", **labels)
+    before = _state(await _admin_stats(cpm))
     ch, stub = cpm.pki.stub(cpm.target, "a5")
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=99, features=features))
     assert e.value.code() == code and e.value.details()
     await ch.close()
+    assert _state(await _admin_stats(cpm)) == before
+    assert _metric(cpm, "peerlm_cpm_rejected_requests_total", **labels) == counted + 1
 
 
 async def test_oversized_message_refused(cpm: CpmProcess) -> None:
-    ch, stub = cpm.pki.stub(cpm.target, "a5")
+    """Above max_message_bytes (4 MiB) the server refuses without parsing, and counts it;
+    our own clients never send that much, so this client raises its send limit."""
+    method = "/peerlm.v1.Matchmaker/SubmitProfile"
+    counted = _metric(cpm, "peerlm_grpc_server_oversized_messages_total", method=method)
+    before = _state(await _admin_stats(cpm))
+    loose = GrpcLimits(max_message_bytes=64 * 1024 * 1024)
+    ch = create_channel(cpm.target, loose, channel_credentials(cpm.pki.tls("a5")))
+    stub = cpm_pb2_grpc.MatchmakerStub(ch)  # type: ignore[no-untyped-call]
+    big = cpm_pb2.SubmitProfileRequest(round=1, features=[0.0] * 700_000)  # ~5.6 MB
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=[0.0] * 1_000_000))
+        await stub.SubmitProfile(big)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "exceeds the limit" in (e.value.details() or "")
+    huge = cpm_pb2.SubmitProfileRequest(round=1, features=[0.0] * 1_200_000)  # ~9.6 MB
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # gRPC's own cap, before any Python
+        await stub.SubmitProfile(huge)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     await ch.close()
+    assert _metric(cpm, "peerlm_grpc_server_oversized_messages_total", method=method) == counted + 1
+    assert _state(await _admin_stats(cpm)) == before
+    # Our own channels refuse to send it at all (the same limit on the client side).
+    own, own_stub = cpm.pki.stub(cpm.target, "a5")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await own_stub.SubmitProfile(big)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await own.close()
 
 
 @pytest.mark.parametrize(
-    ("directive_id", "reward", "code"),
+    ("directive_id", "reward", "code", "reason"),
     [
-        ("zz", 1.0, grpc.StatusCode.INVALID_ARGUMENT),
-        ("0" * 32, float("nan"), grpc.StatusCode.INVALID_ARGUMENT),
-        ("0" * 32, 1.0, grpc.StatusCode.NOT_FOUND),
+        ("zz", 1.0, grpc.StatusCode.INVALID_ARGUMENT, "directive_id"),
+        ("0" * 32, float("nan"), grpc.StatusCode.INVALID_ARGUMENT, "non_finite"),
+        ("0" * 32, 1.0, grpc.StatusCode.NOT_FOUND, "unknown_directive"),
     ],
 )
 async def test_bad_rewards(
-    cpm: CpmProcess, directive_id: str, reward: float, code: grpc.StatusCode
+    cpm: CpmProcess, directive_id: str, reward: float, code: grpc.StatusCode, reason: str
 ) -> None:
+    labels = {"rpc": "ReportReward", "reason": reason}
+    counted = _metric(cpm, "peerlm_cpm_rejected_requests_total", **labels)
+    before = _state(await _admin_stats(cpm))
     ch, stub = cpm.pki.stub(cpm.target, "a1")
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stub.ReportReward(
@@ -205,6 +253,8 @@ async def test_bad_rewards(
         )
     assert e.value.code() == code
     await ch.close()
+    assert _state(await _admin_stats(cpm)) == before
+    assert _metric(cpm, "peerlm_cpm_rejected_requests_total", **labels) == counted + 1
 
 
 async def test_roles_enforced(cpm: CpmProcess) -> None:

@@ -49,6 +49,11 @@ AGENTS = ("agent-0", "agent-1", "agent-2")
 CUT = "agent-2"
 PY = [sys.executable, "-m", "peerlm"]
 
+#: Seconds from the test's start to the overlay's first build.
+OVERLAY_GENESIS_DELAY_S = 40.0
+#: Overlay step outcomes of a search the overlay answered (docs/overlay-aggregation.md).
+ANSWERED = ("aggregated", "identity", "no_candidates")
+
 #: Pace of the test run, not of a deployment: short timers so rounds take seconds.
 TEST_OVERRIDES: dict[str, dict[str, str]] = {
     "cpm": {"PEERLM_CPM_ROUND_INTERVAL_S": "4"},
@@ -335,9 +340,20 @@ def test_compose_services_across_network_namespaces(network: Network, tmp_path: 
 
     def start(name: str, component: str) -> None:
         s = services[name]
-        env = s.env(TEST_OVERRIDES.get(component))
+        env = s.env(overrides.get(component))
         procs.start(name, network.exec(name, s.argv()), env)
 
+    # The overlay's first build (network-wide schedule): soon enough to watch, late enough
+    # for most agents to have joined first (a later one enters through the tree).
+    genesis = str(time.time() + OVERLAY_GENESIS_DELAY_S)
+    overrides = {
+        **TEST_OVERRIDES,
+        "overlay": {"PEERLM_OVERLAY_PROTOCOL__GENESIS_TIME": genesis},
+        "agent": {
+            **TEST_OVERRIDES["agent"],
+            "PEERLM_AGENT_OVERLAY__PROTOCOL__GENESIS_TIME": genesis,
+        },
+    }
     try:
         start("cpm", "cpm")
         _wait("the CPM to be healthy", lambda: healthy("cpm") or not procs.alive("cpm"), 60)
@@ -358,6 +374,17 @@ def test_compose_services_across_network_namespaces(network: Network, tmp_path: 
             120,
             step=2,
         )
+        # Every agent joined overlay-0 across namespaces, and after the build its searches
+        # are answered (different model families: answers, not necessarily pulls).
+        for name in AGENTS:
+            assert '"event": "overlay_joined"' in procs.log(name, tail=10**7), procs.log(name)
+
+        def answered(name: str) -> bool:
+            log = procs.log(name, tail=10**7)
+            return any(f'"outcome": "{o}"' in log for o in ANSWERED)
+
+        _wait("an answered overlay search by every agent",
+              lambda: all(answered(a) for a in AGENTS), 120, step=2)  # fmt: skip
         first = status()
         assert first["rewards_observed"] >= 1, first
         endpoints = {a["name"]: a["peer_endpoint"] for a in first["agents"]}

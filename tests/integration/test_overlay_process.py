@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -201,6 +202,33 @@ async def test_overlay_builds_a_hierarchy(overlay: Overlay) -> None:
         assert d.epoch == 0
     relay = await describe(overlay.pki, overlay.target(RELAY))
     assert not relay.has_signature and not relay.cluster_id
+
+
+async def test_status_shows_every_node_and_the_zone_sizes(overlay: Overlay) -> None:
+    await _wait_built(overlay, 60.0)
+    down = "127.0.0.1:1"  # nothing listens: a row with its error, the others still shown
+    targets = [overlay.target(n) for n in [*NAMES, RELAY]]
+    args = [sys.executable, "-m", "peerlm", "status", "--pki-dir", str(overlay.pki.root),
+            "--name", "ops", "--timeout", "5", "--json"]  # fmt: skip
+    for t in [*targets, down]:
+        args += ["--overlay", t]
+    out = await asyncio.to_thread(subprocess.run, args, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = {r["target"]: r for r in json.loads(out.stdout)["overlay"]}
+    assert "UNAVAILABLE" in rows.pop(down)["error"]
+    assert {r["node_id"] for r in rows.values()} == {*NAMES, RELAY}
+    # Every node (the relay too) lies in one level-1 zone, whose initiator reports its size.
+    assert sum(r["zone_size"] for r in rows.values()) == len(NAMES) + 1
+    assert {r["root_id"] for r in rows.values()} != {None}
+    table = await asyncio.to_thread(
+        subprocess.run,
+        [a for a in args if a != "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "220"},
+    )
+    assert table.returncode == 0, table.stderr
+    assert "root" in table.stdout and "UNAVAILABLE" in table.stdout
 
 
 async def test_a_node_without_a_signature_is_never_a_result(overlay: Overlay) -> None:

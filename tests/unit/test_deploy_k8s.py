@@ -121,6 +121,39 @@ def test_per_pod_certificates_stay_out_of_the_main_container() -> None:
             assert not mounted & secret_volumes, sts["metadata"]["name"]
         copier = spec["initContainers"][0]
         assert "$(POD_NAME).key" in copier["args"][0]
+        # Agents and overlay nodes are overlay nodes: their certified VRF key goes along.
+        assert "$(POD_NAME).vrf.key" in copier["args"][0]
+
+
+def test_overlay_members_advertise_dialable_names_and_share_one_bootstrap() -> None:
+    prefixes = {"overlay": "PEERLM_OVERLAY_", "agent": "PEERLM_AGENT_"}
+    bootstraps = set()
+    for sts in _by_kind("StatefulSet"):
+        name = sts["metadata"]["name"]
+        env = {
+            e["name"]: e.get("value")
+            for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        prefix = prefixes[name]
+        service = sts["spec"]["serviceName"]
+        advertise = env[f"{prefix}ADVERTISE"]
+        assert advertise.startswith(f"$(POD_NAME).{service}.$(POD_NAMESPACE).svc"), advertise
+        bootstrap = env[f"{prefix}OVERLAY__BOOTSTRAP" if name == "agent" else f"{prefix}BOOTSTRAP"]
+        bootstraps.add(bootstrap)
+    assert len(bootstraps) == 1, bootstraps
+
+
+def test_config_map_matches_the_compose_settings_files() -> None:
+    """The ConfigMap and deploy/*.yaml (docker compose) carry the same settings, so the
+    overlay schedule agrees between the two deployments and within each."""
+    data = _by_kind("ConfigMap")[0]["data"]
+    for key in ("cpm.yaml", "agent.yaml", "overlay.yaml"):
+        compose = yaml.safe_load((ROOT / "deploy" / key).read_text())
+        k8s = yaml.safe_load(data[key])
+        assert k8s == compose, key
+    agent = yaml.safe_load(data["agent.yaml"])
+    overlay = yaml.safe_load(data["overlay.yaml"])
+    assert agent["overlay"]["protocol"] == overlay["protocol"]
 
 
 def test_config_map_settings_load(tmp_path: Path) -> None:

@@ -156,3 +156,16 @@ def test_message_catalogue_and_sizes() -> None:
     big = wire_size(SignatureUpdate(0, "c", sig, 1))
     assert 0 < small < big
     assert big - small >= len(sig.to_bytes())
+
+
+def test_describe_reports_zone_sizes_and_readiness() -> None:
+    fed = federation(40, seed=5, zone_cap=8)
+    before = fed.sim.nodes[next(iter(fed.sim.alive))].describe()
+    assert before["ready"] is False and before["zone_size"] == 0
+    fed.build()
+    described = [fed.sim.nodes[n].describe() for n in fed.sim.alive]
+    assert all(d["ready"] for d in described)
+    initiators = [d for d in described if 1 in d["initiator_levels"]]
+    # Every node lies in exactly one level-1 zone; only its initiator reports the size.
+    assert sum(d["zone_size"] for d in initiators) == len(described)
+    assert all(d["zone_size"] == 0 for d in described if d not in initiators)

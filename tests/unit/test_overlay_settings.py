@@ -44,6 +44,8 @@ def test_bad_bootstrap_entries_are_refused(entry: str) -> None:
 def test_bootstrap_entries_parse() -> None:
     settings = load_settings(OverlaySettings, None, {"bootstrap": ("n0@127.0.0.1:5", "[::1]:6")})
     assert parse_bootstrap(settings.bootstrap) == [("n0", "127.0.0.1:5"), (None, "[::1]:6")]
+    # A node's own address is dropped, so one list serves the first node too.
+    assert parse_bootstrap(settings.bootstrap, "[::1]:6") == [("n0", "127.0.0.1:5")]
 
 
 def test_name_must_be_a_certificate_name() -> None:
