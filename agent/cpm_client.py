@@ -7,10 +7,15 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from peerlm.config import GrpcLimits
 from peerlm.rpc import create_channel
-from peerlm.security.authz import DEV_IDENTITY_METADATA_KEY
+from peerlm.security.authz import (
+    DEV_IDENTITY_METADATA_KEY,
+    TlsFailureCounter,
+    TlsFailureInterceptor,
+)
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["DEV_IDENTITY_METADATA", "CpmClient"]
@@ -41,9 +46,15 @@ class CpmClient:
         credentials: grpc.ChannelCredentials | None,
         *,
         dev_identity: str | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self._limits = limits
-        self._channel = create_channel(target, limits, credentials)
+        # The CPM refuses a bad certificate in the handshake, where no server code runs:
+        # only this side can count it (peerlm_grpc_client_tls_failures_total).
+        interceptors = (
+            [TlsFailureInterceptor(TlsFailureCounter(registry, "agent"))] if registry else None
+        )
+        self._channel = create_channel(target, limits, credentials, interceptors)
         self._stub = cpm_pb2_grpc.MatchmakerStub(self._channel)  # type: ignore[no-untyped-call]
         self._metadata: tuple[tuple[str, str], ...] = (
             ((DEV_IDENTITY_METADATA_KEY, dev_identity),) if dev_identity else ()

@@ -254,7 +254,9 @@ class AgentDaemon:
             else None
         )
         dev_identity = None if self.mode is SecurityMode.MTLS else self.identity.spiffe_uri
-        self.cpm = CpmClient(s.cpm, s.limits, self.creds, dev_identity=dev_identity)
+        self.cpm = CpmClient(
+            s.cpm, s.limits, self.creds, dev_identity=dev_identity, registry=self.registry
+        )
         self.log.info(
             "agent_ready",
             endpoint=self.endpoint,

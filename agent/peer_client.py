@@ -25,7 +25,11 @@ from prometheus_client import CollectorRegistry, Counter
 from peerlm.chunks import ChunkAssembler, ChunkError
 from peerlm.config import GrpcLimits
 from peerlm.rpc import create_channel
-from peerlm.security.authz import DEV_IDENTITY_METADATA_KEY, describe_rpc_error
+from peerlm.security.authz import (
+    DEV_IDENTITY_METADATA_KEY,
+    TlsFailureCounter,
+    describe_rpc_error,
+)
 from peerlm.wire.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 __all__ = [
@@ -132,13 +136,19 @@ async def fetch_package(
             timeout=timeout_s,
             metadata=_metadata(dev_identity, tokenizer_sha256),
         )
-        payload, content_type = await _receive(call, max_bytes, counter, what="package")
+        payload, content_type = await _receive(
+            call, max_bytes, counter, _tls_failures(registry), what="package"
+        )
     if content_type != PACKAGE_CONTENT_TYPE:
         raise PeerExchangeError(
             f"teacher sent content type {content_type!r}, expected {PACKAGE_CONTENT_TYPE}",
             reason="corrupt",
         )
     return payload
+
+
+def _tls_failures(registry: CollectorRegistry | None) -> TlsFailureCounter | None:
+    return TlsFailureCounter(registry, "agent") if registry is not None else None
 
 
 def _bytes_counter(
@@ -175,7 +185,9 @@ async def pull_adapter_with_round(
             timeout=limits.rpc_timeout_s if timeout_s is None else timeout_s,
             metadata=_metadata(dev_identity),
         )
-        payload, content_type = await _receive(call, max_bytes, counter, what="adapter")
+        payload, content_type = await _receive(
+            call, max_bytes, counter, _tls_failures(registry), what="adapter"
+        )
     try:
         sent_round = parse_adapter_round(content_type)
     except ValueError as err:
@@ -216,10 +228,15 @@ async def _receive(
     call: grpc.aio.UnaryStreamCall[Any, common_pb2.Chunk],
     max_bytes: int,
     counter: Counter | None,
+    tls_failures: TlsFailureCounter | None,
     *,
     what: str,
 ) -> tuple[bytes, str]:
-    """Assemble the call's chunks; map every failure to :class:`PeerExchangeError`."""
+    """Assemble the call's chunks; map every failure to :class:`PeerExchangeError`.
+
+    A teacher refusing our certificate does so in the handshake, before any of its code
+    runs: ``tls_failures`` (``peerlm_grpc_client_tls_failures_total``) is the only count.
+    """
     assembler = ChunkAssembler(max_bytes)
     first = True
     try:
@@ -243,6 +260,8 @@ async def _receive(
     except ChunkError as err:
         raise PeerExchangeError(f"{what} stream corrupt: {err}", reason="corrupt") from None
     except grpc.aio.AioRpcError as err:
+        if tls_failures is not None:
+            tls_failures.observe(err)
         code = err.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             reason = "timeout"

@@ -333,6 +333,7 @@ class OverlaySettings(ServiceSettings):
 
 
 S = TypeVar("S", bound=BaseSettings)
+SS = TypeVar("SS", bound="ServiceSettings")
 
 
 def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -399,6 +400,37 @@ def load_settings(
     try:
         # model_validate skips BaseSettings' own source loading: the layering above is the
         # single place precedence is decided.
-        return cls.model_validate(layered)
+        settings = cls.model_validate(layered)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, origin)) from None
+    if isinstance(settings, ServiceSettings):
+        settings = _federation_from_certificate(settings, origin)
+    return settings
+
+
+def _federation_from_certificate(settings: SS, origin: str) -> SS:
+    """A process belongs to the federation its certificate names.
+
+    Unset, ``federation`` is taken from the certificate (so ``peerlm cpm --cert ...`` works
+    for a CA made with ``ca init --federation acme``); set and different, the process would
+    refuse every peer of its own federation, so loading fails with both names instead. An
+    unreadable certificate is left to the security check, which explains it.
+    """
+    cert = settings.tls.cert
+    if cert is None or settings.insecure_dev:
+        return settings
+    from peerlm.pki.identity import identity_from_certificate_pem
+
+    try:
+        federation = identity_from_certificate_pem(cert.read_bytes()).federation
+    except (OSError, ValueError):
+        return settings
+    if "federation" not in settings.model_fields_set:
+        return settings.model_copy(update={"federation": federation})
+    if settings.federation != federation:
+        raise ConfigError(
+            f"federation {settings.federation!r} (from {origin}) differs from the federation "
+            f"{federation!r} of the certificate {cert}; drop the setting (the certificate "
+            "decides) or use a certificate of that federation"
+        )
+    return settings

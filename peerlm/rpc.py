@@ -98,16 +98,20 @@ def create_server(
 
 
 def create_channel(
-    target: str, limits: GrpcLimits, credentials: grpc.ChannelCredentials | None
+    target: str,
+    limits: GrpcLimits,
+    credentials: grpc.ChannelCredentials | None,
+    interceptors: Sequence[Any] | None = None,
 ) -> grpc.aio.Channel:
     """A grpc.aio channel: secure when ``credentials`` is given, else plaintext.
 
     Plaintext is only reachable through peerlm.security.mode's insecure-dev decision.
     """
     options = channel_options(limits)
+    chain = list(interceptors) if interceptors else None
     if credentials is None:
-        return grpc.aio.insecure_channel(target, options=options)
-    return grpc.aio.secure_channel(target, credentials, options=options)
+        return grpc.aio.insecure_channel(target, options=options, interceptors=chain)
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=chain)
 
 
 def add_health_and_reflection(

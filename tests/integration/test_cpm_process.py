@@ -398,3 +398,28 @@ async def test_insecure_dev_on_loopback_uses_metadata_identity(tmp_path: Path) -
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert b"insecure" in err.lower()
+
+
+async def test_the_agent_client_counts_handshake_refusals(cpm: CpmProcess) -> None:
+    """The CPM refuses a foreign certificate in the handshake, where no server code runs:
+    the agent's CPM client is the side that counts it."""
+    from peerlm.agent.cpm_client import CpmClient
+    from peerlm.metrics import new_registry
+
+    foreign = cpm.pki.foreign
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(cpm.pki.root / "ca.crt").read_bytes(),
+        private_key=(foreign / "a0.key").read_bytes(),
+        certificate_chain=(foreign / "a0.crt").read_bytes(),
+    )
+    registry = new_registry()
+    client = CpmClient(cpm.target, GrpcLimits(rpc_timeout_s=5), creds, registry=registry)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.submit_profile(1, _profile(0))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    await client.close()
+    failures = registry.get_sample_value(
+        "peerlm_grpc_client_tls_failures_total",
+        {"component": "agent", "reason": "refused_by_server"},
+    )
+    assert failures == 1

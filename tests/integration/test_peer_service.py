@@ -408,3 +408,36 @@ def test_directive_book_bounds_replays_and_errors() -> None:
     with pytest.raises(DirectiveExpired):
         book.teaching_for("x4", "student")
     assert book.purge_expired() == 2
+
+
+async def test_a_teacher_refusing_our_certificate_is_counted_by_the_student(
+    peer: Peer, pki: Path, tmp_path: Path
+) -> None:
+    """A handshake refusal never reaches server code; the student's client counts it."""
+    foreign = tmp_path / "foreign"
+    init_ca(foreign, federation=FEDERATION)
+    issue_certificate(foreign, Role.AGENT, "student")
+    # Trusts our CA (so it reaches the teacher) but presents a certificate of another CA.
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(pki / "ca.crt").read_bytes(),
+        private_key=(foreign / "student.key").read_bytes(),
+        certificate_chain=(foreign / "student.crt").read_bytes(),
+    )
+    registry = new_registry()
+    peer.add("f" * 32)
+    err = await _refused(
+        fetch_package(
+            peer.target, creds, "f" * 32, limits=LIMITS, max_bytes=1024 * 1024,
+            timeout_s=10.0, registry=registry,
+        )
+    )  # fmt: skip
+    assert err.code == grpc.StatusCode.UNAVAILABLE, err
+    failures = sum(
+        s.value
+        for metric in registry.collect()
+        if metric.name == "peerlm_grpc_client_tls_failures"
+        for s in metric.samples
+        if s.name.endswith("_total") and s.labels.get("component") == "agent"
+    )
+    assert failures == 1
+    assert peer.book.fetches("f" * 32) == 0  # nothing was served or used up

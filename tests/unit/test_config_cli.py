@@ -66,3 +66,25 @@ def test_config_show_invalid(tmp_path: Path) -> None:
     cfg.write_text("beta: -2\n")
     out = CliRunner().invoke(app, ["config", "show", "--config", str(cfg)])
     assert out.exit_code == 2
+
+
+def test_federation_comes_from_the_certificate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peerlm.pki.ca import init_ca, issue_certificate
+    from peerlm.pki.identity import Role
+
+    init_ca(tmp_path, federation="acme")
+    issue_certificate(tmp_path, Role.CPM, "cpm")
+    tls = {"tls.ca_cert": tmp_path / "ca.crt", "tls.cert": tmp_path / "cpm.crt"}
+    tls["tls.key"] = tmp_path / "cpm.key"
+    # Unset: the certificate decides (the documented `peerlm cpm --cert ...` interface).
+    assert load_settings(CpmSettings, None, tls).federation == "acme"
+    monkeypatch.setenv("PEERLM_CPM_FEDERATION", "acme")
+    assert load_settings(CpmSettings, None, tls).federation == "acme"
+    # Set and different: it would refuse every peer of its own federation; fail instead.
+    monkeypatch.setenv("PEERLM_CPM_FEDERATION", "peerlm")
+    with pytest.raises(ConfigError, match=r"'peerlm'.*differs.*'acme'"):
+        load_settings(CpmSettings, None, tls)
+    # Without a certificate (or in insecure-dev) the setting stands.
+    assert load_settings(CpmSettings, None, {}).federation == "peerlm"
