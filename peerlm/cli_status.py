@@ -312,6 +312,18 @@ def _local_target(listen: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class _ProbeLog:
+    """The security decision's log for a health probe: warnings (insecure-dev, a certificate
+    near expiry) go to stderr as one line; the mode itself is the process's to log, not
+    every probe's."""
+
+    def info(self, event: str, /, **kw: Any) -> None:
+        return None
+
+    def warning(self, event: str, /, **kw: Any) -> None:
+        typer.echo(f"warning: {event} {kw.get('fix') or ''}".rstrip(), err=True)
+
+
 async def _check(
     target: str, tls: TlsFiles | None, service: str, timeout: float, dev_identity: str | None
 ) -> str:
@@ -357,7 +369,7 @@ def health_command(
     """Exit 0 if a peerlm process answers SERVING on the gRPC health service, else 1."""
     from peerlm.config import ConfigError, load_settings
     from peerlm.security.credentials import tls_files_from_settings
-    from peerlm.security.mode import SecurityConfigError
+    from peerlm.security.mode import SecurityConfigError, resolve_channel_security
 
     cls = _component_settings(component)
     if config is not None and not config.is_file():
@@ -375,6 +387,17 @@ def health_command(
     if tls is None:
         dev_identity = f"spiffe://{settings.federation}/{component}/healthcheck"
     where = target or _local_target(settings.listen)
+    try:
+        # The one security decision: plaintext (insecure-dev) only to a loopback target.
+        resolve_channel_security(
+            insecure_dev=settings.insecure_dev,
+            target=where,
+            tls=tls,
+            component=f"health {component}",
+            logger=_ProbeLog(),
+        )
+    except SecurityConfigError as err:
+        _fail(str(err))
     started = time.monotonic()
     status = asyncio.run(_check(where, tls, service, timeout, dev_identity))
     ok = status == "SERVING"

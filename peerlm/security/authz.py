@@ -279,7 +279,8 @@ class AuthInterceptor(_ServerInterceptor):
                 reason=refusal.reason,
                 code=refusal.code.name,
                 peer=context.peer(),
-                identity=identity.spiffe_uri if identity else None,
+                # Not `identity`: that key names this process on every log line.
+                peer_identity=identity.spiffe_uri if identity else None,
                 detail=refusal.details,
             )
             await context.abort(refusal.code, refusal.details)

@@ -404,6 +404,7 @@ async def test_the_agent_client_counts_handshake_refusals(cpm: CpmProcess) -> No
     """The CPM refuses a foreign certificate in the handshake, where no server code runs:
     the agent's CPM client is the side that counts it."""
     from peerlm.agent.cpm_client import CpmClient
+
     from peerlm.metrics import new_registry
 
     foreign = cpm.pki.foreign

@@ -144,3 +144,10 @@ def test_health_fails_when_nothing_listens_or_the_config_is_wrong(
     bad.write_text("listen: 127.0.0.1:1\ntls: {cert: /nope.crt}\n")
     out = _peerlm("health", "--config", str(bad))
     assert out.returncode == 2 and "missing" in out.stderr
+    # Plaintext (insecure-dev) probes only loopback targets: the one security decision.
+    dev = tmp_path / "dev.yaml"
+    dev.write_text("listen: 127.0.0.1:1\ninsecure_dev: true\n")
+    out = _peerlm("health", "--config", str(dev), "--target", "10.9.8.7:50051")
+    assert out.returncode == 2 and "loopback" in out.stderr, out.stderr
+    out = _peerlm("health", "--config", str(dev), "--timeout", "1")
+    assert out.returncode == 1 and "unreachable" in out.stderr
