@@ -145,6 +145,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._tick = tick_s
         self._loop_task: asyncio.Task[None] | None = None
         self._refresh_gauges()
+        # A restart restores the bandit: its gauge shows it before the next matchmaking.
+        self._m.theta_norm.set(float(np.linalg.norm(core.matchmaker.theta)))
 
     # ------------------------------------------------------------- lifecycle
 
