@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import grpc
 from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.agent.metrics import AgentTelemetry
+from peerlm.agent.peer_client import ExpectedSender
 from peerlm.agent.rounds import (
     PROTOCOL_LOGITS,
     PackageMode,
@@ -55,6 +56,7 @@ from peerlm.agent.rounds import (
 
 from peerlm.config import AgentSettings, parse_host_port
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
+from peerlm.pki.proof import ProofSigner, SenderCheck
 from peerlm.security.credentials import channel_credentials, tls_files_from_settings
 from peerlm.security.mode import SecurityMode, resolve_channel_security, resolve_security
 from peerlm.wire.v1 import cpm_pb2
@@ -155,6 +157,14 @@ class AgentDaemon:
         else:
             self.identity = PeerIdentity(s.federation, Role.AGENT, "dev-agent")
         self.creds = channel_credentials(self.tls) if self.tls else None
+        # Sender proofs (peerlm.pki.proof): what we stream carries our certificate's
+        # signature, and what we fetch must carry that of the peer we meant to reach.
+        self.signer: ProofSigner | None = None
+        self.sender_check: SenderCheck | None = None
+        if self.tls is not None:
+            bundle = self.tls.load()
+            self.signer = ProofSigner.from_pem(bundle.cert, bundle.key)
+            self.sender_check = SenderCheck.from_pem(bundle.ca_cert, self.identity.federation)
 
         # Data: private sets and the pinned public transfer set.
         self.train = read_jsonl(s.train_file)
@@ -218,6 +228,7 @@ class AgentDaemon:
             max_package_bytes=s.max_package_bytes,
             registry=self.registry,
             log=self.log,
+            signer=self.signer,
         )
         if s.overlay.enabled:
             from peerlm.agent.overlay_node import serve_agent
@@ -565,6 +576,7 @@ class AgentDaemon:
             registry=self.registry,
             run_model=self._model,
             log=self.log,
+            sender_check=self.sender_check,
         )
         self._count_overlay(result.outcome, result)
         self.state["importance"] = _importance_state(self.importance)
@@ -635,6 +647,12 @@ class AgentDaemon:
             return None
         return waiting.result()
 
+    def _expect(self, sender: str) -> ExpectedSender | None:
+        """The proof a transfer from ``sender`` must carry (none in insecure-dev)."""
+        if self.sender_check is None:
+            return None
+        return ExpectedSender(self.sender_check, sender, self.identity.name)
+
     async def _learn_from(self, d: cpm_pb2.Directive, t: int) -> None:
         """Student side of a directive: fetch, integrate by AKD (Eq. 2), report Eq. 3."""
         from peerlm.agent.modelhost import TokenizerMismatchError
@@ -653,6 +671,7 @@ class AgentDaemon:
                 timeout_s=s.round_timeout_s,
                 dev_identity=None if self.mode is SecurityMode.MTLS else self.identity.spiffe_uri,
                 tokenizer_sha256=self.host.tokenizer_hash,
+                expect=self._expect(d.teacher),
             )
             package = decode_package(
                 data,

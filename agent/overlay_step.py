@@ -52,6 +52,7 @@ from peerlm.overlay.transport import OverlayHost
 from prometheus_client import CollectorRegistry
 
 from peerlm.config import AgentOverlaySettings, GrpcLimits
+from peerlm.pki.proof import SenderCheck
 
 __all__ = ["OverlayStepResult", "overlay_round_step", "publish_signature", "pull_settings"]
 
@@ -129,6 +130,7 @@ async def overlay_round_step(
     run_model: ModelRunner,
     dev_identity: str | None = None,
     log: Any,
+    sender_check: SenderCheck | None = None,
 ) -> OverlayStepResult:
     """Publish this round's signature, search the ``k`` nearest peers, pull and aggregate.
 
@@ -201,6 +203,7 @@ async def overlay_round_step(
             dev_identity=dev_identity,
             round_=round_,
             log=log,
+            sender_check=sender_check,
         )
     except asyncio.CancelledError:
         raise

@@ -16,6 +16,7 @@ and returns the verified bytes. Every failure is a :class:`PeerExchangeError` wh
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import grpc
@@ -24,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from peerlm.chunks import ChunkAssembler, ChunkError
 from peerlm.config import GrpcLimits
+from peerlm.pki.proof import ProofError, SenderCheck, transfer_statement
 from peerlm.rpc import create_channel
 from peerlm.security.authz import (
     DEV_IDENTITY_METADATA_KEY,
@@ -36,6 +38,7 @@ __all__ = [
     "ADAPTER_CONTENT_TYPE",
     "PACKAGE_CONTENT_TYPE",
     "STUDENT_TOKENIZER_METADATA",
+    "ExpectedSender",
     "PeerExchangeError",
     "adapter_content_type",
     "fetch_package",
@@ -115,13 +118,15 @@ async def fetch_package(
     registry: CollectorRegistry | None = None,
     dev_identity: str | None = None,
     tokenizer_sha256: str | None = None,
+    expect: ExpectedSender | None = None,
 ) -> bytes:
     """Fetch the knowledge package ``directive_id`` entitles us to from teacher ``target``.
 
     ``creds=None`` is plaintext, which only the insecure-dev mode decision may choose; then
     ``dev_identity`` (our SPIFFE id) names us. ``tokenizer_sha256`` announces our tokenizer
     (request metadata ``peerlm-student-tokenizer-sha256``) so the teacher may send logits
-    when it shares it. Received bytes are counted in
+    when it shares it. With ``expect`` the package must carry the teacher's sender proof
+    (reason ``unverified_sender`` otherwise). Received bytes are counted in
     ``peerlm_agent_package_bytes_received_total`` when ``registry`` is given.
     """
     counter = _bytes_counter(
@@ -136,7 +141,7 @@ async def fetch_package(
             timeout=timeout_s,
             metadata=_metadata(dev_identity, tokenizer_sha256),
         )
-        payload, content_type = await _receive(
+        payload, content_type, metadata = await _receive(
             call, max_bytes, counter, _tls_failures(registry), what="package"
         )
     if content_type != PACKAGE_CONTENT_TYPE:
@@ -144,7 +149,33 @@ async def fetch_package(
             f"teacher sent content type {content_type!r}, expected {PACKAGE_CONTENT_TYPE}",
             reason="corrupt",
         )
+    _check_sender(expect, metadata, "package", directive_id, payload)
     return payload
+
+
+@dataclass(frozen=True)
+class ExpectedSender:
+    """Whose sender proof (:mod:`peerlm.pki.proof`) a transfer must carry: the peer we
+    meant to reach, and our own name, the proof's recipient."""
+
+    check: SenderCheck
+    sender: str
+    recipient: str
+
+
+def _check_sender(
+    expect: ExpectedSender | None, metadata: Any, kind: str, reference: str, payload: bytes
+) -> None:
+    if expect is None:
+        return
+    statement = transfer_statement(kind, reference, expect.recipient, payload)
+    try:
+        expect.check.verify(metadata, statement, sender=expect.sender)
+    except ProofError as err:
+        raise PeerExchangeError(
+            f"{kind} from {expect.sender!r} refused: {err} ({err.reason})",
+            reason="unverified_sender",
+        ) from None
 
 
 def _tls_failures(registry: CollectorRegistry | None) -> TlsFailureCounter | None:
@@ -167,11 +198,13 @@ async def pull_adapter_with_round(
     timeout_s: float | None = None,
     registry: CollectorRegistry | None = None,
     dev_identity: str | None = None,
+    expect: ExpectedSender | None = None,
 ) -> tuple[int, bytes]:
     """Pull a peer's adapter (``round_`` 0 = its latest); returns (round sent, safetensors).
 
-    ``timeout_s`` defaults to ``limits.rpc_timeout_s``. Counted in
-    ``peerlm_agent_adapter_bytes_received_total`` when ``registry`` is given.
+    ``timeout_s`` defaults to ``limits.rpc_timeout_s``. With ``expect`` the adapter must
+    carry that peer's sender proof. Counted in ``peerlm_agent_adapter_bytes_received_total``
+    when ``registry`` is given.
     """
     if round_ < 0:
         raise ValueError(f"round must be >= 0, got {round_}")
@@ -185,7 +218,7 @@ async def pull_adapter_with_round(
             timeout=limits.rpc_timeout_s if timeout_s is None else timeout_s,
             metadata=_metadata(dev_identity),
         )
-        payload, content_type = await _receive(
+        payload, content_type, metadata = await _receive(
             call, max_bytes, counter, _tls_failures(registry), what="adapter"
         )
     try:
@@ -196,6 +229,7 @@ async def pull_adapter_with_round(
         raise PeerExchangeError(
             f"asked for the adapter of round {round_}, got round {sent_round}", reason="corrupt"
         )
+    _check_sender(expect, metadata, "adapter", str(sent_round), payload)
     return sent_round, payload
 
 
@@ -231,8 +265,9 @@ async def _receive(
     tls_failures: TlsFailureCounter | None,
     *,
     what: str,
-) -> tuple[bytes, str]:
+) -> tuple[bytes, str, Any]:
     """Assemble the call's chunks; map every failure to :class:`PeerExchangeError`.
+    Returns the payload, its content type and the call's initial metadata.
 
     A teacher refusing our certificate does so in the handshake, before any of its code
     runs: ``tls_failures`` (``peerlm_grpc_client_tls_failures_total``) is the only count.
@@ -257,6 +292,7 @@ async def _receive(
                 call.cancel()
                 raise PeerExchangeError(f"{what} stream corrupt: {err}", reason="corrupt") from None
         payload = assembler.finish()
+        metadata = await call.initial_metadata()
     except ChunkError as err:
         raise PeerExchangeError(f"{what} stream corrupt: {err}", reason="corrupt") from None
     except grpc.aio.AioRpcError as err:
@@ -272,4 +308,4 @@ async def _receive(
         raise PeerExchangeError(
             f"{what} transfer failed: {describe_rpc_error(err)}", reason=reason, code=code
         ) from None
-    return payload, assembler.content_type
+    return payload, assembler.content_type, metadata

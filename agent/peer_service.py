@@ -12,7 +12,10 @@ share one build), streamed with :func:`~peerlm.chunks.iter_chunks`.
 latest, else exactly that round) as safetensors; ``NOT_FOUND`` when there is none. The
 first chunk's content type names the round sent (``...; round=N``).
 
-Both methods are for the ``agent`` role only (:data:`PEER_POLICY`). Bytes sent count in
+Both methods start their stream with a sender proof in the initial metadata when the
+service has a ``signer`` (mTLS): this agent's certificate and its signature over what is
+sent, to whom, and its SHA-256 (:mod:`peerlm.pki.proof`). Both methods are for the
+``agent`` role only (:data:`PEER_POLICY`). Bytes sent count in
 ``peerlm_agent_package_bytes_sent_total`` and ``peerlm_agent_adapter_bytes_sent_total``.
 """
 
@@ -35,6 +38,7 @@ from peerlm.chunks import iter_chunks
 from peerlm.config import GrpcLimits, parse_host_port
 from peerlm.grpc_types import ServicerContext
 from peerlm.pki.identity import Role
+from peerlm.pki.proof import ProofSigner, transfer_statement
 from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
 from peerlm.security.authz import AuthInterceptor, current_identity
 from peerlm.security.credentials import TlsFiles, bind_server
@@ -119,6 +123,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         registry: CollectorRegistry,
         log: Any = None,
         cache_entries: int = 4,
+        signer: ProofSigner | None = None,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -131,6 +136,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         self._max_package = max_package_bytes
         self._max_adapter = max_package_bytes if max_adapter_bytes is None else max_adapter_bytes
         self._cache_entries = cache_entries
+        self._signer = signer
         self._builds: collections.OrderedDict[str, asyncio.Future[bytes]] = (
             collections.OrderedDict()
         )
@@ -202,6 +208,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
                 f"of {self._max_package}",
                 caller,
             )
+        await self._prove(context, "package", directive_id, caller, payload)
         chunks = 0
         for chunk in iter_chunks(payload, self._chunk_bytes, PACKAGE_CONTENT_TYPE):
             yield chunk
@@ -237,12 +244,22 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
                 f"of {self._max_adapter}",
                 caller,
             )
+        await self._prove(context, "adapter", str(sent_round), caller, payload)
         for chunk in iter_chunks(payload, self._chunk_bytes, adapter_content_type(sent_round)):
             yield chunk
             self._m.adapter_bytes.inc(len(chunk.data))
         self._log.info("adapter_sent", round=sent_round, peer=caller, bytes=len(payload))
 
     # ------------------------------------------------------------- internals
+
+    async def _prove(
+        self, context: ServicerContext, kind: str, reference: str, caller: str, payload: bytes
+    ) -> None:
+        """Send the sender proof (:mod:`peerlm.pki.proof`) as initial metadata: the caller
+        cannot see our certificate in TLS, so it checks this instead."""
+        if self._signer is not None:
+            statement = transfer_statement(kind, reference, caller, payload)
+            await context.send_initial_metadata(self._signer.metadata(statement))
 
     async def _refuse(
         self,

@@ -46,7 +46,12 @@ import grpc
 import structlog
 import torch
 from peerlm.agent.modelhost import ModelHost
-from peerlm.agent.peer_client import PeerExchangeError, get_counter, pull_adapter_with_round
+from peerlm.agent.peer_client import (
+    ExpectedSender,
+    PeerExchangeError,
+    get_counter,
+    pull_adapter_with_round,
+)
 from peerlm.overlay.aggregation import (
     DEFAULT_ETA,
     DEFAULT_KAPPA,
@@ -62,6 +67,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as st_load
 
 from peerlm.config import GrpcLimits
+from peerlm.pki.proof import SenderCheck
 
 __all__ = [
     "ADAPTER_FORMAT",
@@ -347,6 +353,7 @@ async def pull_and_aggregate(
     dev_identity: str | None = None,
     round_: int = 0,
     log: Any = None,
+    sender_check: SenderCheck | None = None,
 ) -> PullReport:
     """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
 
@@ -377,6 +384,8 @@ async def pull_and_aggregate(
                 timeout_s=cfg.timeout_s,
                 registry=registry,
                 dev_identity=dev_identity,
+                # The search named this peer; the adapter must come from it (signed).
+                expect=ExpectedSender(sender_check, cand.peer, self_name) if sender_check else None,
             )
         return cand, sent_round, payload
 

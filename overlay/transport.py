@@ -41,7 +41,6 @@ from typing import Any, Final
 
 import grpc
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.serialization import Encoding
 from peerlm.overlay import codec
 from peerlm.overlay.events import Event, LeaseTakeover, QueryCompleted, Send
@@ -50,7 +49,8 @@ from peerlm.overlay.metrics import OverlayMetrics
 from peerlm.overlay.node import OverlayNode
 from peerlm.overlay.signature import Signature
 
-from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate
+from peerlm.pki.identity import PeerIdentity, Role
+from peerlm.pki.proof import ProofError, verify_member_certificate
 from peerlm.security.authz import TlsFailureCounter, describe_rpc_error
 from peerlm.wire.v1 import overlay_pb2, overlay_pb2_grpc
 
@@ -186,19 +186,14 @@ class KeyDirectory:
         if self._ca is None:
             raise CertificateRefused("bad_certificate", "this node accepts no certificates")
         try:
-            cert = x509.load_der_x509_certificate(der)
-            cert.verify_directly_issued_by(self._ca)
-            identity = identity_from_certificate(cert)
-        except (ValueError, TypeError, InvalidSignature) as err:
-            raise CertificateRefused(
-                "bad_certificate", f"certificate attached for {node_id!r} is not valid: {err}"
-            ) from None
-        now = self._now()
-        if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
-            raise CertificateRefused(
-                "bad_certificate", f"certificate attached for {node_id!r} is not valid now"
+            identity, cert = verify_member_certificate(
+                der, self._ca, federation=self._federation, now=self._now()
             )
-        if identity.federation != self._federation or identity.role not in NODE_ROLES:
+        except ProofError as err:
+            raise CertificateRefused(
+                "bad_certificate", f"certificate attached for {node_id!r}: {err}"
+            ) from None
+        if identity.role not in NODE_ROLES:
             raise CertificateRefused(
                 "bad_certificate",
                 f"certificate attached for {node_id!r} is {identity.spiffe_uri}, not an overlay "

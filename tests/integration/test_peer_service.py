@@ -25,6 +25,7 @@ from peerlm.agent.directives import (
 from peerlm.agent.guardrail import Guardrail
 from peerlm.agent.package import TextPackage, build_text_package, decode_package
 from peerlm.agent.peer_client import (
+    ExpectedSender,
     PeerExchangeError,
     fetch_package,
     pull_adapter,
@@ -37,6 +38,7 @@ from peerlm.config import GrpcLimits
 from peerlm.metrics import new_registry
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
+from peerlm.pki.proof import ProofSigner, SenderCheck
 from peerlm.rpc import create_channel
 from peerlm.security.credentials import TlsFiles, channel_credentials
 from peerlm.security.mode import SecurityMode
@@ -60,6 +62,16 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
         issue_certificate(root, Role.AGENT, name)
     issue_certificate(root, Role.ADMIN, "admin")
     return root
+
+
+def _signer(pki: Path, name: str) -> ProofSigner:
+    bundle = TlsFiles.from_directory(pki, name).load()
+    return ProofSigner.from_pem(bundle.cert, bundle.key)
+
+
+def _expect(pki: Path, sender: str, recipient: str) -> ExpectedSender:
+    check = SenderCheck.from_pem((pki / "ca.crt").read_bytes(), FEDERATION)
+    return ExpectedSender(check, sender, recipient)
 
 
 def _creds(pki: Path, name: str) -> grpc.ChannelCredentials:
@@ -153,6 +165,7 @@ async def peer(pki: Path, payload: bytes) -> AsyncIterator[Peer]:
         max_package_bytes=512 * 1024,
         registry=registry,
         log=structlog.get_logger("test"),
+        signer=_signer(pki, "teacher"),
     )
     server, port = await serve_peer(
         service,
@@ -441,3 +454,36 @@ async def test_a_teacher_refusing_our_certificate_is_counted_by_the_student(
     )
     assert failures == 1
     assert peer.book.fetches("f" * 32) == 0  # nothing was served or used up
+
+
+async def test_transfers_carry_the_senders_proof(peer: Peer, pki: Path) -> None:
+    """The student checks whose certificate signed what it received (TLS alone shows it
+    only that some federation member answered at that address)."""
+    peer.add("p" * 32)
+    got = await _fetch(peer, pki, "student", "p" * 32, expect=_expect(pki, "teacher", "student"))
+    assert got == peer.payload
+    # The directive named another teacher: the member that answered is not it.
+    peer.add("q" * 32)
+    err = await _refused(
+        _fetch(peer, pki, "student", "q" * 32, expect=_expect(pki, "other", "student"))
+    )
+    assert err.reason == "unverified_sender" and "wrong_sender" in str(err)
+    # A proof made out to another recipient does not cover what we received.
+    peer.add("r" * 32)
+    err = await _refused(
+        _fetch(peer, pki, "student", "r" * 32, expect=_expect(pki, "teacher", "other"))
+    )
+    assert err.reason == "unverified_sender" and "bad_signature" in str(err)
+    peer.adapter = (7, b"adapter-bytes" * 100)
+    sent_round, payload = await pull_adapter_with_round(
+        peer.target, _creds(pki, "student"), 0, limits=LIMITS, max_bytes=1 << 20,
+        expect=_expect(pki, "teacher", "student"),
+    )  # fmt: skip
+    assert (sent_round, payload) == peer.adapter
+    err = await _refused(
+        pull_adapter_with_round(
+            peer.target, _creds(pki, "student"), 0, limits=LIMITS, max_bytes=1 << 20,
+            expect=_expect(pki, "other", "student"),
+        )
+    )  # fmt: skip
+    assert err.reason == "unverified_sender"
