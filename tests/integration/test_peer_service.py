@@ -43,6 +43,7 @@ from peerlm.rpc import create_channel
 from peerlm.security.credentials import TlsFiles, channel_credentials
 from peerlm.security.mode import SecurityMode
 from peerlm.wire.v1 import cpm_pb2
+from tests.foreign_pki import foreign_member_credentials
 
 pytestmark = pytest.mark.integration
 
@@ -427,14 +428,9 @@ async def test_a_teacher_refusing_our_certificate_is_counted_by_the_student(
     peer: Peer, pki: Path, tmp_path: Path
 ) -> None:
     """A handshake refusal never reaches server code; the student's client counts it."""
-    foreign = tmp_path / "foreign"
-    init_ca(foreign, federation=FEDERATION)
-    issue_certificate(foreign, Role.AGENT, "student")
     # Trusts our CA (so it reaches the teacher) but presents a certificate of another CA.
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=(pki / "ca.crt").read_bytes(),
-        private_key=(foreign / "student.key").read_bytes(),
-        certificate_chain=(foreign / "student.crt").read_bytes(),
+    creds = foreign_member_credentials(
+        tmp_path / "foreign", FEDERATION, "student", trust=pki / "ca.crt"
     )
     registry = new_registry()
     peer.add("f" * 32)

@@ -39,6 +39,7 @@ from peerlm.pki.identity import Role
 from peerlm.security.credentials import TlsFiles, channel_credentials
 from peerlm.security.mode import SecurityMode
 from peerlm.wire.v1 import cpm_pb2
+from tests.foreign_pki import foreign_member_credentials
 
 pytestmark = pytest.mark.integration
 
@@ -343,14 +344,7 @@ async def test_limits_bound_fan_out_and_size(world: World, pki: Path) -> None:
 
 
 async def test_a_student_from_another_ca_is_not_served(world: World, tmp_path: Path) -> None:
-    foreign = tmp_path / "foreign"
-    init_ca(foreign, federation=FEDERATION)
-    issue_certificate(foreign, Role.AGENT, "student")
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=(foreign / "ca.crt").read_bytes(),
-        private_key=(foreign / "student.key").read_bytes(),
-        certificate_chain=(foreign / "student.crt").read_bytes(),
-    )
+    creds = foreign_member_credentials(tmp_path / "foreign", FEDERATION, "student")
     report = await pull_and_aggregate(
         world.student,
         [Candidate("t1", world.teachers["t1"].target, 0.9)],
