@@ -87,14 +87,25 @@ def pull_settings(overlay: AgentOverlaySettings, timeout_s: float) -> PullSettin
     )
 
 
+def choose_p(p_min: int, network: int | None, configured: int | None, dim: int) -> int:
+    """The signature cardinality: a configured ``signature_p`` (a deployment constant), else
+    the network-wide P the overlay announced with the epoch (Sec. 3.2: the ``q``-quantile
+    of the members' ``P_min``, so every signature has the same cardinality and similarities
+    compare), else, before the first build, this agent's own ``P_min``."""
+    return max(1, min(configured or network or p_min, dim))
+
+
 def _signature_inputs(
-    host: ModelHost, tracker: ImportanceTracker, overlay: AgentOverlaySettings
+    host: ModelHost,
+    tracker: ImportanceTracker,
+    overlay: AgentOverlaySettings,
+    network: int | None,
 ) -> tuple[Any, int, int]:
     """On the model thread: flatten, update the EMA, choose P; (signature, P, P_min)."""
     weights, space = flatten_adapter(host.adapter_state())
     scores = tracker.update(weights)
     p_min = minimal_p(weights, scores, overlay.tau_min)
-    p = min(overlay.signature_p or p_min, int(weights.shape[0]))
+    p = choose_p(p_min, network, overlay.signature_p, int(weights.shape[0]))
     return make_signature(weights, scores, p, space), p, p_min
 
 
@@ -111,7 +122,10 @@ async def publish_signature(
     The agent also calls this once on joining, before its first round: a node without a
     signature when its zone is built is never placed in a leaf cluster (docs/overlay.md).
     """
-    signature, p, p_min = await run_model(_signature_inputs, model, tracker, settings)
+    network = overlay_host.describe().get("network_p")
+    signature, p, p_min = await run_model(
+        _signature_inputs, model, tracker, settings, network if isinstance(network, int) else None
+    )
     overlay_host.set_signature(signature, p_min)
     return p, p_min
 

@@ -252,6 +252,9 @@ class OverlayNode:
         if epoch is None:
             epoch = self.membership.placed_epoch()
         if epoch is None:
+            # A node that is never placed (no signature) still forms zones, and may lead one.
+            epoch = max((e for e, _ in self.zones.levels), default=None)
+        if epoch is None:
             epoch = max(0, self.params.epoch_of(self.ctx.now))
         return epoch, self.membership.root(epoch), self.membership.leaf(epoch)
 
@@ -468,6 +471,9 @@ class OverlayNode:
         epoch = self.membership.active_epoch()
         if epoch is None:
             epoch = self.membership.placed_epoch()
+        if epoch is None:
+            # A node that is never placed (no signature) still forms zones, and may lead one.
+            epoch = max((e for e, _ in self.zones.levels), default=None)
         leaf = self.membership.leaf(epoch) if epoch is not None else None
         root = self.membership.root(epoch) if epoch is not None else None
         zone = self.zones.level_state(epoch, 1) if epoch is not None else None
@@ -504,6 +510,10 @@ class OverlayNode:
             "roles": roles,
             "root": root.cluster_id if root is not None else None,
             "depth": self.membership.views[epoch].depth if epoch in self.membership.views else 0,
+            # Sec. 3.2: the network-wide signature cardinality announced with the epoch.
+            "network_p": (
+                self.membership.views[epoch].network_p if epoch in self.membership.views else None
+            ),
             "neighbours": sorted(self.peers.refs),
             "tau": self.querier.threshold.tau,
             "pending_queries": self.querier.pending(),

@@ -122,7 +122,17 @@ def description_to_dict(desc: Any) -> dict[str, Any]:
         "children": desc.children_count,
         "tau": desc.tau if desc.HasField("tau") else None,
         "has_signature": desc.has_signature,
+        # Untyped facts travel as JSON in `details` (overlay.service.node_description).
+        "network_p": _detail(desc, "network_p"),
+        "ready": bool(_detail(desc, "ready")),
     }
+
+
+def _detail(desc: Any, key: str) -> Any:
+    try:
+        return json.loads(desc.details[key]) if key in desc.details else None
+    except ValueError:
+        return None
 
 
 async def _describe_overlay(
@@ -157,7 +167,7 @@ async def _describe_overlay(
 def _render_overlay(rows: list[dict[str, Any]], console: Console) -> None:
     table = Table(title="overlay")
     columns = ("node", "role", "level", "epoch", "depth", "zone", "zone size", "cluster",
-               "parent", "children", "τ")  # fmt: skip
+               "parent", "children", "τ", "P")  # fmt: skip
     for column in columns:
         table.add_column(column)
     for r in rows:
@@ -176,6 +186,7 @@ def _render_overlay(rows: list[dict[str, Any]], console: Console) -> None:
             r["parent_id"] or "-",
             str(r["children"]),
             "-" if r["tau"] is None else f"{r['tau']:.3f}",
+            "-" if r["network_p"] is None else str(r["network_p"]),
         )
     console.print(table)
 

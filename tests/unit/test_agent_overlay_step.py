@@ -13,7 +13,12 @@ import torch
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
 from peerlm.agent.models.tiny import build_models
-from peerlm.agent.overlay_step import overlay_round_step, pull_settings
+from peerlm.agent.overlay_step import (
+    choose_p,
+    overlay_round_step,
+    publish_signature,
+    pull_settings,
+)
 from peerlm.overlay.metrics import OverlayMetrics
 from peerlm.overlay.node import OverlayNode
 from peerlm.overlay.params import OverlayParams
@@ -126,3 +131,28 @@ def test_signature_p_is_the_configured_network_p(model: ModelHost) -> None:
 
     result = asyncio.run(go())
     assert result.p == 5 and result.p_min >= 1  # type: ignore[attr-defined]
+
+
+def test_p_is_the_configured_then_the_network_then_the_own_minimum() -> None:
+    assert choose_p(p_min=40, network=None, configured=None, dim=1000) == 40
+    assert choose_p(p_min=40, network=64, configured=None, dim=1000) == 64
+    assert choose_p(p_min=40, network=64, configured=10, dim=1000) == 10
+    assert choose_p(p_min=40, network=5000, configured=None, dim=1000) == 1000
+
+
+def test_publish_uses_the_network_p_the_overlay_announced(model: ModelHost) -> None:
+    host = _lone_host("announced")
+    settings = AgentOverlaySettings(enabled=True)
+
+    async def run(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return fn(*args, **kwargs)
+
+    async def publish() -> tuple[int, int]:
+        return await publish_signature(host, model, ImportanceTracker(), settings, run)
+
+    p_own, p_min = asyncio.run(publish())
+    assert p_own == p_min  # no build yet: the agent's own P_min
+    network = max(1, p_min // 2)
+    host.describe = lambda: {"network_p": network}  # type: ignore[method-assign]
+    p, _ = asyncio.run(publish())
+    assert p == network

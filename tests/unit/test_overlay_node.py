@@ -169,3 +169,25 @@ def test_describe_reports_zone_sizes_and_readiness() -> None:
     # Every node lies in exactly one level-1 zone; only its initiator reports the size.
     assert sum(d["zone_size"] for d in initiators) == len(described)
     assert all(d["zone_size"] == 0 for d in described if d not in initiators)
+
+
+def test_every_node_learns_the_network_p_with_the_epoch() -> None:
+    fed = federation(40, seed=6, zone_cap=8)
+    fed.build()
+    announced = {fed.sim.nodes[n].describe()["network_p"] for n in fed.sim.alive}
+    assert len(announced) == 1
+    (p,) = announced
+    assert isinstance(p, int) and p >= 1
+
+
+def test_an_unplaced_initiator_still_reports_its_zone() -> None:
+    """A node without a signature is never placed but may be elected to lead a zone."""
+    fed = federation(30, seed=7, zone_cap=6)
+    fed.build()
+    leaders = [n for n in fed.sim.alive if 1 in fed.sim.nodes[n].describe()["initiator_levels"]]
+    victim = leaders[0]
+    node = fed.sim.nodes[victim]
+    node.membership.views.clear()  # as if it had never been placed
+    described = node.describe()
+    assert described["zone_size"] >= 1
+    assert described["epoch"] == 0 and described["ready"] is False
