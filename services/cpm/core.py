@@ -133,7 +133,15 @@ class CpmCore:
             d.directive_id: d for d in store.open_directives()
         }
         self._round = int(store.get_meta("matchmaking_round") or 0)
-        self._pending: set[str] = set()
+        # Profiles that arrived after the last matchmaking are still waiting for one: a
+        # restart keeps them pending (unless older than a directive's lifetime: that agent
+        # has moved on). Written before each round's directives, so a crash in between
+        # can only drop a profile (its agent sends the next round's), never match it twice.
+        matched_until = float(store.get_meta("matched_until") or "-inf")
+        horizon = clock() - self._s.directive_ttl_s
+        self._pending: set[str] = {
+            a for a, p in self._profiles.items() if p.received_at > max(matched_until, horizon)
+        }
         self._last_match = clock()
         self.profiles_received = 0
         self.rewards_observed = 0
@@ -219,6 +227,7 @@ class CpmCore:
         agents = sorted(self._pending)
         self._pending.clear()
         self._last_match = self._clock()
+        self._store.set_meta("matched_until", repr(self._last_match))
         if len(agents) < 2:
             return MatchOutcome(self._round, [], len(agents), time.perf_counter() - started)
         profiles = {a: self._profiles[a].features for a in agents}

@@ -189,6 +189,28 @@ def test_restart_restores_everything(core: tuple[CpmCore, Clock, MemoryCpmStore]
     assert c2.matchmaker.n_updates == 2
 
 
+def test_restart_keeps_unmatched_profiles_pending(
+    core: tuple[CpmCore, Clock, MemoryCpmStore],
+) -> None:
+    c, clock, store = core
+    _submit_all(c, ["a", "b", "c", "d"])
+    assert c.matchmake().directives  # a..d matched: not pending after a restart
+    clock.now += 5
+    c.submit_profile("a", 2, _profile(0), "h:1", connected=4)
+    c.submit_profile("b", 2, _profile(1), "h:2", connected=4)
+    settings = CpmSettings(directive_ttl_s=60, round_interval_s=30)
+    c2 = CpmCore(settings, store, clock)
+    assert c2.pending == 2  # a and b wait for the next matchmaking, as before the restart
+    match = c2.matchmake()
+    assert {x for d in match.directives for x in (d.teacher, d.student)} == {"a", "b"}
+    assert CpmCore(settings, store, clock).pending == 0  # matched: never twice
+    # A profile older than a directive's lifetime is not revived (its agent moved on).
+    clock.now += 5
+    c2.submit_profile("c", 2, _profile(2), "h:3", connected=4)
+    clock.now += 61
+    assert CpmCore(settings, store, clock).pending == 0
+
+
 def test_changed_bandit_settings_refused(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
     _, clock, store = core
     with pytest.raises(ValueError, match="different bandit settings"):
