@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from peerlm.config import GrpcLimits
+from peerlm.pki.proof import FEED_NONCE_METADATA, ExpectedSender, ProofError
 from peerlm.rpc import create_channel
 from peerlm.security.authz import (
     DEV_IDENTITY_METADATA_KEY,
@@ -47,8 +50,11 @@ class CpmClient:
         *,
         dev_identity: str | None = None,
         registry: CollectorRegistry | None = None,
+        feed_proof: ExpectedSender | None = None,
     ) -> None:
         self._limits = limits
+        # With mTLS: the directive feed must prove it comes from a CPM (peerlm.pki.proof).
+        self._feed_proof = feed_proof
         # The CPM refuses a bad certificate in the handshake, where no server code runs:
         # only this side can count it (peerlm_grpc_client_tls_failures_total).
         interceptors = (
@@ -104,15 +110,21 @@ class CpmClient:
         Open directives are replayed by the CPM on every (re)connect, so a directive may be
         seen twice across a reconnect; consumers de-duplicate by id (this iterator does).
         Authentication and authorisation failures, and ABORTED (another feed for this
-        agent replaced this one), are raised, not retried.
+        agent replaced this one), are raised, not retried. With ``feed_proof`` every feed
+        must open with the CPM's proof over a fresh nonce of ours; a feed without one is
+        raised as UNAUTHENTICATED before any directive is read from it.
         """
         seen: set[str] = set()
         backoff = 0.2
         while True:
-            call = self._stub.StreamDirectives(
-                cpm_pb2.StreamDirectivesRequest(), metadata=self._metadata
-            )
+            nonce = secrets.token_hex(16)
+            metadata = self._metadata
+            if self._feed_proof is not None:
+                metadata = (*metadata, (FEED_NONCE_METADATA, nonce))
+            call = self._stub.StreamDirectives(cpm_pb2.StreamDirectivesRequest(), metadata=metadata)
             try:
+                if self._feed_proof is not None:
+                    await self._check_feed(call, nonce)
                 async for d in call:
                     backoff = 0.2
                     if d.directive_id not in seen:
@@ -126,6 +138,35 @@ class CpmClient:
                 call.cancel()
             await asyncio.sleep(backoff)
             backoff = min(max_backoff_s, backoff * 2)
+
+    async def _check_feed(self, call: Any, nonce: str) -> None:
+        """Verify the feed's proof before reading any directive from it.
+
+        A call that failed before sending headers (CPM down, network cut) has no proof and
+        no directives: its own error is raised, so the caller retries it as usual.
+        """
+        assert self._feed_proof is not None
+        metadata = await call.initial_metadata()
+        try:
+            self._feed_proof.verify(metadata, "directive-feed", nonce, b"")
+        except ProofError as err:
+            if err.reason == "missing" and call.done():
+                code = await call.code()
+                if code != grpc.StatusCode.OK:
+                    raise grpc.aio.AioRpcError(
+                        code, grpc.aio.Metadata(), grpc.aio.Metadata(), await call.details(), ""
+                    ) from None
+            call.cancel()
+            raise _unauthenticated(
+                f"the directive feed did not prove it comes from a CPM: {err} ({err.reason})"
+            ) from None
+
+
+def _unauthenticated(detail: str) -> grpc.aio.AioRpcError:
+    """A refusal of our own, shaped like the CPM's, so callers handle one kind of error."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(), grpc.aio.Metadata(), detail, ""
+    )
 
 
 async def next_directive(

@@ -43,7 +43,6 @@ from typing import Any, TypeVar
 import grpc
 from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.agent.metrics import AgentTelemetry
-from peerlm.agent.peer_client import ExpectedSender
 from peerlm.agent.rounds import (
     PROTOCOL_LOGITS,
     PackageMode,
@@ -56,7 +55,7 @@ from peerlm.agent.rounds import (
 
 from peerlm.config import AgentSettings, parse_host_port
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
-from peerlm.pki.proof import ProofSigner, SenderCheck
+from peerlm.pki.proof import ExpectedSender, ProofSigner, SenderCheck
 from peerlm.security.credentials import channel_credentials, tls_files_from_settings
 from peerlm.security.mode import SecurityMode, resolve_channel_security, resolve_security
 from peerlm.wire.v1 import cpm_pb2
@@ -266,7 +265,16 @@ class AgentDaemon:
         )
         dev_identity = None if self.mode is SecurityMode.MTLS else self.identity.spiffe_uri
         self.cpm = CpmClient(
-            s.cpm, s.limits, self.creds, dev_identity=dev_identity, registry=self.registry
+            s.cpm,
+            s.limits,
+            self.creds,
+            dev_identity=dev_identity,
+            registry=self.registry,
+            feed_proof=(
+                ExpectedSender(self.sender_check, None, self.identity.name, Role.CPM)
+                if self.sender_check is not None
+                else None
+            ),
         )
         self.log.info(
             "agent_ready",

@@ -16,7 +16,6 @@ and returns the verified bytes. Every failure is a :class:`PeerExchangeError` wh
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 import grpc
@@ -25,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from peerlm.chunks import ChunkAssembler, ChunkError
 from peerlm.config import GrpcLimits
-from peerlm.pki.proof import ProofError, SenderCheck, transfer_statement
+from peerlm.pki.proof import ExpectedSender, ProofError
 from peerlm.rpc import create_channel
 from peerlm.security.authz import (
     DEV_IDENTITY_METADATA_KEY,
@@ -153,24 +152,13 @@ async def fetch_package(
     return payload
 
 
-@dataclass(frozen=True)
-class ExpectedSender:
-    """Whose sender proof (:mod:`peerlm.pki.proof`) a transfer must carry: the peer we
-    meant to reach, and our own name, the proof's recipient."""
-
-    check: SenderCheck
-    sender: str
-    recipient: str
-
-
 def _check_sender(
     expect: ExpectedSender | None, metadata: Any, kind: str, reference: str, payload: bytes
 ) -> None:
     if expect is None:
         return
-    statement = transfer_statement(kind, reference, expect.recipient, payload)
     try:
-        expect.check.verify(metadata, statement, sender=expect.sender)
+        expect.verify(metadata, kind, reference, payload)
     except ProofError as err:
         raise PeerExchangeError(
             f"{kind} from {expect.sender!r} refused: {err} ({err.reason})",

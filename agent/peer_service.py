@@ -39,7 +39,13 @@ from peerlm.config import GrpcLimits, parse_host_port
 from peerlm.grpc_types import ServicerContext
 from peerlm.pki.identity import Role
 from peerlm.pki.proof import ProofSigner, transfer_statement
-from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
+from peerlm.rpc import (
+    MetricsInterceptor,
+    add_health_and_reflection,
+    create_server,
+    metadata_value,
+    set_serving,
+)
 from peerlm.security.authz import AuthInterceptor, current_identity
 from peerlm.security.credentials import TlsFiles, bind_server
 from peerlm.security.mode import SecurityMode
@@ -164,7 +170,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
                 "directive_id must be 1-128 characters of [A-Za-z0-9_-]",
                 caller,
             )
-        tokenizer = _metadata_value(context, STUDENT_TOKENIZER_METADATA)
+        tokenizer = metadata_value(context, STUDENT_TOKENIZER_METADATA)
         if tokenizer is not None and not _HEX64.fullmatch(tokenizer):
             await self._refuse(
                 context,
@@ -307,13 +313,6 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         failed = done.cancelled() or done.exception() is not None
         if failed and self._builds.get(key) is done:
             del self._builds[key]
-
-
-def _metadata_value(context: ServicerContext, key: str) -> str | None:
-    for name, value in context.invocation_metadata() or ():
-        if name == key:
-            return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
-    return None
 
 
 async def serve_peer(

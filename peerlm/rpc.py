@@ -28,6 +28,7 @@ __all__ = [
     "create_channel",
     "create_server",
     "hard_receive_limit",
+    "metadata_value",
     "server_options",
 ]
 
@@ -137,6 +138,14 @@ async def set_serving(servicer: HealthServicer, names: Iterable[str], on: bool) 
 
 
 Behaviour = Callable[..., Any]
+
+
+def metadata_value(context: ServicerContext, key: str) -> str | None:
+    """The first value of request metadata ``key`` as text, or None."""
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+    return None
 
 
 class Oversized:

@@ -29,8 +29,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate
 
 __all__ = [
+    "FEED_NONCE_METADATA",
     "PROOF_CERTIFICATE_METADATA",
     "PROOF_SIGNATURE_METADATA",
+    "ExpectedSender",
     "ProofError",
     "ProofSigner",
     "SenderCheck",
@@ -41,6 +43,8 @@ __all__ = [
 #: Initial-metadata keys of a proof (``-bin``: binary values).
 PROOF_CERTIFICATE_METADATA: Final = "peerlm-sender-cert-bin"
 PROOF_SIGNATURE_METADATA: Final = "peerlm-sender-proof-bin"
+#: Request metadata: the agent's fresh nonce, which the CPM's feed proof must cover.
+FEED_NONCE_METADATA: Final = "peerlm-feed-nonce"
 _DOMAIN: Final = b"peerlm-transfer-proof-v1"
 #: Bounds on what a receiver parses from a peer's metadata.
 _MAX_CERTIFICATE_BYTES: Final = 16 * 1024
@@ -137,10 +141,11 @@ class SenderCheck:
         metadata: Iterable[tuple[str, Any]] | None,
         statement: bytes,
         *,
-        sender: str,
+        sender: str | None,
         role: Role = Role.AGENT,
     ) -> PeerIdentity:
-        """Check the proof in ``metadata`` for ``statement`` from ``sender`` (by name).
+        """Check the proof in ``metadata`` for ``statement`` from ``sender`` (by name; None
+        accepts any member of ``role``, e.g. the federation's CPM, whatever its name).
 
         Raises :class:`ProofError`: ``missing`` (no proof), ``bad_certificate``,
         ``wrong_sender`` (a valid member, but not the one we meant to reach) or
@@ -149,14 +154,14 @@ class SenderCheck:
         found = {k: v for k, v in (metadata or ()) if k in _KEYS}
         der, signature = found.get(PROOF_CERTIFICATE_METADATA), found.get(PROOF_SIGNATURE_METADATA)
         if not isinstance(der, bytes) or not isinstance(signature, bytes):
-            raise ProofError("missing", f"{sender!r} sent no proof of its identity")
+            raise ProofError("missing", f"{sender or role.value!r} sent no proof of its identity")
         if len(der) > _MAX_CERTIFICATE_BYTES or len(signature) > _MAX_SIGNATURE_BYTES:
             raise ProofError("bad_certificate", "proof larger than any valid one")
         identity, cert = verify_member_certificate(der, self.ca, federation=self.federation)
-        if identity.name != sender or identity.role is not role:
+        if (sender is not None and identity.name != sender) or identity.role is not role:
+            wanted = f"{role.value} {sender!r}" if sender is not None else f"a {role.value}"
             raise ProofError(
-                "wrong_sender",
-                f"the peer at that address is {identity.spiffe_uri}, not {role.value} {sender!r}",
+                "wrong_sender", f"the peer at that address is {identity.spiffe_uri}, not {wanted}"
             )
         key = cert.public_key()
         try:
@@ -168,9 +173,25 @@ class SenderCheck:
                 raise ProofError("bad_certificate", "certificate key cannot sign proofs")
         except InvalidSignature:
             raise ProofError(
-                "bad_signature", f"{sender!r}'s proof does not cover the bytes received"
+                "bad_signature", f"{identity.name!r}'s proof does not cover what was received"
             ) from None
         return identity
+
+
+@dataclass(frozen=True)
+class ExpectedSender:
+    """Whose proof a transfer must carry: the peer we meant to reach (``sender``; None: any
+    member of ``role``) and our own name, the proof's recipient."""
+
+    check: SenderCheck
+    sender: str | None
+    recipient: str
+    role: Role = Role.AGENT
+
+    def verify(self, metadata: Any, kind: str, reference: str, payload: bytes) -> PeerIdentity:
+        """Check ``metadata``'s proof of ``payload`` (see :func:`transfer_statement`)."""
+        statement = transfer_statement(kind, reference, self.recipient, payload)
+        return self.check.verify(metadata, statement, sender=self.sender, role=self.role)
 
 
 _KEYS: Final = frozenset({PROOF_CERTIFICATE_METADATA, PROOF_SIGNATURE_METADATA})

@@ -18,10 +18,11 @@ from peerlm.config import CpmSettings, parse_host_port
 from peerlm.logs import configure_logging
 from peerlm.metrics import new_registry, serve_metrics
 from peerlm.pki.identity import identity_from_certificate_pem
+from peerlm.pki.proof import ProofSigner
 from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
 from peerlm.security.authz import AuthInterceptor
 from peerlm.security.credentials import bind_server, tls_files_from_settings
-from peerlm.security.mode import resolve_security
+from peerlm.security.mode import SecurityMode, resolve_security
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["run_cpm", "serve_cpm"]
@@ -76,7 +77,11 @@ async def serve_cpm(
             ),
         ],
     )
-    service = CpmService(core, metrics, log, queue_depth=settings.stream_queue_depth)
+    signer = None
+    if tls is not None and mode is SecurityMode.MTLS:
+        bundle = tls.load()
+        signer = ProofSigner.from_pem(bundle.cert, bundle.key)
+    service = CpmService(core, metrics, log, queue_depth=settings.stream_queue_depth, signer=signer)
     cpm_pb2_grpc.add_MatchmakerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     health = add_health_and_reflection(server, [SERVICE_NAME])
     bound = bind_server(server, settings.listen, mode, tls)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -24,6 +25,8 @@ from peerlm.services.cpm.records import DirectiveRecord
 
 from peerlm.grpc_types import ServicerContext
 from peerlm.pki.identity import Role
+from peerlm.pki.proof import FEED_NONCE_METADATA, ProofSigner, transfer_statement
+from peerlm.rpc import metadata_value
 from peerlm.security.authz import current_identity
 from peerlm.wire.v1 import common_pb2, cpm_pb2, cpm_pb2_grpc
 
@@ -133,9 +136,17 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
     """Implements ``peerlm.v1.Matchmaker`` over a :class:`CpmCore`."""
 
     def __init__(
-        self, core: CpmCore, metrics: CpmMetrics, log: Any, *, queue_depth: int, tick_s: float = 1.0
+        self,
+        core: CpmCore,
+        metrics: CpmMetrics,
+        log: Any,
+        *,
+        queue_depth: int,
+        tick_s: float = 1.0,
+        signer: ProofSigner | None = None,
     ) -> None:
         self._core = core
+        self._signer = signer
         self._m = metrics
         self._log = log
         self._hub = DirectiveHub(queue_depth)
@@ -211,6 +222,18 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self, request: cpm_pb2.StreamDirectivesRequest, context: ServicerContext
     ) -> AsyncIterator[cpm_pb2.Directive]:
         agent = current_identity().name
+        nonce = metadata_value(context, FEED_NONCE_METADATA)
+        if nonce is not None and not _NONCE.fullmatch(nonce):
+            self._m.rejected.labels("StreamDirectives", "bad_nonce").inc()
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{FEED_NONCE_METADATA} must be 32 to 64 lower-case hex digits",
+            )
+        if nonce is not None and self._signer is not None:
+            # The agent cannot see our certificate in TLS: prove that a CPM answers, for this
+            # agent and this connection's nonce (peerlm.pki.proof).
+            statement = transfer_statement("directive-feed", nonce, agent, b"")
+            await context.send_initial_metadata(self._signer.metadata(statement))
         queue = self._hub.attach(agent)
         self._m.connected.set(self._hub.connected)
         self._log.info("directive_feed_opened", agent=agent)
@@ -384,3 +407,6 @@ def _caller_name() -> str:
         return current_identity().spiffe_uri
     except RuntimeError:
         return "unknown"
+
+
+_NONCE = re.compile(r"[0-9a-f]{32,64}")

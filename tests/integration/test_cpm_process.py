@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import urllib.request
 from collections.abc import Iterator
@@ -11,12 +12,15 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from peerlm.agent.cpm_client import CpmClient
 
 from peerlm.config import GrpcLimits
+from peerlm.pki.identity import Role
+from peerlm.pki.proof import FEED_NONCE_METADATA, ExpectedSender, SenderCheck
 from peerlm.rpc import create_channel
 from peerlm.security.credentials import channel_credentials
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
-from tests.cpm_harness import CpmProcess, Pki
+from tests.cpm_harness import FEDERATION, CpmProcess, Pki
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +36,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def cpm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpmProcess]:
     tmp = tmp_path_factory.mktemp("cpm")
-    proc = CpmProcess(Pki.create(tmp), tmp / "cpm.db", tmp, MANUAL, metrics_port=_free_port())
+    proc = CpmProcess(
+        Pki.create(tmp, agents=8), tmp / "cpm.db", tmp, MANUAL, metrics_port=_free_port()
+    )
     proc.start()
     yield proc
     assert proc.terminate() == 0, proc.log()[-3000:]
@@ -424,3 +430,68 @@ async def test_the_agent_client_counts_handshake_refusals(cpm: CpmProcess) -> No
         {"component": "agent", "reason": "refused_by_server"},
     )
     assert failures == 1
+
+
+def _feed_proof(cpm: CpmProcess, agent: str, role: Role = Role.CPM) -> ExpectedSender:
+    check = SenderCheck.from_pem((cpm.pki.root / "ca.crt").read_bytes(), FEDERATION)
+    return ExpectedSender(check, None, agent, role)
+
+
+def _client(cpm: CpmProcess, agent: str, **kw: object) -> CpmClient:
+    creds = channel_credentials(cpm.pki.tls(agent))
+    return CpmClient(cpm.target, GrpcLimits(rpc_timeout_s=5), creds, **kw)  # type: ignore[arg-type]
+
+
+async def test_the_directive_feed_proves_it_comes_from_a_cpm(cpm: CpmProcess) -> None:
+    """TLS shows the agent only that a federation member with the dialled host's SAN
+    answered; the feed's proof (over the agent's nonce) shows it is a CPM."""
+    admin_ch, admin = cpm.pki.stub(cpm.target, "admin")
+    await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())  # nobody else pending
+    a6, a7 = _client(cpm, "a6", feed_proof=_feed_proof(cpm, "a6")), _client(cpm, "a7")
+    await a6.submit_profile(1, _profile(6), "127.0.0.1:7006")
+    await a7.submit_profile(1, _profile(7), "127.0.0.1:7007")
+    await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())
+    feed = a6.directives()
+    directive = await asyncio.wait_for(anext(feed), 10)
+    assert "a6" in (directive.teacher, directive.student)
+    await feed.aclose()
+    # Expecting a proof from another role (here: an agent) fails before any directive.
+    wrong = _client(cpm, "a6", feed_proof=_feed_proof(cpm, "a6", Role.AGENT))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await asyncio.wait_for(anext(wrong.directives()), 10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "wrong_sender" in (e.value.details() or "")
+    # A proof made out to another agent does not cover us.
+    other = _client(cpm, "a6", feed_proof=_feed_proof(cpm, "a7"))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await asyncio.wait_for(anext(other.directives()), 10)
+    assert "bad_signature" in (e.value.details() or "")
+    for c in (a6, a7, wrong, other):
+        await c.close()
+    await admin_ch.close()
+
+
+async def test_a_malformed_feed_nonce_is_refused_and_counted(cpm: CpmProcess) -> None:
+    counted = _metric(
+        cpm, "peerlm_cpm_rejected_requests_total", rpc="StreamDirectives", reason="bad_nonce"
+    )
+    ch, stub = cpm.pki.stub(cpm.target, "a5")
+    call = stub.StreamDirectives(
+        cpm_pb2.StreamDirectivesRequest(), metadata=((FEED_NONCE_METADATA, "not hex"),)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await ch.close()
+    after = _metric(
+        cpm, "peerlm_cpm_rejected_requests_total", rpc="StreamDirectives", reason="bad_nonce"
+    )
+    assert after == counted + 1
+
+
+async def test_an_unreachable_cpm_is_retried_not_taken_for_an_impostor(cpm: CpmProcess) -> None:
+    creds = channel_credentials(cpm.pki.tls("a5"))
+    client = CpmClient("127.0.0.1:1", GrpcLimits(), creds, feed_proof=_feed_proof(cpm, "a5"))
+    with pytest.raises(TimeoutError):  # still retrying: no error, no directive
+        await asyncio.wait_for(anext(client.directives(max_backoff_s=0.2)), 2)
+    await client.close()
