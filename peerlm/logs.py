@@ -54,7 +54,31 @@ def configure_logging(
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    _route_stdlib(add_static, renderer, level)
     return get_logger()
+
+
+def _route_stdlib(add_static: Any, renderer: Any, level: str) -> None:
+    """Send the standard library's records (grpc's Python layer, transformers, asyncio)
+    through the same renderer, with ``component``, ``identity`` and ``logger``, so no line
+    of the process lacks them. Libraries speak at WARNING and above unless the process
+    logs at debug. (gRPC's C core writes to stderr directly; nothing in Python sees it.)"""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                add_static,
+                structlog.stdlib.add_logger_name,
+                structlog.stdlib.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+            ],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    logging.captureWarnings(True)
 
 
 def get_logger(**bind: Any) -> Any:
