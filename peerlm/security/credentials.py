@@ -160,7 +160,7 @@ def bind_server(
     the bound port. Plaintext only in INSECURE_DEV, which that decision allows on loopback
     alone; mTLS without a kit is an error, never a fallback."""
     from peerlm.config import parse_host_port
-    from peerlm.security.mode import SecurityConfigError, SecurityMode
+    from peerlm.security.mode import SecurityConfigError, SecurityMode, is_loopback
 
     host, port = parse_host_port(listen)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -169,6 +169,12 @@ def bind_server(
             raise SecurityConfigError("mTLS was decided but no TLS files were given")
         bound = server.add_secure_port(address, server_credentials(tls))
     else:
+        # resolve_security only decides INSECURE_DEV for loopback; checked again here, where
+        # the plaintext port is opened, so no other path can reach it.
+        if mode is not SecurityMode.INSECURE_DEV or not is_loopback(host):
+            raise SecurityConfigError(
+                f"plaintext refused for {listen!r}: not insecure-dev loopback"
+            )
         bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {listen}")

@@ -353,3 +353,15 @@ def test_interceptors_can_share_a_registry() -> None:
             {}, federation="acme", mode=SecurityMode.MTLS, registry=registry, component=component
         )
         TlsFailureCounter(registry, component)
+
+
+async def test_bind_server_opens_plaintext_only_for_insecure_dev_on_loopback() -> None:
+    import grpc
+
+    from peerlm.security.credentials import bind_server
+
+    server = grpc.aio.server()
+    with pytest.raises(SecurityConfigError, match="plaintext refused"):
+        bind_server(server, "0.0.0.0:0", SecurityMode.INSECURE_DEV, None)
+    assert bind_server(server, "127.0.0.1:0", SecurityMode.INSECURE_DEV, None) > 0
+    await server.stop(None)
