@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +46,7 @@ from peerlm.pki.identity import (
     identity_from_certificate_pem,
     load_vrf_secret,
 )
+from peerlm.process import identity_label, on_stop_signals, run_event_loop, write_port_file
 from peerlm.rpc import (
     MetricsInterceptor,
     add_health_and_reflection,
@@ -189,12 +188,6 @@ def _advertised(settings: OverlaySettings, host: str, port: int) -> str:
             "host:port other nodes dial (its certificate needs a SAN for that host)"
         )
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
 
 
 async def describe_bootstrap(
@@ -482,38 +475,24 @@ async def serve_overlay(
     try:
         await runtime.enter(stop)
         if port_file is not None:
-            _write_port_file(port_file, runtime.port)
+            write_port_file(port_file, runtime.port)
         await stop.wait()
     finally:
         await runtime.close()
 
 
-def _identity_label(settings: OverlaySettings) -> str:
-    cert = settings.tls.cert
-    if cert is None:
-        return f"spiffe://{settings.federation}/overlay/{settings.name or '(insecure-dev)'}"
-    try:
-        return identity_from_certificate_pem(cert.read_bytes()).spiffe_uri
-    except (OSError, ValueError):
-        return f"(unreadable certificate {cert})"
-
-
 def run_overlay(settings: OverlaySettings, *, port_file: Path | None = None) -> None:
     """Blocking entry point: uvloop where available, SIGTERM/SIGINT leave gracefully."""
     log = configure_logging(
-        "overlay", _identity_label(settings), settings.log_format, settings.log_level
+        "overlay",
+        identity_label(settings, "overlay", settings.name),
+        settings.log_format,
+        settings.log_level,
     )
 
     async def main() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        on_stop_signals(stop.set)
         await serve_overlay(settings, stop, port_file=port_file, log=log)
 
-    try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-        asyncio.run(main())
+    run_event_loop(main)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -25,6 +26,42 @@ app = typer.Typer(help="Benchmarks.", no_args_is_help=True, add_completion=False
 @app.callback()
 def _bench() -> None:
     """Benchmarks (tables on stdout, progress on stderr)."""
+
+
+def _run_and_report(
+    title: str,
+    run: Callable[[Callable[[str, int, int], None]], dict[str, Any]],
+    write_plots: Callable[[dict[str, Any], Path], list[Path]],
+    render: Callable[[dict[str, Any], Console], None],
+    plots: Path | None,
+    as_json: bool,
+    json_options: dict[str, Any],
+) -> None:
+    """Run a benchmark with a progress bar on stderr, then plots, then JSON or tables."""
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn(f"[bold]{title}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("starting", total=None)
+
+        def on_progress(label: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, description=label)
+
+        report = run(on_progress)
+    if plots is not None:
+        written = write_plots(report, plots)
+        report["plots"] = [str(p) for p in written]
+        err.print(f"wrote {len(written)} plot(s) to {plots}")
+    if as_json:
+        typer.echo(json.dumps(report, **json_options))
+    else:
+        render(report, Console())
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -76,30 +113,10 @@ def cpm_command(
         jobs=jobs if jobs is not None else min(2, os.cpu_count() or 1),
         speed=False if no_speed else None,
     )
-    err = Console(stderr=True)
-    with Progress(
-        TextColumn("[bold]bench cpm[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-        console=err,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("starting", total=None)
-
-        def on_progress(label: str, done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total, description=label)
-
-        report = run_benchmark(params, on_progress)
-    if plots is not None:
-        written = write_plots(report, plots)
-        report["plots"] = [str(p) for p in written]
-        err.print(f"wrote {len(written)} plot(s) to {plots}")
-    if as_json:
-        typer.echo(json.dumps(report))
-    else:
-        render_report(report, Console())
+    _run_and_report(
+        "bench cpm", lambda progress: run_benchmark(params, progress), write_plots,
+        render_report, plots, as_json, {},
+    )  # fmt: skip
 
 
 @app.command("overlay")
@@ -151,27 +168,7 @@ def overlay_command(
         hnsw=not no_hnsw,
         links=LinkModel(loss=loss),
     )
-    err = Console(stderr=True)
-    with Progress(
-        TextColumn("[bold]bench overlay[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-        console=err,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("starting", total=None)
-
-        def on_progress(label: str, done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total, description=label)
-
-        report = run_benchmark(cfg, on_progress)
-    if plots is not None:
-        written = write_plots(report, plots)
-        report["plots"] = [str(p) for p in written]
-        err.print(f"wrote {len(written)} plot(s) to {plots}")
-    if as_json:
-        typer.echo(json.dumps(report, default=str, allow_nan=False))
-    else:
-        render_report(report, Console())
+    _run_and_report(
+        "bench overlay", lambda progress: run_benchmark(cfg, progress), write_plots,
+        render_report, plots, as_json, {"default": str, "allow_nan": False},
+    )  # fmt: skip

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +15,8 @@ from peerlm.services.cpm.store import SqliteCpmStore
 from peerlm.config import CpmSettings, parse_host_port
 from peerlm.logs import configure_logging
 from peerlm.metrics import new_registry, serve_metrics
-from peerlm.pki.identity import identity_from_certificate_pem
 from peerlm.pki.proof import ProofSigner
+from peerlm.process import identity_label, on_stop_signals, run_event_loop, write_port_file
 from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
 from peerlm.security.authz import AuthInterceptor
 from peerlm.security.credentials import bind_server, tls_files_from_settings
@@ -28,23 +26,6 @@ from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 __all__ = ["run_cpm", "serve_cpm"]
 
 SERVICE_NAME = cpm_pb2.DESCRIPTOR.services_by_name["Matchmaker"].full_name
-
-
-def _identity_label(settings: CpmSettings) -> str:
-    """The SPIFFE id of this process's certificate, for log lines; a placeholder without one."""
-    cert = settings.tls.cert
-    if cert is None:
-        return f"spiffe://{settings.federation}/cpm/(insecure-dev)"
-    try:
-        return identity_from_certificate_pem(cert.read_bytes()).spiffe_uri
-    except (OSError, ValueError):
-        return f"(unreadable certificate {cert})"  # resolve_security reports the real error
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
 
 
 async def serve_cpm(
@@ -92,7 +73,7 @@ async def serve_cpm(
     service.start()
     await set_serving(health, [SERVICE_NAME], True)
     if port_file is not None:
-        _write_port_file(port_file, bound)
+        write_port_file(port_file, bound)
     log.info(
         "cpm_started",
         listen=f"{host}:{bound}",
@@ -120,19 +101,12 @@ async def serve_cpm(
 def run_cpm(settings: CpmSettings, *, port_file: Path | None = None) -> None:
     """Blocking entry point: uvloop where available, SIGTERM/SIGINT stop gracefully."""
     log = configure_logging(
-        "cpm", _identity_label(settings), settings.log_format, settings.log_level
+        "cpm", identity_label(settings, "cpm"), settings.log_format, settings.log_level
     )
 
     async def main() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        on_stop_signals(stop.set)
         await serve_cpm(settings, stop, port_file=port_file, log=log)
 
-    try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-        asyncio.run(main())
+    run_event_loop(main)

@@ -34,6 +34,7 @@ from peerlm.overlay import messages as m
 from peerlm.overlay.params import OverlayParams
 from peerlm.overlay.signature import Signature
 
+from peerlm.devfed import DEV_OVERLAY_PROTOCOL
 from peerlm.security.authz import tls_failure_reason
 from peerlm.wire.v1 import overlay_pb2, overlay_pb2_grpc
 from tests.overlay_process_harness import (
@@ -57,17 +58,8 @@ K = 3
 # Time from launching the processes to the start of epoch 0's build: every node must be
 # serving by then (8 Python processes on two busy cores).
 STARTUP_ALLOWANCE_S = float(os.environ.get("PEERLM_TEST_OVERLAY_STARTUP_S", "30"))
-PROTOCOL = {
-    "zone_cap": 4,
-    "ttl_radius": 1,
-    "hop_time": 0.3,
-    "max_neighbours": 8,
-    "replication": 2,
-    "heartbeat_interval": 0.5,
-    "lease_duration": 2.0,
-    "epoch_period": 3600.0,
-    "query_timeout": 6.0,
-}
+# The dev federation's fast schedule: small zones, short hops and leases.
+PROTOCOL = dict(DEV_OVERLAY_PROTOCOL)
 
 
 @dataclass

@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-import huggingface_hub.constants
 import pytest
 import safetensors.torch
 import structlog
@@ -51,18 +50,13 @@ T = TypeVar("T")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _offline() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
+def _offline(offline_hub: None) -> None:
+    """Every load here is from a local directory (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # The folder the model-host tests use: whichever runs first builds, the others reuse.
-    base = tmp_path_factory.getbasetemp() / "peerlm-micro-models"
-    [info] = build_models(base, ("gpt2",), size="micro")
+def gpt2(micro_models_dir: Path) -> Path:
+    [info] = build_models(micro_models_dir, ("gpt2",), size="micro")
     return Path(info.path)
 
 

@@ -4,9 +4,8 @@ was, the outcome is counted, nothing raises. A real overlay node host with no pe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 import structlog
 import torch
@@ -31,17 +30,13 @@ from peerlm.rpc import create_channel
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _offline() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
+def _offline(offline_hub: None) -> None:
+    """Every load here is from a local directory (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> ModelHost:
-    base = tmp_path_factory.getbasetemp() / "peerlm-micro-models"
-    [info] = build_models(base, ("gpt2",), size="micro")
+def model(micro_models_dir: Path) -> ModelHost:
+    [info] = build_models(micro_models_dir, ("gpt2",), size="micro")
     return ModelHost.load(str(info.path), LoraSettings(r=4, alpha=8.0), device="cpu", seed=0)
 
 

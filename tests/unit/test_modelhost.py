@@ -5,10 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
-import huggingface_hub.constants
 import numpy as np
 import pytest
 import torch
@@ -54,17 +52,13 @@ FAST = TrainSettings(learning_rate=1e-2, batch_size=4, grad_accumulation=2, seed
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _offline() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
+def _offline(offline_hub: None) -> None:
+    """Every load here is from a local directory (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    # The same folder as test_tiny_models.py: whichever runs first builds, the other reuses.
-    infos = build_models(tmp_path_factory.getbasetemp() / "peerlm-micro-models", size="micro")
+def models(micro_models_dir: Path) -> dict[str, Path]:
+    infos = build_models(micro_models_dir, size="micro")
     return {i.arch: Path(i.path) for i in infos}
 
 

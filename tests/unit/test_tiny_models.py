@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 import torch
 from peerlm.agent.models.lora import (
@@ -41,17 +39,13 @@ CODE = 'def add(a, b):\n    """Return a + b."""\n    return a + b\n\n\nprint(add
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _offline() -> Iterator[None]:
-    # Nothing here may reach a hub: every load below is from a local directory.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
+def _offline(offline_hub: None) -> None:
+    """Every load here is from a local directory (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
-def micro_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp() / "peerlm-micro-models"
+def micro_dir(micro_models_dir: Path) -> Path:
+    return micro_models_dir
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,54 @@
+"""What every long-running peerlm process does the same way at its edges: name itself in
+logs, run its event loop, turn SIGTERM/SIGINT into a graceful stop, publish its port."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from peerlm.config import ServiceSettings
+
+__all__ = ["identity_label", "on_stop_signals", "run_event_loop", "write_port_file"]
+
+T = TypeVar("T")
+
+
+def identity_label(settings: ServiceSettings, role: str, dev_name: str | None = None) -> str:
+    """The SPIFFE id of the process's certificate, for log lines; a placeholder without one
+    (insecure-dev) or when it cannot be read (the security check reports the real error)."""
+    from peerlm.pki.identity import identity_from_certificate_pem
+
+    cert = settings.tls.cert
+    if cert is None:
+        return f"spiffe://{settings.federation}/{role}/{dev_name or '(insecure-dev)'}"
+    try:
+        return identity_from_certificate_pem(cert.read_bytes()).spiffe_uri
+    except (OSError, ValueError):
+        return f"(unreadable certificate {cert})"
+
+
+def on_stop_signals(callback: Callable[[], Any]) -> None:
+    """Call ``callback`` on SIGTERM and SIGINT (from within the running event loop)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, callback)
+
+
+def run_event_loop(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run ``main()`` to completion on uvloop where available, else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.run(main())
+    return uvloop.run(main())
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Publish the bound port atomically (tests and scripts poll for the file)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
