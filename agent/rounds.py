@@ -3,7 +3,7 @@
 Every function here is synchronous and takes the agent's :class:`ModelHost`; none of them
 talks to the network. The daemon (:mod:`peerlm.agent.daemon`) calls them from its model
 worker thread around the gRPC exchange; the in-process experiment
-(:mod:`peerlm.experiment`) calls them directly for many hosts. One code path for:
+(:mod:`peerlm.app.experiment`) calls them directly for many hosts. One code path for:
 
 * local update on private data (Algorithm 3, phase 1);
 * evaluation: validation loss and sandboxed pass@k;

@@ -1,3 +1,3 @@
-from peerlm.cli import main
+from peerlm.app.cli import main
 
 main()

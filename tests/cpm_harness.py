@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 
+from peerlm.app.devfed import cpm_command
 from peerlm.config import GrpcLimits
-from peerlm.devfed import cpm_command
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
 from peerlm.rpc import create_channel

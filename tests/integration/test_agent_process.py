@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from peerlm.agent.models.tiny import build_models
 
-from peerlm.devfed import AGENT_ENV
+from peerlm.app.devfed import AGENT_ENV
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

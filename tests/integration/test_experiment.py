@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peerlm.devfed import AGENT_ENV
+from peerlm.app.devfed import AGENT_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -87,7 +87,7 @@ def test_unknown_strategy_is_refused(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_parallel_strategies_give_the_same_results(tmp_path: Path) -> None:
     """Each strategy is seeded on its own: worker processes change the wall time only."""
-    from peerlm.experiment import ExperimentPlan, run_experiment
+    from peerlm.app.experiment import ExperimentPlan, run_experiment
 
     plan = ExperimentPlan(
         agents=2, rounds=1, strategies=("local", "random"), size="micro", local_steps=1,

@@ -34,7 +34,7 @@ from peerlm.overlay import messages as m
 from peerlm.overlay.params import OverlayParams
 from peerlm.overlay.signature import Signature
 
-from peerlm.devfed import DEV_OVERLAY_PROTOCOL
+from peerlm.app.devfed import DEV_OVERLAY_PROTOCOL
 from peerlm.security.authz import tls_failure_reason
 from peerlm.wire.v1 import overlay_pb2, overlay_pb2_grpc
 from tests.overlay_process_harness import (

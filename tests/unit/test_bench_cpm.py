@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-from peerlm.services.cpm.bench import (
+from peerlm.bench.cli import app, parse_sizes
+from peerlm.bench.cpm import (
     METHODS,
     METRIC_KEYS,
     BenchParams,
@@ -19,8 +20,6 @@ from peerlm.services.cpm.bench import (
     summarise,
 )
 from typer.testing import CliRunner
-
-from peerlm.cli_bench import app, parse_sizes
 
 TINY = params_with(
     BenchParams.quick(),

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from peerlm import __version__
-from peerlm.cli import app
+from peerlm.app.cli import app
 from peerlm.config import ConfigError, CpmSettings, load_settings
 
 

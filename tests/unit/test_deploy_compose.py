@@ -14,8 +14,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from peerlm.cli import app
-from peerlm.compose import ComposePlan, compose_document, render_compose, scrape_targets
+from peerlm.app.cli import app
+from peerlm.app.compose import ComposePlan, compose_document, render_compose, scrape_targets
 from peerlm.config import AgentSettings, CpmSettings, load_settings
 from peerlm.pki.ca import inspect_certificate
 from tests.deploy_tools import ROOT, tool
@@ -254,7 +254,7 @@ def test_overlay_node_service() -> None:
     )
     if probe.returncode != 0:
         pytest.skip("`peerlm overlay-node` does not exist yet (the overlay issue adds it)")
-    from peerlm.cli_status import _component_settings
+    from peerlm.app.cli_status import _component_settings
 
     cls = _component_settings("overlay")
     service = _doc(COMPOSE.read_text())["services"]["overlay-0"]

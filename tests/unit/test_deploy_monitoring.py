@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from peerlm.compose import scrape_targets
+from peerlm.app.compose import scrape_targets
 from tests.deploy_tools import ROOT, documented_metrics, is_documented, promql_metric_names, tool
 
 PROM = ROOT / "deploy" / "prometheus"

@@ -6,11 +6,10 @@ import json
 import math
 
 import pytest
-from peerlm.overlay.bench import BenchConfig, exact_top_k, parse_k, run_benchmark
+from peerlm.bench.cli import app
+from peerlm.bench.overlay import BenchConfig, exact_top_k, parse_k, run_benchmark
 from peerlm.overlay.population import PopulationSpec
 from typer.testing import CliRunner
-
-from peerlm.cli_bench import app
 
 REQUIRED = {
     "recall_at_k",

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from peerlm.overlay import vrf
 from typer.testing import CliRunner
 
-from peerlm.cli_ca import app
+from peerlm.app.cli_ca import app
 from peerlm.pki.ca import (
     VRF_ROLES,
     init_ca,

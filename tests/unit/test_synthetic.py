@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peerlm.services.cpm.synthetic import (
+from peerlm.bench.synthetic import (
     DYNAMIC_SLICE,
     FAMILY_SLICE,
     HISTOGRAM_SLICE,

@@ -30,7 +30,7 @@ from peerlm.agent.tasks.dataset import (
 from peerlm.agent.tasks.humaneval import HUMANEVAL_SIZE, load_humaneval
 from typer.testing import CliRunner
 
-from peerlm.cli_data import app as data_app
+from peerlm.app.cli_data import app as data_app
 
 SAMPLES_PER_TEMPLATE = 3
 

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from peerlm.cli_models import app
+from peerlm.app.cli_models import app
 
 CODE = 'def add(a, b):\n    """Return a + b."""\n    return a + b\n\n\nprint(add(1, 2))  # 3\n'
 

@@ -5,7 +5,7 @@ reuses) the tiny models and the federation data, starts a CPM and N model-hostin
 (``peerlm agent``) as separate processes, shows live progress from the CPM's admin stats,
 and ends with a summary table (or one JSON object with ``--json``). Ctrl-C stops
 everything: agents first (SIGTERM, each finishes or cuts its round and checkpoints), the
-CPM last. ``--simulated`` runs synthetic-learning agents (:mod:`peerlm.agent.simulated`)
+CPM last. ``--simulated`` runs synthetic-learning agents (:mod:`peerlm.app.simulated`)
 instead: real processes and RPCs, no models.
 """
 
@@ -356,7 +356,7 @@ def _prepare_real(
 ) -> AgentArgv:
     """Build (or reuse) models and Dirichlet-partitioned data; write one config per agent."""
     from peerlm.agent.tasks.dataset import build_federation_data
-    from peerlm.cli_models import build_with_progress
+    from peerlm.app.cli_models import build_with_progress
 
     models_dir = fed.root / "models"
     if console:

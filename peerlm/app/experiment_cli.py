@@ -49,8 +49,8 @@ def run_experiment_command(
     """Run the paper's comparison (Table 4) in one process with real tiny models."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from peerlm.cli_models import quiet_transformers
-    from peerlm.experiment import ExperimentPlan, render_table, run_experiment, write_outputs
+    from peerlm.app.cli_models import quiet_transformers
+    from peerlm.app.experiment import ExperimentPlan, render_table, run_experiment, write_outputs
 
     quiet_transformers()
     import torch

@@ -1,5 +1,5 @@
 """A simulated agent: a real process speaking the real CPM protocol over mTLS, whose
-learning is the synthetic federation of :mod:`peerlm.services.cpm.synthetic`.
+learning is the synthetic federation of :mod:`peerlm.bench.synthetic`.
 
 It stands in for the model-hosting agent in ``peerlm up`` and in scale tests. Each process
 builds the same seeded federation and plays one client of it: its profile is that client's
@@ -19,8 +19,8 @@ from typing import Annotated
 
 import grpc
 import typer
-from peerlm.agent.cpm_client import CpmClient, next_directive
 
+from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.config import GrpcLimits
 from peerlm.pki.identity import PeerIdentity, Role
 from peerlm.security.credentials import TlsFiles, channel_credentials
@@ -57,7 +57,7 @@ async def run_sim_agent(
     round_timeout_s: float,
 ) -> SimAgentReport:
     """Play ``rounds`` rounds of Algorithm 3 against the CPM at ``cpm``."""
-    from peerlm.services.cpm.synthetic import SyntheticFederation  # numpy: only when run
+    from peerlm.bench.synthetic import SyntheticFederation  # numpy: only when run
 
     env = SyntheticFederation(len(peers), "high" if heterogeneity == "high" else "low", seed)
     me = env.names[index]

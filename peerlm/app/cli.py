@@ -228,24 +228,24 @@ def config_show(
 
 
 def _mount_subapps() -> None:
-    from peerlm.cli_ca import app as ca_app
-    from peerlm.cli_data import app as data_app
-    from peerlm.cli_models import app as models_app
+    from peerlm.app.cli_ca import app as ca_app
+    from peerlm.app.cli_data import app as data_app
+    from peerlm.app.cli_models import app as models_app
 
     app.add_typer(ca_app, name="ca", help="Federation PKI: CA, certificates.")
     app.add_typer(data_app, name="data", help="Bundled task data: build, show.")
     app.add_typer(models_app, name="models", help="Tiny local models: build.")
     _mount_operations()
     try:
-        from peerlm.cli_bench import app as bench_app
+        from peerlm.bench.cli import app as bench_app
     except ImportError:  # pragma: no cover - the bench module is part of the package
         return
     app.add_typer(bench_app, name="bench", help="Benchmarks.")
 
 
 def _mount_operations() -> None:
-    from peerlm.cli_status import health_command, status_command
-    from peerlm.compose import app as compose_app
+    from peerlm.app.cli_status import health_command, status_command
+    from peerlm.app.compose import app as compose_app
 
     app.command("status")(status_command)
     app.command("health")(health_command)
@@ -253,9 +253,9 @@ def _mount_operations() -> None:
 
 
 def _mount_dev() -> None:
-    from peerlm.agent.simulated import sim_agent_command
-    from peerlm.devfed import up_command
-    from peerlm.experiment_cli import run_experiment_command
+    from peerlm.app.devfed import up_command
+    from peerlm.app.experiment_cli import run_experiment_command
+    from peerlm.app.simulated import sim_agent_command
 
     app.command("up")(up_command)
     app.command("run-experiment")(run_experiment_command)

@@ -1,8 +1,8 @@
-"""``peerlm bench ...``: benchmarks (typer sub-app; mounted by :mod:`peerlm.cli`).
+"""``peerlm bench ...``: benchmarks (typer sub-app; mounted by :mod:`peerlm.app.cli`).
 
 ``peerlm bench cpm`` runs the CPM matchmaking benchmark on the synthetic federation
-(:mod:`peerlm.services.cpm.bench`); ``peerlm bench overlay`` the semantic overlay in the
-simulator (:mod:`peerlm.overlay.bench`). Both: progress on stderr, rich tables (or one JSON
+(:mod:`peerlm.bench.cpm`); ``peerlm bench overlay`` the semantic overlay in the
+simulator (:mod:`peerlm.bench.overlay`). Both: progress on stderr, rich tables (or one JSON
 object with ``--json``) on stdout, optional PNG plots with ``--plots DIR``.
 """
 
@@ -96,7 +96,7 @@ def cpm_command(
     ] = False,
 ) -> None:
     """Matchmakers (LinUCB variants, Random, Hetero-Greedy, Oracle) on a synthetic federation."""
-    from peerlm.services.cpm.bench import (
+    from peerlm.bench.cpm import (
         BenchParams,
         params_with,
         render_report,
@@ -148,7 +148,7 @@ def overlay_command(
     ] = None,
 ) -> None:
     """Semantic overlay (SemanticDFL) in the simulator: Recall@K vs exact and HNSW, cost."""
-    from peerlm.overlay.bench import BenchConfig, parse_k, render_report, run_benchmark, write_plots
+    from peerlm.bench.overlay import BenchConfig, parse_k, render_report, run_benchmark, write_plots
     from peerlm.overlay.sim import LinkModel
 
     sizes = parse_sizes(peers)
