@@ -1,11 +1,15 @@
-"""Fixtures shared by the test modules that load the project's own micro models."""
+"""Fixtures shared by the test modules: the offline hub, the micro models, and the reaper of
+child processes a module left running."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub.constants
+import psutil
 import pytest
 
 
@@ -22,3 +26,38 @@ def offline_hub() -> Iterator[None]:
 def micro_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One folder of micro models per session: whichever module runs first builds them."""
     return tmp_path_factory.getbasetemp() / "peerlm-micro-models"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reap_leftover_children(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test module, kill every process the module started and left running.
+
+    A test that fails between spawning a CPM or an agent and its own clean-up would otherwise
+    leave the process holding ports, CPU and files for the rest of the session. Leftovers are
+    reported as a warning naming the module, so the leak itself stays visible.
+    """
+    yield
+    me = psutil.Process()
+    leftovers = me.children(recursive=True)
+    if not leftovers:
+        return
+    names = ", ".join(f"{p.pid}:{_cmdline(p)}" for p in leftovers)
+    for proc in leftovers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _gone, alive = psutil.wait_procs(leftovers, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+    warnings.warn(
+        f"{request.module.__name__} left {len(leftovers)} child process(es) running: {names}",
+        stacklevel=1,
+    )
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())[:120]
+    except psutil.Error:
+        return "?"
