@@ -130,6 +130,7 @@ class AgentDaemon:
         from peerlm.agent.modelhost import ModelHost
         from peerlm.agent.models.lora import LoraSettings
         from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+        from peerlm.agent.sandbox import SandboxTelemetry, require_confinement
         from peerlm.agent.tasks.dataset import read_jsonl, transfer_set_sha256
 
         from peerlm.metrics import new_registry, serve_metrics
@@ -196,6 +197,12 @@ class AgentDaemon:
         self.config = RoundConfig.from_settings(s)
         self.registry = new_registry()
         self.telemetry = AgentTelemetry(self.registry)
+        # Generated code is run only confined: refuse to start (before any model output is
+        # executed) when this kernel lacks Landlock or seccomp, unless the operator opted out.
+        self.sandbox_telemetry = SandboxTelemetry(self.registry)
+        require_confinement(
+            allow_unconfined=s.sandbox_allow_unconfined, telemetry=self.sandbox_telemetry
+        )
         self.guardrail = Guardrail(
             self.train_texts, ngram=s.guardrail_ngram, registry=self.registry
         )
@@ -391,6 +398,8 @@ class AgentDaemon:
                 ks=(1,),
                 timeout_s=self.s.sandbox_timeout_s,
                 memory_mb=self.s.sandbox_memory_mb,
+                allow_unconfined=self.s.sandbox_allow_unconfined,
+                telemetry=self.sandbox_telemetry,
             ),
         )
         return loss, float(report.mean.get(1, 0.0))

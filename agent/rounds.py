@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from peerlm.agent.guardrail import Guardrail
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.package import KnowledgePackage, LogitsPackage
+    from peerlm.agent.sandbox import SandboxTelemetry
     from peerlm.agent.tasks.dataset import Problem
 
     from peerlm.config import AgentSettings
@@ -195,8 +196,14 @@ def score_completions(
     timeout_s: float = 5.0,
     memory_mb: int = 256,
     max_workers: int = 2,
+    allow_unconfined: bool = False,
+    telemetry: SandboxTelemetry | None = None,
 ) -> EvalReport:
-    """Run ``completions`` in the sandbox: pass@k per problem (unbiased estimator), means."""
+    """Run ``completions`` in the sandbox: pass@k per problem (unbiased estimator), means.
+
+    Raises :class:`~peerlm.agent.sandbox.SandboxUnavailable` when the sandbox cannot
+    confine the code and ``allow_unconfined`` (the operator's opt-out) is false.
+    """
     from peerlm.agent.evaluation import evaluate
 
     return evaluate(
@@ -206,6 +213,8 @@ def score_completions(
         max_workers=max_workers,
         timeout_s=timeout_s,
         memory_mb=memory_mb,
+        allow_unconfined=allow_unconfined,
+        telemetry=telemetry,
     )
 
 

@@ -625,17 +625,17 @@ class SandboxTelemetry:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.refusals = Counter(
-            "peerlm_sandbox_refusals_total",
+            "peerlm_agent_sandbox_refusals_total",
             "runs refused because a required confinement mechanism is missing",
             registry=registry,
         )
         self.unconfined = Counter(
-            "peerlm_sandbox_unconfined_runs_total",
+            "peerlm_agent_sandbox_unconfined_runs_total",
             "runs without full confinement, allowed by the operator's explicit opt-out",
             registry=registry,
         )
         self.runs = Counter(
-            "peerlm_sandbox_runs_total",
+            "peerlm_agent_sandbox_runs_total",
             "sandboxed runs by outcome",
             ["status"],
             registry=registry,
@@ -816,7 +816,7 @@ def run_program(
     :class:`SandboxUnavailable` when the child cannot confine itself (Landlock or seccomp
     missing) and ``allow_unconfined`` is false, and ``OSError`` only when the child cannot
     be started at all. With ``allow_unconfined`` such a run goes ahead, is logged as a
-    warning and counted in ``peerlm_sandbox_unconfined_runs_total``.
+    warning and counted in ``peerlm_agent_sandbox_unconfined_runs_total``.
     """
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
