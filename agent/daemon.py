@@ -126,7 +126,7 @@ class AgentDaemon:
     async def _setup(self) -> None:
         from peerlm.agent.checkpoint import CheckpointStore
         from peerlm.agent.directives import DirectiveBook
-        from peerlm.agent.guardrail import Guardrail
+        from peerlm.agent.guardrail import agent_guardrail
         from peerlm.agent.modelhost import ModelHost
         from peerlm.agent.models.lora import LoraSettings
         from peerlm.agent.peer_service import PeerExchangeService, serve_peer
@@ -203,8 +203,12 @@ class AgentDaemon:
         require_confinement(
             allow_unconfined=s.sandbox_allow_unconfined, telemetry=self.sandbox_telemetry
         )
-        self.guardrail = Guardrail(
-            self.train_texts, ngram=s.guardrail_ngram, registry=self.registry
+        # Public: the transfer prompts and the bank's public corpus (code every model saw).
+        self.guardrail = agent_guardrail(
+            self.train_texts,
+            public_texts=self.transfer_prompts,
+            ngram=s.guardrail_ngram,
+            registry=self.registry,
         )
         self.checkpoints = CheckpointStore(s.state_dir / "checkpoints")
         self.summary = AgentSummary(
@@ -707,6 +711,7 @@ class AgentDaemon:
                 transfer_prompts=self.transfer_prompts,
                 config=self.config,
                 t=t,
+                guardrail=self.guardrail,
             )
         except (PackageError, TokenizerMismatchError) as exc:
             reason = "package" if isinstance(exc, PackageError) else "tokenizer_mismatch"

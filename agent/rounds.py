@@ -378,6 +378,7 @@ def integrate_package(
     transfer_prompts: Sequence[str],
     config: RoundConfig,
     t: int,
+    guardrail: Guardrail | None = None,
 ) -> Integration:
     """Integrate a decoded package by AKD (Eq. 2) and compute the reward of Eq. 3.
 
@@ -387,6 +388,11 @@ def integrate_package(
     (:meth:`ModelHost.train_akd`); logits packages are distilled on the teacher's top-k at
     the round's temperature (:meth:`ModelHost.train_akd_logits`), which raises
     :class:`~peerlm.agent.modelhost.TokenizerMismatchError` for another tokenizer.
+
+    With ``guardrail``, incoming text items are vetted first
+    (:meth:`~peerlm.agent.guardrail.Guardrail.vet_incoming`): one holding a secret or
+    personal data, or code importing networking, process, file-system or introspection
+    modules, is not learnt from (and counted).
     """
     from peerlm.agent.guardrail import placeholder
     from peerlm.agent.package import TextPackage, text_pairs
@@ -406,6 +412,9 @@ def integrate_package(
             for p, c in text_pairs(package, transfer_prompts)
             if c.strip() and redacted not in c
         ]
+        if guardrail is not None and pairs:
+            verdicts = guardrail.vet_incoming([c for _, c in pairs])
+            pairs = [pair for pair, verdict in zip(pairs, verdicts, strict=True) if not verdict]
         if not pairs:  # nothing to learn from the teacher: local data only
             stats = host.train_local(local_examples, settings, steps=config.local_steps)
         else:
