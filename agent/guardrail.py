@@ -91,7 +91,7 @@ KINDS: Final[tuple[str, ...]] = (
 )
 
 #: Window length, in code tokens, of the ``private_code`` check (see agent/code_index.py):
-#: chosen on the bundled bank (python -m peerlm.bench.guardrail; docs/guardrail.md).
+#: chosen on the bundled bank (python -m peerlm.bench.guardrail; docs/agent-exchange.md).
 DEFAULT_CODE_NGRAM: Final = 6
 
 #: Minimum Shannon entropy (bits per character) of a candidate run; see is_high_entropy.

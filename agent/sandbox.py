@@ -355,16 +355,17 @@ def _landlock(
         best_effort=False,
     )
     try:
+        # Grants are best effort: a path this uid cannot open (a closed ancestor, as for a
+        # pyenv prefix under /root after the uid switch) is simply not granted.
         prefix = os.path.realpath(sys.base_prefix)
-        for path in (prefix, *_RUNTIME_DIRS):
-            if os.path.isdir(path):
-                ruleset.allow_path(path, read_tree)
-        for path in _RUNTIME_FILES:
-            if os.path.exists(path):
-                ruleset.allow_path(os.path.realpath(path), access.READ_FILE)
-        if os.path.exists("/dev/null"):
-            ruleset.allow_path("/dev/null", access.READ_FILE | access.WRITE_FILE)
-        ruleset.allow_path(work, scratch)
+        grants = [(path, read_tree) for path in (prefix, *_RUNTIME_DIRS) if os.path.isdir(path)]
+        grants += [(os.path.realpath(p), access.READ_FILE) for p in _RUNTIME_FILES]
+        grants += [("/dev/null", access.READ_FILE | access.WRITE_FILE), (work, scratch)]
+        for path, rights in grants:
+            try:
+                ruleset.allow_path(path, rights)
+            except OSError:
+                pass
         ruleset.restrict(no_new_privs=True)
     finally:
         ruleset.close()

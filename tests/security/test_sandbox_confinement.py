@@ -206,21 +206,30 @@ def test_hostile_programs_are_contained_as_uid_10001_without_capabilities(
 
 
 # A process that loses one mechanism the way a container runtime's seccomp profile takes it
-# away: the system call answers ENOSYS. The filter is inherited by the sandbox's child.
+# away: the system call answers ENOSYS (Landlock, seccomp: the sandbox must refuse) or
+# EPERM (unshare: Docker's and Kubernetes' default profiles refuse user namespaces to a
+# process without CAP_SYS_ADMIN; the sandbox must still confine). The filter is inherited
+# by the sandbox's child. The sandbox module is loaded from its file so that an interpreter
+# outside the virtual environment (uid 10001's) can run this too.
 _TAKE_AWAY = textwrap.dedent(
     """
-    import errno, json, sys
+    import errno, importlib.util, json, sys
     import pyseccomp
     from prometheus_client import CollectorRegistry
-    from peerlm.agent import sandbox
 
+    spec = importlib.util.spec_from_file_location("sandbox_under_test", sys.argv[2])
+    sandbox = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sandbox
+    spec.loader.exec_module(sandbox)
     what = sys.argv[1]
     f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
     if what == "landlock":
         f.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "landlock_create_ruleset")
-    else:
+    elif what == "seccomp":
         f.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "seccomp")
         f.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "prctl", pyseccomp.Arg(0, pyseccomp.EQ, 22))
+    else:
+        f.add_rule(pyseccomp.ERRNO(errno.EPERM), "unshare")
     f.load()
     telemetry = sandbox.SandboxTelemetry(CollectorRegistry())
     out = {"probe_missing": list(sandbox.probe_confinement().missing)}
@@ -229,11 +238,15 @@ _TAKE_AWAY = textwrap.dedent(
         out["require"] = "ok"
     except sandbox.SandboxUnavailable as exc:
         out["require"] = str(exc)
-    try:
-        sandbox.run_program("print('RAN')\\n", telemetry=telemetry)
-        out["run"] = "ran"
-    except sandbox.SandboxUnavailable as exc:
-        out["run"] = str(exc)
+    runs = {"honest": "print('RAN')\\n", "create": "open('new.txt', 'w').write('x')\\n",
+            "key": "open(sys.argv[3]).read()\\n".replace("sys.argv[3]", repr(sys.argv[3]))}
+    for name, code in runs.items():
+        try:
+            r = sandbox.run_program(code, telemetry=telemetry)
+            out[name] = {"status": r.status, "confined": r.confined, "notes": list(r.notes),
+                         "stdout": r.stdout_tail, "stderr": r.stderr_tail}
+        except sandbox.SandboxUnavailable as exc:
+            out[name] = str(exc)
     r = sandbox.run_program("print('RAN')\\n", telemetry=telemetry, allow_unconfined=True)
     out["opt_out"] = {"status": r.status, "confined": r.confined, "notes": list(r.notes),
                       "stdout": r.stdout_tail}
@@ -244,36 +257,74 @@ _TAKE_AWAY = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mechanism", ["landlock", "seccomp"])
-def test_sandbox_refuses_without_a_mechanism_unless_the_operator_opts_out(
-    mechanism: str,
-) -> None:
+def _take_away(mechanism: str, user: str, key: Path) -> dict[str, Any]:
     if not CONFINEMENT.seccomp:
         pytest.skip("taking a mechanism away needs seccomp itself")
-    done = subprocess.run(
-        [sys.executable, "-c", _TAKE_AWAY, mechanism], capture_output=True, check=False
-    )
+    prefix: list[str] = []
+    python = sys.executable
+    if user == "uid 10001":
+        if not IS_ROOT or SETPRIV is None:
+            pytest.skip("switching to uid 10001 needs root and setpriv (util-linux)")
+        found = _unprivileged_python()
+        if found is None:
+            pytest.skip(f"no Python {sys.version_info[:2]} that uid 10001 may execute")
+        prefix, python = _as_unprivileged(), found
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": SITE_PACKAGES, "LC_ALL": "C.UTF-8"}
+    argv = [*prefix, python, "-c", _TAKE_AWAY, mechanism, str(SANDBOX_PY), str(key)]
+    done = subprocess.run(argv, capture_output=True, check=False, cwd="/", env=env)
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
     # structlog's default logger writes to stdout: the warnings come first.
     *logged, last = done.stdout.decode().strip().splitlines()
-    out = json.loads(last)
-    assert any("sandbox_unconfined_run" in line for line in logged), logged
+    out: dict[str, Any] = json.loads(last)
+    assert any("sandbox_unconfined_run" in line for line in logged) == (
+        not out["opt_out"]["confined"]
+    ), logged
+    return out
+
+
+USERS = ["this uid", "uid 10001"]
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("mechanism", ["landlock", "seccomp"])
+def test_sandbox_refuses_without_a_mechanism_unless_the_operator_opts_out(
+    mechanism: str, user: str, battery: Battery
+) -> None:
+    out = _take_away(mechanism, user, Path(battery.spec["key"]))
     if mechanism == "landlock":
         # The start-up probe sees it: the agent refuses to evaluate before any run.
         assert any("Landlock" in reason for reason in out["probe_missing"])
         assert out["require"].startswith("refusing to evaluate generated code: Landlock")
-        expected_refusals = 2
+        expected_refusals = 4  # the probe, then each of the three runs
     else:
-        # Filter loading cannot be probed without filtering the caller; the run refuses.
+        # Filter loading cannot be probed without filtering the caller; each run refuses.
         assert out["require"] == "ok"
-        expected_refusals = 1
-    assert out["run"].startswith("sandbox refused:") and mechanism in out["run"].lower()
-    assert "RAN" not in out["run"]
+        expected_refusals = 3
+    for name in ("honest", "create", "key"):
+        assert isinstance(out[name], str), out[name]  # refused: nothing ran
+        assert out[name].startswith("sandbox refused:") and mechanism in out[name].lower()
     opt_out = out["opt_out"]
     assert opt_out["status"] == "passed" and opt_out["stdout"] == "RAN\n"
     assert not opt_out["confined"]
     assert any(note.startswith("UNCONFINED (operator opt-out)") for note in opt_out["notes"])
     assert out["refusals"] == expected_refusals and out["unconfined"] == 1
+
+
+@pytest.mark.parametrize("user", USERS)
+@needs_confinement
+def test_without_user_namespaces_still_confined_and_no_file_creation(
+    user: str, battery: Battery
+) -> None:
+    out = _take_away("userns", user, Path(battery.spec["key"]))
+    assert out["require"] == "ok" and out["refusals"] == 0 and out["unconfined"] == 0
+    honest = out["honest"]
+    assert honest["status"] == "passed" and honest["confined"], honest
+    assert any("no bounded scratch filesystem" in note for note in honest["notes"])
+    create, key = out["create"], out["key"]
+    assert create["status"] == "failed" and "PermissionError" in create["stderr"], create
+    assert key["status"] == "failed" and "PermissionError" in key["stderr"], key
+    assert "SECRET" not in key["stdout"] + key["stderr"]
+    assert out["opt_out"]["confined"]  # nothing was missing: the opt-out changed nothing
 
 
 @pytest.mark.skipif(CONFINEMENT.ok, reason="this kernel has every required mechanism")

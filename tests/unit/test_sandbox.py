@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from peerlm.agent import sandbox as sandbox_module
 from peerlm.agent.sandbox import SANDBOX_UID_BASE, check_solution, run_many, run_program
 from peerlm.agent.tasks.dataset import Problem
 
@@ -31,14 +32,22 @@ def probe() -> Iterator[tuple[bool, bool, tuple[str, ...]]]:
 
 
 def _sandbox_processes() -> list[int]:
-    """Pids of live processes running under a sandbox uid."""
+    """Pids of live processes running under a sandbox uid started from this checkout.
+
+    Other checkouts on the machine may run their own sandboxes at the same time; a forked
+    child keeps its parent's command line, which names this checkout's sandbox.py.
+    """
+    ours = os.fsencode(os.path.abspath(sandbox_module.__file__))
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
         except OSError:
+            continue
+        if ours not in cmdline:
             continue
         for line in status.splitlines():
             if line.startswith("Uid:") and int(line.split()[1]) >= SANDBOX_UID_BASE:
