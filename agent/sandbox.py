@@ -254,6 +254,25 @@ def _confine(
 
 
 def _import_bindings(deps: str, notes: list[str]) -> dict[str, Any]:
+    import ctypes
+    import ctypes.util
+
+    # Both bindings find their libraries with ctypes.util.find_library, which runs
+    # ldconfig in a subprocess (tens of milliseconds, every run). The stable sonames are
+    # tried first, with dlopen; only a system without them pays for the search.
+    search = ctypes.util.find_library
+
+    def find_library(name: str) -> str | None:
+        soname = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}.get(name)
+        if soname is not None:
+            try:
+                ctypes.CDLL(soname)
+                return soname
+            except OSError:
+                pass
+        return search(name)
+
+    ctypes.util.find_library = find_library
     saved = list(sys.path)
     sys.path[:0] = [path for path in deps.split(os.pathsep) if path]
     bindings: dict[str, Any] = {}
@@ -269,6 +288,7 @@ def _import_bindings(deps: str, notes: list[str]) -> dict[str, Any]:
                 notes.append(f"cannot import {name}: {exc}")
     finally:
         sys.path[:] = saved
+        ctypes.util.find_library = search
     return bindings
 
 
