@@ -126,10 +126,11 @@ class AgentDaemon:
     async def _setup(self) -> None:
         from peerlm.agent.checkpoint import CheckpointStore
         from peerlm.agent.directives import DirectiveBook
-        from peerlm.agent.guardrail import Guardrail
+        from peerlm.agent.guardrail import agent_guardrail
         from peerlm.agent.modelhost import ModelHost
         from peerlm.agent.models.lora import LoraSettings
         from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+        from peerlm.agent.sandbox import SandboxTelemetry, require_confinement
         from peerlm.agent.tasks.dataset import read_jsonl, transfer_set_sha256
 
         from peerlm.metrics import new_registry, serve_metrics
@@ -196,8 +197,18 @@ class AgentDaemon:
         self.config = RoundConfig.from_settings(s)
         self.registry = new_registry()
         self.telemetry = AgentTelemetry(self.registry)
-        self.guardrail = Guardrail(
-            self.train_texts, ngram=s.guardrail_ngram, registry=self.registry
+        # Generated code is run only confined: refuse to start (before any model output is
+        # executed) when this kernel lacks Landlock or seccomp, unless the operator opted out.
+        self.sandbox_telemetry = SandboxTelemetry(self.registry)
+        require_confinement(
+            allow_unconfined=s.sandbox_allow_unconfined, telemetry=self.sandbox_telemetry
+        )
+        # Public: the transfer prompts and the bank's public corpus (code every model saw).
+        self.guardrail = agent_guardrail(
+            self.train_texts,
+            public_texts=self.transfer_prompts,
+            ngram=s.guardrail_ngram,
+            registry=self.registry,
         )
         self.checkpoints = CheckpointStore(s.state_dir / "checkpoints")
         self.summary = AgentSummary(
@@ -391,6 +402,8 @@ class AgentDaemon:
                 ks=(1,),
                 timeout_s=self.s.sandbox_timeout_s,
                 memory_mb=self.s.sandbox_memory_mb,
+                allow_unconfined=self.s.sandbox_allow_unconfined,
+                telemetry=self.sandbox_telemetry,
             ),
         )
         return loss, float(report.mean.get(1, 0.0))
@@ -698,6 +711,7 @@ class AgentDaemon:
                 transfer_prompts=self.transfer_prompts,
                 config=self.config,
                 t=t,
+                guardrail=self.guardrail,
             )
         except (PackageError, TokenizerMismatchError) as exc:
             reason = "package" if isinstance(exc, PackageError) else "tokenizer_mismatch"

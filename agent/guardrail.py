@@ -13,8 +13,23 @@ encoded, replacing each removed span with a placeholder ``<redacted:KIND>``:
 * secrets: ``private_key`` (PEM blocks), ``jwt``, ``github_token``, ``slack_token``,
   ``aws_access_key``, ``secret_key`` (``sk-…``, ``sk_live_…``), ``bearer_token`` and
   ``api_key`` (``api_key = "…"``, ``password: …`` and similar assignments);
-* ``email``: e-mail addresses;
+* ``private_code``: leaked private *code*, compared on code tokens rather than words (see
+  :class:`_CodeIndex`): whitespace and comments do not count, literals are canonical
+  (``'a'`` and ``"a"``, ``0x10`` and ``16`` are the same token), and windows are matched
+  twice, once with identifiers as written and once with every non-builtin identifier
+  replaced by one placeholder (a renamed copy). Windows also in ``public_texts`` are not
+  leaks; renamed windows must hold a literal (structure alone is public).
+* ``email``: e-mail addresses; personal data: ``ssn`` (US social security numbers),
+  ``card_number`` (13–19 digits passing the Luhn check), ``phone`` (NANP and ``+``
+  international numbers with separators), ``internal_ip`` (RFC 1918, link-local and
+  unique-local addresses, checked with :mod:`ipaddress`);
 * ``high_entropy``: random-looking strings (see :func:`is_high_entropy`).
+
+Disguises are undone before matching: zero-width and other invisible format characters
+are removed (``invisible``), adjacent or ``+``-joined string literals are joined, and runs
+of hex, ``\\xNN`` escapes, base32 and base64 are decoded; a secret found in the joined or
+decoded form removes the whole disguised run (``encoded_secret``). Secret patterns ignore
+case (an ``akia…`` key is still a key).
 
 Filtering runs to a fixed point, so it is idempotent: filtering a filtered text changes
 nothing. Counts go to ``peerlm_agent_guardrail_removals_total{component, kind}`` and to a
@@ -36,13 +51,18 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 import structlog
+from peerlm.agent.code_index import CodeIndex
+from peerlm.agent.disguise import PII_PATTERNS, encoded_spans, strip_invisible
+from peerlm.agent.incoming import risky_imports
 from prometheus_client import CollectorRegistry, Counter
 
 __all__ = [
+    "DEFAULT_CODE_NGRAM",
     "DEFAULT_ENTROPY_THRESHOLD",
     "KINDS",
     "Guardrail",
     "GuardrailResult",
+    "agent_guardrail",
     "is_high_entropy",
     "placeholder",
     "shannon_entropy",
@@ -50,7 +70,9 @@ __all__ = [
 
 #: Every kind of removal, in the order the filter applies them.
 KINDS: Final[tuple[str, ...]] = (
+    "invisible",
     "private_text",
+    "private_code",
     "private_key",
     "jwt",
     "github_token",
@@ -60,8 +82,17 @@ KINDS: Final[tuple[str, ...]] = (
     "bearer_token",
     "api_key",
     "email",
+    "ssn",
+    "card_number",
+    "phone",
+    "internal_ip",
+    "encoded_secret",
     "high_entropy",
 )
+
+#: Window length, in code tokens, of the ``private_code`` check (see agent/code_index.py):
+#: chosen on the bundled bank (python -m peerlm.bench.guardrail; docs/agent-exchange.md).
+DEFAULT_CODE_NGRAM: Final = 6
 
 #: Minimum Shannon entropy (bits per character) of a candidate run; see is_high_entropy.
 DEFAULT_ENTROPY_THRESHOLD: Final = 3.0
@@ -177,6 +208,14 @@ _PATTERNS: Final[tuple[_Pattern, ...]] = (
         ),
     ),
 )
+
+# Case tricks: a secret written in other case is still the secret (``akia…``, ``BEGIN rsa
+# private key``), so every secret pattern ignores case.
+_PATTERNS_ANY_CASE: Final[tuple[_Pattern, ...]] = tuple(
+    _Pattern(p.kind, re.compile(p.regex.pattern, p.regex.flags | re.IGNORECASE), p.group)
+    for p in _PATTERNS
+)
+_PLACEHOLDER: Final = re.compile(r"<redacted:[a-z_]*>")
 
 # Candidate runs for the entropy test: base64/base64url/hex alphabet, padding allowed only at
 # the end (so `name=VALUE` in code is two runs, not one).
@@ -294,6 +333,28 @@ def _build_index(texts: Iterable[str], n: int) -> _U64:
     return np.unique(np.concatenate(parts))
 
 
+def agent_guardrail(
+    private_texts: Sequence[str],
+    *,
+    public_texts: Sequence[str] = (),
+    ngram: int = 8,
+    registry: CollectorRegistry | None = None,
+    component: str = "agent",
+) -> Guardrail:
+    """The Guardrail an agent uses: its private set against everything public it knows.
+
+    Public: ``public_texts`` (the transfer prompts X_u) and the bank's public pre-training
+    corpus (:func:`peerlm.agent.tasks.bank.public_problems`, prompts with references), so
+    code shapes and constants any model has seen are not taken for leaks.
+    """
+    from peerlm.agent.tasks.bank import public_problems
+
+    public = [*public_texts, *(p.prompt + p.reference for p in public_problems())]
+    return Guardrail(
+        private_texts, ngram=ngram, public_texts=public, registry=registry, component=component
+    )
+
+
 def _get_counter(
     registry: CollectorRegistry, name: str, documentation: str, labels: tuple[str, ...]
 ) -> Counter:
@@ -325,6 +386,7 @@ class Guardrail:
         private_texts: Sequence[str],
         *,
         ngram: int = 8,
+        code_ngram: int = DEFAULT_CODE_NGRAM,
         entropy_threshold: float = DEFAULT_ENTROPY_THRESHOLD,
         public_texts: Sequence[str] = (),
         registry: CollectorRegistry | None = None,
@@ -340,14 +402,22 @@ class Guardrail:
         if len(public_texts) and len(index):
             index = np.setdiff1d(index, _build_index(public_texts, ngram), assume_unique=True)
         self._index: _U64 = index
+        self._code = CodeIndex(private_texts, public_texts, code_ngram) if private_texts else None
         self._component = component
         self._removals: Counter | None = None
+        self._rejected: Counter | None = None
         if registry is not None:
             self._removals = _get_counter(
                 registry,
                 "peerlm_agent_guardrail_removals_total",
                 "Spans removed from outgoing texts by the Guardrail Filter, by kind",
                 ("component", "kind"),
+            )
+            self._rejected = _get_counter(
+                registry,
+                "peerlm_agent_guardrail_incoming_rejected_total",
+                "Items of incoming packages not learnt from, by reason",
+                ("component", "reason"),
             )
         self._log: Any = structlog.get_logger("peerlm.agent.guardrail").bind(component=component)
 
@@ -380,6 +450,34 @@ class Guardrail:
             self._record(dict(totals), texts=len(results))
         return results
 
+    def vet_incoming(self, texts: Iterable[str]) -> list[str | None]:
+        """Vet the items of an incoming package; per item ``None`` (learn from it) or the
+        reason it is refused.
+
+        ``secret:<kinds>``: the filter would remove something (secrets, personal data,
+        disguised secrets, invisible characters; not the private-leak checks, which are
+        about this agent's own data going out). ``import:<modules>``: the code imports or
+        dynamically loads networking, process, file-system or introspection modules
+        (:func:`peerlm.agent.incoming.risky_imports`). Refusals are counted in
+        ``peerlm_agent_guardrail_incoming_rejected_total{component, reason}`` and logged
+        without content.
+        """
+        verdicts: list[str | None] = []
+        for text in texts:
+            result = self._filter(text, private=False)
+            if result.removals:
+                verdicts.append("secret:" + ",".join(sorted(result.removals)))
+                continue
+            modules = risky_imports(text)
+            verdicts.append("import:" + ",".join(modules) if modules else None)
+        refused = collections.Counter(v.split(":", 1)[0] for v in verdicts if v is not None)
+        if refused:
+            if self._rejected is not None:
+                for reason, count in refused.items():
+                    self._rejected.labels(self._component, reason).inc(count)
+            self._log.warning("guardrail_incoming_refused", items=len(verdicts), **refused)
+        return verdicts
+
     # -- internals ----------------------------------------------------------------------------
 
     def _record(self, removals: dict[str, int], *, texts: int) -> None:
@@ -394,24 +492,42 @@ class Guardrail:
             removals=dict(sorted(removals.items())),
         )
 
-    def _filter(self, text: str) -> GuardrailResult:
+    def _filter(self, text: str, *, private: bool = True) -> GuardrailResult:
         totals: collections.Counter[str] = collections.Counter()
         for _ in range(_MAX_PASSES):
-            text, counts = self._one_pass(text)
+            text, counts = self._one_pass(text, private=private)
             if not counts:
                 break
             totals.update(counts)
         return GuardrailResult(text, {k: totals[k] for k in KINDS if totals[k]})
 
-    def _one_pass(self, text: str) -> tuple[str, dict[str, int]]:
+    def _one_pass(self, text: str, *, private: bool = True) -> tuple[str, dict[str, int]]:
         counts: dict[str, int] = {}
-        text, leaked = self._remove_private_ngrams(text)
-        if leaked:
-            counts["private_text"] = leaked
-        for pattern in _PATTERNS:
+        text, hidden = strip_invisible(text)
+        if hidden:
+            counts["invisible"] = hidden
+        if private:
+            text, leaked = self._remove_private_ngrams(text)
+            if leaked:
+                counts["private_text"] = leaked
+            if self._code is not None:
+                skip = [m.span() for m in _PLACEHOLDER.finditer(text)]
+                spans = self._code.leaked_spans(text, skip)
+                if spans:
+                    text = _replace_spans(text, spans, placeholder("private_code"))
+                    counts["private_code"] = len(spans)
+        spans = encoded_spans(text, self._is_secret)
+        if spans:
+            text = _replace_spans(text, spans, placeholder("encoded_secret"))
+            counts["encoded_secret"] = len(spans)
+        for pattern in _PATTERNS_ANY_CASE:
             text, found = _redact(pattern, text)
             if found:
                 counts[pattern.kind] = counts.get(pattern.kind, 0) + found
+        for pii in PII_PATTERNS:
+            text, found = _redact_valid(pii.kind, pii.regex, pii.valid, text)
+            if found:
+                counts[pii.kind] = counts.get(pii.kind, 0) + found
         text, found = self._redact_high_entropy(text)
         if found:
             counts["high_entropy"] = found
@@ -454,6 +570,16 @@ class Guardrail:
         pieces.append(text[cursor:])
         return "".join(pieces), len(spans)
 
+    def _is_secret(self, value: str) -> bool:
+        """Whether a joined or decoded value holds a secret (pattern or random-looking run)."""
+        if _MARKER in value:
+            return False
+        if any(p.regex.search(value) for p in _PATTERNS_ANY_CASE if p.kind != "email"):
+            return True
+        return any(
+            is_high_entropy(m.group(), self._entropy_threshold) for m in _RUN.finditer(value)
+        )
+
     def _redact_high_entropy(self, text: str) -> tuple[str, int]:
         found = 0
         mark = placeholder("high_entropy")
@@ -466,6 +592,30 @@ class Guardrail:
             return match.group()
 
         return _RUN.sub(replace, text), found
+
+
+def _replace_spans(text: str, spans: Sequence[tuple[int, int]], mark: str) -> str:
+    pieces: list[str] = []
+    cursor = 0
+    for begin, end in spans:
+        pieces += [text[cursor:begin], mark]
+        cursor = end
+    pieces.append(text[cursor:])
+    return "".join(pieces)
+
+
+def _redact_valid(kind: str, regex: re.Pattern[str], valid: Any, text: str) -> tuple[str, int]:
+    found = 0
+    mark = placeholder(kind)
+
+    def replace(match: re.Match[str]) -> str:
+        nonlocal found
+        if valid(match):
+            found += 1
+            return mark
+        return match.group()
+
+    return regex.sub(replace, text), found
 
 
 def _redact(pattern: _Pattern, text: str) -> tuple[str, int]:

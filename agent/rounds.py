@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from peerlm.agent.guardrail import Guardrail
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.package import KnowledgePackage, LogitsPackage
+    from peerlm.agent.sandbox import SandboxTelemetry
     from peerlm.agent.tasks.dataset import Problem
 
     from peerlm.config import AgentSettings
@@ -195,8 +196,14 @@ def score_completions(
     timeout_s: float = 5.0,
     memory_mb: int = 256,
     max_workers: int = 2,
+    allow_unconfined: bool = False,
+    telemetry: SandboxTelemetry | None = None,
 ) -> EvalReport:
-    """Run ``completions`` in the sandbox: pass@k per problem (unbiased estimator), means."""
+    """Run ``completions`` in the sandbox: pass@k per problem (unbiased estimator), means.
+
+    Raises :class:`~peerlm.agent.sandbox.SandboxUnavailable` when the sandbox cannot
+    confine the code and ``allow_unconfined`` (the operator's opt-out) is false.
+    """
     from peerlm.agent.evaluation import evaluate
 
     return evaluate(
@@ -206,6 +213,8 @@ def score_completions(
         max_workers=max_workers,
         timeout_s=timeout_s,
         memory_mb=memory_mb,
+        allow_unconfined=allow_unconfined,
+        telemetry=telemetry,
     )
 
 
@@ -369,6 +378,7 @@ def integrate_package(
     transfer_prompts: Sequence[str],
     config: RoundConfig,
     t: int,
+    guardrail: Guardrail | None = None,
 ) -> Integration:
     """Integrate a decoded package by AKD (Eq. 2) and compute the reward of Eq. 3.
 
@@ -378,6 +388,11 @@ def integrate_package(
     (:meth:`ModelHost.train_akd`); logits packages are distilled on the teacher's top-k at
     the round's temperature (:meth:`ModelHost.train_akd_logits`), which raises
     :class:`~peerlm.agent.modelhost.TokenizerMismatchError` for another tokenizer.
+
+    With ``guardrail``, incoming text items are vetted first
+    (:meth:`~peerlm.agent.guardrail.Guardrail.vet_incoming`): one holding a secret or
+    personal data, or code importing networking, process, file-system or introspection
+    modules, is not learnt from (and counted).
     """
     from peerlm.agent.guardrail import placeholder
     from peerlm.agent.package import TextPackage, text_pairs
@@ -397,6 +412,9 @@ def integrate_package(
             for p, c in text_pairs(package, transfer_prompts)
             if c.strip() and redacted not in c
         ]
+        if guardrail is not None and pairs:
+            verdicts = guardrail.vet_incoming([c for _, c in pairs])
+            pairs = [pair for pair, verdict in zip(pairs, verdicts, strict=True) if not verdict]
         if not pairs:  # nothing to learn from the teacher: local data only
             stats = host.train_local(local_examples, settings, steps=config.local_steps)
         else:

@@ -114,6 +114,41 @@ _MS_MOVE = 8192
 _MS_REC = 16384
 _MS_PRIVATE = 1 << 18
 _PR_SET_NO_NEW_PRIVS = 38
+_CLONE_NEWUSER = 0x10000000
+_AF_UNIX = 1
+
+#: Landlock ABI 3 (Linux 6.2) is the oldest that also governs ``truncate``: below it a
+#: program could truncate any file its uid may write, the agent's keys included.
+MIN_LANDLOCK_ABI = 3
+#: Exit status of a bootstrap that refuses to run a program it cannot confine.
+REFUSED_EXIT = 71
+
+# Read-only paths the interpreter may still need once confined (besides its own prefix):
+# shared libraries that extension modules load lazily, the loader's cache, time zones.
+_RUNTIME_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/share/zoneinfo")
+_RUNTIME_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/dev/urandom")
+
+# System calls the seccomp filter answers with EPERM (names this libseccomp does not know
+# on this architecture are skipped). Processes and programs: no new process or thread, no
+# exec. Other processes: no tracing, no reading or writing their memory, no pidfds. The
+# network: no socket at all (socketpair only as AF_UNIX, which reaches nothing outside).
+# io_uring reaches sockets and files around both filters. The rest change the kernel's or
+# the namespace's view of the world, or are kernel attack surface a test program needs not.
+_DENIED_SYSCALLS = (
+    "fork", "vfork", "clone", "clone3", "execve", "execveat",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    "pidfd_open", "pidfd_getfd", "pidfd_send_signal",
+    "socket", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "mount_setattr",
+    "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig", "fspick",
+    "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+    "memfd_create", "memfd_secret", "name_to_handle_at", "open_by_handle_at",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "quotactl", "acct", "swapon", "swapoff", "reboot", "syslog", "setdomainname",
+    "sethostname", "iopl", "ioperm", "mknod", "mknodat",
+)  # fmt: skip
+# Signals only to the program itself (argument 0 is a pid or a thread-group id).
+_SELF_SIGNAL_SYSCALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 
 # ---------------------------------------------------------------------------- child half
 # Runs in the child interpreter (python -I -S: only the standard library is available),
@@ -136,9 +171,14 @@ def _child_main(private: str, status_fd: int) -> NoReturn:
         for name in ("control", "program"):
             os.unlink(os.path.join(private, name))
         nonce = control["nonce"].encode()
-        isolated, dropped = _confine(private, control, notes)
+        isolated, dropped, missing = _confine(private, control, notes)
+        if missing and control["allow_unconfined"] != "1":
+            # Nothing of the program has run: the caller refuses, it does not score.
+            write(2, ("sandbox refused: " + "; ".join(missing) + "\n").encode())
+            exit_now(REFUSED_EXIT)
+        notes += [f"UNCONFINED (operator opt-out): {reason}" for reason in missing]
         _reliability_guard(network_isolated=isolated or control["allow_network"] == "1")
-        report = [f"setup {int(isolated)} {int(dropped)}"]
+        report = [f"setup {int(isolated)} {int(dropped)} {int(not missing)}"]
         report += ["note " + note.replace("\n", " ") for note in notes]
         write(status_fd, ("\n".join(report) + "\n").encode())
     except BaseException as exc:
@@ -148,17 +188,26 @@ def _child_main(private: str, status_fd: int) -> NoReturn:
     _run_user_program(source, nonce, status_fd)
 
 
-def _confine(private: str, control: dict[str, str], notes: list[str]) -> tuple[bool, bool]:
-    """Namespaces, rlimits and the uid switch; returns (network_isolated, privileges_dropped)."""
+def _confine(
+    private: str, control: dict[str, str], notes: list[str]
+) -> tuple[bool, bool, list[str]]:
+    """Namespaces, rlimits, uid switch, Landlock and seccomp.
+
+    Returns (network_isolated, privileges_dropped, missing): ``missing`` names each
+    required mechanism (Landlock, seccomp) that could not be applied; empty when confined.
+    """
     import resource
 
+    # The bindings live in the caller's site-packages, which ``-I -S`` keeps off sys.path;
+    # they are imported now, while their files are surely readable, and the path restored.
+    bindings = _import_bindings(control["deps"], notes)
     is_root = os.geteuid() == 0
     allow_network = control["allow_network"] == "1"
     isolated = mounts = False
-    if is_root:
-        import ctypes
+    import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if is_root:
         if not allow_network:
             isolated = _unshare(libc, _CLONE_NEWNET, "network", notes)
         if _unshare(libc, _CLONE_NEWNS, "mount", notes):
@@ -169,8 +218,10 @@ def _confine(private: str, control: dict[str, str], notes: list[str]) -> tuple[b
                     __import__(module)
                 except ImportError:
                     pass
-    elif not allow_network:
-        notes.append("not root: no network namespace; only the socket guard applies")
+    else:
+        # Unprivileged: a user namespace (where the kernel and the container runtime permit
+        # one) gives the same empty network namespace and a bounded tmpfs scratch directory.
+        isolated, mounts = _user_namespace(libc, private, control, notes)
     # What the guard needs, imported while the interpreter's files are surely reachable.
     import _posixsubprocess  # noqa: F401
     import faulthandler  # noqa: F401
@@ -191,9 +242,174 @@ def _confine(private: str, control: dict[str, str], notes: list[str]) -> tuple[b
     if is_root:
         dropped = _drop_privileges(SANDBOX_UID_BASE + os.getpid(), notes)
         if not dropped:
-            notes.append("still root: RLIMIT_NPROC is not enforced; only the guard stops forks")
+            notes.append("still root: RLIMIT_NPROC is not enforced")
     _no_new_privs(notes)
-    return isolated, dropped
+    if not mounts:
+        notes.append("no bounded scratch filesystem: the program may not create files")
+    # "." and not a path: the private directory above it may be closed to the sandbox uid.
+    missing = _lock_down(
+        bindings, ".", scratch_bounded=mounts, allow_network=allow_network, notes=notes
+    )
+    return isolated, dropped, missing
+
+
+def _import_bindings(deps: str, notes: list[str]) -> dict[str, Any]:
+    import ctypes
+    import ctypes.util
+
+    # Both bindings find their libraries with ctypes.util.find_library, which runs
+    # ldconfig in a subprocess (tens of milliseconds, every run). The stable sonames are
+    # tried first, with dlopen; only a system without them pays for the search.
+    search = ctypes.util.find_library
+
+    def find_library(name: str) -> str | None:
+        soname = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}.get(name)
+        if soname is not None:
+            try:
+                ctypes.CDLL(soname)
+                return soname
+            except OSError:
+                pass
+        return search(name)
+
+    ctypes.util.find_library = find_library
+    saved = list(sys.path)
+    sys.path[:0] = [path for path in deps.split(os.pathsep) if path]
+    bindings: dict[str, Any] = {}
+    try:
+        for name in ("landlockpy", "pyseccomp"):
+            try:
+                bindings[name] = __import__(name)
+                if name == "landlockpy":
+                    # Resolves libc now (find_library runs a helper process and may want a
+                    # temporary directory: neither is available once confined).
+                    bindings[name].abi_version()
+            except (ImportError, OSError, RuntimeError) as exc:
+                notes.append(f"cannot import {name}: {exc}")
+    finally:
+        sys.path[:] = saved
+        ctypes.util.find_library = search
+    return bindings
+
+
+def _user_namespace(
+    libc: Any, private: str, control: dict[str, str], notes: list[str]
+) -> tuple[bool, bool]:
+    """Enter new user, mount and (unless allowed) network namespaces, unprivileged.
+
+    Returns (network_isolated, scratch_bounded). The caller's uid and gid map to themselves
+    so that files keep their owner; nothing else is mapped.
+    """
+    uid, gid = os.getuid(), os.getgid()
+    allow_network = control["allow_network"] == "1"
+    flags = _CLONE_NEWUSER | _CLONE_NEWNS | (0 if allow_network else _CLONE_NEWNET)
+    if not _unshare(libc, flags, "user", notes):
+        return False, False
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                           ("gid_map", f"{gid} {gid} 1")):  # fmt: skip
+            with open(f"/proc/self/{name}", "w", encoding="ascii") as handle:
+                handle.write(text)
+        _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+        work = os.path.join(private, "work")
+        size = f"mode=0700,size={int(control['workdir_mb'])}m"
+        _mount(libc, "tmpfs", work, "tmpfs", _MS_NOSUID | _MS_NODEV, size)
+        os.chdir(work)
+        return not allow_network, True
+    except OSError as exc:
+        notes.append(f"user namespace setup failed: {exc}")
+        return not allow_network, False
+
+
+def _lock_down(
+    bindings: dict[str, Any],
+    work: str,
+    *,
+    scratch_bounded: bool,
+    allow_network: bool,
+    notes: list[str],
+) -> list[str]:
+    """Apply Landlock, then seccomp; return what could not be applied (empty: confined)."""
+    missing: list[str] = []
+    landlock = bindings.get("landlockpy")
+    if landlock is None:
+        missing.append("Landlock: the landlockpy binding is not importable")
+    else:
+        try:
+            abi = landlock.abi_version()
+            if abi < MIN_LANDLOCK_ABI:
+                missing.append(f"Landlock: kernel ABI {abi} < {MIN_LANDLOCK_ABI}")
+            else:
+                _landlock(landlock, abi, work, scratch_bounded, allow_network)
+                notes.append(f"landlock ABI {abi}")
+        except OSError as exc:
+            missing.append(f"Landlock: {exc}")
+    seccomp = bindings.get("pyseccomp")
+    if seccomp is None:
+        missing.append("seccomp: the pyseccomp binding or libseccomp is not available")
+    else:
+        try:
+            _seccomp(seccomp, allow_network)
+        except (OSError, ValueError, RuntimeError) as exc:
+            missing.append(f"seccomp: {exc}")
+    return missing
+
+
+def _landlock(
+    landlock: Any, abi: int, work: str, scratch_bounded: bool, allow_network: bool
+) -> None:
+    """Deny every file-system, TCP and scoped (signal, abstract socket) right the kernel
+    governs, then grant reading the runtime and using the scratch directory."""
+    fs_rights = landlock.fs_for_abi(abi)
+    access = landlock.AccessFS
+    read_tree = fs_rights & (access.READ_FILE | access.READ_DIR | access.EXECUTE)
+    scratch = read_tree | (fs_rights & (access.WRITE_FILE | access.TRUNCATE))
+    if scratch_bounded:
+        scratch |= fs_rights & (
+            access.MAKE_REG | access.MAKE_DIR | access.REMOVE_FILE | access.REMOVE_DIR
+        )
+    ruleset = landlock.Ruleset(
+        handled_fs=fs_rights,
+        handled_net=landlock.AccessNet.NONE if allow_network else landlock.net_for_abi(abi),
+        scoped=landlock.scope_for_abi(abi),
+        best_effort=False,
+    )
+    try:
+        # Grants are best effort: a path this uid cannot open (a closed ancestor, as for a
+        # pyenv prefix under /root after the uid switch) is simply not granted.
+        prefix = os.path.realpath(sys.base_prefix)
+        grants = [(path, read_tree) for path in (prefix, *_RUNTIME_DIRS) if os.path.isdir(path)]
+        grants += [(os.path.realpath(p), access.READ_FILE) for p in _RUNTIME_FILES]
+        grants += [("/dev/null", access.READ_FILE | access.WRITE_FILE), (work, scratch)]
+        for path, rights in grants:
+            try:
+                ruleset.allow_path(path, rights)
+            except OSError:
+                pass
+        ruleset.restrict(no_new_privs=True)
+    finally:
+        ruleset.close()
+
+
+def _seccomp(seccomp: Any, allow_network: bool) -> None:
+    """Load a filter that refuses, with EPERM, the system calls listed above (``socket``
+    stays allowed only when the caller explicitly allowed the network)."""
+    import errno
+
+    deny = seccomp.ERRNO(errno.EPERM)
+    syscall_filter = seccomp.SyscallFilter(seccomp.ALLOW)  # other architectures: killed
+    for name in _DENIED_SYSCALLS:
+        if allow_network and name == "socket":
+            continue
+        try:
+            syscall_filter.add_rule(deny, name)
+        except ValueError:
+            pass  # unknown on this architecture
+    pid = os.getpid()
+    for name in _SELF_SIGNAL_SYSCALLS:
+        syscall_filter.add_rule(deny, name, seccomp.Arg(0, seccomp.NE, pid))
+    syscall_filter.add_rule(deny, "socketpair", seccomp.Arg(0, seccomp.NE, _AF_UNIX))
+    syscall_filter.load()
 
 
 def _unshare(libc: Any, flag: int, what: str, notes: list[str]) -> bool:
@@ -384,6 +600,7 @@ if __name__ == "__main__":
 # --------------------------------------------------------------------------- caller half
 
 import contextlib
+import importlib.util
 import math
 import select
 import shutil
@@ -395,16 +612,165 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypedDict, Unpack
 
+import structlog
+from prometheus_client import CollectorRegistry, Counter
+
 __all__ = [
+    "MIN_LANDLOCK_ABI",
     "SANDBOX_UID_BASE",
     "STATUSES",
+    "Confinement",
     "LimitOptions",
     "SandboxResult",
+    "SandboxTelemetry",
+    "SandboxUnavailable",
     "Status",
     "check_solution",
+    "probe_confinement",
+    "require_confinement",
     "run_many",
     "run_program",
 ]
+
+#: The third-party bindings the bootstrap imports to confine itself (see _lock_down).
+_BINDINGS = ("landlockpy", "pyseccomp")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The kernel (or the container) lacks a mechanism the sandbox requires, and the
+    operator did not opt out: no generated code is run."""
+
+
+class SandboxTelemetry:
+    """The sandbox's counters, registered on the agent's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.refusals = Counter(
+            "peerlm_agent_sandbox_refusals_total",
+            "runs refused because a required confinement mechanism is missing",
+            registry=registry,
+        )
+        self.unconfined = Counter(
+            "peerlm_agent_sandbox_unconfined_runs_total",
+            "runs without full confinement, allowed by the operator's explicit opt-out",
+            registry=registry,
+        )
+        self.runs = Counter(
+            "peerlm_agent_sandbox_runs_total",
+            "sandboxed runs by outcome",
+            ["status"],
+            registry=registry,
+        )
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """What this kernel offers the sandbox, probed without confining the caller.
+
+    ``missing`` names each required mechanism that is absent; empty means the sandbox can
+    confine. ``user_namespaces``: an unprivileged process may create one (optional: it
+    adds a bounded scratch tmpfs and an empty network namespace).
+    """
+
+    landlock_abi: int
+    seccomp: bool
+    user_namespaces: bool
+    missing: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every required mechanism is present."""
+        return not self.missing
+
+
+def probe_confinement() -> Confinement:
+    """Probe Landlock (ABI), seccomp filtering (kernel and libseccomp) and user namespaces.
+
+    Seccomp is probed as far as possible without installing a filter in the caller: the
+    kernel must report a ``Seccomp`` field and libseccomp must load. The bootstrap of each
+    run applies the mechanisms for real and refuses on any failure.
+    """
+    missing: list[str] = []
+    abi = 0
+    try:
+        import landlockpy
+
+        abi = landlockpy.abi_version()
+    except ImportError as exc:
+        missing.append(f"Landlock: the landlockpy binding is not importable ({exc})")
+    else:
+        if abi < MIN_LANDLOCK_ABI:
+            missing.append(f"Landlock: kernel ABI {abi} < {MIN_LANDLOCK_ABI} (needs Linux 6.2+)")
+    seccomp = False
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            kernel_seccomp = any(line.startswith("Seccomp:") for line in handle)
+    except OSError:
+        kernel_seccomp = False
+    if not kernel_seccomp:
+        missing.append("seccomp: the kernel reports no seccomp support")
+    else:
+        try:
+            import pyseccomp  # type: ignore[import-untyped]
+
+            seccomp = pyseccomp.get_api() >= 1
+        except (ImportError, OSError, RuntimeError, NotImplementedError) as exc:
+            missing.append(f"seccomp: libseccomp or its pyseccomp binding is missing ({exc})")
+    return Confinement(
+        landlock_abi=abi,
+        seccomp=seccomp,
+        user_namespaces=_user_namespaces_allowed(),
+        missing=tuple(missing),
+    )
+
+
+def require_confinement(
+    *, allow_unconfined: bool = False, telemetry: SandboxTelemetry | None = None
+) -> Confinement:
+    """Probe at start; raise :class:`SandboxUnavailable` when a mechanism is missing,
+    unless the operator opted out (then warn and count)."""
+    found = probe_confinement()
+    if found.ok:
+        return found
+    reasons = "; ".join(found.missing)
+    if not allow_unconfined:
+        if telemetry is not None:
+            telemetry.refusals.inc()
+        raise SandboxUnavailable(
+            f"refusing to evaluate generated code: {reasons} "
+            "(set sandbox_allow_unconfined only if you accept running it unconfined)"
+        )
+    structlog.get_logger("peerlm.agent.sandbox").warning(
+        "sandbox_unconfined", missing=list(found.missing), opt_out="sandbox_allow_unconfined"
+    )
+    return found
+
+
+def _user_namespaces_allowed() -> bool:
+    for path, bad in (("/proc/sys/kernel/unprivileged_userns_clone", "0"),
+                      ("/proc/sys/user/max_user_namespaces", "0")):  # fmt: skip
+        try:
+            with open(path, encoding="ascii") as handle:
+                if handle.read().strip() == bad:
+                    return False
+        except OSError:
+            continue
+    return True
+
+
+def _binding_paths() -> str:
+    """The directories the bootstrap must put on sys.path to import the bindings."""
+    paths: list[str] = []
+    for name in _BINDINGS:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue  # the bootstrap then reports the binding missing
+        top = os.path.dirname(spec.origin)
+        root = os.path.dirname(top) if spec.submodule_search_locations else top
+        if root not in paths:
+            paths.append(root)
+    return os.pathsep.join(paths)
+
 
 Status = Literal["passed", "failed", "timeout", "memory", "error"]
 STATUSES: tuple[Status, ...] = ("passed", "failed", "timeout", "memory", "error")
@@ -419,6 +785,8 @@ class LimitOptions(TypedDict, total=False):
     cpu_s: float | None
     file_size_mb: int
     allow_network: bool
+    allow_unconfined: bool
+    telemetry: SandboxTelemetry | None
 
 
 @dataclass(frozen=True)
@@ -431,7 +799,9 @@ class SandboxResult:
     ``error`` (the sandbox could not start the program, or it died of a signal).
     ``returncode`` is negative for a signal. ``network_isolated``: the program ran in an
     empty network namespace. ``privileges_dropped``: it ran under a uid other than the
-    caller's. ``notes`` says which confinement steps were unavailable, and why.
+    caller's. ``confined``: Landlock and seccomp were applied (False only under the
+    operator's explicit opt-out). ``notes`` says which confinement steps were unavailable,
+    and why.
     """
 
     status: Status
@@ -441,6 +811,7 @@ class SandboxResult:
     stdout_tail: str
     network_isolated: bool
     privileges_dropped: bool
+    confined: bool = True
     notes: tuple[str, ...] = ()
 
     @property
@@ -457,11 +828,16 @@ def run_program(
     cpu_s: float | None = None,
     file_size_mb: int = 1,
     allow_network: bool = False,
+    allow_unconfined: bool = False,
+    telemetry: SandboxTelemetry | None = None,
 ) -> SandboxResult:
     """Run ``code`` as a Python program in a confined child process and wait for it.
 
-    Never raises for anything the program does; raises ``ValueError`` for invalid limits
-    and ``OSError`` only when the child cannot be started at all.
+    Never raises for anything the program does; raises ``ValueError`` for invalid limits,
+    :class:`SandboxUnavailable` when the child cannot confine itself (Landlock or seccomp
+    missing) and ``allow_unconfined`` is false, and ``OSError`` only when the child cannot
+    be started at all. With ``allow_unconfined`` such a run goes ahead, is logged as a
+    warning and counted in ``peerlm_agent_sandbox_unconfined_runs_total``.
     """
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
@@ -482,12 +858,27 @@ def run_program(
         "fsize_bytes": file_size_mb * 1024 * 1024,
         "workdir_mb": max(MIN_WORKDIR_MB, 4 * file_size_mb),
         "allow_network": int(allow_network),
+        "allow_unconfined": int(allow_unconfined),
+        "deps": _binding_paths(),
     }
     private = tempfile.mkdtemp(prefix="peerlm-sandbox-")
     try:
-        return _run_in(private, code, control, timeout_s)
+        result = _run_in(private, code, control, timeout_s)
+    except SandboxUnavailable:
+        if telemetry is not None:
+            telemetry.refusals.inc()
+        raise
     finally:
         _remove_tree(private)
+    if not result.confined:
+        structlog.get_logger("peerlm.agent.sandbox").warning(
+            "sandbox_unconfined_run", notes=list(result.notes), status=result.status
+        )
+        if telemetry is not None:
+            telemetry.unconfined.inc()
+    if telemetry is not None:
+        telemetry.runs.labels(status=result.status).inc()
+    return result
 
 
 def check_solution(
@@ -590,7 +981,9 @@ def _classify(
     nonce: str,
 ) -> SandboxResult:
     setup = status_lines[0].split() if status_lines else []
-    started = len(setup) == 3 and setup[0] == "setup"
+    started = len(setup) == 4 and setup[0] == "setup"
+    if not started and returncode == REFUSED_EXIT and "sandbox refused:" in stderr_tail:
+        raise SandboxUnavailable(stderr_tail[stderr_tail.index("sandbox refused:") :].strip())
     status: Status
     if timed_out or returncode == -signal.SIGXCPU:
         status = "timeout"
@@ -612,6 +1005,7 @@ def _classify(
         stdout_tail=stdout_tail,
         network_isolated=started and setup[1] == "1",
         privileges_dropped=started and setup[2] == "1",
+        confined=started and setup[3] == "1",
         notes=tuple(line[5:] for line in status_lines[1:] if line.startswith("note ")),
     )
 

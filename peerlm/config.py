@@ -259,6 +259,9 @@ class AgentSettings(ServiceSettings):
     eval_limit: int | None = Field(default=None, ge=1)
     sandbox_timeout_s: float = Field(default=5.0, gt=0)
     sandbox_memory_mb: int = Field(default=256, ge=32)
+    # Operator opt-out: evaluate even where the kernel lacks Landlock or seccomp, i.e. run
+    # model-generated code unconfined (logged as a warning and counted on every run).
+    sandbox_allow_unconfined: bool = False
     profile_dp_epsilon: float | None = Field(default=None, gt=0)
     guardrail_ngram: int = Field(default=8, ge=3)
     max_package_bytes: int = Field(default=64 * MiB, ge=1024)

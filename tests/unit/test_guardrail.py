@@ -65,6 +65,12 @@ PLANTED = {
     "jwt": f"token {_JWT} expires",
     "private_key": f"key:\n{_PEM}\nend",
     "high_entropy": f"salt {_ENTROPY} ok",
+    "ssn": "patient ssn 123-45-6789 on file",
+    "card_number": "card 4111 1111 1111 1111 exp 12/29",
+    "phone": "call +1 (415) 555-0132 today",
+    "internal_ip": "db at 10.20.30.40:5432",
+    "encoded_secret": f"k = {_AWS[:6]!r} + {_AWS[6:]!r}",
+    "invisible": "a\u200bb",
 }
 
 SECRET_VALUES = {
@@ -78,6 +84,12 @@ SECRET_VALUES = {
     "jwt": _JWT,
     "private_key": "MIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0tRgeLezV6ffAt0gun",
     "high_entropy": _ENTROPY,
+    "ssn": "123-45-6789",
+    "card_number": "4111 1111 1111 1111",
+    "phone": "555-0132",
+    "internal_ip": "10.20.30.40",
+    "encoded_secret": _AWS[6:],
+    "invisible": "\u200b",
 }
 
 
@@ -90,7 +102,9 @@ def guard() -> Guardrail:
 def test_each_planted_secret_is_removed_and_counted(guard: Guardrail, kind: str) -> None:
     result = guard.filter_text(PLANTED[kind])
     assert SECRET_VALUES[kind] not in result.text
-    assert placeholder(kind) in result.text
+    # Invisible characters are dropped without a placeholder: one inside a secret must
+    # leave the secret whole for the patterns.
+    assert (placeholder(kind) in result.text) == (kind != "invisible")
     assert result.removals == {kind: 1}
 
 
@@ -249,7 +263,7 @@ def test_entropy_rule() -> None:
 
 
 def test_kinds_and_bad_arguments() -> None:
-    assert set(PLANTED) | {"private_text"} == set(KINDS)
+    assert set(PLANTED) | {"private_text", "private_code"} == set(KINDS)
     assert all(len(kind) < 20 for kind in KINDS)  # placeholders never look high-entropy
     with pytest.raises(ValueError):
         Guardrail([], ngram=0)
@@ -274,3 +288,108 @@ def test_filtering_is_idempotent(small_guard: Guardrail, parts: list[str]) -> No
     twice = small_guard.filter_text(once.text)
     assert twice.text == once.text
     assert twice.removals == {}
+
+
+# -- disguises, personal data, private code, incoming packages (issue 11) ---------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f'key = "{_AWS[:7]}" + "{_AWS[7:]}"',  # concatenation
+        f'TOKEN = ("{_GH[:9]}"\n         "{_GH[9:]}")',  # implicit, across lines
+        f'blob = bytes.fromhex("{_AWS.encode().hex()}")',  # hex
+        "blob = b'" + "".join(f"\\x{b:02x}" for b in _GH.encode()) + "'",  # \\x escapes
+        f'blob = "{base64.b32encode(_GH.encode()).decode()}"',  # base32
+        f"k = '{chr(0x200B).join(_AWS)}'",  # zero-width spaces
+        f"k = '{_AWS.lower()}'",  # case
+        "-----begin rsa private key-----\nMIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0tRge\n",
+    ],
+)
+def test_disguised_secrets_are_removed(guard: Guardrail, text: str) -> None:
+    result = guard.filter_text(text)
+    assert result.removed >= 1, text
+    for secret in (_AWS, _GH, _AWS.lower(), _AWS[7:], _GH[9:]):
+        assert secret not in result.text
+
+
+def test_personal_data_needs_a_valid_shape(guard: Guardrail) -> None:
+    for text in (
+        "ssn 666-12-3456 and 000-12-3456 are never issued",
+        "order 4111 1111 1111 1112 fails the Luhn check",
+        "loopback 127.0.0.1, any 0.0.0.0, public 8.8.8.8, version 1.2.3.4",
+        "dates 2024-01-15 and ranges 3-4 stay",
+        "x = 1234567890",
+    ):
+        assert guard.filter_text(text).removals == {}, text
+    for address in ("192.168.1.20", "172.16.0.9", "169.254.10.1", "fd12:3456::1"):
+        assert guard.filter_text(f"host {address} here").removals == {"internal_ip": 1}
+
+
+PUBLIC_CODE = [
+    'def double_up(x: int) -> int:\n    """Return x times 2 plus 1."""\n    return x * 2 + 1\n'
+]
+PRIVATE_CODE = [
+    'def secret_rate(price: int) -> int:\n    """Confidential."""\n    return price * 37 + 1291\n',
+    'def lookup(s: str) -> str:\n    return s.replace("vault-7", "q")[::-1] + \'!\'\n',
+]
+
+
+def test_private_code_is_found_dense_reformatted_and_renamed() -> None:
+    guard = Guardrail(PRIVATE_CODE, public_texts=PUBLIC_CODE)
+    for leak in (
+        "return price * 37 + 1291\n",  # six code tokens: below any word 8-gram
+        "return price*37+1291",
+        "return cost * 37 + 1291  # renamed",
+        'out = s.replace("vault-7", "q")[::-1]',
+        "return t.replace('vault-7', 'q')[::-1] + \"!\"",  # other quotes, other name
+    ):
+        result = guard.filter_text(leak)
+        assert result.removals.get("private_code") == 1, leak
+        assert "1291" not in result.text and "vault-7" not in result.text
+    # Public shapes, other constants, and plain prose stay.
+    for honest in ("return x * 2 + 1\n", "return price * 36 + 1291\n", "return n * 2 + 1"):
+        assert guard.filter_text(honest).removals == {}, honest
+
+
+def test_private_code_recall_and_false_positives_on_the_bundled_bank() -> None:
+    from peerlm.bench.guardrail import measure
+
+    figures = measure(per_category=10, seed=3)
+    # Before issue 11 (whitespace 8-grams): renamed 0.0, body about 0.65; honest about 0.39.
+    assert figures["leak_recall_not_public"]["body"] >= 0.9
+    assert figures["leak_recall_not_public"]["renamed"] >= 0.8
+    assert all(share == 1.0 for share in figures["secret_recall"].values())
+    assert figures["false_positive"]["bank_not_a_private_function"] <= 0.05
+    assert figures["false_positive"]["stdlib"] == 0.0
+
+
+def test_incoming_items_are_vetted_and_refusals_counted() -> None:
+    registry = CollectorRegistry()
+    guard = Guardrail(PRIVATE, registry=registry)
+    verdicts = guard.vet_incoming(
+        [
+            "return sorted(xs)[::-1]\n",
+            "import os\nreturn os.listdir('/')\n",
+            "    from subprocess import run\n    run(['id'])\n",  # an indented body
+            "return __import__('socket').gethostname()\n",
+            "m = importlib.import_module(name)\n",
+            "if x:\n  import ctypes\n  return (\n",  # does not parse: the line scan
+            f"return '{_AWS}'\n",
+            PRIVATE[0],  # the student's own private text is not a reason to refuse
+        ]
+    )
+    assert verdicts == [
+        None,
+        "import:os",
+        "import:subprocess",
+        "import:socket",
+        "import:importlib",
+        "import:ctypes",
+        "secret:aws_access_key",
+        None,
+    ]
+    sample = registry.get_sample_value
+    name = "peerlm_agent_guardrail_incoming_rejected_total"
+    assert sample(name, {"component": "agent", "reason": "import"}) == 5
+    assert sample(name, {"component": "agent", "reason": "secret"}) == 1

@@ -216,3 +216,48 @@ def test_redacted_and_empty_completions_are_not_learnt_from(models: dict[str, Pa
     assert nothing.stats.kd_loss is None  # type: ignore[attr-defined]  # local only
     one_good = integrate([spoiled[0], "return x * 2\n", ""])
     assert one_good.stats.kd_loss is not None  # type: ignore[attr-defined]
+
+
+def test_incoming_text_items_are_vetted_before_the_student_learns(
+    models: dict[str, Path],
+) -> None:
+    from peerlm.agent.package import build_text_package
+    from prometheus_client import CollectorRegistry
+
+    student = host(models, "gpt2", seed=2)
+    # A teacher whose completions open sockets and shells: its own guardrail lets them
+    # through (they hold no secret); the student's vetting must not.
+    hostile = [
+        "import socket\nreturn socket.gethostname()\n",
+        "return __import__('subprocess').run(['id'])\n",
+        "import os\nreturn os.environ\n",
+    ]
+    data = build_text_package(
+        prompts=PROMPTS,
+        completions=hostile,
+        teacher="teacher",
+        directive_id="d" * 32,
+        transfer_sha256=TRANSFER,
+        family=student.family,
+        guardrail=Guardrail([]),
+    )
+    package = decode_package(data)
+    registry = CollectorRegistry()
+    result = integrate_package(
+        student,
+        package,
+        kilobytes=len(data) / 1024,
+        local_examples=LOCAL,
+        val_examples=LOCAL,
+        transfer_prompts=PROMPTS,
+        config=config(),
+        t=1,
+        guardrail=Guardrail([], registry=registry),
+    )
+    # Every item refused: the step is local training only (no distillation loss).
+    assert result.stats.kd_loss is None
+    refused = registry.get_sample_value(
+        "peerlm_agent_guardrail_incoming_rejected_total",
+        {"component": "agent", "reason": "import"},
+    )
+    assert refused == 3
