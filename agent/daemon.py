@@ -53,6 +53,7 @@ from peerlm.agent.rounds import (
     round_profile,
 )
 
+from peerlm.chunks import HashedPayload
 from peerlm.config import AgentSettings, parse_host_port
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
 from peerlm.pki.proof import ExpectedSender, ProofSigner, SenderCheck
@@ -225,6 +226,7 @@ class AgentDaemon:
             self._adapter_for,
             chunk_bytes=s.limits.chunk_bytes,
             max_package_bytes=s.max_package_bytes,
+            max_adapter_bytes=self.host.adapter_spec().max_encoded_bytes(),
             registry=self.registry,
             log=self.log,
             signer=self.signer,
@@ -359,9 +361,10 @@ class AgentDaemon:
         )
         return data
 
-    async def _adapter_for(self, round_: int) -> tuple[int, bytes] | None:
-        data = await self._model(self.host.adapter_bytes)
-        return int(self.state["round"]), data
+    async def _adapter_for(self, round_: int) -> tuple[int, HashedPayload] | None:
+        # Encoded and hashed once per adapter version; pulls of that version share it.
+        encoded = await self._model(self.host.encoded_adapter)
+        return int(self.state["round"]), encoded
 
     # ------------------------------------------------------------ evaluation
 

@@ -81,6 +81,7 @@ def pull_settings(overlay: AgentOverlaySettings, timeout_s: float) -> PullSettin
         max_peers=overlay.k,
         timeout_s=timeout_s,
         max_adapter_bytes=overlay.max_adapter_bytes,
+        max_norm_ratio=overlay.max_norm_ratio,
         kappa=overlay.kappa,
         eta=overlay.eta,
         psi=overlay.psi,

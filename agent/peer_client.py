@@ -140,7 +140,7 @@ async def fetch_package(
             timeout=timeout_s,
             metadata=_metadata(dev_identity, tokenizer_sha256),
         )
-        payload, content_type, metadata = await _receive(
+        payload, digest, content_type, metadata = await _receive(
             call, max_bytes, counter, _tls_failures(registry), what="package"
         )
     if content_type != PACKAGE_CONTENT_TYPE:
@@ -148,17 +148,18 @@ async def fetch_package(
             f"teacher sent content type {content_type!r}, expected {PACKAGE_CONTENT_TYPE}",
             reason="corrupt",
         )
-    _check_sender(expect, metadata, "package", directive_id, payload)
+    _check_sender(expect, metadata, "package", directive_id, digest)
     return payload
 
 
 def _check_sender(
-    expect: ExpectedSender | None, metadata: Any, kind: str, reference: str, payload: bytes
+    expect: ExpectedSender | None, metadata: Any, kind: str, reference: str, sha256: bytes
 ) -> None:
+    # Checked against the digest the assembler computed while the chunks arrived.
     if expect is None:
         return
     try:
-        expect.verify(metadata, kind, reference, payload)
+        expect.verify_digest(metadata, kind, reference, sha256)
     except ProofError as err:
         raise PeerExchangeError(
             f"{kind} from {expect.sender!r} refused: {err} ({err.reason})",
@@ -206,7 +207,7 @@ async def pull_adapter_with_round(
             timeout=limits.rpc_timeout_s if timeout_s is None else timeout_s,
             metadata=_metadata(dev_identity),
         )
-        payload, content_type, metadata = await _receive(
+        payload, digest, content_type, metadata = await _receive(
             call, max_bytes, counter, _tls_failures(registry), what="adapter"
         )
     try:
@@ -217,7 +218,7 @@ async def pull_adapter_with_round(
         raise PeerExchangeError(
             f"asked for the adapter of round {round_}, got round {sent_round}", reason="corrupt"
         )
-    _check_sender(expect, metadata, "adapter", str(sent_round), payload)
+    _check_sender(expect, metadata, "adapter", str(sent_round), digest)
     return sent_round, payload
 
 
@@ -253,9 +254,10 @@ async def _receive(
     tls_failures: TlsFailureCounter | None,
     *,
     what: str,
-) -> tuple[bytes, str, Any]:
+) -> tuple[bytes, bytes, str, Any]:
     """Assemble the call's chunks; map every failure to :class:`PeerExchangeError`.
-    Returns the payload, its content type and the call's initial metadata.
+    Returns the payload, its verified SHA-256, its content type and the call's initial
+    metadata.
 
     A teacher refusing our certificate does so in the handshake, before any of its code
     runs: ``tls_failures`` (``peerlm_grpc_client_tls_failures_total``) is the only count.
@@ -296,4 +298,4 @@ async def _receive(
         raise PeerExchangeError(
             f"{what} transfer failed: {describe_rpc_error(err)}", reason=reason, code=code
         ) from None
-    return payload, assembler.content_type, metadata
+    return payload, assembler.sha256, assembler.content_type, metadata

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.integration
 FEDERATION = "pulltest"
 LIMITS = GrpcLimits()
 CHUNK = 4 * 1024  # micro adapters are ~12 KB: several chunks each
-NAMES = ("student", "t1", "t2", "narrow", "nan", "alien", "scaled", "empty")
+NAMES = ("student", "t1", "t2", "narrow", "nan", "huge", "alien", "scaled", "empty")
 T = TypeVar("T")
 
 
@@ -78,9 +78,11 @@ def _perturbed(host: ModelHost, seed: int, scale: float = 0.05) -> None:
     )
 
 
-def _crafted(host: ModelHost, *, nan: bool = False, **meta: str) -> bytes:
+def _crafted(host: ModelHost, *, nan: bool = False, huge: bool = False, **meta: str) -> bytes:
     """The host's adapter bytes with values or metadata changed (what a bad peer sends)."""
     state = host.adapter_state()
+    if huge:  # finite, so it passes every check but a norm bound
+        state = {k: torch.full_like(v, 1e30) for k, v in state.items()}
     if nan:
         first = sorted(state)[0]
         state[first] = state[first].clone()
@@ -160,6 +162,7 @@ async def world(gpt2: Path, pki: Path) -> AsyncIterator[World]:
         "t2": t2.adapter_bytes(),
         "narrow": narrow.adapter_bytes(),
         "nan": _crafted(t1, nan=True),
+        "huge": _crafted(t1, huge=True),
         "alien": _crafted(t1, **{"peerlm.model_type": "bloom"}),
         "scaled": _crafted(t1, **{"peerlm.lora": LoraSettings(r=8, alpha=32.0).model_dump_json()}),
         "empty": None,
@@ -198,6 +201,7 @@ async def test_two_teachers_integrated_bad_ones_refused(world: World, pki: Path)
         ("t2", t["t2"].target, 0.6),  # plain tuples work too
         Candidate("narrow", t["narrow"].target, 0.95),
         Candidate("nan", t["nan"].target, 0.8),
+        Candidate("huge", t["huge"].target, 0.8),
         Candidate("alien", t["alien"].target, 0.8),
         Candidate("scaled", t["scaled"].target, 0.8),
         Candidate("empty", t["empty"].target, 0.8),
@@ -227,6 +231,7 @@ async def test_two_teachers_integrated_bad_ones_refused(world: World, pki: Path)
     assert reasons == {
         "narrow": "shape",
         "nan": "non_finite",
+        "huge": "norm",
         "alien": "model_type",
         "scaled": "lora_config",
         "empty": "refused",  # NOT_FOUND: the peer has no adapter yet
@@ -241,7 +246,7 @@ async def test_two_teachers_integrated_bad_ones_refused(world: World, pki: Path)
     ]
     assert report.applied
     assert report.pulled[0].bytes == len(t["t1"].payload or b"")
-    completed = ("t1", "t2", "narrow", "nan", "alien", "scaled")
+    completed = ("t1", "t2", "narrow", "nan", "huge", "alien", "scaled")
     assert report.bytes_received == sum(len(t[n].payload or b"") for n in completed)
 
     # The student's adapter is exactly (1 - alpha) w + alpha (W_ss w + W_1 w_1 + W_2 w_2).

@@ -27,7 +27,7 @@ from peerlm.agent.training import (
     lr_factor,
     split_prompt,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 LOCAL = [
     'def add(a, b):\n    """Return the sum."""\n    return a + b\n',
@@ -366,6 +366,21 @@ def test_adapter_of_another_base_is_refused(models: dict[str, Path]) -> None:
         host(models, "gpt2", r=4).load_adapter_bytes(data)
     with pytest.raises(AdapterMismatchError):
         bloom.load_adapter_bytes(b"\x00" * 4)
+
+
+def test_encoded_adapter_is_made_once_per_version(models: dict[str, Path]) -> None:
+    h = host(models, "gpt2", seed=0)
+    first = h.encoded_adapter()
+    assert h.encoded_adapter() is first  # no re-encoding, no second SHA-256 pass
+    assert h.adapter_bytes() is first.data
+    h.train_local(LOCAL, FAST, steps=1)
+    trained = h.encoded_adapter()
+    assert trained is not first and trained.data != first.data
+    h.load_adapter_bytes(first.data)
+    reloaded = h.encoded_adapter()
+    assert reloaded is not trained
+    want, got = load(first.data), load(reloaded.data)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def test_non_finite_adapter_is_refused(models: dict[str, Path]) -> None:
