@@ -667,7 +667,7 @@ class AgentDaemon:
     async def _learn_from(self, d: cpm_pb2.Directive, t: int) -> None:
         """Student side of a directive: fetch, integrate by AKD (Eq. 2), report Eq. 3."""
         from peerlm.agent.modelhost import TokenizerMismatchError
-        from peerlm.agent.package import PackageError, decode_package
+        from peerlm.agent.package import PackageError, decode_package, student_limits
         from peerlm.agent.peer_client import fetch_package
         from peerlm.agent.rounds import integrate_package
 
@@ -689,6 +689,7 @@ class AgentDaemon:
                 expect_transfer_sha256=self.transfer_digest,
                 expect_directive_id=d.directive_id,
                 expect_teacher=d.teacher,
+                **student_limits(len(self.transfer_prompts), s.package_max_item_bytes),
             )
             kb = len(data) / 1024.0
             result = await self._model(
@@ -704,6 +705,8 @@ class AgentDaemon:
             )
         except (PackageError, TokenizerMismatchError) as exc:
             reason = "package" if isinstance(exc, PackageError) else "tokenizer_mismatch"
+            if isinstance(exc, PackageError):
+                self.telemetry.package_refusals.labels(exc.reason).inc()
             self._exchange_failed(d, reason, exc)
             return
         except Exception as exc:  # a failed exchange is logged and the round goes on

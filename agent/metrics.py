@@ -50,3 +50,9 @@ class AgentTelemetry:
             ["reason"],
             registry=registry,
         )
+        self.package_refusals = Counter(
+            "peerlm_agent_package_refusals_total",
+            "Knowledge packages refused at decode, by reason (invalid, item_too_large).",
+            ["reason"],
+            registry=registry,
+        )

@@ -63,8 +63,10 @@ from peerlm.agent.training import (
     encode_pair,
     fit_lengths,
     kd_kl_sum,
+    max_token_chars,
     run_training,
     split_prompt,
+    text_budget,
     token_ids,
     token_loss_sum,
 )
@@ -195,6 +197,8 @@ class ModelHost:
         self.seed = seed
         self.tokenizer_hash = _vocab_hash(tokenizer)
         self._pad_id = int(tokenizer.pad_token_id)
+        # Texts are cut to what max_length tokens can cover before they are tokenised.
+        self._token_chars = max_token_chars(tokenizer)
         #: Set from any thread to end the running (and any later) training call at its next
         #: optimiser step boundary; the one cross-thread signal a host accepts.
         self.interrupt = threading.Event()
@@ -303,7 +307,8 @@ class ModelHost:
 
     def _encode_all(self, examples: Sequence[Example], max_length: int) -> list[Encoded]:
         limit = min(max_length, self.context_length)
-        out = [encode_example(self.tokenizer, ex, limit) for ex in examples]
+        budget = text_budget(self._token_chars, limit)
+        out = [encode_example(self.tokenizer, ex, limit, max_chars=budget) for ex in examples]
         return [e for e in out if e is not None]
 
     def _text_source(self, name: str, weight: float, items: list[Encoded]) -> Source:
@@ -489,7 +494,9 @@ class ModelHost:
         limit = min(max_length, self.context_length)
         encoded: list[tuple[list[int], int]] = []
         for prompt, completion in zip(prompts, completions, strict=True):
-            p, c = encode_pair(self.tokenizer, prompt, completion)
+            p, c = encode_pair(
+                self.tokenizer, prompt, completion, max_chars=text_budget(self._token_chars, limit)
+            )
             keep_p, keep_c = fit_lengths(p, c, limit)
             encoded.append((p[len(p) - keep_p :] + c[:keep_c], keep_p))
         out: list[dict[str, Any]] = []
@@ -561,7 +568,8 @@ class ModelHost:
         for ``max_length`` are scored on what :func:`fit_lengths` keeps.
         """
         limit = min(max_length, self.context_length)
-        encoded = [encode_example(self.tokenizer, pair, limit) for pair in pairs]
+        budget = text_budget(self._token_chars, limit)
+        encoded = [encode_example(self.tokenizer, pair, limit, max_chars=budget) for pair in pairs]
         # A pair with nothing to score (no room left for its completion) gets -inf.
         empty = Encoded([self._pad_id], [IGNORE_INDEX])
         items = [e if e is not None else empty for e in encoded]

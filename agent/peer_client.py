@@ -15,7 +15,10 @@ and returns the verified bytes. Every failure is a :class:`PeerExchangeError` wh
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
 import grpc
@@ -262,13 +265,14 @@ async def _receive(
     A teacher refusing our certificate does so in the handshake, before any of its code
     runs: ``tls_failures`` (``peerlm_grpc_client_tls_failures_total``) is the only count.
     """
-    assembler = ChunkAssembler(max_bytes)
+    hasher = BackgroundSha256()
+    assembler = ChunkAssembler(max_bytes, hasher)
     first = True
     try:
         async for chunk in call:
-            if counter is not None:
-                counter.inc(len(chunk.data))
             if first and chunk.total_size > max_bytes:
+                if counter is not None:  # it was taken off the wire all the same
+                    counter.inc(len(chunk.data))
                 call.cancel()
                 raise PeerExchangeError(
                     f"peer announced a {what} of {chunk.total_size} bytes, over our limit "
@@ -277,10 +281,13 @@ async def _receive(
                 )
             first = False
             try:
-                assembler.add(chunk)
+                received = assembler.add(chunk)
             except ChunkError as err:
                 call.cancel()
                 raise PeerExchangeError(f"{what} stream corrupt: {err}", reason="corrupt") from None
+            if counter is not None:
+                counter.inc(received)
+        await hasher.drained()
         payload = assembler.finish()
         metadata = await call.initial_metadata()
     except ChunkError as err:
@@ -298,4 +305,34 @@ async def _receive(
         raise PeerExchangeError(
             f"{what} transfer failed: {describe_rpc_error(err)}", reason=reason, code=code
         ) from None
+    finally:
+        hasher.close()
     return payload, assembler.sha256, assembler.content_type, metadata
+
+
+class BackgroundSha256:
+    """A SHA-256 fed on a worker thread, in order: ``hashlib`` releases the GIL while it
+    hashes, so the event loop goes on receiving the next chunk while this one is hashed,
+    and the digest is ready shortly after the last chunk (await :meth:`drained`)."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        # One worker: updates must apply in the order the chunks arrived.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peerlm-sha256")
+        self._last: Future[None] | None = None
+
+    def update(self, data: bytes, /) -> None:
+        self._last = self._pool.submit(self._hash.update, data)
+
+    async def drained(self) -> None:
+        """Wait (without blocking the loop) until every update so far is hashed."""
+        if self._last is not None:
+            await asyncio.wrap_future(self._last)
+
+    def digest(self) -> bytes:
+        if self._last is not None:
+            self._last.result()  # done after drained(); raises what the worker raised
+        return self._hash.digest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

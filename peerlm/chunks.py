@@ -25,10 +25,20 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from peerlm.wire.v1 import common_pb2
 
-__all__ = ["ChunkAssembler", "ChunkError", "HashedPayload", "iter_chunks"]
+__all__ = ["ChunkAssembler", "ChunkError", "HashedPayload", "Hasher", "iter_chunks"]
+
+
+class Hasher(Protocol):
+    """What the assembler feeds each chunk to: ``hashlib.sha256()`` or a transport's
+    background hasher (same calls, the work elsewhere)."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def digest(self) -> bytes: ...
 
 
 class ChunkError(ValueError):
@@ -78,13 +88,17 @@ def iter_chunks(
 
 
 class ChunkAssembler:
-    """Reassembles one payload from its chunks, enforcing ``max_bytes``."""
+    """Reassembles one payload from its chunks, enforcing ``max_bytes``.
 
-    def __init__(self, max_bytes: int) -> None:
+    ``hasher`` (default ``hashlib.sha256()``) receives every chunk's bytes in order; a
+    transport may pass one that hashes on another thread, so hashing overlaps receiving.
+    """
+
+    def __init__(self, max_bytes: int, hasher: Hasher | None = None) -> None:
         self._max = max_bytes
         self._parts: list[bytes] = []
         self._filled = 0
-        self._hash = hashlib.sha256()
+        self._hash: Hasher = hasher if hasher is not None else hashlib.sha256()
         self._total: int | None = None
         self._digest: bytes | None = None
         self._verified = False
@@ -97,8 +111,10 @@ class ChunkAssembler:
             raise ChunkError("the payload is not complete and verified")
         return self._digest
 
-    def add(self, chunk: common_pb2.Chunk) -> None:
-        """Take the next chunk; raises :class:`ChunkError` at the first inconsistency."""
+    def add(self, chunk: common_pb2.Chunk) -> int:
+        """Take the next chunk and return its payload bytes; raises :class:`ChunkError` at
+        the first inconsistency. (Reading ``chunk.data`` copies it, so callers count with
+        the return value instead of reading it again.)"""
         if self._total is None:
             if chunk.total_size > self._max:
                 raise ChunkError(
@@ -113,13 +129,14 @@ class ChunkAssembler:
             raise ChunkError("total size or SHA-256 changed in the middle of a stream")
         if chunk.offset != self._filled:
             raise ChunkError(f"chunk at offset {chunk.offset}, expected {self._filled}")
-        data = chunk.data
+        data = chunk.data  # the one read of the field: protobuf copies on every access
         end = self._filled + len(data)
         if end > self._total:
             raise ChunkError("chunks carry more bytes than the announced total size")
         self._parts.append(data)
         self._hash.update(data)
         self._filled = end
+        return len(data)
 
     def finish(self) -> bytes:
         """The verified payload; raises :class:`ChunkError` if incomplete or corrupt."""

@@ -266,6 +266,9 @@ class AgentSettings(ServiceSettings):
     profile_dp_epsilon: float | None = Field(default=None, gt=0)
     guardrail_ngram: int = Field(default=8, ge=3)
     max_package_bytes: int = Field(default=64 * MiB, ge=1024)
+    # One completion in a package a teacher sends us (UTF-8 bytes); with the transfer set's
+    # size it bounds what a student parses and tokenises (agent.package.student_limits).
+    package_max_item_bytes: int = Field(default=64 * 1024, ge=1024, le=64 * MiB)
     # SIGTERM: finish the current round within this grace, else stop training at the next
     # optimiser step, checkpoint and exit 0.
     stop_grace_s: float = Field(default=30.0, ge=0)

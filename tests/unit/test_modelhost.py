@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +26,9 @@ from peerlm.agent.training import (
     encode_example,
     fit_lengths,
     lr_factor,
+    max_token_chars,
     split_prompt,
+    text_budget,
 )
 from safetensors.torch import load, load_file
 
@@ -381,6 +384,41 @@ def test_encoded_adapter_is_made_once_per_version(models: dict[str, Path]) -> No
     assert reloaded is not trained
     want, got = load(first.data), load(reloaded.data)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+class _RecordingTokenizer:
+    """The host's real tokenizer, noting the length of every text it is asked to encode."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.lengths: list[int] = []
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        self.lengths.append(len(text))
+        return self.inner(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def test_a_huge_teacher_text_is_cut_before_it_is_tokenised(models: dict[str, Path]) -> None:
+    """Issue 11: a 60 MiB completion made the student tokenise all of it (16 MiB: 3.6 GB)."""
+    h = host(models, "gpt2")
+    recorder = _RecordingTokenizer(h.tokenizer)
+    h.tokenizer = recorder
+    huge = "    return x + 1  # again and again\n" * 200_000  # 7 MB of text
+    loss, _ = h.eval_loss([("def f(x):\n", huge)], max_length=64)
+    assert math.isfinite(loss)
+    budget = text_budget(max_token_chars(recorder.inner), 64)
+    assert budget < 100_000 and max(recorder.lengths) <= budget + 16
+    # Honest texts are never cut: the same tokens as an uncut encoding.
+    short = ("def f(x):\n", "    return x\n")
+    assert encode_example(recorder.inner, short, 64, max_chars=budget) == encode_example(
+        recorder.inner, short, 64
+    )
 
 
 def test_non_finite_adapter_is_refused(models: dict[str, Path]) -> None:
