@@ -43,7 +43,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -68,6 +68,7 @@ __all__ = [
     "LogitsItem",
     "LogitsPackage",
     "PackageError",
+    "PackageLimits",
     "TextItem",
     "TextPackage",
     "build_logits_package",
@@ -672,7 +673,15 @@ def _parse_items(
     return entries
 
 
-def student_limits(n_prompts: int, max_item_text_bytes: int) -> dict[str, int]:
+class PackageLimits(TypedDict):
+    """The size bounds of :func:`decode_package`, as keyword arguments."""
+
+    max_items: int
+    max_text_bytes: int
+    max_item_text_bytes: int
+
+
+def student_limits(n_prompts: int, max_item_text_bytes: int) -> PackageLimits:
     """:func:`decode_package` bounds for a student whose X_u has ``n_prompts`` prompts.
 
     A package answers each prompt at most once, so it holds at most ``n_prompts`` items of
@@ -681,11 +690,11 @@ def student_limits(n_prompts: int, max_item_text_bytes: int) -> dict[str, int]:
     whatever the teacher sends.
     """
     n = max(1, n_prompts)
-    return {
-        "max_items": n,
-        "max_text_bytes": n * (max_item_text_bytes + ITEM_OVERHEAD_BYTES),
-        "max_item_text_bytes": max_item_text_bytes,
-    }
+    return PackageLimits(
+        max_items=n,
+        max_text_bytes=n * (max_item_text_bytes + ITEM_OVERHEAD_BYTES),
+        max_item_text_bytes=max_item_text_bytes,
+    )
 
 
 def _check_header_fields(
