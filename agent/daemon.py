@@ -588,9 +588,19 @@ class AgentDaemon:
             run_model=self._model,
             log=self.log,
             sender_check=self.sender_check,
+            gate=self._gate(),
         )
         self._count_overlay(result.outcome, result)
         self.state["importance"] = _importance_state(self.importance)
+
+    def _gate(self) -> Any:
+        """The acceptance gate on the validation set (None when disabled)."""
+        from peerlm.agent.acceptance import AcceptanceGate
+
+        margin = self.s.acceptance_margin
+        if margin is None:
+            return None
+        return AcceptanceGate(self.val_examples, margin, self.s.max_length)
 
     def _count_overlay(self, outcome: str, result: Any) -> None:
         steps = self.summary.overlay_steps
@@ -713,6 +723,18 @@ class AgentDaemon:
             self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
             return
         self._note_interrupted(result.stats.interrupted, t, "integrate", result.stats.steps)
+        if result.rolled_back:
+            # Undone by the acceptance gate; the CPM still hears the (negative) reward.
+            self.telemetry.rolled_back.labels("akd").inc()
+            self.log.warning(
+                "exchange_rolled_back",
+                round=t,
+                teacher=d.teacher,
+                directive=d.directive_id,
+                loss_pre=round(result.loss_pre, 4),
+                loss_post=round(result.loss_post, 4),
+                reward=round(result.reward, 5),
+            )
         try:
             ack = await self.cpm.report_reward(
                 d.directive_id,

@@ -56,3 +56,10 @@ class AgentTelemetry:
             ["reason"],
             registry=registry,
         )
+        self.rolled_back = Counter(
+            "peerlm_agent_integrations_rolled_back_total",
+            "Integrations undone by the acceptance gate (held-out loss worse by more than "
+            "the margin), by kind (akd, overlay).",
+            ["kind"],
+            registry=registry,
+        )

@@ -50,6 +50,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import grpc
 import structlog
 import torch
+from peerlm.agent.acceptance import AcceptanceGate, Verdict
 from peerlm.agent.adapter_codec import (
     ADAPTER_FORMAT,
     AdapterError,
@@ -153,6 +154,7 @@ class PullReport:
     bytes_received: int
     applied: bool
     delta_norm: float
+    rolled_back: bool = False
 
 
 class ModelRunner(Protocol):
@@ -186,11 +188,22 @@ class _Metrics:
             if registry is not None
             else None
         )
+        self._rolled_back = (
+            get_counter(
+                registry,
+                "peerlm_agent_integrations_rolled_back_total",
+                "Integrations undone by the acceptance gate (held-out loss worse by more than "
+                "the margin), by kind (akd, overlay).",
+                ("kind",),
+            )
+            if registry is not None
+            else None
+        )
         self._steps = (
             get_counter(
                 registry,
                 "peerlm_agent_overlay_aggregations_total",
-                "Pull-and-aggregate steps, by outcome (applied, identity, failed)",
+                "Pull-and-aggregate steps, by outcome (applied, identity, failed, rolled_back)",
                 ("outcome",),
             )
             if registry is not None
@@ -204,6 +217,10 @@ class _Metrics:
     def pulled(self, n: int) -> None:
         if self._pulled is not None and n:
             self._pulled.inc(n)
+
+    def rolled_back(self) -> None:
+        if self._rolled_back is not None:
+            self._rolled_back.labels("overlay").inc()
 
     def step(self, outcome: str) -> None:
         if self._steps is not None:
@@ -285,8 +302,10 @@ def _integrate(
     similarities: Mapping[str, float],
     settings: PullSettings,
     self_name: str,
-) -> AggregationReport:
-    """Read, aggregate and load in one model-thread call; the host changes only if useful."""
+    gate: AcceptanceGate | None = None,
+) -> tuple[AggregationReport, Verdict | None]:
+    """Read, aggregate, load and judge in one model-thread call; the host changes only if
+    useful, and with a ``gate`` stays changed only if the held-out loss allows."""
     own = host.adapter_state()
     updated, report = personalised_update(
         own,
@@ -297,9 +316,11 @@ def _integrate(
         psi=settings.psi,
         self_id=self_name,
     )
-    if report.accepted:
-        host.load_adapter_state(updated)
-    return report
+    if not report.accepted:
+        return report, None
+    pre = gate.loss(host) if gate is not None else math.nan
+    host.load_adapter_state(updated)
+    return report, (gate.settle(host, own, pre) if gate is not None else None)
 
 
 async def pull_and_aggregate(
@@ -316,6 +337,7 @@ async def pull_and_aggregate(
     round_: int = 0,
     log: Any = None,
     sender_check: SenderCheck | None = None,
+    gate: AcceptanceGate | None = None,
 ) -> PullReport:
     """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
 
@@ -324,7 +346,10 @@ async def pull_and_aggregate(
     own id in the weights). ``run_model`` runs host calls on the model thread (default:
     inline, for callers that own the host on the event loop's thread). ``round_`` only
     labels log lines. Failures of single peers are reported, never raised; an invalid local
-    adapter (non-finite) raises :class:`~peerlm.overlay.aggregation.AggregationError`.
+    adapter (non-finite) raises :class:`~peerlm.overlay.aggregation.AggregationError`. With a
+    ``gate`` (:mod:`peerlm.agent.acceptance`) an aggregate that makes the held-out loss worse
+    by more than its margin is rolled back: ``applied`` is False, ``rolled_back`` True, the
+    neighbours are listed as refused with reason ``rolled_back``.
     """
     cfg = settings or PullSettings()
     run: ModelRunner = run_model or _inline
@@ -335,10 +360,10 @@ async def pull_and_aggregate(
     max_bytes = local.spec.max_encoded_bytes()
     if cfg.max_adapter_bytes is not None:
         max_bytes = min(max_bytes, cfg.max_adapter_bytes)
-    gate = asyncio.Semaphore(cfg.concurrency)
+    slots = asyncio.Semaphore(cfg.concurrency)
 
     async def pull_one(cand: Candidate) -> tuple[Candidate, int, bytes]:
-        async with gate:
+        async with slots:
             sent_round, payload = await pull_adapter_with_round(
                 cand.address,
                 creds,
@@ -378,12 +403,16 @@ async def pull_and_aggregate(
         )
 
     report: AggregationReport | None = None
-    applied = load_failed = False
+    applied = load_failed = rolled_back = False
     if neighbours:
         similarities = {peer: received[peer].similarity for peer in neighbours}
         try:
-            report = await run(_integrate, host, neighbours, similarities, cfg, self_name)
-            applied = bool(report.accepted)
+            aggregated, verdict = await run(
+                _integrate, host, neighbours, similarities, cfg, self_name, gate
+            )
+            report = aggregated
+            applied = bool(aggregated.accepted)
+            rolled_back = verdict is not None and verdict.rolled_back
         except AggregationError:
             raise  # our own adapter is invalid: not a neighbour's fault
         except Exception as err:  # loading into the host failed; the host validated first
@@ -391,7 +420,17 @@ async def pull_and_aggregate(
                 refused.append(Refusal(peer, "load", f"loading the aggregate failed: {err}"))
             logger.error("overlay_aggregate_load_failed", round=round_, error=repr(err))
             report, load_failed = None, True
-    if report is not None:
+    pulled: tuple[PulledAdapter, ...]
+    if report is not None and rolled_back:
+        refused.extend(report.refused)
+        for peer in report.accepted:
+            refused.append(
+                Refusal(peer, "rolled_back", "the aggregate made our held-out loss worse")
+            )
+        metrics.rolled_back()
+        pulled, weights, alpha, delta = (), {self_name: 1.0}, report.alpha, 0.0
+        applied = False
+    elif report is not None:
         refused.extend(report.refused)
         pulled = tuple(received[p] for p in report.accepted)
         weights, alpha, delta = report.weights, report.alpha, report.delta_norm
@@ -410,7 +449,15 @@ async def pull_and_aggregate(
             detail=item.detail,
         )
     metrics.pulled(len(pulled))
-    outcome_label = "applied" if applied else ("failed" if load_failed else "identity")
+    outcome_label = (
+        "applied"
+        if applied
+        else "failed"
+        if load_failed
+        else "rolled_back"
+        if rolled_back
+        else "identity"
+    )
     metrics.step(outcome_label)
     logger.info(
         "overlay_aggregated",
@@ -431,4 +478,5 @@ async def pull_and_aggregate(
         bytes_received=bytes_received,
         applied=applied,
         delta_norm=delta,
+        rolled_back=rolled_back,
     )

@@ -269,6 +269,9 @@ class AgentSettings(ServiceSettings):
     # One completion in a package a teacher sends us (UTF-8 bytes); with the transfer set's
     # size it bounds what a student parses and tokenises (agent.package.student_limits).
     package_max_item_bytes: int = Field(default=64 * 1024, ge=1024, le=64 * MiB)
+    # Acceptance gate: an AKD update or overlay aggregate that raises the validation loss by
+    # more than this many nats is rolled back (and, for AKD, reported as a negative reward).
+    acceptance_margin: float | None = Field(default=0.1, ge=0)
     # SIGTERM: finish the current round within this grace, else stop training at the next
     # optimiser step, checkpoint and exit 0.
     stop_grace_s: float = Field(default=30.0, ge=0)

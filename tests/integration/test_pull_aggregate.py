@@ -22,6 +22,7 @@ import pytest
 import safetensors.torch
 import structlog
 import torch
+from peerlm.agent.acceptance import AcceptanceGate
 from peerlm.agent.directives import DirectiveBook
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
@@ -354,3 +355,46 @@ async def test_a_student_from_another_ca_is_not_served(world: World, tmp_path: P
     )
     assert not report.applied
     assert [r.reason for r in report.refused] == ["unavailable"]
+
+
+VAL = [
+    ("def add(a, b):\n", "    return a + b\n"),
+    ("def neg(x):\n", "    return -x\n"),
+]
+
+
+async def test_a_harmful_aggregate_is_rolled_back(world: World, pki: Path) -> None:
+    """Issue 11: with the norm bound off, a finite 1e30 adapter reaches the aggregate; the
+    acceptance gate sees the held-out loss explode and restores the student's adapter."""
+    student = world.student
+    before = student.adapter_state()
+    t = world.teachers
+    registry = new_registry()
+    report = await pull_and_aggregate(
+        student,
+        [Candidate("huge", t["huge"].target, 0.9)],
+        self_name="student",
+        creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
+        limits=LIMITS,
+        settings=PullSettings(max_norm_ratio=None, timeout_s=20.0),
+        registry=registry,
+        gate=AcceptanceGate(VAL, margin=0.1, max_length=64),
+    )
+    assert report.rolled_back and not report.applied and report.pulled == ()
+    assert [(r.peer, r.reason) for r in report.refused] == [("huge", "rolled_back")]
+    after = student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert _metric(registry, "peerlm_agent_integrations_rolled_back_total", kind="overlay") == 1
+    assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="rolled_back") == 1
+
+    # An honest neighbour passes the same gate (a generous margin: the micro model is noisy).
+    honest = await pull_and_aggregate(
+        student,
+        [Candidate("t1", t["t1"].target, 0.9)],
+        self_name="student",
+        creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
+        limits=LIMITS,
+        registry=registry,
+        gate=AcceptanceGate(VAL, margin=5.0, max_length=64),
+    )
+    assert honest.applied and not honest.rolled_back
