@@ -149,6 +149,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         self._builds: collections.OrderedDict[str, asyncio.Future[HashedPayload]] = (
             collections.OrderedDict()
         )
+        self._chunk_cache: tuple[HashedPayload, str, list[common_pb2.Chunk]] | None = None
         self._m = _PeerMetrics(registry)
         self._log: Any = log if log is not None else structlog.get_logger("peerlm.agent.peer")
 
@@ -222,7 +223,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         for chunk in iter_chunks(payload, self._chunk_bytes, PACKAGE_CONTENT_TYPE):
             yield chunk
             chunks += 1
-            self._m.package_bytes.inc(len(chunk.data))
+            self._m.package_bytes.inc(self._chunk_len(chunk))
         self._log.info(
             "package_sent",
             directive=directive_id,
@@ -255,12 +256,28 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
                 caller,
             )
         await self._prove(context, "adapter", str(sent_round), caller, payload)
-        for chunk in iter_chunks(payload, self._chunk_bytes, adapter_content_type(sent_round)):
+        for chunk in self._adapter_chunks(payload, adapter_content_type(sent_round)):
             yield chunk
-            self._m.adapter_bytes.inc(len(chunk.data))
+            self._m.adapter_bytes.inc(self._chunk_len(chunk))
         self._log.info("adapter_sent", round=sent_round, peer=caller, bytes=len(payload.data))
 
     # ------------------------------------------------------------- internals
+
+    def _chunk_len(self, chunk: common_pb2.Chunk) -> int:
+        # From the offsets: reading ``chunk.data`` would copy it (protobuf copies a bytes
+        # field on every access) just to count it.
+        return min(self._chunk_bytes, chunk.total_size - chunk.offset)
+
+    def _adapter_chunks(self, payload: HashedPayload, content_type: str) -> list[common_pb2.Chunk]:
+        """The chunk messages of ``payload``, built once per adapter version: every pull of
+        that version streams the same messages, so a pull costs gRPC's serialisation and no
+        slicing or message building. Only the latest version is kept (one adapter's size)."""
+        cached = self._chunk_cache
+        if cached is not None and cached[0] is payload and cached[1] == content_type:
+            return cached[2]
+        chunks = list(iter_chunks(payload, self._chunk_bytes, content_type))
+        self._chunk_cache = (payload, content_type, chunks)
+        return chunks
 
     async def _prove(
         self,
