@@ -16,9 +16,10 @@ opens its own channel):
   checked and the SHA-256 verified.
 
 Each method runs ``repeats`` times (interleaved, so drift hits all alike); the table shows
-the median MiB/s and the ratio to ``raw_tls``. The server caches the encoded adapter and
-its digest as the agent does (one per adapter version), so a pull measures the steady
-state. Timings vary with load on the machine; the ratios in one run are what compare.
+the median MiB/s and the ratios to ``raw_tls`` and to ``grpc``. The server caches the
+encoded adapter and its digest as the agent does (one per adapter version), so a pull
+measures the steady state. Timings vary with load on the machine; the ratios in one run
+are what compare.
 """
 
 from __future__ import annotations
@@ -337,6 +338,7 @@ def run_benchmark(cfg: TransferConfig, progress: Progress | None = None) -> dict
         per = times[str(size)]
         nbytes = len(_payload(size))
         raw_rate = nbytes / _MiB / statistics.median(per["raw_tls"])
+        grpc_rate = nbytes / _MiB / statistics.median(per["grpc"])
         for name in _METHODS:
             median = statistics.median(per[name])
             rate = nbytes / _MiB / median
@@ -349,6 +351,7 @@ def run_benchmark(cfg: TransferConfig, progress: Progress | None = None) -> dict
                     "best_s": round(min(per[name]), 4),
                     "mib_per_s": round(rate, 1),
                     "ratio_to_raw_tls": round(rate / raw_rate, 3),
+                    "ratio_to_grpc": round(rate / grpc_rate, 3),
                 }
             )
     return {"benchmark": "transfer", "config": asdict(cfg), "results": results}
@@ -357,7 +360,7 @@ def run_benchmark(cfg: TransferConfig, progress: Progress | None = None) -> dict
 def render_report(report: dict[str, Any], console: Console) -> None:
     """The results as a table: one row per (size, method)."""
     table = Table(title="Adapter transfer over mTLS on loopback (median of repeats)")
-    for col in ("size", "method", "median s", "best s", "MiB/s", "÷ raw TLS"):
+    for col in ("size", "method", "median s", "best s", "MiB/s", "÷ raw TLS", "÷ gRPC"):
         table.add_column(col, justify="right" if col != "method" else "left")
     for r in report["results"]:
         table.add_row(
@@ -367,5 +370,6 @@ def render_report(report: dict[str, Any], console: Console) -> None:
             f"{r['best_s']:.3f}",
             f"{r['mib_per_s']:.0f}",
             f"{r['ratio_to_raw_tls']:.2f}",
+            f"{r['ratio_to_grpc']:.2f}",
         )
     console.print(table)
