@@ -53,6 +53,7 @@ from peerlm.agent.rounds import (
     round_profile,
 )
 
+from peerlm.chunks import HashedPayload
 from peerlm.config import AgentSettings, parse_host_port
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
 from peerlm.pki.proof import ExpectedSender, ProofSigner, SenderCheck
@@ -236,6 +237,7 @@ class AgentDaemon:
             self._adapter_for,
             chunk_bytes=s.limits.chunk_bytes,
             max_package_bytes=s.max_package_bytes,
+            max_adapter_bytes=self.host.adapter_spec().max_encoded_bytes(),
             registry=self.registry,
             log=self.log,
             signer=self.signer,
@@ -370,9 +372,10 @@ class AgentDaemon:
         )
         return data
 
-    async def _adapter_for(self, round_: int) -> tuple[int, bytes] | None:
-        data = await self._model(self.host.adapter_bytes)
-        return int(self.state["round"]), data
+    async def _adapter_for(self, round_: int) -> tuple[int, HashedPayload] | None:
+        # Encoded and hashed once per adapter version; pulls of that version share it.
+        encoded = await self._model(self.host.encoded_adapter)
+        return int(self.state["round"]), encoded
 
     # ------------------------------------------------------------ evaluation
 
@@ -598,9 +601,19 @@ class AgentDaemon:
             run_model=self._model,
             log=self.log,
             sender_check=self.sender_check,
+            gate=self._gate(),
         )
         self._count_overlay(result.outcome, result)
         self.state["importance"] = _importance_state(self.importance)
+
+    def _gate(self) -> Any:
+        """The acceptance gate on the validation set (None when disabled)."""
+        from peerlm.agent.acceptance import AcceptanceGate
+
+        margin = self.s.acceptance_margin
+        if margin is None:
+            return None
+        return AcceptanceGate(self.val_examples, margin, self.s.max_length)
 
     def _count_overlay(self, outcome: str, result: Any) -> None:
         steps = self.summary.overlay_steps
@@ -677,7 +690,7 @@ class AgentDaemon:
     async def _learn_from(self, d: cpm_pb2.Directive, t: int) -> None:
         """Student side of a directive: fetch, integrate by AKD (Eq. 2), report Eq. 3."""
         from peerlm.agent.modelhost import TokenizerMismatchError
-        from peerlm.agent.package import PackageError, decode_package
+        from peerlm.agent.package import PackageError, decode_package, student_limits
         from peerlm.agent.peer_client import fetch_package
         from peerlm.agent.rounds import integrate_package
 
@@ -699,6 +712,7 @@ class AgentDaemon:
                 expect_transfer_sha256=self.transfer_digest,
                 expect_directive_id=d.directive_id,
                 expect_teacher=d.teacher,
+                **student_limits(len(self.transfer_prompts), s.package_max_item_bytes),
             )
             kb = len(data) / 1024.0
             result = await self._model(
@@ -715,12 +729,26 @@ class AgentDaemon:
             )
         except (PackageError, TokenizerMismatchError) as exc:
             reason = "package" if isinstance(exc, PackageError) else "tokenizer_mismatch"
+            if isinstance(exc, PackageError):
+                self.telemetry.package_refusals.labels(exc.reason).inc()
             self._exchange_failed(d, reason, exc)
             return
         except Exception as exc:  # a failed exchange is logged and the round goes on
             self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
             return
         self._note_interrupted(result.stats.interrupted, t, "integrate", result.stats.steps)
+        if result.rolled_back:
+            # Undone by the acceptance gate; the CPM still hears the (negative) reward.
+            self.telemetry.rolled_back.labels("akd").inc()
+            self.log.warning(
+                "exchange_rolled_back",
+                round=t,
+                teacher=d.teacher,
+                directive=d.directive_id,
+                loss_pre=round(result.loss_pre, 4),
+                loss_post=round(result.loss_post, 4),
+                reward=round(result.reward, 5),
+            )
         try:
             ack = await self.cpm.report_reward(
                 d.directive_id,

@@ -50,3 +50,16 @@ class AgentTelemetry:
             ["reason"],
             registry=registry,
         )
+        self.package_refusals = Counter(
+            "peerlm_agent_package_refusals_total",
+            "Knowledge packages refused at decode, by reason (invalid, item_too_large).",
+            ["reason"],
+            registry=registry,
+        )
+        self.rolled_back = Counter(
+            "peerlm_agent_integrations_rolled_back_total",
+            "Integrations undone by the acceptance gate (held-out loss worse by more than "
+            "the margin), by kind (akd, overlay).",
+            ["kind"],
+            registry=registry,
+        )

@@ -41,6 +41,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from peerlm.agent.adapter_codec import (
+    AdapterError,
+    AdapterSpec,
+    EncodedAdapter,
+    check_state,
+    decode_adapter,
+    encode_adapter,
+)
 from peerlm.agent.models.lora import LoraSettings, apply_lora, trainable_share
 from peerlm.agent.training import (
     IGNORE_INDEX,
@@ -55,14 +63,14 @@ from peerlm.agent.training import (
     encode_pair,
     fit_lengths,
     kd_kl_sum,
+    max_token_chars,
     run_training,
     split_prompt,
+    text_budget,
     token_ids,
     token_loss_sum,
 )
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 __all__ = [
@@ -86,8 +94,6 @@ DEFAULT_STOPS: tuple[str, ...] = (
 """Top-level constructs that end a function body (HumanEval's stop set, plus decorators and
 asserts): a completion of a ``def ...: \"\"\"docstring\"\"\"`` prompt stops at the body's end."""
 
-_ADAPTER_FORMAT = "peerlm-lora/1"
-
 # config.model_type -> the family one-hot of the profile (8 static features).
 _FAMILIES: Mapping[str, str] = MappingProxyType(
     {
@@ -103,8 +109,9 @@ _FAMILIES: Mapping[str, str] = MappingProxyType(
 )
 
 
-class AdapterMismatchError(ValueError):
-    """An adapter does not fit this host (other base model, other rank, other modules)."""
+#: An adapter does not fit this host (other base model, other rank, other modules); the
+#: codec's error, under the name this module has always raised.
+AdapterMismatchError = AdapterError
 
 
 class TokenizerMismatchError(ValueError):
@@ -171,21 +178,6 @@ def _vocab_hash(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 
 
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors blob (read from its JSON header, no tensors)."""
-    if len(data) < 8:
-        raise AdapterMismatchError("not a safetensors adapter: too short")
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
-        raise AdapterMismatchError("not a safetensors adapter: header length out of range")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except ValueError as exc:
-        raise AdapterMismatchError(f"not a safetensors adapter: {exc}") from None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
-
-
 class ModelHost:
     """A causal LM with a LoRA adapter (see the module docstring). Build with :meth:`load`."""
 
@@ -205,9 +197,13 @@ class ModelHost:
         self.seed = seed
         self.tokenizer_hash = _vocab_hash(tokenizer)
         self._pad_id = int(tokenizer.pad_token_id)
+        # Texts are cut to what max_length tokens can cover before they are tokenised.
+        self._token_chars = max_token_chars(tokenizer)
         #: Set from any thread to end the running (and any later) training call at its next
         #: optimiser step boundary; the one cross-thread signal a host accepts.
         self.interrupt = threading.Event()
+        self._adapter_version = 0
+        self._encoded: tuple[int, EncodedAdapter] | None = None
         self.model.eval()
 
     # ------------------------------------------------------------------------ construction
@@ -311,13 +307,21 @@ class ModelHost:
 
     def _encode_all(self, examples: Sequence[Example], max_length: int) -> list[Encoded]:
         limit = min(max_length, self.context_length)
-        out = [encode_example(self.tokenizer, ex, limit) for ex in examples]
+        budget = text_budget(self._token_chars, limit)
+        out = [encode_example(self.tokenizer, ex, limit, max_chars=budget) for ex in examples]
         return [e for e in out if e is not None]
 
     def _text_source(self, name: str, weight: float, items: list[Encoded]) -> Source:
         return Source(
             name, weight, items, lambda batch: token_loss_sum(self.model, batch, self._pad_id)
         )
+
+    def _train(
+        self, sources: list[Source], settings: TrainSettings, steps: int | None
+    ) -> TrainStats:
+        # Training changes the adapter: the cached encoding (if any) is of an older version.
+        self._adapter_version += 1
+        return run_training(self.model, sources, settings, steps, interrupt=self.interrupt)
 
     # ----------------------------------------------------------------------------- training
 
@@ -333,13 +337,7 @@ class ModelHost:
         items = self._encode_all(examples, settings.max_length)
         if not items:
             raise ValueError("train_local: no example has a token to train on")
-        stats = run_training(
-            self.model,
-            [self._text_source("local", 1.0, items)],
-            settings,
-            steps,
-            interrupt=self.interrupt,
-        )
+        stats = self._train([self._text_source("local", 1.0, items)], settings, steps)
         stats.local_loss = stats.mean_loss
         return stats
 
@@ -377,9 +375,7 @@ class ModelHost:
             raise ValueError("train_akd: alpha_kd > 0 needs teacher completions with tokens")
         local_src = self._text_source("local", 1.0 - alpha, local)
         kd_src = self._text_source("kd", alpha, teacher)
-        stats = run_training(
-            self.model, [local_src, kd_src], settings, steps, interrupt=self.interrupt
-        )
+        stats = self._train([local_src, kd_src], settings, steps)
         stats.local_loss, stats.kd_loss, stats.alpha_kd = local_src.mean(), kd_src.mean(), alpha
         return stats
 
@@ -421,9 +417,7 @@ class ModelHost:
             targets,
             lambda batch: kd_kl_sum(self.model, batch, self._pad_id, temperature),
         )
-        stats = run_training(
-            self.model, [local_src, kd_src], settings, steps, interrupt=self.interrupt
-        )
+        stats = self._train([local_src, kd_src], settings, steps)
         stats.local_loss, stats.kd_loss, stats.alpha_kd = local_src.mean(), kd_src.mean(), alpha
         return stats
 
@@ -500,7 +494,9 @@ class ModelHost:
         limit = min(max_length, self.context_length)
         encoded: list[tuple[list[int], int]] = []
         for prompt, completion in zip(prompts, completions, strict=True):
-            p, c = encode_pair(self.tokenizer, prompt, completion)
+            p, c = encode_pair(
+                self.tokenizer, prompt, completion, max_chars=text_budget(self._token_chars, limit)
+            )
             keep_p, keep_c = fit_lengths(p, c, limit)
             encoded.append((p[len(p) - keep_p :] + c[:keep_c], keep_p))
         out: list[dict[str, Any]] = []
@@ -572,7 +568,8 @@ class ModelHost:
         for ``max_length`` are scored on what :func:`fit_lengths` keeps.
         """
         limit = min(max_length, self.context_length)
-        encoded = [encode_example(self.tokenizer, pair, limit) for pair in pairs]
+        budget = text_budget(self._token_chars, limit)
+        encoded = [encode_example(self.tokenizer, pair, limit, max_chars=budget) for pair in pairs]
         # A pair with nothing to score (no room left for its completion) gets -inf.
         empty = Encoded([self._pad_id], [IGNORE_INDEX])
         items = [e if e is not None else empty for e in encoded]
@@ -683,49 +680,35 @@ class ModelHost:
         state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
         return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
 
-    def _metadata(self) -> dict[str, str]:
-        return {
-            "format": "pt",
-            "peerlm.format": _ADAPTER_FORMAT,
-            "peerlm.model_type": self.model_type,
-            "peerlm.tokenizer_hash": self.tokenizer_hash,
-            "peerlm.lora": self.lora.model_dump_json(),
+    def adapter_spec(self) -> AdapterSpec:
+        """What an adapter must be to fit this host (:mod:`peerlm.agent.adapter_codec`)."""
+        shapes = {
+            k: tuple(v.shape)
+            for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()
         }
+        return AdapterSpec(
+            shapes=shapes,
+            model_type=self.model_type,
+            tokenizer_hash=self.tokenizer_hash,
+            lora_r=self.lora.r,
+            lora_alpha=self.lora.alpha,
+            lora_json=self.lora.model_dump_json(),
+        )
+
+    def _metadata(self) -> dict[str, str]:
+        return self.adapter_spec().metadata()
 
     def load_adapter_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Replace the adapter's weights; :class:`AdapterMismatchError` if they do not fit.
 
         Every expected tensor must be present with the expected shape, no other tensor may
-        be, and all values must be finite (a peer's adapter is untrusted input).
+        be, and all values must be finite (a peer's adapter is untrusted input); checked by
+        :func:`~peerlm.agent.adapter_codec.check_state` before anything changes.
         """
-        expected = {
-            k: tuple(v.shape)
-            for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()
-        }
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        wrong = sorted(
-            f"{k}: {tuple(state[k].shape)} != {expected[k]}"
-            for k in set(expected) & set(state)
-            if tuple(state[k].shape) != expected[k]
-        )
-        if missing or unexpected or wrong:
-            parts = []
-            for label, names in (
-                ("missing", missing),
-                ("unexpected", unexpected),
-                ("shape", wrong),
-            ):
-                if names:
-                    more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
-                    parts.append(f"{label}: {', '.join(names[:3])}{more}")
-            raise AdapterMismatchError(
-                f"adapter does not fit this {self.model_type} host with LoRA r={self.lora.r} "
-                f"({len(expected)} tensors expected); " + "; ".join(parts)
-            )
-        for k, v in state.items():
-            if not torch.is_floating_point(v) or not bool(torch.isfinite(v).all()):
-                raise AdapterMismatchError(f"adapter tensor {k} is not finite floating point")
+        check_state(state, self.adapter_spec())
+        self._load_checked(state)
+
+    def _load_checked(self, state: Mapping[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())
         device = next(self.model.parameters()).device
         converted: dict[str, torch.Tensor] = {}
@@ -734,37 +717,41 @@ class ModelHost:
             live = params.get(k.replace(".weight", ".default.weight"))
             dtype = live.dtype if live is not None else v.dtype
             converted[k] = v.to(device=device, dtype=dtype)
+        self._adapter_version += 1
         result = set_peft_model_state_dict(self.model, converted)
         unexpected_after = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected_after:
             raise AdapterMismatchError(f"peft did not use tensors: {unexpected_after[:3]}")
 
+    def encoded_adapter(self) -> EncodedAdapter:
+        """The adapter encoded (safetensors with metadata) and hashed, once per version.
+
+        Every training call and every load makes a new version; until then all pulls share
+        one encoding and one SHA-256 pass (the peer server streams it as is).
+        """
+        cached = self._encoded
+        if cached is not None and cached[0] == self._adapter_version:
+            return cached[1]
+        version = self._adapter_version
+        encoded = EncodedAdapter.of(encode_adapter(self.adapter_state(), self.adapter_spec()))
+        self._encoded = (version, encoded)
+        return encoded
+
     def adapter_bytes(self) -> bytes:
         """The adapter as safetensors bytes (with base and LoRA metadata), for peers."""
-        return bytes(st_save(self.adapter_state(), metadata=self._metadata()))
+        return self.encoded_adapter().data
 
     def load_adapter_bytes(self, data: bytes, *, strict: bool = True) -> None:
         """Load safetensors bytes from :meth:`adapter_bytes` (never pickle).
 
-        With ``strict`` the metadata must name this host's model type and tokenizer, so an
-        adapter of another base model is refused even where shapes happen to agree.
+        With ``strict`` a blob carrying peerlm metadata must name this host's model type,
+        tokenizer and LoRA settings, so an adapter of another base model is refused even
+        where shapes happen to agree; a plain safetensors adapter loads by shape.
         """
-        meta = _safetensors_metadata(data)
-        if strict and meta.get("peerlm.format") == _ADAPTER_FORMAT:
-            their_type = meta.get("peerlm.model_type")
-            if their_type != self.model_type:
-                raise AdapterMismatchError(
-                    f"adapter was trained on a {their_type} model; this host is {self.model_type}"
-                )
-            if meta.get("peerlm.tokenizer_hash") != self.tokenizer_hash:
-                raise AdapterMismatchError(
-                    "adapter was trained on a base model with another tokenizer than this host's"
-                )
-        try:
-            state = st_load(data)
-        except Exception as exc:  # safetensors raises its own error type for corrupt input
-            raise AdapterMismatchError(f"cannot decode adapter: {exc}") from None
-        self.load_adapter_state(state)
+        tensors = decode_adapter(
+            data, self.adapter_spec(), identity="if_present" if strict else "ignored"
+        )
+        self._load_checked(tensors)
 
     def save_adapter(self, path: str | Path) -> Path:
         """Write the adapter to ``path`` as safetensors, atomically (temp file + rename)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from peerlm.agent.acceptance import AcceptanceGate
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.peer_client import get_counter
 from peerlm.agent.pull_aggregate import (
@@ -81,6 +82,7 @@ def pull_settings(overlay: AgentOverlaySettings, timeout_s: float) -> PullSettin
         max_peers=overlay.k,
         timeout_s=timeout_s,
         max_adapter_bytes=overlay.max_adapter_bytes,
+        max_norm_ratio=overlay.max_norm_ratio,
         kappa=overlay.kappa,
         eta=overlay.eta,
         psi=overlay.psi,
@@ -145,6 +147,7 @@ async def overlay_round_step(
     dev_identity: str | None = None,
     log: Any,
     sender_check: SenderCheck | None = None,
+    gate: AcceptanceGate | None = None,
 ) -> OverlayStepResult:
     """Publish this round's signature, search the ``k`` nearest peers, pull and aggregate.
 
@@ -218,6 +221,7 @@ async def overlay_round_step(
             round_=round_,
             log=log,
             sender_check=sender_check,
+            gate=gate,
         )
     except asyncio.CancelledError:
         raise
@@ -227,5 +231,7 @@ async def overlay_round_step(
     result.pulled = [p_.peer for p_ in report.pulled]
     result.refused = {r.peer: r.reason for r in report.refused}
     result.bytes_received = report.bytes_received
-    result.outcome = "aggregated" if report.applied else "identity"
+    result.outcome = (
+        "aggregated" if report.applied else "rolled_back" if report.rolled_back else "identity"
+    )
     return done(result)

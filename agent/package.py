@@ -43,7 +43,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -56,16 +56,19 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MAX_ITEMS",
+    "DEFAULT_MAX_ITEM_TEXT_BYTES",
     "DEFAULT_MAX_POSITIONS",
     "DEFAULT_MAX_TEXT_BYTES",
     "FORMAT",
     "FORMAT_VERSION",
+    "ITEM_OVERHEAD_BYTES",
     "MAX_TOP_K",
     "PACKAGE_CONTENT_TYPE",
     "KnowledgePackage",
     "LogitsItem",
     "LogitsPackage",
     "PackageError",
+    "PackageLimits",
     "TextItem",
     "TextPackage",
     "build_logits_package",
@@ -74,6 +77,7 @@ __all__ = [
     "encode_package",
     "package_size_kb",
     "prompt_sha256",
+    "student_limits",
     "text_pairs",
 ]
 
@@ -87,6 +91,12 @@ MiB: Final = 1024 * 1024
 DEFAULT_MAX_ITEMS: Final = 100_000
 DEFAULT_MAX_TEXT_BYTES: Final = 64 * MiB
 DEFAULT_MAX_POSITIONS: Final = 4_000_000
+#: One completion's UTF-8 bytes: a completion of ``max_new_tokens`` (at most 4096) tokens of
+#: code is a few KiB; 64 KiB leaves room for verbose teachers and bounds what a student
+#: holds and tokenises per item whatever the package carries.
+DEFAULT_MAX_ITEM_TEXT_BYTES: Final = 64 * 1024
+#: JSON framing of one item besides its text: ids, hashes, keys, escapes of a short prompt id.
+ITEM_OVERHEAD_BYTES: Final = 1024
 MAX_TOP_K: Final = 1024
 #: Our header holds a handful of short strings and at most four tensor entries.
 _MAX_HEADER_BYTES: Final = 64 * 1024
@@ -103,7 +113,12 @@ Mode = Literal["text", "logits"]
 
 
 class PackageError(ValueError):
-    """A knowledge package is malformed, oversized, inconsistent or not the one expected."""
+    """A knowledge package is malformed, oversized, inconsistent or not the one expected;
+    ``reason`` is a metric label (``invalid``, ``item_too_large``)."""
+
+    def __init__(self, message: str, *, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -431,6 +446,7 @@ def decode_package(
     max_items: int = DEFAULT_MAX_ITEMS,
     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES,
     max_positions: int = DEFAULT_MAX_POSITIONS,
+    max_item_text_bytes: int = DEFAULT_MAX_ITEM_TEXT_BYTES,
     expect_transfer_sha256: str | None = None,
     expect_directive_id: str | None = None,
     expect_teacher: str | None = None,
@@ -439,10 +455,13 @@ def decode_package(
     """Parse and validate an encoded package; raises :class:`PackageError` on any flaw.
 
     Bounds: at most ``max_items`` items, ``max_text_bytes`` bytes of item JSON (texts
-    included) and, in logits mode, ``max_positions`` rows of top-k arrays. The ``expect_*``
-    arguments pin what the student asked for: the transfer-set hash of its X_u, the
-    directive and the teacher it holds, and ``expect_prompts`` (prompt id -> prompt SHA-256
-    of its X_u): every item must answer one of those prompts under the same hash.
+    included), ``max_item_text_bytes`` UTF-8 bytes per completion (reason
+    ``item_too_large``: one huge completion inside the package limit would otherwise cost
+    the student gigabytes to tokenise) and, in logits mode, ``max_positions`` rows of top-k
+    arrays; :func:`student_limits` derives them from the transfer set's size. The
+    ``expect_*`` arguments pin what the student asked for: the transfer-set hash of its
+    X_u, the directive and the teacher it holds, and ``expect_prompts`` (prompt id ->
+    prompt SHA-256 of its X_u): every item must answer one of those prompts under the same hash.
     """
     header, metadata = _read_header(bytes(data))
     mode = metadata["mode"]
@@ -476,7 +495,9 @@ def decode_package(
     except Exception as err:  # the Rust reader's own checks: offsets, overlaps, sizes
         raise PackageError(f"not a valid safetensors file: {err}") from None
 
-    entries = _parse_items(tensors["items"], n_items, with_text=mode == "text")
+    entries = _parse_items(
+        tensors["items"], n_items, with_text=mode == "text", max_text=max_item_text_bytes
+    )
     _check_item_ids([(e["prompt_id"], e["prompt_sha256"]) for e in entries])
     _check_expectations(
         metadata,
@@ -625,7 +646,7 @@ def _parse_float(metadata: Mapping[str, str], key: str) -> float:
 
 
 def _parse_items(
-    raw: npt.NDArray[np.uint8], count: int, *, with_text: bool
+    raw: npt.NDArray[np.uint8], count: int, *, with_text: bool, max_text: int
 ) -> list[dict[str, str]]:
     try:
         entries = json.loads(raw.tobytes().decode("utf-8"))
@@ -641,7 +662,39 @@ def _parse_items(
             raise PackageError(f"item {i} must be an object with exactly {sorted(keys)}")
         if not all(isinstance(v, str) for v in entry.values()):
             raise PackageError(f"item {i}: every field must be a string")
+        text = entry.get("text", "")
+        # Characters first (free); UTF-8 bytes only where they could exceed the limit.
+        if len(text) > max_text or (4 * len(text) > max_text and len(text.encode()) > max_text):
+            raise PackageError(
+                f"item {i}: completion of {len(text.encode())} bytes exceeds the per-item "
+                f"limit of {max_text}",
+                reason="item_too_large",
+            )
     return entries
+
+
+class PackageLimits(TypedDict):
+    """The size bounds of :func:`decode_package`, as keyword arguments."""
+
+    max_items: int
+    max_text_bytes: int
+    max_item_text_bytes: int
+
+
+def student_limits(n_prompts: int, max_item_text_bytes: int) -> PackageLimits:
+    """:func:`decode_package` bounds for a student whose X_u has ``n_prompts`` prompts.
+
+    A package answers each prompt at most once, so it holds at most ``n_prompts`` items of
+    at most ``max_item_text_bytes`` each, plus :data:`ITEM_OVERHEAD_BYTES` of framing:
+    what the student parses, holds and tokenises is bounded by its own configuration
+    whatever the teacher sends.
+    """
+    n = max(1, n_prompts)
+    return PackageLimits(
+        max_items=n,
+        max_text_bytes=n * (max_item_text_bytes + ITEM_OVERHEAD_BYTES),
+        max_item_text_bytes=max_item_text_bytes,
+    )
 
 
 def _check_header_fields(

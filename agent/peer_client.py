@@ -15,7 +15,10 @@ and returns the verified bytes. Every failure is a :class:`PeerExchangeError` wh
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
 import grpc
@@ -140,7 +143,7 @@ async def fetch_package(
             timeout=timeout_s,
             metadata=_metadata(dev_identity, tokenizer_sha256),
         )
-        payload, content_type, metadata = await _receive(
+        payload, digest, content_type, metadata = await _receive(
             call, max_bytes, counter, _tls_failures(registry), what="package"
         )
     if content_type != PACKAGE_CONTENT_TYPE:
@@ -148,17 +151,18 @@ async def fetch_package(
             f"teacher sent content type {content_type!r}, expected {PACKAGE_CONTENT_TYPE}",
             reason="corrupt",
         )
-    _check_sender(expect, metadata, "package", directive_id, payload)
+    _check_sender(expect, metadata, "package", directive_id, digest)
     return payload
 
 
 def _check_sender(
-    expect: ExpectedSender | None, metadata: Any, kind: str, reference: str, payload: bytes
+    expect: ExpectedSender | None, metadata: Any, kind: str, reference: str, sha256: bytes
 ) -> None:
+    # Checked against the digest the assembler computed while the chunks arrived.
     if expect is None:
         return
     try:
-        expect.verify(metadata, kind, reference, payload)
+        expect.verify_digest(metadata, kind, reference, sha256)
     except ProofError as err:
         raise PeerExchangeError(
             f"{kind} from {expect.sender!r} refused: {err} ({err.reason})",
@@ -206,7 +210,7 @@ async def pull_adapter_with_round(
             timeout=limits.rpc_timeout_s if timeout_s is None else timeout_s,
             metadata=_metadata(dev_identity),
         )
-        payload, content_type, metadata = await _receive(
+        payload, digest, content_type, metadata = await _receive(
             call, max_bytes, counter, _tls_failures(registry), what="adapter"
         )
     try:
@@ -217,7 +221,7 @@ async def pull_adapter_with_round(
         raise PeerExchangeError(
             f"asked for the adapter of round {round_}, got round {sent_round}", reason="corrupt"
         )
-    _check_sender(expect, metadata, "adapter", str(sent_round), payload)
+    _check_sender(expect, metadata, "adapter", str(sent_round), digest)
     return sent_round, payload
 
 
@@ -253,20 +257,22 @@ async def _receive(
     tls_failures: TlsFailureCounter | None,
     *,
     what: str,
-) -> tuple[bytes, str, Any]:
+) -> tuple[bytes, bytes, str, Any]:
     """Assemble the call's chunks; map every failure to :class:`PeerExchangeError`.
-    Returns the payload, its content type and the call's initial metadata.
+    Returns the payload, its verified SHA-256, its content type and the call's initial
+    metadata.
 
     A teacher refusing our certificate does so in the handshake, before any of its code
     runs: ``tls_failures`` (``peerlm_grpc_client_tls_failures_total``) is the only count.
     """
-    assembler = ChunkAssembler(max_bytes)
+    hasher = BackgroundSha256()
+    assembler = ChunkAssembler(max_bytes, hasher)
     first = True
     try:
         async for chunk in call:
-            if counter is not None:
-                counter.inc(len(chunk.data))
             if first and chunk.total_size > max_bytes:
+                if counter is not None:  # it was taken off the wire all the same
+                    counter.inc(len(chunk.data))
                 call.cancel()
                 raise PeerExchangeError(
                     f"peer announced a {what} of {chunk.total_size} bytes, over our limit "
@@ -275,10 +281,13 @@ async def _receive(
                 )
             first = False
             try:
-                assembler.add(chunk)
+                received = assembler.add(chunk)
             except ChunkError as err:
                 call.cancel()
                 raise PeerExchangeError(f"{what} stream corrupt: {err}", reason="corrupt") from None
+            if counter is not None:
+                counter.inc(received)
+        await hasher.drained()
         payload = assembler.finish()
         metadata = await call.initial_metadata()
     except ChunkError as err:
@@ -296,4 +305,34 @@ async def _receive(
         raise PeerExchangeError(
             f"{what} transfer failed: {describe_rpc_error(err)}", reason=reason, code=code
         ) from None
-    return payload, assembler.content_type, metadata
+    finally:
+        hasher.close()
+    return payload, assembler.sha256, assembler.content_type, metadata
+
+
+class BackgroundSha256:
+    """A SHA-256 fed on a worker thread, in order: ``hashlib`` releases the GIL while it
+    hashes, so the event loop goes on receiving the next chunk while this one is hashed,
+    and the digest is ready shortly after the last chunk (await :meth:`drained`)."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        # One worker: updates must apply in the order the chunks arrived.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peerlm-sha256")
+        self._last: Future[None] | None = None
+
+    def update(self, data: bytes, /) -> None:
+        self._last = self._pool.submit(self._hash.update, data)
+
+    async def drained(self) -> None:
+        """Wait (without blocking the loop) until every update so far is hashed."""
+        if self._last is not None:
+            await asyncio.wrap_future(self._last)
+
+    def digest(self) -> bytes:
+        if self._last is not None:
+            self._last.result()  # done after drained(); raises what the worker raised
+        return self._hash.digest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -34,11 +34,11 @@ from peerlm.agent.package import PACKAGE_CONTENT_TYPE
 from peerlm.agent.peer_client import STUDENT_TOKENIZER_METADATA, adapter_content_type, get_counter
 from prometheus_client import CollectorRegistry
 
-from peerlm.chunks import iter_chunks
+from peerlm.chunks import HashedPayload, iter_chunks
 from peerlm.config import GrpcLimits, parse_host_port
 from peerlm.grpc_types import ServicerContext
 from peerlm.pki.identity import Role
-from peerlm.pki.proof import ProofSigner, transfer_statement
+from peerlm.pki.proof import ProofSigner, digest_statement
 from peerlm.rpc import (
     MetricsInterceptor,
     add_health_and_reflection,
@@ -79,8 +79,10 @@ PackageProvider = Callable[[cpm_pb2.Directive, str | None], Awaitable[bytes]]
 # that can use logits. A hint, not an identity: a wrong value only gets the student a
 # package it cannot use, which it checks itself.
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
-#: The adapter of a round (0 = latest) as (round, safetensors bytes), or None if absent.
-AdapterProvider = Callable[[int], Awaitable[tuple[int, bytes] | None]]
+#: The adapter of a round (0 = latest) as (round, safetensors bytes), or None if absent. A
+#: :class:`~peerlm.chunks.HashedPayload` (the model host's cached encoding of its current
+#: adapter version) is streamed and proved with its known digest: no hashing per pull.
+AdapterProvider = Callable[[int], Awaitable[tuple[int, bytes | HashedPayload] | None]]
 
 _DIRECTIVE_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -111,10 +113,11 @@ class _PeerMetrics:
 class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
     """Implements ``peerlm.v1.PeerExchange`` over a directive book and two providers.
 
-    ``max_package_bytes`` (and ``max_adapter_bytes``, default the same) bound what this
-    agent sends: a provider returning more is refused with ``RESOURCE_EXHAUSTED`` rather
-    than streamed. Up to ``cache_entries`` built packages are kept (least recently used
-    evicted first).
+    ``max_package_bytes`` and ``max_adapter_bytes`` bound what this agent sends: a provider
+    returning more is refused with ``RESOURCE_EXHAUSTED`` rather than streamed. The agent
+    sets ``max_adapter_bytes`` to the largest adapter its model can produce
+    (:meth:`~peerlm.agent.adapter_codec.AdapterSpec.max_encoded_bytes`); None: no bound.
+    Up to ``cache_entries`` built packages are kept (least recently used evicted first).
     """
 
     def __init__(
@@ -140,12 +143,13 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         self._adapter_provider = adapter_provider
         self._chunk_bytes = chunk_bytes
         self._max_package = max_package_bytes
-        self._max_adapter = max_package_bytes if max_adapter_bytes is None else max_adapter_bytes
+        self._max_adapter = max_adapter_bytes
         self._cache_entries = cache_entries
         self._signer = signer
-        self._builds: collections.OrderedDict[str, asyncio.Future[bytes]] = (
+        self._builds: collections.OrderedDict[str, asyncio.Future[HashedPayload]] = (
             collections.OrderedDict()
         )
+        self._chunk_cache: tuple[HashedPayload, str, list[common_pb2.Chunk]] | None = None
         self._m = _PeerMetrics(registry)
         self._log: Any = log if log is not None else structlog.get_logger("peerlm.agent.peer")
 
@@ -203,14 +207,14 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
                 "the teacher could not build the package; retry later",
                 caller,
             )
-        if len(payload) > self._max_package:
+        if len(payload.data) > self._max_package:
             self._book.refund(directive_id)
             await self._refuse(
                 context,
                 rpc,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "package_too_large",
-                f"package of {len(payload)} bytes exceeds this teacher's limit "
+                f"package of {len(payload.data)} bytes exceeds this teacher's limit "
                 f"of {self._max_package}",
                 caller,
             )
@@ -219,13 +223,13 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         for chunk in iter_chunks(payload, self._chunk_bytes, PACKAGE_CONTENT_TYPE):
             yield chunk
             chunks += 1
-            self._m.package_bytes.inc(len(chunk.data))
+            self._m.package_bytes.inc(self._chunk_len(chunk))
         self._log.info(
             "package_sent",
             directive=directive_id,
             round=directive.matchmaking_round,
             peer=caller,
-            bytes=len(payload),
+            bytes=len(payload.data),
             chunks=chunks,
             fetch=self._book.fetches(directive_id),
         )
@@ -239,32 +243,55 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         if found is None or (wanted and found[0] != wanted):
             what = "no adapter yet" if wanted == 0 else f"no adapter of round {wanted}"
             await self._refuse(context, rpc, grpc.StatusCode.NOT_FOUND, "no_adapter", what, caller)
-        sent_round, payload = found
-        if len(payload) > self._max_adapter:
+        sent_round, raw = found
+        payload = raw if isinstance(raw, HashedPayload) else HashedPayload.of(raw)
+        if self._max_adapter is not None and len(payload.data) > self._max_adapter:
             await self._refuse(
                 context,
                 rpc,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "adapter_too_large",
-                f"adapter of {len(payload)} bytes exceeds this agent's limit "
+                f"adapter of {len(payload.data)} bytes exceeds this agent's limit "
                 f"of {self._max_adapter}",
                 caller,
             )
         await self._prove(context, "adapter", str(sent_round), caller, payload)
-        for chunk in iter_chunks(payload, self._chunk_bytes, adapter_content_type(sent_round)):
+        for chunk in self._adapter_chunks(payload, adapter_content_type(sent_round)):
             yield chunk
-            self._m.adapter_bytes.inc(len(chunk.data))
-        self._log.info("adapter_sent", round=sent_round, peer=caller, bytes=len(payload))
+            self._m.adapter_bytes.inc(self._chunk_len(chunk))
+        self._log.info("adapter_sent", round=sent_round, peer=caller, bytes=len(payload.data))
 
     # ------------------------------------------------------------- internals
 
+    def _chunk_len(self, chunk: common_pb2.Chunk) -> int:
+        # From the offsets: reading ``chunk.data`` would copy it (protobuf copies a bytes
+        # field on every access) just to count it.
+        return min(self._chunk_bytes, chunk.total_size - chunk.offset)
+
+    def _adapter_chunks(self, payload: HashedPayload, content_type: str) -> list[common_pb2.Chunk]:
+        """The chunk messages of ``payload``, built once per adapter version: every pull of
+        that version streams the same messages, so a pull costs gRPC's serialisation and no
+        slicing or message building. Only the latest version is kept (one adapter's size)."""
+        cached = self._chunk_cache
+        if cached is not None and cached[0] is payload and cached[1] == content_type:
+            return cached[2]
+        chunks = list(iter_chunks(payload, self._chunk_bytes, content_type))
+        self._chunk_cache = (payload, content_type, chunks)
+        return chunks
+
     async def _prove(
-        self, context: ServicerContext, kind: str, reference: str, caller: str, payload: bytes
+        self,
+        context: ServicerContext,
+        kind: str,
+        reference: str,
+        caller: str,
+        payload: HashedPayload,
     ) -> None:
         """Send the sender proof (:mod:`peerlm.pki.proof`) as initial metadata: the caller
-        cannot see our certificate in TLS, so it checks this instead."""
+        cannot see our certificate in TLS, so it checks this instead. Signed over the
+        payload's known digest (no hashing per request)."""
         if self._signer is not None:
-            statement = transfer_statement(kind, reference, caller, payload)
+            statement = digest_statement(kind, reference, caller, payload.sha256)
             await context.send_initial_metadata(self._signer.metadata(statement))
 
     async def _refuse(
@@ -288,8 +315,9 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         await context.abort(code, detail)
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
-    async def _package(self, directive: cpm_pb2.Directive, tokenizer: str | None) -> bytes:
-        """The package for ``directive``, built at most once however many fetch it at once.
+    async def _package(self, directive: cpm_pb2.Directive, tokenizer: str | None) -> HashedPayload:
+        """The package for ``directive``, built (and hashed) at most once however many fetch
+        it at once.
 
         The first fetch's tokenizer hint decides the build; retries get the same package.
         """
@@ -297,7 +325,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         build = self._builds.get(key)
         if build is None:
             self._m.builds.inc()
-            build = asyncio.ensure_future(self._package_provider(directive, tokenizer))
+            build = asyncio.ensure_future(self._hashed_package(directive, tokenizer))
             build.add_done_callback(lambda done: self._forget_failed(key, done))
             self._builds[key] = build
             while len(self._builds) > self._cache_entries:
@@ -307,7 +335,12 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         # shield: a student hanging up must not cancel a build others (or its retry) await.
         return await asyncio.shield(build)
 
-    def _forget_failed(self, key: str, done: asyncio.Future[bytes]) -> None:
+    async def _hashed_package(
+        self, directive: cpm_pb2.Directive, tokenizer: str | None
+    ) -> HashedPayload:
+        return HashedPayload.of(await self._package_provider(directive, tokenizer))
+
+    def _forget_failed(self, key: str, done: asyncio.Future[HashedPayload]) -> None:
         # Retrieve the exception (no "never retrieved" warning when nobody awaits any more)
         # and drop the failed build so that the next fetch tries again.
         failed = done.cancelled() or done.exception() is not None

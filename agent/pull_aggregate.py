@@ -3,31 +3,37 @@
 After a similarity search the agent holds up to K candidates ``(peer, address, similarity)``.
 :func:`pull_and_aggregate` pulls each candidate's latest adapter over
 ``PeerExchange.PullAdapter`` (mTLS, chunked, SHA-256 verified by
-:func:`~peerlm.agent.peer_client.pull_adapter_with_round`), decodes it with
-``safetensors.torch.load`` (never pickle), checks it against the local adapter, and then
+:func:`~peerlm.agent.peer_client.pull_adapter_with_round`), decodes and checks it with the
+adapter codec (:mod:`peerlm.agent.adapter_codec`, safetensors, never pickle), and then
 applies the PDFL step of :func:`peerlm.overlay.aggregation.personalised_update`
 (``w <- (1 - alpha) w + alpha sum_j W_ij w_j``) to the local adapter.
 
 Each candidate is judged on its own. Every failure (unreachable, timed out, refused by the
 peer, too large, corrupt stream, undecodable, another base model, tokenizer or LoRA
-scaling, other tensor names or shapes, non-finite values) is logged with the round and peer,
-counted in ``peerlm_agent_overlay_pull_failures_total{reason}`` and listed in the
-:class:`PullReport`; it never aborts the others. The local adapter changes only when at
-least one neighbour was integrated (``peerlm_agent_overlay_pulled_adapters_total``); with
-none the update is the identity and the host is not touched.
+scaling, other tensor names or shapes, non-finite values, a norm far above ours) is logged
+with the round and peer, counted in ``peerlm_agent_overlay_pull_failures_total{reason}``
+and listed in the :class:`PullReport`; it never aborts the others. The local adapter changes
+only when at least one neighbour was integrated (``peerlm_agent_overlay_pulled_adapters_total``);
+with none the update is the identity and the host is not touched.
 
 Choices made here:
 
 * **Bounded fan-out and size.** At most ``max_peers`` candidates (highest similarity first;
   duplicates keep their best similarity, our own name is skipped), ``concurrency`` pulls at
   a time, each within ``timeout_s``. A compatible adapter has our tensor names and shapes,
-  so its size is close to ours; a payload announced above ``2 x ours + 1 MiB`` (float32
-  against bfloat16 plus a larger header) or above ``max_adapter_bytes`` is refused at its
+  so it is at most the largest adapter our spec can produce (every tensor float32 plus the
+  header bound, :meth:`~peerlm.agent.adapter_codec.AdapterSpec.max_encoded_bytes`); a
+  payload announced above that, or above ``max_adapter_bytes`` when set, is refused at its
   first chunk.
-* **Compatibility beyond shapes.** The safetensors metadata must be peerlm's adapter format
-  and name our model type, tokenizer and LoRA ``r``/``alpha``: equal shapes with another
-  scaling ``alpha / r`` or another base model would average numbers that mean different
-  things.
+* **One codec.** :func:`~peerlm.agent.adapter_codec.decode_adapter` checks the blob: the
+  safetensors metadata must be peerlm's adapter format and name our model type, tokenizer
+  and LoRA ``r``/``alpha`` (equal shapes with another scaling ``alpha / r`` or another base
+  model would average numbers that mean different things), the tensor table our names,
+  shapes and a float dtype, the values finite.
+* **Norm bound relative to ours.** A neighbour whose overall Euclidean norm exceeds
+  ``max_norm_ratio`` (default 10) times our own is refused (reason ``norm``): finite but
+  huge values (1e30) pass every other check and would swamp the anchor. Honest peers start
+  from the same LoRA initialisation distribution and drift by training, far less than 10x.
 * **One model-thread call.** Reading the local adapter, aggregating and loading the result
   run as one call of ``run_model`` (the daemon passes its model-worker executor), so no
   training step can interleave between read and write.
@@ -36,7 +42,6 @@ Choices made here:
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +50,14 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import grpc
 import structlog
 import torch
+from peerlm.agent.acceptance import AcceptanceGate, Verdict
+from peerlm.agent.adapter_codec import (
+    ADAPTER_FORMAT,
+    AdapterError,
+    AdapterSpec,
+    adapter_norm,
+    decode_adapter,
+)
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.peer_client import (
     ExpectedSender,
@@ -59,12 +72,10 @@ from peerlm.overlay.aggregation import (
     AggregationError,
     AggregationReport,
     Refusal,
-    check_neighbour,
     personalised_update,
 )
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load as st_load
 
 from peerlm.config import GrpcLimits
 from peerlm.pki.proof import SenderCheck
@@ -80,11 +91,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-#: ``peerlm.format`` of adapters written by :meth:`ModelHost.adapter_bytes`.
-ADAPTER_FORMAT = "peerlm-lora/1"
-_MiB = 1024 * 1024
-_MAX_HEADER = 16 * _MiB
 
 
 class Candidate(NamedTuple):
@@ -103,8 +109,16 @@ class PullSettings(BaseModel):
     max_peers: int = Field(default=16, ge=1, le=1024, description="Most candidates pulled (K).")
     concurrency: int = Field(default=4, ge=1, le=64, description="Pulls in flight at once.")
     timeout_s: float = Field(default=60.0, gt=0, description="Deadline of one whole pull.")
-    max_adapter_bytes: int = Field(
-        default=64 * _MiB, ge=1024, description="Largest adapter accepted from a peer."
+    max_adapter_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        description="Largest adapter accepted from a peer; None: the largest our model and "
+        "LoRA settings can produce (AdapterSpec.max_encoded_bytes).",
+    )
+    max_norm_ratio: float | None = Field(
+        default=10.0,
+        gt=0,
+        description="A neighbour's adapter norm may be at most this times ours; None: no bound.",
     )
     kappa: float = Field(default=DEFAULT_KAPPA, gt=0, description="Softmax temperature.")
     eta: float = Field(default=DEFAULT_ETA, gt=0, description="Proximal step size.")
@@ -140,6 +154,7 @@ class PullReport:
     bytes_received: int
     applied: bool
     delta_norm: float
+    rolled_back: bool = False
 
 
 class ModelRunner(Protocol):
@@ -173,11 +188,22 @@ class _Metrics:
             if registry is not None
             else None
         )
+        self._rolled_back = (
+            get_counter(
+                registry,
+                "peerlm_agent_integrations_rolled_back_total",
+                "Integrations undone by the acceptance gate (held-out loss worse by more than "
+                "the margin), by kind (akd, overlay).",
+                ("kind",),
+            )
+            if registry is not None
+            else None
+        )
         self._steps = (
             get_counter(
                 registry,
                 "peerlm_agent_overlay_aggregations_total",
-                "Pull-and-aggregate steps, by outcome (applied, identity, failed)",
+                "Pull-and-aggregate steps, by outcome (applied, identity, failed, rolled_back)",
                 ("outcome",),
             )
             if registry is not None
@@ -191,6 +217,10 @@ class _Metrics:
     def pulled(self, n: int) -> None:
         if self._pulled is not None and n:
             self._pulled.inc(n)
+
+    def rolled_back(self) -> None:
+        if self._rolled_back is not None:
+            self._rolled_back.labels("overlay").inc()
 
     def step(self, outcome: str) -> None:
         if self._steps is not None:
@@ -206,79 +236,28 @@ class _Refused(Exception):
 
 @dataclass(frozen=True)
 class _Local:
-    """What a neighbour is checked against: our adapter's tensors and identity."""
+    """What a neighbour is checked against: our adapter's spec and a norm bound from it."""
 
-    state: dict[str, torch.Tensor]
-    model_type: str
-    tokenizer_hash: str
-    lora_r: int
-    lora_alpha: float
-    adapter_bytes: int
+    spec: AdapterSpec
+    max_norm: float | None
 
 
-def _local_view(host: ModelHost) -> _Local:
-    data = host.adapter_bytes()
-    return _Local(
-        state=host.adapter_state(),
-        model_type=host.model_type,
-        tokenizer_hash=host.tokenizer_hash,
-        lora_r=host.lora.r,
-        lora_alpha=host.lora.alpha,
-        adapter_bytes=len(data),
-    )
+def _local_view(host: ModelHost, max_norm_ratio: float | None) -> _Local:
+    norm = adapter_norm(host.adapter_state())
+    # A fresh adapter still has its random LoRA A, so its norm is not 0; the floor only
+    # keeps the bound meaningful for a degenerate local adapter.
+    bound = None if max_norm_ratio is None else max_norm_ratio * max(norm, 1e-3)
+    return _Local(spec=host.adapter_spec(), max_norm=bound)
 
 
-def _metadata(data: bytes) -> dict[str, str]:
-    """The safetensors ``__metadata__`` (from the JSON header alone, bounded)."""
-    if len(data) < 8:
-        raise _Refused("decode", "adapter payload is shorter than a safetensors header")
-    n = int.from_bytes(data[:8], "little")
-    if n > min(len(data) - 8, _MAX_HEADER):
-        raise _Refused("decode", "safetensors header length out of range")
+def _decode(payload: bytes, local: _Local, max_bytes: int) -> dict[str, torch.Tensor]:
+    """Decode and check one pulled adapter (the codec); raises :class:`_Refused`."""
     try:
-        header = json.loads(data[8 : 8 + n])
-    except ValueError as err:
-        raise _Refused("decode", f"safetensors header is not JSON: {err}") from None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
-
-
-def _check_metadata(meta: Mapping[str, str], local: _Local) -> None:
-    if meta.get("peerlm.format") != ADAPTER_FORMAT:
-        raise _Refused("format", f"not a {ADAPTER_FORMAT} adapter")
-    if meta.get("peerlm.model_type") != local.model_type:
-        raise _Refused(
-            "model_type",
-            f"adapter of a {meta.get('peerlm.model_type')} model; ours is {local.model_type}",
+        return decode_adapter(
+            payload, local.spec, identity="required", max_bytes=max_bytes, max_norm=local.max_norm
         )
-    if meta.get("peerlm.tokenizer_hash") != local.tokenizer_hash:
-        raise _Refused("tokenizer", "adapter of a base model with another tokenizer")
-    try:
-        lora = json.loads(meta.get("peerlm.lora", ""))
-        r, alpha = int(lora["r"]), float(lora["alpha"])
-    except (ValueError, KeyError, TypeError):
-        raise _Refused("lora_config", "adapter metadata has no readable LoRA settings") from None
-    if r != local.lora_r or not math.isclose(alpha, local.lora_alpha):
-        raise _Refused(
-            "lora_config",
-            f"adapter has LoRA r={r}, alpha={alpha}; ours r={local.lora_r}, "
-            f"alpha={local.lora_alpha}",
-        )
-
-
-def _decode(payload: bytes, local: _Local, peer: str) -> dict[str, torch.Tensor]:
-    """Decode and check one pulled adapter; raises :class:`_Refused` with the reason."""
-    meta = _metadata(payload)
-    try:
-        tensors = st_load(payload)
-    except Exception as err:  # safetensors raises its own error type for corrupt input
-        raise _Refused("decode", f"cannot decode adapter: {err}") from None
-    try:
-        check_neighbour(local.state, tensors, peer)
-    except AggregationError as err:
+    except AdapterError as err:
         raise _Refused(err.reason, str(err)) from None
-    _check_metadata(meta, local)
-    return tensors
 
 
 def _select(
@@ -323,8 +302,10 @@ def _integrate(
     similarities: Mapping[str, float],
     settings: PullSettings,
     self_name: str,
-) -> AggregationReport:
-    """Read, aggregate and load in one model-thread call; the host changes only if useful."""
+    gate: AcceptanceGate | None = None,
+) -> tuple[AggregationReport, Verdict | None]:
+    """Read, aggregate, load and judge in one model-thread call; the host changes only if
+    useful, and with a ``gate`` stays changed only if the held-out loss allows."""
     own = host.adapter_state()
     updated, report = personalised_update(
         own,
@@ -335,9 +316,11 @@ def _integrate(
         psi=settings.psi,
         self_id=self_name,
     )
-    if report.accepted:
-        host.load_adapter_state(updated)
-    return report
+    if not report.accepted:
+        return report, None
+    pre = gate.loss(host) if gate is not None else math.nan
+    host.load_adapter_state(updated)
+    return report, (gate.settle(host, own, pre) if gate is not None else None)
 
 
 async def pull_and_aggregate(
@@ -354,6 +337,7 @@ async def pull_and_aggregate(
     round_: int = 0,
     log: Any = None,
     sender_check: SenderCheck | None = None,
+    gate: AcceptanceGate | None = None,
 ) -> PullReport:
     """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
 
@@ -362,19 +346,24 @@ async def pull_and_aggregate(
     own id in the weights). ``run_model`` runs host calls on the model thread (default:
     inline, for callers that own the host on the event loop's thread). ``round_`` only
     labels log lines. Failures of single peers are reported, never raised; an invalid local
-    adapter (non-finite) raises :class:`~peerlm.overlay.aggregation.AggregationError`.
+    adapter (non-finite) raises :class:`~peerlm.overlay.aggregation.AggregationError`. With a
+    ``gate`` (:mod:`peerlm.agent.acceptance`) an aggregate that makes the held-out loss worse
+    by more than its margin is rolled back: ``applied`` is False, ``rolled_back`` True, the
+    neighbours are listed as refused with reason ``rolled_back``.
     """
     cfg = settings or PullSettings()
     run: ModelRunner = run_model or _inline
     logger: Any = log if log is not None else structlog.get_logger("peerlm.agent.overlay")
     metrics = _Metrics(registry)
     chosen, refused = _select(candidates, self_name, cfg.max_peers)
-    local = await run(_local_view, host)
-    max_bytes = min(cfg.max_adapter_bytes, 2 * local.adapter_bytes + _MiB)
-    gate = asyncio.Semaphore(cfg.concurrency)
+    local = await run(_local_view, host, cfg.max_norm_ratio)
+    max_bytes = local.spec.max_encoded_bytes()
+    if cfg.max_adapter_bytes is not None:
+        max_bytes = min(max_bytes, cfg.max_adapter_bytes)
+    slots = asyncio.Semaphore(cfg.concurrency)
 
     async def pull_one(cand: Candidate) -> tuple[Candidate, int, bytes]:
-        async with gate:
+        async with slots:
             sent_round, payload = await pull_adapter_with_round(
                 cand.address,
                 creds,
@@ -405,7 +394,7 @@ async def pull_and_aggregate(
         _, sent_round, payload = outcome
         bytes_received += len(payload)
         try:
-            neighbours[cand.peer] = _decode(payload, local, cand.peer)
+            neighbours[cand.peer] = _decode(payload, local, max_bytes)
         except _Refused as err:
             refused.append(Refusal(cand.peer, err.reason, err.detail))
             continue
@@ -414,12 +403,16 @@ async def pull_and_aggregate(
         )
 
     report: AggregationReport | None = None
-    applied = load_failed = False
+    applied = load_failed = rolled_back = False
     if neighbours:
         similarities = {peer: received[peer].similarity for peer in neighbours}
         try:
-            report = await run(_integrate, host, neighbours, similarities, cfg, self_name)
-            applied = bool(report.accepted)
+            aggregated, verdict = await run(
+                _integrate, host, neighbours, similarities, cfg, self_name, gate
+            )
+            report = aggregated
+            applied = bool(aggregated.accepted)
+            rolled_back = verdict is not None and verdict.rolled_back
         except AggregationError:
             raise  # our own adapter is invalid: not a neighbour's fault
         except Exception as err:  # loading into the host failed; the host validated first
@@ -427,7 +420,17 @@ async def pull_and_aggregate(
                 refused.append(Refusal(peer, "load", f"loading the aggregate failed: {err}"))
             logger.error("overlay_aggregate_load_failed", round=round_, error=repr(err))
             report, load_failed = None, True
-    if report is not None:
+    pulled: tuple[PulledAdapter, ...]
+    if report is not None and rolled_back:
+        refused.extend(report.refused)
+        for peer in report.accepted:
+            refused.append(
+                Refusal(peer, "rolled_back", "the aggregate made our held-out loss worse")
+            )
+        metrics.rolled_back()
+        pulled, weights, alpha, delta = (), {self_name: 1.0}, report.alpha, 0.0
+        applied = False
+    elif report is not None:
         refused.extend(report.refused)
         pulled = tuple(received[p] for p in report.accepted)
         weights, alpha, delta = report.weights, report.alpha, report.delta_norm
@@ -446,7 +449,15 @@ async def pull_and_aggregate(
             detail=item.detail,
         )
     metrics.pulled(len(pulled))
-    outcome_label = "applied" if applied else ("failed" if load_failed else "identity")
+    outcome_label = (
+        "applied"
+        if applied
+        else "failed"
+        if load_failed
+        else "rolled_back"
+        if rolled_back
+        else "identity"
+    )
     metrics.step(outcome_label)
     logger.info(
         "overlay_aggregated",
@@ -467,4 +478,5 @@ async def pull_and_aggregate(
         bytes_received=bytes_received,
         applied=applied,
         delta_norm=delta,
+        rolled_back=rolled_back,
     )

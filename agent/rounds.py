@@ -115,6 +115,9 @@ class RoundConfig:
     reward_delta: float = 0.001
     max_new_tokens: int = 96
     logits_top_k: int = 16
+    #: Allowed rise of the held-out loss by one integration before it is rolled back
+    #: (:mod:`peerlm.agent.acceptance`); None: no gate. The agent's setting defaults to 0.1.
+    acceptance_margin: float | None = None
 
     @classmethod
     def from_settings(cls, s: AgentSettings) -> RoundConfig:
@@ -137,6 +140,7 @@ class RoundConfig:
             reward_delta=s.reward_delta,
             max_new_tokens=s.max_new_tokens,
             logits_top_k=s.logits_top_k,
+            acceptance_margin=s.acceptance_margin,
         )
 
     def alpha_kd(self, t: int) -> float:
@@ -366,6 +370,10 @@ class Integration:
     kilobytes: float
     reward: float
     stats: TrainStats
+    #: The update made the held-out loss worse by more than the margin and was undone;
+    #: ``loss_post`` and ``reward`` are still the measured (bounded) ones, so the reward
+    #: reported to the CPM is negative.
+    rolled_back: bool = False
 
 
 def integrate_package(
@@ -383,10 +391,14 @@ def integrate_package(
     """Integrate a decoded package by AKD (Eq. 2) and compute the reward of Eq. 3.
 
     L_pre and L_post are the validation loss right before and after the AKD update, so the
-    reward measures what this exchange did. Empty and guardrail-redacted completions are
-    skipped; with none left the step is local training only. Text packages are re-tokenised
-    (:meth:`ModelHost.train_akd`); logits packages are distilled on the teacher's top-k at
-    the round's temperature (:meth:`ModelHost.train_akd_logits`), which raises
+    reward measures what this exchange did. With ``config.acceptance_margin`` set, an update
+    that raises L_post above L_pre by more than the margin is rolled back (the adapter from
+    before is restored, :mod:`peerlm.agent.acceptance`) and still reported with its
+    negative reward: the gate that protects the student from poisoned text. Empty and
+    guardrail-redacted completions are skipped; with none left the step is local training
+    only. Text packages are re-tokenised (:meth:`ModelHost.train_akd`); logits packages are
+    distilled on the teacher's top-k at the round's temperature
+    (:meth:`ModelHost.train_akd_logits`), which raises
     :class:`~peerlm.agent.modelhost.TokenizerMismatchError` for another tokenizer.
 
     With ``guardrail``, incoming text items are vetted first
@@ -394,12 +406,14 @@ def integrate_package(
     personal data, or code importing networking, process, file-system or introspection
     modules, is not learnt from (and counted).
     """
+    from peerlm.agent.acceptance import AcceptanceGate, judge
     from peerlm.agent.guardrail import placeholder
     from peerlm.agent.package import TextPackage, text_pairs
 
     alpha = config.alpha_kd(t)
     settings = config.train_settings(t)
     pre, _ = host.eval_loss(val_examples, max_length=config.train.max_length)
+    before = host.adapter_state() if config.acceptance_margin is not None else None
     temperature: float | None = None
     if isinstance(package, TextPackage):
         mode: PackageMode = "text"
@@ -434,11 +448,19 @@ def integrate_package(
                 temperature=temperature,
                 steps=config.local_steps,
             )
-    post, _ = host.eval_loss(val_examples, max_length=config.train.max_length)
+    if before is not None and config.acceptance_margin is not None:
+        gate = AcceptanceGate(val_examples, config.acceptance_margin, config.train.max_length)
+        verdict = gate.settle(host, before, pre)
+    else:
+        post, _ = host.eval_loss(val_examples, max_length=config.train.max_length)
+        verdict = judge(pre, post, None)
+    post = verdict.loss_post
     reward = reward_eq3(pre, post, kilobytes, config.reward_gamma, config.reward_delta)
     if not math.isfinite(reward):
         raise ValueError(f"reward is not finite (L_pre={pre}, L_post={post})")
-    return Integration(mode, alpha, temperature, pre, post, kilobytes, reward, stats)
+    return Integration(
+        mode, alpha, temperature, pre, post, kilobytes, reward, stats, verdict.rolled_back
+    )
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,10 @@ __all__ = [
     "fit_lengths",
     "kd_kl_sum",
     "lr_factor",
+    "max_token_chars",
     "run_training",
     "split_prompt",
+    "text_budget",
     "token_ids",
     "token_loss_sum",
 ]
@@ -228,27 +230,53 @@ def split_prompt(tokenizer: Any, prompt: str) -> tuple[str, str]:
     return prompt, ""
 
 
-def encode_pair(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest token of ``tokenizer``'s vocabulary, in characters of its vocabulary
+    string (for byte-level BPE one character per byte): no token covers more text."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def text_budget(token_chars: int, max_length: int) -> int:
+    """Characters of a text that certainly hold its first ``max_length`` tokens (each token
+    covers at most ``token_chars``), with a margin for the word the cut splits."""
+    return (max_length + 8) * token_chars
+
+
+def encode_pair(
+    tokenizer: Any, prompt: str, completion: str, *, max_chars: int | None = None
+) -> tuple[list[int], list[int]]:
     """Prompt ids (with the tokenizer's special prefix, if any) and completion ids + EOS.
 
     The prompt's trailing indent moves to the completion (:func:`split_prompt`), exactly
-    as :meth:`~peerlm.agent.modelhost.ModelHost.generate` tokenises it.
+    as :meth:`~peerlm.agent.modelhost.ModelHost.generate` tokenises it. With ``max_chars``
+    the completion is cut to that many characters *before* it is tokenised: a teacher's
+    text is untrusted, and tokenising a 16 MiB completion costs gigabytes to keep a few
+    hundred tokens (:func:`text_budget` gives a cut that keeps every token used).
     """
     head, indent = split_prompt(tokenizer, prompt)
     p = token_ids(tokenizer, head, special=True)
+    if max_chars is not None:
+        completion = completion[:max_chars]
     c = token_ids(tokenizer, indent + completion, special=False) + _eos_list(tokenizer)
     return p, c
 
 
-def encode_example(tokenizer: Any, example: Example, max_length: int) -> Encoded | None:
-    """Token ids and labels of one example (see the module docstring); None if no target."""
+def encode_example(
+    tokenizer: Any, example: Example, max_length: int, *, max_chars: int | None = None
+) -> Encoded | None:
+    """Token ids and labels of one example (see the module docstring); None if no target.
+
+    ``max_chars`` cuts a text (the completion of a pair) before tokenising
+    (:func:`encode_pair`).
+    """
     if isinstance(example, str):
-        ids = token_ids(tokenizer, example, special=True)
+        text = example if max_chars is None else example[:max_chars]
+        ids = token_ids(tokenizer, text, special=True)
         ids = (ids + _eos_list(tokenizer))[:max_length]
         encoded = Encoded(ids, list(ids))
     else:
         prompt, completion = example
-        p, c = encode_pair(tokenizer, prompt, completion)
+        p, c = encode_pair(tokenizer, prompt, completion, max_chars=max_chars)
         keep_p, keep_c = fit_lengths(p, c, max_length)
         p = p[len(p) - keep_p :]
         c = c[:keep_c]

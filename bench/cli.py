@@ -2,8 +2,10 @@
 
 ``peerlm bench cpm`` runs the CPM matchmaking benchmark on the synthetic federation
 (:mod:`peerlm.bench.cpm`); ``peerlm bench overlay`` the semantic overlay in the
-simulator (:mod:`peerlm.bench.overlay`). Both: progress on stderr, rich tables (or one JSON
-object with ``--json``) on stdout, optional PNG plots with ``--plots DIR``.
+simulator (:mod:`peerlm.bench.overlay`); ``peerlm bench transfer`` adapter pulls beside a raw
+TLS socket and plain gRPC streaming (:mod:`peerlm.bench.transfer`). All: progress on
+stderr, rich tables (or one JSON object with ``--json``) on stdout, optional PNG plots with
+``--plots DIR`` (cpm, overlay).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["app", "cpm_command", "overlay_command", "parse_sizes"]
+__all__ = ["app", "cpm_command", "overlay_command", "parse_sizes", "transfer_command"]
 
 app = typer.Typer(help="Benchmarks.", no_args_is_help=True, add_completion=False)
 
@@ -171,4 +173,26 @@ def overlay_command(
     _run_and_report(
         "bench overlay", lambda progress: run_benchmark(cfg, progress), write_plots,
         render_report, plots, as_json, {"default": str, "allow_nan": False},
+    )  # fmt: skip
+
+
+@app.command("transfer")
+def transfer_command(
+    sizes: Annotated[str, typer.Option(help="Payload sizes in MiB, comma-separated.")] = "16,64",
+    repeats: Annotated[int, typer.Option(min=1, help="Pulls per size and method.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """Adapter pulls (peer service, sender proof, checksum) beside raw TLS and plain gRPC."""
+    from peerlm.bench.transfer import TransferConfig, render_report, run_benchmark
+
+    try:
+        mib = tuple(int(part) for part in sizes.split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {sizes!r}") from None
+    if not mib or any(n < 1 or n > 1024 for n in mib):
+        raise typer.BadParameter("every size must be 1..1024 MiB", param_hint="--sizes")
+    cfg = TransferConfig(sizes_mib=mib, repeats=repeats)
+    _run_and_report(
+        "bench transfer", lambda progress: run_benchmark(cfg, progress), lambda r, p: [],
+        render_report, None, as_json, {},
     )  # fmt: skip

@@ -198,7 +198,11 @@ class AgentOverlaySettings(_Section):
     psi: float = Field(default=2.0, ge=0)
     kappa: float = Field(default=0.25, gt=0)
     eta: float = Field(default=1.0, gt=0)
-    max_adapter_bytes: int = Field(default=64 * MiB, ge=1024)
+    # None: the largest adapter this agent's model and LoRA settings can produce (all tensors
+    # float32 plus the 1 MiB header bound); a compatible neighbour's is never larger.
+    max_adapter_bytes: int | None = Field(default=None, ge=1024)
+    # A neighbour's adapter norm may be at most this times ours (None: no bound).
+    max_norm_ratio: float | None = Field(default=10.0, gt=0)
     bootstrap_retry_s: float = Field(default=1.0, gt=0)
     # Before its first round the agent waits up to this long for the overlay to place it
     # (root known, so searches can be answered); 0 starts at once and the rounds before the
@@ -265,6 +269,12 @@ class AgentSettings(ServiceSettings):
     profile_dp_epsilon: float | None = Field(default=None, gt=0)
     guardrail_ngram: int = Field(default=8, ge=3)
     max_package_bytes: int = Field(default=64 * MiB, ge=1024)
+    # One completion in a package a teacher sends us (UTF-8 bytes); with the transfer set's
+    # size it bounds what a student parses and tokenises (agent.package.student_limits).
+    package_max_item_bytes: int = Field(default=64 * 1024, ge=1024, le=64 * MiB)
+    # Acceptance gate: an AKD update or overlay aggregate that raises the validation loss by
+    # more than this many nats is rolled back (and, for AKD, reported as a negative reward).
+    acceptance_margin: float | None = Field(default=0.1, ge=0)
     # SIGTERM: finish the current round within this grace, else stop training at the next
     # optimiser step, checkpoint and exit 0.
     stop_grace_s: float = Field(default=30.0, ge=0)

@@ -36,6 +36,7 @@ __all__ = [
     "ProofError",
     "ProofSigner",
     "SenderCheck",
+    "digest_statement",
     "transfer_statement",
     "verify_member_certificate",
 ]
@@ -62,11 +63,19 @@ class ProofError(ValueError):
 def transfer_statement(kind: str, reference: str, recipient: str, payload: bytes) -> bytes:
     """What a sender signs: ``kind`` (``package``/``adapter``), ``reference`` (directive id
     or round), the recipient's name and the payload's SHA-256, unambiguously framed."""
+    return digest_statement(kind, reference, recipient, hashlib.sha256(payload).digest())
+
+
+def digest_statement(kind: str, reference: str, recipient: str, sha256: bytes) -> bytes:
+    """:func:`transfer_statement` from the payload's SHA-256, for callers that hold it
+    already (the sender's cached digest, the receiver's incremental one): no second pass."""
     fields = (kind, reference, recipient)
     if any("\0" in f for f in fields):
         raise ValueError("statement fields must not contain NUL")
+    if len(sha256) != 32:
+        raise ValueError("a SHA-256 digest has 32 bytes")
     framed = b"\0".join([_DOMAIN, *(f.encode() for f in fields)])
-    return framed + b"\0" + hashlib.sha256(payload).digest()
+    return framed + b"\0" + sha256
 
 
 @dataclass(frozen=True)
@@ -190,7 +199,13 @@ class ExpectedSender:
 
     def verify(self, metadata: Any, kind: str, reference: str, payload: bytes) -> PeerIdentity:
         """Check ``metadata``'s proof of ``payload`` (see :func:`transfer_statement`)."""
-        statement = transfer_statement(kind, reference, self.recipient, payload)
+        return self.verify_digest(metadata, kind, reference, hashlib.sha256(payload).digest())
+
+    def verify_digest(
+        self, metadata: Any, kind: str, reference: str, sha256: bytes
+    ) -> PeerIdentity:
+        """Check ``metadata``'s proof of the payload whose SHA-256 is ``sha256``."""
+        statement = digest_statement(kind, reference, self.recipient, sha256)
         return self.check.verify(metadata, statement, sender=self.sender, role=self.role)
 
 

@@ -22,6 +22,7 @@ import pytest
 import safetensors.torch
 import structlog
 import torch
+from peerlm.agent.acceptance import AcceptanceGate
 from peerlm.agent.directives import DirectiveBook
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.integration
 FEDERATION = "pulltest"
 LIMITS = GrpcLimits()
 CHUNK = 4 * 1024  # micro adapters are ~12 KB: several chunks each
-NAMES = ("student", "t1", "t2", "narrow", "nan", "alien", "scaled", "empty")
+NAMES = ("student", "t1", "t2", "narrow", "nan", "huge", "alien", "scaled", "empty")
 T = TypeVar("T")
 
 
@@ -78,9 +79,11 @@ def _perturbed(host: ModelHost, seed: int, scale: float = 0.05) -> None:
     )
 
 
-def _crafted(host: ModelHost, *, nan: bool = False, **meta: str) -> bytes:
+def _crafted(host: ModelHost, *, nan: bool = False, huge: bool = False, **meta: str) -> bytes:
     """The host's adapter bytes with values or metadata changed (what a bad peer sends)."""
     state = host.adapter_state()
+    if huge:  # finite, so it passes every check but a norm bound
+        state = {k: torch.full_like(v, 1e30) for k, v in state.items()}
     if nan:
         first = sorted(state)[0]
         state[first] = state[first].clone()
@@ -160,6 +163,7 @@ async def world(gpt2: Path, pki: Path) -> AsyncIterator[World]:
         "t2": t2.adapter_bytes(),
         "narrow": narrow.adapter_bytes(),
         "nan": _crafted(t1, nan=True),
+        "huge": _crafted(t1, huge=True),
         "alien": _crafted(t1, **{"peerlm.model_type": "bloom"}),
         "scaled": _crafted(t1, **{"peerlm.lora": LoraSettings(r=8, alpha=32.0).model_dump_json()}),
         "empty": None,
@@ -198,6 +202,7 @@ async def test_two_teachers_integrated_bad_ones_refused(world: World, pki: Path)
         ("t2", t["t2"].target, 0.6),  # plain tuples work too
         Candidate("narrow", t["narrow"].target, 0.95),
         Candidate("nan", t["nan"].target, 0.8),
+        Candidate("huge", t["huge"].target, 0.8),
         Candidate("alien", t["alien"].target, 0.8),
         Candidate("scaled", t["scaled"].target, 0.8),
         Candidate("empty", t["empty"].target, 0.8),
@@ -227,6 +232,7 @@ async def test_two_teachers_integrated_bad_ones_refused(world: World, pki: Path)
     assert reasons == {
         "narrow": "shape",
         "nan": "non_finite",
+        "huge": "norm",
         "alien": "model_type",
         "scaled": "lora_config",
         "empty": "refused",  # NOT_FOUND: the peer has no adapter yet
@@ -241,7 +247,7 @@ async def test_two_teachers_integrated_bad_ones_refused(world: World, pki: Path)
     ]
     assert report.applied
     assert report.pulled[0].bytes == len(t["t1"].payload or b"")
-    completed = ("t1", "t2", "narrow", "nan", "alien", "scaled")
+    completed = ("t1", "t2", "narrow", "nan", "huge", "alien", "scaled")
     assert report.bytes_received == sum(len(t[n].payload or b"") for n in completed)
 
     # The student's adapter is exactly (1 - alpha) w + alpha (W_ss w + W_1 w_1 + W_2 w_2).
@@ -349,3 +355,46 @@ async def test_a_student_from_another_ca_is_not_served(world: World, tmp_path: P
     )
     assert not report.applied
     assert [r.reason for r in report.refused] == ["unavailable"]
+
+
+VAL = [
+    ("def add(a, b):\n", "    return a + b\n"),
+    ("def neg(x):\n", "    return -x\n"),
+]
+
+
+async def test_a_harmful_aggregate_is_rolled_back(world: World, pki: Path) -> None:
+    """Issue 11: with the norm bound off, a finite 1e30 adapter reaches the aggregate; the
+    acceptance gate sees the held-out loss explode and restores the student's adapter."""
+    student = world.student
+    before = student.adapter_state()
+    t = world.teachers
+    registry = new_registry()
+    report = await pull_and_aggregate(
+        student,
+        [Candidate("huge", t["huge"].target, 0.9)],
+        self_name="student",
+        creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
+        limits=LIMITS,
+        settings=PullSettings(max_norm_ratio=None, timeout_s=20.0),
+        registry=registry,
+        gate=AcceptanceGate(VAL, margin=0.1, max_length=64),
+    )
+    assert report.rolled_back and not report.applied and report.pulled == ()
+    assert [(r.peer, r.reason) for r in report.refused] == [("huge", "rolled_back")]
+    after = student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert _metric(registry, "peerlm_agent_integrations_rolled_back_total", kind="overlay") == 1
+    assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="rolled_back") == 1
+
+    # An honest neighbour passes the same gate (a generous margin: the micro model is noisy).
+    honest = await pull_and_aggregate(
+        student,
+        [Candidate("t1", t["t1"].target, 0.9)],
+        self_name="student",
+        creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
+        limits=LIMITS,
+        registry=registry,
+        gate=AcceptanceGate(VAL, margin=5.0, max_length=64),
+    )
+    assert honest.applied and not honest.rolled_back

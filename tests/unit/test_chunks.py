@@ -1,8 +1,10 @@
+import hashlib
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peerlm.chunks import ChunkAssembler, ChunkError, iter_chunks
+from peerlm.chunks import ChunkAssembler, ChunkError, HashedPayload, iter_chunks
 
 
 @given(st.binary(max_size=5000), st.integers(min_value=1, max_value=700))
@@ -50,3 +52,22 @@ def test_header_change_and_empty_stream() -> None:
         asm.add(b[1])
     with pytest.raises(ChunkError, match="empty"):
         ChunkAssembler(100).finish()
+
+
+def test_known_digest_is_streamed_and_verified_incrementally() -> None:
+    payload = bytes(range(256)) * 40
+    hashed = HashedPayload.of(payload)
+    chunks = list(iter_chunks(hashed, 1000, "x"))
+    assert all(c.sha256 == hashed.sha256 for c in chunks)
+    asm = ChunkAssembler(len(payload))
+    with pytest.raises(ChunkError, match="not complete"):
+        _ = asm.sha256
+    assert sum(asm.add(c) for c in chunks) == len(payload)
+    assert asm.finish() == payload and asm.sha256 == hashlib.sha256(payload).digest()
+    # A sender that announces a digest its bytes do not have is caught at the end.
+    lying = HashedPayload(payload, hashlib.sha256(b"other").digest())
+    asm = ChunkAssembler(len(payload))
+    for c in iter_chunks(lying, 1000):
+        asm.add(c)
+    with pytest.raises(ChunkError, match="SHA-256"):
+        asm.finish()

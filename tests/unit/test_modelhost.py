@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,9 +26,11 @@ from peerlm.agent.training import (
     encode_example,
     fit_lengths,
     lr_factor,
+    max_token_chars,
     split_prompt,
+    text_budget,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 LOCAL = [
     'def add(a, b):\n    """Return the sum."""\n    return a + b\n',
@@ -366,6 +369,56 @@ def test_adapter_of_another_base_is_refused(models: dict[str, Path]) -> None:
         host(models, "gpt2", r=4).load_adapter_bytes(data)
     with pytest.raises(AdapterMismatchError):
         bloom.load_adapter_bytes(b"\x00" * 4)
+
+
+def test_encoded_adapter_is_made_once_per_version(models: dict[str, Path]) -> None:
+    h = host(models, "gpt2", seed=0)
+    first = h.encoded_adapter()
+    assert h.encoded_adapter() is first  # no re-encoding, no second SHA-256 pass
+    assert h.adapter_bytes() is first.data
+    h.train_local(LOCAL, FAST, steps=1)
+    trained = h.encoded_adapter()
+    assert trained is not first and trained.data != first.data
+    h.load_adapter_bytes(first.data)
+    reloaded = h.encoded_adapter()
+    assert reloaded is not trained
+    want, got = load(first.data), load(reloaded.data)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+class _RecordingTokenizer:
+    """The host's real tokenizer, noting the length of every text it is asked to encode."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.lengths: list[int] = []
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        self.lengths.append(len(text))
+        return self.inner(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def test_a_huge_teacher_text_is_cut_before_it_is_tokenised(models: dict[str, Path]) -> None:
+    """Issue 11: a 60 MiB completion made the student tokenise all of it (16 MiB: 3.6 GB)."""
+    h = host(models, "gpt2")
+    recorder = _RecordingTokenizer(h.tokenizer)
+    h.tokenizer = recorder
+    huge = "    return x + 1  # again and again\n" * 200_000  # 7 MB of text
+    loss, _ = h.eval_loss([("def f(x):\n", huge)], max_length=64)
+    assert math.isfinite(loss)
+    budget = text_budget(max_token_chars(recorder.inner), 64)
+    assert budget < 100_000 and max(recorder.lengths) <= budget + 16
+    # Honest texts are never cut: the same tokens as an uncut encoding.
+    short = ("def f(x):\n", "    return x\n")
+    assert encode_example(recorder.inner, short, 64, max_chars=budget) == encode_example(
+        recorder.inner, short, 64
+    )
 
 
 def test_non_finite_adapter_is_refused(models: dict[str, Path]) -> None:

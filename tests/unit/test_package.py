@@ -27,6 +27,7 @@ from peerlm.agent.package import (
     encode_package,
     package_size_kb,
     prompt_sha256,
+    student_limits,
     text_pairs,
 )
 
@@ -368,3 +369,40 @@ def test_no_pickle_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     assert decode_package(encode_package(_logits_package())).mode == "logits"
     assert decode_package(encode_package(_text_package())).mode == "text"
     assert pkg_module.FORMAT == "peerlm.akd"
+
+
+# --------------------------------------------------------------- hostile teachers (issue 11)
+
+
+def test_one_huge_completion_inside_the_package_limit_is_refused() -> None:
+    """A single 8 MiB completion fits the 64 MiB package limit but not the per-item one."""
+    huge = "x = 1\n" * (8 * 1024 * 1024 // 6)
+    items = (TextItem("0", prompt_sha256(PROMPTS[0]), huge),)
+    data = encode_package(_text_package(items=items))
+    assert len(data) < 64 * 1024 * 1024
+    with pytest.raises(PackageError, match="per-item limit") as err:
+        decode_package(data)
+    assert err.value.reason == "item_too_large"
+    # Multi-byte characters count as bytes, not characters.
+    wide = (TextItem("0", prompt_sha256(PROMPTS[0]), "é" * 40_000),)
+    with pytest.raises(PackageError) as err:
+        decode_package(encode_package(_text_package(items=wide)), max_item_text_bytes=64_000)
+    assert err.value.reason == "item_too_large"
+    ok = decode_package(encode_package(_text_package(items=wide)), max_item_text_bytes=80_000)
+    assert isinstance(ok, TextPackage)
+
+
+def test_student_limits_bound_a_package_by_the_transfer_set() -> None:
+    limits = student_limits(len(PROMPTS), 4096)
+    assert limits["max_items"] == len(PROMPTS)
+    assert limits["max_text_bytes"] == len(PROMPTS) * (4096 + pkg_module.ITEM_OVERHEAD_BYTES)
+    decode_package(encode_package(_text_package()), **limits)
+    # More items than X_u has prompts: refused before the JSON is parsed.
+    many = tuple(TextItem(str(i), prompt_sha256(f"p{i}"), "pass") for i in range(50))
+    with pytest.raises(PackageError, match="outside"):
+        decode_package(encode_package(_text_package(items=many)), **limits)
+    # Many medium items whose sum exceeds what X_u can need: refused by the total bound.
+    fat = tuple(TextItem(str(i), prompt_sha256(p), "y" * 4000) for i, p in enumerate(PROMPTS))
+    tight = student_limits(len(PROMPTS), 1024)
+    with pytest.raises(PackageError):
+        decode_package(encode_package(_text_package(items=fat)), **tight)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from peerlm.pki.proof import (
     ProofError,
     ProofSigner,
     SenderCheck,
+    digest_statement,
     transfer_statement,
     verify_member_certificate,
 )
@@ -102,3 +104,13 @@ def test_statements_are_framed_and_expiry_counts(pki: tuple[Path, Path]) -> None
         ProofSigner.from_pem(
             (root / "teacher.crt").read_bytes(), (root / "student.key").read_bytes()
         )
+
+
+def test_digest_statement_is_the_transfer_statement() -> None:
+    payload = b"adapter bytes"
+    digest = hashlib.sha256(payload).digest()
+    assert digest_statement("adapter", "3", "bob", digest) == transfer_statement(
+        "adapter", "3", "bob", payload
+    )
+    with pytest.raises(ValueError, match="32 bytes"):
+        digest_statement("adapter", "3", "bob", digest[:16])

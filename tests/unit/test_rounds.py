@@ -7,12 +7,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from peerlm.agent.acceptance import LOSS_PENALTY_NATS, Verdict, judge
 from peerlm.agent.guardrail import Guardrail
 from peerlm.agent.modelhost import ModelHost, TokenizerMismatchError
 from peerlm.agent.models.lora import LoraSettings
 from peerlm.agent.models.tiny import build_models
-from peerlm.agent.package import LogitsPackage, TextPackage, decode_package
+from peerlm.agent.package import (
+    LogitsPackage,
+    TextItem,
+    TextPackage,
+    decode_package,
+    prompt_sha256,
+)
 from peerlm.agent.rounds import (
+    Integration,
     RoundConfig,
     build_package,
     choose_package_mode,
@@ -261,3 +270,71 @@ def test_incoming_text_items_are_vetted_before_the_student_learns(
         {"component": "agent", "reason": "import"},
     )
     assert refused == 3
+
+
+# ------------------------------------------------------------------ acceptance gate (issue 11)
+
+
+def _poisoned_package() -> TextPackage:
+    """Text crafted to teach garbage: every completion a noise string, inside every limit."""
+    rng = np.random.default_rng(7)
+    alphabet = list("zqxj#@!~^%&*|<>{}")
+    junk = ["".join(rng.choice(alphabet, size=120)) for _ in PROMPTS]
+    return TextPackage(
+        teacher="mallory",
+        directive_id="e" * 32,
+        transfer_sha256=TRANSFER,
+        model_family="gpt2",
+        items=tuple(
+            TextItem(str(i), prompt_sha256(p), t)
+            for i, (p, t) in enumerate(zip(PROMPTS, junk, strict=True))
+        ),
+        created_at=1.0,
+    )
+
+
+def _poison(student: ModelHost, margin: float | None) -> Integration:
+    hard = TrainSettings(learning_rate=1e-1, batch_size=4, grad_accumulation=1, seed=0)
+    return integrate_package(
+        student,
+        _poisoned_package(),
+        kilobytes=1.0,
+        local_examples=LOCAL,
+        val_examples=LOCAL,
+        transfer_prompts=PROMPTS,
+        config=RoundConfig(
+            total_rounds=1,
+            train=hard,
+            local_steps=16,
+            alpha_kd_start=1.0,
+            alpha_kd_end=1.0,
+            acceptance_margin=margin,
+        ),
+        t=1,
+    )
+
+
+def test_poisoned_text_is_rolled_back_and_reported_negative(models: dict[str, Path]) -> None:
+    # Without the gate the poisoned update stays and the held-out loss is worse.
+    ungated = host(models, "gpt2", seed=3)
+    ungated.train_local(LOCAL, FAST, steps=8)
+    kept = _poison(ungated, None)
+    assert not kept.rolled_back and kept.loss_post > kept.loss_pre + 0.05
+
+    student = host(models, "gpt2", seed=3)
+    student.train_local(LOCAL, FAST, steps=8)
+    before = student.adapter_state()
+    result = _poison(student, 0.05)
+    assert result.rolled_back
+    assert result.reward < 0 and result.loss_post > result.loss_pre  # what the CPM hears
+    after = student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)  # the student is unharmed
+    assert student.eval_loss(LOCAL)[0] == pytest.approx(result.loss_pre)
+
+
+def test_judge_bounds_the_reported_loss() -> None:
+    assert judge(1.0, 1.05, 0.1) == Verdict(False, 1.05)
+    assert judge(1.0, 1.2, 0.1) == Verdict(True, 1.2)
+    assert judge(1.0, math.nan, None) == Verdict(True, 1.0 + LOSS_PENALTY_NATS)
+    assert judge(1.0, 1e9, 0.1) == Verdict(True, 1.0 + LOSS_PENALTY_NATS)
+    assert judge(1.0, 5.0, None) == Verdict(False, 5.0)  # no gate: measured, kept
