@@ -134,6 +134,8 @@ class CpmSettings(ServiceSettings):
     max_agents: int = Field(default=10_000, ge=2)
     stream_queue_depth: int = Field(default=64, ge=1)
     max_reward_magnitude: float = Field(default=1e6, gt=0)
+    # Rewards between two bandit snapshots (the ledger holds every reward in between).
+    snapshot_every: int = Field(default=256, ge=1)
 
     @field_validator("protocols", "roles")
     @classmethod
