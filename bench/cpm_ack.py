@@ -98,7 +98,11 @@ class _Cpm:
             issue_certificate(self.pki, Role.AGENT, name)
         port_file = root / "cpm.port"
         args = cpm_command(
-            tls=self.tls("cpm"), db=root / "cpm.db", port_file=port_file, federation=_FEDERATION
+            tls=self.tls("cpm"),
+            db=root / "cpm.db",
+            port_file=port_file,
+            federation=_FEDERATION,
+            init=True,
         )
         env = {
             **os.environ,
@@ -120,8 +124,10 @@ class _Cpm:
     def tls(self, name: str) -> TlsFiles:
         return TlsFiles(self.pki / "ca.crt", self.pki / f"{name}.crt", self.pki / f"{name}.key")
 
-    def stub(self, name: str) -> tuple[grpc.aio.Channel, cpm_pb2_grpc.MatchmakerStub]:
+    def stub(self, name: str) -> tuple[grpc.aio.Channel, Any]:
+        """A channel with ``name``'s certificate and an (aio) Matchmaker stub on it."""
         ch = create_channel(self.target, GrpcLimits(), channel_credentials(self.tls(name)))
+        # The generated stub is typed for the sync API; on an aio channel calls are awaitable.
         return ch, cpm_pb2_grpc.MatchmakerStub(ch)  # type: ignore[no-untyped-call]
 
     def stop(self) -> None:
@@ -135,7 +141,7 @@ class _Cpm:
 
 
 async def _issue(
-    cpm: _Cpm, stubs: Mapping[str, cpm_pb2_grpc.MatchmakerStub], rounds: int, seed: int
+    cpm: _Cpm, stubs: Mapping[str, Any], rounds: int, seed: int
 ) -> list[tuple[str, str]]:
     """Run ``rounds`` matchmaking rounds; ``(student, directive_id)`` of every directive."""
     rng = np.random.default_rng(seed)
@@ -154,7 +160,7 @@ async def _issue(
             )
             await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())
     finally:
-        await admin_ch.close()
+        await admin_ch.close(None)
     found: list[tuple[str, str]] = []
     for a in cpm.agents:
         # Every agent is in exactly one pair per round: its feed replays ``rounds`` of them.
@@ -199,7 +205,7 @@ async def _cpm_level(root: Path, clients: int, rewards: int, seed: int) -> dict[
         elapsed = time.perf_counter() - started
         admin_ch, admin = cpm.stub("admin")
         stats = await admin.GetStats(cpm_pb2.GetStatsRequest())
-        await admin_ch.close()
+        await admin_ch.close(None)
         return {
             "acked": len(latencies),
             "seconds": elapsed,
@@ -209,7 +215,7 @@ async def _cpm_level(root: Path, clients: int, rewards: int, seed: int) -> dict[
         }
     finally:
         for ch, _ in channels.values():
-            await ch.close()
+            await ch.close(None)
         cpm.stop()
 
 

@@ -112,6 +112,9 @@ class CpmSettings(ServiceSettings):
     )
 
     db: Path = Path("state/cpm.db")
+    # Create a new federation database when ``db`` holds none (missing or empty file).
+    # Without it such a start is refused: a lost database must not become a new federation.
+    init: bool = False
     # Bandit (Algorithm 2) and context map.
     profile_dim: int = Field(default=32, ge=1, le=4096)
     beta: float = Field(default=1.0, ge=0)

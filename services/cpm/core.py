@@ -61,6 +61,8 @@ __all__ = [
 ]
 
 _DIRECTIVE_ID = re.compile(r"^[0-9a-f]{32}$")
+#: uint64 fields are stored as SQLite INTEGER (signed 64-bit): anything above is refused.
+MAX_STORED_INT = 2**63 - 1
 _ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
 
 
@@ -121,6 +123,32 @@ def _pairing(directive: DirectiveRecord) -> Pairing:
     )
 
 
+def open_database(settings: CpmSettings) -> str:
+    """Open (with ``settings.init``: create) the CPM database and check it as a start would.
+
+    For ``peerlm cpm --init --init-only``: a one-shot step that deployments run once, so
+    that the long-running CPM never needs ``--init``. Returns a one-line summary.
+    """
+    from peerlm.services.cpm.store import SqliteCpmStore
+
+    store = SqliteCpmStore(settings.db)
+    try:
+        core = CpmCore(settings, store, time.time)
+        return (
+            f"CPM database {settings.db}: bandit {core.bandit_recovery}, "
+            f"{core.matchmaker.n_updates} rewards, round {core.matchmaking_round}"
+        )
+    finally:
+        store.close()
+
+
+def _check_range(name: str, value: int) -> None:
+    if not 0 <= value <= MAX_STORED_INT:
+        raise CpmError(
+            "INVALID_ARGUMENT", "out_of_range", f"{name} must be in [0, 2^63 - 1], got {value}"
+        )
+
+
 def settings_fingerprint(settings: CpmSettings) -> str:
     """What must not change between restarts, or the stored bandit would be meaningless."""
     return json.dumps(
@@ -146,6 +174,19 @@ class CpmCore:
         self.matchmaker = self._new_matchmaker()
         fingerprint = settings_fingerprint(settings)
         stored = store.get_meta("fingerprint")
+        if stored is None and not settings.init:
+            # A deleted or emptied database must not silently become a new federation
+            # (every agent's history, trust and open directive would be gone).
+            raise ValueError(
+                f"the CPM database {settings.db} holds no federation (missing, empty or never "
+                "initialised); start with --init to create a new one"
+            )
+        bad = store.invalid_directives(self.matchmaker.context_dim)
+        if bad:
+            raise ValueError(
+                f"the CPM database {settings.db} has {len(bad)} directive row(s) whose status, "
+                f"context or reward does not parse (first: {bad[0]}); restore it from a backup"
+            )
         if stored is not None and stored != fingerprint:
             raise ValueError(
                 "the CPM database was created with different bandit settings "
@@ -279,6 +320,7 @@ class CpmCore:
         connected: int,
     ) -> SubmitOutcome:
         """Validate and store an agent's profile for the next matchmaking round."""
+        _check_range("round", round_)
         if len(features) != self._s.profile_dim:
             raise CpmError(
                 "INVALID_ARGUMENT",
@@ -441,6 +483,7 @@ class CpmCore:
     def _apply_reward(self, rep: RewardReport, taken: set[str]) -> RewardOutcome:
         """Validate one reward and fold it into the in-memory bandit (not yet durable)."""
         agent, directive_id, reward = rep.agent, rep.directive_id, rep.reward
+        _check_range("kilobytes", rep.kilobytes)
         if not _DIRECTIVE_ID.match(directive_id):
             raise CpmError("INVALID_ARGUMENT", "directive_id", "directive_id is not 32 hex chars")
         for name, value in (

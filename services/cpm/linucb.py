@@ -100,6 +100,7 @@ class LinUCB:
         "_buf",
         "_dim",
         "_n_updates",
+        "_pending",
         "_refactor_every",
         "_refactors",
         "_ridge",
@@ -121,6 +122,9 @@ class LinUCB:
         self._a: NDArray[np.float64] = np.eye(dim, dtype=np.float64) * ridge
         self._a_inv: NDArray[np.float64] = np.eye(dim, dtype=np.float64) / ridge
         self._b: NDArray[np.float64] = np.zeros(dim, dtype=np.float64)
+        # Contexts not yet folded into A: A is needed only to re-derive A^-1 (every
+        # refactor_every updates), so the rank-one adds are batched into one GEMM there.
+        self._pending: list[NDArray[np.float64]] = []
         # Scratch for the rank-one term, so an update allocates only O(d).
         self._buf: NDArray[np.float64] = np.empty((dim, dim), dtype=np.float64)
         self._n_updates = 0
@@ -209,9 +213,18 @@ class LinUCB:
             self._theta = theta
         return self._theta
 
+    def _fold_pending(self) -> None:
+        if self._pending:
+            xs = np.stack(self._pending)
+            self._pending.clear()
+            # X^T X is symmetric in exact arithmetic, not bitwise: symmetrise once per fold.
+            gram = xs.T @ xs
+            self._a += (gram + gram.T) * 0.5
+
     @property
     def a(self) -> NDArray[np.float64]:
         """Read-only view of ``A = ridge I + sum x x^T`` (d, d)."""
+        self._fold_pending()
         view = self._a.view()
         view.flags.writeable = False
         return view
@@ -254,10 +267,9 @@ class LinUCB:
         """
         # np.dot of a column and a row is a k = 1 GEMM (BLAS, ~1.5x faster than np.outer);
         # each entry is still the single product s_i * s_j, so the result stays symmetric.
-        np.dot(x[:, None], x[None, :], out=self._buf)
-        np.add(self._a, self._buf, out=self._a)
         np.dot(s[:, None], s[None, :], out=self._buf)
         np.subtract(self._a_inv, self._buf, out=self._a_inv)
+        self._pending.append(np.array(x, dtype=np.float64))
         self._b += reward * x
         self._n_updates += 1
         self._theta = None
@@ -270,6 +282,7 @@ class LinUCB:
         Raises ``ValueError`` if ``A`` is not positive definite, which cannot happen for
         ``ridge > 0`` and finite contexts short of overflow (the caller bounds contexts).
         """
+        self._fold_pending()
         inv = _spd_inverse(self._a)
         if inv is None:
             raise ValueError("A is not positive definite")
@@ -282,6 +295,7 @@ class LinUCB:
 
         Meant before a state is persisted, not per update.
         """
+        self._fold_pending()
         inv = self._a_inv
         if not (np.all(np.isfinite(inv)) and np.array_equal(inv, inv.T) and _is_pd(inv)):
             return False

@@ -319,17 +319,6 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         if isinstance(out, CpmError):
             await self._refuse(context, "ReportReward", out)
             raise AssertionError("unreachable")
-        self._m.rewards.inc()
-        self._m.normalised_reward.observe(out.normalised)
-        self._log.info(
-            "reward_committed",
-            agent=agent,
-            directive=request.directive_id,
-            teacher=out.directive.teacher,
-            round=out.directive.matchmaking_round,
-            reward=request.reward,
-            normalised=round(out.normalised, 4),
-        )
         return cpm_pb2.ReportRewardResponse(
             directive_id=request.directive_id,
             normalised_reward=out.normalised,
@@ -356,6 +345,33 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                 err = CpmError("UNAVAILABLE", "commit_failed", f"reward not committed: {exc}")
                 results = [err] * len(live)
             self._m.reward_batch.observe(len(live))
+            committed = [
+                (rep, done)
+                for (rep, _), done in zip(live, results, strict=True)
+                if isinstance(done, RewardOutcome)
+            ]
+            if committed:
+                # One line per group commit, not per reward: at thousands of rewards per
+                # second a line each would cost more than the commit.
+                self._m.rewards.inc(len(committed))
+                for _, done in committed:
+                    self._m.normalised_reward.observe(done.normalised)
+                self._log.info(
+                    "rewards_committed",
+                    count=len(committed),
+                    bandit_updates=self._core.matchmaker.n_updates,
+                    rewards=[
+                        {
+                            "agent": rep.agent,
+                            "directive": rep.directive_id,
+                            "teacher": done.directive.teacher,
+                            "round": done.directive.matchmaking_round,
+                            "reward": rep.reward,
+                            "normalised": round(done.normalised, 4),
+                        }
+                        for rep, done in committed
+                    ],
+                )
             self._m.snapshots.inc(max(0, self._core.snapshots_written - snapshots))
             self._m.bandit_refactors.inc(max(0, self._core.bandit_refactors - refactors))
             for (_, fut), res in zip(live, results, strict=True):

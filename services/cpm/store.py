@@ -91,6 +91,10 @@ class CpmStore(ABC):
         """The highest ``reward_seq`` committed (0 when none)."""
 
     @abstractmethod
+    def invalid_directives(self, context_dim: int) -> list[str]:
+        """Ids of directive rows that would not parse (checked once, at start)."""
+
+    @abstractmethod
     def expire(self, directive_ids: Iterable[str]) -> None: ...
 
     @abstractmethod
@@ -166,6 +170,14 @@ class MemoryCpmStore(CpmStore):
 
     def last_reward_seq(self) -> int:
         return max((q for q, _ in self._ledger), default=0)
+
+    def invalid_directives(self, context_dim: int) -> list[str]:
+        return [
+            i
+            for i, d in self._directives.items()
+            if d.context.shape != (context_dim,)
+            or (d.status is DirectiveStatus.REWARDED and d.reward is None)
+        ]
 
     def expire(self, directive_ids: Iterable[str]) -> None:
         for i in directive_ids:
@@ -484,6 +496,20 @@ class SqliteCpmStore(CpmStore):
                 (reward_seq,),
             ).fetchall()
         return [(int(r[0]), self._directive(r[1:])) for r in rows]
+
+    def invalid_directives(self, context_dim: int) -> list[str]:
+        statuses = ",".join(f"'{s.value}'" for s in DirectiveStatus)
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT directive_id FROM directives WHERE"
+                f" status NOT IN ({statuses})"
+                " OR typeof(context) != 'blob' OR length(context) != ?"
+                " OR (status = 'rewarded' AND (reward IS NULL OR normalised_reward IS NULL"
+                "      OR reward_seq IS NULL OR rewarded_at IS NULL))"
+                " ORDER BY rowid LIMIT 100",
+                (8 * context_dim,),
+            ).fetchall()
+        return [str(r[0]) for r in rows]
 
     def last_reward_seq(self) -> int:
         with self._lock:

@@ -35,6 +35,14 @@ def _bandit(db: Path) -> tuple[np.ndarray, int]:
 async def test_profiles_at_the_bound_cannot_break_the_bandit(tmp_path: Path) -> None:
     cpm = CpmProcess(Pki.create(tmp_path, agents=3), tmp_path / "cpm.db", tmp_path, MANUAL)
     cpm.start()
+    try:
+        await _attack_and_restart(cpm, tmp_path)
+    finally:
+        if cpm.proc is not None and cpm.proc.poll() is None:
+            cpm.kill()
+
+
+async def _attack_and_restart(cpm: CpmProcess, tmp_path: Path) -> None:
     stubs = {a: cpm.pki.stub(cpm.target, a) for a in ("a0", "a1", "a2")}
     admin_ch, admin = cpm.pki.stub(cpm.target, "admin")
     feeds = {a: stubs[a][1].StreamDirectives(cpm_pb2.StreamDirectivesRequest()) for a in stubs}

@@ -31,7 +31,7 @@ def _profile(i: int) -> list[float]:
 def core() -> tuple[CpmCore, Clock, MemoryCpmStore]:
     clock = Clock()
     store = MemoryCpmStore()
-    settings = CpmSettings(directive_ttl_s=60, round_interval_s=30)
+    settings = CpmSettings(directive_ttl_s=60, round_interval_s=30, init=True)
     return CpmCore(settings, store, clock), clock, store
 
 
@@ -167,7 +167,7 @@ def test_stale_round_refused_same_round_accepted(
 
 def test_max_agents(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
     clock = Clock()
-    c = CpmCore(CpmSettings(max_agents=2), MemoryCpmStore(), clock)
+    c = CpmCore(CpmSettings(max_agents=2, init=True), MemoryCpmStore(), clock)
     c.submit_profile("a", 1, _profile(0), "", connected=0)
     c.submit_profile("b", 1, _profile(1), "", connected=0)
     with pytest.raises(CpmError) as e:
@@ -282,7 +282,7 @@ def test_sqlite_restart_replays_rewards_after_the_snapshot(tmp_path: Path) -> No
     from peerlm.services.cpm.store import SqliteCpmStore
 
     clock = Clock()
-    settings = CpmSettings(directive_ttl_s=60, round_interval_s=30, snapshot_every=4)
+    settings = CpmSettings(directive_ttl_s=60, round_interval_s=30, snapshot_every=4, init=True)
     store = SqliteCpmStore(tmp_path / "cpm.db")
     c = CpmCore(settings, store, clock)
     _rewarded(c, 5)  # 10 rewards: snapshots after 4 and 8, two rewards only in the ledger
