@@ -61,6 +61,8 @@ __all__ = [
 ]
 
 _DIRECTIVE_ID = re.compile(r"^[0-9a-f]{32}$")
+#: Trailing metadata of a ``stale_round`` refusal: the last round the CPM holds for the agent.
+LAST_ROUND_METADATA = "peerlm-last-round"
 #: uint64 fields are stored as SQLite INTEGER (signed 64-bit): anything above is refused.
 MAX_STORED_INT = 2**63 - 1
 _ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
@@ -69,11 +71,15 @@ _ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
 class CpmError(Exception):
     """A refused request: a gRPC status code name, a metric reason and a message."""
 
-    def __init__(self, code: str, reason: str, message: str) -> None:
+    def __init__(
+        self, code: str, reason: str, message: str, trailers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
+        #: Machine-readable detail for the caller (gRPC trailing metadata).
+        self.trailers = trailers
 
 
 @dataclass(frozen=True)
@@ -337,10 +343,13 @@ class CpmCore:
             )
         previous = self._profiles.get(agent)
         if previous is not None and round_ < previous.round:
+            # The agent restarted with fresh state or an older checkpoint: tell it the last
+            # round we hold, so it can resynchronise (agent.cpm_client) instead of ending.
             raise CpmError(
                 "FAILED_PRECONDITION",
                 "stale_round",
                 f"profile for round {round_} is older than round {previous.round} already seen",
+                ((LAST_ROUND_METADATA, str(previous.round)),),
             )
         if previous is None and len(self._profiles) >= self._s.max_agents:
             raise CpmError(

@@ -215,6 +215,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._log.warning(
             "request_refused", rpc=rpc, reason=err.reason, detail=err.message, peer=_caller_name()
         )
+        if err.trailers:
+            context.set_trailing_metadata(err.trailers)
         await context.abort(grpc.StatusCode[err.code], err.message)
 
     # ------------------------------------------------------------------ RPCs
