@@ -182,7 +182,16 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(self._matchmaking_loop())
         self._batch_task = loop.create_task(self._reward_batcher())
-        self._m.bandit_recovery.labels(self._core.bandit_recovery.split(":")[0]).inc()
+        how = self._core.bandit_recovery
+        self._m.bandit_recovery.labels(how.split(":")[0]).inc()
+        log = self._log.warning if how.startswith("rebuilt") else self._log.info
+        log(
+            "bandit_recovered",
+            how=how,
+            rewards_replayed=self._core.rewards_replayed,
+            ledger_rows_skipped=self._core.ledger_rows_skipped,
+            bandit_updates=self._core.matchmaker.n_updates,
+        )
         self._m.rewards_replayed.inc(self._core.rewards_replayed)
         self._m.snapshots.inc(self._core.snapshots_written)
 

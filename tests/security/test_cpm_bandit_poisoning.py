@@ -90,3 +90,43 @@ async def _attack_and_restart(cpm: CpmProcess, tmp_path: Path) -> None:
     assert np.array_equal(a_inv, a_inv.T)
     assert np.linalg.eigvalsh(a_inv).min() > 0
     assert cpm.terminate() == 0, cpm.log()[-3000:]
+
+
+async def test_a_cpm_starts_over_a_bandit_an_older_cpm_left_indefinite(tmp_path: Path) -> None:
+    """The state the attack left behind (indefinite ``A^-1``, no ``A``) no longer stops a
+    start: the CPM rebuilds the bandit from the reward ledger and counts it."""
+    db = tmp_path / "cpm.db"
+    cpm = CpmProcess(Pki.create(tmp_path, agents=2), db, tmp_path, MANUAL).start()
+    stubs = {a: cpm.pki.stub(cpm.target, a) for a in ("a0", "a1")}
+    admin_ch, admin = cpm.pki.stub(cpm.target, "admin")
+    try:
+        for r in range(1, 6):
+            for _, stub in stubs.values():
+                await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=r, features=[0.3] * 32))
+            await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())
+        feed = stubs["a0"][1].StreamDirectives(cpm_pb2.StreamDirectivesRequest())
+        for _ in range(5):
+            d = await feed.read()
+            await stubs[d.student][1].ReportReward(
+                cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=0.2)
+            )
+        feed.cancel()
+    finally:
+        for ch, _ in stubs.values():
+            await ch.close()
+        await admin_ch.close()
+    assert cpm.terminate() == 0
+    con = sqlite3.connect(db)
+    (dim,) = con.execute("SELECT context_dim FROM bandit").fetchone()
+    poisoned = (-np.eye(dim)).astype("<f8").tobytes()
+    con.execute("UPDATE bandit SET a_inv=?, a=NULL", (poisoned,))
+    con.commit()
+    con.close()
+    cpm.start()
+    try:
+        a_inv, n = _bandit(db)
+        assert n == 5
+        assert np.linalg.eigvalsh(a_inv).min() > 0
+        assert '"how": "rebuilt' in cpm.log()
+    finally:
+        assert cpm.terminate() == 0
