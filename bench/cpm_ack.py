@@ -76,6 +76,16 @@ class AckParams:
         return max(self.min_rewards, clients * self.rewards_per_client)
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # Fields 14 and 15 of stat (utime, stime), counted after the ")" closing the name.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _percentiles(values: list[float]) -> dict[str, float]:
     arr = np.asarray(values) * 1000.0
     return {f"p{q}_ms": float(np.percentile(arr, q)) for q in (50, 90, 99)}
@@ -200,9 +210,13 @@ async def _cpm_level(root: Path, clients: int, rewards: int, seed: int) -> dict[
                 )
                 latencies.append(time.perf_counter() - t0)
 
+        cpu0, own0 = _cpu_seconds(cpm.proc.pid), time.process_time()
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         elapsed = time.perf_counter() - started
+        cpu1, own1 = _cpu_seconds(cpm.proc.pid), time.process_time()
+        n = max(1, len(latencies))
+        server_cpu = None if cpu0 is None or cpu1 is None else 1000 * (cpu1 - cpu0) / n
         admin_ch, admin = cpm.stub("admin")
         stats = await admin.GetStats(cpm_pb2.GetStatsRequest())
         await admin_ch.close(None)
@@ -211,6 +225,9 @@ async def _cpm_level(root: Path, clients: int, rewards: int, seed: int) -> dict[
             "seconds": elapsed,
             "acks_per_s": len(latencies) / elapsed,
             "bandit_updates": int(stats.bandit_updates),
+            # Where the time goes: CPU per acknowledged reward in the CPM and in the clients.
+            "server_cpu_ms_per_ack": server_cpu,
+            "client_cpu_ms_per_ack": 1000 * (own1 - own0) / n,
             **_percentiles(latencies),
         }
     finally:
@@ -312,7 +329,8 @@ def render_report(report: Mapping[str, Any], console: Any) -> None:
     from rich.table import Table
 
     table = Table(title="Durable reward acknowledgement (real CPM, mTLS, SQLite WAL FULL)")
-    for col in ("clients", "CPM acks/s", "SQLite inserts/s", "ratio", "p50 ms", "p99 ms"):
+    cols = ("clients", "CPM acks/s", "SQLite inserts/s", "ratio", "p50 ms", "p99 ms")
+    for col in (*cols, "CPM CPU ms/ack", "client CPU ms/ack"):
         table.add_column(col, justify="right")
     for lv in report["levels"]:
         cpm = lv["cpm"]
@@ -323,6 +341,8 @@ def render_report(report: Mapping[str, Any], console: Any) -> None:
             f"{lv['ratio']:.1%}",
             f"{cpm['p50_ms']:.2f}",
             f"{cpm['p99_ms']:.2f}",
+            "-" if cpm["server_cpu_ms_per_ack"] is None else f"{cpm['server_cpu_ms_per_ack']:.2f}",
+            f"{cpm['client_cpu_ms_per_ack']:.2f}",
         )
     console.print(table)
 
