@@ -459,21 +459,36 @@ class CpmCore:
         before = self.matchmaker.snapshot()
         refactors_before = self.matchmaker.refactors
         seq_before = self._seq
-        results: list[RewardOutcome | CpmError] = []
+        results: list[RewardOutcome | CpmError | None] = []
+        accepted: list[tuple[int, RewardReport, DirectiveRecord]] = []
         staged: list[tuple[str, RewardRecord, int]] = []
         taken: set[str] = set()
         try:
             for rep in reports:
                 try:
-                    outcome = self._apply_reward(rep, taken)
+                    directive = self._admit_reward(rep, taken)
                 except CpmError as err:
                     results.append(err)
                     continue
-                self._seq += 1
-                assert outcome.directive.reward is not None
-                staged.append((rep.directive_id, outcome.directive.reward, self._seq))
                 taken.add(rep.directive_id)
-                results.append(outcome)
+                accepted.append((len(results), rep, directive))
+                results.append(None)
+            # One Woodbury step for the whole batch (LinUCB.update_block).
+            normalised = self.matchmaker.observe_many(
+                [_pairing(d) for _, _, d in accepted], [rep.reward for _, rep, _ in accepted]
+            )
+            now = self._clock()
+            updates = before.n_updates
+            for (slot, rep, directive), r_norm in zip(accepted, normalised, strict=True):
+                record = RewardRecord(
+                    rep.reward, r_norm, rep.loss_pre, rep.loss_post, rep.kilobytes, now
+                )
+                self._seq += 1
+                updates += 1
+                staged.append((rep.directive_id, record, self._seq))
+                results[slot] = RewardOutcome(
+                    directive.with_status(DirectiveStatus.REWARDED, record), r_norm, updates
+                )
             if staged:
                 self._store.commit_rewards(staged)
         except BaseException:
@@ -487,10 +502,10 @@ class CpmCore:
         self.bandit_refactors += max(0, self.matchmaker.refactors - refactors_before)
         if self._seq - self._snapshot_seq >= self._s.snapshot_every:
             self.write_snapshot()
-        return results
+        return [r for r in results if r is not None]
 
-    def _apply_reward(self, rep: RewardReport, taken: set[str]) -> RewardOutcome:
-        """Validate one reward and fold it into the in-memory bandit (not yet durable)."""
+    def _admit_reward(self, rep: RewardReport, taken: set[str]) -> DirectiveRecord:
+        """Validate one reward; its open directive, or a :class:`CpmError` (nothing changed)."""
         agent, directive_id, reward = rep.agent, rep.directive_id, rep.reward
         _check_range("kilobytes", rep.kilobytes)
         if not _DIRECTIVE_ID.match(directive_id):
@@ -530,16 +545,9 @@ class CpmCore:
         if now >= directive.expires_at:
             self._expire([directive])
             raise CpmError("FAILED_PRECONDITION", "expired", "the directive has expired")
-        try:
-            normalised = self.matchmaker.observe(_pairing(directive), reward)
-        except ValueError as exc:  # the bandit refused the context: nothing changed
-            raise CpmError("FAILED_PRECONDITION", "bandit_refused", str(exc)) from None
-        record = RewardRecord(reward, normalised, rep.loss_pre, rep.loss_post, rep.kilobytes, now)
-        return RewardOutcome(
-            directive.with_status(DirectiveStatus.REWARDED, record),
-            normalised,
-            self.matchmaker.n_updates,
-        )
+        if not np.all(np.isfinite(directive.context)):
+            raise CpmError("FAILED_PRECONDITION", "bandit_refused", "stored context is not finite")
+        return directive
 
     # ------------------------------------------------------------ housekeeping
 

@@ -309,6 +309,46 @@ class LinUCB:
             raise ValueError("reward must be finite")
         self.commit(ctx, self.prepare(ctx), reward)
 
+    def update_block(self, xs: NDArray[np.float64], rewards: NDArray[np.float64]) -> None:
+        """Fold ``k`` observations (rows of ``xs``) at once by the Woodbury identity.
+
+        ``A^-1 -= U^T C^-1 U`` with ``U = X A^-1`` and ``C = I + X A^-1 X^T`` (k x k,
+        factored by Cholesky): a few GEMMs instead of ``k`` rank-one passes over ``A^-1``,
+        equal to ``k`` calls of :meth:`update` to rounding (the CPM's group commit applies
+        a whole batch this way). One row goes through :meth:`update` (bitwise the same as
+        the sequential path). Raises ``ValueError`` with no state changed for a bad shape
+        or a non-finite entry.
+        """
+        if xs.ndim != 2 or xs.shape[1] != self._dim or rewards.shape != (xs.shape[0],):
+            raise ValueError(f"expected (k, {self._dim}) contexts and (k,) rewards")
+        if not (np.all(np.isfinite(xs)) and np.all(np.isfinite(rewards))):
+            raise ValueError("contexts and rewards must be finite")
+        k = xs.shape[0]
+        if k == 0:
+            return
+        if k == 1:
+            self.commit(xs[0], self.prepare(xs[0]), float(rewards[0]))
+            return
+        u = xs @ self._a_inv
+        try:
+            low = np.linalg.cholesky(np.eye(k) + u @ xs.T)
+        except np.linalg.LinAlgError:
+            # I + X A^-1 X^T is positive definite for a positive definite A^-1: drift.
+            self.refactor()
+            u = xs @ self._a_inv
+            low = np.linalg.cholesky(np.eye(k) + u @ xs.T)
+        w = scipy.linalg.solve_triangular(low, u, lower=True, check_finite=False)
+        delta = w.T @ w
+        self._a_inv -= (delta + delta.T) * 0.5
+        self._b += rewards @ xs
+        self._pending.extend(np.array(xs, dtype=np.float64))
+        before = self._n_updates
+        self._n_updates += k
+        self._theta = None
+        crossed = before // self._refactor_every != self._n_updates // self._refactor_every
+        if crossed or float(np.min(np.diag(self._a_inv))) <= 0:
+            self.refactor()
+
     def score(
         self, contexts: NDArray[np.float64], beta: float
     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:

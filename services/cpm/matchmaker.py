@@ -408,6 +408,39 @@ class Matchmaker:
         self._selects_since_update = 0
         return r_norm
 
+    def observe_many(self, pairings: Sequence[Pairing], rewards: Sequence[float]) -> list[float]:
+        """:meth:`observe` for many pairings at once: one block update of the bandit.
+
+        Rewards are normalised in order (each z-scored after folding it in, as
+        :meth:`observe` would); the bandit update is one Woodbury step
+        (:meth:`.LinUCB.update_block`), equal to the sequential updates to rounding.
+        Raises ``ValueError`` with no state changed if any reward or context is invalid.
+        """
+        values = [check_reward(r) for r in rewards]
+        if len(values) != len(pairings):
+            raise ValueError("one reward per pairing")
+        if not pairings:
+            return []
+        xs = np.stack(
+            [
+                self._features.bound_context(np.asarray(p.context, dtype=np.float64))
+                for p in pairings
+            ]
+        )
+        if xs.shape[1] != self.context_dim or not np.all(np.isfinite(xs)):
+            raise ValueError("contexts must be finite and of the bandit's dimension")
+        count, mean, m2 = self._normaliser.state()
+        r_norm = [self._normaliser.update(v) for v in values]
+        try:
+            self._bandit.update_block(xs, np.asarray(r_norm, dtype=np.float64))
+        except BaseException:
+            self._normaliser = RewardNormaliser(count, mean, m2)
+            raise
+        for pairing, value in zip(pairings, values, strict=True):
+            self._trust.record(pairing.sender, value > 0.0)
+        self._selects_since_update = 0
+        return r_norm
+
     # -- persistence -------------------------------------------------------------------
 
     def snapshot(self) -> MatchmakerState:

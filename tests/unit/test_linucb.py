@@ -260,3 +260,22 @@ def test_from_arrays_rederives_a_drifted_inverse() -> None:
     np.testing.assert_allclose(restored.a_inv, bandit.a_inv, rtol=1e-8, atol=1e-12)
     with pytest.raises(ValueError, match="positive definite"):
         LinUCB.from_arrays(bad, bandit.b, bandit.n_updates)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 40), st.integers(1, 70), st.integers(0, 2**32 - 1))
+def test_block_update_equals_sequential_updates(dim: int, warm: int, k: int, seed: int) -> None:
+    """One Woodbury step (the CPM's group commit) equals k rank-one steps to rounding."""
+    rng = np.random.default_rng(seed)
+    xs, rs = rng.normal(size=(k, dim)), rng.normal(size=k)
+    block, seq = _trained(dim, warm, seed), _trained(dim, warm, seed)
+    block.update_block(xs, rs)
+    for x, r in zip(xs, rs, strict=True):
+        seq.update(x, float(r))
+    np.testing.assert_allclose(block.a_inv, seq.a_inv, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(block.b, seq.b, rtol=1e-12, atol=1e-12)
+    assert block.n_updates == seq.n_updates and block.check()
+    assert np.array_equal(block.a_inv, block.a_inv.T)
+    with pytest.raises(ValueError, match="finite"):
+        block.update_block(np.full((2, dim), np.nan), np.zeros(2))
+    assert block.n_updates == seq.n_updates
