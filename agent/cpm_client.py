@@ -1,4 +1,21 @@
-"""The agent side of the CPM contract: submit profiles, follow directives, report rewards."""
+"""The agent side of the CPM contract: submit profiles, follow directives, report rewards.
+
+Two recoveries live here (issue 11):
+
+* **Rewards are retried idempotently.** A ReportReward that fails with UNAVAILABLE or
+  DEADLINE_EXCEEDED (the CPM restarting, a cut link) is sent again with the same
+  directive id, with backoff, for up to ``reward_retry_s``. The directive id makes this
+  safe: the CPM applies a reward once; if an earlier attempt was committed before the
+  connection broke, the retry is answered ALREADY_EXISTS, which here means "acknowledged".
+* **Rounds resynchronise after a restart.** An agent that restarts with fresh state or
+  falls back to an older checkpoint numbers its rounds from there, and the CPM refuses a
+  profile older than one it already holds (``stale_round``), telling the last round it
+  holds in the ``peerlm-last-round`` trailer. The client then shifts its round numbering
+  by a fixed offset so that this profile is sent as the next round, and keeps that offset
+  for the rest of the run (rounds stay increasing for the CPM; the agent's own training
+  round is unchanged). The profile's content is the agent's current one, so the CPM
+  matches it as it is now.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from peerlm.config import GrpcLimits
 from peerlm.pki.proof import FEED_NONCE_METADATA, ExpectedSender, ProofError
@@ -21,7 +38,12 @@ from peerlm.security.authz import (
 )
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
-__all__ = ["DEV_IDENTITY_METADATA", "CpmClient"]
+__all__ = ["DEV_IDENTITY_METADATA", "LAST_ROUND_METADATA", "CpmClient"]
+
+#: Trailing metadata of the CPM's ``stale_round`` refusal (the last round it holds for us);
+#: the same name as ``peerlm.services.cpm.core.LAST_ROUND_METADATA`` (agents do not import
+#: the service).
+LAST_ROUND_METADATA = "peerlm-last-round"
 
 #: Metadata key carrying the caller's SPIFFE id in insecure-dev mode only.
 DEV_IDENTITY_METADATA = "peerlm-dev-identity"
@@ -51,8 +73,22 @@ class CpmClient:
         dev_identity: str | None = None,
         registry: CollectorRegistry | None = None,
         feed_proof: ExpectedSender | None = None,
+        reward_retry_s: float = 60.0,
     ) -> None:
         self._limits = limits
+        self._round_offset = 0
+        self._reward_retry_s = reward_retry_s
+        self._retries = (
+            Counter(
+                "peerlm_agent_cpm_recoveries_total",
+                "CPM calls recovered by the client: reward retries after UNAVAILABLE or a "
+                "deadline, round resynchronisations after stale_round.",
+                ["kind"],
+                registry=registry,
+            )
+            if registry is not None
+            else None
+        )
         # With mTLS: the directive feed must prove it comes from a CPM (peerlm.pki.proof).
         self._feed_proof = feed_proof
         # The CPM refuses a bad certificate in the handshake, where no server code runs:
@@ -72,11 +108,31 @@ class CpmClient:
     async def wait_ready(self, timeout: float) -> None:
         await asyncio.wait_for(self._channel.channel_ready(), timeout)
 
+    @property
+    def round_offset(self) -> int:
+        """Added to the agent's round in every profile (non-zero after a resync)."""
+        return self._round_offset
+
     async def submit_profile(
         self, round_: int, features: Sequence[float], peer_endpoint: str = ""
     ) -> cpm_pb2.SubmitProfileResponse:
+        """Submit a profile; on ``stale_round`` resynchronise the round numbering once."""
+        try:
+            return await self._submit(round_ + self._round_offset, features, peer_endpoint)
+        except grpc.aio.AioRpcError as err:
+            last = _last_round(err)
+            if last is None:
+                raise
+        self._round_offset = last + 1 - round_
+        if self._retries is not None:
+            self._retries.labels("round_resync").inc()
+        return await self._submit(round_ + self._round_offset, features, peer_endpoint)
+
+    async def _submit(
+        self, sent_round: int, features: Sequence[float], peer_endpoint: str
+    ) -> cpm_pb2.SubmitProfileResponse:
         req = cpm_pb2.SubmitProfileRequest(
-            round=round_, features=list(features), peer_endpoint=peer_endpoint
+            round=sent_round, features=list(features), peer_endpoint=peer_endpoint
         )
         resp: cpm_pb2.SubmitProfileResponse = await self._stub.SubmitProfile(
             req, timeout=self._limits.rpc_timeout_s, metadata=self._metadata
@@ -99,10 +155,31 @@ class CpmClient:
             loss_post=loss_post,
             kilobytes=kilobytes,
         )
-        resp: cpm_pb2.ReportRewardResponse = await self._stub.ReportReward(
-            req, timeout=self._limits.rpc_timeout_s, metadata=self._metadata
-        )
-        return resp
+        deadline = time.monotonic() + self._reward_retry_s
+        backoff = 0.25
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                resp: cpm_pb2.ReportRewardResponse = await self._stub.ReportReward(
+                    req, timeout=self._limits.rpc_timeout_s, metadata=self._metadata
+                )
+                return resp
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.ALREADY_EXISTS and attempt > 1:
+                    # An earlier attempt was committed before its answer was lost.
+                    return cpm_pb2.ReportRewardResponse(directive_id=directive_id)
+                retryable = code in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                )
+                if not retryable or time.monotonic() + backoff > deadline:
+                    raise
+            if self._retries is not None:
+                self._retries.labels("reward_retry").inc()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
 
     async def directives(self, max_backoff_s: float = 10.0) -> AsyncIterator[cpm_pb2.Directive]:
         """Directives for this agent, forever; the feed is re-opened after transient errors.
@@ -160,6 +237,21 @@ class CpmClient:
             raise _unauthenticated(
                 f"the directive feed did not prove it comes from a CPM: {err} ({err.reason})"
             ) from None
+
+
+def _last_round(err: grpc.aio.AioRpcError) -> int | None:
+    """The CPM's last round for us from a ``stale_round`` refusal, else None."""
+    if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return None
+    trailers: Any = err.trailing_metadata() or ()
+    for item in trailers:
+        key, value = str(item[0]), item[1]
+        if key == LAST_ROUND_METADATA:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 def _unauthenticated(detail: str) -> grpc.aio.AioRpcError:

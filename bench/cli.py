@@ -20,7 +20,14 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["app", "cpm_command", "overlay_command", "parse_sizes", "transfer_command"]
+__all__ = [
+    "app",
+    "cpm_ack_command",
+    "cpm_command",
+    "overlay_command",
+    "parse_sizes",
+    "transfer_command",
+]
 
 app = typer.Typer(help="Benchmarks.", no_args_is_help=True, add_completion=False)
 
@@ -118,6 +125,41 @@ def cpm_command(
     _run_and_report(
         "bench cpm", lambda progress: run_benchmark(params, progress), write_plots,
         render_report, plots, as_json, {},
+    )  # fmt: skip
+
+
+@app.command("cpm-ack")
+def cpm_ack_command(
+    quick: Annotated[bool, typer.Option("--quick", help="Small settings (seconds).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+    clients: Annotated[
+        str, typer.Option(help="Concurrent clients per level, comma-separated.")
+    ] = "1,10,50",
+    rewards_per_client: Annotated[
+        int, typer.Option(min=1, help="Rewards per client (at least --min-rewards per level).")
+    ] = 40,
+    min_rewards: Annotated[int, typer.Option(min=1, help="Rewards per level, at least.")] = 400,
+    workdir: Annotated[
+        Path | None, typer.Option(help="Where the databases go (default: the temp dir).")
+    ] = None,
+) -> None:
+    """Durably acknowledged rewards/s against a real CPM, beside SQLite's group-commit rate."""
+    from peerlm.bench.cpm_ack import AckParams, render_report, run_benchmark
+
+    try:
+        levels = tuple(int(part) for part in clients.split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected integers, got {clients!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise typer.BadParameter("every client count must be >= 1", param_hint="--clients")
+    params = (
+        AckParams.quick()
+        if quick
+        else AckParams(levels, rewards_per_client, min_rewards, workdir=workdir)
+    )
+    _run_and_report(
+        "bench cpm-ack", lambda progress: run_benchmark(params, progress),
+        lambda _report, _dir: [], render_report, None, as_json, {},
     )  # fmt: skip
 
 

@@ -112,6 +112,9 @@ class CpmSettings(ServiceSettings):
     )
 
     db: Path = Path("state/cpm.db")
+    # Create a new federation database when ``db`` holds none (missing or empty file).
+    # Without it such a start is refused: a lost database must not become a new federation.
+    init: bool = False
     # Bandit (Algorithm 2) and context map.
     profile_dim: int = Field(default=32, ge=1, le=4096)
     beta: float = Field(default=1.0, ge=0)
@@ -134,6 +137,8 @@ class CpmSettings(ServiceSettings):
     max_agents: int = Field(default=10_000, ge=2)
     stream_queue_depth: int = Field(default=64, ge=1)
     max_reward_magnitude: float = Field(default=1e6, gt=0)
+    # Rewards between two bandit snapshots (the ledger holds every reward in between).
+    snapshot_every: int = Field(default=256, ge=1)
 
     @field_validator("protocols", "roles")
     @classmethod

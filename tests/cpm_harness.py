@@ -74,6 +74,7 @@ class CpmProcess:
     workdir: Path
     env: dict[str, str] = field(default_factory=dict)
     metrics_port: int | None = None
+    listen: str = "127.0.0.1:0"
     proc: subprocess.Popen[bytes] | None = None
     port: int = 0
 
@@ -81,15 +82,20 @@ class CpmProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60) -> CpmProcess:
+    def start(self, timeout: float = 60, *, init: bool | None = None) -> CpmProcess:
+        """Start the child; ``init`` defaults to "only if the database does not exist yet"."""
         port_file = self.workdir / "cpm.port"
         port_file.unlink(missing_ok=True)
+        if init is None:
+            init = not self.db.exists()
         args = cpm_command(
             tls=self.pki.tls("cpm"),
             db=self.db,
             port_file=port_file,
             federation=FEDERATION,
             metrics_port=self.metrics_port,
+            listen=self.listen,
+            init=init,
         )
         log = (self.workdir / "cpm.log").open("ab")
         self.proc = subprocess.Popen(

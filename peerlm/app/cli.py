@@ -79,6 +79,17 @@ def cpm(
     port_file: Annotated[
         Path | None, typer.Option(help="Write the bound port here once serving (for --listen :0).")
     ] = None,
+    init: Annotated[
+        bool | None,
+        typer.Option(
+            "--init",
+            help="Create a new federation database if --db holds none (refused otherwise).",
+        ),
+    ] = None,
+    init_only: Annotated[
+        bool,
+        typer.Option("--init-only", help="With --init: create the database, then exit."),
+    ] = False,
 ) -> None:
     """Run the Central Profiler/Matchmaker service."""
     # The bandit's matrices are small (d ~ 132): multi-threaded BLAS only adds contention
@@ -99,9 +110,15 @@ def cpm(
         "federation": federation,
         "insecure_dev": insecure_dev,
         "log_format": log_format,
+        "init": init,
     }
     try:
         settings = load_settings(CpmSettings, config, overrides)
+        if init_only:
+            from peerlm.services.cpm.core import open_database
+
+            typer.echo(open_database(settings))
+            return
         run_cpm(settings, port_file=port_file)
     except (ConfigError, SecurityConfigError, ValueError, OSError) as exc:
         raise _fail(str(exc)) from None

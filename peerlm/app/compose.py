@@ -236,17 +236,29 @@ def compose_document(plan: ComposePlan) -> dict[str, Any]:
     )  # fmt: skip
     volumes.update({"models": {}, "data": {}, "prometheus-targets": {}, "cpm-state": {}})
 
+    cpm_volumes = [
+        f"{_kit_volume('cpm')}:{PKI}:ro",
+        f"cpm-state:{STATE}",
+        "./deploy/cpm.yaml:/etc/peerlm/cpm.yaml:ro",
+    ]
+    # One-shot: creates the federation database on the first `up` (a no-op later). The
+    # long-running CPM never gets --init, so a database lost while it runs (or restarts)
+    # is refused rather than silently replaced by a new federation.
+    services["cpm-init"] = _peerlm(
+        plan,
+        command=["cpm", "--config", "/etc/peerlm/cpm.yaml", "--init", "--init-only"],
+        environment={"PEERLM_CPM_FEDERATION": plan.federation},
+        volumes=cpm_volumes,
+        depends_on={"certs": {"condition": "service_completed_successfully"}},
+        restart="no",
+    )
     services["cpm"] = _peerlm(
         plan,
         command=["cpm", "--config", "/etc/peerlm/cpm.yaml"],
         environment={"PEERLM_CPM_FEDERATION": plan.federation},
-        volumes=[
-            f"{_kit_volume('cpm')}:{PKI}:ro",
-            f"cpm-state:{STATE}",
-            "./deploy/cpm.yaml:/etc/peerlm/cpm.yaml:ro",
-        ],
+        volumes=cpm_volumes,
         expose=[str(CPM_PORT), str(CPM_METRICS_PORT)],
-        depends_on={"certs": {"condition": "service_completed_successfully"}},
+        depends_on={"cpm-init": {"condition": "service_completed_successfully"}},
         healthcheck=_health("cpm", "/etc/peerlm/cpm.yaml", "20s"),
         restart="unless-stopped",
         stop_grace_period="20s",

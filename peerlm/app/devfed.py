@@ -80,8 +80,12 @@ def cpm_command(
     federation: str,
     metrics_port: int | None = None,
     listen: str = "127.0.0.1:0",
+    init: bool = False,
 ) -> list[str]:
-    """The argv of a ``peerlm cpm`` child that writes its bound port to ``port_file``."""
+    """The argv of a ``peerlm cpm`` child that writes its bound port to ``port_file``.
+
+    ``init`` adds ``--init``: the child may create a new federation database.
+    """
     args = [
         sys.executable, "-m", "peerlm", "cpm", "--listen", listen,
         "--port-file", str(port_file), "--db", str(db), "--federation", federation,
@@ -90,6 +94,8 @@ def cpm_command(
     ]  # fmt: skip
     if metrics_port is not None:
         args += ["--metrics-port", str(metrics_port)]
+    if init:
+        args.append("--init")
     return args
 
 
@@ -165,6 +171,7 @@ async def _run(
         port_file=port_file,
         federation=FEDERATION,
         metrics_port=metrics_port,
+        init=True,  # `peerlm up` starts a new local federation every time
     )
     # Dev pace: the timer matches whoever is waiting after 15 s (30 s in production) when an
     # agent is missing; shorter fragments rounds when agents of different speeds finish apart.

@@ -17,10 +17,19 @@ Decisions the paper leaves open, made here:
   context stored with the directive at selection time is the one the bandit learns from
   (the agent never sends a context vector, so it cannot poison the model's features).
 * Expired directives are closed without a bandit update; they are counted in a metric.
+* Rewards are committed in batches (:meth:`CpmCore.report_rewards`): each is applied to
+  the in-memory bandit in turn, then all their ledger rows go into one transaction; if
+  that fails, the bandit is put back as it was before the batch and nothing is
+  acknowledged. The bandit is snapshotted every ``snapshot_every`` rewards, after a full
+  check (:meth:`Matchmaker.check`), so an invalid state is never persisted.
+* The CPM never refuses to start over its own bandit: a snapshot that does not restore
+  (corrupt, or indefinite ``A^-1`` from an older CPM) is discarded and the bandit rebuilt
+  by replaying the whole reward ledger; rewards after the snapshot are replayed on top.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -42,20 +51,35 @@ from peerlm.services.cpm.store import CpmStore
 
 from peerlm.config import CpmSettings
 
-__all__ = ["CpmCore", "CpmError", "MatchOutcome", "RewardOutcome", "SubmitOutcome"]
+__all__ = [
+    "CpmCore",
+    "CpmError",
+    "MatchOutcome",
+    "RewardOutcome",
+    "RewardReport",
+    "SubmitOutcome",
+]
 
 _DIRECTIVE_ID = re.compile(r"^[0-9a-f]{32}$")
+#: Trailing metadata of a ``stale_round`` refusal: the last round the CPM holds for the agent.
+LAST_ROUND_METADATA = "peerlm-last-round"
+#: uint64 fields are stored as SQLite INTEGER (signed 64-bit): anything above is refused.
+MAX_STORED_INT = 2**63 - 1
 _ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
 
 
 class CpmError(Exception):
     """A refused request: a gRPC status code name, a metric reason and a message."""
 
-    def __init__(self, code: str, reason: str, message: str) -> None:
+    def __init__(
+        self, code: str, reason: str, message: str, trailers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
+        #: Machine-readable detail for the caller (gRPC trailing metadata).
+        self.trailers = trailers
 
 
 @dataclass(frozen=True)
@@ -74,10 +98,61 @@ class MatchOutcome:
 
 
 @dataclass(frozen=True)
+class RewardReport:
+    """One ReportReward call, as the core sees it (the agent is the caller's identity)."""
+
+    agent: str
+    directive_id: str
+    reward: float
+    loss_pre: float = 0.0
+    loss_post: float = 0.0
+    kilobytes: int = 0
+
+
+@dataclass(frozen=True)
 class RewardOutcome:
     directive: DirectiveRecord
     normalised: float
     bandit_updates: int
+
+
+def _pairing(directive: DirectiveRecord) -> Pairing:
+    """The pairing a directive was issued for, with the context the bandit scored."""
+    return Pairing(
+        sender=directive.teacher,
+        receiver=directive.student,
+        protocol=directive.protocol,
+        role=directive.role,
+        context=directive.context,
+        ucb=directive.ucb,
+        mean=float("nan"),
+    )
+
+
+def open_database(settings: CpmSettings) -> str:
+    """Open (with ``settings.init``: create) the CPM database and check it as a start would.
+
+    For ``peerlm cpm --init --init-only``: a one-shot step that deployments run once, so
+    that the long-running CPM never needs ``--init``. Returns a one-line summary.
+    """
+    from peerlm.services.cpm.store import SqliteCpmStore
+
+    store = SqliteCpmStore(settings.db)
+    try:
+        core = CpmCore(settings, store, time.time)
+        return (
+            f"CPM database {settings.db}: bandit {core.bandit_recovery}, "
+            f"{core.matchmaker.n_updates} rewards, round {core.matchmaking_round}"
+        )
+    finally:
+        store.close()
+
+
+def _check_range(name: str, value: int) -> None:
+    if not 0 <= value <= MAX_STORED_INT:
+        raise CpmError(
+            "INVALID_ARGUMENT", "out_of_range", f"{name} must be in [0, 2^63 - 1], got {value}"
+        )
 
 
 def settings_fingerprint(settings: CpmSettings) -> str:
@@ -102,22 +177,22 @@ class CpmCore:
         self._s = settings
         self._store = store
         self._clock = clock
-        self.matchmaker = Matchmaker(
-            profile_dim=settings.profile_dim,
-            beta=settings.beta,
-            pair_budget=settings.pair_budget,
-            protocols=settings.protocols,
-            seed=settings.seed,
-            roles=settings.roles,
-            interaction_features=settings.interaction_features,
-            trust_features=settings.trust_features,
-            matching=settings.matching,
-            prefilter_k=settings.prefilter_k,
-            prefilter_min_agents=settings.prefilter_min_agents,
-            ridge=settings.ridge,
-        )
+        self.matchmaker = self._new_matchmaker()
         fingerprint = settings_fingerprint(settings)
         stored = store.get_meta("fingerprint")
+        if stored is None and not settings.init:
+            # A deleted or emptied database must not silently become a new federation
+            # (every agent's history, trust and open directive would be gone).
+            raise ValueError(
+                f"the CPM database {settings.db} holds no federation (missing, empty or never "
+                "initialised); start with --init to create a new one"
+            )
+        bad = store.invalid_directives(self.matchmaker.context_dim)
+        if bad:
+            raise ValueError(
+                f"the CPM database {settings.db} has {len(bad)} directive row(s) whose status, "
+                f"context or reward does not parse (first: {bad[0]}); restore it from a backup"
+            )
         if stored is not None and stored != fingerprint:
             raise ValueError(
                 "the CPM database was created with different bandit settings "
@@ -125,9 +200,17 @@ class CpmCore:
             )
         if stored is None:
             store.set_meta("fingerprint", fingerprint)
-        state = store.load_bandit()
-        if state is not None:
-            self.matchmaker.restore(state)
+        #: How the bandit came back at start: "fresh", "snapshot" or "rebuilt" (+ why).
+        self.bandit_recovery = "fresh"
+        self.rewards_replayed = 0
+        self.ledger_rows_skipped = 0
+        self.snapshots_written = 0
+        self.snapshots_refused = 0
+        #: Re-derivations of A^-1 from A while applying rewards (for a metric).
+        self.bandit_refactors = 0
+        self._seq = store.last_reward_seq()
+        self._snapshot_seq = 0
+        self._recover_bandit()
         self._profiles: dict[str, ProfileRecord] = {p.agent: p for p in store.load_profiles()}
         self._open: dict[str, DirectiveRecord] = {
             d.directive_id: d for d in store.open_directives()
@@ -146,6 +229,80 @@ class CpmCore:
         self.profiles_received = 0
         self.rewards_observed = 0
         self.directives_issued = 0
+
+    def _new_matchmaker(self) -> Matchmaker:
+        settings = self._s
+        return Matchmaker(
+            profile_dim=settings.profile_dim,
+            beta=settings.beta,
+            pair_budget=settings.pair_budget,
+            protocols=settings.protocols,
+            seed=settings.seed,
+            roles=settings.roles,
+            interaction_features=settings.interaction_features,
+            trust_features=settings.trust_features,
+            matching=settings.matching,
+            prefilter_k=settings.prefilter_k,
+            prefilter_min_agents=settings.prefilter_min_agents,
+            ridge=settings.ridge,
+        )
+
+    # ------------------------------------------------------------ bandit state
+
+    def _recover_bandit(self) -> None:
+        """Snapshot, then the ledger after it; the whole ledger if the snapshot is bad."""
+        loaded = self._store.load_snapshot()
+        start = 0
+        if loaded is not None:
+            state, covered = loaded
+            try:
+                if covered > self._seq:
+                    raise ValueError(
+                        f"snapshot covers reward {covered}, ledger ends at {self._seq}"
+                    )
+                self.matchmaker.restore(state)
+                start = covered
+                self.bandit_recovery = "snapshot"
+            except ValueError as exc:
+                self.matchmaker = self._new_matchmaker()
+                self.bandit_recovery = f"rebuilt: {exc}"
+        for _, directive in self._store.rewards_after(start):
+            assert directive.reward is not None
+            try:
+                self.matchmaker.observe(_pairing(directive), directive.reward.reward)
+            except ValueError:
+                # Only a row no current CPM could have written (non-finite context);
+                # skipping it beats refusing to start.
+                self.ledger_rows_skipped += 1
+                continue
+            self.rewards_replayed += 1
+        self._snapshot_seq = start
+        if self.rewards_replayed or self.bandit_recovery.startswith("rebuilt"):
+            self.write_snapshot()
+
+    def snapshot_if_behind(self) -> bool:
+        """:meth:`write_snapshot` if rewards arrived since the last one (at shutdown)."""
+        return self._seq != self._snapshot_seq and self.write_snapshot()
+
+    def write_snapshot(self) -> bool:
+        """Persist the bandit if it passes the full check; True if written.
+
+        A state that fails even after re-deriving ``A^-1`` from ``A`` is not written (the
+        ledger still holds every reward, so nothing is lost) and is rebuilt from the ledger.
+        """
+        if not self.matchmaker.check():
+            self.snapshots_refused += 1
+            self.matchmaker = self._new_matchmaker()
+            for _, directive in self._store.rewards_after(0):
+                assert directive.reward is not None
+                with contextlib.suppress(ValueError):
+                    self.matchmaker.observe(_pairing(directive), directive.reward.reward)
+            if not self.matchmaker.check():
+                return False
+        self._store.save_snapshot(self.matchmaker.snapshot(), self._seq)
+        self._snapshot_seq = self._seq
+        self.snapshots_written += 1
+        return True
 
     # ----------------------------------------------------------------- profiles
 
@@ -169,6 +326,7 @@ class CpmCore:
         connected: int,
     ) -> SubmitOutcome:
         """Validate and store an agent's profile for the next matchmaking round."""
+        _check_range("round", round_)
         if len(features) != self._s.profile_dim:
             raise CpmError(
                 "INVALID_ARGUMENT",
@@ -185,10 +343,13 @@ class CpmCore:
             )
         previous = self._profiles.get(agent)
         if previous is not None and round_ < previous.round:
+            # The agent restarted with fresh state or an older checkpoint: tell it the last
+            # round we hold, so it can resynchronise (agent.cpm_client) instead of ending.
             raise CpmError(
                 "FAILED_PRECONDITION",
                 "stale_round",
                 f"profile for round {round_} is older than round {previous.round} already seen",
+                ((LAST_ROUND_METADATA, str(previous.round)),),
             )
         if previous is None and len(self._profiles) >= self._s.max_agents:
             raise CpmError(
@@ -279,10 +440,81 @@ class CpmCore:
         loss_post: float = 0.0,
         kilobytes: int = 0,
     ) -> RewardOutcome:
-        """Apply a reward once, from the directive's student; durable before it returns."""
+        """One reward through :meth:`report_rewards`; raises its :class:`CpmError`."""
+        [out] = self.report_rewards(
+            [RewardReport(agent, directive_id, reward, loss_pre, loss_post, kilobytes)]
+        )
+        if isinstance(out, CpmError):
+            raise out
+        return out
+
+    def report_rewards(self, reports: Sequence[RewardReport]) -> list[RewardOutcome | CpmError]:
+        """Apply a batch of rewards, each once and only from its directive's student.
+
+        Every accepted reward is durable (one transaction, one fsync for the batch) before
+        this returns; a refused one leaves no trace but its :class:`CpmError`. If the
+        commit fails, the bandit is put back as before the batch and the error propagates:
+        nothing of the batch was acknowledged.
+        """
+        before = self.matchmaker.snapshot()
+        refactors_before = self.matchmaker.refactors
+        seq_before = self._seq
+        results: list[RewardOutcome | CpmError | None] = []
+        accepted: list[tuple[int, RewardReport, DirectiveRecord]] = []
+        staged: list[tuple[str, RewardRecord, int]] = []
+        taken: set[str] = set()
+        try:
+            for rep in reports:
+                try:
+                    directive = self._admit_reward(rep, taken)
+                except CpmError as err:
+                    results.append(err)
+                    continue
+                taken.add(rep.directive_id)
+                accepted.append((len(results), rep, directive))
+                results.append(None)
+            # One Woodbury step for the whole batch (LinUCB.update_block).
+            normalised = self.matchmaker.observe_many(
+                [_pairing(d) for _, _, d in accepted], [rep.reward for _, rep, _ in accepted]
+            )
+            now = self._clock()
+            updates = before.n_updates
+            for (slot, rep, directive), r_norm in zip(accepted, normalised, strict=True):
+                record = RewardRecord(
+                    rep.reward, r_norm, rep.loss_pre, rep.loss_post, rep.kilobytes, now
+                )
+                self._seq += 1
+                updates += 1
+                staged.append((rep.directive_id, record, self._seq))
+                results[slot] = RewardOutcome(
+                    directive.with_status(DirectiveStatus.REWARDED, record), r_norm, updates
+                )
+            if staged:
+                self._store.commit_rewards(staged)
+        except BaseException:
+            # Nothing was acknowledged: put the in-memory model back as the store has it.
+            self.matchmaker.restore(before)
+            self._seq = seq_before
+            raise
+        for directive_id in taken:
+            del self._open[directive_id]
+        self.rewards_observed += len(staged)
+        self.bandit_refactors += max(0, self.matchmaker.refactors - refactors_before)
+        if self._seq - self._snapshot_seq >= self._s.snapshot_every:
+            self.write_snapshot()
+        return [r for r in results if r is not None]
+
+    def _admit_reward(self, rep: RewardReport, taken: set[str]) -> DirectiveRecord:
+        """Validate one reward; its open directive, or a :class:`CpmError` (nothing changed)."""
+        agent, directive_id, reward = rep.agent, rep.directive_id, rep.reward
+        _check_range("kilobytes", rep.kilobytes)
         if not _DIRECTIVE_ID.match(directive_id):
             raise CpmError("INVALID_ARGUMENT", "directive_id", "directive_id is not 32 hex chars")
-        for name, value in (("reward", reward), ("loss_pre", loss_pre), ("loss_post", loss_post)):
+        for name, value in (
+            ("reward", reward),
+            ("loss_pre", rep.loss_pre),
+            ("loss_post", rep.loss_post),
+        ):
             if not math.isfinite(value):
                 raise CpmError("INVALID_ARGUMENT", "non_finite", f"{name} must be finite")
         if abs(reward) > self._s.max_reward_magnitude:
@@ -291,16 +523,16 @@ class CpmCore:
                 "reward_magnitude",
                 f"|reward| exceeds {self._s.max_reward_magnitude:g}",
             )
-        directive = self._open.get(directive_id)
+        directive = None if directive_id in taken else self._open.get(directive_id)
         if directive is None:
-            known = self._store.get_directive(directive_id)
+            known = self._open.get(directive_id) or self._store.get_directive(directive_id)
             if known is None:
                 raise CpmError("NOT_FOUND", "unknown_directive", "no such directive")
             if known.student != agent:
                 raise CpmError(
                     "PERMISSION_DENIED", "not_receiver", "only the directive's student may report"
                 )
-            if known.status is DirectiveStatus.REWARDED:
+            if directive_id in taken or known.status is DirectiveStatus.REWARDED:
                 raise CpmError(
                     "ALREADY_EXISTS", "replayed", "a reward for this directive was already taken"
                 )
@@ -313,31 +545,9 @@ class CpmCore:
         if now >= directive.expires_at:
             self._expire([directive])
             raise CpmError("FAILED_PRECONDITION", "expired", "the directive has expired")
-        before = self.matchmaker.snapshot()
-        pairing = Pairing(
-            sender=directive.teacher,
-            receiver=directive.student,
-            protocol=directive.protocol,
-            role=directive.role,
-            context=directive.context,
-            ucb=directive.ucb,
-            mean=float("nan"),
-        )
-        try:
-            normalised = self.matchmaker.observe(pairing, reward)
-            record = RewardRecord(reward, normalised, loss_pre, loss_post, kilobytes, now)
-            self._store.commit_reward(directive_id, record, self.matchmaker.snapshot())
-        except BaseException:
-            # Nothing was acknowledged: put the in-memory model back as the store has it.
-            self.matchmaker.restore(before)
-            raise
-        del self._open[directive_id]
-        self.rewards_observed += 1
-        return RewardOutcome(
-            directive.with_status(DirectiveStatus.REWARDED, record),
-            normalised,
-            self.matchmaker.n_updates,
-        )
+        if not np.all(np.isfinite(directive.context)):
+            raise CpmError("FAILED_PRECONDITION", "bandit_refused", "stored context is not finite")
+        return directive
 
     # ------------------------------------------------------------ housekeeping
 

@@ -26,10 +26,22 @@ Other choices:
   change a ranking; the per-agent part of the network state that does matter is the
   CPM-maintained trust, which is included (see :mod:`.trust`).
 * Trust enters as the Beta(1, 1)-smoothed success rate, in [0, 1].
+
+**Bounded contexts.** Every entry of an agent profile is in [-1, 1] by design (one-hot,
+rates, deltas of rates, squashed losses, a histogram; see
+:mod:`peerlm.services.cpm.profile`), so an honest profile has ``||p|| <= sqrt(d_p)``. The
+validator accepts entries up to 1e6 (it only rejects what is absurd), which is what let
+two colluding agents feed contexts of norm ~1e12 into the bandit. Before any context is
+built a profile is therefore scaled onto the ball of radius :attr:`max_profile_norm` =
+``sqrt(d_p)`` (direction kept, honest profiles untouched). That bounds each block, hence
+``||x||`` by :attr:`max_context_norm` (~35 with the defaults):
+``||p_s||, ||p_r|| <= R``, ``|| |p_s - p_r| || <= 2R``, ``||p_s * p_r|| <= R^2``, and
+the one-hot, trust and bias entries are each at most 1.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,6 +131,50 @@ class ContextFeatures:
     def dim(self) -> int:
         """Context dimension d."""
         return self.layout.dim
+
+    @property
+    def max_profile_norm(self) -> float:
+        """``R = sqrt(d_p)``: the L2 norm a profile is scaled down to, if above."""
+        return math.sqrt(self.layout.profile_dim)
+
+    @property
+    def max_context_norm(self) -> float:
+        """An upper bound on ``||x||`` for contexts built from bounded profiles."""
+        r2 = float(self.layout.profile_dim)
+        sq = 2.0 * r2 + 1.0 + 1.0  # sender, receiver, one-hot entry, bias
+        if self.interaction:
+            sq += 4.0 * r2 + r2 * r2
+        if self.trust:
+            sq += 2.0
+        return math.sqrt(sq)
+
+    def bound_profiles(self, profiles: NDArray[np.float64]) -> NDArray[np.float64]:
+        """Rows of ``profiles`` (N, d_p) scaled onto the ball of :attr:`max_profile_norm`.
+
+        Returns ``profiles`` itself when no row exceeds the cap (the honest case), else a
+        scaled copy.
+        """
+        norms = np.sqrt(np.einsum("ij,ij->i", profiles, profiles))
+        cap = self.max_profile_norm
+        over = norms > cap
+        if not np.any(over):
+            return profiles
+        out = profiles.copy()
+        out[over] *= (cap / norms[over])[:, None]
+        return out
+
+    def bound_context(self, x: NDArray[np.float64]) -> NDArray[np.float64]:
+        """``x`` scaled onto the ball of :attr:`max_context_norm` if above (else ``x``).
+
+        For contexts that were stored before profiles were bounded (directives issued by
+        an older CPM, replayed from the ledger): they are brought inside the same bound.
+        """
+        norm = float(np.linalg.norm(x))
+        cap = self.max_context_norm
+        if not norm > cap:  # also passes NaN through, for the caller's finiteness check
+            return x
+        scaled: NDArray[np.float64] = x * (cap / norm)
+        return scaled
 
     @property
     def profile_dim(self) -> int:

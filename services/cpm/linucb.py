@@ -4,16 +4,24 @@ The model keeps ``A^-1`` and ``b`` for a ridge regression of reward on context:
 ``A = ridge * I + sum x x^T``, ``b = sum r x``, ``theta = A^-1 b``. A candidate's
 upper confidence bound is ``theta^T x + beta * sqrt(x^T A^-1 x)``.
 
-``A`` itself is never stored or inverted: each observation updates ``A^-1`` in O(d^2) by
-Sherman–Morrison,
+Each observation updates ``A^-1`` in O(d^2) by Sherman–Morrison,
 
     A^-1 <- A^-1 - (A^-1 x)(A^-1 x)^T / (1 + x^T A^-1 x),
 
 written as ``A^-1 -= s s^T`` with ``s = A^-1 x / sqrt(1 + x^T A^-1 x)`` (``A^-1`` is
 symmetric, so ``A^-1 x x^T A^-1 = u u^T`` with ``u = A^-1 x``). In that form every update
-keeps ``A^-1`` *bitwise* symmetric — ``s_i * s_j == s_j * s_i`` in IEEE arithmetic — so no
-symmetrising pass is needed per update; :meth:`LinUCB.from_arrays` symmetrises whatever it
-is handed, which makes symmetry an invariant of the object.
+keeps ``A^-1`` *bitwise* symmetric — ``s_i * s_j == s_j * s_i`` in IEEE arithmetic.
+
+Sherman–Morrison alone is not numerically stable: every update subtracts a rank-one term,
+and with large, nearly collinear contexts the rounding accumulates until ``A^-1`` loses
+positive definiteness (issue 11: two colluding agents did it in ~130 updates). So ``A``
+itself is kept too (``A += x x^T``: additions of symmetric positive semi-definite terms
+to ``ridge * I``, which cannot lose definiteness), and ``A^-1`` is re-derived from a
+Cholesky factor of ``A`` every :data:`DEFAULT_REFACTOR_EVERY` updates and whenever a
+cheap per-update check fails. :meth:`LinUCB.check` is the full O(d^3) validation run
+before a state is persisted. Contexts are bounded by the caller
+(:meth:`~.features.ContextFeatures.bound_profiles`), which keeps ``cond(A)`` within what
+float64 resolves for any realistic number of updates.
 """
 
 from __future__ import annotations
@@ -21,57 +29,153 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import scipy.linalg
 from numpy.typing import NDArray
 
 from .features import FeatureLayout
 
-__all__ = ["LinUCB"]
+__all__ = ["DEFAULT_REFACTOR_EVERY", "INVERSE_TOLERANCE", "LinUCB"]
 
 # Unordered pairs scored per block in score_pairs (bounds the O(block * d) temporaries).
 _PAIR_BLOCK = 8192
 
+#: Updates between re-derivations of ``A^-1`` from a Cholesky factor of ``A``. At d = 132 a
+#: re-factorisation costs ~1 ms, so once per 64 updates adds ~2% to an update's cost while
+#: bounding how far Sherman–Morrison rounding can drift between two exact points.
+DEFAULT_REFACTOR_EVERY = 64
+#: ``max |A A^-1 - I|`` accepted by :meth:`LinUCB.check` (relative to ``cond(A)`` scale).
+INVERSE_TOLERANCE = 1e-6
+
+
+def _square(arr: NDArray[np.float64], name: str) -> NDArray[np.float64]:
+    mat = np.array(arr, dtype=np.float64)
+    if mat.ndim != 2 or mat.shape[0] != mat.shape[1] or mat.shape[0] < 1:
+        raise ValueError(f"{name} must be a square matrix, got shape {mat.shape}")
+    if not np.all(np.isfinite(mat)):
+        raise ValueError(f"{name} must be finite")
+    scale = max(float(np.max(np.abs(mat))), 1.0)
+    if not np.allclose(mat, mat.T, rtol=0.0, atol=1e-9 * scale):
+        raise ValueError(f"{name} must be symmetric")
+    return mat
+
+
+def _is_pd(mat: NDArray[np.float64]) -> bool:
+    try:
+        np.linalg.cholesky(mat)
+    except np.linalg.LinAlgError:
+        return False
+    return True
+
+
+def _spd_inverse(mat: NDArray[np.float64]) -> NDArray[np.float64] | None:
+    """Inverse of a symmetric positive definite matrix through its Cholesky factor.
+
+    ``A = L L^T`` so ``A^-1 = L^-T L^-1``; the result is symmetrised (one GEMM is not
+    bitwise symmetric). ``None`` if ``mat`` is not positive definite.
+    """
+    try:
+        low = np.linalg.cholesky(mat)
+    except np.linalg.LinAlgError:
+        return None
+    eye = np.eye(mat.shape[0])
+    low_inv = scipy.linalg.solve_triangular(low, eye, lower=True, check_finite=False)
+    inv: NDArray[np.float64] = low_inv.T @ low_inv
+    return (inv + inv.T) * 0.5
+
 
 class LinUCB:
-    """Ridge-regression bandit state with Sherman–Morrison updates and batch UCB scoring."""
+    """Ridge-regression bandit state with Sherman–Morrison updates and batch UCB scoring.
 
-    __slots__ = ("_a_inv", "_b", "_buf", "_dim", "_n_updates", "_theta")
+    ``A`` is kept beside ``A^-1`` (a rank-one add, exact to rounding and always symmetric
+    positive definite while ``ridge > 0``), and ``A^-1`` is re-derived from a Cholesky
+    factor of ``A`` every ``refactor_every`` updates and whenever a cheap check after an
+    update fails (a non-positive denominator or diagonal entry). Sherman–Morrison alone
+    accumulates rounding that, with adversarial contexts, drives ``A^-1`` indefinite.
+    """
 
-    def __init__(self, dim: int, ridge: float = 1.0) -> None:
+    __slots__ = (
+        "_a",
+        "_a_inv",
+        "_b",
+        "_buf",
+        "_dim",
+        "_n_updates",
+        "_pending",
+        "_refactor_every",
+        "_refactors",
+        "_ridge",
+        "_theta",
+    )
+
+    def __init__(
+        self, dim: int, ridge: float = 1.0, *, refactor_every: int = DEFAULT_REFACTOR_EVERY
+    ) -> None:
         if dim < 1:
             raise ValueError("dim must be >= 1")
         if not (math.isfinite(ridge) and ridge > 0):
             raise ValueError("ridge must be a positive finite number")
+        if refactor_every < 1:
+            raise ValueError("refactor_every must be >= 1")
         self._dim = int(dim)
+        self._ridge = float(ridge)
+        self._refactor_every = int(refactor_every)
+        self._a: NDArray[np.float64] = np.eye(dim, dtype=np.float64) * ridge
         self._a_inv: NDArray[np.float64] = np.eye(dim, dtype=np.float64) / ridge
         self._b: NDArray[np.float64] = np.zeros(dim, dtype=np.float64)
+        # Contexts not yet folded into A: A is needed only to re-derive A^-1 (every
+        # refactor_every updates), so the rank-one adds are batched into one GEMM there.
+        self._pending: list[NDArray[np.float64]] = []
         # Scratch for the rank-one term, so an update allocates only O(d).
         self._buf: NDArray[np.float64] = np.empty((dim, dim), dtype=np.float64)
         self._n_updates = 0
+        self._refactors = 0
         self._theta: NDArray[np.float64] | None = None
 
     @classmethod
     def from_arrays(
-        cls, a_inv: NDArray[np.float64], b: NDArray[np.float64], n_updates: int
+        cls,
+        a_inv: NDArray[np.float64],
+        b: NDArray[np.float64],
+        n_updates: int,
+        a: NDArray[np.float64] | None = None,
+        *,
+        ridge: float = 1.0,
+        refactor_every: int = DEFAULT_REFACTOR_EVERY,
     ) -> LinUCB:
-        """Rebuild a state from stored ``A^-1``, ``b`` and update count (copies them)."""
-        a = np.array(a_inv, dtype=np.float64)
+        """Rebuild a state from stored arrays (copies them); raises ``ValueError`` if invalid.
+
+        With ``a`` (``A``) given, ``A`` is the source of truth: it must be symmetric
+        positive definite, and the stored ``A^-1`` is kept only if it is positive definite
+        and inverts ``A`` to :data:`INVERSE_TOLERANCE`, else re-derived from ``A``. Without
+        ``A`` (a state written before ``A`` was stored), ``A^-1`` must be positive definite
+        and ``A`` is derived from it.
+        """
+        inv = _square(a_inv, "a_inv")
         vec = np.array(b, dtype=np.float64)
-        if a.ndim != 2 or a.shape[0] != a.shape[1] or a.shape[0] < 1:
-            raise ValueError(f"a_inv must be a square matrix, got shape {a.shape}")
-        if vec.shape != (a.shape[0],):
-            raise ValueError(f"b must have shape ({a.shape[0]},), got {vec.shape}")
-        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(vec))):
-            raise ValueError("a_inv and b must be finite")
+        if vec.shape != (inv.shape[0],):
+            raise ValueError(f"b must have shape ({inv.shape[0]},), got {vec.shape}")
+        if not np.all(np.isfinite(vec)):
+            raise ValueError("b must be finite")
         if n_updates < 0:
             raise ValueError("n_updates must be >= 0")
-        scale = max(float(np.max(np.abs(a))), 1.0)
-        if not np.allclose(a, a.T, rtol=0.0, atol=1e-9 * scale):
-            raise ValueError("a_inv must be symmetric")
-        if np.any(np.diag(a) <= 0):
-            raise ValueError("a_inv must be positive definite (non-positive diagonal)")
-        state = cls(a.shape[0])
-        # Exact for a bitwise-symmetric input (x + x) / 2 == x; otherwise removes the drift.
-        state._a_inv = (a + a.T) * 0.5
+        state = cls(inv.shape[0], ridge, refactor_every=refactor_every)
+        inv = (inv + inv.T) * 0.5
+        if a is None:
+            if not _is_pd(inv):
+                raise ValueError("a_inv must be positive definite")
+            full = _spd_inverse(inv)
+            if full is None:
+                raise ValueError("a_inv must be positive definite")
+            state._a = full
+            state._a_inv = inv
+        else:
+            mat = _square(a, "a")
+            if mat.shape != inv.shape:
+                raise ValueError(f"a has shape {mat.shape}, a_inv {inv.shape}")
+            state._a = (mat + mat.T) * 0.5
+            state._a_inv = inv
+            if not state.check():
+                state.refactor()
         state._b = vec
         state._n_updates = int(n_updates)
         return state
@@ -109,32 +213,94 @@ class LinUCB:
             self._theta = theta
         return self._theta
 
+    def _fold_pending(self) -> None:
+        if self._pending:
+            xs = np.stack(self._pending)
+            self._pending.clear()
+            # X^T X is symmetric in exact arithmetic, not bitwise: symmetrise once per fold.
+            gram = xs.T @ xs
+            self._a += (gram + gram.T) * 0.5
+
+    @property
+    def a(self) -> NDArray[np.float64]:
+        """Read-only view of ``A = ridge I + sum x x^T`` (d, d)."""
+        self._fold_pending()
+        view = self._a.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def refactors(self) -> int:
+        """Re-derivations of ``A^-1`` from ``A`` since this object was made."""
+        return self._refactors
+
     def prepare(self, x: NDArray[np.float64]) -> NDArray[np.float64]:
-        """Validate ``x`` and return the Sherman–Morrison factor ``s``; changes nothing.
+        """Validate ``x`` and return the Sherman–Morrison factor ``s``; changes no state.
 
         Split from :meth:`commit` so a caller can validate everything it will change
         before changing any of it. Raises ``ValueError`` for a wrong shape or a
-        non-finite ``x`` (caught through ``x^T A^-1 x``, which is NaN or Inf then: one
-        scalar check instead of an O(d) scan).
+        non-finite ``x``. A non-positive denominator with a finite ``x`` means ``A^-1``
+        drifted: it is re-derived from ``A`` (the same matrix, exactly) and the factor
+        computed again.
         """
         if x.shape != (self._dim,):
             raise ValueError(f"context must have shape ({self._dim},), got {x.shape}")
+        if not np.all(np.isfinite(x)):
+            raise ValueError("context is not finite")
         u = self._a_inv @ x
         denom = 1.0 + float(np.dot(x, u))
-        if not (math.isfinite(denom) and denom > 0.0):
-            raise ValueError("context is not finite (or A^-1 lost positive definiteness)")
+        if not (math.isfinite(denom) and denom >= 1.0):
+            # x^T A^-1 x >= 0 for a positive definite A^-1: anything less is drift.
+            self.refactor()
+            u = self._a_inv @ x
+            denom = 1.0 + float(np.dot(x, u))
+            if not (math.isfinite(denom) and denom > 0.0):
+                raise ValueError("context overflows the bandit (x^T A^-1 x is not finite)")
         u *= 1.0 / math.sqrt(denom)
         return u
 
     def commit(self, x: NDArray[np.float64], s: NDArray[np.float64], reward: float) -> None:
-        """Apply ``A^-1 -= s s^T`` and ``b += reward * x`` (``s`` from :meth:`prepare`)."""
+        """Apply ``A += x x^T``, ``A^-1 -= s s^T`` and ``b += reward * x``.
+
+        ``s`` comes from :meth:`prepare`. Every :data:`DEFAULT_REFACTOR_EVERY` updates, or
+        when the diagonal of ``A^-1`` turns non-positive, ``A^-1`` is re-derived from ``A``.
+        """
         # np.dot of a column and a row is a k = 1 GEMM (BLAS, ~1.5x faster than np.outer);
         # each entry is still the single product s_i * s_j, so the result stays symmetric.
         np.dot(s[:, None], s[None, :], out=self._buf)
         np.subtract(self._a_inv, self._buf, out=self._a_inv)
+        self._pending.append(np.array(x, dtype=np.float64))
         self._b += reward * x
         self._n_updates += 1
         self._theta = None
+        if self._n_updates % self._refactor_every == 0 or float(np.min(np.diag(self._a_inv))) <= 0:
+            self.refactor()
+
+    def refactor(self) -> None:
+        """Re-derive ``A^-1`` from a Cholesky factor of ``A``.
+
+        Raises ``ValueError`` if ``A`` is not positive definite, which cannot happen for
+        ``ridge > 0`` and finite contexts short of overflow (the caller bounds contexts).
+        """
+        self._fold_pending()
+        inv = _spd_inverse(self._a)
+        if inv is None:
+            raise ValueError("A is not positive definite")
+        self._a_inv = inv
+        self._theta = None
+        self._refactors += 1
+
+    def check(self) -> bool:
+        """Full validation, O(d^3): ``A^-1`` symmetric, positive definite, inverse of ``A``.
+
+        Meant before a state is persisted, not per update.
+        """
+        self._fold_pending()
+        inv = self._a_inv
+        if not (np.all(np.isfinite(inv)) and np.array_equal(inv, inv.T) and _is_pd(inv)):
+            return False
+        resid = float(np.max(np.abs(self._a @ inv - np.eye(self._dim))))
+        return resid <= INVERSE_TOLERANCE
 
     def update(self, x: NDArray[np.float64], reward: float) -> None:
         """Fold one observation ``(x, reward)`` in: O(d^2), no matrix inverse."""
@@ -142,6 +308,46 @@ class LinUCB:
         if not math.isfinite(reward):
             raise ValueError("reward must be finite")
         self.commit(ctx, self.prepare(ctx), reward)
+
+    def update_block(self, xs: NDArray[np.float64], rewards: NDArray[np.float64]) -> None:
+        """Fold ``k`` observations (rows of ``xs``) at once by the Woodbury identity.
+
+        ``A^-1 -= U^T C^-1 U`` with ``U = X A^-1`` and ``C = I + X A^-1 X^T`` (k x k,
+        factored by Cholesky): a few GEMMs instead of ``k`` rank-one passes over ``A^-1``,
+        equal to ``k`` calls of :meth:`update` to rounding (the CPM's group commit applies
+        a whole batch this way). One row goes through :meth:`update` (bitwise the same as
+        the sequential path). Raises ``ValueError`` with no state changed for a bad shape
+        or a non-finite entry.
+        """
+        if xs.ndim != 2 or xs.shape[1] != self._dim or rewards.shape != (xs.shape[0],):
+            raise ValueError(f"expected (k, {self._dim}) contexts and (k,) rewards")
+        if not (np.all(np.isfinite(xs)) and np.all(np.isfinite(rewards))):
+            raise ValueError("contexts and rewards must be finite")
+        k = xs.shape[0]
+        if k == 0:
+            return
+        if k == 1:
+            self.commit(xs[0], self.prepare(xs[0]), float(rewards[0]))
+            return
+        u = xs @ self._a_inv
+        try:
+            low = np.linalg.cholesky(np.eye(k) + u @ xs.T)
+        except np.linalg.LinAlgError:
+            # I + X A^-1 X^T is positive definite for a positive definite A^-1: drift.
+            self.refactor()
+            u = xs @ self._a_inv
+            low = np.linalg.cholesky(np.eye(k) + u @ xs.T)
+        w = scipy.linalg.solve_triangular(low, u, lower=True, check_finite=False)
+        delta = w.T @ w
+        self._a_inv -= (delta + delta.T) * 0.5
+        self._b += rewards @ xs
+        self._pending.extend(np.array(xs, dtype=np.float64))
+        before = self._n_updates
+        self._n_updates += k
+        self._theta = None
+        crossed = before // self._refactor_every != self._n_updates // self._refactor_every
+        if crossed or float(np.min(np.diag(self._a_inv))) <= 0:
+            self.refactor()
 
     def score(
         self, contexts: NDArray[np.float64], beta: float

@@ -112,6 +112,8 @@ class MatchmakerState:
     reward_mean: float
     reward_m2: float
     trust: dict[str, tuple[int, int]]
+    #: ``A`` itself (d, d); ``None`` in a state stored before ``A`` was kept.
+    a: NDArray[np.float64] | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MatchmakerState):
@@ -258,6 +260,8 @@ class Matchmaker:
             raise ValueError("agent ids must be strings")
         ids = sorted(profiles)
         mat = validate_profiles(ids, [profiles[a] for a in ids], self._features.profile_dim)
+        # Contexts are built from bounded profiles only (see .features: the norm cap).
+        mat = self._features.bound_profiles(mat)
         n = len(ids)
         budget = n // 2 if self._pair_budget is None else min(self._pair_budget, n // 2)
         self._last_candidates = 0
@@ -396,11 +400,44 @@ class Matchmaker:
         or a context of the wrong shape or with non-finite entries.
         """
         value = check_reward(reward)
-        x = np.asarray(pairing.context, dtype=np.float64)
+        x = self._features.bound_context(np.asarray(pairing.context, dtype=np.float64))
         s = self._bandit.prepare(x)  # validates x before anything changes
         r_norm = self._normaliser.update(value)
         self._bandit.commit(x, s, r_norm)
         self._trust.record(pairing.sender, value > 0.0)
+        self._selects_since_update = 0
+        return r_norm
+
+    def observe_many(self, pairings: Sequence[Pairing], rewards: Sequence[float]) -> list[float]:
+        """:meth:`observe` for many pairings at once: one block update of the bandit.
+
+        Rewards are normalised in order (each z-scored after folding it in, as
+        :meth:`observe` would); the bandit update is one Woodbury step
+        (:meth:`.LinUCB.update_block`), equal to the sequential updates to rounding.
+        Raises ``ValueError`` with no state changed if any reward or context is invalid.
+        """
+        values = [check_reward(r) for r in rewards]
+        if len(values) != len(pairings):
+            raise ValueError("one reward per pairing")
+        if not pairings:
+            return []
+        xs = np.stack(
+            [
+                self._features.bound_context(np.asarray(p.context, dtype=np.float64))
+                for p in pairings
+            ]
+        )
+        if xs.shape[1] != self.context_dim or not np.all(np.isfinite(xs)):
+            raise ValueError("contexts must be finite and of the bandit's dimension")
+        count, mean, m2 = self._normaliser.state()
+        r_norm = [self._normaliser.update(v) for v in values]
+        try:
+            self._bandit.update_block(xs, np.asarray(r_norm, dtype=np.float64))
+        except BaseException:
+            self._normaliser = RewardNormaliser(count, mean, m2)
+            raise
+        for pairing, value in zip(pairings, values, strict=True):
+            self._trust.record(pairing.sender, value > 0.0)
         self._selects_since_update = 0
         return r_norm
 
@@ -412,6 +449,7 @@ class Matchmaker:
         return MatchmakerState(
             context_dim=self.context_dim,
             a_inv=np.array(self._bandit.a_inv, dtype=np.float64),
+            a=np.array(self._bandit.a, dtype=np.float64),
             b=np.array(self._bandit.b, dtype=np.float64),
             n_updates=self._bandit.n_updates,
             reward_count=count,
@@ -431,13 +469,34 @@ class Matchmaker:
             raise ValueError(
                 f"state has context_dim {state.context_dim}, this matchmaker {self.context_dim}"
             )
-        bandit = LinUCB.from_arrays(state.a_inv, state.b, state.n_updates)
+        bandit = LinUCB.from_arrays(
+            state.a_inv, state.b, state.n_updates, state.a, ridge=self._ridge
+        )
         if bandit.dim != self.context_dim:
             raise ValueError(f"a_inv is {bandit.dim}-dimensional, expected {self.context_dim}")
         normaliser = RewardNormaliser(state.reward_count, state.reward_mean, state.reward_m2)
         trust = TrustLedger(state.trust)
         self._bandit, self._normaliser, self._trust = bandit, normaliser, trust
         self._selects_since_update = 0
+
+    def check(self) -> bool:
+        """Full O(d^3) validation of the bandit; on failure, re-derive ``A^-1`` and re-check.
+
+        True when ``A^-1`` is symmetric positive definite and inverts ``A``: the state may
+        then be persisted. Run before every snapshot, never per reward.
+        """
+        if self._bandit.check():
+            return True
+        try:
+            self._bandit.refactor()
+        except ValueError:
+            return False
+        return self._bandit.check()
+
+    @property
+    def refactors(self) -> int:
+        """Re-derivations of ``A^-1`` from ``A`` by the current bandit object."""
+        return self._bandit.refactors
 
     def config(self) -> dict[str, Any]:
         """The hyper-parameters (for logs and for checking a stored state belongs here)."""

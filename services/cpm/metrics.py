@@ -74,6 +74,33 @@ class CpmMetrics:
             "Agents with an open directive feed.",
             registry=registry,
         )
+        self.reward_batch = Histogram(
+            "peerlm_cpm_reward_batch_size_count",
+            "Rewards committed together in one transaction (group commit).",
+            registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        )
+        self.snapshots = Counter(
+            "peerlm_cpm_bandit_snapshots_total",
+            "Bandit snapshots written (each after a full positive-definiteness check).",
+            registry=registry,
+        )
+        self.rewards_replayed = Counter(
+            "peerlm_cpm_rewards_replayed_total",
+            "Ledger rewards replayed into the bandit at start (after the last snapshot).",
+            registry=registry,
+        )
+        self.bandit_recovery = Counter(
+            "peerlm_cpm_bandit_recoveries_total",
+            "How the bandit came back at start: fresh, snapshot, or rebuilt from the ledger.",
+            ["how"],
+            registry=registry,
+        )
+        self.bandit_refactors = Counter(
+            "peerlm_cpm_bandit_refactors_total",
+            "Re-derivations of A^-1 from a Cholesky factor of A (periodic or after a check).",
+            registry=registry,
+        )
         self.agents = Gauge(
             "peerlm_cpm_agents_known_count",
             "Agents that have submitted a profile.",

@@ -4,6 +4,12 @@ Everything that decides lives in :mod:`peerlm.services.cpm.core`; this module ma
 messages to core calls, core refusals to gRPC status codes (and a metric), and fans
 directives out to per-agent feeds. All core calls run on one dedicated thread, so the
 event loop never blocks on SQLite's fsync and the core never sees two calls at once.
+
+ReportReward is group-committed: calls queue up, and one batcher task hands everything
+queued (up to ``MAX_REWARD_BATCH``) to the core at once, which applies the rewards and
+commits their ledger rows in one transaction (one fsync); each call is answered only
+after that commit. No timer delays a lone reward: the batch is whatever arrived while
+the previous one was being committed, so the batch size adapts to the load.
 """
 
 from __future__ import annotations
@@ -19,7 +25,13 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
-from peerlm.services.cpm.core import CpmCore, CpmError, MatchOutcome
+from peerlm.services.cpm.core import (
+    CpmCore,
+    CpmError,
+    MatchOutcome,
+    RewardOutcome,
+    RewardReport,
+)
 from peerlm.services.cpm.metrics import CpmMetrics
 from peerlm.services.cpm.records import DirectiveRecord
 
@@ -34,6 +46,9 @@ __all__ = ["CPM_POLICY", "CpmService", "DirectiveHub"]
 
 T = TypeVar("T")
 _SERVICE = "/peerlm.v1.Matchmaker/"
+#: Most rewards committed in one transaction (bounds one batch's latency and memory).
+MAX_REWARD_BATCH = 512
+_Pending = tuple[RewardReport, "asyncio.Future[RewardOutcome | CpmError]"]
 
 #: Which certificate roles may call which method. Anything not listed is denied.
 CPM_POLICY: dict[str, frozenset[Role]] = {
@@ -155,6 +170,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._stopping = asyncio.Event()
         self._tick = tick_s
         self._loop_task: asyncio.Task[None] | None = None
+        self._batch_task: asyncio.Task[None] | None = None
+        self._rewards: asyncio.Queue[_Pending] = asyncio.Queue()
         self._refresh_gauges()
         # A restart restores the bandit: its gauge shows it before the next matchmaking.
         self._m.theta_norm.set(float(np.linalg.norm(core.matchmaker.theta)))
@@ -162,7 +179,21 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
     # ------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._matchmaking_loop())
+        loop = asyncio.get_running_loop()
+        self._loop_task = loop.create_task(self._matchmaking_loop())
+        self._batch_task = loop.create_task(self._reward_batcher())
+        how = self._core.bandit_recovery
+        self._m.bandit_recovery.labels(how.split(":")[0]).inc()
+        log = self._log.warning if how.startswith("rebuilt") else self._log.info
+        log(
+            "bandit_recovered",
+            how=how,
+            rewards_replayed=self._core.rewards_replayed,
+            ledger_rows_skipped=self._core.ledger_rows_skipped,
+            bandit_updates=self._core.matchmaker.n_updates,
+        )
+        self._m.rewards_replayed.inc(self._core.rewards_replayed)
+        self._m.snapshots.inc(self._core.snapshots_written)
 
     async def stop(self) -> None:
         """End every feed cleanly and stop the matchmaking loop."""
@@ -171,8 +202,18 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._hub.close_all()
         if self._loop_task is not None:
             await self._loop_task
+        if self._batch_task is not None:
+            self._batch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._batch_task
 
     def close(self) -> None:
+        """Write a final bandit snapshot (so the next start replays nothing) and stop."""
+        try:
+            self._exec.submit(self._core.snapshot_if_behind).result()
+        except Exception:
+            # The ledger holds every acknowledged reward: the next start replays them.
+            self._log.exception("final_snapshot_failed")
         self._exec.shutdown(wait=True)
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -183,6 +224,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._log.warning(
             "request_refused", rpc=rpc, reason=err.reason, detail=err.message, peer=_caller_name()
         )
+        if err.trailers:
+            context.set_trailing_metadata(err.trailers)
         await context.abort(grpc.StatusCode[err.code], err.message)
 
     # ------------------------------------------------------------------ RPCs
@@ -273,36 +316,79 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self, request: cpm_pb2.ReportRewardRequest, context: ServicerContext
     ) -> cpm_pb2.ReportRewardResponse:
         agent = current_identity().name
-        try:
-            out = await self._call(
-                self._core.report_reward,
-                agent,
-                request.directive_id,
-                request.reward,
-                request.loss_pre,
-                request.loss_post,
-                request.kilobytes,
-            )
-        except CpmError as err:
-            await self._refuse(context, "ReportReward", err)
-            raise AssertionError("unreachable") from None
-        self._m.rewards.inc()
-        self._m.normalised_reward.observe(out.normalised)
-        self._refresh_gauges()
-        self._log.info(
-            "reward_committed",
-            agent=agent,
-            directive=request.directive_id,
-            teacher=out.directive.teacher,
-            round=out.directive.matchmaking_round,
-            reward=request.reward,
-            normalised=round(out.normalised, 4),
+        report = RewardReport(
+            agent,
+            request.directive_id,
+            request.reward,
+            request.loss_pre,
+            request.loss_post,
+            request.kilobytes,
         )
+        done: asyncio.Future[RewardOutcome | CpmError] = asyncio.get_running_loop().create_future()
+        self._rewards.put_nowait((report, done))
+        out = await done
+        if isinstance(out, CpmError):
+            await self._refuse(context, "ReportReward", out)
+            raise AssertionError("unreachable")
         return cpm_pb2.ReportRewardResponse(
             directive_id=request.directive_id,
             normalised_reward=out.normalised,
             bandit_updates=out.bandit_updates,
         )
+
+    async def _reward_batcher(self) -> None:
+        """Group commit: everything queued goes to the core as one batch, one fsync."""
+        while True:
+            batch = [await self._rewards.get()]
+            while len(batch) < MAX_REWARD_BATCH and not self._rewards.empty():
+                batch.append(self._rewards.get_nowait())
+            live = [(rep, fut) for rep, fut in batch if not fut.cancelled()]
+            if not live:
+                continue
+            snapshots = self._core.snapshots_written
+            refactors = self._core.bandit_refactors
+            try:
+                results = await self._call(self._core.report_rewards, [r for r, _ in live])
+            except Exception as exc:
+                # Not committed, so not acknowledged: each caller gets UNAVAILABLE and may
+                # retry (the directive id makes a retry safe).
+                self._log.exception("reward_batch_failed", size=len(live))
+                err = CpmError("UNAVAILABLE", "commit_failed", f"reward not committed: {exc}")
+                results = [err] * len(live)
+            self._m.reward_batch.observe(len(live))
+            committed = [
+                (rep, done)
+                for (rep, _), done in zip(live, results, strict=True)
+                if isinstance(done, RewardOutcome)
+            ]
+            if committed:
+                # One line per group commit, not per reward: at thousands of rewards per
+                # second a line each would cost more than the commit.
+                self._m.rewards.inc(len(committed))
+                for _, done in committed:
+                    self._m.normalised_reward.observe(done.normalised)
+                self._log.info(
+                    "rewards_committed",
+                    count=len(committed),
+                    bandit_updates=self._core.matchmaker.n_updates,
+                    rewards=[
+                        {
+                            "agent": rep.agent,
+                            "directive": rep.directive_id,
+                            "teacher": done.directive.teacher,
+                            "round": done.directive.matchmaking_round,
+                            "reward": rep.reward,
+                            "normalised": round(done.normalised, 4),
+                        }
+                        for rep, done in committed
+                    ],
+                )
+            self._m.snapshots.inc(max(0, self._core.snapshots_written - snapshots))
+            self._m.bandit_refactors.inc(max(0, self._core.bandit_refactors - refactors))
+            for (_, fut), res in zip(live, results, strict=True):
+                if not fut.done():
+                    fut.set_result(res)
+            self._refresh_gauges()
 
     async def GetStats(
         self, request: cpm_pb2.GetStatsRequest, context: ServicerContext

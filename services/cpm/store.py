@@ -1,11 +1,19 @@
 """Durable CPM state behind one interface, with SQLite (WAL) and in-memory backends.
 
-What is stored: the bandit (A^-1, b, update count), the reward normaliser, per-agent trust,
-the latest profile per agent, the directive ledger and a few meta values. A reward is
-committed in one transaction together with the bandit state it produced and the ledger
-row that makes its directive single-use, so a crash can never apply a reward twice or
-lose an acknowledged one. Arrays are stored as raw little-endian float64 bytes, never
-pickled.
+What is stored: the latest profile per agent, the directive ledger, a periodic snapshot
+of the bandit (A, A^-1, b, update count, reward normaliser, per-agent trust) and a few
+meta values.
+
+**The directive ledger is the reward ledger.** Acknowledging a reward writes only its
+directive row (status, raw and normalised reward, and ``reward_seq``: the order in which
+the bandit applied it) — a few hundred bytes — and several concurrent rewards share one
+transaction, hence one fsync (group commit, see ``CpmService``). The bandit itself is
+written as a snapshot tagged with the ``reward_seq`` it covers, every
+``snapshot_every`` rewards and at shutdown; on start the CPM restores the snapshot and
+replays the rewarded directives after it, in ``reward_seq`` order, through the same
+code path that applied them. Exactly once follows: a reward is acknowledged only after
+its row is durable, and its row is replayed only if the snapshot does not cover it.
+Arrays are stored as raw little-endian float64 bytes, never pickled.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,10 +52,12 @@ class CpmStore(ABC):
     def set_meta(self, key: str, value: str) -> None: ...
 
     @abstractmethod
-    def load_bandit(self) -> MatchmakerState | None: ...
+    def load_snapshot(self) -> tuple[MatchmakerState, int] | None:
+        """The last bandit snapshot and the ``reward_seq`` it covers, or ``None``."""
 
     @abstractmethod
-    def save_bandit(self, state: MatchmakerState) -> None: ...
+    def save_snapshot(self, state: MatchmakerState, reward_seq: int) -> None:
+        """Replace the bandit snapshot with ``state``, covering rewards up to ``reward_seq``."""
 
     @abstractmethod
     def upsert_profile(self, profile: ProfileRecord) -> None: ...
@@ -66,13 +76,23 @@ class CpmStore(ABC):
     def open_directives(self) -> list[DirectiveRecord]: ...
 
     @abstractmethod
-    def commit_reward(
-        self, directive_id: str, reward: RewardRecord, state: MatchmakerState
-    ) -> None:
-        """Mark the directive rewarded and store the bandit state, atomically.
+    def commit_rewards(self, rewards: Sequence[tuple[str, RewardRecord, int]]) -> None:
+        """Mark each ``(directive_id, reward, reward_seq)`` rewarded, all in one transaction.
 
-        Raises :class:`StoreConflict` if the directive is not open.
+        Raises :class:`StoreConflict` (and writes none of them) if a directive is not open.
         """
+
+    @abstractmethod
+    def rewards_after(self, reward_seq: int) -> list[tuple[int, DirectiveRecord]]:
+        """Rewarded directives with ``reward_seq`` greater than the given one, in order."""
+
+    @abstractmethod
+    def last_reward_seq(self) -> int:
+        """The highest ``reward_seq`` committed (0 when none)."""
+
+    @abstractmethod
+    def invalid_directives(self, context_dim: int) -> list[str]:
+        """Ids of directive rows that would not parse (checked once, at start)."""
 
     @abstractmethod
     def expire(self, directive_ids: Iterable[str]) -> None: ...
@@ -85,7 +105,13 @@ class CpmStore(ABC):
 
 
 def _copy_state(state: MatchmakerState) -> MatchmakerState:
-    return replace(state, a_inv=state.a_inv.copy(), b=state.b.copy(), trust=dict(state.trust))
+    return replace(
+        state,
+        a_inv=state.a_inv.copy(),
+        b=state.b.copy(),
+        trust=dict(state.trust),
+        a=None if state.a is None else state.a.copy(),
+    )
 
 
 class MemoryCpmStore(CpmStore):
@@ -93,9 +119,10 @@ class MemoryCpmStore(CpmStore):
 
     def __init__(self) -> None:
         self._meta: dict[str, str] = {}
-        self._bandit: MatchmakerState | None = None
+        self._bandit: tuple[MatchmakerState, int] | None = None
         self._profiles: dict[str, ProfileRecord] = {}
         self._directives: dict[str, DirectiveRecord] = {}
+        self._ledger: list[tuple[int, str]] = []
 
     def get_meta(self, key: str) -> str | None:
         return self._meta.get(key)
@@ -103,11 +130,11 @@ class MemoryCpmStore(CpmStore):
     def set_meta(self, key: str, value: str) -> None:
         self._meta[key] = value
 
-    def load_bandit(self) -> MatchmakerState | None:
-        return None if self._bandit is None else _copy_state(self._bandit)
+    def load_snapshot(self) -> tuple[MatchmakerState, int] | None:
+        return None if self._bandit is None else (_copy_state(self._bandit[0]), self._bandit[1])
 
-    def save_bandit(self, state: MatchmakerState) -> None:
-        self._bandit = _copy_state(state)
+    def save_snapshot(self, state: MatchmakerState, reward_seq: int) -> None:
+        self._bandit = (_copy_state(state), reward_seq)
 
     def upsert_profile(self, profile: ProfileRecord) -> None:
         self._profiles[profile.agent] = profile
@@ -128,14 +155,29 @@ class MemoryCpmStore(CpmStore):
     def open_directives(self) -> list[DirectiveRecord]:
         return [d for d in self._directives.values() if d.status is DirectiveStatus.OPEN]
 
-    def commit_reward(
-        self, directive_id: str, reward: RewardRecord, state: MatchmakerState
-    ) -> None:
-        d = self._directives.get(directive_id)
-        if d is None or d.status is not DirectiveStatus.OPEN:
-            raise StoreConflict(f"directive {directive_id} is not open")
-        self._directives[directive_id] = d.with_status(DirectiveStatus.REWARDED, reward)
-        self._bandit = _copy_state(state)
+    def commit_rewards(self, rewards: Sequence[tuple[str, RewardRecord, int]]) -> None:
+        ids = [i for i, _, _ in rewards]
+        for i in ids:
+            d = self._directives.get(i)
+            if d is None or d.status is not DirectiveStatus.OPEN or ids.count(i) > 1:
+                raise StoreConflict(f"directive {i} is not open")
+        for i, reward, seq in rewards:
+            self._directives[i] = self._directives[i].with_status(DirectiveStatus.REWARDED, reward)
+            self._ledger.append((seq, i))
+
+    def rewards_after(self, reward_seq: int) -> list[tuple[int, DirectiveRecord]]:
+        return [(q, self._directives[i]) for q, i in sorted(self._ledger) if q > reward_seq]
+
+    def last_reward_seq(self) -> int:
+        return max((q for q, _ in self._ledger), default=0)
+
+    def invalid_directives(self, context_dim: int) -> list[str]:
+        return [
+            i
+            for i, d in self._directives.items()
+            if d.context.shape != (context_dim,)
+            or (d.status is DirectiveStatus.REWARDED and d.reward is None)
+        ]
 
     def expire(self, directive_ids: Iterable[str]) -> None:
         for i in directive_ids:
@@ -160,7 +202,9 @@ CREATE TABLE IF NOT EXISTS bandit (
     n_updates INTEGER NOT NULL,
     reward_count INTEGER NOT NULL,
     reward_mean REAL NOT NULL,
-    reward_m2 REAL NOT NULL
+    reward_m2 REAL NOT NULL,
+    a BLOB,
+    reward_seq INTEGER
 );
 CREATE TABLE IF NOT EXISTS trust (
     agent TEXT PRIMARY KEY, exchanges INTEGER NOT NULL, successes INTEGER NOT NULL
@@ -179,10 +223,23 @@ CREATE TABLE IF NOT EXISTS directives (
     issued_at REAL NOT NULL, expires_at REAL NOT NULL,
     status TEXT NOT NULL,
     reward REAL, normalised_reward REAL, loss_pre REAL, loss_post REAL,
-    kilobytes INTEGER, rewarded_at REAL
+    kilobytes INTEGER, rewarded_at REAL, reward_seq INTEGER
 );
 CREATE INDEX IF NOT EXISTS directives_open ON directives(status) WHERE status = 'open';
 """
+
+# Databases written before the reward ledger had a sequence: add the columns, number the
+# rewarded directives in the order they were applied, and mark the stored bandit (which
+# was then written with every reward) as covering all of them.
+_MIGRATIONS = (
+    ("bandit", "a", "ALTER TABLE bandit ADD COLUMN a BLOB"),
+    ("bandit", "reward_seq", "ALTER TABLE bandit ADD COLUMN reward_seq INTEGER"),
+    ("directives", "reward_seq", "ALTER TABLE directives ADD COLUMN reward_seq INTEGER"),
+)
+_LEDGER_INDEX = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS directives_reward_seq ON directives(reward_seq)"
+    " WHERE reward_seq IS NOT NULL"
+)
 
 
 def _blob(a: NDArray[np.float64]) -> bytes:
@@ -207,6 +264,30 @@ class SqliteCpmStore(CpmStore):
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            for table, column, ddl in _MIGRATIONS:
+                cols = {str(r[1]) for r in db.execute(f"PRAGMA table_info({table})")}
+                if column not in cols:
+                    db.execute(ddl)
+            unnumbered = db.execute(
+                "SELECT directive_id FROM directives WHERE status='rewarded'"
+                " AND reward_seq IS NULL ORDER BY rewarded_at, rowid"
+            ).fetchall()
+            if unnumbered:
+                top = db.execute("SELECT COALESCE(MAX(reward_seq), 0) FROM directives")
+                first = int(top.fetchone()[0]) + 1
+                db.executemany(
+                    "UPDATE directives SET reward_seq=? WHERE directive_id=?",
+                    [(first + k, str(r[0])) for k, r in enumerate(unnumbered)],
+                )
+            db.execute(
+                "UPDATE bandit SET reward_seq=(SELECT COALESCE(MAX(reward_seq), 0)"
+                " FROM directives) WHERE reward_seq IS NULL"
+            )
+            db.execute(_LEDGER_INDEX)
 
     def _tx(self) -> _Tx:
         return _Tx(self._db, self._lock)
@@ -220,11 +301,11 @@ class SqliteCpmStore(CpmStore):
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
 
-    def load_bandit(self) -> MatchmakerState | None:
+    def load_snapshot(self) -> tuple[MatchmakerState, int] | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT context_dim, a_inv, b, n_updates, reward_count, reward_mean, reward_m2"
-                " FROM bandit WHERE id=1"
+                "SELECT context_dim, a_inv, b, n_updates, reward_count, reward_mean, reward_m2,"
+                " a, reward_seq FROM bandit WHERE id=1"
             ).fetchone()
             trust_rows = self._db.execute(
                 "SELECT agent, exchanges, successes FROM trust"
@@ -232,7 +313,7 @@ class SqliteCpmStore(CpmStore):
         if row is None:
             return None
         d = int(row[0])
-        return MatchmakerState(
+        state = MatchmakerState(
             context_dim=d,
             a_inv=_array(row[1], (d, d)),
             b=_array(row[2], (d,)),
@@ -241,31 +322,33 @@ class SqliteCpmStore(CpmStore):
             reward_mean=float(row[5]),
             reward_m2=float(row[6]),
             trust={str(a): (int(e), int(s)) for a, e, s in trust_rows},
+            a=None if row[7] is None else _array(row[7], (d, d)),
         )
+        return state, int(row[8] or 0)
 
-    @staticmethod
-    def _write_bandit(db: sqlite3.Connection, state: MatchmakerState) -> None:
-        db.execute(
-            "INSERT OR REPLACE INTO bandit(id, context_dim, a_inv, b, n_updates, reward_count,"
-            " reward_mean, reward_m2) VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                state.context_dim,
-                _blob(state.a_inv),
-                _blob(state.b),
-                state.n_updates,
-                state.reward_count,
-                state.reward_mean,
-                state.reward_m2,
-            ),
-        )
-        db.executemany(
-            "INSERT OR REPLACE INTO trust(agent, exchanges, successes) VALUES (?, ?, ?)",
-            [(a, e, s) for a, (e, s) in state.trust.items()],
-        )
-
-    def save_bandit(self, state: MatchmakerState) -> None:
+    def save_snapshot(self, state: MatchmakerState, reward_seq: int) -> None:
         with self._tx() as db:
-            self._write_bandit(db, state)
+            db.execute(
+                "INSERT OR REPLACE INTO bandit(id, context_dim, a_inv, b, n_updates,"
+                " reward_count, reward_mean, reward_m2, a, reward_seq)"
+                " VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    state.context_dim,
+                    _blob(state.a_inv),
+                    _blob(state.b),
+                    state.n_updates,
+                    state.reward_count,
+                    state.reward_mean,
+                    state.reward_m2,
+                    None if state.a is None else _blob(state.a),
+                    reward_seq,
+                ),
+            )
+            db.execute("DELETE FROM trust")
+            db.executemany(
+                "INSERT INTO trust(agent, exchanges, successes) VALUES (?, ?, ?)",
+                [(a, e, s) for a, (e, s) in state.trust.items()],
+            )
 
     def upsert_profile(self, profile: ProfileRecord) -> None:
         with self._tx() as db:
@@ -384,27 +467,54 @@ class SqliteCpmStore(CpmStore):
             ).fetchall()
         return [self._directive(r) for r in rows]
 
-    def commit_reward(
-        self, directive_id: str, reward: RewardRecord, state: MatchmakerState
-    ) -> None:
+    def commit_rewards(self, rewards: Sequence[tuple[str, RewardRecord, int]]) -> None:
         with self._tx() as db:
-            cur = db.execute(
-                "UPDATE directives SET status='rewarded', reward=?, normalised_reward=?,"
-                " loss_pre=?, loss_post=?, kilobytes=?, rewarded_at=?"
-                " WHERE directive_id=? AND status='open'",
-                (
-                    reward.reward,
-                    reward.normalised,
-                    reward.loss_pre,
-                    reward.loss_post,
-                    reward.kilobytes,
-                    reward.rewarded_at,
-                    directive_id,
-                ),
-            )
-            if cur.rowcount != 1:
-                raise StoreConflict(f"directive {directive_id} is not open")
-            self._write_bandit(db, state)
+            for directive_id, reward, seq in rewards:
+                cur = db.execute(
+                    "UPDATE directives SET status='rewarded', reward=?, normalised_reward=?,"
+                    " loss_pre=?, loss_post=?, kilobytes=?, rewarded_at=?, reward_seq=?"
+                    " WHERE directive_id=? AND status='open'",
+                    (
+                        reward.reward,
+                        reward.normalised,
+                        reward.loss_pre,
+                        reward.loss_post,
+                        reward.kilobytes,
+                        reward.rewarded_at,
+                        seq,
+                        directive_id,
+                    ),
+                )
+                if cur.rowcount != 1:
+                    raise StoreConflict(f"directive {directive_id} is not open")
+
+    def rewards_after(self, reward_seq: int) -> list[tuple[int, DirectiveRecord]]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT reward_seq, {self._DIRECTIVE_COLUMNS} FROM directives"
+                " WHERE status='rewarded' AND reward_seq > ? ORDER BY reward_seq",
+                (reward_seq,),
+            ).fetchall()
+        return [(int(r[0]), self._directive(r[1:])) for r in rows]
+
+    def invalid_directives(self, context_dim: int) -> list[str]:
+        statuses = ",".join(f"'{s.value}'" for s in DirectiveStatus)
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT directive_id FROM directives WHERE"
+                f" status NOT IN ({statuses})"
+                " OR typeof(context) != 'blob' OR length(context) != ?"
+                " OR (status = 'rewarded' AND (reward IS NULL OR normalised_reward IS NULL"
+                "      OR reward_seq IS NULL OR rewarded_at IS NULL))"
+                " ORDER BY rowid LIMIT 100",
+                (8 * context_dim,),
+            ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def last_reward_seq(self) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT COALESCE(MAX(reward_seq), 0) FROM directives").fetchone()
+        return int(row[0])
 
     def expire(self, directive_ids: Iterable[str]) -> None:
         with self._tx() as db:

@@ -379,6 +379,7 @@ async def test_insecure_dev_on_loopback_uses_metadata_identity(tmp_path: Path) -
             str(port_file),
             "--db",
             str(tmp_path / "x.db"),
+            "--init",
             "--log-format",
             "json",
         ],

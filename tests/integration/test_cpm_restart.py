@@ -102,9 +102,13 @@ async def test_sigkill_mid_stream_keeps_every_acknowledged_reward_once(tmp_path:
     results = {d.directive_id: await _report(cpm, d, rewards[d.directive_id]) for d in directives}
     for i, code in results.items():
         assert code == ("ALREADY_EXISTS" if i in committed else "OK"), (i, code)
+    # The bandit table is a snapshot (written every snapshot_every rewards and at
+    # shutdown); the ledger is what a reward's acknowledgement waits for.
+    final_ledger, _, _, _ = _ledger(tmp_path / "cpm.db")
+    assert len(final_ledger) == 30
+    assert cpm.terminate() == 0
     _, _, _, n_final = _ledger(tmp_path / "cpm.db")
     assert n_final == 30
-    assert cpm.terminate() == 0
 
 
 async def test_sigterm_drains_feeds_and_exits_cleanly(tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ ANSWERED = ("aggregated", "identity", "no_candidates")
 
 #: Pace of the test run, not of a deployment: short timers so rounds take seconds.
 TEST_OVERRIDES: dict[str, dict[str, str]] = {
-    "cpm": {"PEERLM_CPM_ROUND_INTERVAL_S": "4"},
+    "cpm": {"PEERLM_CPM_ROUND_INTERVAL_S": "4", "PEERLM_CPM_INIT": "true"},
     "agent": {
         "PEERLM_AGENT_ROUND_TIMEOUT_S": "10",
         "PEERLM_AGENT_LOCAL_STEPS": "2",

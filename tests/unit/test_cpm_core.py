@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
-from peerlm.services.cpm.core import CpmCore, CpmError
+from peerlm.services.cpm.core import CpmCore, CpmError, RewardReport
 from peerlm.services.cpm.records import DirectiveStatus
 from peerlm.services.cpm.store import MemoryCpmStore
 
@@ -29,7 +31,7 @@ def _profile(i: int) -> list[float]:
 def core() -> tuple[CpmCore, Clock, MemoryCpmStore]:
     clock = Clock()
     store = MemoryCpmStore()
-    settings = CpmSettings(directive_ttl_s=60, round_interval_s=30)
+    settings = CpmSettings(directive_ttl_s=60, round_interval_s=30, init=True)
     return CpmCore(settings, store, clock), clock, store
 
 
@@ -165,7 +167,7 @@ def test_stale_round_refused_same_round_accepted(
 
 def test_max_agents(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
     clock = Clock()
-    c = CpmCore(CpmSettings(max_agents=2), MemoryCpmStore(), clock)
+    c = CpmCore(CpmSettings(max_agents=2, init=True), MemoryCpmStore(), clock)
     c.submit_profile("a", 1, _profile(0), "", connected=0)
     c.submit_profile("b", 1, _profile(1), "", connected=0)
     with pytest.raises(CpmError) as e:
@@ -226,10 +228,82 @@ def test_failed_commit_rolls_back_model(core: tuple[CpmCore, Clock, MemoryCpmSto
     def boom(*_: object) -> None:
         raise OSError("disk full")
 
-    store.commit_reward = boom  # type: ignore[method-assign]
+    store.commit_rewards = boom  # type: ignore[method-assign]
     with pytest.raises(OSError):
         c.report_reward(d.student, d.directive_id, 1.0)
     after = c.matchmaker.snapshot()
     np.testing.assert_array_equal(before.a_inv, after.a_inv)
     np.testing.assert_array_equal(before.b, after.b)
     assert after.reward_count == before.reward_count and c.open_count == 1
+
+
+def _rewarded(c: CpmCore, rounds: int) -> None:
+    agents = ["a", "b", "c", "d"]
+    for r in range(1, rounds + 1):
+        _submit_all(c, agents, r)
+        for d in c.matchmake().directives:
+            c.report_reward(d.student, d.directive_id, 0.1 * r)
+
+
+def test_indefinite_snapshot_is_rebuilt_from_the_ledger(
+    core: tuple[CpmCore, Clock, MemoryCpmStore],
+) -> None:
+    c, clock, store = core
+    _rewarded(c, 5)
+    good = c.matchmaker.snapshot()
+    bad = c.matchmaker.snapshot()
+    bad.a_inv = -bad.a_inv  # what the attack left behind: an indefinite A^-1, no A
+    bad.a = None
+    store.save_snapshot(bad, 10)
+    c2 = CpmCore(CpmSettings(directive_ttl_s=60, round_interval_s=30), store, clock)
+    assert c2.bandit_recovery.startswith("rebuilt")
+    assert c2.matchmaker.n_updates == 10
+    np.testing.assert_allclose(c2.matchmaker.snapshot().a_inv, good.a_inv, rtol=1e-8, atol=1e-12)
+    loaded = store.load_snapshot()
+    assert loaded is not None and loaded[1] == 10
+    assert np.linalg.eigvalsh(loaded[0].a_inv).min() > 0
+
+
+def test_invalid_state_is_never_persisted(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    c, _, store = core
+    _rewarded(c, 3)
+    assert c.write_snapshot()
+    bandit = c.matchmaker._bandit
+    bandit._a_inv = -bandit._a_inv  # simulate corruption of both matrices in memory
+    bandit._a = -bandit._a
+    assert c.write_snapshot()
+    assert c.snapshots_refused == 1
+    loaded = store.load_snapshot()
+    assert loaded is not None
+    assert np.linalg.eigvalsh(loaded[0].a_inv).min() > 0 and loaded[0].n_updates == 6
+
+
+def test_sqlite_restart_replays_rewards_after_the_snapshot(tmp_path: Path) -> None:
+    from peerlm.services.cpm.store import SqliteCpmStore
+
+    clock = Clock()
+    settings = CpmSettings(directive_ttl_s=60, round_interval_s=30, snapshot_every=4, init=True)
+    store = SqliteCpmStore(tmp_path / "cpm.db")
+    c = CpmCore(settings, store, clock)
+    _rewarded(c, 5)  # 10 rewards: snapshots after 4 and 8, two rewards only in the ledger
+    loaded = store.load_snapshot()
+    assert loaded is not None and loaded[1] == 8
+    expected = c.matchmaker.snapshot()
+    store.close()  # like a SIGKILL: no final snapshot
+    store = SqliteCpmStore(tmp_path / "cpm.db")
+    c2 = CpmCore(settings, store, clock)
+    assert c2.bandit_recovery == "snapshot" and c2.rewards_replayed == 2
+    assert c2.matchmaker.snapshot() == expected  # the same code path: bitwise equal
+    store.close()
+
+
+def test_one_batch_takes_a_directive_once(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    c, _, _ = core
+    _submit_all(c, ["a", "b"])
+    [d] = c.matchmake().directives
+    rep = RewardReport(d.student, d.directive_id, 0.5)
+    out = c.report_rewards([rep, rep, RewardReport(d.teacher, d.directive_id, 0.5)])
+    assert not isinstance(out[0], CpmError)
+    assert isinstance(out[1], CpmError) and out[1].reason == "replayed"
+    assert isinstance(out[2], CpmError) and out[2].reason == "not_receiver"
+    assert c.matchmaker.n_updates == 1

@@ -59,13 +59,17 @@ class StoreContract:
 
     def test_meta_and_bandit_round_trip(self, tmp_path: Path) -> None:
         store = self.make(tmp_path)
-        assert store.load_bandit() is None
+        assert store.load_snapshot() is None
         store.set_meta("k", "v")
         s = _state(n=3)
-        store.save_bandit(s)
+        s.a = np.linalg.inv(s.a_inv)
+        store.save_snapshot(s, 3)
         store = self.reopen(store, tmp_path)
-        got = store.load_bandit()
-        assert got is not None
+        loaded = store.load_snapshot()
+        assert loaded is not None and loaded[1] == 3
+        got = loaded[0]
+        assert got.a is not None
+        np.testing.assert_array_equal(got.a, s.a)
         np.testing.assert_array_equal(got.a_inv, s.a_inv)
         np.testing.assert_array_equal(got.b, s.b)
         assert (got.n_updates, got.reward_mean, got.reward_m2) == (3, 0.75, 4.5)
@@ -81,24 +85,32 @@ class StoreContract:
         assert (p.agent, p.round, p.endpoint) == ("a", 2, "h:2")
         np.testing.assert_array_equal(p.features, np.zeros(3))
 
-    def test_reward_is_single_use_and_atomic_with_bandit(self, tmp_path: Path) -> None:
+    def test_reward_is_single_use_and_batches_are_atomic(self, tmp_path: Path) -> None:
         store = self.make(tmp_path)
-        store.record_round(1, [_directive("a"), _directive("b")])
+        store.record_round(1, [_directive("a"), _directive("b"), _directive("e")])
         assert store.get_meta("matchmaking_round") == "1"
-        assert {d.directive_id for d in store.open_directives()} == {"a" * 32, "b" * 32}
+        assert len(store.open_directives()) == 3
         reward = RewardRecord(0.5, 0.0, 2.0, 1.5, 7, 11.0)
-        store.commit_reward("a" * 32, reward, _state(n=1))
+        store.commit_rewards([("a" * 32, reward, 1)])
         with pytest.raises(StoreConflict):
-            store.commit_reward("a" * 32, reward, _state(n=2))
+            store.commit_rewards([("a" * 32, reward, 2)])
+        # One refused row fails the whole batch: "e" stays open.
+        with pytest.raises(StoreConflict):
+            store.commit_rewards([("e" * 32, reward, 2), ("a" * 32, reward, 3)])
         store = self.reopen(store, tmp_path)
-        bandit = store.load_bandit()
-        assert bandit is not None and bandit.n_updates == 1
+        assert store.last_reward_seq() == 1
+        [(seq, rewarded)] = store.rewards_after(0)
+        assert seq == 1 and rewarded.directive_id == "a" * 32
+        assert store.rewards_after(1) == []
+        store.commit_rewards([("e" * 32, reward, 2)])
+        assert [q for q, _ in store.rewards_after(0)] == [1, 2]
+        store.expire(["e" * 32])
         d = store.get_directive("a" * 32)
         assert d is not None and d.status is DirectiveStatus.REWARDED and d.reward == reward
         np.testing.assert_array_equal(d.context, np.arange(6, dtype=np.float64))
         assert [x.directive_id for x in store.open_directives()] == ["b" * 32]
         counts = store.count_directives()
-        assert counts[DirectiveStatus.REWARDED] == 1 and counts[DirectiveStatus.OPEN] == 1
+        assert counts[DirectiveStatus.REWARDED] == 2 and counts[DirectiveStatus.OPEN] == 1
 
     def test_expire_and_duplicate_ids(self, tmp_path: Path) -> None:
         store = self.make(tmp_path)
@@ -108,7 +120,7 @@ class StoreContract:
         store.expire(["c" * 32])
         assert store.open_directives() == []
         with pytest.raises(StoreConflict):
-            store.commit_reward("c" * 32, RewardRecord(1, 0, 0, 0, 0, 0), _state())
+            store.commit_rewards([("c" * 32, RewardRecord(1, 0, 0, 0, 0, 0), 1)])
         d = store.get_directive("c" * 32)
         assert d is not None and d.status is DirectiveStatus.EXPIRED
         assert store.get_directive("f" * 32) is None

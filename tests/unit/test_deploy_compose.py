@@ -108,7 +108,13 @@ def test_start_order_health_gates_restart_policies_and_volumes() -> None:
         assert services[name]["restart"] == "unless-stopped"
         assert "healthcheck" in services[name]
     assert services["agent-0"]["depends_on"]["cpm"] == {"condition": "service_healthy"}
-    assert services["cpm"]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+    # The CPM starts after the one-shot that creates its database (which waits for certs);
+    # the long-running CPM itself never gets --init (a lost database must be refused).
+    done = {"condition": "service_completed_successfully"}
+    assert services["cpm"]["depends_on"]["cpm-init"] == done
+    assert services["cpm-init"]["depends_on"]["certs"] == done
+    assert "--init" in services["cpm-init"]["command"]
+    assert "--init" not in services["cpm"]["command"]
     # Least privilege: the CA key lives in a volume only the certs step mounts.
     mounting_ca = [
         n for n, s in services.items() if any(v.startswith("ca:") for v in s.get("volumes", []))

@@ -190,3 +190,92 @@ def test_constructor_validates() -> None:
         LinUCB(3, ridge=0.0)
     with pytest.raises(ValueError):
         LinUCB(3, ridge=float("inf"))
+
+
+@st.composite
+def adversarial_contexts(draw: st.DrawFn) -> tuple[int, list[np.ndarray]]:
+    """Profiles at the validator's bound (+-1e6, 0, 1), mixed with honest ones."""
+    dp = draw(st.integers(2, 8))
+    n = draw(st.integers(1500, 3000))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    values = np.array([-1e6, 1e6, 0.0, 1.0, -1.0, 1e-6])
+    feats = ContextFeatures(dp)
+    xs = []
+    for k in range(n):
+        pool = values if k % 7 else np.array([0.1, 0.2, 0.5])
+        mat = feats.bound_profiles(rng.choice(pool, size=(2, dp)))
+        trust = rng.uniform(0, 1, 2)
+        xs.append(feats.single(mat[0], mat[1], "akd", "one_way", *trust))
+    return dp, xs
+
+
+@settings(max_examples=6, deadline=None)
+@given(adversarial_contexts(), st.floats(1e-3, 1e-2))
+def test_adversarial_contexts_keep_a_inv_positive_definite(
+    case: tuple[int, list[np.ndarray]], reward: float
+) -> None:
+    dp, xs = case
+    feats = ContextFeatures(dp)
+    bandit = LinUCB(feats.dim)
+    for x in xs:
+        assert np.linalg.norm(x) <= feats.max_context_norm * (1 + 1e-12)
+        bandit.update(x, reward)
+        inv = np.asarray(bandit.a_inv)
+        assert np.array_equal(inv, inv.T)
+        assert float(np.min(np.diag(inv))) > 0
+    a = np.eye(feats.dim) + sum(np.outer(x, x) for x in xs)
+    inv = np.asarray(bandit.a_inv)
+    assert np.linalg.eigvalsh(inv).min() > 0
+    expected = np.linalg.inv(a)
+    np.testing.assert_allclose(inv, expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max())
+    assert bandit.check()
+
+
+def test_sherman_morrison_alone_fails_where_refactoring_holds() -> None:
+    """The unbounded attack broke plain Sherman–Morrison; A kept beside A^-1 recovers."""
+    rng = np.random.default_rng(0)
+    feats = ContextFeatures(32)
+    plain = LinUCB(feats.dim, refactor_every=10**9)
+    robust = LinUCB(feats.dim)
+    failed = False
+    for _ in range(400):
+        p = rng.choice([-1e6, 1e6, 0.0, 1.0], size=(2, 32))
+        x = feats.single(p[0], p[1], "akd", "one_way")  # deliberately not bounded
+        if not failed:
+            try:
+                plain.commit(x, plain.prepare(x), 0.01)
+            except ValueError:
+                failed = True
+        robust.update(feats.bound_context(x), 0.01)
+    assert failed or not plain.check(), "the unbounded, unrefactored bandit should break"
+    assert robust.check()
+
+
+def test_from_arrays_rederives_a_drifted_inverse() -> None:
+    bandit = _trained(5, 30, 3)
+    bad = np.array(bandit.a_inv) * -1.0
+    restored = LinUCB.from_arrays(bad, bandit.b, bandit.n_updates, np.array(bandit.a))
+    assert restored.check()
+    np.testing.assert_allclose(restored.a_inv, bandit.a_inv, rtol=1e-8, atol=1e-12)
+    with pytest.raises(ValueError, match="positive definite"):
+        LinUCB.from_arrays(bad, bandit.b, bandit.n_updates)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 40), st.integers(1, 70), st.integers(0, 2**32 - 1))
+def test_block_update_equals_sequential_updates(dim: int, warm: int, k: int, seed: int) -> None:
+    """One Woodbury step (the CPM's group commit) equals k rank-one steps to rounding."""
+    rng = np.random.default_rng(seed)
+    xs, rs = rng.normal(size=(k, dim)), rng.normal(size=k)
+    block, seq = _trained(dim, warm, seed), _trained(dim, warm, seed)
+    block.update_block(xs, rs)
+    for x, r in zip(xs, rs, strict=True):
+        seq.update(x, float(r))
+    np.testing.assert_allclose(block.a_inv, seq.a_inv, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(block.b, seq.b, rtol=1e-12, atol=1e-12)
+    assert block.n_updates == seq.n_updates and block.check()
+    assert np.array_equal(block.a_inv, block.a_inv.T)
+    with pytest.raises(ValueError, match="finite"):
+        block.update_block(np.full((2, dim), np.nan), np.zeros(2))
+    assert block.n_updates == seq.n_updates
