@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from peerlm.app.experiment_slices import SLICES, ClientSlices, client_slices, public_categories
+from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap
 
 if TYPE_CHECKING:
@@ -291,7 +291,12 @@ def _probe_set(
 def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _World:
     from peerlm.agent.models.tiny import build_models
     from peerlm.agent.tasks.bank import CATEGORIES
-    from peerlm.agent.tasks.dataset import build_federation_data, read_jsonl, transfer_set_sha256
+    from peerlm.agent.tasks.dataset import (
+        build_federation_data,
+        read_jsonl,
+        read_manifest,
+        transfer_set_sha256,
+    )
 
     archs = tuple(dict.fromkeys(ARCHS[i % len(ARCHS)] for i in range(plan.agents)))
 
@@ -313,13 +318,9 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
     all_test = read_jsonl(data / "test.jsonl")
     test = all_test[: plan.test_limit]
     categories = list(dict.fromkeys([*CATEGORIES, *(p.category for p in all_test)]))
-    public = public_categories(data)
-    slices = []
-    for train, _ in clients:
-        counts: dict[str, int] = {}
-        for p in train:
-            counts[p.category] = counts.get(p.category, 0) + 1
-        slices.append(client_slices(counts, categories, public))
+    world = read_manifest(data).world
+    public = world.public_categories
+    slices = [slices_of_world(world, i) for i in range(plan.agents)]
     taken = [*all_test, *transfer_problems, *(p for tr, va in clients for p in (*tr, *va))]
     probe = _probe_set(plan.probe_per_category, plan.world_seed, taken, categories)
     return _World(

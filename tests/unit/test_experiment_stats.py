@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
+from peerlm.agent.tasks.world import World
 
-from peerlm.app.experiment_slices import client_slices, public_categories
+from peerlm.app.experiment_slices import slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap
 
 
@@ -57,23 +55,15 @@ def test_bootstrap_refuses_unknown_pairs() -> None:
         paired_bootstrap({"a": np.zeros((1, 1))}, [("a", "z")])
 
 
-def test_slices_split_private_categories_by_holdings() -> None:
-    cats = ["a", "b", "c", "d"]
-    s = client_slices({"a": 20, "b": 1, "c": 4}, cats, public=["d"])
-    assert s.own == {"a", "c"}  # b: a stray problem is no skill
-    assert s.lacked == {"b"}
-    assert s.public == {"d"}
-    assert s.of("a") == "own" and s.of("d") == "public" and s.of("zzz") is None
-    with pytest.raises(ValueError, match="not in the world"):
-        client_slices({}, cats, public=["e"])
-
-
-def test_public_categories_come_from_the_manifest(tmp_path: Path) -> None:
-    assert public_categories(tmp_path) == ()
-    (tmp_path / "manifest.json").write_text(json.dumps({"seed": 0}))
-    assert public_categories(tmp_path) == ()
-    (tmp_path / "manifest.json").write_text(json.dumps({"public_categories": ["list"]}))
-    assert public_categories(tmp_path) == ("list",)
-    (tmp_path / "manifest.json").write_text(json.dumps({"public_categories": "list"}))
-    with pytest.raises(ValueError, match="must be a list"):
-        public_categories(tmp_path)
+def test_slices_follow_the_world() -> None:
+    world = World(
+        public_categories=("list",),
+        private_categories=("dict", "loop"),
+        skills=(("dict",), ()),
+    )
+    s = slices_of_world(world, 0)
+    assert s.own == {"dict"} and s.lacked == {"loop"} and s.public == {"list"}
+    assert s.of("dict") == "own" and s.of("list") == "public" and s.of("zzz") is None
+    assert slices_of_world(world, 1).lacked == {"dict", "loop"}
+    with pytest.raises(ValueError, match="not in a world"):
+        slices_of_world(world, 2)
