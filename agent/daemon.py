@@ -32,6 +32,7 @@ at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
@@ -93,6 +94,10 @@ class AgentSummary:
     overlay_refusals: dict[str, int] = field(default_factory=dict)
     overlay_steps: dict[str, int] = field(default_factory=dict)
     overlay_bytes_received: int = 0
+    overlay_bytes_sent: int = 0
+    # Per evaluation slice (eval_slice_files): {"pass1", "struct", "nll", "n"}.
+    slices_before: dict[str, dict[str, float]] = field(default_factory=dict)
+    slices_after: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class AgentDaemon:
@@ -185,6 +190,11 @@ class AgentDaemon:
         # tokenised apart from the prompt exactly as generation sees it at evaluation time.
         self.train_examples = [(p.prompt, p.reference) for p in self.train]
         self.val_examples = [(p.prompt, p.reference) for p in self.val]
+        # Held-out test problems per slice, for the report only (never trained on).
+        self.slice_problems = {
+            name: read_jsonl(path)[: s.eval_limit] if s.eval_limit else read_jsonl(path)
+            for name, path in s.eval_slice_files.items()
+        }
 
         lora = LoraSettings(
             r=s.lora_rank,
@@ -395,6 +405,39 @@ class AgentDaemon:
         )
         return loss, float(report.mean.get(1, 0.0))
 
+    async def _evaluate_slices(self) -> dict[str, dict[str, float]]:
+        """Greedy pass@1, structural match and reference NLL (nats/byte) per slice."""
+        from peerlm.agent.evaluation import structural_match_rate
+        from peerlm.agent.rounds import reference_nll, sample_completions, score_completions
+
+        out: dict[str, dict[str, float]] = {}
+        for name, problems in self.slice_problems.items():
+            if not problems:
+                continue
+            nll = await self._model(reference_nll, self.host, problems)
+            completions = await self._model(
+                sample_completions, self.host, problems, max_new_tokens=self.s.max_new_tokens
+            )
+            report = await asyncio.get_running_loop().run_in_executor(
+                None,
+                functools.partial(
+                    score_completions,
+                    problems,
+                    completions,
+                    ks=(1,),
+                    timeout_s=self.s.sandbox_timeout_s,
+                    memory_mb=self.s.sandbox_memory_mb,
+                ),
+            )
+            out[name] = {
+                "pass1": float(report.mean.get(1, 0.0)),
+                "struct": sum(structural_match_rate(p, completions[p.task_id]) for p in problems)
+                / len(problems),
+                "nll": sum(nll) / len(nll),
+                "n": float(len(problems)),
+            }
+        return out
+
     # ------------------------------------------------------------ round loop
 
     async def run(self) -> AgentSummary:
@@ -407,12 +450,15 @@ class AgentDaemon:
                 loss, pass1 = await self._evaluate(with_pass=True)
                 self.summary.loss_before, self.summary.pass_at_1_before = loss, pass1
                 self.summary.loss_after, self.summary.pass_at_1_after = loss, pass1
+                self.summary.slices_before = await self._evaluate_slices()
             if self.overlay is not None:
                 await self._overlay_enter()
             t = int(self.state["round"])
             while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
                 t += 1
                 await self._round(t, inbox, feed)
+            if not self._stop.is_set():
+                self.summary.slices_after = await self._evaluate_slices()
         except grpc.aio.AioRpcError as err:
             self.summary.errors.append(f"{err.code().name}: {err.details()}")
             self.log.error("cpm_error", code=err.code().name, detail=err.details())
@@ -426,6 +472,8 @@ class AgentDaemon:
     def _count_sent(self) -> None:
         sent = self.registry.get_sample_value("peerlm_agent_package_bytes_sent_total")
         self.summary.bytes_sent = int(sent or 0)
+        adapters = self.registry.get_sample_value("peerlm_agent_adapter_bytes_sent_total")
+        self.summary.overlay_bytes_sent = int(adapters or 0)
 
     async def _linger(self) -> None:
         """After the last round, keep serving until the last student has started its fetch
