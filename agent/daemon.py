@@ -113,6 +113,8 @@ class AgentDaemon:
         self._grace: asyncio.TimerHandle | None = None
         self._prebuild: asyncio.Task[list[str]] | None = None
         self._last_taught: str | None = None
+        # The matchmaking round our latest profile is considered in (SubmitProfile's answer).
+        self._awaited_round = 0
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
 
     # ------------------------------------------------------------------ set-up
@@ -490,6 +492,9 @@ class AgentDaemon:
         """Every directive goes into the book (the peer server verifies fetches against it);
         new ones also go to the round loop, which waits for this round's pairing."""
         async for d in self.cpm.directives():
+            if d.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
+                await inbox.put(d)  # not a directive: nothing for the book
+                continue
             self.book.add(d)
             if d.directive_id not in self.state["processed"]:
                 await inbox.put(d)
@@ -661,7 +666,8 @@ class AgentDaemon:
         (refused identity, invalid profile) still end the run.
         """
         try:
-            await self.cpm.submit_profile(t, features, self.endpoint)
+            resp = await self.cpm.submit_profile(t, features, self.endpoint)
+            self._awaited_round = int(resp.matchmaking_round)
             return True
         except grpc.aio.AioRpcError as err:
             if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -686,22 +692,33 @@ class AgentDaemon:
     async def _next_directive(
         self, inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None]
     ) -> cpm_pb2.Directive | None:
-        """This round's directive, or None after ``round_timeout_s`` or once the stop grace
-        has run out."""
-        if self._abort.is_set():
-            return None
-        waiting = asyncio.ensure_future(next_directive(inbox, feed, self.s.round_timeout_s))
-        aborted = asyncio.ensure_future(self._abort.wait())
-        try:
-            await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            aborted.cancel()
-            if not waiting.done():
-                waiting.cancel()
-        await asyncio.gather(aborted, return_exceptions=True)
-        if waiting.cancelled():
-            return None
-        return waiting.result()
+        """This round's directive, or None: after ``round_timeout_s``, once the stop grace has
+        run out, or at once when the CPM says our profile's matchmaking round left us
+        unpaired (an older round's notice is skipped)."""
+        deadline = time.monotonic() + self.s.round_timeout_s
+        while not self._abort.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            waiting = asyncio.ensure_future(next_directive(inbox, feed, remaining))
+            aborted = asyncio.ensure_future(self._abort.wait())
+            try:
+                await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                aborted.cancel()
+                if not waiting.done():
+                    waiting.cancel()
+            await asyncio.gather(aborted, return_exceptions=True)
+            if waiting.cancelled():
+                return None
+            d = waiting.result()
+            if d is None or d.role != cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
+                return d
+            if d.matchmaking_round >= self._awaited_round:
+                self.log.info("not_matched", matchmaking_round=d.matchmaking_round)
+                self.telemetry.unmatched_rounds.inc()
+                return None
+        return None
 
     def _expect(self, sender: str) -> ExpectedSender | None:
         """The proof a transfer from ``sender`` must carry (none in insecure-dev)."""

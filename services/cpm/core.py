@@ -8,9 +8,12 @@ Decisions the paper leaves open, made here:
 
 * Matchmaking considers the agents whose profile arrived since the last matchmaking round
   ("pending"); each profile is matched at most once, unmatched agents train locally and
-  submit again. It runs on quorum (``max(min_quorum, ceil(quorum_fraction * connected))``
-  pending profiles, where ``connected`` counts agents with an open directive feed) or when
-  ``round_interval_s`` has passed with at least two pending profiles.
+  submit again. Agents considered in a round and left unpaired are told so at once
+  (``MatchOutcome.unmatched``, an ``EXCHANGE_ROLE_UNMATCHED`` notice on their feed) rather
+  than left waiting for their round timeout. Matchmaking runs on quorum
+  (``max(min_quorum, ceil(quorum_fraction * connected))`` pending profiles, where
+  ``connected`` counts agents with an open directive feed) or when ``round_interval_s``
+  has passed with at least two pending profiles.
 * A profile for an older round than the agent's last is refused (FAILED_PRECONDITION); the
   same round may be re-submitted (agents retry after failures) and replaces the pending one.
 * A reward is accepted once, from the directive's student, before ``expires_at``. The
@@ -71,6 +74,9 @@ class MatchOutcome:
     directives: list[DirectiveRecord]
     candidates: int
     seconds: float
+    # Agents considered in this round and left without a pairing (told, so they need not
+    # wait for their round timeout).
+    unmatched: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -239,7 +245,14 @@ class CpmCore:
         for d in directives:
             self._open[d.directive_id] = d
         self.directives_issued += len(directives)
-        return MatchOutcome(self._round, directives, len(agents), time.perf_counter() - started)
+        paired = {d.teacher for d in directives} | {d.student for d in directives}
+        return MatchOutcome(
+            self._round,
+            directives,
+            len(agents),
+            time.perf_counter() - started,
+            tuple(a for a in agents if a not in paired),
+        )
 
     def _directive(self, pairing: Pairing, now: float) -> DirectiveRecord:
         return DirectiveRecord(

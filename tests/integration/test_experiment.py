@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -62,7 +63,10 @@ def test_quick_run_reports_every_strategy_per_slice_with_intervals(tmp_path: Pat
     learning = view["cpm_learning"]
     assert [r["round"] for r in learning["per_round"]] == [1, 2, 1, 2]
     for r in learning["per_round"]:
-        assert len(r["oracle_pairs"]) == 2 and r["oracle_gain"] >= r["cpm_gain"] - 1e-9
+        # Greedy oracle pairs by gain; the CPM's pairs are scored on the oracle run's matrix.
+        assert len(r["oracle_pairs"]) == 2 and len(r["cpm_pairs"]) == 2
+        assert 0 <= r["agreement"] <= 1
+        assert all(math.isfinite(r[k]) for k in ("cpm_gain", "oracle_gain", "random_gain"))
 
     result = json.loads((out / "results.json").read_text())
     # Every strategy of a seed starts from the same round 0 and round-1 local update.

@@ -233,3 +233,16 @@ def test_failed_commit_rolls_back_model(core: tuple[CpmCore, Clock, MemoryCpmSto
     np.testing.assert_array_equal(before.a_inv, after.a_inv)
     np.testing.assert_array_equal(before.b, after.b)
     assert after.reward_count == before.reward_count and c.open_count == 1
+
+
+def test_unpaired_agents_are_named(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    """Three profiles make one pair: the third agent is reported unmatched (and told)."""
+    c, _, _ = core
+    _submit_all(c, ["a", "b", "c"])
+    match = c.matchmake()
+    assert len(match.directives) == 1
+    paired = {match.directives[0].teacher, match.directives[0].student}
+    assert set(match.unmatched) == {"a", "b", "c"} - paired and len(match.unmatched) == 1
+    # A full pairing leaves nobody out.
+    _submit_all(c, ["a", "b", "c", "d"], round_=2)
+    assert c.matchmake().unmatched == ()
