@@ -399,15 +399,16 @@ def _prepare_real(
 ) -> AgentArgv:
     """Build (or reuse) models and Dirichlet-partitioned data; write one config per agent."""
     from peerlm.agent.tasks.dataset import build_federation_data
-    from peerlm.app.cli_models import build_with_progress
+    from peerlm.app.cli_models import build_with_progress, models_cache_dir
 
-    models_dir = fed.root / "models"
+    size: Literal["tiny", "micro"] = "micro" if plan.size == "micro" else "tiny"
+    # The shared cache: a first `up` builds what `run-experiment` and later `up`s reuse.
+    models_dir = models_cache_dir(size)
     if console:
         console.print(f"building or reusing {plan.size} models in {models_dir} ...")
-    size: Literal["tiny", "micro"] = "micro" if plan.size == "micro" else "tiny"
-    build_with_progress(
-        models_dir, ARCHS, size, console or Console(stderr=True, quiet=True), seed=seed
-    )
+    # Model seed 0 whatever the run's seed: runs with other seeds share the cached models
+    # (the run seed still drives the data, the adapters and the batches).
+    build_with_progress(models_dir, ARCHS, size, console or Console(stderr=True, quiet=True))
     data_dir = fed.root / "data"
     manifest = build_federation_data(data_dir, len(agents), alpha=plan.alpha, seed=seed)
     slice_files = _write_slice_files(fed.root / "eval", data_dir, manifest.world, agents)

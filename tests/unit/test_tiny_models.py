@@ -113,6 +113,43 @@ def test_builds_are_deterministic_and_a_new_request_rebuilds(tmp_path: Path) -> 
     assert not c.cached and c.steps == 3 and c.config_hash != a.config_hash
 
 
+def test_builds_side_by_side_give_the_same_weights(tmp_path: Path) -> None:
+    """Two builds in two processes (one torch thread each) equal the same builds run one
+    after another in this process with one thread: jobs never change a model."""
+    events: list[BuildEvent] = []
+    side = build_models(tmp_path / "p", ["gpt2", "bloom"], size="micro", pretrain_steps=2,
+                        jobs=2, threads=1, progress=events.append)  # fmt: skip
+    serial = build_models(tmp_path / "s", ["gpt2", "bloom"], size="micro", pretrain_steps=2,
+                          jobs=1, threads=1)  # fmt: skip
+    assert [i.arch for i in side] == ["gpt2", "bloom"]
+    for a, b in zip(side, serial, strict=True):
+        assert a.config_hash == b.config_hash and a.extra["threads"] == 1
+        wa = load_file(str(Path(a.path) / "model.safetensors"))
+        wb = load_file(str(Path(b.path) / "model.safetensors"))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # Progress from the worker processes reaches the caller.
+    assert {(e.arch, e.phase) for e in events} >= {("gpt2", "done"), ("bloom", "done")}
+    assert torch.get_num_threads() >= 1
+
+
+def test_hidden_categories_are_left_out_of_pretraining(tmp_path: Path) -> None:
+    from peerlm.agent.models.tiny import DEFAULT_HIDDEN, public_corpus
+    from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES
+
+    assert DEFAULT_HIDDEN == DEFAULT_PRIVATE_CATEGORIES
+    texts, digest = public_corpus(4)
+    everything, digest_all = public_corpus(4, hidden=())
+    assert len(texts) == 8 * 4 and len(everything) == 12 * 4 and digest != digest_all
+    assert not any(".get(" in t or "rjust" in t for t in texts)  # dict and format code
+    [hidden] = build_models(tmp_path / "h", ["gpt2"], size="micro", pretrain_steps=1)
+    [shown] = build_models(tmp_path / "a", ["gpt2"], size="micro", pretrain_steps=1, hidden=())
+    assert hidden.extra["hidden_categories"] == list(DEFAULT_HIDDEN)
+    assert shown.extra["hidden_categories"] == []
+    assert hidden.config_hash != shown.config_hash
+    with pytest.raises(ValueError, match="unknown hidden"):
+        build_models(tmp_path / "x", ["gpt2"], size="micro", hidden=("cooking",))
+
+
 def test_a_half_built_directory_is_rebuilt(tmp_path: Path) -> None:
     [a] = build_models(tmp_path, ["bloom"], size="micro", pretrain_steps=0)
     assert a.final_loss is None
