@@ -549,7 +549,9 @@ class AgentDaemon:
             val_loss=round(loss, 4),
             pass_at_1=pass1,
         )
+        wait_started = time.monotonic()
         directive = await self._next_directive(inbox, feed) if submitted else None
+        waited = time.monotonic() - wait_started
         lap("wait")
         if directive is not None and self._abort.is_set():
             self.log.info("directive_skipped", round=t, directive=directive.directive_id)
@@ -585,7 +587,12 @@ class AgentDaemon:
         await self._model(self.checkpoints.save, t, adapter, _jsonable(self.state))
         lap("checkpoint")
         self.telemetry.rounds.inc()
-        self.log.info("round_done", round=t, seconds=round(time.monotonic() - started, 2))
+        self.log.info(
+            "round_done",
+            round=t,
+            seconds=round(time.monotonic() - started, 2),
+            waited_s=round(waited, 2),  # for a directive: the idle share of the round
+        )
 
     async def _overlay_enter(self) -> None:
         """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and

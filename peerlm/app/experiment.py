@@ -52,9 +52,10 @@ ensemble log-likelihood per UTF-8 byte, ``log p_bar(y | x) / max(1, bytes(y))`` 
 or the shortest candidate would always win). Each client then runs AKD on this one
 consensus package, with the same alpha schedule as the P2P strategies.
 
-Seeds. The *world seed* fixes the data (client split, transfer, test and probe sets) and
-the built models; each *run seed* fixes the initial adapters (client i: ``seed + i``), the
-batches of round t, the random pairing and the samples. Several run seeds reuse one world
+Seeds. The *world seed* fixes the data (client split, transfer, test and probe sets), the
+*model seed* the built models (0, as the shared model cache); each *run seed* fixes the
+initial adapters (client i: ``seed + i``), the batches of round t, the random pairing and
+the samples. Several run seeds reuse one world
 and one set of models, so no model is rebuilt, and every strategy sees the same units
 (client, test problem) under every seed: the bootstrap pairs over them.
 """
@@ -143,7 +144,8 @@ class ExperimentPlan:
     rounds: int = 4
     strategies: tuple[str, ...] = STRATEGIES
     seeds: tuple[int, ...] = (0, 1, 2)
-    world_seed: int = 0  # data split, transfer/test/probe sets, model build
+    world_seed: int = 0  # data split, transfer/test/probe sets
+    model_seed: int = 0  # the models' build (the shared model cache is built with 0)
     size: Literal["tiny", "micro"] = "tiny"
     alpha: float = 0.1  # Dirichlet concentration of the client split
     local_steps: int = 8
@@ -304,7 +306,7 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
         if e.phase in ("pretrain", "done", "cached"):
             event("build", {"arch": e.arch, "phase": e.phase, "step": e.step, "total": e.total})
 
-    build_models(models, archs, size=plan.size, seed=plan.world_seed, progress=on_build)
+    build_models(models, archs, size=plan.size, seed=plan.model_seed, progress=on_build)
     build_federation_data(data, plan.agents, alpha=plan.alpha, seed=plan.world_seed, overwrite=True)
     clients = [
         (

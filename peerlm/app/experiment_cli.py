@@ -53,7 +53,11 @@ def run_experiment_command(
         Path | None, typer.Option(help="Write results.json, table.md and a PNG plot here.")
     ] = None,
     models_dir: Annotated[
-        Path | None, typer.Option(help="Built models (cached); default state/models[-micro].")
+        Path | None,
+        typer.Option(
+            help="Built models (cached); default the shared cache, $PEERLM_MODELS_DIR or "
+            "state/models[-micro]."
+        ),
     ] = None,
     work_dir: Annotated[Path, typer.Option(help="Federation data.")] = Path("state/experiment"),
     local_steps: Annotated[int | None, typer.Option(min=1, help="Optimiser steps a round.")] = None,
@@ -74,7 +78,7 @@ def run_experiment_command(
     """Run the paper's comparison (Table 4) with real tiny models, with intervals."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from peerlm.app.cli_models import quiet_transformers
+    from peerlm.app.cli_models import models_cache_dir, quiet_transformers
     from peerlm.app.experiment import (
         ExperimentPlan,
         quick_plan,
@@ -115,7 +119,7 @@ def run_experiment_command(
         plan = quick_plan(**overrides) if quick else ExperimentPlan(**overrides)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    models = models_dir or Path("state/models-micro" if micro else "state/models")
+    models = models_dir or models_cache_dir("micro" if micro else "tiny")
     err = Console(stderr=True)
     progress = Progress(
         TextColumn("{task.description:<24}"),
