@@ -75,8 +75,10 @@ class MatchOutcome:
     candidates: int
     seconds: float
     # Agents considered in this round and left without a pairing (told, so they need not
-    # wait for their round timeout).
+    # wait for their round timeout), and the matchmaking round their profiles were
+    # promised (SubmitProfile's answer), which the notice carries.
     unmatched: tuple[str, ...] = ()
+    unmatched_round: int = 0
 
 
 @dataclass(frozen=True)
@@ -214,10 +216,22 @@ class CpmCore:
         )
 
     def match_due(self, connected: int) -> str | None:
-        """``"quorum"`` or ``"timer"`` when a matchmaking round should run now, else None."""
+        """``"quorum"``, ``"timer"`` or ``"alone"`` when a matchmaking round should run now.
+
+        ``"alone"``: one profile is pending, the timer has run out and no other agent has
+        a directive feed open, so nobody can pair with it; the round tells it so (an
+        agent finishing after its peers would otherwise wait for its round timeout)."""
         if len(self._pending) >= 2 and len(self._pending) >= self.quorum(connected):
             return "quorum"
-        return "timer" if self.timer_due() else None
+        if self.timer_due():
+            return "timer"
+        if (
+            len(self._pending) == 1
+            and connected <= 1
+            and self._clock() - self._last_match >= self._s.round_interval_s
+        ):
+            return "alone"
+        return None
 
     def timer_due(self) -> bool:
         """True when the round timer has run out and there is something to match."""
@@ -235,7 +249,14 @@ class CpmCore:
         self._last_match = self._clock()
         self._store.set_meta("matched_until", repr(self._last_match))
         if len(agents) < 2:
-            return MatchOutcome(self._round, [], len(agents), time.perf_counter() - started)
+            return MatchOutcome(
+                self._round,
+                [],
+                len(agents),
+                time.perf_counter() - started,
+                tuple(agents),
+                self._round + 1,
+            )
         profiles = {a: self._profiles[a].features for a in agents}
         pairings = self.matchmaker.select(profiles)
         self._round += 1
@@ -252,6 +273,7 @@ class CpmCore:
             len(agents),
             time.perf_counter() - started,
             tuple(a for a in agents if a not in paired),
+            self._round,
         )
 
     def _directive(self, pairing: Pairing, now: float) -> DirectiveRecord:

@@ -389,7 +389,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
             self._m.directives.labels(d.protocol).inc()
             self._hub.publish(d)
         for agent in out.unmatched:
-            self._hub.notify_unmatched(agent, out.matchmaking_round)
+            self._hub.notify_unmatched(agent, out.unmatched_round)
         self._refresh_gauges()
         if out.directives:
             self._log.info(

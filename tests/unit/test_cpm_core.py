@@ -243,6 +243,23 @@ def test_unpaired_agents_are_named(core: tuple[CpmCore, Clock, MemoryCpmStore]) 
     assert len(match.directives) == 1
     paired = {match.directives[0].teacher, match.directives[0].student}
     assert set(match.unmatched) == {"a", "b", "c"} - paired and len(match.unmatched) == 1
+    assert match.unmatched_round == match.matchmaking_round == 1
     # A full pairing leaves nobody out.
     _submit_all(c, ["a", "b", "c", "d"], round_=2)
     assert c.matchmake().unmatched == ()
+
+
+def test_a_lone_agent_is_told_once_nobody_else_is_connected(
+    core: tuple[CpmCore, Clock, MemoryCpmStore],
+) -> None:
+    c, clock, _ = core
+    _submit_all(c, ["a", "b"])
+    c.matchmake()
+    out = c.submit_profile("a", 2, _profile(0), "", connected=2)
+    clock.now += 31
+    assert c.match_due(2) is None  # b is still connected: it may yet submit
+    assert c.match_due(1) == "alone"
+    match = c.matchmake()
+    assert match.directives == [] and match.unmatched == ("a",)
+    assert match.unmatched_round == out.matchmaking_round  # the round "a" was promised
+    assert c.pending == 0
