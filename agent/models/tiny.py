@@ -124,6 +124,7 @@ class _Recipe:
     lr: float
     public_per_category: int = 0
     public_share: float = 0.0
+    split_digits: bool = False
 
 
 _RECIPES: Mapping[str, _Recipe] = MappingProxyType(
@@ -273,7 +274,7 @@ _QWEN2_SPLIT = (
 
 
 def _train_tokenizer(
-    arch: str, texts: Sequence[str], vocab_size: int, context: int
+    arch: str, texts: Sequence[str], vocab_size: int, context: int, *, split_digits: bool = False
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE (any byte sequence encodes; decode inverts encode) for ``arch``.
 
@@ -287,6 +288,16 @@ def _train_tokenizer(
             [
                 pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif split_digits:
+        # One token per digit, as Qwen2's split already does: a number is then the same
+        # tokens wherever it appears (GPT-2's regex merges digit runs by frequency, so
+        # "17" in a docstring and in the body could become different tokens).
+        tok.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
             ]
         )
     else:
@@ -556,10 +567,15 @@ def _build_one(
     threads: int = 1,
 ) -> ModelInfo:
     started = time.perf_counter()
+    # CPU time as well as wall time: on a shared machine the wall time says more about the
+    # neighbours than about the build; with one thread, CPU time is what an idle core needs.
+    cpu_started = time.process_time()
     shape = _shape(arch, size)
     recipe = _RECIPES[size]
     emit(BuildEvent(arch, "tokenizer"))
-    tokenizer = _train_tokenizer(arch, corpus.texts, shape.vocab, shape.context)
+    tokenizer = _train_tokenizer(
+        arch, corpus.texts, shape.vocab, shape.context, split_digits=recipe.split_digits
+    )
     vocab = len(tokenizer)
     special_id = int(tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN))  # type: ignore[arg-type]
     config = _model_config(arch, shape, vocab, special_id)
@@ -616,6 +632,7 @@ def _build_one(
             "public_share": recipe.public_share,
             "hidden_categories": list(corpus.hidden),
             "threads": threads,
+            "cpu_seconds": round(time.process_time() - cpu_started, 3),
         },
     )
     manifest = {"format": _FORMAT, **info.to_dict()}
@@ -763,6 +780,12 @@ def _worker(job: _Job, threads: int, events: Any) -> dict[str, Any]:
     return info.to_dict()
 
 
+def _size_of(shape: _Shape) -> int:
+    return shape.vocab * shape.hidden + shape.layers * shape.hidden * (
+        4 * shape.hidden + 2 * shape.intermediate
+    )
+
+
 def _run_parallel(
     pending: Sequence[_Job], jobs: int, threads: int, emit: Callable[[BuildEvent], None]
 ) -> dict[str, ModelInfo]:
@@ -775,7 +798,10 @@ def _run_parallel(
     with context.Manager() as manager:
         events = manager.Queue()
         with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            futures = {pool.submit(_worker, job, threads, events): job for job in pending}
+            # Longest first (by parameter count, a fair proxy of a step's cost), so the
+            # last build to start is a short one and the lanes finish close together.
+            ordered = sorted(pending, key=lambda job: -_size_of(_shape(job.arch, job.size)))
+            futures = {pool.submit(_worker, job, threads, events): job for job in ordered}
             remaining = set(futures)
             results: dict[str, ModelInfo] = {}
 

@@ -104,13 +104,14 @@ def build_with_progress(
     force: bool = False,
     jobs: int | None = None,
     threads: int | None = None,
+    hidden: Sequence[str] | None = None,
 ) -> list[ModelInfo]:
     """:func:`build_models` with one progress bar per architecture on ``err``.
 
     Off a terminal (a pipe, a log file) it prints one line per phase and per tenth of the
     pre-training instead, so a long build is never silent.
     """
-    from peerlm.agent.models.tiny import build_models
+    from peerlm.agent.models.tiny import DEFAULT_HIDDEN, build_models
 
     quiet_transformers()
     with Progress(
@@ -167,6 +168,7 @@ def build_with_progress(
             progress=on_event,
             jobs=jobs,
             threads=threads,
+            hidden=DEFAULT_HIDDEN if hidden is None else hidden,
         )
 
 
@@ -195,6 +197,13 @@ def build_command(
         int | None,
         typer.Option(min=1, help="Builds side by side (default: one per core)."),
     ] = None,
+    hidden: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated categories left out of pre-training (default: the default "
+            "world's private ones; '' for none)."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
     """Build tokenizers and models (cached: an up-to-date directory is left alone)."""
@@ -213,6 +222,16 @@ def build_command(
     err = Console(stderr=True)
     started = time.perf_counter()
     chosen: Literal["tiny", "micro"] = "tiny" if size == "tiny" else "micro"
+    hidden_list = None if hidden is None else tuple(c for c in hidden.split(",") if c)
+    if hidden_list is not None:
+        from peerlm.agent.tasks.bank import CATEGORIES
+
+        bad = [c for c in hidden_list if c not in CATEGORIES]
+        if bad:
+            raise typer.BadParameter(
+                f"unknown categories {', '.join(bad)}; choose from {', '.join(CATEGORIES)}",
+                param_hint="--hidden",
+            )
     infos = build_with_progress(
         directory,
         archs,
@@ -223,6 +242,7 @@ def build_command(
         force=force,
         jobs=jobs,
         threads=threads,
+        hidden=hidden_list,
     )
     seconds = time.perf_counter() - started
     if as_json:

@@ -242,7 +242,22 @@ def test_cli_build_json_then_list(tmp_path: Path) -> None:
 def test_cli_rejects_unknown_architecture(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["build", "--arch", "t5", "--dir", str(tmp_path)])
     assert result.exit_code != 0
+    hidden = CliRunner().invoke(app, ["build", "--hidden", "dict,cooking", "--dir", str(tmp_path)])
+    assert hidden.exit_code != 0 and "cooking" in hidden.output
     assert not any(tmp_path.iterdir())
+
+
+def test_cli_progress_off_a_terminal_is_one_line_per_tenth(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["build", "--size", "micro", "--arch", "gpt2", "--steps", "20", "--hidden", "",
+              "--dir", str(tmp_path), "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("model gpt2: step")]
+    assert [line.split()[3] for line in lines] == [f"{2 * i}/20" for i in range(1, 11)]
+    assert "model gpt2: done" in result.stderr
+    info = json.loads(result.stdout)["models"][0]
+    assert info["extra"]["hidden_categories"] == [] and info["extra"]["cpu_seconds"] > 0
 
 
 def test_environment_is_offline() -> None:
