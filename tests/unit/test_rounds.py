@@ -216,3 +216,24 @@ def test_redacted_and_empty_completions_are_not_learnt_from(models: dict[str, Pa
     assert nothing.stats.kd_loss is None  # type: ignore[attr-defined]  # local only
     one_good = integrate([spoiled[0], "return x * 2\n", ""])
     assert one_good.stats.kd_loss is not None  # type: ignore[attr-defined]
+
+
+def test_reference_nll_is_per_byte_and_falls_when_the_reference_is_learnt(
+    models: dict[str, Path],
+) -> None:
+    from peerlm.agent.rounds import reference_nll
+    from peerlm.agent.tasks.dataset import Problem
+
+    problems = [
+        Problem(f"t/{i}", "string", p, t, "assert True\n", p.split("(")[0][4:])
+        for i, (p, t) in enumerate(zip(PROMPTS, TEXTS, strict=True))
+    ]
+    student = host(models, "qwen2")
+    before = reference_nll(student, problems)
+    raw = student.sequence_logprobs([(p.prompt, p.reference) for p in problems])
+    for value, logp, p in zip(before, raw, problems, strict=True):
+        assert value == pytest.approx(-logp / len(p.reference.encode()))
+        assert math.isfinite(value) and value > 0
+    student.train_local(list(zip(PROMPTS, TEXTS, strict=True)), FAST, steps=8)
+    after = reference_nll(student, problems)
+    assert sum(after) < sum(before)
