@@ -423,7 +423,9 @@ def _config_hash(arch: str, size: str, steps: int, seed: int, corpus_sha: str) -
         "arch": arch,
         "size": size,
         "shape": asdict(_shape(arch, size)),
-        "recipe": asdict(recipe),
+        # An option added later enters the key only when set: at its default the recipe
+        # builds what it built before, and existing caches stay valid.
+        "recipe": {k: v for k, v in asdict(recipe).items() if k != "split_digits" or v},
         "steps": steps,
         "seed": seed,
         "corpus_sha256": corpus_sha,

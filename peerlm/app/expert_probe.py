@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "build_s": round(built, 1),
         "own": sorted(own),
         "train_problems": len(train),
-        "before": {
-            "own": _measure(host, own_test, args.max_new_tokens),
-            "public": _measure(host, public_test, args.max_new_tokens),
-        },
+        "before": {"own": _measure(host, own_test, args.max_new_tokens)},
     }
     settings = TrainSettings(learning_rate=args.lr)
     t0 = time.perf_counter()

@@ -262,3 +262,14 @@ def test_cli_progress_off_a_terminal_is_one_line_per_tenth(tmp_path: Path) -> No
 
 def test_environment_is_offline() -> None:
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def test_one_model_cache_for_up_experiment_and_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    from peerlm.app.cli_models import DEFAULT_DIR, MODELS_DIR_ENV, models_cache_dir
+
+    monkeypatch.delenv(MODELS_DIR_ENV, raising=False)
+    assert models_cache_dir("tiny") == DEFAULT_DIR == Path("state/models")
+    assert models_cache_dir("micro") == Path("state/models-micro")
+    monkeypatch.setenv(MODELS_DIR_ENV, "/srv/cache/m")
+    assert models_cache_dir("tiny") == Path("/srv/cache/m")
+    assert models_cache_dir("micro") == Path("/srv/cache/m-micro")
