@@ -642,8 +642,16 @@ def _build_one(
     manifest.pop("cached")
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        tmp.rename(target)
+    except OSError:
+        # The cache is shared (up, run-experiment, tests): another process may have put
+        # the same model in place meanwhile. Its build is as good as ours.
+        other = read_manifest(target)
+        if other is None or other.config_hash != config_hash:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     emit(BuildEvent(arch, "done", steps, steps, final_loss))
     return info
 

@@ -397,7 +397,7 @@ def _prepare_real(
     plan: RealPlan,
     console: Console | None,
 ) -> AgentArgv:
-    """Build (or reuse) models and Dirichlet-partitioned data; write one config per agent."""
+    """Build (or reuse) models and the default world's data; write one config per agent."""
     from peerlm.agent.tasks.dataset import build_federation_data
     from peerlm.app.cli_models import build_with_progress, models_cache_dir
 

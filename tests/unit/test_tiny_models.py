@@ -273,3 +273,29 @@ def test_one_model_cache_for_up_experiment_and_build(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(MODELS_DIR_ENV, "/srv/cache/m")
     assert models_cache_dir("tiny") == Path("/srv/cache/m")
     assert models_cache_dir("micro") == Path("/srv/cache/m-micro")
+
+
+def test_a_model_another_process_put_in_place_is_accepted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared cache: when the target appears while we build (another process built the
+    same model), our rename fails and the other build is taken if it is the same model."""
+    import shutil
+
+    from peerlm.agent.models import tiny
+
+    [first] = build_models(tmp_path, ["gpt2"], size="micro", pretrain_steps=1)
+    target = Path(first.path)
+    real_rmtree = shutil.rmtree
+
+    def keep_target(path: object, *args: object, **kwargs: object) -> None:
+        if Path(str(path)) != target:
+            real_rmtree(str(path), ignore_errors=True)
+
+    monkeypatch.setattr(tiny.shutil, "rmtree", keep_target)
+    [again] = build_models(tmp_path, ["gpt2"], size="micro", pretrain_steps=1, force=True)
+    assert again.config_hash == first.config_hash
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+    (target / MANIFEST_NAME).write_text("{}")  # now it is not the same model
+    with pytest.raises(OSError):
+        build_models(tmp_path, ["gpt2"], size="micro", pretrain_steps=1, force=True)
