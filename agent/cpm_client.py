@@ -186,6 +186,7 @@ class CpmClient:
 
         Open directives are replayed by the CPM on every (re)connect, so a directive may be
         seen twice across a reconnect; consumers de-duplicate by id (this iterator does).
+        "Not matched this round" notices (``EXCHANGE_ROLE_UNMATCHED``, no id) pass through.
         Authentication and authorisation failures, and ABORTED (another feed for this
         agent replaced this one), are raised, not retried. With ``feed_proof`` every feed
         must open with the CPM's proof over a fresh nonce of ours; a feed without one is
@@ -204,7 +205,9 @@ class CpmClient:
                     await self._check_feed(call, nonce)
                 async for d in call:
                     backoff = 0.2
-                    if d.directive_id not in seen:
+                    if d.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
+                        yield d  # a notice: no id to de-duplicate by
+                    elif d.directive_id not in seen:
                         seen.add(d.directive_id)
                         yield d
                 # A clean end means the CPM is shutting down: reconnect once it is back.

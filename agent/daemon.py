@@ -32,6 +32,7 @@ at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
@@ -94,6 +95,10 @@ class AgentSummary:
     overlay_refusals: dict[str, int] = field(default_factory=dict)
     overlay_steps: dict[str, int] = field(default_factory=dict)
     overlay_bytes_received: int = 0
+    overlay_bytes_sent: int = 0
+    # Per evaluation slice (eval_slice_files): {"pass1", "struct", "nll", "n"}.
+    slices_before: dict[str, dict[str, float]] = field(default_factory=dict)
+    slices_after: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class AgentDaemon:
@@ -109,6 +114,8 @@ class AgentDaemon:
         self._grace: asyncio.TimerHandle | None = None
         self._prebuild: asyncio.Task[list[str]] | None = None
         self._last_taught: str | None = None
+        # The matchmaking round our latest profile is considered in (SubmitProfile's answer).
+        self._awaited_round = 0
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
 
     # ------------------------------------------------------------------ set-up
@@ -187,6 +194,11 @@ class AgentDaemon:
         # tokenised apart from the prompt exactly as generation sees it at evaluation time.
         self.train_examples = [(p.prompt, p.reference) for p in self.train]
         self.val_examples = [(p.prompt, p.reference) for p in self.val]
+        # Held-out test problems per slice, for the report only (never trained on).
+        self.slice_problems = {
+            name: read_jsonl(path)[: s.eval_limit] if s.eval_limit else read_jsonl(path)
+            for name, path in s.eval_slice_files.items()
+        }
 
         lora = LoraSettings(
             r=s.lora_rank,
@@ -411,6 +423,39 @@ class AgentDaemon:
         )
         return loss, float(report.mean.get(1, 0.0))
 
+    async def _evaluate_slices(self) -> dict[str, dict[str, float]]:
+        """Greedy pass@1, structural match and reference NLL (nats/byte) per slice."""
+        from peerlm.agent.evaluation import structural_match_rate
+        from peerlm.agent.rounds import reference_nll, sample_completions, score_completions
+
+        out: dict[str, dict[str, float]] = {}
+        for name, problems in self.slice_problems.items():
+            if not problems:
+                continue
+            nll = await self._model(reference_nll, self.host, problems)
+            completions = await self._model(
+                sample_completions, self.host, problems, max_new_tokens=self.s.max_new_tokens
+            )
+            report = await asyncio.get_running_loop().run_in_executor(
+                None,
+                functools.partial(
+                    score_completions,
+                    problems,
+                    completions,
+                    ks=(1,),
+                    timeout_s=self.s.sandbox_timeout_s,
+                    memory_mb=self.s.sandbox_memory_mb,
+                ),
+            )
+            out[name] = {
+                "pass1": float(report.mean.get(1, 0.0)),
+                "struct": sum(structural_match_rate(p, completions[p.task_id]) for p in problems)
+                / len(problems),
+                "nll": sum(nll) / len(nll),
+                "n": float(len(problems)),
+            }
+        return out
+
     # ------------------------------------------------------------ round loop
 
     async def run(self) -> AgentSummary:
@@ -423,12 +468,15 @@ class AgentDaemon:
                 loss, pass1 = await self._evaluate(with_pass=True)
                 self.summary.loss_before, self.summary.pass_at_1_before = loss, pass1
                 self.summary.loss_after, self.summary.pass_at_1_after = loss, pass1
+                self.summary.slices_before = await self._evaluate_slices()
             if self.overlay is not None:
                 await self._overlay_enter()
             t = int(self.state["round"])
             while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
                 t += 1
                 await self._round(t, inbox, feed)
+            if not self._stop.is_set():
+                self.summary.slices_after = await self._evaluate_slices()
         except grpc.aio.AioRpcError as err:
             self.summary.errors.append(f"{err.code().name}: {err.details()}")
             self.log.error("cpm_error", code=err.code().name, detail=err.details())
@@ -442,6 +490,8 @@ class AgentDaemon:
     def _count_sent(self) -> None:
         sent = self.registry.get_sample_value("peerlm_agent_package_bytes_sent_total")
         self.summary.bytes_sent = int(sent or 0)
+        adapters = self.registry.get_sample_value("peerlm_agent_adapter_bytes_sent_total")
+        self.summary.overlay_bytes_sent = int(adapters or 0)
 
     async def _linger(self) -> None:
         """After the last round, keep serving until the last student has started its fetch
@@ -458,6 +508,9 @@ class AgentDaemon:
         """Every directive goes into the book (the peer server verifies fetches against it);
         new ones also go to the round loop, which waits for this round's pairing."""
         async for d in self.cpm.directives():
+            if d.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
+                await inbox.put(d)  # not a directive: nothing for the book
+                continue
             self.book.add(d)
             if d.directive_id not in self.state["processed"]:
                 await inbox.put(d)
@@ -512,7 +565,9 @@ class AgentDaemon:
             val_loss=round(loss, 4),
             pass_at_1=pass1,
         )
+        wait_started = time.monotonic()
         directive = await self._next_directive(inbox, feed) if submitted else None
+        waited = time.monotonic() - wait_started
         lap("wait")
         if directive is not None and self._abort.is_set():
             self.log.info("directive_skipped", round=t, directive=directive.directive_id)
@@ -548,7 +603,12 @@ class AgentDaemon:
         await self._model(self.checkpoints.save, t, adapter, _jsonable(self.state))
         lap("checkpoint")
         self.telemetry.rounds.inc()
-        self.log.info("round_done", round=t, seconds=round(time.monotonic() - started, 2))
+        self.log.info(
+            "round_done",
+            round=t,
+            seconds=round(time.monotonic() - started, 2),
+            waited_s=round(waited, 2),  # for a directive: the idle share of the round
+        )
 
     async def _overlay_enter(self) -> None:
         """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and
@@ -639,7 +699,8 @@ class AgentDaemon:
         (refused identity, invalid profile) still end the run.
         """
         try:
-            await self.cpm.submit_profile(t, features, self.endpoint)
+            resp = await self.cpm.submit_profile(t, features, self.endpoint)
+            self._awaited_round = int(resp.matchmaking_round)
             return True
         except grpc.aio.AioRpcError as err:
             if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -664,22 +725,33 @@ class AgentDaemon:
     async def _next_directive(
         self, inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None]
     ) -> cpm_pb2.Directive | None:
-        """This round's directive, or None after ``round_timeout_s`` or once the stop grace
-        has run out."""
-        if self._abort.is_set():
-            return None
-        waiting = asyncio.ensure_future(next_directive(inbox, feed, self.s.round_timeout_s))
-        aborted = asyncio.ensure_future(self._abort.wait())
-        try:
-            await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            aborted.cancel()
-            if not waiting.done():
-                waiting.cancel()
-        await asyncio.gather(aborted, return_exceptions=True)
-        if waiting.cancelled():
-            return None
-        return waiting.result()
+        """This round's directive, or None: after ``round_timeout_s``, once the stop grace has
+        run out, or at once when the CPM says our profile's matchmaking round left us
+        unpaired (an older round's notice is skipped)."""
+        deadline = time.monotonic() + self.s.round_timeout_s
+        while not self._abort.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            waiting = asyncio.ensure_future(next_directive(inbox, feed, remaining))
+            aborted = asyncio.ensure_future(self._abort.wait())
+            try:
+                await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                aborted.cancel()
+                if not waiting.done():
+                    waiting.cancel()
+            await asyncio.gather(aborted, return_exceptions=True)
+            if waiting.cancelled():
+                return None
+            d = waiting.result()
+            if d is None or d.role != cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
+                return d
+            if d.matchmaking_round >= self._awaited_round:
+                self.log.info("not_matched", matchmaking_round=d.matchmaking_round)
+                self.telemetry.unmatched_rounds.inc()
+                return None
+        return None
 
     def _expect(self, sender: str) -> ExpectedSender | None:
         """The proof a transfer from ``sender`` must carry (none in insecure-dev)."""

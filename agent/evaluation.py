@@ -4,10 +4,24 @@ pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"): w
 samples per problem of which c pass, the probability that at least one of k samples drawn
 without replacement passes is ``1 - C(n - c, k) / C(n, k)``. Binomials overflow long before
 realistic n, so it is computed as the product ``1 - prod_{i = n-c+1}^{n} (1 - k / i)``.
+
+Structural match (:func:`structural_match`): a metric that moves before pass@1 does. A
+completion matches its reference when the two programs (prompt + completion, prompt +
+reference) have the same Python token sequence after normalising literals and identifiers:
+every number becomes ``<num>``, every string ``<str>``, and every name that is neither a
+keyword, a builtin nor an attribute (the name after a ``.``) becomes ``<id0>``, ``<id1>``...
+in order of first appearance (alpha-renaming). Comments and blank lines are dropped;
+indentation and line structure are kept. So ``[s] * 2`` matches ``[s] * 3`` (the wrong
+constant: the audit's commonest failure) and ``for j in x`` matches ``for i in x``, while
+``x + 1`` does not match ``x - 1``. A program that does not tokenize matches nothing.
 """
 
 from __future__ import annotations
 
+import builtins
+import io
+import keyword
+import tokenize
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
@@ -16,7 +30,20 @@ from peerlm.agent.sandbox import STATUSES, LimitOptions, Status, run_many
 from peerlm.agent.tasks.bank import CATEGORIES
 from peerlm.agent.tasks.dataset import Problem
 
-__all__ = ["EvalReport", "ProblemResult", "evaluate", "pass_at_k"]
+__all__ = [
+    "EvalReport",
+    "ProblemResult",
+    "evaluate",
+    "pass_at_k",
+    "structural_form",
+    "structural_match",
+    "structural_match_rate",
+]
+
+_BUILTINS = frozenset(dir(builtins))
+_SKIPPED = frozenset(
+    {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER, tokenize.TYPE_COMMENT}
+)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -168,6 +195,64 @@ def evaluate(
         status_counts=totals,
         n_samples=len(programs),
     )
+
+
+def structural_form(code: str) -> tuple[str, ...] | None:
+    """``code``'s token sequence with literals and identifiers normalised (module docstring);
+    ``None`` when it does not tokenize (an unfinished string, bad indentation)."""
+    names: dict[str, str] = {}
+    out: list[str] = []
+    after_dot = False
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+            if tok.type in _SKIPPED:
+                continue
+            if tok.type == tokenize.ERRORTOKEN:  # e.g. an unterminated string
+                return None
+            if tok.type == tokenize.NUMBER:
+                out.append("<num>")
+            elif tok.type == tokenize.STRING:
+                out.append("<str>")
+            elif tok.type == tokenize.NAME:
+                word = tok.string
+                if after_dot or keyword.iskeyword(word) or word in _BUILTINS:
+                    out.append(word)
+                else:
+                    out.append(names.setdefault(word, f"<id{len(names)}>"))
+            elif tok.type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+                out.append(tokenize.tok_name[tok.type])
+            else:
+                out.append(tok.string)
+            after_dot = tok.type == tokenize.OP and tok.string == "."
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return None
+    return tuple(out)
+
+
+def structural_match(prompt: str, completion: str, reference: str) -> bool:
+    """Whether ``prompt + completion`` equals ``prompt + reference`` up to literals and
+    identifiers (module docstring). The prompt is part of both programs, so a completion's
+    use of the parameters is renamed consistently with the reference's."""
+    if completion.strip() == reference.strip():
+        return True
+    mine = structural_form(prompt + completion)
+    return mine is not None and mine == structural_form(prompt + reference)
+
+
+def structural_match_rate(problem: Problem, completions: Sequence[str]) -> float:
+    """Share of ``completions`` that structurally match ``problem``'s reference (0 if none)."""
+    if isinstance(completions, str):
+        raise TypeError("completions is a str; pass a list of completions")
+    if not completions:
+        return 0.0
+    target = structural_form(problem.prompt + problem.reference)
+    hits = 0
+    for c in completions:
+        if c.strip() == problem.reference.strip():
+            hits += 1
+        elif target is not None:
+            hits += structural_form(problem.prompt + c) == target
+    return hits / len(completions)
 
 
 def _means(results: Sequence[ProblemResult], ks: Sequence[int]) -> dict[int, float]:

@@ -44,6 +44,11 @@ class AgentTelemetry:
             ["mode"],
             registry=registry,
         )
+        self.unmatched_rounds = Counter(
+            "peerlm_agent_unmatched_rounds_total",
+            "Rounds the CPM said left this agent unpaired (it trained on without waiting).",
+            registry=registry,
+        )
         self.exchange_failures = Counter(
             "peerlm_agent_exchange_failures_total",
             "Exchanges that failed before integration.",

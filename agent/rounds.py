@@ -65,6 +65,7 @@ __all__ = [
     "linear_schedule",
     "local_update",
     "logit_entries",
+    "reference_nll",
     "reward_eq3",
     "round_profile",
     "sample_completions",
@@ -248,6 +249,24 @@ def evaluate_pass(
         memory_mb=memory_mb,
         max_workers=max_workers,
     )
+
+
+def reference_nll(
+    host: ModelHost, problems: Sequence[Problem], *, max_length: int = 256
+) -> list[float]:
+    """Per problem, the negative log-likelihood of the reference solution under ``host``,
+    in nats per UTF-8 byte of the reference: ``-log p(reference + EOS | prompt) / bytes``.
+
+    A metric that moves before pass@1: it rises or falls with every token of the right
+    answer, where pass@1 needs the whole body right. Per byte, not per token, so that
+    models with different tokenizers compare, and long references do not dominate a mean.
+    """
+    scores = host.sequence_logprobs(
+        [(p.prompt, p.reference) for p in problems], max_length=max_length
+    )
+    return [
+        -s / max(1, len(p.reference.encode("utf-8"))) for p, s in zip(problems, scores, strict=True)
+    ]
 
 
 # ------------------------------------------------------------------------- teacher side

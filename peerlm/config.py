@@ -266,6 +266,9 @@ class AgentSettings(ServiceSettings):
     # Evaluation (pass@k in the sandbox) and profile privacy.
     eval_every: int = Field(default=1, ge=1)
     eval_limit: int | None = Field(default=None, ge=1)
+    # Held-out test problems per evaluation slice ("own", "lacked", "public": JSONL files),
+    # measured before the first and after the last round for the run's report.
+    eval_slice_files: dict[str, Path] = Field(default_factory=dict)
     sandbox_timeout_s: float = Field(default=5.0, gt=0)
     sandbox_memory_mb: int = Field(default=256, ge=32)
     # Operator opt-out: evaluate even where the kernel lacks Landlock or seccomp, i.e. run

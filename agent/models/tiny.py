@@ -45,6 +45,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
+from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -59,6 +60,7 @@ from transformers import (
 
 __all__ = [
     "ARCHITECTURES",
+    "DEFAULT_HIDDEN",
     "MANIFEST_NAME",
     "SPECIAL_TOKEN",
     "BuildEvent",
@@ -78,7 +80,10 @@ SPECIAL_TOKEN = "<|endoftext|>"
 
 # Bump when the build procedure changes in a way that changes the weights: cached models of
 # an older format are rebuilt.
-_FORMAT = 2
+_FORMAT = 3
+
+#: Categories left out of pre-training by default: the default world's private ones.
+DEFAULT_HIDDEN: tuple[str, ...] = DEFAULT_PRIVATE_CATEGORIES
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,7 @@ class _Recipe:
     lr: float
     public_per_category: int = 0
     public_share: float = 0.0
+    split_digits: bool = False
 
 
 _RECIPES: Mapping[str, _Recipe] = MappingProxyType(
@@ -213,15 +219,18 @@ def stdlib_corpus(max_bytes: int) -> tuple[list[str], str]:
     return texts, digest.hexdigest()
 
 
-def public_corpus(n_per_category: int) -> tuple[list[str], str]:
+def public_corpus(
+    n_per_category: int, hidden: Sequence[str] = DEFAULT_HIDDEN
+) -> tuple[list[str], str]:
     """Complete functions (prompt + reference) of the public bank problems, and their SHA-256.
 
     See :func:`peerlm.agent.tasks.bank.public_problems`: a seed of their own, and federation
     data exclude these functions, so pre-training on them leaks no evaluation problem.
+    Categories in ``hidden`` (the world's private categories) are left out entirely.
     """
     from peerlm.agent.tasks.bank import public_problems
 
-    texts = [p.prompt + p.reference for p in public_problems(n_per_category)]
+    texts = [p.prompt + p.reference for p in public_problems(n_per_category, hidden=hidden)]
     digest = hashlib.sha256()
     for text in texts:
         digest.update(text.encode("utf-8") + b"\0")
@@ -233,6 +242,7 @@ class _Corpus:
     stdlib: list[str]
     public: list[str]
     sha256: str
+    hidden: tuple[str, ...] = ()
 
     @property
     def texts(self) -> list[str]:
@@ -243,11 +253,11 @@ class _Corpus:
         return sum(len(t.encode("utf-8")) for t in self.texts)
 
 
-def _corpus(recipe: _Recipe) -> _Corpus:
+def _corpus(recipe: _Recipe, hidden: Sequence[str]) -> _Corpus:
     stdlib, stdlib_sha = stdlib_corpus(recipe.corpus_bytes)
-    public, public_sha = public_corpus(recipe.public_per_category)
+    public, public_sha = public_corpus(recipe.public_per_category, hidden)
     sha = hashlib.sha256(f"{stdlib_sha}:{public_sha}".encode()).hexdigest()
-    return _Corpus(stdlib, public, sha)
+    return _Corpus(stdlib, public, sha, tuple(hidden))
 
 
 # ------------------------------------------------------------------------------- tokenizer
@@ -264,7 +274,7 @@ _QWEN2_SPLIT = (
 
 
 def _train_tokenizer(
-    arch: str, texts: Sequence[str], vocab_size: int, context: int
+    arch: str, texts: Sequence[str], vocab_size: int, context: int, *, split_digits: bool = False
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE (any byte sequence encodes; decode inverts encode) for ``arch``.
 
@@ -278,6 +288,16 @@ def _train_tokenizer(
             [
                 pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif split_digits:
+        # One token per digit, as Qwen2's split already does: a number is then the same
+        # tokens wherever it appears (GPT-2's regex merges digit runs by frequency, so
+        # "17" in a docstring and in the body could become different tokens).
+        tok.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
             ]
         )
     else:
@@ -403,7 +423,9 @@ def _config_hash(arch: str, size: str, steps: int, seed: int, corpus_sha: str) -
         "arch": arch,
         "size": size,
         "shape": asdict(_shape(arch, size)),
-        "recipe": asdict(recipe),
+        # An option added later enters the key only when set: at its default the recipe
+        # builds what it built before, and existing caches stay valid.
+        "recipe": {k: v for k, v in asdict(recipe).items() if k != "split_digits" or v},
         "steps": steps,
         "seed": seed,
         "corpus_sha256": corpus_sha,
@@ -543,12 +565,19 @@ def _build_one(
     corpus: _Corpus,
     config_hash: str,
     emit: Callable[[BuildEvent], None],
+    *,
+    threads: int = 1,
 ) -> ModelInfo:
     started = time.perf_counter()
+    # CPU time as well as wall time: on a shared machine the wall time says more about the
+    # neighbours than about the build; with one thread, CPU time is what an idle core needs.
+    cpu_started = time.process_time()
     shape = _shape(arch, size)
     recipe = _RECIPES[size]
     emit(BuildEvent(arch, "tokenizer"))
-    tokenizer = _train_tokenizer(arch, corpus.texts, shape.vocab, shape.context)
+    tokenizer = _train_tokenizer(
+        arch, corpus.texts, shape.vocab, shape.context, split_digits=recipe.split_digits
+    )
     vocab = len(tokenizer)
     special_id = int(tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN))  # type: ignore[arg-type]
     config = _model_config(arch, shape, vocab, special_id)
@@ -603,6 +632,9 @@ def _build_one(
             "pretrain_seq_len": recipe.seq_len,
             "public_functions": len(corpus.public),
             "public_share": recipe.public_share,
+            "hidden_categories": list(corpus.hidden),
+            "threads": threads,
+            "cpu_seconds": round(time.process_time() - cpu_started, 3),
         },
     )
     manifest = {"format": _FORMAT, **info.to_dict()}
@@ -610,10 +642,36 @@ def _build_one(
     manifest.pop("cached")
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        tmp.rename(target)
+    except OSError:
+        # The cache is shared (up, run-experiment, tests): another process may have put
+        # the same model in place meanwhile. Its build is as good as ours.
+        other = read_manifest(target)
+        if other is None or other.config_hash != config_hash:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     emit(BuildEvent(arch, "done", steps, steps, final_loss))
     return info
+
+
+def _plan_parallel(pending: int, jobs: int | None, threads: int | None) -> tuple[int, int]:
+    """(processes, torch threads each) for ``pending`` builds on this machine's cores.
+
+    Builds are single-model training loops whose steps are too small to use many threads
+    well, and oversubscribed cores make torch's OpenMP threads spin against each other (a
+    bloom step took 15x longer beside another torch process on 2 cores). So: one build per
+    core with one thread each while there are more builds than cores, otherwise the spare
+    cores go to the builds as threads. Explicit ``jobs``/``threads`` win.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores or 1)
+    if jobs is None:
+        jobs = min(max(1, pending), max(1, cores // (threads or 1)))
+    if threads is None:
+        threads = max(1, cores // max(1, jobs))
+    return max(1, jobs), max(1, threads)
 
 
 def build_models(
@@ -625,12 +683,22 @@ def build_models(
     seed: int = 0,
     force: bool = False,
     progress: Callable[[BuildEvent], None] | None = None,
+    hidden: Sequence[str] = DEFAULT_HIDDEN,
+    jobs: int | None = None,
+    threads: int | None = None,
 ) -> list[ModelInfo]:
     """Build (or find cached) tiny models into ``out_dir/<arch>/``; one :class:`ModelInfo` each.
 
-    ``pretrain_steps`` overrides the size's default (tiny: 500, micro: 4). A directory whose
-    manifest has the same configuration hash is reused unless ``force``. ``progress``
-    receives a :class:`BuildEvent` per phase and per pre-training step.
+    ``pretrain_steps`` overrides the size's default (tiny: 1000, micro: 4). ``hidden``
+    categories are left out of the public pre-training corpus (default: the default world's
+    private categories). A directory whose manifest has the same configuration hash is
+    reused unless ``force``. ``progress`` receives a :class:`BuildEvent` per phase and per
+    pre-training step (from the calling thread).
+
+    Builds run side by side in ``jobs`` processes with ``threads`` torch threads each
+    (default: one build per core, see :func:`_plan_parallel`); with one job the build runs
+    in this process, with its torch thread count set for the build and restored after.
+    A model's weights depend on its seed, recipe and thread count only, not on ``jobs``.
     """
     if size not in _RECIPES:
         raise ValueError(f"unknown size {size!r}; choose tiny or micro")
@@ -638,13 +706,24 @@ def build_models(
         _shape(arch, size)  # fail before any work on a bad name
     if pretrain_steps is not None and pretrain_steps < 0:
         raise ValueError("pretrain_steps must be >= 0")
+    if jobs is not None and jobs < 1:
+        raise ValueError("jobs must be >= 1")
+    if threads is not None and threads < 1:
+        raise ValueError("threads must be >= 1")
+    from peerlm.agent.tasks.bank import CATEGORIES
+
+    unknown = sorted(set(hidden) - set(CATEGORIES))
+    if unknown:
+        raise ValueError(f"unknown hidden categories: {', '.join(unknown)}")
+    hidden = tuple(c for c in CATEGORIES if c in set(hidden))
     recipe = _RECIPES[size]
     steps = recipe.steps if pretrain_steps is None else pretrain_steps
     emit = progress or (lambda _event: None)
-    corpus = _corpus(recipe)
+    corpus = _corpus(recipe, hidden)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    infos: list[ModelInfo] = []
+    found: dict[str, ModelInfo] = {}
+    pending: list[_Job] = []
     for arch in dict.fromkeys(archs):  # de-duplicated, order kept
         target = out_dir / arch
         config_hash = _config_hash(arch, size, steps, seed, corpus.sha256)
@@ -652,18 +731,102 @@ def build_models(
         if cached is not None and cached.config_hash == config_hash:
             cached.cached = True
             emit(BuildEvent(arch, "cached", cached.steps, cached.steps, cached.final_loss))
-            infos.append(cached)
-            continue
-        infos.append(
-            _build_one(
-                arch,
-                size,
-                target,
-                steps,
-                seed,
-                corpus,
-                config_hash,
-                emit,
-            )
+            found[arch] = cached
+        else:
+            pending.append(_Job(arch, size, str(target), steps, seed, hidden, config_hash))
+    if size == "micro" and jobs is None:
+        jobs = 1  # a micro build takes about a second: a process start would cost more
+    n_jobs, n_threads = _plan_parallel(len(pending), jobs, threads)
+    if n_jobs == 1 or len(pending) <= 1:
+        for job in pending:
+            found[job.arch] = _run_job(job, n_threads, corpus, emit)
+    else:
+        found.update(_run_parallel(pending, n_jobs, n_threads, emit))
+    return [found[arch] for arch in dict.fromkeys(archs)]
+
+
+@dataclass(frozen=True)
+class _Job:
+    arch: str
+    size: Size
+    target: str
+    steps: int
+    seed: int
+    hidden: tuple[str, ...]
+    config_hash: str
+
+
+def _run_job(
+    job: _Job, threads: int, corpus: _Corpus | None, emit: Callable[[BuildEvent], None]
+) -> ModelInfo:
+    """One build with ``threads`` torch threads (restored afterwards)."""
+    if corpus is None:
+        corpus = _corpus(_RECIPES[job.size], job.hidden)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        info = _build_one(
+            job.arch,
+            job.size,
+            Path(job.target),
+            job.steps,
+            job.seed,
+            corpus,
+            job.config_hash,
+            emit,
+            threads=threads,
         )
-    return infos
+    finally:
+        torch.set_num_threads(before)
+    return info
+
+
+def _worker(job: _Job, threads: int, events: Any) -> dict[str, Any]:
+    """Entry point of a build process: events go back through ``events`` (a queue)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    info = _run_job(job, threads, None, events.put)
+    return info.to_dict()
+
+
+def _size_of(shape: _Shape) -> int:
+    return shape.vocab * shape.hidden + shape.layers * shape.hidden * (
+        4 * shape.hidden + 2 * shape.intermediate
+    )
+
+
+def _run_parallel(
+    pending: Sequence[_Job], jobs: int, threads: int, emit: Callable[[BuildEvent], None]
+) -> dict[str, ModelInfo]:
+    import multiprocessing
+    import queue
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    # spawn, not fork: the parent may hold torch's thread pool and other threads.
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        events = manager.Queue()
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            # Longest first (by parameter count, a fair proxy of a step's cost), so the
+            # last build to start is a short one and the lanes finish close together.
+            ordered = sorted(pending, key=lambda job: -_size_of(_shape(job.arch, job.size)))
+            futures = {pool.submit(_worker, job, threads, events): job for job in ordered}
+            remaining = set(futures)
+            results: dict[str, ModelInfo] = {}
+
+            def drain() -> None:
+                while True:
+                    try:
+                        emit(events.get_nowait())
+                    except queue.Empty:
+                        return
+
+            while remaining:
+                done, remaining = wait(remaining, timeout=0.2, return_when=FIRST_COMPLETED)
+                drain()
+                for future in done:
+                    data = future.result()  # a failed build raises here
+                    results[futures[future].arch] = ModelInfo(**data)
+            drain()
+    return results

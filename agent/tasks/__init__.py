@@ -2,7 +2,9 @@
 
 ``peerlm.agent.tasks.bank`` generates the 12-category bank; ``peerlm.agent.tasks.dataset``
 holds :class:`Problem`, JSONL I/O, the Dirichlet client split, the transfer set and
-``build_federation_data``; ``peerlm.agent.tasks.humaneval`` converts the bundled HumanEval.
+``build_federation_data``; ``peerlm.agent.tasks.world`` the public/private split and who
+holds which skill;
+``peerlm.agent.tasks.humaneval`` converts the bundled HumanEval.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from peerlm.agent.tasks.dataset import (
     category_histogram,
     category_index,
     dirichlet_partition,
+    problem_slices,
     read_jsonl,
     read_manifest,
     split_validation,
@@ -22,16 +25,21 @@ from peerlm.agent.tasks.dataset import (
     transfer_set_sha256,
     write_jsonl,
 )
+from peerlm.agent.tasks.world import SLICES, World, WorldSpec
 
 __all__ = [
     "CATEGORIES",
+    "SLICES",
     "Manifest",
     "Problem",
+    "World",
+    "WorldSpec",
     "build_federation_data",
     "category_histogram",
     "category_index",
     "dirichlet_partition",
     "generate_bank",
+    "problem_slices",
     "read_jsonl",
     "read_manifest",
     "split_validation",

@@ -163,7 +163,10 @@ def function_key(problem: Problem) -> tuple[str, str]:
 
 
 def generate_bank(
-    n_per_category: int, seed: int, *, exclude: Collection[tuple[str, str]] = ()
+    n_per_category: int | Mapping[str, int],
+    seed: int,
+    *,
+    exclude: Collection[tuple[str, str]] = (),
 ) -> list[Problem]:
     """``n_per_category`` distinct problems for each category, deterministic for a seed.
 
@@ -173,23 +176,37 @@ def generate_bank(
     data exclude the public pre-training problems this way). Task ids are
     ``bank/<category>/<NNNN>``. Raises ``ValueError`` when a category's templates cannot
     supply that many distinct problems (a few hundred per category are available).
+    ``n_per_category`` may be a mapping from category to count (missing: none); a
+    category's problems for a smaller count are a prefix of those for a larger one.
     """
-    if n_per_category < 0:
-        raise ValueError(f"n_per_category must not be negative, got {n_per_category}")
+    counts = (
+        {c: n_per_category.get(c, 0) for c in CATEGORIES}
+        if isinstance(n_per_category, Mapping)
+        else dict.fromkeys(CATEGORIES, n_per_category)
+    )
+    for category, count in counts.items():
+        if count < 0:
+            raise ValueError(f"n_per_category must not be negative, got {count} for {category}")
     excluded = frozenset(exclude)
     problems: list[Problem] = []
     for category in CATEGORIES:
-        problems.extend(_generate_category(category, n_per_category, seed, excluded))
+        problems.extend(_generate_category(category, counts[category], seed, excluded))
     return problems
 
 
-def public_problems(n_per_category: int = PUBLIC_PER_CATEGORY) -> list[Problem]:
+def public_problems(
+    n_per_category: int = PUBLIC_PER_CATEGORY, *, hidden: Collection[str] = ()
+) -> list[Problem]:
     """The public, bank-style problems of the models' pre-training corpus (:data:`PUBLIC_SEED`).
 
     Per category, a smaller ``n_per_category`` gives a prefix of a larger one, so every
     public corpus is inside the default one that federation data exclude. Task ids are
-    ``public/<category>/<NNNN>``.
+    ``public/<category>/<NNNN>``. Categories in ``hidden`` (a world's private categories)
+    are left out: a model pre-trained on the result has never seen them.
     """
+    unknown = sorted(set(hidden) - set(CATEGORIES))
+    if unknown:
+        raise ValueError(f"unknown hidden categories: {', '.join(unknown)}")
     if n_per_category > PUBLIC_PER_CATEGORY:
         raise ValueError(
             f"at most {PUBLIC_PER_CATEGORY} public problems per category (federation data "
@@ -198,6 +215,7 @@ def public_problems(n_per_category: int = PUBLIC_PER_CATEGORY) -> list[Problem]:
     return [
         replace(p, task_id="public/" + p.task_id.removeprefix("bank/"))
         for p in generate_bank(n_per_category, PUBLIC_SEED)
+        if p.category not in hidden
     ]
 
 

@@ -19,6 +19,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from peerlm.agent.tasks.bank import CATEGORIES, function_key, generate_bank, public_problems
+from peerlm.agent.tasks.world import (
+    Slice,
+    World,
+    WorldSpec,
+    assign_skills,
+    weighted_interleave,
+)
 
 __all__ = [
     "DEFAULT_MIN_PER_CLIENT",
@@ -31,6 +38,7 @@ __all__ = [
     "category_histogram",
     "category_index",
     "dirichlet_partition",
+    "problem_slices",
     "read_jsonl",
     "read_manifest",
     "split_validation",
@@ -46,7 +54,7 @@ MAX_FIELD_BYTES = 64 * 1024
 # A JSON line holds six fields; escaping can grow text up to 6x (\uXXXX).
 _MAX_LINE_BYTES = 6 * len(PROBLEM_FIELDS) * MAX_FIELD_BYTES + 4096
 DEFAULT_MIN_PER_CLIENT = 8
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -332,20 +340,27 @@ def transfer_set_sha256(prompts: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class Manifest:
-    """``manifest.json`` of a federation data directory (see ``docs/tasks.md``)."""
+    """``manifest.json`` of a federation data directory (see ``docs/tasks.md``).
+
+    ``spec`` is the :class:`~peerlm.agent.tasks.world.WorldSpec` the data were built with
+    and ``world`` the resulting layout (each client's own skills), from which
+    :meth:`World.slice_of <peerlm.agent.tasks.world.World.slice_of>` gives every test
+    problem's slice for a client.
+    """
 
     seed: int
     alpha: float
     n_clients: int
-    n_per_category: int
-    transfer_size: int
-    test_size: int
     val_fraction: float
     min_per_client: int
     categories: tuple[str, ...]
     transfer_sha256: str
+    test_size: int
+    transfer_size: int
     client_sizes: tuple[tuple[int, int], ...]  # (train, val) per client
     files: tuple[tuple[str, str], ...]  # (relative path, sha256), sorted by path
+    spec: WorldSpec
+    world: World
     format: int = MANIFEST_FORMAT
 
     def parameters(self) -> dict[str, Any]:
@@ -354,11 +369,9 @@ class Manifest:
             "seed": self.seed,
             "alpha": self.alpha,
             "n_clients": self.n_clients,
-            "n_per_category": self.n_per_category,
-            "transfer_size": self.transfer_size,
-            "test_size": self.test_size,
             "val_fraction": self.val_fraction,
             "min_per_client": self.min_per_client,
+            "spec": self.spec.to_dict(),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -368,6 +381,7 @@ class Manifest:
             **self.parameters(),
             "categories": list(self.categories),
             "transfer_sha256": self.transfer_sha256,
+            "world": self.world.to_dict(),
             "sizes": {
                 "test": self.test_size,
                 "transfer": self.transfer_size,
@@ -381,22 +395,26 @@ class Manifest:
         """Inverse of :meth:`to_dict`; ``ValueError`` if the object does not fit."""
         try:
             if obj["format"] != MANIFEST_FORMAT:
-                raise ValueError(f"unsupported manifest format {obj['format']!r}")
+                raise ValueError(
+                    f"unsupported manifest format {obj['format']!r} (this peerlm writes "
+                    f"{MANIFEST_FORMAT}; rebuild the data with --force)"
+                )
             return cls(
                 seed=int(obj["seed"]),
                 alpha=float(obj["alpha"]),
                 n_clients=int(obj["n_clients"]),
-                n_per_category=int(obj["n_per_category"]),
-                transfer_size=int(obj["transfer_size"]),
-                test_size=int(obj["test_size"]),
                 val_fraction=float(obj["val_fraction"]),
                 min_per_client=int(obj["min_per_client"]),
                 categories=tuple(str(c) for c in obj["categories"]),
                 transfer_sha256=str(obj["transfer_sha256"]),
+                test_size=int(obj["sizes"]["test"]),
+                transfer_size=int(obj["sizes"]["transfer"]),
                 client_sizes=tuple(
                     (int(c["train"]), int(c["val"])) for c in obj["sizes"]["clients"]
                 ),
                 files=tuple(sorted((str(k), str(v)) for k, v in obj["files"].items())),
+                spec=WorldSpec.from_dict(obj["spec"]),
+                world=World.from_dict(obj["world"]),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed manifest: {exc!r}") from None
@@ -422,42 +440,80 @@ def build_federation_data(
     n_clients: int,
     alpha: float = 0.1,
     seed: int = 0,
-    n_per_category: int = 50,
-    transfer_size: int = 128,
-    test_size: int = 120,
     *,
+    world: WorldSpec | None = None,
     val_fraction: float = 0.2,
     min_per_client: int = DEFAULT_MIN_PER_CLIENT,
     overwrite: bool = False,
 ) -> Manifest:
     """Generate the bank and write a federation's data under ``out_dir``.
 
-    Layout: ``clients/<i>/train.jsonl`` and ``val.jsonl`` (private, Dirichlet split),
-    ``transfer.jsonl`` (the public transfer set X_u as full problems: the prompts are what
-    teachers decode on and what ``transfer_sha256`` pins, the tests measure pass@1 on X_u),
-    ``test.jsonl`` (global test set) and ``manifest.json``, written last. Test and transfer
-    problems are taken round-robin over categories, so both cover the bank evenly and no
-    function is in more than one part. No function of the public pre-training corpus
-    (:func:`~peerlm.agent.tasks.bank.public_problems`) is in any part. The same arguments
-    write byte-identical files. A directory built with other arguments is refused unless
-    ``overwrite``, which first removes its ``clients/``.
+    ``world`` (default :class:`~peerlm.agent.tasks.world.WorldSpec`: four private
+    categories, one expert each) says which categories are private and who holds them;
+    ``alpha`` is used by its ``dirichlet`` layout only. Per category, the first
+    ``test_per_category`` problems (after a seeded shuffle) go to the test set, the next
+    ``transfer_per_<kind>`` to the transfer set, the rest to the private pool: a private
+    category's pool goes to its experts only, a public category's is dealt evenly to all
+    clients. Each client's share is split into train and validation.
+
+    Layout: ``clients/<i>/train.jsonl`` and ``val.jsonl``, ``transfer.jsonl`` (the public
+    transfer set X_u as full problems: the prompts are what teachers decode on and what
+    ``transfer_sha256`` pins, the tests measure pass@1 on X_u), ``test.jsonl`` and
+    ``manifest.json``, written last. Test and transfer sets are interleaved so that every
+    prefix covers the categories in proportion. No function of the public pre-training
+    corpus (:func:`~peerlm.agent.tasks.bank.public_problems`) is in any part. The same
+    arguments write byte-identical files. A directory built with other arguments is refused
+    unless ``overwrite``, which first removes its ``clients/``.
     """
+    spec = world or WorldSpec()
     out = Path(out_dir)
+    if not (alpha > 0 and np.isfinite(alpha)):
+        raise ValueError(f"alpha must be a positive number, got {alpha!r}")
     # Never a function of the public pre-training corpus (tiny models saw those).
     public = {function_key(p) for p in public_problems()}
-    problems = generate_bank(n_per_category, seed, exclude=public)
-    if test_size < 0 or transfer_size < 0:
-        raise ValueError("test_size and transfer_size must not be negative")
-    if test_size + transfer_size >= len(problems):
-        raise ValueError(
-            f"test_size + transfer_size = {test_size + transfer_size} leaves no private data "
-            f"out of {len(problems)} problems; raise n_per_category"
-        )
-    ordered = _round_robin(problems, seed)
-    test = ordered[:test_size]
-    transfer = ordered[test_size : test_size + transfer_size]
-    private = sorted(ordered[test_size + transfer_size :], key=lambda p: p.task_id)
-    clients = dirichlet_partition(private, n_clients, alpha, seed, min_per_client)
+    counts = {c: spec.per_category(c) for c in CATEGORIES}
+    problems = generate_bank(counts, seed, exclude=public)
+    rng = np.random.default_rng(seed)
+    by_category: dict[str, list[Problem]] = {c: [] for c in CATEGORIES}
+    for problem in problems:
+        by_category[problem.category].append(problem)
+    tests: list[list[Problem]] = []
+    transfers: list[list[Problem]] = []
+    pools: dict[str, list[Problem]] = {}
+    for category in CATEGORIES:
+        members = by_category[category]
+        shuffled = [members[i] for i in rng.permutation(len(members))]
+        n_test, n_transfer = spec.test_per_category, spec.transfer_per_category(category)
+        tests.append(shuffled[:n_test])
+        transfers.append(shuffled[n_test : n_test + n_transfer])
+        pools[category] = shuffled[n_test + n_transfer :]
+    test = weighted_interleave(tests)
+    transfer = weighted_interleave(transfers)
+
+    layout, shares = assign_skills(
+        spec,
+        n_clients,
+        {c: len(pools[c]) for c in spec.private_categories},
+        alpha=alpha,
+        seed=seed,
+    )
+    holdings: list[list[Problem]] = [[] for _ in range(n_clients)]
+    for category in spec.private_categories:
+        for client, positions in enumerate(shares[category]):
+            holdings[client].extend(pools[category][p] for p in positions)
+    offset = 0
+    for category in spec.public_categories:
+        # Dealt round-robin, starting where the last category stopped: sizes stay even.
+        for j, problem in enumerate(pools[category]):
+            holdings[(offset + j) % n_clients].append(problem)
+        offset = (offset + len(pools[category])) % n_clients
+    for client, held in enumerate(holdings):
+        if len(held) < min_per_client:
+            raise ValueError(
+                f"client {client} would hold {len(held)} problems, fewer than min_per_client "
+                f"= {min_per_client}; raise per_public_category or lower min_per_client"
+            )
+    clients = [sorted(held, key=lambda p: p.task_id) for held in holdings]
     # A distinct, seed-derived stream per client (7919: any prime keeps them apart).
     splits = [
         split_validation(client, val_fraction, seed * 7919 + i) for i, client in enumerate(clients)
@@ -468,18 +524,19 @@ def build_federation_data(
         "seed": seed,
         "alpha": float(alpha),
         "n_clients": n_clients,
-        "n_per_category": n_per_category,
-        "transfer_size": transfer_size,
-        "test_size": test_size,
         "val_fraction": float(val_fraction),
         "min_per_client": min_per_client,
+        "spec": spec.to_dict(),
     }
     if existing.exists():
-        previous = read_manifest(out)
-        if previous.parameters() != params:
+        try:
+            previous: dict[str, Any] | None = read_manifest(out).parameters()
+        except ValueError:
+            previous = None  # an older format: different arguments by definition
+        if previous != params:
             if not overwrite:
                 raise FileExistsError(
-                    f"{out} holds data built with {previous.parameters()}; "
+                    f"{out} holds data built with {previous}; "
                     "pass overwrite=True (--force) to replace it"
                 )
             shutil.rmtree(out / "clients", ignore_errors=True)
@@ -497,32 +554,25 @@ def build_federation_data(
         seed=seed,
         alpha=float(alpha),
         n_clients=n_clients,
-        n_per_category=n_per_category,
-        transfer_size=transfer_size,
-        test_size=test_size,
         val_fraction=float(val_fraction),
         min_per_client=min_per_client,
         categories=CATEGORIES,
         transfer_sha256=transfer_set_sha256(transfer_set(transfer)),
+        test_size=len(test),
+        transfer_size=len(transfer),
         client_sizes=tuple((len(train), len(val)) for train, val in splits),
         files=tuple(sorted(files)),
+        spec=spec,
+        world=layout,
     )
     text = json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n"
     _atomic_write(existing, text.encode("utf-8"))
     return manifest
 
 
-def _round_robin(problems: Sequence[Problem], seed: int) -> list[Problem]:
-    """All problems, each category shuffled, interleaved one category at a time."""
-    rng = np.random.default_rng(seed)
-    queues: dict[str, list[Problem]] = {}
-    for problem in problems:
-        queues.setdefault(problem.category, []).append(problem)
-    columns = [
-        [queues[c][i] for i in rng.permutation(len(queues[c]))] for c in _category_order(queues)
-    ]
-    longest = max((len(column) for column in columns), default=0)
-    return [column[i] for i in range(longest) for column in columns if i < len(column)]
+def problem_slices(world: World, client: int, problems: Iterable[Problem]) -> list[Slice]:
+    """The slice (``own``, ``lacked``, ``public``) of each problem for ``client``."""
+    return [world.slice_of(client, p.category) for p in problems]
 
 
 def _sha256_file(path: Path) -> str:

@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES
+
 if TYPE_CHECKING:
     from peerlm.agent.tasks.dataset import Manifest
 
@@ -39,18 +41,37 @@ def build_command(
     directory: Annotated[Path, typer.Option("--dir", help="Output directory.")],
     clients: Annotated[int, typer.Option("--clients", help="Number of clients.", min=1)],
     alpha: Annotated[
-        float, typer.Option(help="Dirichlet concentration (small: skewed categories).")
+        float, typer.Option(help="Dirichlet concentration (the dirichlet layout only).")
     ] = 0.1,
     seed: Annotated[int, typer.Option(help="Seed for the bank and every split.")] = 0,
-    per_category: Annotated[
-        int, typer.Option("--per-category", help="Bank problems per category.", min=1)
-    ] = 50,
-    transfer_size: Annotated[
-        int, typer.Option("--transfer-size", help="Public transfer-set size.", min=0)
-    ] = 128,
-    test_size: Annotated[
-        int, typer.Option("--test-size", help="Global test-set size.", min=0)
-    ] = 120,
+    layout: Annotated[
+        str, typer.Option(help="experts (a few holders per private skill) or dirichlet.")
+    ] = "experts",
+    private: Annotated[
+        str,
+        typer.Option(help="Comma-separated private categories (absent from pre-training)."),
+    ] = ",".join(DEFAULT_PRIVATE_CATEGORIES),
+    experts_per_skill: Annotated[
+        int, typer.Option("--experts-per-skill", help="Clients holding each private skill.")
+    ] = 1,
+    unskilled: Annotated[
+        int, typer.Option("--unskilled", help="Clients (the last ones) with no private skill.")
+    ] = 0,
+    per_private: Annotated[
+        int, typer.Option("--per-private", help="Problems per private category.", min=1)
+    ] = 200,
+    per_public: Annotated[
+        int, typer.Option("--per-public", help="Problems per public category.", min=1)
+    ] = 60,
+    test_per_category: Annotated[
+        int, typer.Option("--test-per-category", help="Test problems per category.", min=0)
+    ] = 20,
+    transfer_per_private: Annotated[
+        int, typer.Option("--transfer-per-private", help="Transfer prompts per private category.")
+    ] = 24,
+    transfer_per_public: Annotated[
+        int, typer.Option("--transfer-per-public", help="Transfer prompts per public category.")
+    ] = 4,
     val_fraction: Annotated[
         float, typer.Option("--val-fraction", help="Share of each client's data for validation.")
     ] = 0.2,
@@ -64,16 +85,28 @@ def build_command(
 ) -> None:
     """Generate the bank and write clients/<i>/{train,val}.jsonl, transfer, test, manifest."""
     from peerlm.agent.tasks.dataset import build_federation_data
+    from peerlm.agent.tasks.world import WorldSpec
 
     try:
+        spec = WorldSpec.from_dict(
+            {
+                "layout": layout,
+                "private_categories": tuple(c for c in private.split(",") if c),
+                "experts_per_skill": experts_per_skill,
+                "unskilled_clients": unskilled,
+                "per_private_category": per_private,
+                "per_public_category": per_public,
+                "test_per_category": test_per_category,
+                "transfer_per_private": transfer_per_private,
+                "transfer_per_public": transfer_per_public,
+            }
+        )
         manifest = build_federation_data(
             directory,
             n_clients=clients,
             alpha=alpha,
             seed=seed,
-            n_per_category=per_category,
-            transfer_size=transfer_size,
-            test_size=test_size,
+            world=spec,
             val_fraction=val_fraction,
             min_per_client=min_per_client,
             overwrite=force,
@@ -88,7 +121,9 @@ def build_command(
     typer.echo(
         f"wrote {directory}: {manifest.n_clients} clients ({train} train, {val} val), "
         f"{manifest.transfer_size} transfer, {manifest.test_size} test; "
-        f"transfer sha256 {manifest.transfer_sha256[:16]}..."
+        f"transfer sha256 {manifest.transfer_sha256[:16]}...; private "
+        f"{', '.join(manifest.world.private_categories)}; skills "
+        + "; ".join(f"{i}: {', '.join(own) or '-'}" for i, own in enumerate(manifest.world.skills))
     )
 
 
@@ -113,7 +148,16 @@ def show_command(
     for i, ((train, val), hist) in enumerate(zip(manifest.client_sizes, histograms, strict=True)):
         top = sorted(range(len(hist)), key=lambda j: (-hist[j], j))[:3]
         shares = {manifest.categories[j]: round(float(hist[j]), 3) for j in top if hist[j] > 0}
-        clients.append({"client": i, "train": train, "val": val, "top_categories": shares})
+        clients.append(
+            {
+                "client": i,
+                "train": train,
+                "val": val,
+                "top_categories": shares,
+                "own": list(manifest.world.own(i)),
+                "lacked": list(manifest.world.lacked(i)),
+            }
+        )
     if as_json:
         summary = {**manifest.to_dict(), "clients": clients, "integrity": integrity}
         typer.echo(json.dumps(summary, indent=2, sort_keys=True))
@@ -124,15 +168,17 @@ def show_command(
     console.print(
         f"[bold]{directory}[/]  seed={manifest.seed} alpha={manifest.alpha} "
         f"clients={manifest.n_clients} transfer={manifest.transfer_size} "
-        f"test={manifest.test_size}\ntransfer sha256 {manifest.transfer_sha256}",
+        f"test={manifest.test_size}\ntransfer sha256 {manifest.transfer_sha256}\n"
+        f"private categories: {', '.join(manifest.world.private_categories)}",
         highlight=False,
     )
     table = Table()
-    for column in ("client", "train", "val", "top categories (share of train)"):
+    for column in ("client", "train", "val", "own skills", "top categories (share of train)"):
         table.add_column(column)
     for row in clients:
         top_text = ", ".join(f"{c} {s:.0%}" for c, s in row["top_categories"].items())
-        table.add_row(str(row["client"]), str(row["train"]), str(row["val"]), top_text)
+        own = ", ".join(row["own"]) or "-"
+        table.add_row(str(row["client"]), str(row["train"]), str(row["val"]), own, top_text)
     console.print(table)
     bad = {path: state for path, state in integrity.items() if state != "ok"}
     if bad:

@@ -31,11 +31,31 @@ from rich.table import Table
 if TYPE_CHECKING:
     from peerlm.agent.models.tiny import BuildEvent, ModelInfo
 
-__all__ = ["app", "build_command", "list_command", "quiet_transformers"]
+__all__ = [
+    "MODELS_DIR_ENV",
+    "app",
+    "build_command",
+    "list_command",
+    "models_cache_dir",
+    "quiet_transformers",
+]
 
 app = typer.Typer(help="Locally built tiny models.", no_args_is_help=True, add_completion=False)
 
 DEFAULT_DIR = Path("state/models")
+#: Overrides :data:`DEFAULT_DIR` for every command that builds or loads tiny models.
+MODELS_DIR_ENV = "PEERLM_MODELS_DIR"
+
+
+def models_cache_dir(size: str = "tiny") -> Path:
+    """The one model cache ``peerlm up``, ``run-experiment`` and ``models build`` share.
+
+    ``$PEERLM_MODELS_DIR`` or ``state/models`` for tiny models, the same with ``-micro``
+    appended for micro ones (the two sizes never overwrite each other). Builds are keyed by
+    a configuration hash, so sharing is safe: a directory built differently is rebuilt.
+    """
+    base = Path(os.environ.get(MODELS_DIR_ENV) or DEFAULT_DIR)
+    return base if size == "tiny" else base.with_name(base.name + "-micro")
 
 
 @app.callback()
@@ -82,9 +102,16 @@ def build_with_progress(
     steps: int | None = None,
     seed: int = 0,
     force: bool = False,
+    jobs: int | None = None,
+    threads: int | None = None,
+    hidden: Sequence[str] | None = None,
 ) -> list[ModelInfo]:
-    """:func:`build_models` with one progress bar per architecture on ``err``."""
-    from peerlm.agent.models.tiny import build_models
+    """:func:`build_models` with one progress bar per architecture on ``err``.
+
+    Off a terminal (a pipe, a log file) it prints one line per phase and per tenth of the
+    pre-training instead, so a long build is never silent.
+    """
+    from peerlm.agent.models.tiny import DEFAULT_HIDDEN, build_models
 
     quiet_transformers()
     with Progress(
@@ -101,7 +128,22 @@ def build_with_progress(
             a: bar.add_task(a, total=None, status="waiting") for a in dict.fromkeys(archs)
         }
 
+        tenth: dict[str, int] = {}
+
+        def log_line(event: BuildEvent) -> None:
+            if event.phase == "pretrain":
+                mark = 10 * event.step // max(1, event.total)
+                if event.step and mark > tenth.get(event.arch, 0):
+                    tenth[event.arch] = mark
+                    loss = "" if event.loss is None else f" loss {event.loss:.3f}"
+                    err.print(f"model {event.arch}: step {event.step}/{event.total}{loss}")
+                return
+            err.print(f"model {event.arch}: {event.phase}")
+
         def on_event(event: BuildEvent) -> None:
+            if not err.is_terminal:
+                log_line(event)
+                return
             task = tasks[event.arch]
             if event.phase == "pretrain":
                 loss = "" if event.loss is None else f"loss {event.loss:.3f}"
@@ -124,6 +166,9 @@ def build_with_progress(
             seed=seed,
             force=force,
             progress=on_event,
+            jobs=jobs,
+            threads=threads,
+            hidden=DEFAULT_HIDDEN if hidden is None else hidden,
         )
 
 
@@ -146,7 +191,18 @@ def build_command(
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
     threads: Annotated[
         int | None,
-        typer.Option(min=1, help="torch CPU threads (1 is faster on a busy shared machine)."),
+        typer.Option(min=1, help="torch threads per build (default: cores / builds)."),
+    ] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Builds side by side (default: one per core)."),
+    ] = None,
+    hidden: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated categories left out of pre-training (default: the default "
+            "world's private ones; '' for none)."
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
@@ -163,16 +219,31 @@ def build_command(
             param_hint="--arch",
         )
     quiet_transformers()
-    if threads is not None:
-        import torch
-
-        # Process-wide, which is fine here: this CLI process does nothing else. Oversubscribed
-        # cores make torch's OpenMP threads spin against each other (3-5x slower steps).
-        torch.set_num_threads(threads)
     err = Console(stderr=True)
     started = time.perf_counter()
     chosen: Literal["tiny", "micro"] = "tiny" if size == "tiny" else "micro"
-    infos = build_with_progress(directory, archs, chosen, err, steps=steps, seed=seed, force=force)
+    hidden_list = None if hidden is None else tuple(c for c in hidden.split(",") if c)
+    if hidden_list is not None:
+        from peerlm.agent.tasks.bank import CATEGORIES
+
+        bad = [c for c in hidden_list if c not in CATEGORIES]
+        if bad:
+            raise typer.BadParameter(
+                f"unknown categories {', '.join(bad)}; choose from {', '.join(CATEGORIES)}",
+                param_hint="--hidden",
+            )
+    infos = build_with_progress(
+        directory,
+        archs,
+        chosen,
+        err,
+        steps=steps,
+        seed=seed,
+        force=force,
+        jobs=jobs,
+        threads=threads,
+        hidden=hidden_list,
+    )
     seconds = time.perf_counter() - started
     if as_json:
         payload: dict[str, Any] = {

@@ -245,15 +245,20 @@ async def _watch(
     console: Console | None,
 ) -> cpm_pb2.CpmStats | None:
     last: cpm_pb2.CpmStats | None = None
+    # A pipe or log file gets one line per step (an agent's round, new rewards), not bars.
+    lines = console is not None and not console.is_terminal
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
         console=console,
-        disable=console is None,
+        disable=console is None or lines,
         transient=False,
     )
+    seen_rounds: dict[str, int] = {}
+    seen_rewards = 0
+    started = time.monotonic()
     with progress:
         tasks = {a: progress.add_task(f"agent {a}", total=rounds) for a in agents}
         cpm_task = progress.add_task("CPM rewards", total=None)
@@ -264,12 +269,26 @@ async def _watch(
                 for a in stats.agents:
                     if a.name in tasks:
                         progress.update(tasks[a.name], completed=a.last_round)
+                        if lines and console and a.last_round != seen_rounds.get(a.name, 0):
+                            console.print(
+                                f"[{time.monotonic() - started:6.0f} s] {a.name}: round "
+                                f"{a.last_round}/{rounds}",
+                                highlight=False,
+                            )
+                        seen_rounds[a.name] = a.last_round
                 progress.update(
                     cpm_task,
                     completed=stats.rewards_observed,
                     description=f"CPM: {stats.matchmaking_rounds} matchmaking rounds, "
                     f"{stats.rewards_observed} rewards",
                 )
+                if lines and console and stats.rewards_observed != seen_rewards:
+                    seen_rewards = stats.rewards_observed
+                    console.print(
+                        f"[{time.monotonic() - started:6.0f} s] CPM: "
+                        f"{stats.matchmaking_rounds} matchmaking rounds, {seen_rewards} rewards",
+                        highlight=False,
+                    )
             if all(p.poll() is not None for p in procs):
                 final = await _stats(stub)
                 return final or last
@@ -353,6 +372,30 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _write_slice_files(
+    out: Path, data_dir: Path, world: Any, agents: list[str]
+) -> list[dict[str, Path]]:
+    """Per agent, the held-out test problems of each slice (own, lacked, public skills) as
+    JSONL under ``out/<agent>/``: what the final table's before -> after columns measure.
+    The test set is interleaved by category, so any prefix an agent evaluates covers the
+    slice's categories in proportion."""
+    from peerlm.agent.tasks.dataset import read_jsonl, write_jsonl
+
+    test = read_jsonl(data_dir / "test.jsonl")
+    files: list[dict[str, Path]] = []
+    for i, name in enumerate(agents):
+        mine: dict[str, Path] = {}
+        for slice_name in ("own", "lacked", "public"):
+            problems = [p for p in test if world.slice_of(i, p.category) == slice_name]
+            if problems:
+                path = out / name / f"{slice_name}.jsonl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_jsonl(path, problems)
+                mine[slice_name] = path
+        files.append(mine)
+    return files
+
+
 def _prepare_real(
     fed: DevFederation,
     agents: list[str],
@@ -361,19 +404,21 @@ def _prepare_real(
     plan: RealPlan,
     console: Console | None,
 ) -> AgentArgv:
-    """Build (or reuse) models and Dirichlet-partitioned data; write one config per agent."""
+    """Build (or reuse) models and the default world's data; write one config per agent."""
     from peerlm.agent.tasks.dataset import build_federation_data
-    from peerlm.app.cli_models import build_with_progress
+    from peerlm.app.cli_models import build_with_progress, models_cache_dir
 
-    models_dir = fed.root / "models"
+    size: Literal["tiny", "micro"] = "micro" if plan.size == "micro" else "tiny"
+    # The shared cache: a first `up` builds what `run-experiment` and later `up`s reuse.
+    models_dir = models_cache_dir(size)
     if console:
         console.print(f"building or reusing {plan.size} models in {models_dir} ...")
-    size: Literal["tiny", "micro"] = "micro" if plan.size == "micro" else "tiny"
-    build_with_progress(
-        models_dir, ARCHS, size, console or Console(stderr=True, quiet=True), seed=seed
-    )
+    # Model seed 0 whatever the run's seed: runs with other seeds share the cached models
+    # (the run seed still drives the data, the adapters and the batches).
+    build_with_progress(models_dir, ARCHS, size, console or Console(stderr=True, quiet=True))
     data_dir = fed.root / "data"
     manifest = build_federation_data(data_dir, len(agents), alpha=plan.alpha, seed=seed)
+    slice_files = _write_slice_files(fed.root / "eval", data_dir, manifest.world, agents)
     configs = fed.root / "agents"
     configs.mkdir(parents=True, exist_ok=True)
     # With the overlay every agent serves on a known port, and all bootstrap through agent-0.
@@ -397,6 +442,7 @@ def _prepare_real(
             "local_steps": plan.local_steps,
             "transfer_limit": plan.transfer_limit,
             "eval_limit": plan.eval_limit,
+            "eval_slice_files": {k: str(v) for k, v in slice_files[i].items()},
             "max_new_tokens": plan.max_new_tokens,
             "stop_grace_s": plan.stop_grace_s,
             "seed": seed + i,
@@ -424,34 +470,68 @@ def _prepare_real(
     return argv
 
 
+def _before_after(r: Mapping[str, Any], slice_name: str, metric: str, fmt: str) -> str:
+    before = r.get("slices_before", {}).get(slice_name, {}).get(metric)
+    after = r.get("slices_after", {}).get(slice_name, {}).get(metric)
+    if before is None:
+        return "-"
+    return f"{before:{fmt}}→{after:{fmt}}" if after is not None else f"{before:{fmt}}→?"
+
+
+def _agent_rows(r: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """One agent's figures as (label, value): the table's columns, or the narrow layout's
+    lines. KB include the overlay's adapter pulls (received) and serves (sent)."""
+    rewards = r.get("rewards", [])
+    received = int(r.get("bytes_received", 0)) + int(r.get("overlay_bytes_received", 0))
+    sent = int(r.get("bytes_sent", 0)) + int(r.get("overlay_bytes_sent", 0))
+    return [
+        ("model", Path(str(r.get("model", "simulated"))).name),
+        ("lacked pass@1", _before_after(r, "lacked", "pass1", ".2f")),
+        ("lacked NLL", _before_after(r, "lacked", "nll", ".3f")),
+        ("own pass@1", _before_after(r, "own", "pass1", ".2f")),
+        ("own NLL", _before_after(r, "own", "nll", ".3f")),
+        ("val pass@1", f"{r.get('pass_at_1_before', 0):.2f}→{r.get('pass_at_1_after', 0):.2f}"),
+        ("exch s/t", f"{r.get('exchanges', r.get('as_student', 0))}/{r.get('as_teacher', 0)}"),
+        ("rewards", f"{len(rewards)}, mean {sum(rewards) / len(rewards):.4f}" if rewards else "0"),
+        ("pulled", str(r.get("adapters_pulled", 0))),
+        ("KB sent/recv", f"{sent / 1024:.0f}/{received / 1024:.0f}"),
+        ("errors", "; ".join(r.get("errors", [])) or "-"),
+    ]
+
+
+#: Below this console width the final report is one block per agent instead of a table.
+WIDE_TABLE_COLUMNS = 140
+
+
 def _table(result: dict[str, Any]) -> Table:
+    """The final table, one row per agent (wide consoles)."""
     table = Table(
         title=f"peerlm dev federation: {result['rounds']} rounds in {result['seconds']} s"
     )
-    for col in (
-        "agent", "model", "pass@1 before", "pass@1 after", "loss before", "loss after",
-        "exchanges", "as teacher", "mean reward", "pulled", "KB sent", "KB received",
-        "errors",
-    ):  # fmt: skip
-        table.add_column(col, justify="left" if col in ("agent", "model") else "right")
-    for r in result["agents"]:
-        rewards = r.get("rewards", [])
-        table.add_row(
-            r.get("name", "?"),
-            Path(str(r.get("model", "simulated"))).name,
-            f"{r.get('pass_at_1_before', 0):.3f}",
-            f"{r.get('pass_at_1_after', 0):.3f}",
-            f"{r.get('loss_before', float('nan')):.3f}",
-            f"{r.get('loss_after', float('nan')):.3f}",
-            str(r.get("exchanges", r.get("as_student", 0))),
-            str(r.get("as_teacher", 0)),
-            f"{sum(rewards) / len(rewards):.4f}" if rewards else "-",
-            str(r.get("adapters_pulled", 0)),
-            f"{r.get('bytes_sent', 0) / 1024:.1f}",
-            f"{r.get('bytes_received', 0) / 1024:.1f}",
-            "; ".join(r.get("errors", [])) or "-",
-        )
+    agents = result["agents"]
+    labels = [label for label, _ in _agent_rows(agents[0] if agents else {})]
+    table.add_column("agent")
+    for label in labels:
+        table.add_column(label, justify="left" if label in ("model", "errors") else "right")
+    for r in agents:
+        table.add_row(r.get("name", "?"), *(value for _, value in _agent_rows(r)))
     return table
+
+
+def _vertical(result: dict[str, Any]) -> str:
+    """The final report for narrow consoles, pipes and files: one block per agent."""
+    lines = [f"peerlm dev federation: {result['rounds']} rounds in {result['seconds']} s"]
+    for r in result["agents"]:
+        lines.append(f"{r.get('name', '?')}:")
+        lines += [f"  {label:<14} {value}" for label, value in _agent_rows(r)]
+    return "\n".join(lines)
+
+
+def _print_report(console: Console, result: dict[str, Any]) -> None:
+    if console.is_terminal and console.width >= WIDE_TABLE_COLUMNS:
+        console.print(_table(result))
+    else:
+        console.print(_vertical(result), highlight=False, soft_wrap=True)
 
 
 def up_command(
@@ -524,7 +604,7 @@ def up_command(
     if as_json:
         typer.echo(json.dumps(result))
     else:
-        Console().print(_table(result))
+        _print_report(Console(), result)
         Console().print(
             f"CPM: {result['matchmaking_rounds']} matchmaking rounds, "
             f"{result['directives_issued']} directives, {result['rewards_observed']} rewards "

@@ -1,28 +1,45 @@
 """``peerlm run-experiment``: the KNEXA-FL comparison (Table 4) with real tiny models.
 
-Five pairing strategies run the same rounds on the same data, models and seeds, in one
-process over :class:`~peerlm.agent.modelhost.ModelHost` instances. Every model operation
-is the agent daemon's own (:mod:`peerlm.agent.rounds`: local update, teacher predictions,
+Pairing strategies run the same rounds on the same world, models and seeds, in one process
+over :class:`~peerlm.agent.modelhost.ModelHost` instances. Every model operation is the
+agent daemon's own (:mod:`peerlm.agent.rounds`: local update, teacher predictions,
 guardrailed packages encoded and decoded as on the wire, AKD per Eq. 2 with the Table 6
-schedule, the reward of Eq. 3); only the transport is missing. Strategies:
+schedule, the reward); only the transport is missing. Strategies:
 
 =============  ==========================================================================
 local          LocalOnly: local training only, no exchange.
+local_plus     LocalOnly+: local training, plus in the exchange phase as many optimiser
+               steps on its own data as a student spends on AKD (compute-matched control).
 random         Random-P2P: disjoint random pairs, random direction (``RandomMatchmaker``).
 heuristic      Heuristic-P2P: Algorithm 4, greedy max JS divergence of the category
                histograms, the higher validation pass@1 teaches (``HeteroGreedyMatchmaker``).
 central_kd     Central-KD: a server averages all clients' predictions into one ensemble
                teacher and every client distils from it (see below).
 cpm            KNEXA-FL: the CPM's LinUCB ``Matchmaker`` (the service's defaults), fed the
-               students' real Eq. 3 rewards after each exchange.
+               students' real rewards after each exchange.
+oracle         Oracle pairing: every ordered pair is tried each round and the disjoint
+               pairs with the largest true gain on the probe set are kept (the upper bound
+               of matchmaking; its trials cost N(N-1) integrations a round).
+semantic_dfl   SemanticDFL pull-and-aggregate: after its local phase each client averages
+               its LoRA adapter with those of the clients of its own model family (the
+               PDFL step of :func:`peerlm.overlay.aggregation.personalised_update`, equal
+               similarities). Adapters only average within one family; a client alone in
+               its family trains locally (LocalOnly).
 =============  ==========================================================================
 
 Round t (Algorithm 3): every client trains locally, measures validation loss and pass@1
 and forms its profile p_i (as the daemon does); the strategy pairs clients; each student
 integrates its teacher's package and its reward goes back to the strategy; then every
-client's greedy pass@1 on the global test set is recorded. After the last round each
-client draws ``samples`` completions per test problem at ``sample_temperature`` for the
-unbiased pass@1/5/10 estimator (Chen et al. 2021), the numbers of Table 4.
+client's per-problem NLL of the test references is recorded per slice (the per-round
+curves). After the last round each client draws ``samples`` completions per test problem
+at ``sample_temperature``: unbiased pass@1 (Chen et al. 2021), structural match and NLL per
+problem, reported on three slices per client (:mod:`peerlm.app.experiment_slices`) with
+paired bootstrap intervals over seeds and problems (:mod:`peerlm.app.experiment_stats`).
+
+The reward. ``reward="val"`` is Eq. 3 as the paper defines it: L_pre and L_post on the
+student's own validation data. ``reward="probe"`` (our choice beyond the paper) measures
+L_pre and L_post on a small labelled public *probe set* covering every category, so a
+teacher's gain on skills the student lacks shows in the reward; the KB penalty is the same.
 
 Central-KD with heterogeneous tokenizers. FedMD's server averages the clients' logits,
 which is undefined across vocabularies. The probability of a *string* is not: here the
@@ -35,9 +52,12 @@ ensemble log-likelihood per UTF-8 byte, ``log p_bar(y | x) / max(1, bytes(y))`` 
 or the shortest candidate would always win). Each client then runs AKD on this one
 consensus package, with the same alpha schedule as the P2P strategies.
 
-Everything is seeded: the data partition, the initial adapters (client i: ``seed + i``),
-the batches of round t, the random pairing and the samples, so strategies differ only in
-who teaches whom.
+Seeds. The *world seed* fixes the data (client split, transfer, test and probe sets), the
+*model seed* the built models (0, as the shared model cache); each *run seed* fixes the
+initial adapters (client i: ``seed + i``), the batches of round t, the random pairing and
+the samples. Several run seeds reuse one world
+and one set of models, so no model is rebuilt, and every strategy sees the same units
+(client, test problem) under every seed: the bootstrap pairs over them.
 """
 
 from __future__ import annotations
@@ -52,35 +72,68 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
+from peerlm.app.experiment_stats import paired_bootstrap
+
 if TYPE_CHECKING:
     from peerlm.agent.guardrail import Guardrail
     from peerlm.agent.modelhost import ModelHost
+    from peerlm.agent.rounds import Integration
     from peerlm.agent.tasks.dataset import Problem
     from peerlm.services.cpm.matchmaker import Pairing
 
 __all__ = [
     "ARCHS",
+    "COMPARISONS",
     "LABELS",
+    "METRICS",
     "STRATEGIES",
     "ExperimentPlan",
     "consensus_texts",
+    "quick_plan",
     "render_table",
     "run_experiment",
+    "summarise",
     "write_outputs",
 ]
 
-STRATEGIES: tuple[str, ...] = ("local", "random", "heuristic", "central_kd", "cpm")
+STRATEGIES: tuple[str, ...] = (
+    "local",
+    "local_plus",
+    "random",
+    "heuristic",
+    "central_kd",
+    "cpm",
+    "oracle",
+    "semantic_dfl",
+)
 LABELS: Mapping[str, str] = {
     "local": "LocalOnly",
+    "local_plus": "LocalOnly+",
     "random": "Random-P2P",
     "heuristic": "Heuristic-P2P",
     "central_kd": "Central-KD",
     "cpm": "KNEXA-FL (CPM)",
+    "oracle": "Oracle pairing",
+    "semantic_dfl": "SemanticDFL",
 }
+#: Strategies that exchange knowledge (candidates for "best collaborative").
+COLLABORATIVE: tuple[str, ...] = ("random", "heuristic", "central_kd", "cpm", "oracle")
+#: Per-problem metrics: unbiased pass@1, structural match rate, NLL (nats/byte; lower wins).
+METRICS: tuple[str, ...] = ("pass@1", "struct", "nll")
+#: Key differences of the table: (a, b) for a - b; "best" is the best collaborative
+#: strategy on the lacked slice's pass@1.
+COMPARISONS: tuple[tuple[str, str], ...] = (
+    ("cpm", "random"),
+    ("cpm", "local_plus"),
+    ("best", "local_plus"),
+    ("oracle", "local_plus"),
+)
 #: Client i hosts ARCHS[i % 4] (as ``peerlm up``).
 ARCHS: tuple[str, ...] = ("gpt2", "gpt_neox", "bloom", "qwen2")
 
 Event = Callable[[str, Mapping[str, Any]], None]
+RewardMode = Literal["val", "probe"]
 
 
 @dataclass(frozen=True)
@@ -88,22 +141,27 @@ class ExperimentPlan:
     """Everything that defines a run; part of ``results.json``."""
 
     agents: int = 4
-    rounds: int = 5
+    rounds: int = 4
     strategies: tuple[str, ...] = STRATEGIES
-    seed: int = 0
+    seeds: tuple[int, ...] = (0, 1, 2)
+    world_seed: int = 0  # data split, transfer/test/probe sets
+    model_seed: int = 0  # the models' build (the shared model cache is built with 0)
     size: Literal["tiny", "micro"] = "tiny"
     alpha: float = 0.1  # Dirichlet concentration of the client split
     local_steps: int = 8
-    grad_accumulation: int = 4  # x batch 8: Table 6's effective batch of 32
+    grad_accumulation: int = 2
     learning_rate: float = 1e-3
     lora_rank: int = 8
-    transfer_limit: int = 32
-    val_limit: int | None = 12
-    test_limit: int = 48
-    samples: int = 10
+    transfer_limit: int = 24
+    val_limit: int | None = 8
+    test_limit: int = 120
+    samples: int = 4
     sample_temperature: float = 0.8
     max_new_tokens: int = 64
+    reward: RewardMode = "probe"
+    probe_per_category: int = 2
     reward_delta: float = 0.001
+    cpm_interaction_features: bool = True
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -113,15 +171,34 @@ class ExperimentPlan:
             raise ValueError("strategies must be a non-empty list without repeats")
         if self.agents < 2 or self.rounds < 1:
             raise ValueError("need at least 2 agents and 1 round")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError("seeds must be a non-empty list without repeats")
         if self.samples < 1 or self.test_limit < 1 or self.transfer_limit < 1:
             raise ValueError("samples, test_limit and transfer_limit must be positive")
+        if self.probe_per_category < 1:
+            raise ValueError("probe_per_category must be positive")
+        if self.reward not in ("val", "probe"):
+            raise ValueError(f"reward must be 'val' or 'probe', not {self.reward!r}")
         if not self.sample_temperature > 0:
             raise ValueError("sample_temperature must be > 0")
 
-    @property
-    def ks(self) -> tuple[int, ...]:
-        """The k of pass@k reported: 1, 5, 10 where ``samples`` allows."""
-        return tuple(k for k in (1, 5, 10) if k <= self.samples)
+
+def quick_plan(**overrides: Any) -> ExperimentPlan:
+    """``--quick``: a smoke-test configuration (2 seeds, 2 rounds, few problems)."""
+    base: dict[str, Any] = {
+        "rounds": 2,
+        "seeds": (0, 1),
+        "local_steps": 2,
+        "grad_accumulation": 1,
+        "transfer_limit": 6,
+        "val_limit": 4,
+        "test_limit": 24,
+        "samples": 2,
+        "max_new_tokens": 32,
+        "probe_per_category": 1,
+    }
+    base.update(overrides)
+    return ExperimentPlan(**base)
 
 
 @dataclass
@@ -153,6 +230,22 @@ class _World:
     transfer: list[str]
     transfer_sha256: str
     test: list[Problem]
+    probe: list[Problem]
+    slices: list[ClientSlices]
+    public: tuple[str, ...]
+
+    @property
+    def probe_examples(self) -> list[tuple[str, str]]:
+        return [(p.prompt, p.reference) for p in self.probe]
+
+    def units(self, slice_name: str) -> list[tuple[int, int]]:
+        """(client index, test problem index) of ``slice_name``, in a fixed order."""
+        return [
+            (i, j)
+            for i, sl in enumerate(self.slices)
+            for j, p in enumerate(self.test)
+            if sl.of(p.category) == slice_name
+        ]
 
 
 # ------------------------------------------------------------------------ the ensemble
@@ -184,9 +277,28 @@ def consensus_texts(
 # ------------------------------------------------------------------------- set-up
 
 
+def _probe_set(
+    per_category: int, seed: int, taken: Sequence[Problem], categories: Sequence[str]
+) -> list[Problem]:
+    """The labelled public probe set: ``per_category`` fresh bank problems of every category,
+    none of whose functions is in the federation data or the pre-training corpus."""
+    from peerlm.agent.tasks.bank import function_key, generate_bank, public_problems
+
+    exclude = {function_key(p) for p in public_problems()} | {function_key(p) for p in taken}
+    # A seed of its own (any large offset): the probe must not replay the data's draws.
+    problems = generate_bank(per_category, seed + 7_777_777, exclude=exclude)
+    return [p for p in problems if p.category in categories]
+
+
 def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _World:
     from peerlm.agent.models.tiny import build_models
-    from peerlm.agent.tasks.dataset import build_federation_data, read_jsonl, transfer_set_sha256
+    from peerlm.agent.tasks.bank import CATEGORIES
+    from peerlm.agent.tasks.dataset import (
+        build_federation_data,
+        read_jsonl,
+        read_manifest,
+        transfer_set_sha256,
+    )
 
     archs = tuple(dict.fromkeys(ARCHS[i % len(ARCHS)] for i in range(plan.agents)))
 
@@ -194,8 +306,8 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
         if e.phase in ("pretrain", "done", "cached"):
             event("build", {"arch": e.arch, "phase": e.phase, "step": e.step, "total": e.total})
 
-    build_models(models, archs, size=plan.size, seed=plan.seed, progress=on_build)
-    build_federation_data(data, plan.agents, alpha=plan.alpha, seed=plan.seed, overwrite=True)
+    build_models(models, archs, size=plan.size, seed=plan.model_seed, progress=on_build)
+    build_federation_data(data, plan.agents, alpha=plan.alpha, seed=plan.world_seed, overwrite=True)
     clients = [
         (
             read_jsonl(data / "clients" / str(i) / "train.jsonl"),
@@ -203,12 +315,30 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
         )
         for i in range(plan.agents)
     ]
-    transfer = [p.prompt for p in read_jsonl(data / "transfer.jsonl")][: plan.transfer_limit]
-    test = read_jsonl(data / "test.jsonl")[: plan.test_limit]
-    return _World(plan, models, clients, transfer, transfer_set_sha256(transfer), test)
+    transfer_problems = read_jsonl(data / "transfer.jsonl")
+    transfer = [p.prompt for p in transfer_problems][: plan.transfer_limit]
+    all_test = read_jsonl(data / "test.jsonl")
+    test = all_test[: plan.test_limit]
+    categories = list(dict.fromkeys([*CATEGORIES, *(p.category for p in all_test)]))
+    world = read_manifest(data).world
+    public = world.public_categories
+    slices = [slices_of_world(world, i) for i in range(plan.agents)]
+    taken = [*all_test, *transfer_problems, *(p for tr, va in clients for p in (*tr, *va))]
+    probe = _probe_set(plan.probe_per_category, plan.world_seed, taken, categories)
+    return _World(
+        plan,
+        models,
+        clients,
+        transfer,
+        transfer_set_sha256(transfer),
+        test,
+        probe,
+        slices,
+        public,
+    )
 
 
-def _clients(world: _World) -> list[_Client]:
+def _clients(world: _World, seed: int) -> list[_Client]:
     from peerlm.agent.guardrail import Guardrail
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.models.lora import LoraSettings
@@ -218,14 +348,14 @@ def _clients(world: _World) -> list[_Client]:
     for i, (train, val) in enumerate(world.clients_data):
         arch = ARCHS[i % len(ARCHS)]
         host = ModelHost.load(
-            world.models / arch, LoraSettings(r=plan.lora_rank), device="cpu", seed=plan.seed + i
+            world.models / arch, LoraSettings(r=plan.lora_rank), device="cpu", seed=seed + i
         )
         guard = Guardrail([p.prompt + p.reference for p in train], public_texts=world.transfer)
         out.append(_Client(f"agent-{i}", arch, host, train, val, guard))
     return out
 
 
-def _round_config(plan: ExperimentPlan, i: int) -> Any:
+def _round_config(plan: ExperimentPlan, seed: int, i: int) -> Any:
     from peerlm.agent.rounds import RoundConfig
     from peerlm.agent.training import TrainSettings
 
@@ -234,7 +364,7 @@ def _round_config(plan: ExperimentPlan, i: int) -> Any:
         train=TrainSettings(
             learning_rate=plan.learning_rate,
             grad_accumulation=plan.grad_accumulation,
-            seed=plan.seed + i,
+            seed=seed + i,
         ),
         local_steps=plan.local_steps,
         reward_delta=plan.reward_delta,
@@ -242,17 +372,17 @@ def _round_config(plan: ExperimentPlan, i: int) -> Any:
     )
 
 
-def _pairing_policy(strategy: str, plan: ExperimentPlan) -> Any:
+def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
     from peerlm.config import CpmSettings
     from peerlm.services.cpm.baselines import HeteroGreedyMatchmaker, RandomMatchmaker
     from peerlm.services.cpm.matchmaker import Matchmaker
 
     if strategy == "random":
-        return RandomMatchmaker(seed=plan.seed)
+        return RandomMatchmaker(seed=seed)
     if strategy == "heuristic":
         return HeteroGreedyMatchmaker()
     if strategy == "cpm":
-        s = CpmSettings(seed=plan.seed)
+        s = CpmSettings(seed=seed)
         return Matchmaker(
             profile_dim=s.profile_dim,
             beta=s.beta,
@@ -260,7 +390,7 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan) -> Any:
             protocols=s.protocols,
             seed=s.seed,
             roles=s.roles,
-            interaction_features=s.interaction_features,
+            interaction_features=plan.cpm_interaction_features,
             trust_features=s.trust_features,
             matching=s.matching,
             ridge=s.ridge,
@@ -271,38 +401,215 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan) -> Any:
 # ------------------------------------------------------------------------ evaluation
 
 
-def _test_pass1(world: _World, client: _Client) -> tuple[float, list[float]]:
-    from peerlm.agent.rounds import evaluate_pass
+def _test_nll(world: _World, client: _Client) -> list[float]:
+    from peerlm.agent.rounds import reference_nll
 
-    report = evaluate_pass(
-        client.host, world.test, max_new_tokens=world.plan.max_new_tokens, ks=(1,)
-    )
-    return report.mean.get(1, 0.0), [r.pass_at[1] for r in report.problems]
+    return reference_nll(client.host, world.test)
+
+
+def _slice_means(world: _World, per_client: Mapping[int, Sequence[float]]) -> dict[str, float]:
+    """Mean of a per-(client, problem) value over each non-empty slice's units."""
+    out: dict[str, float] = {}
+    for name in SLICES:
+        units = world.units(name)
+        if units:
+            out[name] = float(np.mean([per_client[i][j] for i, j in units]))
+    return out
 
 
 def _final_eval(world: _World, client: _Client, seed: int) -> dict[str, Any]:
-    from peerlm.agent.rounds import evaluate_pass
+    from peerlm.agent.evaluation import structural_match_rate
+    from peerlm.agent.rounds import sample_completions, score_completions
 
     plan = world.plan
-    greedy, _ = _test_pass1(world, client)
-    report = evaluate_pass(
+    completions = sample_completions(
         client.host,
         world.test,
         max_new_tokens=plan.max_new_tokens,
         n=plan.samples,
         temperature=plan.sample_temperature,
-        ks=plan.ks,
         seed=seed,
     )
+    report = score_completions(world.test, completions, ks=(1,))
     return {
-        "greedy_pass@1": greedy,
-        **{f"pass@{k}": report.mean.get(k, 0.0) for k in plan.ks},
-        "per_category": {c: v.get(1, 0.0) for c, v in report.per_category.items()},
+        "arch": client.arch,
+        "pass@1": [r.pass_at[1] for r in report.problems],
+        "struct": [structural_match_rate(p, completions[p.task_id]) for p in world.test],
+        "nll": _test_nll(world, client),
         "status_counts": dict(report.status_counts),
     }
 
 
 # ------------------------------------------------------------------------ one round
+
+
+def _reward_examples(world: _World, student: _Client) -> list[tuple[str, str]]:
+    """Where the student measures L_pre and L_post: its validation data (Eq. 3 as in the
+    paper) or the public probe set (our choice, module docstring)."""
+    return world.probe_examples if world.plan.reward == "probe" else student.val_examples
+
+
+def _integrate(
+    world: _World,
+    student: _Client,
+    package: Any,
+    kilobytes: float,
+    seed: int,
+    i: int,
+    t: int,
+) -> Integration:
+    from peerlm.agent.rounds import integrate_package
+
+    return integrate_package(
+        student.host,
+        package,
+        kilobytes=kilobytes,
+        local_examples=student.train_examples,
+        val_examples=_reward_examples(world, student),
+        transfer_prompts=world.transfer,
+        config=_round_config(world.plan, seed, i),
+        t=t,
+    )
+
+
+def _package(
+    world: _World, teacher: _Client, completions: Sequence[str], directive: str
+) -> tuple[Any, float]:
+    """The teacher's text package, encoded and decoded as on the wire; (package, KB)."""
+    from peerlm.agent.package import decode_package
+    from peerlm.agent.rounds import build_package
+
+    data = build_package(
+        teacher.host,
+        mode="text",
+        prompts=world.transfer,
+        completions=completions,
+        teacher=teacher.name,
+        directive_id=directive,
+        transfer_sha256=world.transfer_sha256,
+        guardrail=teacher.guardrail,
+    )
+    package = decode_package(
+        data,
+        expect_transfer_sha256=world.transfer_sha256,
+        expect_directive_id=directive,
+        expect_teacher=teacher.name,
+    )
+    return package, len(data) / 1024
+
+
+def _central_kd(world: _World, clients: list[_Client], seed: int, t: int) -> list[dict[str, Any]]:
+    from peerlm.agent.guardrail import Guardrail
+    from peerlm.agent.package import build_text_package, decode_package
+    from peerlm.agent.rounds import teacher_completions
+
+    plan = world.plan
+    completions = [
+        [
+            r.text
+            for r in c.guardrail.filter_many(
+                teacher_completions(c.host, world.transfer, plan.max_new_tokens)
+            )
+        ]
+        for c in clients
+    ]
+    consensus = consensus_texts([c.host for c in clients], world.transfer, completions)
+    data = build_text_package(
+        prompts=world.transfer,
+        completions=consensus,
+        teacher="central",
+        directive_id=f"central-{t}",
+        transfer_sha256=world.transfer_sha256,
+        family="other",
+        guardrail=Guardrail([]),  # the clients vetted their texts before sending
+    )
+    package = decode_package(data, expect_transfer_sha256=world.transfer_sha256)
+    records = []
+    for i, student in enumerate(clients):
+        result = _integrate(world, student, package, len(data) / 1024, seed, i, t)
+        student.rewards.append(result.reward)
+        student.exchanges += 1
+        records.append(_record("central", student.name, result, None))
+    return records
+
+
+def _oracle(
+    world: _World, clients: list[_Client], seed: int, t: int
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Try every ordered pair, keep the disjoint pairs of largest true probe gain.
+
+    The gain of (teacher, student) is the student's probe-loss drop from integrating the
+    teacher's package (whatever ``reward`` the plan uses). Pairs are chosen greedily by
+    gain, ⌊N/2⌋ of them as the matchmakers do; the chosen students keep their trial
+    adapter, the others are restored. Returns the records and every pair's gain
+    (``"teacher>student"``), for the CPM's figures.
+    """
+    from peerlm.agent.rounds import teacher_completions
+
+    plan = world.plan
+    predictions = {
+        c.name: teacher_completions(c.host, world.transfer, plan.max_new_tokens) for c in clients
+    }
+    probe = world.probe_examples
+    trials: dict[tuple[int, int], tuple[float, Any, Integration, float]] = {}
+    for si, student in enumerate(clients):
+        before = {k: v.clone() for k, v in student.host.adapter_state().items()}
+        pre, _ = student.host.eval_loss(probe)
+        for ti, teacher in enumerate(clients):
+            if ti == si:
+                continue
+            directive = f"oracle-{t}-{teacher.name}-{student.name}"
+            package, kb = _package(world, teacher, predictions[teacher.name], directive)
+            result = _integrate(world, student, package, kb, seed, si, t)
+            post, _ = student.host.eval_loss(probe)
+            after = {k: v.clone() for k, v in student.host.adapter_state().items()}
+            trials[(ti, si)] = (pre - post, after, result, kb)
+            student.host.load_adapter_state(before)
+    used: set[int] = set()
+    records: list[dict[str, Any]] = []
+    for (ti, si), (gain, after, result, _kb) in sorted(
+        trials.items(), key=lambda kv: (-kv[1][0], kv[0])
+    ):
+        if len(records) >= len(clients) // 2:
+            break
+        if ti in used or si in used:
+            continue
+        used |= {ti, si}
+        student = clients[si]
+        student.host.load_adapter_state(after)
+        student.rewards.append(result.reward)
+        student.exchanges += 1
+        records.append(
+            {**_record(clients[ti].name, student.name, result, None), "probe_gain": round(gain, 6)}
+        )
+    gains = {
+        f"{clients[ti].name}>{clients[si].name}": round(g[0], 6) for (ti, si), g in trials.items()
+    }
+    return records, gains
+
+
+def _semantic_dfl(clients: list[_Client]) -> list[dict[str, Any]]:
+    """Within each model family, every client takes the PDFL step towards the others'
+    adapters (equal similarities); the adapters travel whole, as an overlay pull does."""
+    from peerlm.overlay.aggregation import personalised_update
+
+    states = {c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in clients}
+    records: list[dict[str, Any]] = []
+    for c in clients:
+        peers = {o.name: states[o.name] for o in clients if o is not c and o.arch == c.arch}
+        if not peers:
+            continue
+        new, _report = personalised_update(
+            states[c.name], peers, dict.fromkeys(peers, 1.0), self_id=c.name
+        )
+        c.host.load_adapter_state(new)
+        c.exchanges += 1
+        kb = (
+            sum(sum(t.numel() * t.element_size() for t in s.values()) for s in peers.values())
+            / 1024
+        )
+        records.append({"teacher": ",".join(sorted(peers)), "student": c.name, "kilobytes": kb})
+    return records
 
 
 def _exchange(
@@ -311,94 +618,45 @@ def _exchange(
     policy: Any,
     clients: list[_Client],
     profiles: Mapping[str, np.ndarray],
+    seed: int,
     t: int,
-) -> list[dict[str, Any]]:
-    from peerlm.agent.package import decode_package
-    from peerlm.agent.rounds import build_package, integrate_package, teacher_completions
+) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
+    from peerlm.agent.rounds import teacher_completions
 
     plan = world.plan
     by_name = {c.name: c for c in clients}
-    records: list[dict[str, Any]] = []
     if strategy == "local":
-        return records
+        return [], None
+    if strategy == "local_plus":
+        # The compute a student spends on AKD, spent on the client's own data instead.
+        for i, c in enumerate(clients):
+            config = _round_config(plan, seed, i)
+            c.host.train_local(c.train_examples, config.train_settings(t), steps=plan.local_steps)
+        return [], None
     if strategy == "central_kd":
-        completions = [
-            [
-                r.text
-                for r in c.guardrail.filter_many(
-                    teacher_completions(c.host, world.transfer, plan.max_new_tokens)
-                )
-            ]
-            for c in clients
-        ]
-        consensus = consensus_texts([c.host for c in clients], world.transfer, completions)
-        from peerlm.agent.guardrail import Guardrail
-        from peerlm.agent.package import build_text_package
-
-        data = build_text_package(
-            prompts=world.transfer,
-            completions=consensus,
-            teacher="central",
-            directive_id=f"central-{t}",
-            transfer_sha256=world.transfer_sha256,
-            family="other",
-            guardrail=Guardrail([]),  # the clients vetted their texts before sending
-        )
-        package = decode_package(data, expect_transfer_sha256=world.transfer_sha256)
-        for i, student in enumerate(clients):
-            result = integrate_package(
-                student.host,
-                package,
-                kilobytes=len(data) / 1024,
-                local_examples=student.train_examples,
-                val_examples=student.val_examples,
-                transfer_prompts=world.transfer,
-                config=_round_config(plan, i),
-                t=t,
-            )
-            student.rewards.append(result.reward)
-            student.exchanges += 1
-            records.append(_record("central", student.name, result, None))
-        return records
+        return _central_kd(world, clients, seed, t), None
+    if strategy == "oracle":
+        return _oracle(world, clients, seed, t)
+    if strategy == "semantic_dfl":
+        return _semantic_dfl(clients), None
+    records: list[dict[str, Any]] = []
     pairings: list[Pairing] = policy.select(profiles)
     for pairing in pairings:
         teacher, student = by_name[pairing.sender], by_name[pairing.receiver]
         directive = f"{strategy}-{t}-{teacher.name}-{student.name}"
-        data = build_package(
-            teacher.host,
-            mode="text",
-            prompts=world.transfer,
-            completions=teacher_completions(teacher.host, world.transfer, plan.max_new_tokens),
-            teacher=teacher.name,
-            directive_id=directive,
-            transfer_sha256=world.transfer_sha256,
-            guardrail=teacher.guardrail,
-        )
-        package = decode_package(
-            data,
-            expect_transfer_sha256=world.transfer_sha256,
-            expect_directive_id=directive,
-            expect_teacher=teacher.name,
-        )
-        i = clients.index(student)
-        result = integrate_package(
-            student.host,
-            package,
-            kilobytes=len(data) / 1024,
-            local_examples=student.train_examples,
-            val_examples=student.val_examples,
-            transfer_prompts=world.transfer,
-            config=_round_config(plan, i),
-            t=t,
-        )
+        completions = teacher_completions(teacher.host, world.transfer, plan.max_new_tokens)
+        package, kb = _package(world, teacher, completions, directive)
+        result = _integrate(world, student, package, kb, seed, clients.index(student), t)
         normalised = policy.observe(pairing, result.reward)
         student.rewards.append(result.reward)
         student.exchanges += 1
         records.append(_record(teacher.name, student.name, result, float(normalised)))
-    return records
+    return records, None
 
 
-def _record(teacher: str, student: str, result: Any, normalised: float | None) -> dict[str, Any]:
+def _record(
+    teacher: str, student: str, result: Integration, normalised: float | None
+) -> dict[str, Any]:
     return {
         "teacher": teacher,
         "student": student,
@@ -422,11 +680,11 @@ class _LocalPhase:
     val_pass1: float
 
 
-def _local_phase(world: _World, c: _Client, i: int, t: int) -> _LocalPhase:
+def _local_phase(world: _World, c: _Client, seed: int, i: int, t: int) -> _LocalPhase:
     from peerlm.agent.rounds import local_update, sample_completions, score_completions
 
     plan = world.plan
-    stats = local_update(c.host, c.train_examples, _round_config(plan, i), t)
+    stats = local_update(c.host, c.train_examples, _round_config(plan, seed, i), t)
     loss, _ = c.host.eval_loss(c.val_examples)
     val = c.val[: plan.val_limit] if plan.val_limit else c.val
     completions = sample_completions(c.host, val, max_new_tokens=plan.max_new_tokens)
@@ -434,27 +692,28 @@ def _local_phase(world: _World, c: _Client, i: int, t: int) -> _LocalPhase:
     return _LocalPhase(c.host.adapter_state(), stats.mean_loss, loss, pass1)
 
 
-def _first_local_phase(world: _World) -> dict[str, _LocalPhase]:
-    """Round 1's local phase, the same for every strategy (same adapters, data and seeds):
-    computed once and handed to each strategy."""
-    return {c.name: _local_phase(world, c, i, 1) for i, c in enumerate(_clients(world))}
+def _first_local_phase(world: _World, seed: int) -> dict[str, _LocalPhase]:
+    """Round 1's local phase, the same for every strategy of a seed (same adapters, data and
+    batches): computed once and handed to each strategy."""
+    return {c.name: _local_phase(world, c, seed, i, 1) for i, c in enumerate(_clients(world, seed))}
 
 
 def _run_strategy(
     world: _World,
     strategy: str,
-    initial: Mapping[str, float],
+    seed: int,
+    initial: Mapping[str, Sequence[float]],
     first: Mapping[str, _LocalPhase],
     event: Event,
 ) -> dict[str, Any]:
     from peerlm.agent.rounds import ProfileInputs, category_counts, round_profile
 
     plan = world.plan
-    clients = _clients(world)
-    policy = _pairing_policy(strategy, plan)
+    clients = _clients(world, seed)
+    policy = _pairing_policy(strategy, plan, seed)
     rounds: list[dict[str, Any]] = []
-    curve = [sum(initial.values()) / len(initial)]
-    per_client_curve = {c.name: [initial[c.name]] for c in clients}
+    start = _slice_means(world, {i: initial[c.name] for i, c in enumerate(clients)})
+    curve = {name: [value] for name, value in start.items()}
     started = time.perf_counter()
     for t in range(1, plan.rounds + 1):
         profiles: dict[str, np.ndarray] = {}
@@ -464,7 +723,7 @@ def _run_strategy(
                 phase = first[c.name]
                 c.host.load_adapter_state(phase.adapter)
             else:
-                phase = _local_phase(world, c, i, t)
+                phase = _local_phase(world, c, seed, i, t)
             trained[c.name] = phase.train_loss
             profile, pass1 = round_profile(
                 c.host,
@@ -478,46 +737,40 @@ def _run_strategy(
                 ),
                 c.history,
                 category_counts(c.train),
-                seed=plan.seed + i,
+                seed=seed + i,
             )
             c.history.append({"round": t, "loss": phase.val_loss, "pass1": pass1})
             profiles[c.name] = profile
-        exchanges = _exchange(world, strategy, policy, clients, profiles, t)
-        test = {c.name: _test_pass1(world, c)[0] for c in clients}
-        for name, value in test.items():
-            per_client_curve[name].append(value)
-        curve.append(sum(test.values()) / len(test))
+        exchanges, gains = _exchange(world, strategy, policy, clients, profiles, seed, t)
+        nll = _slice_means(world, {i: _test_nll(world, c) for i, c in enumerate(clients)})
+        for name in curve:
+            curve[name].append(nll[name])
         rounds.append(
             {
                 "round": t,
                 "train_loss": {k: round(v, 5) for k, v in trained.items()},
                 "val_loss": {c.name: round(c.history[-1]["loss"], 5) for c in clients},
                 "val_pass@1": {c.name: c.history[-1]["pass1"] for c in clients},
-                "test_pass@1": test,
+                "test_nll": nll,
                 "exchanges": exchanges,
+                **({"oracle_gains": gains} if gains is not None else {}),
             }
         )
-        event("round", {"strategy": strategy, "round": t, "test_pass@1": curve[-1]})
-    final = {
-        c.name: {"arch": c.arch, **_final_eval(world, c, plan.seed * 1_000 + i)}
-        for i, c in enumerate(clients)
-    }
-    event("final", {"strategy": strategy})
-    mean = {
-        key: sum(v[key] for v in final.values()) / len(final)
-        for key in ("greedy_pass@1", *(f"pass@{k}" for k in plan.ks))
-    }
-    rewards = [x["reward"] for r in rounds for x in r["exchanges"]]
+        event(
+            "round",
+            {"strategy": strategy, "seed": seed, "round": t, "nll": nll},
+        )
+    final = {c.name: _final_eval(world, c, seed * 1_000 + i) for i, c in enumerate(clients)}
+    event("final", {"strategy": strategy, "seed": seed})
+    rewards = [x["reward"] for r in rounds for x in r["exchanges"] if "reward" in x]
     return {
         "strategy": strategy,
-        "label": LABELS[strategy],
-        "mean": mean,
+        "seed": seed,
         "clients": final,
-        "curve": curve,
-        "client_curves": per_client_curve,
-        "peak_greedy_pass@1": max(curve),
+        "curve_nll": curve,
+        "exchanges": sum(len(r["exchanges"]) for r in rounds),
         "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-        "kilobytes": sum(x["kilobytes"] for r in rounds for x in r["exchanges"]),
+        "kilobytes": round(sum(x["kilobytes"] for r in rounds for x in r["exchanges"]), 2),
         "rounds": rounds,
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -526,26 +779,29 @@ def _run_strategy(
 def _strategy_job(
     world: _World,
     strategy: str,
-    initial: Mapping[str, float],
+    seed: int,
+    initial: Mapping[str, Sequence[float]],
     first: Mapping[str, _LocalPhase],
     events: Any,
     threads: int,
 ) -> dict[str, Any]:
-    """One strategy in a worker process; events go back through a queue."""
+    """One (strategy, seed) in a worker process; events go back through a queue."""
     import torch
 
     torch.set_num_threads(threads)
-    return _run_strategy(world, strategy, initial, first, lambda k, d: events.put((k, dict(d))))
+    return _run_strategy(
+        world, strategy, seed, initial, first, lambda k, d: events.put((k, dict(d)))
+    )
 
 
 def _run_parallel(
     world: _World,
-    initial: Mapping[str, float],
-    first: Mapping[str, _LocalPhase],
+    initial: Mapping[str, Sequence[float]],
+    firsts: Mapping[int, Mapping[str, _LocalPhase]],
     jobs: int,
     emit: Event,
-) -> dict[str, dict[str, Any]]:
-    """Strategies in ``jobs`` worker processes (spawned: no forked torch state)."""
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """(strategy, seed) runs in ``jobs`` worker processes (spawned: no forked torch state)."""
     import multiprocessing
     import queue
     from concurrent.futures import ProcessPoolExecutor
@@ -556,9 +812,17 @@ def _run_parallel(
     with ctx.Manager() as manager, ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
         events = manager.Queue()
         futures = {
-            name: pool.submit(
-                _strategy_job, world, name, initial, first, events, torch.get_num_threads()
+            (name, seed): pool.submit(
+                _strategy_job,
+                world,
+                name,
+                seed,
+                initial,
+                firsts[seed],
+                events,
+                torch.get_num_threads(),
             )
+            for seed in world.plan.seeds
             for name in world.plan.strategies
         }
         while not all(f.done() for f in futures.values()):
@@ -573,7 +837,7 @@ def _run_parallel(
             except queue.Empty:
                 break
             emit(kind, data)
-        return {name: f.result() for name, f in futures.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 def run_experiment(
@@ -584,25 +848,30 @@ def run_experiment(
     event: Event | None = None,
     jobs: int = 1,
 ) -> dict[str, Any]:
-    """Run every strategy of ``plan``; the results as a JSON-ready dictionary.
+    """Run every strategy of ``plan`` under every run seed; results as a JSON-ready dict
+    with the bootstrap summary (:func:`summarise`) under ``"summary"``.
 
-    ``jobs > 1`` runs strategies in that many worker processes; results are the same (every
-    strategy is seeded on its own), only the wall time changes.
+    ``jobs > 1`` runs (strategy, seed) pairs in that many worker processes; results are the
+    same (every run is seeded on its own), only the wall time changes.
     """
     emit = event or (lambda _kind, _data: None)
     started = time.perf_counter()
     world = _prepare(plan, models, work / "data", emit)
-    # Round 0: the pre-trained models with fresh adapters (LoRA B = 0), the same for every
-    # strategy; measured once. So is round 1's local phase.
-    initial = {c.name: _test_pass1(world, c)[0] for c in _clients(world)}
-    emit("initial", {"test_pass@1": sum(initial.values()) / len(initial)})
-    first = _first_local_phase(world)
-    if jobs > 1 and len(plan.strategies) > 1:
-        results = _run_parallel(world, initial, first, jobs, emit)
+    # Round 0: the pre-trained models with fresh adapters (LoRA B = 0): the same for every
+    # strategy and seed; measured once. Round 1's local phase once per seed.
+    initial = {c.name: _test_nll(world, c) for c in _clients(world, plan.seeds[0])}
+    emit("initial", _slice_means(world, dict(enumerate(initial.values()))))
+    firsts = {seed: _first_local_phase(world, seed) for seed in plan.seeds}
+    if jobs > 1 and len(plan.strategies) * len(plan.seeds) > 1:
+        runs = _run_parallel(world, initial, firsts, jobs, emit)
     else:
-        results = {s: _run_strategy(world, s, initial, first, emit) for s in plan.strategies}
-    return {
-        "plan": {**asdict(plan), "strategies": list(plan.strategies)},
+        runs = {
+            (s, seed): _run_strategy(world, s, seed, initial, firsts[seed], emit)
+            for seed in plan.seeds
+            for s in plan.strategies
+        }
+    result: dict[str, Any] = {
+        "plan": {**asdict(plan), "strategies": list(plan.strategies), "seeds": list(plan.seeds)},
         "models": str(models),
         "clients": [
             {
@@ -610,53 +879,227 @@ def run_experiment(
                 "arch": ARCHS[i % len(ARCHS)],
                 "train": len(train),
                 "val": len(val),
+                "slices": world.slices[i].to_dict(),
             }
             for i, (train, val) in enumerate(world.clients_data)
         ],
+        "public_categories": list(world.public),
         "transfer_prompts": len(world.transfer),
+        "probe_problems": len(world.probe),
         "test_problems": len(world.test),
-        "initial_test_pass@1": initial,
-        "strategies": results,
+        "units": {name: [list(u) for u in world.units(name)] for name in SLICES},
+        "initial_nll": _slice_means(world, dict(enumerate(initial.values()))),
+        "runs": {s: {str(seed): runs[(s, seed)] for seed in plan.seeds} for s in plan.strategies},
         "seconds": round(time.perf_counter() - started, 1),
     }
+    result["summary"] = summarise(result)
+    return result
+
+
+# ------------------------------------------------------------------------ statistics
+
+
+def _matrix(result: Mapping[str, Any], strategy: str, metric: str, slice_name: str) -> Any:
+    """[seeds, units] of one metric of one strategy on one slice."""
+    names = [c["name"] for c in result["clients"]]
+    rows = []
+    for seed in result["plan"]["seeds"]:
+        clients = result["runs"][strategy][str(seed)]["clients"]
+        rows.append([clients[names[i]][metric][j] for i, j in result["units"][slice_name]])
+    return np.asarray(rows, dtype=np.float64)
+
+
+def _cpm_learning(result: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the CPM learnt, against the oracle's true probe gains of the same round/seed.
+
+    Per round: the gain (under the oracle run's trial matrix of that round and seed) of the
+    CPM's chosen pairs, of the oracle's pairs, and of the mean pair (what random pairing
+    gets in expectation). The oracle's matrix is measured on the oracle run's adapters, not
+    the CPM's, so this is an approximation: both runs share round 1's local phase and
+    differ afterwards only by what their exchanges taught.
+    """
+    runs = result["runs"]
+    if "cpm" not in runs or "oracle" not in runs:
+        return None
+    per_round: list[dict[str, Any]] = []
+    for seed in result["plan"]["seeds"]:
+        cpm_rounds = runs["cpm"][str(seed)]["rounds"]
+        oracle_rounds = runs["oracle"][str(seed)]["rounds"]
+        for cr, orr in zip(cpm_rounds, oracle_rounds, strict=True):
+            gains: Mapping[str, float] = orr["oracle_gains"]
+            chosen = [f"{x['teacher']}>{x['student']}" for x in cr["exchanges"]]
+            best = [f"{x['teacher']}>{x['student']}" for x in orr["exchanges"]]
+            per_round.append(
+                {
+                    "seed": seed,
+                    "round": cr["round"],
+                    "cpm_pairs": chosen,
+                    "oracle_pairs": best,
+                    "cpm_gain": float(sum(gains.get(p, 0.0) for p in chosen)),
+                    "oracle_gain": float(sum(gains[p] for p in best)),
+                    "random_gain": float(np.mean(list(gains.values())) * len(best))
+                    if gains
+                    else 0.0,
+                    "agreement": len(set(chosen) & set(best)) / max(1, len(best)),
+                }
+            )
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for r in per_round:
+        by_round.setdefault(r["round"], []).append(r)
+    return {
+        "per_round": per_round,
+        "mean_by_round": {
+            str(t): {
+                key: float(np.mean([r[key] for r in rows]))
+                for key in ("cpm_gain", "oracle_gain", "random_gain", "agreement")
+            }
+            for t, rows in sorted(by_round.items())
+        },
+    }
+
+
+def summarise(result: Mapping[str, Any]) -> dict[str, Any]:
+    """Means per strategy, metric and slice with 95% intervals (paired bootstrap over seeds
+    and units, :func:`~peerlm.app.experiment_stats.paired_bootstrap`), the key differences
+    as ``comparisons["<a>_vs_<b>"]`` and the CPM's learning figures."""
+    strategies = list(result["plan"]["strategies"])
+    slices = [s for s in SLICES if result["units"][s]]
+    per: dict[str, dict[str, dict[str, Any]]] = {s: {} for s in strategies}
+    estimates: dict[tuple[str, str], Any] = {}
+    for slice_name in slices:
+        for metric in METRICS:
+            values = {s: _matrix(result, s, metric, slice_name) for s in strategies}
+            pairs = [(a, b) for a in strategies for b in strategies if a != b]
+            means, diffs = paired_bootstrap(values, pairs)
+            for s in strategies:
+                per[s].setdefault(slice_name, {})[metric] = means[s].to_dict()
+            for (a, b), est in diffs.items():
+                estimates[(f"{slice_name}:{metric}", f"{a}_vs_{b}")] = est
+    # "best": the collaborative strategy with the highest lacked-slice pass@1 (then NLL).
+    target = "lacked" if "lacked" in slices else (slices[0] if slices else None)
+    collaborative = [s for s in strategies if s in COLLABORATIVE]
+    best = None
+    if target is not None and collaborative:
+        best = max(
+            collaborative,
+            key=lambda s: (per[s][target]["pass@1"]["mean"], -per[s][target]["nll"]["mean"]),
+        )
+    comparisons: dict[str, Any] = {}
+    if target is not None:
+        for a, b in COMPARISONS:
+            name = best if a == "best" else a
+            if name is None or name not in strategies or b not in strategies or name == b:
+                continue
+            entry: dict[str, Any] = {"a": name, "b": b, "slice": target}
+            for metric in METRICS:
+                est = estimates[(f"{target}:{metric}", f"{name}_vs_{b}")]
+                entry[metric] = {"delta": est.mean, "ci95": [est.low, est.high]}
+            entry["delta"] = entry["pass@1"]["delta"]
+            entry["ci95"] = entry["pass@1"]["ci95"]
+            comparisons[f"{a}_vs_{b}"] = entry
+    oracle_share = None
+    if {"oracle", "cpm", "local_plus"} <= set(strategies) and target is not None:
+        base = per["local_plus"][target]["pass@1"]["mean"]
+        gain = per["oracle"][target]["pass@1"]["mean"] - base
+        if gain > 0:
+            oracle_share = (per["cpm"][target]["pass@1"]["mean"] - base) / gain
+    runs = result["runs"]
+    seeds = [str(s) for s in result["plan"]["seeds"]]
+    return {
+        "slices": slices,
+        "strategies": {
+            s: {
+                "label": LABELS[s],
+                "metrics": per[s],
+                "exchanges": float(np.mean([runs[s][k]["exchanges"] for k in seeds])),
+                "kilobytes": float(np.mean([runs[s][k]["kilobytes"] for k in seeds])),
+                "mean_reward": _mean_or_none([runs[s][k]["mean_reward"] for k in seeds]),
+            }
+            for s in strategies
+        },
+        "best_collaborative": best,
+        "comparisons": comparisons,
+        "cpm_share_of_oracle_gain": oracle_share,
+        "cpm_learning": _cpm_learning(result),
+        "bootstrap": "paired two-level percentile bootstrap (numpy), 2000 replicates",
+    }
+
+
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None
 
 
 # ------------------------------------------------------------------------ reporting
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}"
+def _fmt(est: Mapping[str, Any], scale: float, digits: int) -> str:
+    low, high = est["ci95"]
+    center = est.get("mean", est.get("delta"))
+    return f"{scale * center:.{digits}f} [{scale * low:.{digits}f}, {scale * high:.{digits}f}]"
 
 
 def render_table(result: Mapping[str, Any]) -> str:
-    """Table 4 (mean over clients) and the per-client pass@1, as Markdown."""
-    plan = result["plan"]
-    ks = [k for k in (1, 5, 10) if k <= plan["samples"]]
-    head = ["Method", *(f"Pass@{k} (%)" for k in ks), "greedy Pass@1 (%)", "peak greedy (%)"]
-    head += ["mean reward", "KB exchanged"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in result["strategies"].values():
-        mean = r["mean"]
-        reward = "-" if r["mean_reward"] is None else f"{r['mean_reward']:.4f}"
-        cells = [r["label"], *(_pct(mean.get(f"pass@{k}")) for k in ks)]
-        cells += [_pct(mean["greedy_pass@1"]), _pct(r["peak_greedy_pass@1"]), reward]
-        cells += [f"{r['kilobytes']:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    clients = result["clients"]
-    lines += ["", "Per client, Pass@1 (%) from samples (greedy in brackets):", ""]
-    head = ["Method", *(f"{c['name']} ({c['arch']})" for c in clients)]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in result["strategies"].values():
-        cells = [r["label"]]
-        for c in clients:
-            v = r["clients"][c["name"]]
-            cells.append(f"{_pct(v.get('pass@1'))} ({_pct(v['greedy_pass@1'])})")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    """The table as Markdown: per strategy and slice, Pass@1 (%), structural match (%) and
+    NLL (nats/byte) with 95% intervals; then the key differences."""
+    summary = result["summary"]
+    lines: list[str] = []
+    for slice_name in summary["slices"]:
+        lines += [
+            f"**{slice_name}** slice ({len(result['units'][slice_name])} client-problem units "
+            f"x {len(result['plan']['seeds'])} seeds)",
+            "",
+            "| Method | Pass@1 (%) | Struct match (%) | NLL (nats/byte) | exchanges | KB | "
+            "mean reward |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in summary["strategies"].values():
+            m = r["metrics"][slice_name]
+            reward = "-" if r["mean_reward"] is None else f"{r['mean_reward']:.4f}"
+            lines.append(
+                f"| {r['label']} | {_fmt(m['pass@1'], 100, 2)} | {_fmt(m['struct'], 100, 2)} | "
+                f"{_fmt(m['nll'], 1, 4)} | {r['exchanges']:.0f} | {r['kilobytes']:.0f} | "
+                f"{reward} |"
+            )
+        lines.append("")
+    if summary["comparisons"]:
+        lines += [
+            "Key differences (a - b, paired bootstrap 95% interval; NLL: lower is better):",
+            "",
+            "| Comparison | slice | ΔPass@1 (pts) | ΔStruct (pts) | ΔNLL |",
+            "|---|---|---|---|---|",
+        ]
+        for c in summary["comparisons"].values():
+            lines.append(
+                f"| {LABELS[c['a']]} - {LABELS[c['b']]} | {c['slice']} | "
+                f"{_fmt(c['pass@1'], 100, 2)} | {_fmt(c['struct'], 100, 2)} | "
+                f"{_fmt(c['nll'], 1, 4)} |"
+            )
+        lines.append("")
+    share = summary["cpm_share_of_oracle_gain"]
+    if share is not None:
+        lines.append(f"KNEXA-FL reaches {100 * share:.0f}% of Oracle pairing's Pass@1 gain over")
+        lines.append("LocalOnly+ on the lacked slice.")
+        lines.append("")
+    learning = summary["cpm_learning"]
+    if learning:
+        lines += [
+            "CPM vs oracle pairing, per round (true probe gain of the chosen pairs):",
+            "",
+            "| round | CPM | oracle | random (mean pair) | agreement |",
+            "|---|---|---|---|---|",
+        ]
+        for t, v in learning["mean_by_round"].items():
+            lines.append(
+                f"| {t} | {v['cpm_gain']:.4f} | {v['oracle_gain']:.4f} | "
+                f"{v['random_gain']:.4f} | {100 * v['agreement']:.0f}% |"
+            )
+        lines.append("")
+    return "\n".join(lines)
 
 
 def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
-    """``results.json``, ``table.md`` and (with matplotlib) two PNG plots under ``out``."""
+    """``results.json``, ``table.md`` and (with matplotlib) the per-round plot under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "table.md"]
     written[0].write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
@@ -668,35 +1111,26 @@ def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    strategies = list(result["strategies"].values())
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in strategies:
-        ax.plot(range(len(r["curve"])), [100 * v for v in r["curve"]], marker="o", label=r["label"])
-    ax.set_xlabel("round")
-    ax.set_ylabel("mean greedy Pass@1 on the test set (%)")
-    ax.set_title("Pass@1 per round")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    slices = result["summary"]["slices"]
+    fig, axes = plt.subplots(1, len(slices), figsize=(5 * len(slices), 4.2), squeeze=False)
+    seeds = [str(s) for s in result["plan"]["seeds"]]
+    for ax, slice_name in zip(axes[0], slices, strict=True):
+        for name in result["plan"]["strategies"]:
+            curves = np.asarray(
+                [result["runs"][name][s]["curve_nll"][slice_name] for s in seeds], dtype=float
+            )
+            x = np.arange(curves.shape[1])
+            mean = curves.mean(axis=0)
+            ax.plot(x, mean, marker="o", label=LABELS[name])
+            # Band: the range over run seeds (3 seeds make a standard error meaningless).
+            ax.fill_between(x, curves.min(axis=0), curves.max(axis=0), alpha=0.15)
+        ax.set_xlabel("round")
+        ax.set_ylabel("NLL of the test references (nats/byte)")
+        ax.set_title(f"{slice_name} skills")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    path = out / "pass1_by_round.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
-
-    clients = result["clients"]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    width = 0.8 / max(1, len(strategies))
-    x = np.arange(len(clients))
-    for j, r in enumerate(strategies):
-        values = [100 * r["clients"][c["name"]].get("pass@1", 0.0) for c in clients]
-        ax.bar(x + (j - (len(strategies) - 1) / 2) * width, values, width, label=r["label"])
-    ax.set_xticks(x, [f"{c['name']}\n{c['arch']}" for c in clients])
-    ax.set_ylabel(f"Pass@1 (%), {result['plan']['samples']} samples")
-    ax.set_title("Final Pass@1 per client")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "per_client.png"
+    path = out / "nll_by_round.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)

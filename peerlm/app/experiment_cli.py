@@ -14,79 +14,125 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 __all__ = ["run_experiment_command"]
 
+_DEFAULTS_HELP = "default: the plan's (docs/experiment.md), or --quick's"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise typer.BadParameter(f"not a comma-separated list of integers: {text!r}") from None
+
 
 def run_experiment_command(
-    agents: Annotated[int, typer.Option("--agents", "-n", min=2, help="Clients.")] = 4,
-    rounds: Annotated[int, typer.Option("--rounds", "-r", min=1, help="Rounds.")] = 5,
+    agents: Annotated[int | None, typer.Option("--agents", "-n", min=2, help="Clients.")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", "-r", min=1, help="Rounds.")] = None,
     strategies: Annotated[
-        str,
-        typer.Option(help="Comma-separated: local, random, heuristic, central_kd, cpm."),
-    ] = "local,random,heuristic,central_kd,cpm",
-    seed: Annotated[int, typer.Option(help="Seed of data, adapters, batches, pairing.")] = 0,
+        str | None,
+        typer.Option(
+            help="Comma-separated: local, local_plus, random, heuristic, central_kd, cpm, "
+            "oracle, semantic_dfl (default: all)."
+        ),
+    ] = None,
+    seeds: Annotated[
+        str | None, typer.Option(help="Run seeds, comma-separated (default 0,1,2).")
+    ] = None,
+    world_seed: Annotated[
+        int, typer.Option(help="Seed of the data split, test/transfer/probe sets and models.")
+    ] = 0,
+    quick: Annotated[bool, typer.Option(help="Smoke-test configuration (minutes).")] = False,
     micro: Annotated[bool, typer.Option(help="Micro models (seconds; for tests).")] = False,
+    reward: Annotated[
+        str | None, typer.Option(help="Where L_pre/L_post are measured: probe or val.")
+    ] = None,
+    probe_per_category: Annotated[int | None, typer.Option(min=1, help=_DEFAULTS_HELP)] = None,
+    cpm_features: Annotated[
+        str | None, typer.Option(help="CPM context: interaction (default) or plain.")
+    ] = None,
     out: Annotated[
-        Path | None, typer.Option(help="Write results.json, table.md and PNG plots here.")
+        Path | None, typer.Option(help="Write results.json, table.md and a PNG plot here.")
     ] = None,
     models_dir: Annotated[
-        Path | None, typer.Option(help="Built models (cached); default state/models[-micro].")
+        Path | None,
+        typer.Option(
+            help="Built models (cached); default the shared cache, $PEERLM_MODELS_DIR or "
+            "state/models[-micro]."
+        ),
     ] = None,
     work_dir: Annotated[Path, typer.Option(help="Federation data.")] = Path("state/experiment"),
-    local_steps: Annotated[int, typer.Option(min=1, help="Optimiser steps per round.")] = 8,
+    local_steps: Annotated[int | None, typer.Option(min=1, help="Optimiser steps a round.")] = None,
     grad_accumulation: Annotated[
-        int, typer.Option(min=1, help="Micro-batches of 8 per step (Table 6: 4).")
-    ] = 4,
-    transfer_limit: Annotated[int, typer.Option(min=1, help="Prompts of X_u used.")] = 32,
-    test_limit: Annotated[int, typer.Option(min=1, help="Global test problems.")] = 48,
-    samples: Annotated[int, typer.Option(min=1, help="Samples per problem (pass@k).")] = 10,
-    temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature.")] = 0.8,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+        int | None, typer.Option(min=1, help="Micro-batches of 8 per step.")
+    ] = None,
+    transfer_limit: Annotated[int | None, typer.Option(min=1, help="Prompts of X_u used.")] = None,
+    test_limit: Annotated[int | None, typer.Option(min=1, help="Global test problems.")] = None,
+    samples: Annotated[int | None, typer.Option(min=1, help="Samples per problem.")] = None,
+    temperature: Annotated[float | None, typer.Option(min=0.01, help="Sampling T.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads per process.")] = 1,
     jobs: Annotated[
-        int, typer.Option(min=1, help="Strategies run in this many processes at once.")
+        int, typer.Option(min=1, help="(strategy, seed) runs in this many processes at once.")
     ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
-    """Run the paper's comparison (Table 4) in one process with real tiny models."""
+    """Run the paper's comparison (Table 4) with real tiny models, with intervals."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from peerlm.app.cli_models import quiet_transformers
-    from peerlm.app.experiment import ExperimentPlan, render_table, run_experiment, write_outputs
+    from peerlm.app.cli_models import models_cache_dir, quiet_transformers
+    from peerlm.app.experiment import (
+        ExperimentPlan,
+        quick_plan,
+        render_table,
+        run_experiment,
+        write_outputs,
+    )
 
     quiet_transformers()
     import torch
 
     torch.set_num_threads(threads)
-    names = tuple(s.strip() for s in strategies.split(",") if s.strip())
+    given: dict[str, Any] = {
+        "agents": agents,
+        "rounds": rounds,
+        "local_steps": local_steps,
+        "grad_accumulation": grad_accumulation,
+        "transfer_limit": transfer_limit,
+        "test_limit": test_limit,
+        "samples": samples,
+        "sample_temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "reward": reward,
+        "probe_per_category": probe_per_category,
+    }
+    overrides = {k: v for k, v in given.items() if v is not None}
+    overrides["world_seed"] = world_seed
+    overrides["size"] = "micro" if micro else "tiny"
+    if strategies is not None:
+        overrides["strategies"] = tuple(s.strip() for s in strategies.split(",") if s.strip())
+    if seeds is not None:
+        overrides["seeds"] = _ints(seeds)
+    if cpm_features is not None:
+        if cpm_features not in ("interaction", "plain"):
+            raise typer.BadParameter("--cpm-features must be 'interaction' or 'plain'")
+        overrides["cpm_interaction_features"] = cpm_features == "interaction"
     try:
-        plan = ExperimentPlan(
-            agents=agents,
-            rounds=rounds,
-            strategies=names,
-            seed=seed,
-            size="micro" if micro else "tiny",
-            local_steps=local_steps,
-            grad_accumulation=grad_accumulation,
-            transfer_limit=transfer_limit,
-            test_limit=test_limit,
-            samples=samples,
-            sample_temperature=temperature,
-            max_new_tokens=max_new_tokens,
-        )
+        plan = quick_plan(**overrides) if quick else ExperimentPlan(**overrides)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    models = models_dir or Path("state/models-micro" if micro else "state/models")
+    models = models_dir or models_cache_dir("micro" if micro else "tiny")
     err = Console(stderr=True)
     progress = Progress(
-        TextColumn("{task.description:<22}"),
+        TextColumn("{task.description:<24}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
         console=err,
-        disable=as_json and not err.is_terminal,
+        disable=not err.is_terminal,
     )
     with progress:
-        tasks = {s: progress.add_task(s, total=rounds + 1, status="") for s in names}
+        total = len(plan.strategies) * len(plan.seeds) * (plan.rounds + 1)
+        overall = progress.add_task("runs (strategy x seed)", total=total, status="")
         builds: dict[str, Any] = {}
 
         def on_event(kind: str, data: Any) -> None:
@@ -95,33 +141,62 @@ def run_experiment_command(
                 if arch not in builds:
                     builds[arch] = progress.add_task(f"build {arch}", total=None, status="")
                 done = data["phase"] in ("done", "cached")
-                total = max(int(data["total"]), 1)
+                size = max(int(data["total"]), 1)
                 progress.update(
                     builds[arch],
-                    total=total,
-                    completed=total if done else int(data["step"]),
+                    total=size,
+                    completed=size if done else int(data["step"]),
                     status=data["phase"],
                 )
+                if not err.is_terminal and done:
+                    err.print(f"model {arch}: {data['phase']}")
             elif kind == "initial":
-                progress.console.print(
-                    f"round 0 (pre-trained) test pass@1: {data['test_pass@1']:.3f}"
-                )
+                err.print(f"round 0 (pre-trained) test NLL per slice: {_slices(data)}")
             elif kind == "round":
-                status = f"pass@1 {data['test_pass@1']:.3f}"
-                progress.update(tasks[data["strategy"]], completed=data["round"], status=status)
-                if not err.is_terminal:  # a log file gets one line per round instead of bars
-                    err.print(f"{data['strategy']}: round {data['round']} test {status}")
+                status = f"{data['strategy']} seed {data['seed']} round {data['round']}"
+                progress.update(overall, advance=1, status=status)
+                if not err.is_terminal:  # a pipe or log file: one line per step
+                    err.print(f"{status}: test NLL per slice: {_slices(data['nll'])}")
             elif kind == "final":
-                progress.update(tasks[data["strategy"]], completed=rounds + 1, status="done")
+                progress.update(overall, advance=1)
                 if not err.is_terminal:
-                    err.print(f"{data['strategy']}: done")
+                    err.print(f"{data['strategy']} seed {data['seed']}: done")
 
         result = run_experiment(plan, models=models, work=work_dir, event=on_event, jobs=jobs)
     if out is not None:
         written = write_outputs(result, out)
         err.print("wrote " + ", ".join(str(p) for p in written))
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(json.dumps(_json_view(result)))
     else:
         Console().print(Markdown(render_table(result)))
         Console().print(f"{result['seconds']:.0f} s")
+
+
+def _slices(data: Any) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in data.items())
+
+
+def _json_view(result: Any) -> dict[str, Any]:
+    """``--json``: per strategy the metrics per slice with intervals, the comparisons, the
+    CPM's learning figures and the plan; the raw per-problem runs stay in results.json."""
+    summary = result["summary"]
+    return {
+        "plan": result["plan"],
+        "clients": result["clients"],
+        "public_categories": result["public_categories"],
+        "test_problems": result["test_problems"],
+        "probe_problems": result["probe_problems"],
+        "initial_nll": result["initial_nll"],
+        "strategies": summary["strategies"],
+        "comparisons": summary["comparisons"],
+        "best_collaborative": summary["best_collaborative"],
+        "cpm_share_of_oracle_gain": summary["cpm_share_of_oracle_gain"],
+        "cpm_learning": summary["cpm_learning"],
+        "curves_nll": {
+            name: {seed: run["curve_nll"] for seed, run in runs.items()}
+            for name, runs in result["runs"].items()
+        },
+        "bootstrap": summary["bootstrap"],
+        "seconds": result["seconds"],
+    }

@@ -77,8 +77,18 @@ async def run_sim_agent(
     try:
         await client.wait_ready(30)
         for r in range(1, rounds + 1):
-            await client.submit_profile(r, [float(x) for x in env.profiles()[me]], "")
+            resp = await client.submit_profile(r, [float(x) for x in env.profiles()[me]], "")
             directive = await next_directive(inbox, feed, round_timeout_s)
+            # A "not matched" notice: for an older round it is stale (skip it and keep
+            # waiting), for ours the round is local, as the daemon does.
+            while (
+                directive is not None
+                and directive.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED
+                and directive.matchmaking_round < resp.matchmaking_round
+            ):
+                directive = await next_directive(inbox, feed, round_timeout_s)
+            if directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
+                directive = None
             if directive is None:
                 env.step([])
             elif directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:

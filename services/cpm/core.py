@@ -8,9 +8,12 @@ Decisions the paper leaves open, made here:
 
 * Matchmaking considers the agents whose profile arrived since the last matchmaking round
   ("pending"); each profile is matched at most once, unmatched agents train locally and
-  submit again. It runs on quorum (``max(min_quorum, ceil(quorum_fraction * connected))``
-  pending profiles, where ``connected`` counts agents with an open directive feed) or when
-  ``round_interval_s`` has passed with at least two pending profiles.
+  submit again. Agents considered in a round and left unpaired are told so at once
+  (``MatchOutcome.unmatched``, an ``EXCHANGE_ROLE_UNMATCHED`` notice on their feed) rather
+  than left waiting for their round timeout. Matchmaking runs on quorum
+  (``max(min_quorum, ceil(quorum_fraction * connected))`` pending profiles, where
+  ``connected`` counts agents with an open directive feed) or when ``round_interval_s``
+  has passed with at least two pending profiles.
 * A profile for an older round than the agent's last is refused (FAILED_PRECONDITION); the
   same round may be re-submitted (agents retry after failures) and replaces the pending one.
 * A reward is accepted once, from the directive's student, before ``expires_at``. The
@@ -95,6 +98,11 @@ class MatchOutcome:
     directives: list[DirectiveRecord]
     candidates: int
     seconds: float
+    # Agents considered in this round and left without a pairing (told, so they need not
+    # wait for their round timeout), and the matchmaking round their profiles were
+    # promised (SubmitProfile's answer), which the notice carries.
+    unmatched: tuple[str, ...] = ()
+    unmatched_round: int = 0
 
 
 @dataclass(frozen=True)
@@ -369,10 +377,22 @@ class CpmCore:
         )
 
     def match_due(self, connected: int) -> str | None:
-        """``"quorum"`` or ``"timer"`` when a matchmaking round should run now, else None."""
+        """``"quorum"``, ``"timer"`` or ``"alone"`` when a matchmaking round should run now.
+
+        ``"alone"``: one profile is pending, the timer has run out and no other agent has
+        a directive feed open, so nobody can pair with it; the round tells it so (an
+        agent finishing after its peers would otherwise wait for its round timeout)."""
         if len(self._pending) >= 2 and len(self._pending) >= self.quorum(connected):
             return "quorum"
-        return "timer" if self.timer_due() else None
+        if self.timer_due():
+            return "timer"
+        if (
+            len(self._pending) == 1
+            and connected <= 1
+            and self._clock() - self._last_match >= self._s.round_interval_s
+        ):
+            return "alone"
+        return None
 
     def timer_due(self) -> bool:
         """True when the round timer has run out and there is something to match."""
@@ -390,7 +410,14 @@ class CpmCore:
         self._last_match = self._clock()
         self._store.set_meta("matched_until", repr(self._last_match))
         if len(agents) < 2:
-            return MatchOutcome(self._round, [], len(agents), time.perf_counter() - started)
+            return MatchOutcome(
+                self._round,
+                [],
+                len(agents),
+                time.perf_counter() - started,
+                tuple(agents),
+                self._round + 1,
+            )
         profiles = {a: self._profiles[a].features for a in agents}
         pairings = self.matchmaker.select(profiles)
         self._round += 1
@@ -400,7 +427,15 @@ class CpmCore:
         for d in directives:
             self._open[d.directive_id] = d
         self.directives_issued += len(directives)
-        return MatchOutcome(self._round, directives, len(agents), time.perf_counter() - started)
+        paired = {d.teacher for d in directives} | {d.student for d in directives}
+        return MatchOutcome(
+            self._round,
+            directives,
+            len(agents),
+            time.perf_counter() - started,
+            tuple(a for a in agents if a not in paired),
+            self._round,
+        )
 
     def _directive(self, pairing: Pairing, now: float) -> DirectiveRecord:
         return DirectiveRecord(

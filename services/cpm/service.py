@@ -20,6 +20,7 @@ import math
 import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -70,7 +71,16 @@ class _Signal:
 _SHUTDOWN = _Signal("shutdown")
 _OVERFLOW = _Signal("overflow")
 _REPLACED = _Signal("replaced")
-FeedItem = DirectiveRecord | _Signal
+
+
+@dataclass(frozen=True)
+class UnmatchedNotice:
+    """An agent was considered in ``matchmaking_round`` and not paired."""
+
+    matchmaking_round: int
+
+
+FeedItem = DirectiveRecord | UnmatchedNotice | _Signal
 
 
 class DirectiveHub:
@@ -107,6 +117,13 @@ class DirectiveHub:
                 del self._queues[agent]
             else:
                 q.put_nowait(directive)
+
+    def notify_unmatched(self, agent: str, matchmaking_round: int) -> None:
+        """Tell ``agent`` it was not paired this round. Best effort: no queue, no replay (the
+        agent then waits for its round timeout, as without the notice)."""
+        q = self._queues.get(agent)
+        if q is not None and q.qsize() < self._depth:
+            q.put_nowait(UnmatchedNotice(matchmaking_round))
 
     def close_all(self) -> None:
         for q in self._queues.values():
@@ -302,6 +319,12 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                         grpc.StatusCode.ABORTED,
                         "another directive feed was opened for this agent",
                     )
+                if isinstance(item, UnmatchedNotice):
+                    yield cpm_pb2.Directive(
+                        matchmaking_round=item.matchmaking_round,
+                        role=cpm_pb2.EXCHANGE_ROLE_UNMATCHED,
+                    )
+                    continue
                 assert isinstance(item, DirectiveRecord)
                 if item.directive_id in seen:
                     continue
@@ -451,6 +474,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         for d in out.directives:
             self._m.directives.labels(d.protocol).inc()
             self._hub.publish(d)
+        for agent in out.unmatched:
+            self._hub.notify_unmatched(agent, out.unmatched_round)
         self._refresh_gauges()
         if out.directives:
             self._log.info(

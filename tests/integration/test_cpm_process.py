@@ -37,7 +37,7 @@ def _free_port() -> int:
 def cpm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpmProcess]:
     tmp = tmp_path_factory.mktemp("cpm")
     proc = CpmProcess(
-        Pki.create(tmp, agents=8), tmp / "cpm.db", tmp, MANUAL, metrics_port=_free_port()
+        Pki.create(tmp, agents=13), tmp / "cpm.db", tmp, MANUAL, metrics_port=_free_port()
     )
     proc.start()
     yield proc
@@ -139,6 +139,40 @@ async def test_round_trip_profile_directive_reward(cpm: CpmProcess) -> None:
     )
     after = await admin.GetStats(cpm_pb2.GetStatsRequest())
     assert after.bandit_updates == stats.bandit_updates
+    for ch, _ in chans.values():
+        await ch.close()
+    await admin_ch.close()
+
+
+async def test_unpaired_agent_is_told_at_once(cpm: CpmProcess) -> None:
+    """Three agents, one pair: the third gets an EXCHANGE_ROLE_UNMATCHED notice for the
+    round its profile was considered in, instead of silence until its round timeout."""
+    names = [f"a{i}" for i in (10, 11, 12)]
+    chans = {n: cpm.pki.stub(cpm.target, n) for n in names}
+    calls = {
+        n: stub.StreamDirectives(cpm_pb2.StreamDirectivesRequest())
+        for n, (_, stub) in chans.items()
+    }
+    reads = {n: asyncio.ensure_future(call.read()) for n, call in calls.items()}
+    await asyncio.sleep(1.0)  # the feeds attach before the round runs (notices are not replayed)
+    rounds = set()
+    for i, (_, stub) in enumerate(chans.values()):
+        resp = await stub.SubmitProfile(
+            cpm_pb2.SubmitProfileRequest(round=1, features=_profile(10 + i))
+        )
+        rounds.add(resp.matchmaking_round)
+    admin_ch, admin = cpm.pki.stub(cpm.target, "admin")
+    await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())
+    got = {n: await asyncio.wait_for(r, 10) for n, r in reads.items()}
+    unmatched = [n for n, d in got.items() if d.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED]
+    assert len(unmatched) == 1
+    notice = got[unmatched[0]]
+    assert notice.directive_id == "" and notice.matchmaking_round in rounds
+    for n, d in got.items():
+        if n not in unmatched:
+            assert n in (d.teacher, d.student) and len(d.directive_id) == 32
+    for call in calls.values():
+        call.cancel()
     for ch, _ in chans.values():
         await ch.close()
     await admin_ch.close()

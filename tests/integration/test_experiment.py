@@ -1,8 +1,9 @@
-"""``peerlm run-experiment`` with micro models: all five strategies, outputs, determinism."""
+"""``peerlm run-experiment`` with micro models: every strategy, slices, intervals, determinism."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,12 +17,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.mark.timeout(900)
-def test_all_five_strategies_run_and_report(tmp_path: Path) -> None:
+def test_quick_run_reports_every_strategy_per_slice_with_intervals(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = [
-        sys.executable, "-m", "peerlm", "run-experiment", "--micro", "--json",
-        "-n", "4", "-r", "2", "--local-steps", "2", "--transfer-limit", "4",
-        "--test-limit", "6", "--samples", "5", "--max-new-tokens", "12",
+        sys.executable, "-m", "peerlm", "run-experiment", "--quick", "--micro", "--json",
+        "-n", "4", "--local-steps", "1", "--transfer-limit", "3", "--test-limit", "12",
+        "--max-new-tokens", "8",
         "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
         "--out", str(out), "--jobs", "2",
     ]  # fmt: skip
@@ -29,47 +30,62 @@ def test_all_five_strategies_run_and_report(tmp_path: Path) -> None:
         args, capture_output=True, text=True, timeout=900, env={**os.environ, **AGENT_ENV}
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
-    strategies = result["strategies"]
-    assert list(strategies) == ["local", "random", "heuristic", "central_kd", "cpm"]
+    # A pipe gets one line per step, never bars.
+    assert "local seed 0 round 1: test NLL per slice: own " in proc.stderr
+    view = json.loads(proc.stdout)
+    assert view["plan"]["seeds"] == [0, 1] and view["plan"]["rounds"] == 2
+    strategies = view["strategies"]
+    assert list(strategies) == [
+        "local", "local_plus", "random", "heuristic", "central_kd", "cpm", "oracle",
+        "semantic_dfl",
+    ]  # fmt: skip
     for name, r in strategies.items():
-        assert len(r["curve"]) == 3 and len(r["rounds"]) == 2, name
-        assert set(r["mean"]) == {"greedy_pass@1", "pass@1", "pass@5"}
-        for client in r["clients"].values():
-            assert 0.0 <= client["pass@1"] <= client["pass@5"] <= 1.0
-            assert sum(client["status_counts"].values()) == 6 * 5  # problems x samples
-        exchanges = [x for rnd in r["rounds"] for x in rnd["exchanges"]]
-        if name == "local":
-            assert not exchanges and r["kilobytes"] == 0
-        elif name == "central_kd":
-            # Every client distils from the one ensemble teacher every round.
-            assert len(exchanges) == 4 * 2 and {x["teacher"] for x in exchanges} == {"central"}
-        else:
-            # Four clients, K_p = 2 disjoint pairs a round, each with a real Eq. 3 reward.
-            assert len(exchanges) == 2 * 2
-            for rnd in r["rounds"]:
-                people = [x["teacher"] for x in rnd["exchanges"]]
-                people += [x["student"] for x in rnd["exchanges"]]
-                assert len(set(people)) == 4
-            for x in exchanges:
-                assert x["kilobytes"] > 0 and x["mode"] == "text"
-                expected = x["loss_pre"] - x["loss_post"] - 0.001 * x["kilobytes"]
-                assert x["reward"] == pytest.approx(expected, abs=1e-4)
-    # Every strategy starts from the same round 0 and the same round-1 local update.
-    curves = {r["curve"][0] for r in strategies.values()}
-    assert len(curves) == 1
-    first = {json.dumps(r["rounds"][0]["train_loss"], sort_keys=True) for r in strategies.values()}
-    assert len(first) == 1
-    # The CPM learnt from the rewards: normalised rewards came back for every exchange.
-    cpm = [x for rnd in strategies["cpm"]["rounds"] for x in rnd["exchanges"]]
-    assert all(x["normalised_reward"] is not None for x in cpm)
+        for slice_name in ("own", "lacked"):
+            for metric in ("pass@1", "struct", "nll"):
+                est = r["metrics"][slice_name][metric]
+                low, high = est["ci95"]
+                assert low <= est["mean"] <= high, (name, slice_name, metric)
+            assert r["metrics"][slice_name]["nll"]["mean"] > 0
+    assert strategies["local"]["exchanges"] == 0 and strategies["local_plus"]["kilobytes"] == 0
+    # 4 clients, 2 disjoint pairs a round, 2 rounds; Central-KD teaches everyone.
+    for name in ("random", "heuristic", "cpm", "oracle"):
+        assert strategies[name]["exchanges"] == 4, name
+    assert strategies["central_kd"]["exchanges"] == 8
+    # Four architectures: no two clients share a family, so SemanticDFL has no neighbour.
+    assert strategies["semantic_dfl"]["exchanges"] == 0
+    comparisons = view["comparisons"]
+    assert {"cpm_vs_random", "cpm_vs_local_plus", "best_vs_local_plus"} <= set(comparisons)
+    for c in comparisons.values():
+        assert c["slice"] == "lacked"
+        for metric in ("pass@1", "nll"):
+            low, high = c[metric]["ci95"]
+            assert low <= c[metric]["delta"] <= high
+    learning = view["cpm_learning"]
+    assert [r["round"] for r in learning["per_round"]] == [1, 2, 1, 2]
+    for r in learning["per_round"]:
+        # Greedy oracle pairs by gain; the CPM's pairs are scored on the oracle run's matrix.
+        assert len(r["oracle_pairs"]) == 2 and len(r["cpm_pairs"]) == 2
+        assert 0 <= r["agreement"] <= 1
+        assert all(math.isfinite(r[k]) for k in ("cpm_gain", "oracle_gain", "random_gain"))
 
+    result = json.loads((out / "results.json").read_text())
+    # Every strategy of a seed starts from the same round 0 and round-1 local update.
+    for seed in ("0", "1"):
+        first = {
+            json.dumps(runs[seed]["rounds"][0]["train_loss"], sort_keys=True)
+            for runs in result["runs"].values()
+        }
+        assert len(first) == 1
+    # The probe reward: L_pre/L_post of each P2P exchange, minus the KB penalty.
+    for x in result["runs"]["cpm"]["0"]["rounds"][0]["exchanges"]:
+        expected = x["loss_pre"] - x["loss_post"] - 0.001 * x["kilobytes"]
+        assert x["reward"] == pytest.approx(expected, abs=1e-4)
+        assert x["normalised_reward"] is not None
     table = (out / "table.md").read_text()
-    for label in ("LocalOnly", "Random-P2P", "Heuristic-P2P", "Central-KD", "KNEXA-FL"):
+    for label in ("LocalOnly+", "Random-P2P", "Oracle pairing", "KNEXA-FL", "SemanticDFL"):
         assert label in table
-    assert json.loads((out / "results.json").read_text())["plan"]["rounds"] == 2
-    for png in ("pass1_by_round.png", "per_client.png"):
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "KNEXA-FL (CPM) - Random-P2P" in table
+    assert (out / "nll_by_round.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_unknown_strategy_is_refused(tmp_path: Path) -> None:
@@ -90,14 +106,17 @@ def test_parallel_strategies_give_the_same_results(tmp_path: Path) -> None:
     from peerlm.app.experiment import ExperimentPlan, run_experiment
 
     plan = ExperimentPlan(
-        agents=2, rounds=1, strategies=("local", "random"), size="micro", local_steps=1,
-        transfer_limit=2, val_limit=2, test_limit=3, samples=2, max_new_tokens=8,
+        agents=2, rounds=1, strategies=("local", "random"), seeds=(0,), size="micro",
+        local_steps=1, transfer_limit=2, val_limit=2, test_limit=3, samples=2,
+        max_new_tokens=8, probe_per_category=1,
     )  # fmt: skip
     runs = [
         run_experiment(plan, models=tmp_path / "models", work=tmp_path / f"w{jobs}", jobs=jobs)
         for jobs in (1, 2)
     ]
     for run in runs:
-        for r in run["strategies"].values():
-            r.pop("seconds")
-    assert runs[0]["strategies"] == runs[1]["strategies"]
+        for r in run["runs"].values():
+            for seeded in r.values():
+                seeded.pop("seconds")
+    assert runs[0]["runs"] == runs[1]["runs"]
+    assert runs[0]["summary"] == runs[1]["summary"]

@@ -51,6 +51,13 @@ def test_up_with_model_hosting_agents(tmp_path: Path) -> None:
                     "bytes_received", "loss_before", "loss_after"):  # fmt: skip
             assert key in a, key
         assert not a["errors"], a["errors"]
+        # Held-out test problems of the skills it holds and of those it lacks (the world:
+        # four private categories, one expert each), before the first and after the last round.
+        for when in ("slices_before", "slices_after"):
+            assert set(a[when]) >= {"own", "lacked"}, a[when]
+            for figures in a[when].values():
+                assert 0 <= figures["pass1"] <= 1 and 0 <= figures["struct"] <= 1
+                assert figures["nll"] > 0 and figures["n"] >= 1
     assert result["rewards_reported"] >= 2
     assert result["rewards_observed"] == result["rewards_reported"]
     assert sum(a["bytes_sent"] for a in agents) > 0

@@ -307,3 +307,33 @@ def test_one_batch_takes_a_directive_once(core: tuple[CpmCore, Clock, MemoryCpmS
     assert isinstance(out[1], CpmError) and out[1].reason == "replayed"
     assert isinstance(out[2], CpmError) and out[2].reason == "not_receiver"
     assert c.matchmaker.n_updates == 1
+
+
+def test_unpaired_agents_are_named(core: tuple[CpmCore, Clock, MemoryCpmStore]) -> None:
+    """Three profiles make one pair: the third agent is reported unmatched (and told)."""
+    c, _, _ = core
+    _submit_all(c, ["a", "b", "c"])
+    match = c.matchmake()
+    assert len(match.directives) == 1
+    paired = {match.directives[0].teacher, match.directives[0].student}
+    assert set(match.unmatched) == {"a", "b", "c"} - paired and len(match.unmatched) == 1
+    assert match.unmatched_round == match.matchmaking_round == 1
+    # A full pairing leaves nobody out.
+    _submit_all(c, ["a", "b", "c", "d"], round_=2)
+    assert c.matchmake().unmatched == ()
+
+
+def test_a_lone_agent_is_told_once_nobody_else_is_connected(
+    core: tuple[CpmCore, Clock, MemoryCpmStore],
+) -> None:
+    c, clock, _ = core
+    _submit_all(c, ["a", "b"])
+    c.matchmake()
+    out = c.submit_profile("a", 2, _profile(0), "", connected=2)
+    clock.now += 31
+    assert c.match_due(2) is None  # b is still connected: it may yet submit
+    assert c.match_due(1) == "alone"
+    match = c.matchmake()
+    assert match.directives == [] and match.unmatched == ("a",)
+    assert match.unmatched_round == out.matchmaking_round  # the round "a" was promised
+    assert c.pending == 0

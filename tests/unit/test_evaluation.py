@@ -116,3 +116,51 @@ def test_evaluate_rejects_inconsistent_input() -> None:
         evaluate([bank[0], bank[0]], good)
     with pytest.raises(ValueError, match="ks"):
         evaluate(bank, good, ks=(0,))
+
+
+# ------------------------------------------------------------------- structural match
+
+_PROMPT = 'def repeat(s: str) -> list[str]:\n    """Return s repeated 3 times."""\n    '
+
+
+def test_structural_match_ignores_literals_and_renamed_identifiers() -> None:
+    from peerlm.agent.evaluation import structural_match
+
+    reference = "return [s] * 3\n"
+    assert structural_match(_PROMPT, "return [s] * 2\n", reference)  # wrong constant
+    assert structural_match(_PROMPT, "return [s] * 3  # three\n", reference)  # a comment
+    body = "out = []\n    for i in range(3):\n        out.append(s)\n    return out\n"
+    renamed = body.replace("out", "acc").replace(" i ", " j ")
+    assert structural_match(_PROMPT, renamed, body)
+
+
+def test_structural_match_sees_structure() -> None:
+    from peerlm.agent.evaluation import structural_match
+
+    reference = "return [s] * 3\n"
+    assert not structural_match(_PROMPT, "return [s] + 3\n", reference)  # another operator
+    assert not structural_match(_PROMPT, "return s * 3\n", reference)  # no list
+    assert not structural_match(_PROMPT, "", reference)
+    # Attributes and builtins are structure: .append is not .extend, len is not abs.
+    assert not structural_match(_PROMPT, "return s.upper()\n", "return s.lower()\n")
+    assert not structural_match(_PROMPT, "return len(s)\n", "return abs(s)\n")
+    # Two distinct names are not one name used twice.
+    assert not structural_match(_PROMPT, "return s + t\n", "return s + s\n")
+
+
+def test_structural_match_of_untokenizable_code_is_false() -> None:
+    from peerlm.agent.evaluation import structural_form, structural_match
+
+    assert structural_form('return "unterminated\n') is None
+    assert not structural_match(_PROMPT, 'return """open\n', "return [s] * 3\n")
+
+
+def test_structural_match_rate_counts_samples() -> None:
+    from peerlm.agent.evaluation import structural_match_rate
+
+    problem = generate_bank(1, 0)[0]
+    ref = problem.reference
+    assert structural_match_rate(problem, [ref, ref, "pass\n", "return\n"]) == 0.5
+    assert structural_match_rate(problem, []) == 0.0
+    with pytest.raises(TypeError):
+        structural_match_rate(problem, ref)

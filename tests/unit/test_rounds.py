@@ -338,3 +338,24 @@ def test_judge_bounds_the_reported_loss() -> None:
     assert judge(1.0, math.nan, None) == Verdict(True, 1.0 + LOSS_PENALTY_NATS)
     assert judge(1.0, 1e9, 0.1) == Verdict(True, 1.0 + LOSS_PENALTY_NATS)
     assert judge(1.0, 5.0, None) == Verdict(False, 5.0)  # no gate: measured, kept
+
+
+def test_reference_nll_is_per_byte_and_falls_when_the_reference_is_learnt(
+    models: dict[str, Path],
+) -> None:
+    from peerlm.agent.rounds import reference_nll
+    from peerlm.agent.tasks.dataset import Problem
+
+    problems = [
+        Problem(f"t/{i}", "string", p, t, "assert True\n", p.split("(")[0][4:])
+        for i, (p, t) in enumerate(zip(PROMPTS, TEXTS, strict=True))
+    ]
+    student = host(models, "qwen2")
+    before = reference_nll(student, problems)
+    raw = student.sequence_logprobs([(p.prompt, p.reference) for p in problems])
+    for value, logp, p in zip(before, raw, problems, strict=True):
+        assert value == pytest.approx(-logp / len(p.reference.encode()))
+        assert math.isfinite(value) and value > 0
+    student.train_local(list(zip(PROMPTS, TEXTS, strict=True)), FAST, steps=8)
+    after = reference_nll(student, problems)
+    assert sum(after) < sum(before)

@@ -7,6 +7,7 @@ import json
 import random
 import re
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from peerlm.agent.tasks.dataset import (
     category_histogram,
     category_index,
     dirichlet_partition,
+    problem_slices,
     read_jsonl,
     read_manifest,
     split_validation,
@@ -28,6 +30,7 @@ from peerlm.agent.tasks.dataset import (
     write_jsonl,
 )
 from peerlm.agent.tasks.humaneval import HUMANEVAL_SIZE, load_humaneval
+from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES, WorldSpec
 from typer.testing import CliRunner
 
 from peerlm.app.cli_data import app as data_app
@@ -272,22 +275,31 @@ def test_category_histogram() -> None:
 # ----------------------------------------------------------------------- federation data
 
 
+_SMALL = WorldSpec(
+    per_private_category=30, per_public_category=12, test_per_category=3,
+    transfer_per_private=6, transfer_per_public=2,
+)  # fmt: skip
+
+
 def test_build_federation_data(tmp_path: Path) -> None:
     out = tmp_path / "data"
-    manifest = build_federation_data(out, 4, alpha=0.1, seed=5, n_per_category=30,
-                                     transfer_size=40, test_size=36)  # fmt: skip
+    manifest = build_federation_data(out, 4, alpha=0.1, seed=5, world=_SMALL)
     test = read_jsonl(out / "test.jsonl")
     transfer = read_jsonl(out / "transfer.jsonl")
     clients = [
         (read_jsonl(out / f"clients/{i}/train.jsonl"), read_jsonl(out / f"clients/{i}/val.jsonl"))
         for i in range(4)
     ]
-    assert len(test) == 36 and len(transfer) == 40
+    assert len(test) == 36 and len(transfer) == 4 * 6 + 8 * 2
     assert Counter(p.category for p in test) == dict.fromkeys(CATEGORIES, 3)  # stratified
+    # Every prefix of the transfer set covers the world in proportion (private: 3x public).
+    head = Counter(p.category for p in transfer[:20])
+    assert all(head[c] == 3 for c in _SMALL.private_categories), head
+    assert all(head[c] == 1 for c in _SMALL.public_categories), head
     parts = [test, transfer] + [part for pair in clients for part in pair]
     ids = [p.task_id for part in parts for p in part]
-    assert len(ids) == len(set(ids)) == 360  # disjoint and complete
-    assert len({_identity(p) for part in parts for p in part}) == 360
+    assert len(ids) == len(set(ids)) == 4 * 30 + 8 * 12  # disjoint and complete
+    assert len({_identity(p) for part in parts for p in part}) == len(ids)
     assert manifest.client_sizes == tuple((len(t), len(v)) for t, v in clients)
     assert manifest.transfer_sha256 == transfer_set_sha256(transfer_set(transfer))
     assert read_manifest(out) == manifest
@@ -299,32 +311,107 @@ def test_build_federation_data(tmp_path: Path) -> None:
     }
 
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-    assert build_federation_data(out, 4, alpha=0.1, seed=5, n_per_category=30,
-                                 transfer_size=40, test_size=36) == manifest  # fmt: skip
+    assert build_federation_data(out, 4, alpha=0.1, seed=5, world=_SMALL) == manifest
     after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     assert after == before  # idempotent, byte for byte
 
     with pytest.raises(FileExistsError, match="overwrite"):
-        build_federation_data(out, 2, seed=5, n_per_category=30, transfer_size=40, test_size=36)
-    smaller = build_federation_data(out, 2, seed=5, n_per_category=30, transfer_size=40,
-                                    test_size=36, overwrite=True)  # fmt: skip
+        build_federation_data(out, 2, seed=5, world=_SMALL)
+    smaller = build_federation_data(out, 2, seed=5, world=_SMALL, overwrite=True)
     assert smaller.n_clients == 2
     assert sorted(d.name for d in (out / "clients").iterdir()) == ["0", "1"]  # no stale 2, 3
 
 
-def test_build_refuses_sizes_that_leave_nothing_private(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no private data"):
-        build_federation_data(tmp_path, 2, n_per_category=10, transfer_size=100, test_size=20)
+def test_default_world_is_complementary(tmp_path: Path) -> None:
+    """One expert per private skill: a private category's data is at its expert only,
+    public data is everywhere, and the slices partition the test set for every client."""
+    manifest = build_federation_data(tmp_path, 4, seed=0)
+    world = manifest.world
+    assert world.private_categories == DEFAULT_PRIVATE_CATEGORIES
+    assert world.skills == tuple((c,) for c in DEFAULT_PRIVATE_CATEGORIES)
+    test = read_jsonl(tmp_path / "test.jsonl")
+    assert len(test) == manifest.test_size == 20 * len(CATEGORIES)
+    for i in range(4):
+        held = read_jsonl(tmp_path / f"clients/{i}/train.jsonl")
+        held += read_jsonl(tmp_path / f"clients/{i}/val.jsonl")
+        private = {p.category for p in held if p.category in world.private_categories}
+        assert private == set(world.own(i))
+        assert {p.category for p in held} >= set(world.public_categories)
+        own_count = sum(p.category in world.own(i) for p in held)
+        assert own_count == 200 - 20 - 24  # the whole private pool of its skill
+        slices = problem_slices(world, i, test)
+        assert Counter(slices) == {"own": 20, "lacked": 60, "public": 160}
+        assert world.lacked(i) == tuple(
+            c for c in world.private_categories if c not in world.own(i)
+        )
+    assert [world.slice_of(0, c) for c in ("dict", "format", "string")] == [
+        "own", "lacked", "public"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="not in this world"):
+        world.slice_of(0, "humaneval")
+
+
+def test_world_layouts(tmp_path: Path) -> None:
+    overlap = replace(_SMALL, experts_per_skill=2, unskilled_clients=1)
+    world = build_federation_data(tmp_path / "o", 4, seed=1, world=overlap).world
+    # Three skilled clients, each private skill at two consecutive ones; the last has none.
+    assert world.skills == (
+        ("dict", "boolean", "sequence"),
+        ("dict", "format", "sequence"),
+        ("format", "boolean"),
+        (),
+    )
+    assert all(len(world.experts(c)) == 2 for c in world.private_categories)
+    assert world.lacked(3) == world.private_categories
+    skewed = replace(_SMALL, layout="dirichlet", skill_share=0.25)
+    m = build_federation_data(tmp_path / "d", 4, alpha=0.05, seed=2, world=skewed)
+    assert all(1 <= len(m.world.experts(c)) <= 4 for c in m.world.private_categories)
+    held = [
+        Counter(p.category for p in read_jsonl(tmp_path / f"d/clients/{i}/train.jsonl"))
+        + Counter(p.category for p in read_jsonl(tmp_path / f"d/clients/{i}/val.jsonl"))
+        for i in range(4)
+    ]
+    for c in m.world.private_categories:
+        pool = sum(h[c] for h in held)
+        assert {i for i in range(4) if held[i][c] >= 0.25 * pool} == set(m.world.experts(c))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"private_categories": ("cooking",)}, "unknown private"),
+        ({"private_categories": ("dict", "dict")}, "must not repeat"),
+        ({"layout": "ring"}, "layout"),
+        ({"per_private_category": 40, "test_per_category": 20}, "leaves no private data"),
+        ({"experts_per_skill": 0}, "at least 1"),
+        ({"skill_share": 0.0}, "skill_share"),
+    ],
+)
+def test_world_spec_rejects_bad_fields(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WorldSpec.from_dict(fields)
+
+
+def test_world_refuses_impossible_layouts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no skilled client"):
+        build_federation_data(tmp_path, 2, world=replace(_SMALL, unskilled_clients=2))
+    with pytest.raises(ValueError, match="exceeds"):
+        build_federation_data(tmp_path, 2, world=replace(_SMALL, experts_per_skill=3))
+    with pytest.raises(ValueError, match="unknown world field"):
+        WorldSpec.from_dict({"experts": 1})
+    assert not (tmp_path / "manifest.json").exists()
 
 
 def test_cli_build_and_show(tmp_path: Path) -> None:
     runner = CliRunner()
     out = tmp_path / "fed"
-    args = ["build", "--dir", str(out), "--clients", "3", "--seed", "2", "--per-category", "30"]
+    args = ["build", "--dir", str(out), "--clients", "3", "--seed", "2", "--per-private", "60",
+            "--per-public", "40", "--private", "dict,format"]  # fmt: skip
     result = runner.invoke(data_app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     manifest = json.loads(result.output)
     assert manifest["n_clients"] == 3 and manifest["seed"] == 2
+    assert manifest["world"]["skills"] == [["dict"], ["format"], []]
     shown = runner.invoke(data_app, ["show", "--dir", str(out), "--json"])
     assert shown.exit_code == 0, shown.output
     summary = json.loads(shown.output)
@@ -384,7 +471,7 @@ def test_public_corpus_is_disjoint_from_federation_data(tmp_path: Path) -> None:
         parts = [tmp_path / str(seed) / "test.jsonl", tmp_path / str(seed) / "transfer.jsonl"]
         parts += sorted((tmp_path / str(seed) / "clients").glob("*/*.jsonl"))
         problems = [p for part in parts for p in read_jsonl(part)]
-        assert len(problems) == 50 * len(CATEGORIES)
+        assert len(problems) == 4 * 200 + 8 * 60
         assert not {function_key(p) for p in problems} & keys
         assert not {p.prompt for p in problems} & prompts
         assert not {p.prompt + p.reference for p in problems} & texts
@@ -398,3 +485,13 @@ def test_public_corpus_size_is_bounded() -> None:
 
     with pytest.raises(ValueError, match="public problems"):
         public_problems(PUBLIC_PER_CATEGORY + 1)
+
+
+def test_public_corpus_leaves_hidden_categories_out() -> None:
+    from peerlm.agent.tasks.bank import public_problems
+
+    hidden = public_problems(3, hidden=DEFAULT_PRIVATE_CATEGORIES)
+    assert {p.category for p in hidden} == set(CATEGORIES) - set(DEFAULT_PRIVATE_CATEGORIES)
+    assert hidden == [p for p in public_problems(3) if p.category not in DEFAULT_PRIVATE_CATEGORIES]
+    with pytest.raises(ValueError, match="unknown hidden"):
+        public_problems(3, hidden=("cooking",))

@@ -113,6 +113,43 @@ def test_builds_are_deterministic_and_a_new_request_rebuilds(tmp_path: Path) -> 
     assert not c.cached and c.steps == 3 and c.config_hash != a.config_hash
 
 
+def test_builds_side_by_side_give_the_same_weights(tmp_path: Path) -> None:
+    """Two builds in two processes (one torch thread each) equal the same builds run one
+    after another in this process with one thread: jobs never change a model."""
+    events: list[BuildEvent] = []
+    side = build_models(tmp_path / "p", ["gpt2", "bloom"], size="micro", pretrain_steps=2,
+                        jobs=2, threads=1, progress=events.append)  # fmt: skip
+    serial = build_models(tmp_path / "s", ["gpt2", "bloom"], size="micro", pretrain_steps=2,
+                          jobs=1, threads=1)  # fmt: skip
+    assert [i.arch for i in side] == ["gpt2", "bloom"]
+    for a, b in zip(side, serial, strict=True):
+        assert a.config_hash == b.config_hash and a.extra["threads"] == 1
+        wa = load_file(str(Path(a.path) / "model.safetensors"))
+        wb = load_file(str(Path(b.path) / "model.safetensors"))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # Progress from the worker processes reaches the caller.
+    assert {(e.arch, e.phase) for e in events} >= {("gpt2", "done"), ("bloom", "done")}
+    assert torch.get_num_threads() >= 1
+
+
+def test_hidden_categories_are_left_out_of_pretraining(tmp_path: Path) -> None:
+    from peerlm.agent.models.tiny import DEFAULT_HIDDEN, public_corpus
+    from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES
+
+    assert DEFAULT_HIDDEN == DEFAULT_PRIVATE_CATEGORIES
+    texts, digest = public_corpus(4)
+    everything, digest_all = public_corpus(4, hidden=())
+    assert len(texts) == 8 * 4 and len(everything) == 12 * 4 and digest != digest_all
+    assert not any(".get(" in t or "rjust" in t for t in texts)  # dict and format code
+    [hidden] = build_models(tmp_path / "h", ["gpt2"], size="micro", pretrain_steps=1)
+    [shown] = build_models(tmp_path / "a", ["gpt2"], size="micro", pretrain_steps=1, hidden=())
+    assert hidden.extra["hidden_categories"] == list(DEFAULT_HIDDEN)
+    assert shown.extra["hidden_categories"] == []
+    assert hidden.config_hash != shown.config_hash
+    with pytest.raises(ValueError, match="unknown hidden"):
+        build_models(tmp_path / "x", ["gpt2"], size="micro", hidden=("cooking",))
+
+
 def test_a_half_built_directory_is_rebuilt(tmp_path: Path) -> None:
     [a] = build_models(tmp_path, ["bloom"], size="micro", pretrain_steps=0)
     assert a.final_loss is None
@@ -205,8 +242,60 @@ def test_cli_build_json_then_list(tmp_path: Path) -> None:
 def test_cli_rejects_unknown_architecture(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["build", "--arch", "t5", "--dir", str(tmp_path)])
     assert result.exit_code != 0
+    hidden = CliRunner().invoke(app, ["build", "--hidden", "dict,cooking", "--dir", str(tmp_path)])
+    assert hidden.exit_code != 0 and "cooking" in hidden.output
     assert not any(tmp_path.iterdir())
+
+
+def test_cli_progress_off_a_terminal_is_one_line_per_tenth(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["build", "--size", "micro", "--arch", "gpt2", "--steps", "20", "--hidden", "",
+              "--dir", str(tmp_path), "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("model gpt2: step")]
+    assert [line.split()[3] for line in lines] == [f"{2 * i}/20" for i in range(1, 11)]
+    assert "model gpt2: done" in result.stderr
+    info = json.loads(result.stdout)["models"][0]
+    assert info["extra"]["hidden_categories"] == [] and info["extra"]["cpu_seconds"] > 0
 
 
 def test_environment_is_offline() -> None:
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def test_one_model_cache_for_up_experiment_and_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    from peerlm.app.cli_models import DEFAULT_DIR, MODELS_DIR_ENV, models_cache_dir
+
+    monkeypatch.delenv(MODELS_DIR_ENV, raising=False)
+    assert models_cache_dir("tiny") == DEFAULT_DIR == Path("state/models")
+    assert models_cache_dir("micro") == Path("state/models-micro")
+    monkeypatch.setenv(MODELS_DIR_ENV, "/srv/cache/m")
+    assert models_cache_dir("tiny") == Path("/srv/cache/m")
+    assert models_cache_dir("micro") == Path("/srv/cache/m-micro")
+
+
+def test_a_model_another_process_put_in_place_is_accepted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared cache: when the target appears while we build (another process built the
+    same model), our rename fails and the other build is taken if it is the same model."""
+    import shutil
+
+    from peerlm.agent.models import tiny
+
+    [first] = build_models(tmp_path, ["gpt2"], size="micro", pretrain_steps=1)
+    target = Path(first.path)
+    real_rmtree = shutil.rmtree
+
+    def keep_target(path: object, *args: object, **kwargs: object) -> None:
+        if Path(str(path)) != target:
+            real_rmtree(str(path), ignore_errors=True)
+
+    monkeypatch.setattr(tiny.shutil, "rmtree", keep_target)
+    [again] = build_models(tmp_path, ["gpt2"], size="micro", pretrain_steps=1, force=True)
+    assert again.config_hash == first.config_hash
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+    (target / MANIFEST_NAME).write_text("{}")  # now it is not the same model
+    with pytest.raises(OSError):
+        build_models(tmp_path, ["gpt2"], size="micro", pretrain_steps=1, force=True)

@@ -38,6 +38,11 @@ class _ExchangeRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Exchange
     """The recipient of this directive sends its knowledge package to the peer."""
     EXCHANGE_ROLE_STUDENT: _ExchangeRole.ValueType  # 2
     """The recipient receives the peer's package, integrates it and reports the reward."""
+    EXCHANGE_ROLE_UNMATCHED: _ExchangeRole.ValueType  # 3
+    """Not a directive: the recipient's profile was considered in `matchmaking_round` and not
+    paired, so it trains locally at once instead of waiting for its round timeout. Only
+    `matchmaking_round` and `role` are set; never replayed (a missed notice costs the wait).
+    """
 
 class ExchangeRole(_ExchangeRole, metaclass=_ExchangeRoleEnumTypeWrapper): ...
 
@@ -46,6 +51,11 @@ EXCHANGE_ROLE_TEACHER: ExchangeRole.ValueType  # 1
 """The recipient of this directive sends its knowledge package to the peer."""
 EXCHANGE_ROLE_STUDENT: ExchangeRole.ValueType  # 2
 """The recipient receives the peer's package, integrates it and reports the reward."""
+EXCHANGE_ROLE_UNMATCHED: ExchangeRole.ValueType  # 3
+"""Not a directive: the recipient's profile was considered in `matchmaking_round` and not
+paired, so it trains locally at once instead of waiting for its round timeout. Only
+`matchmaking_round` and `role` are set; never replayed (a missed notice costs the wait).
+"""
 Global___ExchangeRole: _TypeAlias = ExchangeRole  # noqa: Y015
 
 @_typing.final

@@ -1,0 +1,96 @@
+"""Paired bootstrap over seeds and test problems, for ``peerlm run-experiment``.
+
+Every strategy of a run is measured on the same units: the same run seeds, and per seed
+the same (client, test problem) pairs of a slice (the world and the models do not change
+with the run seed). A metric is therefore a matrix ``values[seed, unit]`` per strategy,
+and a difference between two strategies is a difference of two such matrices cell by cell.
+
+The interval is a two-level (crossed) percentile bootstrap: each replicate draws the seeds
+with replacement and, independently, the units with replacement, and takes the mean of
+the selected cells. The *same* draws are used for every strategy within a replicate, so a
+difference's interval is the paired one (the variance shared by two strategies on the same
+problem cancels). Resampling both levels takes the seed-to-seed variance (adapters,
+batches, pairing, samples) and the problem-to-problem variance into account.
+
+Written with numpy by hand because ``scipy.stats.bootstrap`` resamples one axis of paired
+samples; it has no crossed two-level resampling. The seed of the bootstrap is fixed, so a
+table is reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Estimate", "paired_bootstrap"]
+
+Matrix = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean (or a difference of means) with its 95% percentile interval."""
+
+    mean: float
+    low: float
+    high: float
+
+    def to_dict(self) -> dict[str, float | list[float]]:
+        """JSON form: ``{"mean": m, "ci95": [low, high]}``."""
+        return {"mean": self.mean, "ci95": [self.low, self.high]}
+
+
+def _check(values: Mapping[str, Matrix]) -> tuple[int, int]:
+    shapes = {np.shape(v) for v in values.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"every strategy needs the same [seeds, units] matrix, got {shapes}")
+    shape = shapes.pop()
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"need a non-empty [seeds, units] matrix, got shape {shape}")
+    return int(shape[0]), int(shape[1])
+
+
+def paired_bootstrap(
+    values: Mapping[str, Matrix],
+    pairs: list[tuple[str, str]],
+    *,
+    replicates: int = 2000,
+    seed: int = 12345,
+) -> tuple[dict[str, Estimate], dict[tuple[str, str], Estimate]]:
+    """Means per strategy and differences ``a - b`` for ``pairs``, with 95% intervals.
+
+    ``values[name]`` is a ``[seeds, units]`` matrix (the same shape for every name);
+    NaN cells are not allowed. Returns (per strategy, per pair).
+    """
+    if not values:
+        raise ValueError("no strategies to compare")
+    n_seeds, n_units = _check(values)
+    names = list(values)
+    for a, b in pairs:
+        if a not in values or b not in values:
+            raise ValueError(f"unknown strategy in pair ({a}, {b})")
+    stacked = np.stack([np.asarray(values[n], dtype=np.float64) for n in names])
+    if not np.all(np.isfinite(stacked)):
+        raise ValueError("values must be finite")
+    rng = np.random.default_rng(seed)
+    boots = np.empty((replicates, len(names)))
+    for r in range(replicates):
+        s = rng.integers(0, n_seeds, n_seeds)
+        u = rng.integers(0, n_units, n_units)
+        # Mean over the crossed selection: rows s, columns u of every strategy.
+        boots[r] = stacked[:, s][:, :, u].mean(axis=(1, 2))
+    point = stacked.mean(axis=(1, 2))
+
+    def estimate(center: float, dist: Matrix) -> Estimate:
+        low, high = np.percentile(dist, [2.5, 97.5])
+        return Estimate(float(center), float(low), float(high))
+
+    means = {n: estimate(point[i], boots[:, i]) for i, n in enumerate(names)}
+    diffs: dict[tuple[str, str], Estimate] = {}
+    for a, b in pairs:
+        i, j = names.index(a), names.index(b)
+        diffs[(a, b)] = estimate(point[i] - point[j], boots[:, i] - boots[:, j])
+    return means, diffs
