@@ -1,5 +1,6 @@
 """Issue 11, overlay: one member flooding Deliver is limited per sender while another
-member's messages are still accepted (real overlay node, mTLS on loopback)."""
+member's messages are still accepted, and an address claimed for a node is dialled only
+when the server there holds that node's certificate (real overlay node, mTLS on loopback)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ import pytest
 import structlog
 from peerlm.overlay import codec
 from peerlm.overlay import messages as m
+from peerlm.overlay.dialcheck import CertifiedAddressVerifier
 from peerlm.overlay.main import OverlayRuntime
+from peerlm.overlay.metrics import OverlayMetrics
 from peerlm.overlay.ratelimit import SenderBuckets
+from peerlm.overlay.transport import DeliveryPolicy, PeerPool
 from prometheus_client import CollectorRegistry
 
 from peerlm.config import GrpcLimits, OverlaySettings, load_settings
+from peerlm.metrics import new_registry
 from peerlm.rpc import create_channel
 from peerlm.security.credentials import channel_credentials
 from peerlm.wire.v1 import overlay_pb2_grpc
-from tests.overlay_process_harness import FEDERATION, OverlayPki
+from tests.overlay_process_harness import FEDERATION, OverlayPki, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -117,3 +122,51 @@ def test_buckets_refill_at_the_rate_and_forget_the_oldest_sender() -> None:
     assert buckets.take("a", 5)
     with pytest.raises(ValueError):
         SenderBuckets(rate=0, burst=5)
+
+
+class Pool:
+    """A PeerPool speaking as ``a`` that checks every address before dialling it."""
+
+    def __init__(self, pki: OverlayPki) -> None:
+        self.registry = new_registry()
+        creds = channel_credentials(pki.tls("a"))
+        self.pool = PeerPool(
+            "a",
+            lambda target: create_channel(target, GrpcLimits(), creds),
+            DeliveryPolicy(retries=1, backoff_s=0.05),
+            OverlayMetrics(self.registry),
+            LOG,
+            verify_address=CertifiedAddressVerifier(pki.tls("a"), FEDERATION),
+        )
+
+    def dropped(self, reason: str) -> float:
+        return _sample(self.registry, "peerlm_overlay_messages_dropped_total", reason=reason)
+
+
+async def test_an_address_not_bound_to_the_named_node_is_never_dialled(
+    pki: OverlayPki, receiver: OverlayRuntime
+) -> None:
+    sender = Pool(pki)
+    at_b = f"127.0.0.1:{receiver.port}"
+    # A peer-exchange claim "c is at b's address": b's certificate does not name c.
+    sender.pool.send("c", at_b, m.Heartbeat(0, "fake"))
+    await sender.pool.flush(20)
+    assert sender.dropped("unverified_address") == 1
+    assert sender.pool.size == 0
+    # A claim for an address where nothing listens is not certified either.
+    sender.pool.send("d", f"127.0.0.1:{free_port()}", m.Heartbeat(0, "nobody"))
+    await sender.pool.flush(20)
+    assert sender.dropped("unavailable") == 1
+    calls = _sample(
+        receiver.registry, "peerlm_grpc_server_requests_total", method="/peerlm.v1.Overlay/Deliver"
+    )
+    assert calls == 0  # nothing was delivered to b on c's behalf
+    # The true claim is certified and delivered.
+    sender.pool.send("b", at_b, m.Heartbeat(0, "real"))
+    await sender.pool.flush(20)
+    assert _sample(sender.registry, "peerlm_overlay_messages_sent_total") == 1
+    received = _sample(
+        receiver.registry, "peerlm_overlay_messages_received_total", kind="HEARTBEAT"
+    )
+    assert received == 1
+    await sender.pool.close()
