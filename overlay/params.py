@@ -143,6 +143,18 @@ class OverlayParams:
     max_k: int = 100_000
     """Largest K a query may ask for."""
 
+    # --- per-sender Deliver rate limit (issue 11; local, need not agree network-wide) -----
+    deliver_rate: float = 200.0
+    """Messages per second one sender may deliver to this node, sustained. The busiest
+    honest sender is a primary super-peer: heartbeats or lease renewals to up to
+    ``max_children`` children and ``root_replication`` replicas every
+    ``heartbeat_interval`` (2 x 13 = 26/s), query forwards (``beam`` per query) and a peer
+    list every ``peer_exchange_interval``; 200/s leaves about 5x headroom over that."""
+    deliver_burst: float = 512.0
+    """Messages one sender may deliver at once before the rate applies: two full batches
+    (``CodecLimits.max_batch`` = 256), so a PROBE flood of an epoch build or a queue drained
+    after a reconnect passes whole."""
+
     def __post_init__(self) -> None:
         checks = {
             "zone_cap >= 2": self.zone_cap >= 2,
@@ -167,6 +179,8 @@ class OverlayParams:
             "epoch_period > build time": self.epoch_period > self.level_duration * 2,
             "max_levels >= 1": self.max_levels >= 1,
             "0 < p_quantile <= 1": 0 < self.p_quantile <= 1,
+            "deliver_rate > 0": self.deliver_rate > 0,
+            "deliver_burst >= 1": self.deliver_burst >= 1,
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:

@@ -19,6 +19,7 @@ import grpc
 from peerlm.overlay import codec
 from peerlm.overlay.events import QueryCompleted
 from peerlm.overlay.metrics import OverlayMetrics
+from peerlm.overlay.ratelimit import SenderBuckets
 from peerlm.overlay.transport import CertificateRefused, KeyDirectory, OverlayHost
 
 from peerlm.grpc_types import ServicerContext
@@ -56,6 +57,8 @@ class OverlayService(overlay_pb2_grpc.OverlayServicer):
         self._limits = limits
         self._m = metrics
         self._log = log
+        params = host.node.params
+        self._buckets = SenderBuckets(params.deliver_rate, params.deliver_burst)
 
     async def _refuse(
         self, context: ServicerContext, code: grpc.StatusCode, reason: str, detail: str
@@ -83,6 +86,18 @@ class OverlayService(overlay_pb2_grpc.OverlayServicer):
                 "wrong_recipient",
                 f"this is node {self._host.node_id!r}, not {request.recipient!r} "
                 "(a stale address?)",
+            )
+        # Before decoding, which is the expensive part a flood would buy. A batch costs one
+        # token per message; a refused one spends nothing and changes nothing. Not logged
+        # per batch (a flood would flood the log); the counter says it.
+        cost = min(len(request.messages), self._limits.max_batch)
+        if not self._buckets.take(caller.name, cost):
+            self._m.rejected.labels("transport", "rate_limited").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{caller.name} exceeds the Deliver rate limit of this node "
+                f"({self._buckets.rate:g} messages/s, bursts of {self._buckets.burst:g}); "
+                "retry later",
             )
         try:
             decoded = codec.decode_batch(request, self._limits, sender=caller.name)

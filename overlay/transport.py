@@ -43,6 +43,7 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from peerlm.overlay import codec
+from peerlm.overlay.dialcheck import AddressCheck, AddressVerifier
 from peerlm.overlay.events import Event, LeaseTakeover, QueryCompleted, Send
 from peerlm.overlay.messages import Candidate, Message, NodeRef
 from peerlm.overlay.metrics import OverlayMetrics
@@ -249,6 +250,7 @@ class _Peer:
     queue: deque[tuple[float, Message]] = field(default_factory=deque)
     task: asyncio.Task[None] | None = None
     failing: bool = False
+    certified: bool = False
 
 
 ChannelFactory = Callable[[str], grpc.aio.Channel]
@@ -268,8 +270,13 @@ class PeerPool:
         certificate_for: codec.CertificateLookup | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
         tls_failures: TlsFailureCounter | None = None,
+        verify_address: AddressVerifier | None = None,
     ) -> None:
         self._sender = sender_id
+        # With a verifier, nothing is sent to an address until the server there proved to
+        # hold the destination's certificate (peerlm.overlay.dialcheck); None only where
+        # there are no certificates (insecure-dev).
+        self._verify = verify_address
         self._factory = channel_factory
         self._policy = policy
         self._m = metrics
@@ -347,8 +354,38 @@ class PeerPool:
         self._closers.add(closer)
         closer.add_done_callback(self._closers.discard)
 
+    async def _certify(self, peer: _Peer) -> bool:
+        """Whether ``peer``'s address is certified for it; drops its queue when not."""
+        if self._verify is None or peer.certified:
+            return True
+        for attempt in range(self._policy.retries + 1):
+            check = await self._verify(peer.node_id, peer.address)
+            if check is AddressCheck.CERTIFIED:
+                peer.certified = True
+                return True
+            if check is AddressCheck.MISMATCH or self._closing:
+                break
+            if attempt < self._policy.retries:
+                self._m.retries.inc()
+                await asyncio.sleep(self._policy.backoff_s * (2**attempt))
+        reason = "unverified_address" if check is AddressCheck.MISMATCH else "unavailable"
+        for _, msg in peer.queue:
+            self._m.dropped.labels(msg.KIND, reason).inc()
+        peer.queue.clear()
+        self._log.warning(
+            "overlay_address_refused", peer=peer.node_id, address=peer.address, reason=reason
+        )
+        if check is AddressCheck.MISMATCH:
+            # Forget the claim: a later send for this node dials (and checks) afresh. This
+            # runs in the peer's own task, which ends right after; do not cancel it.
+            peer.task = None
+            self._retire(peer)
+        return False
+
     async def _drain(self, peer: _Peer) -> None:
         try:
+            if not await self._certify(peer):
+                return
             while peer.queue:
                 batch = self._take(peer)
                 if not batch:

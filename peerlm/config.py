@@ -178,6 +178,9 @@ class OverlayProtocolSettings(_Section):
     max_signature_p: int | None = Field(default=None, ge=1)
     max_items_per_message: int | None = Field(default=None, ge=1)
     max_k: int | None = Field(default=None, ge=1)
+    # Local to each node (need not agree network-wide): the per-sender Deliver limit.
+    deliver_rate: float | None = Field(default=None, gt=0)
+    deliver_burst: float | None = Field(default=None, ge=1)
 
     def overrides(self) -> dict[str, Any]:
         """The fields that are set, as ``OverlayParams`` keyword arguments."""

@@ -11,12 +11,16 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-__all__ = ["MetricsEndpoint", "new_registry", "serve_metrics"]
+__all__ = ["MetricsEndpoint", "MetricsPortError", "new_registry", "serve_metrics"]
 
 
 def new_registry() -> CollectorRegistry:
     """A fresh registry for one process or one server instance."""
     return CollectorRegistry(auto_describe=True)
+
+
+class MetricsPortError(OSError):
+    """The metrics port could not be bound; the message names the address."""
 
 
 @dataclass
@@ -36,7 +40,15 @@ class MetricsEndpoint:
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
     """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread.
 
-    ``port=0`` picks a free port; the chosen one is in the returned endpoint.
+    ``port=0`` picks a free port; the chosen one is in the returned endpoint. A port that
+    cannot be bound (another process holds it) raises :class:`MetricsPortError` naming it.
     """
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as err:
+        raise MetricsPortError(
+            err.errno,
+            f"cannot serve metrics on {host}:{port}: {err.strerror or err} "
+            "(is another process using this metrics port? choose another one)",
+        ) from err
     return MetricsEndpoint(host=host, port=server.server_address[1], _server=server)

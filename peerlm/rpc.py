@@ -7,11 +7,13 @@ Health (``grpc.health.v1``) and reflection are registered on every server.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -62,6 +64,10 @@ def server_options(limits: GrpcLimits) -> list[tuple[str, int]]:
         # chunked transfer is one stream).
         ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
         # No max_connection_age: it would cut long-lived directive feeds at random times.
+        # gRPC sets SO_REUSEPORT by default, so a second process on a bound address would
+        # listen too and take half the connections; off, its bind fails and the error names
+        # the address ("Failed to bind to address HOST:PORT").
+        ("grpc.so_reuseport", 0),
     ]
 
 
@@ -157,13 +163,74 @@ class Oversized:
         self.size = size
 
 
+class Unparsed:
+    """A request message whose bytes have not been parsed yet.
+
+    gRPC parses a unary request before any interceptor's behaviour runs, and the servicer
+    context (which carries the caller's certificate) only exists in the behaviour, so the
+    deserializer cannot know who sent the bytes. :class:`MetricsInterceptor` therefore hands
+    gRPC a deserializer that only wraps the bytes in this object; :func:`wrap_handler` parses
+    it just before the service's own handler runs, i.e. after every interceptor (the
+    authorisation interceptor included) has admitted the call. Bytes from a caller that is
+    not authorised for the method are never parsed.
+    """
+
+    __slots__ = ("_on_malformed", "_parse", "raw")
+
+    def __init__(
+        self,
+        raw: bytes,
+        parse: Callable[[bytes], Any] | None,
+        on_malformed: Callable[[BaseException, ServicerContext], Awaitable[None]],
+    ) -> None:
+        self.raw = raw
+        self._parse = parse
+        self._on_malformed = on_malformed
+
+    async def parse(self, context: ServicerContext) -> Any:
+        """The parsed message; a parse failure ends the call with INVALID_ARGUMENT."""
+        if self._parse is None:
+            return self.raw
+        try:
+            return self._parse(self.raw)
+        except Exception as err:  # any parser error is the client's malformed input
+            await self._on_malformed(err, context)
+            raise  # unreachable: on_malformed aborts the call
+
+
+class _LogLimiter:
+    """At most one log line per key per ``interval_s``; counts what it suppressed."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def admit(self, key: str) -> int | None:
+        """None to stay silent, else how many lines were suppressed since the last one."""
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self._interval_s:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._suppressed.pop(key, 0)
+
+
+#: Seconds between two log lines about malformed requests to the same method.
+MALFORMED_LOG_INTERVAL_S = 10.0
+
+
 class MetricsInterceptor(ServerInterceptor):
     """Counts requests by method and status code, and times them; refuses oversized messages.
 
     Put it first in the interceptor list so that refusals by later interceptors are counted.
     A request message above ``limits.max_message_bytes`` is never parsed: the call ends
     with RESOURCE_EXHAUSTED and is counted in ``peerlm_grpc_server_oversized_messages_total``
-    (and in the requests counter under that code).
+    (and in the requests counter under that code). Request bytes are parsed only after every
+    interceptor has admitted the call (see :class:`Unparsed`); bytes that do not parse end the
+    call with INVALID_ARGUMENT, are counted in ``peerlm_grpc_server_malformed_messages_total``
+    and logged at most once per method per :data:`MALFORMED_LOG_INTERVAL_S`.
     """
 
     def __init__(
@@ -174,6 +241,12 @@ class MetricsInterceptor(ServerInterceptor):
         self._oversized = Counter(
             "peerlm_grpc_server_oversized_messages_total",
             "Request messages refused for exceeding max_message_bytes, by method.",
+            ["component", "method"],
+            registry=registry,
+        )
+        self._malformed = Counter(
+            "peerlm_grpc_server_malformed_messages_total",
+            "Request messages refused because their bytes do not parse, by method.",
             ["component", "method"],
             registry=registry,
         )
@@ -190,6 +263,8 @@ class MetricsInterceptor(ServerInterceptor):
             registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60),
         )
+        self._log_limiter = _LogLimiter(MALFORMED_LOG_INTERVAL_S)
+        self._log = structlog.get_logger("peerlm.rpc").bind(component=component)
 
     def _record(
         self,
@@ -214,10 +289,13 @@ class MetricsInterceptor(ServerInterceptor):
         parse = handler.request_deserializer
         limit = self._max_bytes
 
-        def guarded(raw: bytes) -> Any:
+        async def malformed(err: BaseException, context: ServicerContext) -> None:
+            await self._refuse_malformed(method, err, context)
+
+        def deferred(raw: bytes) -> Any:
             if len(raw) > limit:
                 return Oversized(len(raw))
-            return parse(raw) if parse is not None else raw
+            return Unparsed(raw, parse, malformed)
 
         streamed_requests = handler.stream_unary is not None or handler.stream_stream is not None
         return wrap_handler(
@@ -225,7 +303,7 @@ class MetricsInterceptor(ServerInterceptor):
             lambda behaviour, streaming: self._wrap(
                 method, behaviour, streaming, streamed_requests
             ),
-            request_deserializer=guarded,
+            request_deserializer=deferred,
         )
 
     async def _refuse(self, method: str, size: int, context: ServicerContext) -> None:
@@ -234,6 +312,24 @@ class MetricsInterceptor(ServerInterceptor):
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"request message of {size} bytes exceeds the limit of {self._max_bytes} bytes "
             "(large payloads travel as chunk streams)",
+        )
+
+    async def _refuse_malformed(
+        self, method: str, err: BaseException, context: ServicerContext
+    ) -> None:
+        self._malformed.labels(self._component, method).inc()
+        suppressed = self._log_limiter.admit(method)
+        if suppressed is not None:
+            self._log.warning(
+                "malformed_request",
+                method=method,
+                peer=context.peer(),
+                error=f"{type(err).__name__}: {err}",
+                suppressed_since_last=suppressed,
+            )
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request message for {method} does not parse: {type(err).__name__}",
         )
 
     def _checked(self, method: str, request: Any, context: ServicerContext, streamed: bool) -> Any:
@@ -252,16 +348,18 @@ class MetricsInterceptor(ServerInterceptor):
     def _wrap(
         self, method: str, behaviour: Behaviour, streaming: bool, streamed_requests: bool
     ) -> Behaviour:
-        if streaming:
+        async def admit(request: Any, context: ServicerContext) -> Any:
+            if isinstance(request, Oversized):
+                await self._refuse(method, request.size, context)
+            return self._checked(method, request, context, streamed_requests)
+
+        if streaming and not inspect.iscoroutinefunction(behaviour):
 
             async def stream(request: Any, context: ServicerContext) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 failed: BaseException | None = None
                 try:
-                    if isinstance(request, Oversized):
-                        await self._refuse(method, request.size, context)
-                    request = self._checked(method, request, context, streamed_requests)
-                    async for item in behaviour(request, context):
+                    async for item in _responses(behaviour, await admit(request, context), context):
                         yield item
                 except BaseException as exc:
                     failed = exc
@@ -271,14 +369,14 @@ class MetricsInterceptor(ServerInterceptor):
 
             return stream
 
+        # Unary responses, and response streams written with context.write() (for example
+        # grpc.health.v1.Health/Watch): grpc.aio tells the styles apart by the function's
+        # kind, so the wrapper must be a coroutine function too.
         async def unary(request: Any, context: ServicerContext) -> Any:
             started = time.perf_counter()
             failed: BaseException | None = None
             try:
-                if isinstance(request, Oversized):
-                    await self._refuse(method, request.size, context)
-                request = self._checked(method, request, context, streamed_requests)
-                return await behaviour(request, context)
+                return await behaviour(await admit(request, context), context)
             except BaseException as exc:
                 failed = exc
                 raise
@@ -286,6 +384,21 @@ class MetricsInterceptor(ServerInterceptor):
                 self._record(method, context, started, failed)
 
         return unary
+
+
+async def _responses(
+    behaviour: Behaviour, request: Any, context: ServicerContext
+) -> AsyncIterator[Any]:
+    """The responses of a response-streaming behaviour, whatever style it is written in."""
+    result = behaviour(request, context)
+    if hasattr(result, "__aiter__"):
+        async for item in result:
+            yield item
+    elif inspect.isawaitable(result):
+        await result  # it writes its responses with context.write()
+    elif result is not None:
+        for item in result:
+            yield item
 
 
 def _status_name(context: ServicerContext, failed: BaseException | None) -> str:
@@ -301,6 +414,42 @@ def _status_name(context: ServicerContext, failed: BaseException | None) -> str:
 
 WrapFn = Callable[[Behaviour, bool], Behaviour]
 
+#: Marks a behaviour made by :func:`wrap_handler`, as opposed to a service's own handler.
+_WRAPPED_MARK = "_peerlm_wrapped"
+
+
+def _parsing(behaviour: Behaviour, streamed_requests: bool) -> Behaviour:
+    """``behaviour`` (a service's own handler) fed parsed messages instead of :class:`Unparsed`.
+
+    Keeps the function's kind (coroutine or async generator), which grpc.aio reads.
+    """
+
+    async def parsed(request: Any, context: ServicerContext) -> Any:
+        if isinstance(request, Unparsed):
+            return await request.parse(context)
+        if not streamed_requests:
+            return request
+
+        async def messages() -> AsyncIterator[Any]:
+            async for message in request:
+                yield await message.parse(context) if isinstance(message, Unparsed) else message
+
+        return messages()
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def generator(request: Any, context: ServicerContext) -> AsyncIterator[Any]:
+            async for item in behaviour(await parsed(request, context), context):
+                yield item
+
+        return generator
+
+    async def coroutine(request: Any, context: ServicerContext) -> Any:
+        result = behaviour(await parsed(request, context), context)
+        return await result if inspect.isawaitable(result) else result
+
+    return coroutine
+
 
 def wrap_handler(
     handler: RpcMethodHandler,
@@ -311,29 +460,40 @@ def wrap_handler(
 
     ``streaming`` is True when the behaviour returns a response stream. Works for all four
     call kinds; serializers are kept unless ``request_deserializer`` replaces the request's.
+    The innermost wrapping (the one around the service's own handler) parses
+    :class:`Unparsed` requests, so parsing happens after every interceptor has run.
     """
     parse = request_deserializer or handler.request_deserializer
+    streamed_requests = handler.stream_unary is not None or handler.stream_stream is not None
+
+    def wrapped(behaviour: Behaviour, streaming: bool) -> Behaviour:
+        if not getattr(behaviour, _WRAPPED_MARK, False):
+            behaviour = _parsing(behaviour, streamed_requests)
+        result = wrap(behaviour, streaming)
+        setattr(result, _WRAPPED_MARK, True)
+        return result
+
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
-            wrap(handler.unary_unary, False),
+            wrapped(handler.unary_unary, False),
             request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
-            wrap(handler.unary_stream, True),
+            wrapped(handler.unary_stream, True),
             request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(
-            wrap(handler.stream_unary, False),
+            wrapped(handler.stream_unary, False),
             request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
     if handler.stream_stream is not None:
         return grpc.stream_stream_rpc_method_handler(
-            wrap(handler.stream_stream, True),
+            wrapped(handler.stream_stream, True),
             request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
