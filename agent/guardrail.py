@@ -38,6 +38,8 @@ import numpy.typing as npt
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
+from peerlm.metrics import get_counter
+
 __all__ = [
     "DEFAULT_ENTROPY_THRESHOLD",
     "KINDS",
@@ -294,23 +296,6 @@ def _build_index(texts: Iterable[str], n: int) -> _U64:
     return np.unique(np.concatenate(parts))
 
 
-def _get_counter(
-    registry: CollectorRegistry, name: str, documentation: str, labels: tuple[str, ...]
-) -> Counter:
-    """A counter in ``registry``, reusing one an earlier instance registered there.
-
-    An agent may build a new Guardrail (say, when its private set changes) on the same
-    registry, and prometheus-client refuses a second registration of a name.
-    """
-    try:
-        return Counter(name, documentation, labels, registry=registry)
-    except ValueError:
-        existing = getattr(registry, "_names_to_collectors", {}).get(name)
-        if isinstance(existing, Counter):
-            return existing
-        raise
-
-
 class Guardrail:
     """Removes secrets, e-mail addresses, random-looking strings and leaked private text.
 
@@ -343,7 +328,7 @@ class Guardrail:
         self._component = component
         self._removals: Counter | None = None
         if registry is not None:
-            self._removals = _get_counter(
+            self._removals = get_counter(
                 registry,
                 "peerlm_agent_guardrail_removals_total",
                 "Spans removed from outgoing texts by the Guardrail Filter, by kind",

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from peerlm.agent.tasks.dataset import Manifest
+    from peerlm.agent import Manifest
 
 __all__ = ["app"]
 
@@ -63,7 +63,7 @@ def build_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
 ) -> None:
     """Generate the bank and write clients/<i>/{train,val}.jsonl, transfer, test, manifest."""
-    from peerlm.agent.tasks.dataset import build_federation_data
+    from peerlm.agent import build_federation_data
 
     try:
         manifest = build_federation_data(
@@ -88,7 +88,8 @@ def build_command(
     typer.echo(
         f"wrote {directory}: {manifest.n_clients} clients ({train} train, {val} val), "
         f"{manifest.transfer_size} transfer, {manifest.test_size} test; "
-        f"transfer sha256 {manifest.transfer_sha256[:16]}..."
+        # In full: the agents' `transfer_sha256` setting must be exactly this.
+        f"transfer sha256 {manifest.transfer_sha256}"
     )
 
 
@@ -98,7 +99,7 @@ def show_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object.")] = False,
 ) -> None:
     """Summarise a data directory: sizes, each client's dominant categories, file integrity."""
-    from peerlm.agent.tasks.dataset import category_histogram, read_jsonl, read_manifest
+    from peerlm.agent import category_histogram, read_jsonl, read_manifest
 
     try:
         manifest = read_manifest(directory)

@@ -29,7 +29,7 @@ from rich.progress import (
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from peerlm.agent.models.tiny import BuildEvent, ModelInfo
+    from peerlm.agent import BuildEvent, ModelInfo
 
 __all__ = ["app", "build_command", "list_command", "quiet_transformers"]
 
@@ -84,7 +84,7 @@ def build_with_progress(
     force: bool = False,
 ) -> list[ModelInfo]:
     """:func:`build_models` with one progress bar per architecture on ``err``."""
-    from peerlm.agent.models.tiny import build_models
+    from peerlm.agent import build_models
 
     quiet_transformers()
     with Progress(
@@ -151,7 +151,7 @@ def build_command(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
     """Build tokenizers and models (cached: an up-to-date directory is left alone)."""
-    from peerlm.agent.models.tiny import ARCHITECTURES
+    from peerlm.agent import ARCHITECTURES
 
     if size not in ("tiny", "micro"):
         raise typer.BadParameter("size must be tiny or micro", param_hint="--size")
@@ -192,7 +192,7 @@ def list_command(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
     """List the built models under a folder (from their manifests)."""
-    from peerlm.agent.models.tiny import read_manifest
+    from peerlm.agent import read_models_manifest as read_manifest
 
     infos = []
     if directory.is_dir():

@@ -355,7 +355,7 @@ def _prepare_real(
     console: Console | None,
 ) -> AgentArgv:
     """Build (or reuse) models and Dirichlet-partitioned data; write one config per agent."""
-    from peerlm.agent.tasks.dataset import build_federation_data
+    from peerlm.agent import build_federation_data
     from peerlm.app.cli_models import build_with_progress
 
     models_dir = fed.root / "models"

@@ -53,10 +53,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 if TYPE_CHECKING:
-    from peerlm.agent.guardrail import Guardrail
-    from peerlm.agent.modelhost import ModelHost
-    from peerlm.agent.tasks.dataset import Problem
-    from peerlm.services.cpm.matchmaker import Pairing
+    from peerlm.agent import Guardrail, ModelHost, Problem
+    from peerlm.services.cpm import Pairing
 
 __all__ = [
     "ARCHS",
@@ -185,8 +183,7 @@ def consensus_texts(
 
 
 def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _World:
-    from peerlm.agent.models.tiny import build_models
-    from peerlm.agent.tasks.dataset import build_federation_data, read_jsonl, transfer_set_sha256
+    from peerlm.agent import build_federation_data, build_models, read_jsonl, transfer_set_sha256
 
     archs = tuple(dict.fromkeys(ARCHS[i % len(ARCHS)] for i in range(plan.agents)))
 
@@ -209,9 +206,7 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
 
 
 def _clients(world: _World) -> list[_Client]:
-    from peerlm.agent.guardrail import Guardrail
-    from peerlm.agent.modelhost import ModelHost
-    from peerlm.agent.models.lora import LoraSettings
+    from peerlm.agent import Guardrail, LoraSettings, ModelHost
 
     plan = world.plan
     out = []
@@ -226,8 +221,7 @@ def _clients(world: _World) -> list[_Client]:
 
 
 def _round_config(plan: ExperimentPlan, i: int) -> Any:
-    from peerlm.agent.rounds import RoundConfig
-    from peerlm.agent.training import TrainSettings
+    from peerlm.agent import RoundConfig, TrainSettings
 
     return RoundConfig(
         total_rounds=plan.rounds,
@@ -244,8 +238,7 @@ def _round_config(plan: ExperimentPlan, i: int) -> Any:
 
 def _pairing_policy(strategy: str, plan: ExperimentPlan) -> Any:
     from peerlm.config import CpmSettings
-    from peerlm.services.cpm.baselines import HeteroGreedyMatchmaker, RandomMatchmaker
-    from peerlm.services.cpm.matchmaker import Matchmaker
+    from peerlm.services.cpm import HeteroGreedyMatchmaker, Matchmaker, RandomMatchmaker
 
     if strategy == "random":
         return RandomMatchmaker(seed=plan.seed)
@@ -272,7 +265,7 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan) -> Any:
 
 
 def _test_pass1(world: _World, client: _Client) -> tuple[float, list[float]]:
-    from peerlm.agent.rounds import evaluate_pass
+    from peerlm.agent import evaluate_pass
 
     report = evaluate_pass(
         client.host, world.test, max_new_tokens=world.plan.max_new_tokens, ks=(1,)
@@ -281,7 +274,7 @@ def _test_pass1(world: _World, client: _Client) -> tuple[float, list[float]]:
 
 
 def _final_eval(world: _World, client: _Client, seed: int) -> dict[str, Any]:
-    from peerlm.agent.rounds import evaluate_pass
+    from peerlm.agent import evaluate_pass
 
     plan = world.plan
     greedy, _ = _test_pass1(world, client)
@@ -313,8 +306,7 @@ def _exchange(
     profiles: Mapping[str, np.ndarray],
     t: int,
 ) -> list[dict[str, Any]]:
-    from peerlm.agent.package import decode_package
-    from peerlm.agent.rounds import build_package, integrate_package, teacher_completions
+    from peerlm.agent import build_package, decode_package, integrate_package, teacher_completions
 
     plan = world.plan
     by_name = {c.name: c for c in clients}
@@ -332,8 +324,7 @@ def _exchange(
             for c in clients
         ]
         consensus = consensus_texts([c.host for c in clients], world.transfer, completions)
-        from peerlm.agent.guardrail import Guardrail
-        from peerlm.agent.package import build_text_package
+        from peerlm.agent import Guardrail, build_text_package
 
         data = build_text_package(
             prompts=world.transfer,
@@ -423,7 +414,7 @@ class _LocalPhase:
 
 
 def _local_phase(world: _World, c: _Client, i: int, t: int) -> _LocalPhase:
-    from peerlm.agent.rounds import local_update, sample_completions, score_completions
+    from peerlm.agent import local_update, sample_completions, score_completions
 
     plan = world.plan
     stats = local_update(c.host, c.train_examples, _round_config(plan, i), t)
@@ -447,7 +438,7 @@ def _run_strategy(
     first: Mapping[str, _LocalPhase],
     event: Event,
 ) -> dict[str, Any]:
-    from peerlm.agent.rounds import ProfileInputs, category_counts, round_profile
+    from peerlm.agent import ProfileInputs, category_counts, round_profile
 
     plan = world.plan
     clients = _clients(world)

@@ -3,7 +3,12 @@
 ``Matchmaker`` learns who should teach whom, with which protocol, from profiles and
 receiver-reported rewards; the baselines share its ``select`` / ``observe`` interface.
 See ``docs/matchmaker.md`` for the algorithm and every choice made beyond the paper.
+
+The package exports what other packages may use: this library, and ``run_cpm`` (the
+``peerlm cpm`` process, imported on first use so that the library stays free of gRPC).
 """
+
+from typing import TYPE_CHECKING, Any
 
 from .baselines import (
     HeteroGreedyMatchmaker,
@@ -31,6 +36,9 @@ from .profile import (
     validate_profiles,
 )
 from .trust import TrustLedger
+
+if TYPE_CHECKING:
+    from .server import run_cpm
 
 __all__ = [
     "DISTRIBUTION_SLICE",
@@ -60,6 +68,15 @@ __all__ = [
     "js_divergence_matrix",
     "max_weight_disjoint",
     "prefilter_pairs",
+    "run_cpm",
     "validate_profile",
     "validate_profiles",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "run_cpm":
+        from .server import run_cpm
+
+        return run_cpm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

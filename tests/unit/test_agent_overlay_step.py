@@ -27,6 +27,7 @@ from peerlm.overlay.transport import DeliveryPolicy, OverlayHost, PeerPool
 from peerlm.config import AgentOverlaySettings, GrpcLimits
 from peerlm.metrics import new_registry
 from peerlm.rpc import create_channel
+from tests.node_contexts import dev_context
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -57,17 +58,14 @@ async def _step(host: OverlayHost, model: ModelHost, registry: object, **kw: obj
         return fn(*args, **kwargs)
 
     return await overlay_round_step(
+        dev_context("peerlm", host.node_id, registry=registry),  # type: ignore[arg-type]
         host,
         model,
         ImportanceTracker(),
         settings=AgentOverlaySettings(enabled=True, k=2, **kw),  # type: ignore[arg-type]
         round_=1,
         round_timeout_s=2.0,
-        creds=None,
-        limits=GrpcLimits(),
-        registry=registry,  # type: ignore[arg-type]
         run_model=run,
-        log=structlog.get_logger("test"),
     )
 
 
