@@ -145,16 +145,7 @@ class AgentDaemon:
     def _connect(self) -> None:
         """The node context: security mode, identity, proofs, metrics registry."""
         s = self.s
-        self.ctx = NodeContext.create(
-            component="agent",
-            role=Role.AGENT,
-            federation=s.federation,
-            tls=s.tls,
-            insecure_dev=s.insecure_dev,
-            limits=s.limits,
-            log=self.log,
-            listen=s.listen,
-        )
+        self.ctx = NodeContext.from_settings(s, role=Role.AGENT, log=self.log)
         # The CPM target under the same decision (insecure-dev: loopback only), said at start.
         resolve_channel_security(
             insecure_dev=s.insecure_dev,

@@ -126,7 +126,6 @@ def build_overlay_host(ctx: NodeContext, config: OverlayHostConfig) -> OverlaySt
         rng=config.seed,
         key_resolver=keys.resolve if keys is not None else None,
     )
-    # TLS handshake failures of Deliver are counted by the context's channels.
     pool = PeerPool(
         identity.name,
         ctx.channel_factory(),
@@ -135,6 +134,7 @@ def build_overlay_host(ctx: NodeContext, config: OverlayHostConfig) -> OverlaySt
         ctx.log,
         certificate_for=keys.certificate if keys is not None else None,
         metadata=ctx.dev_metadata(),
+        tls_failures=ctx.tls_failures,
     )
     host = OverlayHost(
         node,

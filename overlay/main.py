@@ -153,16 +153,8 @@ class OverlayRuntime:
     @classmethod
     async def create(cls, settings: OverlaySettings, log: Any) -> OverlayRuntime:
         """Check the configuration and keys, bind and start the server and the host."""
-        ctx = NodeContext.create(
-            component="overlay",
-            role=Role.OVERLAY,
-            federation=settings.federation,
-            tls=settings.tls,
-            insecure_dev=settings.insecure_dev,
-            limits=settings.limits,
-            log=log,
-            listen=settings.listen,
-            dev_name=settings.name,
+        ctx = NodeContext.from_settings(
+            settings, role=Role.OVERLAY, log=log, dev_name=settings.name
         )
         _check_identity(settings, ctx)
         params = _params(settings)

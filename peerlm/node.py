@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from peerlm.config import GrpcLimits, TlsSettings, parse_host_port
+from peerlm.config import GrpcLimits, ServiceSettings, TlsSettings, parse_host_port
 from peerlm.metrics import get_collector, get_counter, new_registry
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
 from peerlm.pki.proof import ExpectedSender, ProofSigner, SenderCheck
@@ -248,6 +248,24 @@ class NodeContext:
             credentials=credentials,
         )
 
+    @classmethod
+    def from_settings(
+        cls, settings: ServiceSettings, *, role: Role, log: Any, dev_name: str | None = None
+    ) -> NodeContext:
+        """The context of a process configured by ``settings`` (a server on its ``listen``);
+        the component label is the role's name."""
+        return cls.create(
+            component=role.value,
+            role=role,
+            federation=settings.federation,
+            tls=settings.tls,
+            insecure_dev=settings.insecure_dev,
+            limits=settings.limits,
+            log=log,
+            listen=settings.listen,
+            dev_name=dev_name,
+        )
+
     # -- what others need to know -----------------------------------------------------------
 
     @property
@@ -325,7 +343,9 @@ class NodeContext:
 
     # -- the one channel factory ------------------------------------------------------------
 
-    def dial(self, target: str, *, expect: str | Role | None = None) -> PeerChannel:
+    def dial(
+        self, target: str, *, expect: str | Role | None = None, count_tls: bool = True
+    ) -> PeerChannel:
         """A channel to the peer at ``target`` that must prove to be ``expect``.
 
         ``expect``: an agent's name, a role (any member of it, e.g. the CPM), or None for a
@@ -334,18 +354,20 @@ class NodeContext:
         (:class:`~peerlm.security.mode.SecurityConfigError` otherwise). TLS handshake
         failures of unary calls are counted in ``peerlm_grpc_client_tls_failures_total``; a
         caller of a streaming call counts its failures with :attr:`tls_failures` where it
-        handles them (a stream's handshake failure surfaces when it is read).
+        handles them (a stream's handshake failure surfaces when it is read). ``count_tls``
+        False leaves all counting to the caller (a hot path that counts its own failures).
         """
         if self.credentials is None and not is_loopback_target(target):
             raise SecurityConfigError(f"insecure-dev may only dial loopback targets, not {target}")
-        channel = create_channel(
-            target, self.limits, self.credentials, [_UnaryTlsFailures(self.tls_failures)]
-        )
+        interceptors = [_UnaryTlsFailures(self.tls_failures)] if count_tls else None
+        channel = create_channel(target, self.limits, self.credentials, interceptors)
         return PeerChannel(channel, target, self.dev_metadata(), self.expect(expect))
 
     def channel_factory(self) -> Callable[[str], grpc.aio.Channel]:
-        """``dial`` for transports that want a bare channel per target (the overlay's pool)."""
-        return lambda target: self.dial(target).channel
+        """``dial`` for a transport that wants a bare channel per target and counts its own
+        handshake failures with :attr:`tls_failures` (the overlay's delivery pool: no
+        interceptor on its many small calls)."""
+        return lambda target: self.dial(target, count_tls=False).channel
 
     # -- start-up checks --------------------------------------------------------------------
 

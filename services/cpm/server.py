@@ -33,16 +33,7 @@ async def serve_cpm(
     log: Any,
 ) -> None:
     """Run the CPM until ``stop`` is set, then shut down gracefully."""
-    ctx = NodeContext.create(
-        component="cpm",
-        role=Role.CPM,
-        federation=settings.federation,
-        tls=settings.tls,
-        insecure_dev=settings.insecure_dev,
-        limits=settings.limits,
-        log=log,
-        listen=settings.listen,
-    )
+    ctx = NodeContext.from_settings(settings, role=Role.CPM, log=log)
     metrics = CpmMetrics(ctx.registry)
     store = SqliteCpmStore(settings.db)
     core = CpmCore(settings, store, time.time)
