@@ -74,13 +74,13 @@ class OverlayStepResult:
 
 def pull_settings(overlay: AgentOverlaySettings, timeout_s: float) -> PullSettings:
     """The agent's overlay settings as :class:`PullSettings` (K = ``k``)."""
+    # Unset PDFL parameters keep PullSettings' defaults, the overlay's DEFAULT_* (one place).
+    step = {k: v for k in ("kappa", "eta", "psi") if (v := getattr(overlay, k)) is not None}
     return PullSettings(
         max_peers=overlay.k,
         timeout_s=timeout_s,
         max_adapter_bytes=overlay.max_adapter_bytes,
-        kappa=overlay.kappa,
-        eta=overlay.eta,
-        psi=overlay.psi,
+        **step,
     )
 
 

@@ -40,7 +40,7 @@ from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import PeerIdentity, Role
 from peerlm.pki.proof import ProofError, ProofSigner
 from peerlm.security.credentials import TlsFiles
-from peerlm.wire.v1 import cpm_pb2, peer_pb2, peer_pb2_grpc
+from peerlm.wire.v1 import common_pb2, cpm_pb2, peer_pb2, peer_pb2_grpc
 from tests.foreign_pki import foreign_member_credentials
 from tests.node_contexts import credentials_context, kit_context
 
@@ -490,3 +490,43 @@ async def test_a_package_fetch_is_counted_by_the_agents_registry(peer: Peer, pki
         ctx, peer.target, "m" * 32, expect="teacher", max_bytes=1 << 20, timeout_s=20.0
     )
     assert ctx.registry.get_sample_value("peerlm_agent_package_bytes_received_total") == len(data)
+
+
+async def test_the_daemons_package_fetch_is_counted_in_its_registry(peer: Peer, pki: Path) -> None:
+    """The student side of a directive (``AgentDaemon._learn_from``) records the package
+    bytes it received in the agent's registry (issue 13: it passed no registry, so the
+    count never moved). The model host is a stand-in: integration is not under test here
+    and fails after the fetch, as an exchange failure the daemon counts."""
+    from peerlm.agent.daemon import AgentDaemon, AgentSummary
+    from peerlm.agent.metrics import AgentTelemetry
+
+    from peerlm.config import AgentSettings, TlsSettings
+
+    kit = TlsFiles.from_directory(pki, "student")
+    settings = AgentSettings(
+        federation=FEDERATION,
+        tls=TlsSettings(ca_cert=kit.ca_cert, cert=kit.cert, key=kit.key),
+        cpm="127.0.0.1:1",
+        round_timeout_s=20.0,
+    )
+    daemon = AgentDaemon(settings, structlog.get_logger("test"))
+    daemon._connect()
+    daemon.telemetry = AgentTelemetry(daemon.registry)
+    daemon.summary = AgentSummary(name="student", model="none", family="none")
+    daemon.transfer_digest = TRANSFER
+    daemon.host = type("NoModel", (), {"tokenizer_hash": None})()  # type: ignore[assignment]
+    peer.add("s" * 32)
+    directive = cpm_pb2.Directive(
+        directive_id="s" * 32,
+        role=cpm_pb2.EXCHANGE_ROLE_STUDENT,
+        teacher="teacher",
+        student="student",
+        peer=common_pb2.PeerAddress(name="teacher", endpoint=peer.target),
+    )
+    try:
+        await daemon._learn_from(directive, 1)
+    finally:
+        daemon._worker.shutdown(wait=True)
+    received = daemon.registry.get_sample_value("peerlm_agent_package_bytes_received_total")
+    assert received == len(peer.payload)
+    assert peer.book.fetches("s" * 32) == 1
