@@ -266,6 +266,23 @@ class NodeContext:
             dev_name=dev_name,
         )
 
+    @classmethod
+    def client(
+        cls, tls: TlsFiles, *, role: Role, component: str = "cli", log: Any = None
+    ) -> NodeContext:
+        """The context of a tool that only dials with the kit ``tls`` (``peerlm status``,
+        ``peerlm up``'s admin calls): default limits, and no log lines of its own unless
+        ``log`` is given (the tool reports errors itself)."""
+        return cls.create(
+            component=component,
+            role=role,
+            federation="unused-with-a-certificate",
+            tls=tls,
+            insecure_dev=False,
+            limits=GrpcLimits(),
+            log=log if log is not None else _Quiet(),
+        )
+
     # -- what others need to know -----------------------------------------------------------
 
     @property
@@ -421,6 +438,16 @@ class _UnaryTlsFailures(_UnaryUnaryInterceptor):
         self, continuation: Any, client_call_details: Any, request: Any
     ) -> Any:
         return await self._inner.intercept_unary_unary(continuation, client_call_details, request)
+
+
+class _Quiet:
+    """A logger for tools whose security decision is theirs to report."""
+
+    def info(self, event: str, /, **kw: Any) -> None:
+        return None
+
+    def warning(self, event: str, /, **kw: Any) -> None:
+        return None
 
 
 def _client_mode(

@@ -93,21 +93,11 @@ def stats_to_dict(stats: Any, now: float) -> dict[str, Any]:
 
 
 def _admin_context(tls: TlsFiles) -> NodeContext:
-    """The CLI's node context for admin calls: the admin kit, default limits, and no log of
-    its own (errors are printed by the command)."""
-    from peerlm.config import GrpcLimits
+    """The CLI's node context for admin calls (errors are printed by the command)."""
     from peerlm.node import NodeContext
     from peerlm.pki.identity import Role
 
-    return NodeContext.create(
-        component="cli",
-        role=Role.ADMIN,
-        federation="peerlm",  # only names a dev identity; the certificate names ours
-        tls=tls,
-        insecure_dev=False,
-        limits=GrpcLimits(),
-        log=_Silent(),
-    )
+    return NodeContext.client(tls, role=Role.ADMIN)
 
 
 async def _get_stats(target: str, tls: TlsFiles, timeout: float) -> Any:

@@ -31,11 +31,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from peerlm.config import GrpcLimits
+from peerlm.node import NodeContext
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
-from peerlm.rpc import create_channel
-from peerlm.security.credentials import TlsFiles, channel_credentials
+from peerlm.security.credentials import TlsFiles
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["DevFederation", "cpm_command", "up_command"]
@@ -110,7 +109,7 @@ def _spawn(
 
 async def _wait_serving(target: str, tls: TlsFiles, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    channel = create_channel(target, GrpcLimits(), channel_credentials(tls))
+    channel = NodeContext.client(tls, role=Role.ADMIN).dial(target).channel
     stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
     try:
         while True:
@@ -191,7 +190,7 @@ async def _run(
                     AGENT_ENV,
                 )
             )
-        admin = create_channel(target, GrpcLimits(), channel_credentials(fed.tls("admin")))
+        admin = NodeContext.client(fed.tls("admin"), role=Role.ADMIN).dial(target).channel
         stub = cpm_pb2_grpc.MatchmakerStub(admin)  # type: ignore[no-untyped-call]
         stats = await _watch(stub, procs, agents, rounds, console)
         await admin.close(None)
