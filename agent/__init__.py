@@ -1,0 +1,178 @@
+"""The agent: a daemon hosting one LoRA-tuned model that learns with its peers (KNEXA-FL
+student/teacher exchanges, SemanticDFL pulls).
+
+What other packages (the application layer, benchmarks, other subsystems) may use is
+exported here; the modules behind it are the agent's own and may change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from peerlm.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter
+    from peerlm.agent.code_index import code_tokens
+    from peerlm.agent.cpm_client import CpmClient, next_directive
+    from peerlm.agent.daemon import AgentDaemon, AgentSummary
+    from peerlm.agent.directives import DirectiveBook
+    from peerlm.agent.evaluation import evaluate, structural_match_rate
+    from peerlm.agent.guardrail import Guardrail
+    from peerlm.agent.main import run_agent
+    from peerlm.agent.modelhost import ModelHost
+    from peerlm.agent.models.lora import LoraSettings
+    from peerlm.agent.models.tiny import ARCHITECTURES, BuildEvent, ModelInfo, build_models
+    from peerlm.agent.models.tiny import read_manifest as read_models_manifest
+    from peerlm.agent.package import build_text_package, decode_package
+    from peerlm.agent.peer_client import PeerExchangeError, fetch_package, pull_adapter
+    from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+    from peerlm.agent.rounds import (
+        Integration,
+        ProfileInputs,
+        RoundConfig,
+        build_package,
+        category_counts,
+        evaluate_pass,
+        integrate_package,
+        local_update,
+        reference_nll,
+        round_profile,
+        sample_completions,
+        score_completions,
+        teacher_completions,
+    )
+    from peerlm.agent.tasks.bank import CATEGORIES, function_key, generate_bank, public_problems
+    from peerlm.agent.tasks.dataset import (
+        Manifest,
+        Problem,
+        build_federation_data,
+        category_histogram,
+        read_jsonl,
+        read_manifest,
+        transfer_set_sha256,
+        write_jsonl,
+    )
+    from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES, World, WorldSpec
+    from peerlm.agent.training import TrainSettings
+
+#: Public name -> (module, attribute): imported on first use, so that importing the
+#: package stays cheap (no torch, numpy or grpc until a name needs them).
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "ARCHITECTURES": ("peerlm.agent.models.tiny", "ARCHITECTURES"),
+    "AdapterSpec": ("peerlm.agent.adapter_codec", "AdapterSpec"),
+    "AgentDaemon": ("peerlm.agent.daemon", "AgentDaemon"),
+    "AgentSummary": ("peerlm.agent.daemon", "AgentSummary"),
+    "BuildEvent": ("peerlm.agent.models.tiny", "BuildEvent"),
+    "CATEGORIES": ("peerlm.agent.tasks.bank", "CATEGORIES"),
+    "CpmClient": ("peerlm.agent.cpm_client", "CpmClient"),
+    "DEFAULT_PRIVATE_CATEGORIES": ("peerlm.agent.tasks.world", "DEFAULT_PRIVATE_CATEGORIES"),
+    "DirectiveBook": ("peerlm.agent.directives", "DirectiveBook"),
+    "Guardrail": ("peerlm.agent.guardrail", "Guardrail"),
+    "Integration": ("peerlm.agent.rounds", "Integration"),
+    "LoraSettings": ("peerlm.agent.models.lora", "LoraSettings"),
+    "Manifest": ("peerlm.agent.tasks.dataset", "Manifest"),
+    "ModelHost": ("peerlm.agent.modelhost", "ModelHost"),
+    "ModelInfo": ("peerlm.agent.models.tiny", "ModelInfo"),
+    "PeerExchangeError": ("peerlm.agent.peer_client", "PeerExchangeError"),
+    "PeerExchangeService": ("peerlm.agent.peer_service", "PeerExchangeService"),
+    "Problem": ("peerlm.agent.tasks.dataset", "Problem"),
+    "ProfileInputs": ("peerlm.agent.rounds", "ProfileInputs"),
+    "RoundConfig": ("peerlm.agent.rounds", "RoundConfig"),
+    "TrainSettings": ("peerlm.agent.training", "TrainSettings"),
+    "World": ("peerlm.agent.tasks.world", "World"),
+    "WorldSpec": ("peerlm.agent.tasks.world", "WorldSpec"),
+    "build_federation_data": ("peerlm.agent.tasks.dataset", "build_federation_data"),
+    "build_models": ("peerlm.agent.models.tiny", "build_models"),
+    "build_package": ("peerlm.agent.rounds", "build_package"),
+    "build_text_package": ("peerlm.agent.package", "build_text_package"),
+    "category_counts": ("peerlm.agent.rounds", "category_counts"),
+    "category_histogram": ("peerlm.agent.tasks.dataset", "category_histogram"),
+    "code_tokens": ("peerlm.agent.code_index", "code_tokens"),
+    "decode_package": ("peerlm.agent.package", "decode_package"),
+    "encode_adapter": ("peerlm.agent.adapter_codec", "encode_adapter"),
+    "evaluate": ("peerlm.agent.evaluation", "evaluate"),
+    "evaluate_pass": ("peerlm.agent.rounds", "evaluate_pass"),
+    "fetch_package": ("peerlm.agent.peer_client", "fetch_package"),
+    "function_key": ("peerlm.agent.tasks.bank", "function_key"),
+    "generate_bank": ("peerlm.agent.tasks.bank", "generate_bank"),
+    "integrate_package": ("peerlm.agent.rounds", "integrate_package"),
+    "local_update": ("peerlm.agent.rounds", "local_update"),
+    "next_directive": ("peerlm.agent.cpm_client", "next_directive"),
+    "public_problems": ("peerlm.agent.tasks.bank", "public_problems"),
+    "pull_adapter": ("peerlm.agent.peer_client", "pull_adapter"),
+    "read_jsonl": ("peerlm.agent.tasks.dataset", "read_jsonl"),
+    "read_manifest": ("peerlm.agent.tasks.dataset", "read_manifest"),
+    "read_models_manifest": ("peerlm.agent.models.tiny", "read_manifest"),
+    "reference_nll": ("peerlm.agent.rounds", "reference_nll"),
+    "round_profile": ("peerlm.agent.rounds", "round_profile"),
+    "run_agent": ("peerlm.agent.main", "run_agent"),
+    "sample_completions": ("peerlm.agent.rounds", "sample_completions"),
+    "score_completions": ("peerlm.agent.rounds", "score_completions"),
+    "serve_peer": ("peerlm.agent.peer_service", "serve_peer"),
+    "structural_match_rate": ("peerlm.agent.evaluation", "structural_match_rate"),
+    "teacher_completions": ("peerlm.agent.rounds", "teacher_completions"),
+    "transfer_set_sha256": ("peerlm.agent.tasks.dataset", "transfer_set_sha256"),
+    "write_jsonl": ("peerlm.agent.tasks.dataset", "write_jsonl"),
+}
+
+__all__ = [
+    "ARCHITECTURES",
+    "CATEGORIES",
+    "DEFAULT_PRIVATE_CATEGORIES",
+    "AdapterSpec",
+    "AgentDaemon",
+    "AgentSummary",
+    "BuildEvent",
+    "CpmClient",
+    "DirectiveBook",
+    "Guardrail",
+    "Integration",
+    "LoraSettings",
+    "Manifest",
+    "ModelHost",
+    "ModelInfo",
+    "PeerExchangeError",
+    "PeerExchangeService",
+    "Problem",
+    "ProfileInputs",
+    "RoundConfig",
+    "TrainSettings",
+    "World",
+    "WorldSpec",
+    "build_federation_data",
+    "build_models",
+    "build_package",
+    "build_text_package",
+    "category_counts",
+    "category_histogram",
+    "code_tokens",
+    "decode_package",
+    "encode_adapter",
+    "evaluate",
+    "evaluate_pass",
+    "fetch_package",
+    "function_key",
+    "generate_bank",
+    "integrate_package",
+    "local_update",
+    "next_directive",
+    "public_problems",
+    "pull_adapter",
+    "read_jsonl",
+    "read_manifest",
+    "read_models_manifest",
+    "reference_nll",
+    "round_profile",
+    "run_agent",
+    "sample_completions",
+    "score_completions",
+    "serve_peer",
+    "structural_match_rate",
+    "teacher_completions",
+    "transfer_set_sha256",
+    "write_jsonl",
+]
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -26,16 +26,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
 
-from peerlm.config import GrpcLimits
-from peerlm.pki.proof import FEED_NONCE_METADATA, ExpectedSender, ProofError
-from peerlm.rpc import create_channel
-from peerlm.security.authz import (
-    DEV_IDENTITY_METADATA_KEY,
-    TlsFailureCounter,
-    TlsFailureInterceptor,
-)
+from peerlm.metrics import get_counter
+from peerlm.node import NodeContext
+from peerlm.pki.identity import Role
+from peerlm.pki.proof import FEED_NONCE_METADATA, ProofError
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["DEV_IDENTITY_METADATA", "LAST_ROUND_METADATA", "CpmClient"]
@@ -58,49 +53,40 @@ _RETRYABLE = {
 
 
 class CpmClient:
-    """A channel to the CPM with the calls an agent makes.
+    """A channel to the CPM with the calls an agent makes, dialled by the agent's context.
 
-    ``credentials=None`` means plaintext, which only peerlm.security.mode's insecure-dev
-    decision may choose; then ``dev_identity`` (a SPIFFE URI) is sent as metadata.
+    Under mTLS the directive feed must prove it comes from a CPM (``peerlm.pki.proof``); in
+    insecure-dev the context names us with the dev identity. The CPM refuses a bad
+    certificate in the handshake, where no server code runs: only this side can count it
+    (``peerlm_grpc_client_tls_failures_total``, by the context's channel).
     """
 
     def __init__(
         self,
+        ctx: NodeContext,
         target: str,
-        limits: GrpcLimits,
-        credentials: grpc.ChannelCredentials | None,
         *,
-        dev_identity: str | None = None,
-        registry: CollectorRegistry | None = None,
-        feed_proof: ExpectedSender | None = None,
+        role: Role = Role.CPM,
         reward_retry_s: float = 60.0,
     ) -> None:
-        self._limits = limits
+        """``role``: whose proof the feed must carry (a CPM's; tests name another).
+        ``reward_retry_s``: how long a reward is re-sent after UNAVAILABLE or a deadline."""
+        self._limits = ctx.limits
+        self._peer = ctx.dial(target, expect=role)
+        self._tls_failures = ctx.tls_failures
+        self._feed_proof = self._peer.expected
+        self._channel = self._peer.channel
         self._round_offset = 0
         self._reward_retry_s = reward_retry_s
-        self._retries = (
-            Counter(
-                "peerlm_agent_cpm_recoveries_total",
-                "CPM calls recovered by the client: reward retries after UNAVAILABLE or a "
-                "deadline, round resynchronisations after stale_round.",
-                ["kind"],
-                registry=registry,
-            )
-            if registry is not None
-            else None
+        self._retries = get_counter(
+            ctx.registry,
+            "peerlm_agent_cpm_recoveries_total",
+            "CPM calls recovered by the client: reward retries after UNAVAILABLE or a "
+            "deadline, round resynchronisations after stale_round.",
+            ("kind",),
         )
-        # With mTLS: the directive feed must prove it comes from a CPM (peerlm.pki.proof).
-        self._feed_proof = feed_proof
-        # The CPM refuses a bad certificate in the handshake, where no server code runs:
-        # only this side can count it (peerlm_grpc_client_tls_failures_total).
-        interceptors = (
-            [TlsFailureInterceptor(TlsFailureCounter(registry, "agent"))] if registry else None
-        )
-        self._channel = create_channel(target, limits, credentials, interceptors)
         self._stub = cpm_pb2_grpc.MatchmakerStub(self._channel)  # type: ignore[no-untyped-call]
-        self._metadata: tuple[tuple[str, str], ...] = (
-            ((DEV_IDENTITY_METADATA_KEY, dev_identity),) if dev_identity else ()
-        )
+        self._metadata = self._peer.metadata
 
     async def close(self) -> None:
         await self._channel.close(None)
@@ -124,8 +110,7 @@ class CpmClient:
             if last is None:
                 raise
         self._round_offset = last + 1 - round_
-        if self._retries is not None:
-            self._retries.labels("round_resync").inc()
+        self._retries.labels("round_resync").inc()
         return await self._submit(round_ + self._round_offset, features, peer_endpoint)
 
     async def _submit(
@@ -176,8 +161,7 @@ class CpmClient:
                 )
                 if not retryable or time.monotonic() + backoff > deadline:
                     raise
-            if self._retries is not None:
-                self._retries.labels("reward_retry").inc()
+            self._retries.labels("reward_retry").inc()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -212,6 +196,8 @@ class CpmClient:
                         yield d
                 # A clean end means the CPM is shutting down: reconnect once it is back.
             except grpc.aio.AioRpcError as err:
+                # A feed's handshake failure surfaces here (unary calls: the channel counts).
+                self._tls_failures.observe(err)
                 if err.code() not in _RETRYABLE:
                     raise
             finally:

@@ -56,10 +56,9 @@ from peerlm.agent.rounds import (
 
 from peerlm.chunks import HashedPayload
 from peerlm.config import AgentSettings, parse_host_port
-from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
-from peerlm.pki.proof import ExpectedSender, ProofSigner, SenderCheck
-from peerlm.security.credentials import channel_credentials, tls_files_from_settings
-from peerlm.security.mode import SecurityMode, resolve_channel_security, resolve_security
+from peerlm.node import NodeContext
+from peerlm.pki.identity import Role
+from peerlm.security.mode import resolve_channel_security
 from peerlm.wire.v1 import cpm_pb2
 
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
@@ -132,49 +131,45 @@ class AgentDaemon:
         return await loop.run_in_executor(self._worker, lambda: fn(*args, **kwargs))
 
     async def _setup(self) -> None:
-        from peerlm.agent.checkpoint import CheckpointStore
-        from peerlm.agent.directives import DirectiveBook
-        from peerlm.agent.guardrail import agent_guardrail
-        from peerlm.agent.modelhost import ModelHost
-        from peerlm.agent.models.lora import LoraSettings
-        from peerlm.agent.peer_service import PeerExchangeService, serve_peer
-        from peerlm.agent.sandbox import SandboxTelemetry, require_confinement
-        from peerlm.agent.tasks.dataset import read_jsonl, transfer_set_sha256
-
-        from peerlm.metrics import new_registry, serve_metrics
-
-        s = self.s
-        host, _ = parse_host_port(s.listen)
-        self.tls = tls_files_from_settings(s.tls)
-        self.mode = resolve_security(
-            insecure_dev=s.insecure_dev,
-            listen_host=host,
-            tls=self.tls,
-            component="agent",
-            logger=self.log,
+        self._connect()
+        self._load_data()
+        await self._load_model()
+        await self._restore()
+        await self._serve()
+        self.cpm = CpmClient(self.ctx, self.s.cpm)
+        self.log.info(
+            "agent_ready",
+            endpoint=self.endpoint,
+            model=str(self.s.model),
+            family=self.host.family,
+            trainable_share=round(self.host.trainable_share, 5),
+            train=len(self.train),
+            val=len(self.val),
+            transfer=len(self.transfer_prompts),
+            transfer_sha256=self.transfer_digest,
+            round=self.state["round"],
         )
+
+    def _connect(self) -> None:
+        """The node context: security mode, identity, proofs, metrics registry."""
+        s = self.s
+        self.ctx = NodeContext.from_settings(s, role=Role.AGENT, log=self.log)
+        # The CPM target under the same decision (insecure-dev: loopback only), said at start.
         resolve_channel_security(
             insecure_dev=s.insecure_dev,
             target=s.cpm,
-            tls=self.tls,
+            tls=self.ctx.tls,
             component="agent",
             logger=self.log,
         )
-        if self.tls is not None:
-            self.identity = identity_from_certificate_pem(self.tls.cert.read_bytes())
-        else:
-            self.identity = PeerIdentity(s.federation, Role.AGENT, "dev-agent")
-        self.creds = channel_credentials(self.tls) if self.tls else None
-        # Sender proofs (peerlm.pki.proof): what we stream carries our certificate's
-        # signature, and what we fetch must carry that of the peer we meant to reach.
-        self.signer: ProofSigner | None = None
-        self.sender_check: SenderCheck | None = None
-        if self.tls is not None:
-            bundle = self.tls.load()
-            self.signer = ProofSigner.from_pem(bundle.cert, bundle.key)
-            self.sender_check = SenderCheck.from_pem(bundle.ca_cert, self.identity.federation)
+        self.identity = self.ctx.identity
+        self.registry = self.ctx.registry
 
-        # Data: private sets and the pinned public transfer set.
+    def _load_data(self) -> None:
+        """The private sets and the pinned public transfer set X_u (its SHA-256 checked)."""
+        from peerlm.agent.tasks.dataset import read_jsonl, transfer_set_sha256
+
+        s = self.s
         self.train = read_jsonl(s.train_file)
         self.val = read_jsonl(s.val_file)
         transfer = read_jsonl(s.transfer_file)
@@ -200,6 +195,14 @@ class AgentDaemon:
             for name, path in s.eval_slice_files.items()
         }
 
+    async def _load_model(self) -> None:
+        """The model host (on the model thread), round configuration, telemetry, guardrail."""
+        from peerlm.agent.guardrail import agent_guardrail
+        from peerlm.agent.modelhost import ModelHost
+        from peerlm.agent.models.lora import LoraSettings
+        from peerlm.agent.sandbox import SandboxTelemetry, require_confinement
+
+        s = self.s
         lora = LoraSettings(
             r=s.lora_rank,
             alpha=s.lora_alpha,
@@ -208,7 +211,6 @@ class AgentDaemon:
         )
         self.host = await self._model(ModelHost.load, s.model, lora, device=s.device, seed=s.seed)
         self.config = RoundConfig.from_settings(s)
-        self.registry = new_registry()
         self.telemetry = AgentTelemetry(self.registry)
         # Generated code is run only confined: refuse to start (before any model output is
         # executed) when this kernel lacks Landlock or seccomp, unless the operator opted out.
@@ -223,10 +225,15 @@ class AgentDaemon:
             ngram=s.guardrail_ngram,
             registry=self.registry,
         )
-        self.checkpoints = CheckpointStore(s.state_dir / "checkpoints")
+
+    async def _restore(self) -> None:
+        """The latest checkpoint's adapter, round state and summary, if there is one."""
+        from peerlm.agent.checkpoint import CheckpointStore
+
+        self.checkpoints = CheckpointStore(self.s.state_dir / "checkpoints")
         self.summary = AgentSummary(
             name=self.identity.name,
-            model=str(s.model),
+            model=str(self.s.model),
             family=self.host.family,
             trainable_share=self.host.trainable_share,
         )
@@ -240,7 +247,15 @@ class AgentDaemon:
                 self.summary = AgentSummary(**saved)
             self.log.info("checkpoint_restored", round=self.state["round"])
 
-        # Peer exchange server and the directive book it verifies requests against.
+    async def _serve(self) -> None:
+        """The peer-exchange server (with the overlay when enabled), the directive book it
+        checks requests against, and the metrics endpoint."""
+        from peerlm.agent.directives import DirectiveBook
+        from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+
+        from peerlm.metrics import serve_metrics
+
+        s = self.s
         self.book = DirectiveBook(time.time)
         self._predictions: dict[str, asyncio.Future[list[str]]] = {}
         service = PeerExchangeService(
@@ -252,66 +267,26 @@ class AgentDaemon:
             max_adapter_bytes=self.host.adapter_spec().max_encoded_bytes(),
             registry=self.registry,
             log=self.log,
-            signer=self.signer,
+            signer=self.ctx.signer,
         )
         if s.overlay.enabled:
             from peerlm.agent.overlay_node import serve_agent
-            from peerlm.overlay.signature import ImportanceTracker
+            from peerlm.overlay import ImportanceTracker
 
             self.importance = ImportanceTracker(s.overlay.importance_beta)
             saved_importance = self.state.get("importance")
             if isinstance(saved_importance, dict):
                 self.importance.load_state_dict(saved_importance)
-            self.server, self.port, self.overlay = await serve_agent(
-                service,
-                settings=s,
-                identity=self.identity,
-                tls=self.tls,
-                mode=self.mode,
-                registry=self.registry,
-                log=self.log,
-            )
+            self.server, self.overlay = await serve_agent(self.ctx, service, s)
         else:
-            self.server, self.port = await serve_peer(
-                service,
-                listen=s.listen,
-                tls=self.tls,
-                limits=s.limits,
-                registry=self.registry,
-                federation=s.federation,
-                mode=self.mode,
-                log=self.log,
-            )
-        self.endpoint = s.advertise or f"{host}:{self.port}"
+            self.server = await serve_peer(self.ctx, service, listen=s.listen)
+        host, _ = parse_host_port(s.listen)
+        self.endpoint = s.advertise or f"{host}:{self.server.port}"
+        self.ctx.check_advertised(self.endpoint)
         self.metrics_endpoint = (
             serve_metrics(self.registry, s.metrics_host, s.metrics_port)
             if s.metrics_port is not None
             else None
-        )
-        dev_identity = None if self.mode is SecurityMode.MTLS else self.identity.spiffe_uri
-        self.cpm = CpmClient(
-            s.cpm,
-            s.limits,
-            self.creds,
-            dev_identity=dev_identity,
-            registry=self.registry,
-            feed_proof=(
-                ExpectedSender(self.sender_check, None, self.identity.name, Role.CPM)
-                if self.sender_check is not None
-                else None
-            ),
-        )
-        self.log.info(
-            "agent_ready",
-            endpoint=self.endpoint,
-            model=str(s.model),
-            family=self.host.family,
-            trainable_share=round(self.host.trainable_share, 5),
-            train=len(self.train),
-            val=len(self.val),
-            transfer=len(self.transfer_prompts),
-            transfer_sha256=digest,
-            round=self.state["round"],
         )
 
     # ------------------------------------------------------------ teacher side
@@ -649,18 +624,14 @@ class AgentDaemon:
             self.log.warning("overlay_step", round=t, outcome="not_joined")
             return
         result = await overlay_round_step(
+            self.ctx,
             self.overlay.host,
             self.host,
             self.importance,
             settings=self.s.overlay,
             round_=t,
             round_timeout_s=self.s.round_timeout_s,
-            creds=self.creds,
-            limits=self.s.limits,
-            registry=self.registry,
             run_model=self._model,
-            log=self.log,
-            sender_check=self.sender_check,
             gate=self._gate(),
         )
         self._count_overlay(result.outcome, result)
@@ -753,12 +724,6 @@ class AgentDaemon:
                 return None
         return None
 
-    def _expect(self, sender: str) -> ExpectedSender | None:
-        """The proof a transfer from ``sender`` must carry (none in insecure-dev)."""
-        if self.sender_check is None:
-            return None
-        return ExpectedSender(self.sender_check, sender, self.identity.name)
-
     async def _learn_from(self, d: cpm_pb2.Directive, t: int) -> None:
         """Student side of a directive: fetch, integrate by AKD (Eq. 2), report Eq. 3."""
         from peerlm.agent.modelhost import TokenizerMismatchError
@@ -769,15 +734,13 @@ class AgentDaemon:
         s = self.s
         try:
             data = await fetch_package(
+                self.ctx,
                 d.peer.endpoint,
-                self.creds,
                 d.directive_id,
-                limits=s.limits,
+                expect=d.teacher,
                 max_bytes=s.max_package_bytes,
                 timeout_s=s.round_timeout_s,
-                dev_identity=None if self.mode is SecurityMode.MTLS else self.identity.spiffe_uri,
                 tokenizer_sha256=self.host.tokenizer_hash,
-                expect=self._expect(d.teacher),
             )
             package = decode_package(
                 data,
@@ -898,7 +861,7 @@ class AgentDaemon:
         if self.overlay is not None:
             # Leave gracefully while the server still answers the neighbours' handover.
             await self.overlay.close()
-        await self.server.stop(self.s.limits.shutdown_grace_s)
+        await self.server.stop()
         # A fetch that started during the linger finishes inside the graceful stop; count
         # its bytes too, so the summary's sent and the students' received agree.
         self._count_sent()

@@ -56,6 +56,8 @@ from peerlm.agent.disguise import PII_PATTERNS, encoded_spans, strip_invisible
 from peerlm.agent.incoming import risky_imports
 from prometheus_client import CollectorRegistry, Counter
 
+from peerlm.metrics import get_counter
+
 __all__ = [
     "DEFAULT_CODE_NGRAM",
     "DEFAULT_ENTROPY_THRESHOLD",
@@ -355,23 +357,6 @@ def agent_guardrail(
     )
 
 
-def _get_counter(
-    registry: CollectorRegistry, name: str, documentation: str, labels: tuple[str, ...]
-) -> Counter:
-    """A counter in ``registry``, reusing one an earlier instance registered there.
-
-    An agent may build a new Guardrail (say, when its private set changes) on the same
-    registry, and prometheus-client refuses a second registration of a name.
-    """
-    try:
-        return Counter(name, documentation, labels, registry=registry)
-    except ValueError:
-        existing = getattr(registry, "_names_to_collectors", {}).get(name)
-        if isinstance(existing, Counter):
-            return existing
-        raise
-
-
 class Guardrail:
     """Removes secrets, e-mail addresses, random-looking strings and leaked private text.
 
@@ -407,13 +392,13 @@ class Guardrail:
         self._removals: Counter | None = None
         self._rejected: Counter | None = None
         if registry is not None:
-            self._removals = _get_counter(
+            self._removals = get_counter(
                 registry,
                 "peerlm_agent_guardrail_removals_total",
                 "Spans removed from outgoing texts by the Guardrail Filter, by kind",
                 ("component", "kind"),
             )
-            self._rejected = _get_counter(
+            self._rejected = get_counter(
                 registry,
                 "peerlm_agent_guardrail_incoming_rejected_total",
                 "Items of incoming packages not learnt from, by reason",

@@ -17,45 +17,30 @@ there is refused.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any
 
-import grpc
-from cryptography import x509
-from cryptography.hazmat.primitives.serialization import Encoding
 from peerlm.agent.peer_service import PEER_POLICY, PEER_SERVICE_NAME, PeerExchangeService
-from peerlm.overlay.codec import CodecLimits
-from peerlm.overlay.main import certified_vrf_secret, describe_bootstrap, parse_bootstrap
-from peerlm.overlay.messages import NodeRef
-from peerlm.overlay.metrics import OverlayMetrics
-from peerlm.overlay.node import OverlayNode
-from peerlm.overlay.params import OverlayParams
-from peerlm.overlay.service import OVERLAY_POLICY, SERVICE_NAME, OverlayService
-from peerlm.overlay.transport import (
+from peerlm.overlay import (
+    OVERLAY_POLICY,
     DeliveryPolicy,
-    KeyDirectory,
-    OverlayClock,
+    NodeRef,
     OverlayHost,
-    PeerPool,
+    OverlayHostConfig,
+    OverlayParams,
+    build_overlay_host,
+    certified_vrf_secret,
+    describe_bootstrap,
+    name_seed,
+    parse_bootstrap,
 )
-from prometheus_client import CollectorRegistry
+from peerlm.overlay import OVERLAY_SERVICE_NAME as SERVICE_NAME
 
 from peerlm.config import AgentSettings, parse_host_port
+from peerlm.node import NodeContext, NodeServer, Service
 from peerlm.pki.ca import vrf_key_path
-from peerlm.pki.identity import PeerIdentity
-from peerlm.rpc import (
-    MetricsInterceptor,
-    add_health_and_reflection,
-    create_channel,
-    create_server,
-    set_serving,
-)
-from peerlm.security.authz import AuthInterceptor, TlsFailureCounter
-from peerlm.security.credentials import TlsFiles, bind_server, channel_credentials
 from peerlm.security.mode import SecurityConfigError, SecurityMode
-from peerlm.wire.v1 import overlay_pb2_grpc, peer_pb2_grpc
+from peerlm.wire.v1 import peer_pb2_grpc
 
 __all__ = ["AgentOverlay", "serve_agent"]
 
@@ -65,10 +50,9 @@ class AgentOverlay:
     """The overlay side of an agent: its node host, bootstrap and shutdown."""
 
     host: OverlayHost
-    health: Any
+    server: NodeServer
     settings: AgentSettings
-    dial: Any
-    log: Any
+    ctx: NodeContext
     bootstrap: tuple[NodeRef, ...] = ()
     joined: bool = False
 
@@ -83,9 +67,8 @@ class AgentOverlay:
         entries = parse_bootstrap(self.settings.overlay.bootstrap, self.host.address)
         refs, _ = await describe_bootstrap(
             entries,
-            self.dial,
+            self.ctx,
             timeout=self.settings.overlay.bootstrap_retry_s * 2,
-            log=self.log,
             own_id=self.host.node_id,
             stop=stop,
         )
@@ -93,7 +76,7 @@ class AgentOverlay:
             return False
         self.host.join(refs)
         self.bootstrap, self.joined = tuple(refs), True
-        self.log.info("overlay_joined", bootstrap=[f"{r.node_id}@{r.address}" for r in refs])
+        self.ctx.log.info("overlay_joined", bootstrap=[f"{r.node_id}@{r.address}" for r in refs])
         return True
 
     async def wait_ready(self, stop: asyncio.Event, timeout: float) -> bool:
@@ -112,106 +95,62 @@ class AgentOverlay:
 
     async def close(self) -> None:
         """Leave the overlay gracefully (the server is stopped by the daemon)."""
-        await set_serving(self.health, [SERVICE_NAME], False)
+        await self.server.serving(False, [SERVICE_NAME])
         await self.host.stop(self.settings.overlay.leave_grace_s)
 
 
-def _vrf_secret(identity: PeerIdentity, tls: TlsFiles) -> bytes:
-    path = vrf_key_path(tls.cert.parent, tls.cert.stem)
-    return certified_vrf_secret(path, identity, who="agent overlay", require_certified=True)
+def peer_exchange(service: PeerExchangeService) -> Service:
+    """The peer-exchange servicer as a :class:`~peerlm.node.Service` to serve."""
+    return Service(PEER_SERVICE_NAME, service, peer_pb2_grpc.add_PeerExchangeServicer_to_server)
 
 
 async def serve_agent(
-    service: PeerExchangeService,
-    *,
-    settings: AgentSettings,
-    identity: PeerIdentity,
-    tls: TlsFiles | None,
-    mode: SecurityMode,
-    registry: CollectorRegistry,
-    log: Any,
-) -> tuple[grpc.aio.Server, int, AgentOverlay]:
+    ctx: NodeContext, service: PeerExchangeService, settings: AgentSettings
+) -> tuple[NodeServer, AgentOverlay]:
     """Build, bind and start the agent's server with peer exchange *and* the overlay.
 
-    Returns the server, its bound port and the :class:`AgentOverlay` (host started, not
-    joined yet: call :meth:`AgentOverlay.join`).
+    Returns the server (bound port in ``.port``) and the :class:`AgentOverlay` (host
+    started, not joined yet: call :meth:`AgentOverlay.join`).
     """
-    if mode is not SecurityMode.MTLS or tls is None:
+    if ctx.mode is not SecurityMode.MTLS or ctx.tls is None:
         raise SecurityConfigError(
             "agent overlay: needs mTLS (certified VRF keys); it cannot run in insecure-dev"
         )
+    identity = ctx.identity
     if identity.role.value != "agent":
         raise SecurityConfigError(f"agent overlay: certificate role is {identity.role.value!r}")
-    secret = _vrf_secret(identity, tls)
+    path = vrf_key_path(ctx.tls.cert.parent, ctx.tls.cert.stem)
+    secret = certified_vrf_secret(path, identity, who="agent overlay", require_certified=True)
     try:
         params = OverlayParams(**settings.overlay.protocol.overrides())
     except ValueError as err:
         raise ValueError(f"overlay protocol settings: {err}") from None
     listen_host, _ = parse_host_port(settings.listen)
-    server = create_server(
-        settings.limits,
-        [
-            MetricsInterceptor(registry, "agent", settings.limits),
-            AuthInterceptor(
-                {**PEER_POLICY, **OVERLAY_POLICY},
-                federation=settings.federation,
-                mode=mode,
-                registry=registry,
-                component="agent",
+    # One policy for both services (per method, no method name shared).
+    server = ctx.bind({**PEER_POLICY, **OVERLAY_POLICY}, listen=settings.listen)
+    address = settings.advertise or f"{listen_host}:{server.port}"
+    stack = build_overlay_host(
+        ctx,
+        OverlayHostConfig(
+            address=address,
+            params=params,
+            secret=secret,
+            seed=name_seed(identity.name) ^ settings.seed,
+            delivery=DeliveryPolicy(
+                max_batch_bytes=max(64 * 1024, settings.limits.max_message_bytes - 64 * 1024)
             ),
-        ],
+        ),
     )
-    peer_pb2_grpc.add_PeerExchangeServicer_to_server(service, server)  # type: ignore[no-untyped-call]
-    port = bind_server(server, settings.listen, mode, tls)
-    address = settings.advertise or f"{listen_host}:{port}"
-
-    assert identity.vrf_public_key is not None
-    bundle = tls.load()
-    keys = KeyDirectory(
-        federation=settings.federation,
-        ca_certificate=x509.load_pem_x509_certificate(bundle.ca_cert),
-        own=(identity.name, identity.vrf_public_key, bundle.certificate.public_bytes(Encoding.DER)),
-    )
-    credentials = channel_credentials(tls)
-
-    def dial(target: str) -> grpc.aio.Channel:
-        return create_channel(target, settings.limits, credentials)
-
-    metrics = OverlayMetrics(registry)
-    seed = int.from_bytes(hashlib.sha256(identity.name.encode()).digest()[:8], "big")
-    node = OverlayNode(
-        identity.name, address, params, secret, rng=seed ^ settings.seed, key_resolver=keys.resolve
-    )
-    policy = DeliveryPolicy(
-        max_batch_bytes=max(64 * 1024, settings.limits.max_message_bytes - 64 * 1024)
-    )
-    pool = PeerPool(
-        identity.name,
-        dial,
-        policy,
-        metrics,
-        log,
-        certificate_for=keys.certificate,
-        tls_failures=TlsFailureCounter(registry, "agent"),
-    )
-    host = OverlayHost(node, pool, metrics, log, clock=OverlayClock())
-    limits = CodecLimits.from_params(params)
-    overlay_pb2_grpc.add_OverlayServicer_to_server(  # type: ignore[no-untyped-call]
-        OverlayService(host, keys, limits, metrics, log), server
-    )
-    health = add_health_and_reflection(server, [PEER_SERVICE_NAME, SERVICE_NAME])
+    server.add(peer_exchange(service))
+    server.add(stack.service)
     await server.start()
-    await host.start()
-    await set_serving(health, [PEER_SERVICE_NAME, SERVICE_NAME], True)
-    log.info(
+    await stack.start()
+    await server.serving(True)
+    ctx.log.info(
         "peer_server_started",
-        listen=f"{listen_host}:{port}",
-        security_mode=mode.value,
+        listen=f"{listen_host}:{server.port}",
+        security_mode=ctx.mode.value,
         overlay=True,
         overlay_address=address,
     )
-    return (
-        server,
-        port,
-        AgentOverlay(host=host, health=health, settings=settings, dial=dial, log=log),
-    )
+    return server, AgentOverlay(host=stack.host, server=server, settings=settings, ctx=ctx)

@@ -31,10 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from peerlm.agent.acceptance import AcceptanceGate
 from peerlm.agent.modelhost import ModelHost
-from peerlm.agent.peer_client import get_counter
 from peerlm.agent.pull_aggregate import (
     Candidate,
     ModelRunner,
@@ -42,18 +40,17 @@ from peerlm.agent.pull_aggregate import (
     PullSettings,
     pull_and_aggregate,
 )
-from peerlm.overlay.signature import (
+from peerlm.overlay import (
     ImportanceTracker,
+    OverlayHost,
     SignatureError,
     flatten_adapter,
     make_signature,
     minimal_p,
 )
-from peerlm.overlay.transport import OverlayHost
-from prometheus_client import CollectorRegistry
 
-from peerlm.config import AgentOverlaySettings, GrpcLimits
-from peerlm.pki.proof import SenderCheck
+from peerlm.config import AgentOverlaySettings
+from peerlm.node import NodeContext
 
 __all__ = ["OverlayStepResult", "overlay_round_step", "publish_signature", "pull_settings"]
 
@@ -78,14 +75,14 @@ class OverlayStepResult:
 
 def pull_settings(overlay: AgentOverlaySettings, timeout_s: float) -> PullSettings:
     """The agent's overlay settings as :class:`PullSettings` (K = ``k``)."""
+    # Unset PDFL parameters keep PullSettings' defaults, the overlay's DEFAULT_* (one place).
+    step = {k: v for k in ("kappa", "eta", "psi") if (v := getattr(overlay, k)) is not None}
     return PullSettings(
         max_peers=overlay.k,
         timeout_s=timeout_s,
         max_adapter_bytes=overlay.max_adapter_bytes,
         max_norm_ratio=overlay.max_norm_ratio,
-        kappa=overlay.kappa,
-        eta=overlay.eta,
-        psi=overlay.psi,
+        **step,
     )
 
 
@@ -133,6 +130,7 @@ async def publish_signature(
 
 
 async def overlay_round_step(
+    ctx: NodeContext,
     overlay_host: OverlayHost,
     model: ModelHost,
     tracker: ImportanceTracker,
@@ -140,34 +138,23 @@ async def overlay_round_step(
     settings: AgentOverlaySettings,
     round_: int,
     round_timeout_s: float,
-    creds: grpc.ChannelCredentials | None,
-    limits: GrpcLimits,
-    registry: CollectorRegistry | None,
     run_model: ModelRunner,
-    dev_identity: str | None = None,
-    log: Any,
-    sender_check: SenderCheck | None = None,
     gate: AcceptanceGate | None = None,
 ) -> OverlayStepResult:
     """Publish this round's signature, search the ``k`` nearest peers, pull and aggregate.
 
     Never raises for an overlay or peer failure (see the module docstring); the result says
-    what happened.
+    what happened. ``ctx`` (the agent's node context) makes the pulls and counts the steps.
     """
-    steps = (
-        get_counter(
-            registry,
-            "peerlm_agent_overlay_steps_total",
-            "Per-round overlay steps of the agent, by outcome",
-            ("outcome",),
-        )
-        if registry is not None
-        else None
+    log = ctx.log
+    steps = ctx.counter(
+        "peerlm_agent_overlay_steps_total",
+        "Per-round overlay steps of the agent, by outcome",
+        ("outcome",),
     )
 
     def done(result: OverlayStepResult) -> OverlayStepResult:
-        if steps is not None:
-            steps.labels(result.outcome).inc()
+        steps.labels(result.outcome).inc()
         level = "info" if result.outcome in ("aggregated", "identity") else "warning"
         getattr(log, level)(
             "overlay_step",
@@ -209,18 +196,12 @@ async def overlay_round_step(
         return done(result)
     try:
         report: PullReport = await pull_and_aggregate(
+            ctx,
             model,
             candidates,
-            self_name=overlay_host.node_id,
-            creds=creds,
-            limits=limits,
             settings=pull_settings(settings, round_timeout_s),
-            registry=registry,
             run_model=run_model,
-            dev_identity=dev_identity,
             round_=round_,
-            log=log,
-            sender_check=sender_check,
             gate=gate,
         )
     except asyncio.CancelledError:

@@ -17,23 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
 import grpc
 from peerlm.agent.package import PACKAGE_CONTENT_TYPE
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Counter
 
 from peerlm.chunks import ChunkAssembler, ChunkError
-from peerlm.config import GrpcLimits
+from peerlm.node import NodeContext, PeerChannel
 from peerlm.pki.proof import ExpectedSender, ProofError
-from peerlm.rpc import create_channel
-from peerlm.security.authz import (
-    DEV_IDENTITY_METADATA_KEY,
-    TlsFailureCounter,
-    describe_rpc_error,
-)
+from peerlm.security.authz import TlsFailureCounter, describe_rpc_error
 from peerlm.wire.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 __all__ = [
@@ -44,7 +38,6 @@ __all__ = [
     "PeerExchangeError",
     "adapter_content_type",
     "fetch_package",
-    "get_counter",
     "parse_adapter_round",
     "pull_adapter",
     "pull_adapter_with_round",
@@ -66,23 +59,6 @@ class PeerExchangeError(Exception):
         self.code = code
 
 
-def get_counter(
-    registry: CollectorRegistry, name: str, documentation: str, labels: Sequence[str] = ()
-) -> Counter:
-    """A counter in ``registry``, reused if this process registered it before.
-
-    Clients are plain functions called once per exchange with the agent's one registry,
-    and prometheus-client refuses to register a name twice.
-    """
-    try:
-        return Counter(name, documentation, list(labels), registry=registry)
-    except ValueError:
-        existing = getattr(registry, "_names_to_collectors", {}).get(name)
-        if isinstance(existing, Counter):
-            return existing
-        raise
-
-
 def adapter_content_type(round_: int) -> str:
     """The content type naming the round of an adapter payload."""
     return f"{ADAPTER_CONTENT_TYPE}; round={round_}"
@@ -101,57 +77,52 @@ def parse_adapter_round(content_type: str) -> int:
 
 
 def _metadata(
-    dev_identity: str | None, tokenizer_sha256: str | None = None
+    peer: PeerChannel, tokenizer_sha256: str | None = None
 ) -> tuple[tuple[str, str], ...]:
-    # Only an insecure-dev server reads the identity; an mTLS server ignores it entirely.
-    identity = ((DEV_IDENTITY_METADATA_KEY, dev_identity),) if dev_identity else ()
+    # Only an insecure-dev server reads the dev identity; an mTLS server ignores it entirely.
     hint = ((STUDENT_TOKENIZER_METADATA, tokenizer_sha256),) if tokenizer_sha256 else ()
-    return identity + hint
+    return peer.metadata + hint
 
 
 async def fetch_package(
+    ctx: NodeContext,
     target: str,
-    creds: grpc.ChannelCredentials | None,
     directive_id: str,
     *,
-    limits: GrpcLimits,
+    expect: str | None,
     max_bytes: int,
     timeout_s: float,
-    registry: CollectorRegistry | None = None,
-    dev_identity: str | None = None,
     tokenizer_sha256: str | None = None,
-    expect: ExpectedSender | None = None,
 ) -> bytes:
     """Fetch the knowledge package ``directive_id`` entitles us to from teacher ``target``.
 
-    ``creds=None`` is plaintext, which only the insecure-dev mode decision may choose; then
-    ``dev_identity`` (our SPIFFE id) names us. ``tokenizer_sha256`` announces our tokenizer
-    (request metadata ``peerlm-student-tokenizer-sha256``) so the teacher may send logits
-    when it shares it. With ``expect`` the package must carry the teacher's sender proof
-    (reason ``unverified_sender`` otherwise). Received bytes are counted in
-    ``peerlm_agent_package_bytes_received_total`` when ``registry`` is given.
+    The channel comes from ``ctx`` (:meth:`~peerlm.node.NodeContext.dial`); under mTLS the
+    package must carry the sender proof of agent ``expect`` (reason ``unverified_sender``
+    otherwise; None: no proof asked). ``tokenizer_sha256`` announces our tokenizer (request
+    metadata ``peerlm-student-tokenizer-sha256``) so the teacher may send logits when it
+    shares it. Received bytes count in ``peerlm_agent_package_bytes_received_total`` and
+    handshake failures in ``peerlm_grpc_client_tls_failures_total``.
     """
-    counter = _bytes_counter(
-        registry,
+    counter = ctx.counter(
         "peerlm_agent_package_bytes_received_total",
         "Knowledge-package bytes received from teachers",
     )
-    async with create_channel(target, limits, creds) as channel:
-        stub = peer_pb2_grpc.PeerExchangeStub(channel)  # type: ignore[no-untyped-call]
+    async with ctx.dial(target, expect=expect) as peer:
+        stub = peer_pb2_grpc.PeerExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
         call = stub.FetchPackage(
             peer_pb2.FetchPackageRequest(directive_id=directive_id),
             timeout=timeout_s,
-            metadata=_metadata(dev_identity, tokenizer_sha256),
+            metadata=_metadata(peer, tokenizer_sha256),
         )
         payload, digest, content_type, metadata = await _receive(
-            call, max_bytes, counter, _tls_failures(registry), what="package"
+            call, max_bytes, counter, ctx.tls_failures, what="package"
         )
     if content_type != PACKAGE_CONTENT_TYPE:
         raise PeerExchangeError(
             f"teacher sent content type {content_type!r}, expected {PACKAGE_CONTENT_TYPE}",
             reason="corrupt",
         )
-    _check_sender(expect, metadata, "package", directive_id, digest)
+    _check_sender(peer.expected, metadata, "package", directive_id, digest)
     return payload
 
 
@@ -170,48 +141,35 @@ def _check_sender(
         ) from None
 
 
-def _tls_failures(registry: CollectorRegistry | None) -> TlsFailureCounter | None:
-    return TlsFailureCounter(registry, "agent") if registry is not None else None
-
-
-def _bytes_counter(
-    registry: CollectorRegistry | None, name: str, documentation: str
-) -> Counter | None:
-    return get_counter(registry, name, documentation) if registry is not None else None
-
-
 async def pull_adapter_with_round(
+    ctx: NodeContext,
     target: str,
-    creds: grpc.ChannelCredentials | None,
     round_: int,
     *,
-    limits: GrpcLimits,
+    expect: str | None,
     max_bytes: int,
     timeout_s: float | None = None,
-    registry: CollectorRegistry | None = None,
-    dev_identity: str | None = None,
-    expect: ExpectedSender | None = None,
 ) -> tuple[int, bytes]:
     """Pull a peer's adapter (``round_`` 0 = its latest); returns (round sent, safetensors).
 
-    ``timeout_s`` defaults to ``limits.rpc_timeout_s``. With ``expect`` the adapter must
-    carry that peer's sender proof. Counted in ``peerlm_agent_adapter_bytes_received_total``
-    when ``registry`` is given.
+    ``timeout_s`` defaults to the context's ``rpc_timeout_s``. Under mTLS the adapter must
+    carry the sender proof of agent ``expect`` (None: no proof asked). Counted in
+    ``peerlm_agent_adapter_bytes_received_total``.
     """
     if round_ < 0:
         raise ValueError(f"round must be >= 0, got {round_}")
-    counter = _bytes_counter(
-        registry, "peerlm_agent_adapter_bytes_received_total", "Adapter bytes pulled from peers"
+    counter = ctx.counter(
+        "peerlm_agent_adapter_bytes_received_total", "Adapter bytes pulled from peers"
     )
-    async with create_channel(target, limits, creds) as channel:
-        stub = peer_pb2_grpc.PeerExchangeStub(channel)  # type: ignore[no-untyped-call]
+    async with ctx.dial(target, expect=expect) as peer:
+        stub = peer_pb2_grpc.PeerExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
         call = stub.PullAdapter(
             peer_pb2.PullAdapterRequest(round=round_),
-            timeout=limits.rpc_timeout_s if timeout_s is None else timeout_s,
-            metadata=_metadata(dev_identity),
+            timeout=ctx.limits.rpc_timeout_s if timeout_s is None else timeout_s,
+            metadata=_metadata(peer),
         )
         payload, digest, content_type, metadata = await _receive(
-            call, max_bytes, counter, _tls_failures(registry), what="adapter"
+            call, max_bytes, counter, ctx.tls_failures, what="adapter"
         )
     try:
         sent_round = parse_adapter_round(content_type)
@@ -221,31 +179,22 @@ async def pull_adapter_with_round(
         raise PeerExchangeError(
             f"asked for the adapter of round {round_}, got round {sent_round}", reason="corrupt"
         )
-    _check_sender(expect, metadata, "adapter", str(sent_round), digest)
+    _check_sender(peer.expected, metadata, "adapter", str(sent_round), digest)
     return sent_round, payload
 
 
 async def pull_adapter(
+    ctx: NodeContext,
     target: str,
-    creds: grpc.ChannelCredentials | None,
     round_: int,
     *,
-    limits: GrpcLimits,
+    expect: str | None = None,
     max_bytes: int,
     timeout_s: float | None = None,
-    registry: CollectorRegistry | None = None,
-    dev_identity: str | None = None,
 ) -> bytes:
     """Pull a peer's adapter as safetensors bytes; see :func:`pull_adapter_with_round`."""
     _, payload = await pull_adapter_with_round(
-        target,
-        creds,
-        round_,
-        limits=limits,
-        max_bytes=max_bytes,
-        timeout_s=timeout_s,
-        registry=registry,
-        dev_identity=dev_identity,
+        ctx, target, round_, expect=expect, max_bytes=max_bytes, timeout_s=timeout_s
     )
     return payload
 

@@ -31,24 +31,17 @@ import grpc
 import structlog
 from peerlm.agent.directives import DirectiveBook, DirectiveError
 from peerlm.agent.package import PACKAGE_CONTENT_TYPE
-from peerlm.agent.peer_client import STUDENT_TOKENIZER_METADATA, adapter_content_type, get_counter
+from peerlm.agent.peer_client import STUDENT_TOKENIZER_METADATA, adapter_content_type
 from prometheus_client import CollectorRegistry
 
 from peerlm.chunks import HashedPayload, iter_chunks
-from peerlm.config import GrpcLimits, parse_host_port
 from peerlm.grpc_types import ServicerContext
+from peerlm.metrics import get_counter
+from peerlm.node import NodeContext, NodeServer, Service
 from peerlm.pki.identity import Role
 from peerlm.pki.proof import ProofSigner, digest_statement
-from peerlm.rpc import (
-    MetricsInterceptor,
-    add_health_and_reflection,
-    create_server,
-    metadata_value,
-    set_serving,
-)
-from peerlm.security.authz import AuthInterceptor, current_identity
-from peerlm.security.credentials import TlsFiles, bind_server
-from peerlm.security.mode import SecurityMode
+from peerlm.rpc import metadata_value
+from peerlm.security.authz import current_identity
 from peerlm.wire.v1 import common_pb2, cpm_pb2, peer_pb2, peer_pb2_grpc
 
 __all__ = [
@@ -348,43 +341,21 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
             del self._builds[key]
 
 
-async def serve_peer(
-    service: PeerExchangeService,
-    *,
-    listen: str,
-    tls: TlsFiles | None,
-    limits: GrpcLimits,
-    registry: CollectorRegistry,
-    federation: str,
-    mode: SecurityMode,
-    log: Any,
-) -> tuple[grpc.aio.Server, int]:
-    """Build, bind and start the peer server; returns it and the bound port.
-
-    ``mode`` comes from :func:`peerlm.security.mode.resolve_security`, the one place that
-    decides it; mTLS needs ``tls``. Interceptors: metrics first (so refusals are counted),
-    then authentication and :data:`PEER_POLICY`. Health reports SERVING once started; the
-    caller stops the server (``await server.stop(grace)``).
+async def serve_peer(ctx: NodeContext, service: PeerExchangeService, *, listen: str) -> NodeServer:
+    """Build, bind and start the peer server on ``ctx`` (:meth:`NodeContext.serve`: metrics
+    first, then authentication and :data:`PEER_POLICY`); returns it with its bound port.
+    Health reports SERVING once started; the caller stops it (``await server.stop()``).
     """
-    host, _ = parse_host_port(listen)
-    server = create_server(
-        limits,
-        [
-            MetricsInterceptor(registry, "agent", limits),
-            AuthInterceptor(
-                PEER_POLICY, federation=federation, mode=mode, registry=registry, component="agent"
-            ),
-        ],
+    server = await ctx.serve(
+        [Service(PEER_SERVICE_NAME, service, peer_pb2_grpc.add_PeerExchangeServicer_to_server)],
+        PEER_POLICY,
+        listen=listen,
     )
-    peer_pb2_grpc.add_PeerExchangeServicer_to_server(service, server)  # type: ignore[no-untyped-call]
-    health = add_health_and_reflection(server, [PEER_SERVICE_NAME])
-    bound = bind_server(server, listen, mode, tls)
-    await server.start()
-    await set_serving(health, [PEER_SERVICE_NAME], True)
-    log.info(
+    await server.serving(True)
+    ctx.log.info(
         "peer_server_started",
-        listen=f"{host}:{bound}",
-        security_mode=SecurityMode(mode).value,
+        listen=listen.rsplit(":", 1)[0] + f":{server.port}",
+        security_mode=ctx.mode.value,
         chunk_bytes=service.chunk_bytes,
     )
-    return server, bound
+    return server

@@ -1,6 +1,7 @@
 """The agent profile p_i sent to the CPM (KNEXA-FL rebuttal section, d_p = 32).
 
-Layout (matches :data:`peerlm.services.cpm.profile.PROFILE_LAYOUT`):
+Layout: :data:`peerlm.services.cpm.PROFILE_LAYOUT`, the one definition, owned by the CPM
+that validates what agents send; this module fills it:
 
 * ``[0:8]`` static: one-hot of the LLM backbone family (:data:`FAMILIES`).
 * ``[8:20]`` dynamic, each squashed to a bounded range so no feature dominates the bandit:
@@ -34,10 +35,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
+from peerlm.services.cpm import PROFILE_LAYOUT
 
 __all__ = ["FAMILIES", "PROFILE_DIM", "AgentMetrics", "build_profile", "family_index"]
 
-PROFILE_DIM = 32
+_LAYOUT = PROFILE_LAYOUT
+PROFILE_DIM = _LAYOUT.dim
 #: The eight static slots. ``other`` takes any architecture not listed.
 FAMILIES: tuple[str, ...] = (
     "gpt2",
@@ -115,7 +118,7 @@ def build_profile(
         m.exchanges / (m.exchanges + 10.0),
         (m.round / m.total_rounds) if m.total_rounds > 0 else 0.0,
     ]
-    p[8:20] = dynamic
+    p[_LAYOUT.dynamic] = dynamic
     counts = category_counts.astype(np.float64).copy()
     if dp_epsilon is not None:
         if dp_epsilon <= 0:
@@ -124,5 +127,5 @@ def build_profile(
         counts = counts + gen.laplace(0.0, 1.0 / dp_epsilon, size=counts.shape)
     counts = np.clip(counts, 0.0, None)
     total = counts.sum()
-    p[20:32] = counts / total if total > 0 else np.full(12, 1.0 / 12)
+    p[_LAYOUT.distribution] = counts / total if total > 0 else np.full(12, 1.0 / 12)
     return p

@@ -47,8 +47,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-import grpc
-import structlog
 import torch
 from peerlm.agent.acceptance import AcceptanceGate, Verdict
 from peerlm.agent.adapter_codec import (
@@ -59,13 +57,8 @@ from peerlm.agent.adapter_codec import (
     decode_adapter,
 )
 from peerlm.agent.modelhost import ModelHost
-from peerlm.agent.peer_client import (
-    ExpectedSender,
-    PeerExchangeError,
-    get_counter,
-    pull_adapter_with_round,
-)
-from peerlm.overlay.aggregation import (
+from peerlm.agent.peer_client import PeerExchangeError, pull_adapter_with_round
+from peerlm.overlay import (
     DEFAULT_ETA,
     DEFAULT_KAPPA,
     DEFAULT_PSI,
@@ -74,11 +67,9 @@ from peerlm.overlay.aggregation import (
     Refusal,
     personalised_update,
 )
-from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
-from peerlm.config import GrpcLimits
-from peerlm.pki.proof import SenderCheck
+from peerlm.node import NodeContext
 
 __all__ = [
     "ADAPTER_FORMAT",
@@ -168,63 +159,40 @@ async def _inline(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
 
 class _Metrics:
-    def __init__(self, registry: CollectorRegistry | None) -> None:
-        self._failures = (
-            get_counter(
-                registry,
-                "peerlm_agent_overlay_pull_failures_total",
-                "Overlay neighbours not integrated, by reason",
-                ("reason",),
-            )
-            if registry is not None
-            else None
+    def __init__(self, ctx: NodeContext) -> None:
+        self._failures = ctx.counter(
+            "peerlm_agent_overlay_pull_failures_total",
+            "Overlay neighbours not integrated, by reason",
+            ("reason",),
         )
-        self._pulled = (
-            get_counter(
-                registry,
-                "peerlm_agent_overlay_pulled_adapters_total",
-                "Neighbour adapters integrated by personalised aggregation",
-            )
-            if registry is not None
-            else None
+        self._pulled = ctx.counter(
+            "peerlm_agent_overlay_pulled_adapters_total",
+            "Neighbour adapters integrated by personalised aggregation",
         )
-        self._rolled_back = (
-            get_counter(
-                registry,
-                "peerlm_agent_integrations_rolled_back_total",
-                "Integrations undone by the acceptance gate (held-out loss worse by more than "
-                "the margin), by kind (akd, overlay).",
-                ("kind",),
-            )
-            if registry is not None
-            else None
+        self._rolled_back = ctx.counter(
+            "peerlm_agent_integrations_rolled_back_total",
+            "Integrations undone by the acceptance gate (held-out loss worse by more than "
+            "the margin), by kind (akd, overlay).",
+            ("kind",),
         )
-        self._steps = (
-            get_counter(
-                registry,
-                "peerlm_agent_overlay_aggregations_total",
-                "Pull-and-aggregate steps, by outcome (applied, identity, failed, rolled_back)",
-                ("outcome",),
-            )
-            if registry is not None
-            else None
+        self._steps = ctx.counter(
+            "peerlm_agent_overlay_aggregations_total",
+            "Pull-and-aggregate steps, by outcome (applied, identity, failed, rolled_back)",
+            ("outcome",),
         )
 
     def failure(self, reason: str) -> None:
-        if self._failures is not None:
-            self._failures.labels(reason).inc()
+        self._failures.labels(reason).inc()
 
     def pulled(self, n: int) -> None:
-        if self._pulled is not None and n:
+        if n:
             self._pulled.inc(n)
 
     def rolled_back(self) -> None:
-        if self._rolled_back is not None:
-            self._rolled_back.labels("overlay").inc()
+        self._rolled_back.labels("overlay").inc()
 
     def step(self, outcome: str) -> None:
-        if self._steps is not None:
-            self._steps.labels(outcome).inc()
+        self._steps.labels(outcome).inc()
 
 
 class _Refused(Exception):
@@ -324,37 +292,32 @@ def _integrate(
 
 
 async def pull_and_aggregate(
+    ctx: NodeContext,
     host: ModelHost,
     candidates: Sequence[Candidate | tuple[str, str, float]],
     *,
-    self_name: str,
-    creds: grpc.ChannelCredentials | None,
-    limits: GrpcLimits,
     settings: PullSettings | None = None,
-    registry: CollectorRegistry | None = None,
     run_model: ModelRunner | None = None,
-    dev_identity: str | None = None,
     round_: int = 0,
-    log: Any = None,
-    sender_check: SenderCheck | None = None,
     gate: AcceptanceGate | None = None,
 ) -> PullReport:
     """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
 
-    ``creds`` are the agent's mTLS channel credentials (``None`` only in the insecure-dev
-    mode, with ``dev_identity`` naming us); ``self_name`` is our agent name (the client's
-    own id in the weights). ``run_model`` runs host calls on the model thread (default:
-    inline, for callers that own the host on the event loop's thread). ``round_`` only
-    labels log lines. Failures of single peers are reported, never raised; an invalid local
-    adapter (non-finite) raises :class:`~peerlm.overlay.aggregation.AggregationError`. With a
+    ``ctx`` is the agent's node context: its channels, metrics, logger and its name (the
+    client's own id in the weights); every adapter must carry the sender proof of the peer
+    the search named. ``run_model`` runs host calls on the model thread (default: inline,
+    for callers that own the host on the event loop's thread). ``round_`` only labels log
+    lines. Failures of single peers are reported, never raised; an invalid local adapter
+    (non-finite) raises :class:`~peerlm.overlay.aggregation.AggregationError`. With a
     ``gate`` (:mod:`peerlm.agent.acceptance`) an aggregate that makes the held-out loss worse
     by more than its margin is rolled back: ``applied`` is False, ``rolled_back`` True, the
     neighbours are listed as refused with reason ``rolled_back``.
     """
     cfg = settings or PullSettings()
     run: ModelRunner = run_model or _inline
-    logger: Any = log if log is not None else structlog.get_logger("peerlm.agent.overlay")
-    metrics = _Metrics(registry)
+    logger: Any = ctx.log
+    self_name = ctx.name
+    metrics = _Metrics(ctx)
     chosen, refused = _select(candidates, self_name, cfg.max_peers)
     local = await run(_local_view, host, cfg.max_norm_ratio)
     max_bytes = local.spec.max_encoded_bytes()
@@ -365,16 +328,13 @@ async def pull_and_aggregate(
     async def pull_one(cand: Candidate) -> tuple[Candidate, int, bytes]:
         async with slots:
             sent_round, payload = await pull_adapter_with_round(
+                ctx,
                 cand.address,
-                creds,
                 0,
-                limits=limits,
+                # The search named this peer; the adapter must come from it (signed).
+                expect=cand.peer,
                 max_bytes=max_bytes,
                 timeout_s=cfg.timeout_s,
-                registry=registry,
-                dev_identity=dev_identity,
-                # The search named this peer; the adapter must come from it (signed).
-                expect=ExpectedSender(sender_check, cand.peer, self_name) if sender_check else None,
             )
         return cand, sent_round, payload
 

@@ -10,6 +10,7 @@ stderr, rich tables (or one JSON object with ``--json``) on stdout, optional PNG
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Callable
@@ -26,6 +27,7 @@ __all__ = [
     "cpm_command",
     "overlay_command",
     "parse_sizes",
+    "require_extra",
     "transfer_command",
 ]
 
@@ -35,6 +37,24 @@ app = typer.Typer(help="Benchmarks.", no_args_is_help=True, add_completion=False
 @app.callback()
 def _bench() -> None:
     """Benchmarks (tables on stdout, progress on stderr)."""
+
+
+def require_extra(needs: dict[str, str], command: str) -> None:
+    """Exit with status 2 before any work when a module of the ``bench`` extra that this run
+    needs is missing (``needs``: module -> what it is for)."""
+    missing = []
+    for module, purpose in needs.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(f"{module} ({purpose})")
+    if missing:
+        typer.echo(
+            f"error: {command} needs the `bench` extra, missing: {', '.join(missing)}; "
+            "install it with `pip install 'peerlm[bench]'`",
+            err=True,
+        )
+        raise typer.Exit(code=2)
 
 
 def _run_and_report(
@@ -105,6 +125,8 @@ def cpm_command(
     ] = False,
 ) -> None:
     """Matchmakers (LinUCB variants, Random, Hetero-Greedy, Oracle) on a synthetic federation."""
+    if plots is not None:
+        require_extra({"matplotlib": "--plots"}, "bench cpm")
     from peerlm.bench.cpm import (
         BenchParams,
         params_with,
@@ -192,8 +214,12 @@ def overlay_command(
     ] = None,
 ) -> None:
     """Semantic overlay (SemanticDFL) in the simulator: Recall@K vs exact and HNSW, cost."""
+    needs = {"usearch": "the HNSW reference; or pass --no-hnsw"} if not no_hnsw else {}
+    if plots is not None:
+        needs["matplotlib"] = "--plots"
+    require_extra(needs, "bench overlay")
     from peerlm.bench.overlay import BenchConfig, parse_k, render_report, run_benchmark, write_plots
-    from peerlm.overlay.sim import LinkModel
+    from peerlm.overlay import LinkModel
 
     sizes = parse_sizes(peers)
     for value, hint in ((k, "--k"), (zone_cap, "--zone-cap")):

@@ -52,12 +52,17 @@ from peerlm.bench.synthetic import (
     Heterogeneity,
     SyntheticFederation,
 )
-from peerlm.services.cpm.baselines import HeteroGreedyMatchmaker, OracleMatchmaker, RandomMatchmaker
-from peerlm.services.cpm.features import ContextFeatures
-from peerlm.services.cpm.linucb import LinUCB
-from peerlm.services.cpm.matching import greedy_disjoint
-from peerlm.services.cpm.matchmaker import Matchmaker, Pairing
-from peerlm.services.cpm.normalise import RewardNormaliser
+from peerlm.services.cpm import (
+    ContextFeatures,
+    HeteroGreedyMatchmaker,
+    LinUCB,
+    Matchmaker,
+    OracleMatchmaker,
+    Pairing,
+    RandomMatchmaker,
+    RewardNormaliser,
+    greedy_disjoint,
+)
 
 __all__ = [
     "EXTRA_METHODS",

@@ -40,8 +40,8 @@ from typing import Any
 
 import grpc
 import numpy as np
+from peerlm.services.cpm import cpm_command
 
-from peerlm.app.devfed import cpm_command
 from peerlm.config import GrpcLimits
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role

@@ -36,10 +36,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
+from peerlm.agent import (
+    CATEGORIES,
+    Problem,
+    code_tokens,
+    function_key,
+    generate_bank,
+    public_problems,
+)
 from peerlm.agent import guardrail as guardrail_module
-from peerlm.agent.code_index import code_tokens
-from peerlm.agent.tasks.bank import CATEGORIES, function_key, generate_bank, public_problems
-from peerlm.agent.tasks.dataset import Problem
 
 __all__ = ["leak_forms", "main", "measure", "planted_secrets"]
 

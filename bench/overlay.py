@@ -32,12 +32,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from peerlm.overlay.events import BuildFinished, QueryCompleted, Send
-from peerlm.overlay.node import OverlayNode
-from peerlm.overlay.params import OverlayParams, paper_k, round_half_up
-from peerlm.overlay.population import ClusteredPopulation, Member, PopulationSpec
-from peerlm.overlay.signature import Signature, cosine_matrix
-from peerlm.overlay.sim import LinkModel, Simulator
+from peerlm.overlay import (
+    BuildFinished,
+    ClusteredPopulation,
+    LinkModel,
+    Member,
+    OverlayNode,
+    OverlayParams,
+    PopulationSpec,
+    QueryCompleted,
+    Send,
+    Signature,
+    Simulator,
+    cosine_matrix,
+    paper_k,
+    round_half_up,
+)
 
 __all__ = [
     "BenchConfig",

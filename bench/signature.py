@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from peerlm.overlay.signature import (
+from peerlm.overlay import (
     Signature,
     cosine_matrix,
     cosine_to_many,

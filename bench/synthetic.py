@@ -76,6 +76,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
+from peerlm.services.cpm import PROFILE_LAYOUT
 
 __all__ = [
     "DYNAMIC_SLICE",
@@ -96,12 +97,13 @@ __all__ = [
 FloatArray = npt.NDArray[np.float64]
 Heterogeneity = Literal["high", "low"]
 
-N_FAMILIES = 8
-N_CATEGORIES = 12
-PROFILE_DIM = 32
-FAMILY_SLICE = slice(0, 8)
-DYNAMIC_SLICE = slice(8, 20)
-HISTOGRAM_SLICE = slice(20, 32)
+# The profile layout agents send and the CPM validates (its one definition).
+PROFILE_DIM = PROFILE_LAYOUT.dim
+FAMILY_SLICE = PROFILE_LAYOUT.static
+DYNAMIC_SLICE = PROFILE_LAYOUT.dynamic
+HISTOGRAM_SLICE = PROFILE_LAYOUT.distribution
+N_FAMILIES = FAMILY_SLICE.stop - FAMILY_SLICE.start
+N_CATEGORIES = HISTOGRAM_SLICE.stop - HISTOGRAM_SLICE.start
 
 _LOSS_SCALE = 2.5
 _LOSS_FLOOR = 0.3

@@ -44,6 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 from peerlm.config import GrpcLimits
+from peerlm.node import NodeContext
 
 __all__ = ["TransferConfig", "render_report", "run_benchmark"]
 
@@ -65,7 +66,7 @@ class TransferConfig:
 
 def _payload(size_mib: int) -> bytes:
     """A real adapter of ``size_mib`` MiB of float32 tensor data, encoded by the codec."""
-    from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter
+    from peerlm.agent import AdapterSpec, encode_adapter
 
     n = size_mib * _MiB // 4
     shapes = {"lora_A.weight": (n // 2,), "lora_B.weight": (n - n // 2,)}
@@ -95,14 +96,10 @@ def _ssl_context(pki: Path, name: str, *, server: bool) -> ssl.SSLContext:
 
 async def _serve(pki: Path, sizes: tuple[int, ...], chunk: int, conn: Connection) -> None:
     import structlog
-    from peerlm.agent.directives import DirectiveBook
-    from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+    from peerlm.agent import DirectiveBook, PeerExchangeService, serve_peer
 
     from peerlm.chunks import HashedPayload
-    from peerlm.metrics import new_registry
-    from peerlm.pki.proof import ProofSigner
     from peerlm.security.credentials import TlsFiles
-    from peerlm.security.mode import SecurityMode
 
     payloads = {n: _payload(n) for n in sizes}
     hashed = {n: HashedPayload.of(p) for n, p in payloads.items()}
@@ -150,32 +147,43 @@ async def _serve(pki: Path, sizes: tuple[int, ...], chunk: int, conn: Connection
         found = hashed.get(round_)
         return None if found is None else (round_, found)
 
-    registry = new_registry()
+    node = _node_context(pki, "server", limits, log, listen="127.0.0.1:0")
     service = PeerExchangeService(
         DirectiveBook(time.time),
         no_package,
         adapter_for,
         chunk_bytes=chunk,
         max_package_bytes=limits.max_message_bytes,
-        registry=registry,
+        registry=node.registry,
         log=log,
-        signer=ProofSigner.from_pem(bundle.cert, bundle.key),
+        signer=node.signer,
     )
-    peer_server, peer_port = await serve_peer(
-        service,
-        listen="127.0.0.1:0",
-        tls=tls,
-        limits=limits,
-        registry=registry,
-        federation=_FEDERATION,
-        mode=SecurityMode.MTLS,
-        log=log,
-    )
+    peer_server = await serve_peer(node, service, listen="127.0.0.1:0")
+    peer_port = peer_server.port
     conn.send({"raw_tls": raw_port, "grpc": grpc_port, "peerlm": peer_port})
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
     raw_listener.close()
     await plain.stop(None)
     await peer_server.stop(None)
+
+
+def _node_context(
+    pki: Path, name: str, limits: GrpcLimits, log: Any, listen: str | None = None
+) -> NodeContext:
+    """Member ``name``'s mTLS node context: the same plumbing an agent process builds."""
+    from peerlm.pki.identity import Role
+    from peerlm.security.credentials import TlsFiles
+
+    return NodeContext.create(
+        component="agent",
+        role=Role.AGENT,
+        federation=_FEDERATION,
+        tls=TlsFiles.from_directory(pki, name),
+        insecure_dev=False,
+        limits=limits,
+        log=log,
+        listen=listen,
+    )
 
 
 def _raw_tls_server(
@@ -246,19 +254,16 @@ async def _pull_grpc(port: int, size: int, expected: int, creds: grpc.ChannelCre
         raise RuntimeError("gRPC transfer short")
 
 
-async def _pull_peerlm(
-    port: int, size: int, expected: int, creds: grpc.ChannelCredentials, expect: Any
-) -> None:
-    from peerlm.agent.peer_client import pull_adapter_with_round
+async def _pull_peerlm(port: int, size: int, expected: int, node: NodeContext) -> None:
+    from peerlm.agent import pull_adapter_with_round
 
     sent, data = await pull_adapter_with_round(
+        node,
         f"127.0.0.1:{port}",
-        creds,
         size,
-        limits=GrpcLimits(),
         max_bytes=expected,
         timeout_s=120.0,
-        expect=expect,
+        expect="server",  # the sender proof of agent "server" is checked on every pull
     )
     if sent != size or len(data) != expected:
         raise RuntimeError("peerlm pull returned the wrong adapter")
@@ -267,13 +272,13 @@ async def _pull_peerlm(
 async def _measure(
     cfg: TransferConfig, pki: Path, ports: dict[str, int], progress: Progress
 ) -> dict[str, dict[str, list[float]]]:
-    from peerlm.pki.proof import ExpectedSender, SenderCheck
+    import structlog
+
     from peerlm.security.credentials import TlsFiles, channel_credentials
 
     ctx = _ssl_context(pki, "client", server=False)
     creds = channel_credentials(TlsFiles.from_directory(pki, "client"))
-    check = SenderCheck.from_pem((pki / "ca.crt").read_bytes(), _FEDERATION)
-    expect = ExpectedSender(check, "server", "client")
+    node = _node_context(pki, "client", GrpcLimits(), structlog.get_logger("bench"))
     times: dict[str, dict[str, list[float]]] = {}
     total = len(cfg.sizes_mib) * cfg.repeats * len(_METHODS)
     done = 0
@@ -287,7 +292,7 @@ async def _measure(
             elif name == "grpc":
                 await _pull_grpc(ports[name], size, expected, creds)
             else:
-                await _pull_peerlm(ports[name], size, expected, creds, expect)
+                await _pull_peerlm(ports[name], size, expected, node)
 
         for name in _METHODS:  # warm-up: first connections, caches, allocator
             await pull(name)

@@ -203,9 +203,11 @@ class AgentOverlaySettings(_Section):
     signature_p: int | None = Field(default=None, ge=1)
     tau_min: float = Field(default=0.9, gt=0, le=1)
     importance_beta: float = Field(default=0.5, ge=0, lt=1)
-    psi: float = Field(default=2.0, ge=0)
-    kappa: float = Field(default=0.25, gt=0)
-    eta: float = Field(default=1.0, gt=0)
+    # PDFL step; unset: the algorithm's defaults, defined (and argued for) once, in
+    # peerlm.overlay.aggregation (psi 2, kappa 0.25, eta 1).
+    psi: float | None = Field(default=None, ge=0)
+    kappa: float | None = Field(default=None, gt=0)
+    eta: float | None = Field(default=None, gt=0)
     # None: the largest adapter this agent's model and LoRA settings can produce (all tensors
     # float32 plus the 1 MiB header bound); a compatible neighbour's is never larger.
     max_adapter_bytes: int | None = Field(default=None, ge=1024)

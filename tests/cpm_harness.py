@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from peerlm.services.cpm import cpm_command
 
-from peerlm.app.devfed import cpm_command
 from peerlm.config import GrpcLimits
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role

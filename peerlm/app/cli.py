@@ -98,7 +98,7 @@ def cpm(
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from peerlm.security.mode import SecurityConfigError
-    from peerlm.services.cpm.server import run_cpm
+    from peerlm.services.cpm import run_cpm
 
     overrides = {
         "listen": listen,
@@ -115,7 +115,7 @@ def cpm(
     try:
         settings = load_settings(CpmSettings, config, overrides)
         if init_only:
-            from peerlm.services.cpm.core import open_database
+            from peerlm.services.cpm import open_database
 
             typer.echo(open_database(settings))
             return
@@ -144,7 +144,7 @@ def agent(
     log_format: Annotated[str | None, typer.Option(help="auto, json or console.")] = None,
 ) -> None:
     """Run an agent: host a LoRA-tuned model, train, exchange knowledge with peers."""
-    from peerlm.agent.main import run_agent
+    from peerlm.agent import run_agent
     from peerlm.security.mode import SecurityConfigError
 
     overrides = {
@@ -196,7 +196,7 @@ def overlay_node(
     ] = None,
 ) -> None:
     """Run a dedicated semantic-overlay node (a super-peer host without a model)."""
-    from peerlm.overlay.main import run_overlay
+    from peerlm.overlay import run_overlay
     from peerlm.security.mode import SecurityConfigError
 
     overrides = {

@@ -15,10 +15,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES
+from peerlm.agent import DEFAULT_PRIVATE_CATEGORIES
 
 if TYPE_CHECKING:
-    from peerlm.agent.tasks.dataset import Manifest
+    from peerlm.agent import Manifest
 
 __all__ = ["app"]
 
@@ -84,8 +84,7 @@ def build_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
 ) -> None:
     """Generate the bank and write clients/<i>/{train,val}.jsonl, transfer, test, manifest."""
-    from peerlm.agent.tasks.dataset import build_federation_data
-    from peerlm.agent.tasks.world import WorldSpec
+    from peerlm.agent import WorldSpec, build_federation_data
 
     try:
         spec = WorldSpec.from_dict(
@@ -121,7 +120,8 @@ def build_command(
     typer.echo(
         f"wrote {directory}: {manifest.n_clients} clients ({train} train, {val} val), "
         f"{manifest.transfer_size} transfer, {manifest.test_size} test; "
-        f"transfer sha256 {manifest.transfer_sha256[:16]}...; private "
+        # In full: the agents' `transfer_sha256` setting must be exactly this.
+        f"transfer sha256 {manifest.transfer_sha256}; private "
         f"{', '.join(manifest.world.private_categories)}; skills "
         + "; ".join(f"{i}: {', '.join(own) or '-'}" for i, own in enumerate(manifest.world.skills))
     )
@@ -133,7 +133,7 @@ def show_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object.")] = False,
 ) -> None:
     """Summarise a data directory: sizes, each client's dominant categories, file integrity."""
-    from peerlm.agent.tasks.dataset import category_histogram, read_jsonl, read_manifest
+    from peerlm.agent import category_histogram, read_jsonl, read_manifest
 
     try:
         manifest = read_manifest(directory)

@@ -29,7 +29,7 @@ from rich.progress import (
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from peerlm.agent.models.tiny import BuildEvent, ModelInfo
+    from peerlm.agent import BuildEvent, ModelInfo
 
 __all__ = [
     "MODELS_DIR_ENV",
@@ -111,7 +111,7 @@ def build_with_progress(
     Off a terminal (a pipe, a log file) it prints one line per phase and per tenth of the
     pre-training instead, so a long build is never silent.
     """
-    from peerlm.agent.models.tiny import DEFAULT_HIDDEN, build_models
+    from peerlm.agent import DEFAULT_HIDDEN, build_models
 
     quiet_transformers()
     with Progress(
@@ -207,7 +207,7 @@ def build_command(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
     """Build tokenizers and models (cached: an up-to-date directory is left alone)."""
-    from peerlm.agent.models.tiny import ARCHITECTURES
+    from peerlm.agent import ARCHITECTURES
 
     if size not in ("tiny", "micro"):
         raise typer.BadParameter("size must be tiny or micro", param_hint="--size")
@@ -224,7 +224,7 @@ def build_command(
     chosen: Literal["tiny", "micro"] = "tiny" if size == "tiny" else "micro"
     hidden_list = None if hidden is None else tuple(c for c in hidden.split(",") if c)
     if hidden_list is not None:
-        from peerlm.agent.tasks.bank import CATEGORIES
+        from peerlm.agent import CATEGORIES
 
         bad = [c for c in hidden_list if c not in CATEGORIES]
         if bad:
@@ -263,7 +263,7 @@ def list_command(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
     """List the built models under a folder (from their manifests)."""
-    from peerlm.agent.models.tiny import read_manifest
+    from peerlm.agent import read_models_manifest as read_manifest
 
     infos = []
     if directory.is_dir():

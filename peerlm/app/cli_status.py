@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
+    from peerlm.node import NodeContext
     from peerlm.security.credentials import TlsFiles
 
 __all__ = ["description_to_dict", "health_command", "stats_to_dict", "status_command"]
@@ -91,18 +92,20 @@ def stats_to_dict(stats: Any, now: float) -> dict[str, Any]:
     }
 
 
+def _admin_context(tls: TlsFiles) -> NodeContext:
+    """The CLI's node context for admin calls (errors are printed by the command)."""
+    from peerlm.node import NodeContext
+    from peerlm.pki.identity import Role
+
+    return NodeContext.client(tls, role=Role.ADMIN)
+
+
 async def _get_stats(target: str, tls: TlsFiles, timeout: float) -> Any:
-    from peerlm.config import GrpcLimits
-    from peerlm.rpc import create_channel
-    from peerlm.security.credentials import channel_credentials
     from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
-    channel = create_channel(target, GrpcLimits(), channel_credentials(tls))
-    try:
-        stub = cpm_pb2_grpc.MatchmakerStub(channel)  # type: ignore[no-untyped-call]
+    async with _admin_context(tls).dial(target) as peer:
+        stub = cpm_pb2_grpc.MatchmakerStub(peer.channel)  # type: ignore[no-untyped-call]
         return await stub.GetStats(cpm_pb2.GetStatsRequest(), timeout=timeout)
-    finally:
-        await channel.close(None)
 
 
 def description_to_dict(desc: Any) -> dict[str, Any]:
@@ -142,24 +145,19 @@ async def _describe_overlay(
     node down does not hide the others."""
     import grpc
 
-    from peerlm.config import GrpcLimits
-    from peerlm.rpc import create_channel
     from peerlm.security.authz import describe_rpc_error
-    from peerlm.security.credentials import channel_credentials
     from peerlm.wire.v1 import overlay_pb2, overlay_pb2_grpc
 
-    creds = channel_credentials(tls)
+    ctx = _admin_context(tls)
 
     async def one(target: str) -> dict[str, Any]:
-        channel = create_channel(target, GrpcLimits(), creds)
-        try:
-            stub = overlay_pb2_grpc.OverlayStub(channel)  # type: ignore[no-untyped-call]
-            desc = await stub.Describe(overlay_pb2.DescribeRequest(), timeout=timeout)
+        async with ctx.dial(target) as peer:
+            stub = overlay_pb2_grpc.OverlayStub(peer.channel)  # type: ignore[no-untyped-call]
+            try:
+                desc = await stub.Describe(overlay_pb2.DescribeRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                return {"target": target, "error": describe_rpc_error(err)}
             return {"target": target, **description_to_dict(desc)}
-        except grpc.aio.AioRpcError as err:
-            return {"target": target, "error": describe_rpc_error(err)}
-        finally:
-            await channel.close(None)
 
     return list(await asyncio.gather(*(one(t) for t in targets)))
 
@@ -335,32 +333,54 @@ class _ProbeLog:
         typer.echo(f"warning: {event} {kw.get('fix') or ''}".rstrip(), err=True)
 
 
+class _Silent:
+    """A logger for a decision already reported (or not worth reporting) by the CLI."""
+
+    def info(self, event: str, /, **kw: Any) -> None:
+        return None
+
+    def warning(self, event: str, /, **kw: Any) -> None:
+        return None
+
+
 async def _check(
-    target: str, tls: TlsFiles | None, service: str, timeout: float, dev_identity: str | None
+    target: str,
+    tls: TlsFiles | None,
+    service: str,
+    timeout: float,
+    *,
+    component: str,
+    federation: str,
 ) -> str:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from peerlm.config import GrpcLimits
-    from peerlm.rpc import create_channel
-    from peerlm.security.authz import DEV_IDENTITY_METADATA_KEY
-    from peerlm.security.credentials import channel_credentials
+    from peerlm.node import NodeContext
+    from peerlm.pki.identity import Role
+    from peerlm.security.authz import describe_rpc_error
 
-    creds = channel_credentials(tls) if tls is not None else None
-    channel = create_channel(target, GrpcLimits(), creds)
-    metadata = ((DEV_IDENTITY_METADATA_KEY, dev_identity),) if dev_identity else ()
-    try:
-        stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
-        resp = await stub.Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=metadata
-        )
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
-    except grpc.aio.AioRpcError as err:
-        from peerlm.security.authz import describe_rpc_error
-
-        return f"unreachable ({describe_rpc_error(err)})"
-    finally:
-        await channel.close(None)
+    ctx = NodeContext.create(
+        component=f"health {component}",
+        role=Role(component),
+        federation=federation,
+        tls=tls,
+        insecure_dev=tls is None,
+        limits=GrpcLimits(),
+        log=_Silent(),  # health_command has reported the security decision already
+        dev_name="healthcheck",
+    )
+    async with ctx.dial(target) as peer:
+        stub = health_pb2_grpc.HealthStub(peer.channel)  # type: ignore[no-untyped-call]
+        try:
+            resp = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout,
+                metadata=peer.metadata,
+            )
+        except grpc.aio.AioRpcError as err:
+            return f"unreachable ({describe_rpc_error(err)})"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
 
 def health_command(
@@ -394,9 +414,6 @@ def health_command(
         _fail(str(err))
     if tls is None and not settings.insecure_dev:
         _fail(f"{component}: no TLS files configured and not --insecure-dev")
-    dev_identity = None
-    if tls is None:
-        dev_identity = f"spiffe://{settings.federation}/{component}/healthcheck"
     where = target or _local_target(settings.listen)
     try:
         # The one security decision: plaintext (insecure-dev) only to a loopback target.
@@ -410,7 +427,9 @@ def health_command(
     except SecurityConfigError as err:
         _fail(str(err))
     started = time.monotonic()
-    status = asyncio.run(_check(where, tls, service, timeout, dev_identity))
+    status = asyncio.run(
+        _check(where, tls, service, timeout, component=component, federation=settings.federation)
+    )
     ok = status == "SERVING"
     if as_json:
         typer.echo(

@@ -106,7 +106,7 @@ def _archs() -> tuple[str, ...]:
 
 def _transfer_sha256(plan: ComposePlan) -> str:
     """The hash the ``data`` step's transfer set will have (same arguments, same bytes)."""
-    from peerlm.agent.tasks.dataset import build_federation_data
+    from peerlm.agent import build_federation_data
 
     with tempfile.TemporaryDirectory(prefix="peerlm-compose-") as tmp:
         manifest = build_federation_data(

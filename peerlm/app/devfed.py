@@ -31,14 +31,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from peerlm.config import GrpcLimits
+from peerlm.node import NodeContext
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
-from peerlm.rpc import create_channel
-from peerlm.security.credentials import TlsFiles, channel_credentials
+from peerlm.security.credentials import TlsFiles
+from peerlm.services.cpm import cpm_command
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
-__all__ = ["DevFederation", "cpm_command", "up_command"]
+__all__ = ["DevFederation", "up_command"]
 
 FEDERATION = "dev"
 
@@ -72,33 +72,6 @@ class DevFederation:
                 issue_certificate(self.pki, role, name, sans=["127.0.0.1", "localhost"], days=30)
 
 
-def cpm_command(
-    *,
-    tls: TlsFiles,
-    db: Path,
-    port_file: Path,
-    federation: str,
-    metrics_port: int | None = None,
-    listen: str = "127.0.0.1:0",
-    init: bool = False,
-) -> list[str]:
-    """The argv of a ``peerlm cpm`` child that writes its bound port to ``port_file``.
-
-    ``init`` adds ``--init``: the child may create a new federation database.
-    """
-    args = [
-        sys.executable, "-m", "peerlm", "cpm", "--listen", listen,
-        "--port-file", str(port_file), "--db", str(db), "--federation", federation,
-        "--ca-cert", str(tls.ca_cert), "--cert", str(tls.cert), "--key", str(tls.key),
-        "--log-format", "json",
-    ]  # fmt: skip
-    if metrics_port is not None:
-        args += ["--metrics-port", str(metrics_port)]
-    if init:
-        args.append("--init")
-    return args
-
-
 def _spawn(
     args: list[str], log: Path, stdout: int | IO[Any] | None, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
@@ -116,7 +89,7 @@ def _spawn(
 
 async def _wait_serving(target: str, tls: TlsFiles, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    channel = create_channel(target, GrpcLimits(), channel_credentials(tls))
+    channel = NodeContext.client(tls, role=Role.ADMIN).dial(target).channel
     stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
     try:
         while True:
@@ -198,7 +171,7 @@ async def _run(
                     AGENT_ENV,
                 )
             )
-        admin = create_channel(target, GrpcLimits(), channel_credentials(fed.tls("admin")))
+        admin = NodeContext.client(fed.tls("admin"), role=Role.ADMIN).dial(target).channel
         stub = cpm_pb2_grpc.MatchmakerStub(admin)  # type: ignore[no-untyped-call]
         stats = await _watch(stub, procs, agents, rounds, console)
         await admin.close(None)
@@ -379,7 +352,7 @@ def _write_slice_files(
     JSONL under ``out/<agent>/``: what the final table's before -> after columns measure.
     The test set is interleaved by category, so any prefix an agent evaluates covers the
     slice's categories in proportion."""
-    from peerlm.agent.tasks.dataset import read_jsonl, write_jsonl
+    from peerlm.agent import read_jsonl, write_jsonl
 
     test = read_jsonl(data_dir / "test.jsonl")
     files: list[dict[str, Path]] = []
@@ -405,7 +378,7 @@ def _prepare_real(
     console: Console | None,
 ) -> AgentArgv:
     """Build (or reuse) models and the default world's data; write one config per agent."""
-    from peerlm.agent.tasks.dataset import build_federation_data
+    from peerlm.agent import build_federation_data
     from peerlm.app.cli_models import build_with_progress, models_cache_dir
 
     size: Literal["tiny", "micro"] = "micro" if plan.size == "micro" else "tiny"

@@ -76,11 +76,8 @@ from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap
 
 if TYPE_CHECKING:
-    from peerlm.agent.guardrail import Guardrail
-    from peerlm.agent.modelhost import ModelHost
-    from peerlm.agent.rounds import Integration
-    from peerlm.agent.tasks.dataset import Problem
-    from peerlm.services.cpm.matchmaker import Pairing
+    from peerlm.agent import Guardrail, Integration, ModelHost, Problem
+    from peerlm.services.cpm import Pairing
 
 __all__ = [
     "ARCHS",
@@ -282,7 +279,7 @@ def _probe_set(
 ) -> list[Problem]:
     """The labelled public probe set: ``per_category`` fresh bank problems of every category,
     none of whose functions is in the federation data or the pre-training corpus."""
-    from peerlm.agent.tasks.bank import function_key, generate_bank, public_problems
+    from peerlm.agent import function_key, generate_bank, public_problems
 
     exclude = {function_key(p) for p in public_problems()} | {function_key(p) for p in taken}
     # A seed of its own (any large offset): the probe must not replay the data's draws.
@@ -291,10 +288,10 @@ def _probe_set(
 
 
 def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _World:
-    from peerlm.agent.models.tiny import build_models
-    from peerlm.agent.tasks.bank import CATEGORIES
-    from peerlm.agent.tasks.dataset import (
+    from peerlm.agent import (
+        CATEGORIES,
         build_federation_data,
+        build_models,
         read_jsonl,
         read_manifest,
         transfer_set_sha256,
@@ -339,9 +336,7 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
 
 
 def _clients(world: _World, seed: int) -> list[_Client]:
-    from peerlm.agent.guardrail import Guardrail
-    from peerlm.agent.modelhost import ModelHost
-    from peerlm.agent.models.lora import LoraSettings
+    from peerlm.agent import Guardrail, LoraSettings, ModelHost
 
     plan = world.plan
     out = []
@@ -356,8 +351,7 @@ def _clients(world: _World, seed: int) -> list[_Client]:
 
 
 def _round_config(plan: ExperimentPlan, seed: int, i: int) -> Any:
-    from peerlm.agent.rounds import RoundConfig
-    from peerlm.agent.training import TrainSettings
+    from peerlm.agent import RoundConfig, TrainSettings
 
     return RoundConfig(
         total_rounds=plan.rounds,
@@ -374,8 +368,7 @@ def _round_config(plan: ExperimentPlan, seed: int, i: int) -> Any:
 
 def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
     from peerlm.config import CpmSettings
-    from peerlm.services.cpm.baselines import HeteroGreedyMatchmaker, RandomMatchmaker
-    from peerlm.services.cpm.matchmaker import Matchmaker
+    from peerlm.services.cpm import HeteroGreedyMatchmaker, Matchmaker, RandomMatchmaker
 
     if strategy == "random":
         return RandomMatchmaker(seed=seed)
@@ -402,7 +395,7 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
 
 
 def _test_nll(world: _World, client: _Client) -> list[float]:
-    from peerlm.agent.rounds import reference_nll
+    from peerlm.agent import reference_nll
 
     return reference_nll(client.host, world.test)
 
@@ -418,8 +411,7 @@ def _slice_means(world: _World, per_client: Mapping[int, Sequence[float]]) -> di
 
 
 def _final_eval(world: _World, client: _Client, seed: int) -> dict[str, Any]:
-    from peerlm.agent.evaluation import structural_match_rate
-    from peerlm.agent.rounds import sample_completions, score_completions
+    from peerlm.agent import sample_completions, score_completions, structural_match_rate
 
     plan = world.plan
     completions = sample_completions(
@@ -458,7 +450,7 @@ def _integrate(
     i: int,
     t: int,
 ) -> Integration:
-    from peerlm.agent.rounds import integrate_package
+    from peerlm.agent import integrate_package
 
     return integrate_package(
         student.host,
@@ -476,8 +468,7 @@ def _package(
     world: _World, teacher: _Client, completions: Sequence[str], directive: str
 ) -> tuple[Any, float]:
     """The teacher's text package, encoded and decoded as on the wire; (package, KB)."""
-    from peerlm.agent.package import decode_package
-    from peerlm.agent.rounds import build_package
+    from peerlm.agent import build_package, decode_package
 
     data = build_package(
         teacher.host,
@@ -499,9 +490,7 @@ def _package(
 
 
 def _central_kd(world: _World, clients: list[_Client], seed: int, t: int) -> list[dict[str, Any]]:
-    from peerlm.agent.guardrail import Guardrail
-    from peerlm.agent.package import build_text_package, decode_package
-    from peerlm.agent.rounds import teacher_completions
+    from peerlm.agent import Guardrail, build_text_package, decode_package, teacher_completions
 
     plan = world.plan
     completions = [
@@ -544,7 +533,7 @@ def _oracle(
     adapter, the others are restored. Returns the records and every pair's gain
     (``"teacher>student"``), for the CPM's figures.
     """
-    from peerlm.agent.rounds import teacher_completions
+    from peerlm.agent import teacher_completions
 
     plan = world.plan
     predictions = {
@@ -591,7 +580,7 @@ def _oracle(
 def _semantic_dfl(clients: list[_Client]) -> list[dict[str, Any]]:
     """Within each model family, every client takes the PDFL step towards the others'
     adapters (equal similarities); the adapters travel whole, as an overlay pull does."""
-    from peerlm.overlay.aggregation import personalised_update
+    from peerlm.overlay import personalised_update
 
     states = {c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in clients}
     records: list[dict[str, Any]] = []
@@ -621,7 +610,7 @@ def _exchange(
     seed: int,
     t: int,
 ) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
-    from peerlm.agent.rounds import teacher_completions
+    from peerlm.agent import teacher_completions
 
     plan = world.plan
     by_name = {c.name: c for c in clients}
@@ -681,7 +670,7 @@ class _LocalPhase:
 
 
 def _local_phase(world: _World, c: _Client, seed: int, i: int, t: int) -> _LocalPhase:
-    from peerlm.agent.rounds import local_update, sample_completions, score_completions
+    from peerlm.agent import local_update, sample_completions, score_completions
 
     plan = world.plan
     stats = local_update(c.host, c.train_examples, _round_config(plan, seed, i), t)
@@ -706,7 +695,7 @@ def _run_strategy(
     first: Mapping[str, _LocalPhase],
     event: Event,
 ) -> dict[str, Any]:
-    from peerlm.agent.rounds import ProfileInputs, category_counts, round_profile
+    from peerlm.agent import ProfileInputs, category_counts, round_profile
 
     plan = world.plan
     clients = _clients(world, seed)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from peerlm.agent.tasks.world import World
+    from peerlm.agent import World
 
 __all__ = ["SLICES", "ClientSlices", "slices_of_world"]
 

@@ -56,7 +56,7 @@ def normalise_literals(code: str) -> str:
 
 
 def _measure(host: Any, problems: list[Any], max_new_tokens: int) -> dict[str, Any]:
-    from peerlm.agent.evaluation import evaluate
+    from peerlm.agent import evaluate
 
     completions = host.generate(
         [p.prompt for p in problems], max_new_tokens=max_new_tokens, temperature=0.0
@@ -137,12 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from peerlm.agent.modelhost import ModelHost
-    from peerlm.agent.models.lora import LoraSettings
-    from peerlm.agent.models.tiny import build_models
-    from peerlm.agent.tasks.dataset import build_federation_data, read_jsonl
-    from peerlm.agent.tasks.world import WorldSpec
-    from peerlm.agent.training import TrainSettings
+    from peerlm.agent import (
+        LoraSettings,
+        ModelHost,
+        TrainSettings,
+        WorldSpec,
+        build_federation_data,
+        build_models,
+        read_jsonl,
+    )
 
     started = time.perf_counter()
     [info] = build_models(

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Annotated
 
 import grpc
+import structlog
 import typer
 
-from peerlm.agent.cpm_client import CpmClient, next_directive
+from peerlm.agent import CpmClient, next_directive
 from peerlm.config import GrpcLimits
-from peerlm.pki.identity import PeerIdentity, Role
-from peerlm.security.credentials import TlsFiles, channel_credentials
+from peerlm.node import NodeContext
+from peerlm.pki.identity import Role
+from peerlm.security.credentials import TlsFiles
 from peerlm.wire.v1 import cpm_pb2
 
 __all__ = ["SimAgentReport", "run_sim_agent", "sim_agent_command"]
@@ -64,9 +66,17 @@ async def run_sim_agent(
     env_name = dict(zip(peers, env.names, strict=True))
     report = SimAgentReport(name=name)
     report.pass_at_1_before = float(env.client_pass_at_1()[index])
-    creds = channel_credentials(tls) if tls else None
-    dev_identity = None if tls else PeerIdentity(federation, Role.AGENT, name).spiffe_uri
-    client = CpmClient(cpm, GrpcLimits(), creds, dev_identity=dev_identity)
+    ctx = NodeContext.create(
+        component="agent",
+        role=Role.AGENT,
+        federation=federation,
+        tls=tls,
+        insecure_dev=tls is None,
+        limits=GrpcLimits(),
+        log=structlog.get_logger("peerlm.sim_agent"),
+        dev_name=name,
+    )
+    client = CpmClient(ctx, cpm)
     inbox: asyncio.Queue[cpm_pb2.Directive] = asyncio.Queue()
 
     async def follow() -> None:

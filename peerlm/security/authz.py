@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import grpc
 import structlog
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
+from peerlm.metrics import get_counter
 from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem, parse_spiffe_uri
 from peerlm.rpc import wrap_handler
 from peerlm.security.mode import SecurityMode
@@ -118,25 +119,6 @@ class _Refusal(Exception):
         self.details = details
 
 
-def _counter(
-    registry: CollectorRegistry, name: str, documentation: str, labels: tuple[str, ...]
-) -> Counter:
-    """A counter in ``registry``, reusing it if another instance already registered it.
-
-    Several interceptors of one process may share a registry (they differ by the
-    ``component`` label); prometheus-client refuses a second registration of a name.
-    """
-    try:
-        return Counter(name, documentation, labels, registry=registry)
-    except ValueError:
-        # prometheus-client has no public lookup by name; this private map is stable API
-        # in practice (used by its own unregister logic).
-        existing = getattr(registry, "_names_to_collectors", {}).get(name)
-        if isinstance(existing, Counter):
-            return existing
-        raise
-
-
 class AuthInterceptor(_ServerInterceptor):
     """Authenticate the caller and authorise the method before every handler runs.
 
@@ -162,7 +144,7 @@ class AuthInterceptor(_ServerInterceptor):
         self._component = component
         self._public_methods = frozenset(public_methods)
         self._identities: dict[bytes, PeerIdentity | str] = {}
-        self._refusals = _counter(
+        self._refusals = get_counter(
             registry,
             "peerlm_auth_refusals_total",
             "RPCs refused by the authorisation interceptor (handshake refusals happen in "
@@ -427,7 +409,7 @@ class TlsFailureCounter:
 
     def __init__(self, registry: CollectorRegistry, component: str) -> None:
         self._component = component
-        self._counter = _counter(
+        self._counter = get_counter(
             registry,
             "peerlm_grpc_client_tls_failures_total",
             "RPCs that failed in the TLS handshake, as seen by this client",

@@ -3,7 +3,14 @@
 ``Matchmaker`` learns who should teach whom, with which protocol, from profiles and
 receiver-reported rewards; the baselines share its ``select`` / ``observe`` interface.
 See ``docs/matchmaker.md`` for the algorithm and every choice made beyond the paper.
+
+The package exports what other packages may use: this library, and ``run_cpm`` (the
+``peerlm cpm`` process, imported on first use so that the library stays free of gRPC).
 """
+
+from typing import TYPE_CHECKING
+
+from peerlm.exports import lazy_exports
 
 from .baselines import (
     HeteroGreedyMatchmaker,
@@ -32,6 +39,10 @@ from .profile import (
 )
 from .trust import TrustLedger
 
+if TYPE_CHECKING:
+    from .core import open_database
+    from .server import cpm_command, run_cpm
+
 __all__ = [
     "DISTRIBUTION_SLICE",
     "DYNAMIC_SLICE",
@@ -55,11 +66,24 @@ __all__ = [
     "RewardNormaliser",
     "TrustLedger",
     "cheap_pair_scores",
+    "cpm_command",
     "greedy_disjoint",
     "js_divergence",
     "js_divergence_matrix",
     "max_weight_disjoint",
+    "open_database",
     "prefilter_pairs",
+    "run_cpm",
     "validate_profile",
     "validate_profiles",
 ]
+
+
+#: Loaded on first use: the process side (grpc, sqlite) stays out of ``import`` of the library.
+_LAZY: dict[str, tuple[str, str]] = {
+    "cpm_command": ("peerlm.services.cpm.server", "cpm_command"),
+    "open_database": ("peerlm.services.cpm.core", "open_database"),
+    "run_cpm": ("peerlm.services.cpm.server", "run_cpm"),
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

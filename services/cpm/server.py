@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -12,18 +13,16 @@ from peerlm.services.cpm.metrics import CpmMetrics
 from peerlm.services.cpm.service import CPM_POLICY, CpmService
 from peerlm.services.cpm.store import SqliteCpmStore
 
-from peerlm.config import CpmSettings, parse_host_port
+from peerlm.config import CpmSettings
 from peerlm.logs import configure_logging
-from peerlm.metrics import new_registry, serve_metrics
-from peerlm.pki.proof import ProofSigner
+from peerlm.metrics import serve_metrics
+from peerlm.node import NodeContext, Service
+from peerlm.pki.identity import Role
 from peerlm.process import identity_label, on_stop_signals, run_event_loop, write_port_file
-from peerlm.rpc import MetricsInterceptor, add_health_and_reflection, create_server, set_serving
-from peerlm.security.authz import AuthInterceptor
-from peerlm.security.credentials import bind_server, tls_files_from_settings
-from peerlm.security.mode import SecurityMode, resolve_security
+from peerlm.security.credentials import TlsFiles
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
-__all__ = ["run_cpm", "serve_cpm"]
+__all__ = ["cpm_command", "run_cpm", "serve_cpm"]
 
 SERVICE_NAME = cpm_pb2.DESCRIPTOR.services_by_name["Matchmaker"].full_name
 
@@ -36,48 +35,29 @@ async def serve_cpm(
     log: Any,
 ) -> None:
     """Run the CPM until ``stop`` is set, then shut down gracefully."""
-    host, _ = parse_host_port(settings.listen)
-    tls = tls_files_from_settings(settings.tls)
-    mode = resolve_security(
-        insecure_dev=settings.insecure_dev, listen_host=host, tls=tls, component="cpm", logger=log
-    )
-    registry = new_registry()
-    metrics = CpmMetrics(registry)
+    ctx = NodeContext.from_settings(settings, role=Role.CPM, log=log)
+    metrics = CpmMetrics(ctx.registry)
     store = SqliteCpmStore(settings.db)
     core = CpmCore(settings, store, time.time)
-    server = create_server(
-        settings.limits,
-        [
-            MetricsInterceptor(registry, "cpm", settings.limits),
-            AuthInterceptor(
-                CPM_POLICY,
-                federation=settings.federation,
-                mode=mode,
-                registry=registry,
-                component="cpm",
-            ),
-        ],
+    service = CpmService(
+        core, metrics, log, queue_depth=settings.stream_queue_depth, signer=ctx.signer
     )
-    signer = None
-    if tls is not None and mode is SecurityMode.MTLS:
-        bundle = tls.load()
-        signer = ProofSigner.from_pem(bundle.cert, bundle.key)
-    service = CpmService(core, metrics, log, queue_depth=settings.stream_queue_depth, signer=signer)
-    cpm_pb2_grpc.add_MatchmakerServicer_to_server(service, server)  # type: ignore[no-untyped-call]
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    bound = bind_server(server, settings.listen, mode, tls)
+    server = await ctx.serve(
+        [Service(SERVICE_NAME, service, cpm_pb2_grpc.add_MatchmakerServicer_to_server)],
+        CPM_POLICY,
+        listen=settings.listen,
+    )
     endpoint = None
     if settings.metrics_port is not None:
-        endpoint = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
-    await server.start()
+        endpoint = serve_metrics(ctx.registry, settings.metrics_host, settings.metrics_port)
     service.start()
-    await set_serving(health, [SERVICE_NAME], True)
+    await server.serving(True)
     if port_file is not None:
-        write_port_file(port_file, bound)
+        write_port_file(port_file, server.port)
     log.info(
         "cpm_started",
-        listen=f"{host}:{bound}",
-        security_mode=mode.value,
+        listen=settings.listen.rsplit(":", 1)[0] + f":{server.port}",
+        security_mode=ctx.mode.value,
         db=str(settings.db),
         metrics_port=endpoint.port if endpoint else None,
         bandit_updates=core.matchmaker.n_updates,
@@ -88,9 +68,9 @@ async def serve_cpm(
         await stop.wait()
     finally:
         log.info("cpm_stopping")
-        await set_serving(health, [SERVICE_NAME], False)
+        await server.serving(False)
         await service.stop()
-        await server.stop(settings.limits.shutdown_grace_s)
+        await server.stop()
         service.close()
         store.close()
         if endpoint is not None:
@@ -110,3 +90,31 @@ def run_cpm(settings: CpmSettings, *, port_file: Path | None = None) -> None:
         await serve_cpm(settings, stop, port_file=port_file, log=log)
 
     run_event_loop(main)
+
+
+def cpm_command(
+    *,
+    tls: TlsFiles,
+    db: Path,
+    port_file: Path,
+    federation: str,
+    metrics_port: int | None = None,
+    listen: str = "127.0.0.1:0",
+    init: bool = False,
+) -> list[str]:
+    """The argv of a ``peerlm cpm`` child process that writes its bound port to ``port_file``
+    (used by ``peerlm up``, the benchmarks and the tests that start a CPM).
+
+    ``init`` adds ``--init``: the child may create a new federation database.
+    """
+    args = [
+        sys.executable, "-m", "peerlm", "cpm", "--listen", listen,
+        "--port-file", str(port_file), "--db", str(db), "--federation", federation,
+        "--ca-cert", str(tls.ca_cert), "--cert", str(tls.cert), "--key", str(tls.key),
+        "--log-format", "json",
+    ]  # fmt: skip
+    if metrics_port is not None:
+        args += ["--metrics-port", str(metrics_port)]
+    if init:
+        args.append("--init")
+    return args

@@ -294,6 +294,10 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
             # agent and this connection's nonce (peerlm.pki.proof).
             statement = transfer_statement("directive-feed", nonce, agent, b"")
             await context.send_initial_metadata(self._signer.metadata(statement))
+        if self._stopping.is_set():
+            # A feed re-opened between stop() closing the feeds and the server stopping would
+            # otherwise be cut by the server's grace and counted as CANCELLED; say why instead.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the CPM is shutting down")
         queue = self._hub.attach(agent)
         self._m.connected.set(self._hub.connected)
         self._log.info("directive_feed_opened", agent=agent)

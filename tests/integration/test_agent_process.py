@@ -356,15 +356,14 @@ def test_package_request_without_directive_is_refused(world: World) -> None:
         endpoint = str(next(e for e in _events(log) if e.get("event") == "agent_ready")["endpoint"])
         from peerlm.agent.peer_client import PeerExchangeError, fetch_package
 
-        from peerlm.config import GrpcLimits
-        from peerlm.security.credentials import channel_credentials
+        from tests.node_contexts import kit_context
 
         async def attempt() -> None:
             await fetch_package(
+                kit_context(world.pki.root, "a0"),
                 endpoint,
-                channel_credentials(world.pki.tls("a0")),
                 "ab" * 16,
-                limits=GrpcLimits(),
+                expect="a1",
                 max_bytes=1 << 20,
                 timeout_s=5,
             )

@@ -15,12 +15,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from peerlm.agent.cpm_client import CpmClient
 
 from peerlm.config import GrpcLimits
-from peerlm.pki.identity import Role
-from peerlm.pki.proof import FEED_NONCE_METADATA, ExpectedSender, SenderCheck
+from peerlm.pki.identity import PeerIdentity, Role
+from peerlm.pki.proof import FEED_NONCE_METADATA, SenderCheck
 from peerlm.rpc import create_channel
 from peerlm.security.credentials import channel_credentials
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
+from tests.node_contexts import credentials_context, dev_context, kit_context
 
 pytestmark = pytest.mark.integration
 
@@ -397,8 +398,6 @@ async def test_insecure_dev_on_loopback_uses_metadata_identity(tmp_path: Path) -
 
     from peerlm.agent.cpm_client import CpmClient
 
-    from peerlm.config import GrpcLimits
-
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
         [
@@ -425,15 +424,15 @@ async def test_insecure_dev_on_loopback_uses_metadata_identity(tmp_path: Path) -
                 break
             await asyncio.sleep(0.05)
         target = f"127.0.0.1:{port_file.read_text().strip()}"
-        client = CpmClient(target, GrpcLimits(), None, dev_identity="spiffe://peerlm/agent/dev1")
+        client = CpmClient(dev_context("peerlm", "dev1"), target)
         resp = await client.submit_profile(1, [0.1] * 32)
         assert resp.profiles_pending == 1
         await client.close()
-        anonymous = CpmClient(target, GrpcLimits(), None)
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await anonymous.submit_profile(1, [0.1] * 32)
+        async with grpc.aio.insecure_channel(target) as anonymous:
+            stub = cpm_pb2_grpc.MatchmakerStub(anonymous)  # type: ignore[no-untyped-call]
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=[0.1] * 32))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        await anonymous.close()
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
@@ -455,7 +454,13 @@ async def test_the_agent_client_counts_handshake_refusals(cpm: CpmProcess) -> No
         certificate_chain=(foreign / "a0.crt").read_bytes(),
     )
     registry = new_registry()
-    client = CpmClient(cpm.target, GrpcLimits(rpc_timeout_s=5), creds, registry=registry)
+    ctx = credentials_context(
+        creds,
+        PeerIdentity(FEDERATION, Role.AGENT, "a0"),
+        limits=GrpcLimits(rpc_timeout_s=5),
+        registry=registry,
+    )
+    client = CpmClient(ctx, cpm.target)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await client.submit_profile(1, _profile(0))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -467,14 +472,9 @@ async def test_the_agent_client_counts_handshake_refusals(cpm: CpmProcess) -> No
     assert failures == 1
 
 
-def _feed_proof(cpm: CpmProcess, agent: str, role: Role = Role.CPM) -> ExpectedSender:
-    check = SenderCheck.from_pem((cpm.pki.root / "ca.crt").read_bytes(), FEDERATION)
-    return ExpectedSender(check, None, agent, role)
-
-
-def _client(cpm: CpmProcess, agent: str, **kw: object) -> CpmClient:
-    creds = channel_credentials(cpm.pki.tls(agent))
-    return CpmClient(cpm.target, GrpcLimits(rpc_timeout_s=5), creds, **kw)  # type: ignore[arg-type]
+def _client(cpm: CpmProcess, agent: str, *, role: Role = Role.CPM) -> CpmClient:
+    ctx = kit_context(cpm.pki.root, agent, limits=GrpcLimits(rpc_timeout_s=5))
+    return CpmClient(ctx, cpm.target, role=role)
 
 
 async def test_the_directive_feed_proves_it_comes_from_a_cpm(cpm: CpmProcess) -> None:
@@ -482,7 +482,7 @@ async def test_the_directive_feed_proves_it_comes_from_a_cpm(cpm: CpmProcess) ->
     answered; the feed's proof (over the agent's nonce) shows it is a CPM."""
     admin_ch, admin = cpm.pki.stub(cpm.target, "admin")
     await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())  # nobody else pending
-    a6, a7 = _client(cpm, "a6", feed_proof=_feed_proof(cpm, "a6")), _client(cpm, "a7")
+    a6, a7 = _client(cpm, "a6"), _client(cpm, "a7")
     await a6.submit_profile(1, _profile(6), "127.0.0.1:7006")
     await a7.submit_profile(1, _profile(7), "127.0.0.1:7007")
     await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())
@@ -491,13 +491,21 @@ async def test_the_directive_feed_proves_it_comes_from_a_cpm(cpm: CpmProcess) ->
     assert "a6" in (directive.teacher, directive.student)
     await feed.aclose()
     # Expecting a proof from another role (here: an agent) fails before any directive.
-    wrong = _client(cpm, "a6", feed_proof=_feed_proof(cpm, "a6", Role.AGENT))
+    wrong = _client(cpm, "a6", role=Role.AGENT)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await asyncio.wait_for(anext(wrong.directives()), 10)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "wrong_sender" in (e.value.details() or "")
     # A proof made out to another agent does not cover us.
-    other = _client(cpm, "a6", feed_proof=_feed_proof(cpm, "a7"))
+    # (a6's certificate, checking as if it were a7.)
+    other = CpmClient(
+        credentials_context(
+            channel_credentials(cpm.pki.tls("a6")),
+            PeerIdentity(FEDERATION, Role.AGENT, "a7"),
+            sender_check=SenderCheck.from_pem((cpm.pki.root / "ca.crt").read_bytes(), FEDERATION),
+        ),
+        cpm.target,
+    )
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await asyncio.wait_for(anext(other.directives()), 10)
     assert "bad_signature" in (e.value.details() or "")
@@ -525,8 +533,7 @@ async def test_a_malformed_feed_nonce_is_refused_and_counted(cpm: CpmProcess) ->
 
 
 async def test_an_unreachable_cpm_is_retried_not_taken_for_an_impostor(cpm: CpmProcess) -> None:
-    creds = channel_credentials(cpm.pki.tls("a5"))
-    client = CpmClient("127.0.0.1:1", GrpcLimits(), creds, feed_proof=_feed_proof(cpm, "a5"))
+    client = CpmClient(kit_context(cpm.pki.root, "a5"), "127.0.0.1:1")
     with pytest.raises(TimeoutError):  # still retrying: no error, no directive
         await asyncio.wait_for(anext(client.directives(max_backoff_s=0.2)), 2)
     await client.close()

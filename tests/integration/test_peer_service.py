@@ -25,7 +25,6 @@ from peerlm.agent.directives import (
 from peerlm.agent.guardrail import Guardrail
 from peerlm.agent.package import TextPackage, build_text_package, decode_package
 from peerlm.agent.peer_client import (
-    ExpectedSender,
     PeerExchangeError,
     fetch_package,
     pull_adapter,
@@ -36,14 +35,14 @@ from prometheus_client import CollectorRegistry
 
 from peerlm.config import GrpcLimits
 from peerlm.metrics import new_registry
+from peerlm.node import NodeContext
 from peerlm.pki.ca import init_ca, issue_certificate
-from peerlm.pki.identity import Role
-from peerlm.pki.proof import ProofSigner, SenderCheck
-from peerlm.rpc import create_channel
-from peerlm.security.credentials import TlsFiles, channel_credentials
-from peerlm.security.mode import SecurityMode
-from peerlm.wire.v1 import cpm_pb2
+from peerlm.pki.identity import PeerIdentity, Role
+from peerlm.pki.proof import ProofError, ProofSigner
+from peerlm.security.credentials import TlsFiles
+from peerlm.wire.v1 import common_pb2, cpm_pb2, peer_pb2, peer_pb2_grpc
 from tests.foreign_pki import foreign_member_credentials
+from tests.node_contexts import credentials_context, kit_context
 
 pytestmark = pytest.mark.integration
 
@@ -70,13 +69,8 @@ def _signer(pki: Path, name: str) -> ProofSigner:
     return ProofSigner.from_pem(bundle.cert, bundle.key)
 
 
-def _expect(pki: Path, sender: str, recipient: str) -> ExpectedSender:
-    check = SenderCheck.from_pem((pki / "ca.crt").read_bytes(), FEDERATION)
-    return ExpectedSender(check, sender, recipient)
-
-
-def _creds(pki: Path, name: str) -> grpc.ChannelCredentials:
-    return channel_credentials(TlsFiles.from_directory(pki, name))
+def _ctx(pki: Path, name: str, registry: CollectorRegistry | None = None) -> NodeContext:
+    return kit_context(pki, name, limits=LIMITS, registry=registry)
 
 
 @pytest.fixture(scope="module")
@@ -168,28 +162,32 @@ async def peer(pki: Path, payload: bytes) -> AsyncIterator[Peer]:
         log=structlog.get_logger("test"),
         signer=_signer(pki, "teacher"),
     )
-    server, port = await serve_peer(
+    server = await serve_peer(
+        kit_context(pki, "teacher", registry=registry, listen="127.0.0.1:0"),
         service,
         listen="127.0.0.1:0",
-        tls=TlsFiles.from_directory(pki, "teacher"),
-        limits=LIMITS,
-        registry=registry,
-        federation=FEDERATION,
-        mode=SecurityMode.MTLS,
-        log=structlog.get_logger("test"),
     )
-    state.target = f"127.0.0.1:{port}"
+    state.target = f"127.0.0.1:{server.port}"
     try:
         yield state
     finally:
         state.release.set()  # let any parked build finish instead of leaking a task
-        await server.stop(None)
+        await server.stop(0)
 
 
-async def _fetch(peer: Peer, pki: Path, name: str, directive_id: str, **kw: object) -> bytes:
-    args: dict[str, object] = {"limits": LIMITS, "max_bytes": 1024 * 1024, "timeout_s": 20.0}
+async def _fetch(
+    peer: Peer,
+    pki: Path,
+    name: str,
+    directive_id: str,
+    *,
+    registry: CollectorRegistry | None = None,
+    **kw: object,
+) -> bytes:
+    args: dict[str, object] = {"expect": "teacher", "max_bytes": 1024 * 1024, "timeout_s": 20.0}
     args.update(kw)
-    return await fetch_package(peer.target, _creds(pki, name), directive_id, **args)  # type: ignore[arg-type]
+    ctx = _ctx(pki, name, registry)
+    return await fetch_package(ctx, peer.target, directive_id, **args)  # type: ignore[arg-type]
 
 
 async def _refused(coro: object) -> PeerExchangeError:
@@ -326,10 +324,10 @@ async def test_deadline_and_unreachable_peer(peer: Peer, pki: Path) -> None:
     assert err.reason == "timeout" and err.code == grpc.StatusCode.DEADLINE_EXCEEDED
     err = await _refused(
         fetch_package(
+            _ctx(pki, "student"),
             "127.0.0.1:1",
-            _creds(pki, "student"),
             "b" * 32,
-            limits=LIMITS,
+            expect="teacher",
             max_bytes=1024,
             timeout_s=5.0,
         )
@@ -338,28 +336,22 @@ async def test_deadline_and_unreachable_peer(peer: Peer, pki: Path) -> None:
 
 
 async def test_pull_adapter(peer: Peer, pki: Path) -> None:
-    err = await _refused(
-        pull_adapter(peer.target, _creds(pki, "other"), 0, limits=LIMITS, max_bytes=10**6)
-    )
+    err = await _refused(pull_adapter(_ctx(pki, "other"), peer.target, 0, max_bytes=10**6))
     assert err.code == grpc.StatusCode.NOT_FOUND
     tensors = {"lora_A": torch.randn(64, 8), "lora_B": torch.zeros(8, 64)}
     blob = safetensors.torch.save(tensors)
     peer.adapter = (7, blob)
     for name in ("other", "student"):  # any authenticated agent may pull
-        data = await pull_adapter(peer.target, _creds(pki, name), 0, limits=LIMITS, max_bytes=10**6)
+        data = await pull_adapter(_ctx(pki, name), peer.target, 0, max_bytes=10**6)
         assert data == blob
         loaded = safetensors.torch.load(data)
         assert torch.equal(loaded["lora_A"], tensors["lora_A"])
     assert await pull_adapter_with_round(
-        peer.target, _creds(pki, "other"), 7, limits=LIMITS, max_bytes=10**6
+        _ctx(pki, "other"), peer.target, 7, expect="teacher", max_bytes=10**6
     ) == (7, blob)
-    err = await _refused(
-        pull_adapter(peer.target, _creds(pki, "other"), 3, limits=LIMITS, max_bytes=10**6)
-    )
+    err = await _refused(pull_adapter(_ctx(pki, "other"), peer.target, 3, max_bytes=10**6))
     assert err.code == grpc.StatusCode.NOT_FOUND
-    err = await _refused(
-        pull_adapter(peer.target, _creds(pki, "other"), 0, limits=LIMITS, max_bytes=100)
-    )
+    err = await _refused(pull_adapter(_ctx(pki, "other"), peer.target, 0, max_bytes=100))
     assert err.reason == "too_large"
     assert peer.metric("peerlm_agent_adapter_bytes_sent_total") >= 3 * len(blob)
     assert (
@@ -368,8 +360,8 @@ async def test_pull_adapter(peer: Peer, pki: Path) -> None:
 
 
 async def test_health_serving(peer: Peer, pki: Path) -> None:
-    async with create_channel(peer.target, LIMITS, _creds(pki, "other")) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
+    async with _ctx(pki, "other").dial(peer.target) as dialled:
+        stub = health_pb2_grpc.HealthStub(dialled.channel)  # type: ignore[no-untyped-call]
         reply = await stub.Check(health_pb2.HealthCheckRequest(service="peerlm.v1.PeerExchange"))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -433,13 +425,15 @@ async def test_a_teacher_refusing_our_certificate_is_counted_by_the_student(
         tmp_path / "foreign", FEDERATION, "student", trust=pki / "ca.crt"
     )
     registry = new_registry()
+    ctx = credentials_context(
+        creds, PeerIdentity(FEDERATION, Role.AGENT, "student"), registry=registry
+    )
     peer.add("f" * 32)
     err = await _refused(
         fetch_package(
-            peer.target, creds, "f" * 32, limits=LIMITS, max_bytes=1024 * 1024,
-            timeout_s=10.0, registry=registry,
+            ctx, peer.target, "f" * 32, expect="teacher", max_bytes=1024 * 1024, timeout_s=10.0
         )
-    )  # fmt: skip
+    )
     assert err.code == grpc.StatusCode.UNAVAILABLE, err
     failures = sum(
         s.value
@@ -456,30 +450,83 @@ async def test_transfers_carry_the_senders_proof(peer: Peer, pki: Path) -> None:
     """The student checks whose certificate signed what it received (TLS alone shows it
     only that some federation member answered at that address)."""
     peer.add("p" * 32)
-    got = await _fetch(peer, pki, "student", "p" * 32, expect=_expect(pki, "teacher", "student"))
+    got = await _fetch(peer, pki, "student", "p" * 32, expect="teacher")
     assert got == peer.payload
     # The directive named another teacher: the member that answered is not it.
     peer.add("q" * 32)
-    err = await _refused(
-        _fetch(peer, pki, "student", "q" * 32, expect=_expect(pki, "other", "student"))
-    )
+    err = await _refused(_fetch(peer, pki, "student", "q" * 32, expect="other"))
     assert err.reason == "unverified_sender" and "wrong_sender" in str(err)
-    # A proof made out to another recipient does not cover what we received.
+    # A proof made out to another recipient does not cover what we received: "other"
+    # checks the proof the teacher made out to "student" (the caller of this stream).
     peer.add("r" * 32)
-    err = await _refused(
-        _fetch(peer, pki, "student", "r" * 32, expect=_expect(pki, "teacher", "other"))
-    )
-    assert err.reason == "unverified_sender" and "bad_signature" in str(err)
+    student = _ctx(pki, "student")
+    async with student.dial(peer.target) as dialled:
+        stub = peer_pb2_grpc.PeerExchangeStub(dialled.channel)  # type: ignore[no-untyped-call]
+        call = stub.FetchPackage(peer_pb2.FetchPackageRequest(directive_id="r" * 32))
+        received = b"".join([chunk.data async for chunk in call])
+        metadata = await call.initial_metadata()
+    with pytest.raises(ProofError) as proof:
+        expected = _ctx(pki, "other").expect("teacher")
+        assert expected is not None
+        expected.verify(metadata, "package", "r" * 32, received)
+    assert proof.value.reason == "bad_signature"
     peer.adapter = (7, b"adapter-bytes" * 100)
     sent_round, payload = await pull_adapter_with_round(
-        peer.target, _creds(pki, "student"), 0, limits=LIMITS, max_bytes=1 << 20,
-        expect=_expect(pki, "teacher", "student"),
-    )  # fmt: skip
+        student, peer.target, 0, expect="teacher", max_bytes=1 << 20
+    )
     assert (sent_round, payload) == peer.adapter
     err = await _refused(
-        pull_adapter_with_round(
-            peer.target, _creds(pki, "student"), 0, limits=LIMITS, max_bytes=1 << 20,
-            expect=_expect(pki, "other", "student"),
-        )
-    )  # fmt: skip
+        pull_adapter_with_round(student, peer.target, 0, expect="other", max_bytes=1 << 20)
+    )
     assert err.reason == "unverified_sender"
+
+
+async def test_a_package_fetch_is_counted_by_the_agents_registry(peer: Peer, pki: Path) -> None:
+    """What the daemon's fetch records: bytes received, and a refused handshake, land in
+    the registry of the context that fetched (issue 13: they were never recorded)."""
+    peer.add("m" * 32)
+    ctx = _ctx(pki, "student")
+    data = await fetch_package(
+        ctx, peer.target, "m" * 32, expect="teacher", max_bytes=1 << 20, timeout_s=20.0
+    )
+    assert ctx.registry.get_sample_value("peerlm_agent_package_bytes_received_total") == len(data)
+
+
+async def test_the_daemons_package_fetch_is_counted_in_its_registry(peer: Peer, pki: Path) -> None:
+    """The student side of a directive (``AgentDaemon._learn_from``) records the package
+    bytes it received in the agent's registry (issue 13: it passed no registry, so the
+    count never moved). The model host is a stand-in: integration is not under test here
+    and fails after the fetch, as an exchange failure the daemon counts."""
+    from peerlm.agent.daemon import AgentDaemon, AgentSummary
+    from peerlm.agent.metrics import AgentTelemetry
+
+    from peerlm.config import AgentSettings, TlsSettings
+
+    kit = TlsFiles.from_directory(pki, "student")
+    settings = AgentSettings(
+        federation=FEDERATION,
+        tls=TlsSettings(ca_cert=kit.ca_cert, cert=kit.cert, key=kit.key),
+        cpm="127.0.0.1:1",
+        round_timeout_s=20.0,
+    )
+    daemon = AgentDaemon(settings, structlog.get_logger("test"))
+    daemon._connect()
+    daemon.telemetry = AgentTelemetry(daemon.registry)
+    daemon.summary = AgentSummary(name="student", model="none", family="none")
+    daemon.transfer_digest = TRANSFER
+    daemon.host = type("NoModel", (), {"tokenizer_hash": None})()  # type: ignore[assignment]
+    peer.add("s" * 32)
+    directive = cpm_pb2.Directive(
+        directive_id="s" * 32,
+        role=cpm_pb2.EXCHANGE_ROLE_STUDENT,
+        teacher="teacher",
+        student="student",
+        peer=common_pb2.PeerAddress(name="teacher", endpoint=peer.target),
+    )
+    try:
+        await daemon._learn_from(directive, 1)
+    finally:
+        daemon._worker.shutdown(wait=True)
+    received = daemon.registry.get_sample_value("peerlm_agent_package_bytes_received_total")
+    assert received == len(peer.payload)
+    assert peer.book.fetches("s" * 32) == 1

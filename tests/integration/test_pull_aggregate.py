@@ -34,12 +34,12 @@ from prometheus_client import CollectorRegistry
 
 from peerlm.config import GrpcLimits
 from peerlm.metrics import new_registry
+from peerlm.node import NodeContext
 from peerlm.pki.ca import init_ca, issue_certificate
-from peerlm.pki.identity import Role
-from peerlm.security.credentials import TlsFiles, channel_credentials
-from peerlm.security.mode import SecurityMode
+from peerlm.pki.identity import PeerIdentity, Role
 from peerlm.wire.v1 import cpm_pb2
 from tests.foreign_pki import foreign_member_credentials
+from tests.node_contexts import credentials_context, kit_context
 
 pytestmark = pytest.mark.integration
 
@@ -120,6 +120,7 @@ async def _serve(pki: Path, name: str, payload: bytes | None) -> Teacher:
     async def adapter_for(round_: int) -> tuple[int, bytes] | None:
         return None if teacher.payload is None else (7, teacher.payload)
 
+    ctx = kit_context(pki, name, limits=LIMITS, registry=registry, listen="127.0.0.1:0")
     service = PeerExchangeService(
         DirectiveBook(lambda: 0.0),
         no_package,
@@ -128,18 +129,10 @@ async def _serve(pki: Path, name: str, payload: bytes | None) -> Teacher:
         max_package_bytes=64 * 1024 * 1024,
         registry=registry,
         log=structlog.get_logger("test"),
+        signer=ctx.signer,
     )
-    server, port = await serve_peer(
-        service,
-        listen="127.0.0.1:0",
-        tls=TlsFiles.from_directory(pki, name),
-        limits=LIMITS,
-        registry=registry,
-        federation=FEDERATION,
-        mode=SecurityMode.MTLS,
-        log=structlog.get_logger("test"),
-    )
-    teacher.server, teacher.target = server, f"127.0.0.1:{port}"
+    server = await serve_peer(ctx, service, listen="127.0.0.1:0")
+    teacher.server, teacher.target = server, f"127.0.0.1:{server.port}"
     return teacher
 
 
@@ -176,7 +169,7 @@ async def world(gpt2: Path, pki: Path) -> AsyncIterator[World]:
     finally:
         for teacher in w.teachers.values():
             if teacher.server is not None:
-                await teacher.server.stop(None)
+                await teacher.server.stop(0)
 
 
 def _runner() -> tuple[ThreadPoolExecutor, Callable[..., Awaitable[Any]]]:
@@ -187,6 +180,10 @@ def _runner() -> tuple[ThreadPoolExecutor, Callable[..., Awaitable[Any]]]:
         return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*args, **kwargs))
 
     return pool, run
+
+
+def _student(pki: Path, registry: CollectorRegistry | None = None) -> NodeContext:
+    return kit_context(pki, "student", limits=LIMITS, registry=registry)
 
 
 def _metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -215,13 +212,10 @@ async def test_two_teachers_integrated_bad_ones_refused(world: World, pki: Path)
     pool, run = _runner()
     try:
         report = await pull_and_aggregate(
+            _student(pki, registry),
             student,
             candidates,
-            self_name="student",
-            creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
-            limits=LIMITS,
             settings=PullSettings(kappa=0.25, eta=1.0, psi=2.0, timeout_s=20.0),
-            registry=registry,
             run_model=run,
             round_=3,
         )
@@ -289,16 +283,13 @@ async def test_no_usable_neighbour_leaves_the_adapter_untouched(world: World, pk
     t = world.teachers
     registry = new_registry()
     report = await pull_and_aggregate(
+        _student(pki, registry),
         student,
         [
             Candidate("narrow", t["narrow"].target, 0.9),
             Candidate("nan", t["nan"].target, 0.9),
             Candidate("gone", world.dead_address, 0.9),
         ],
-        self_name="student",
-        creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
-        limits=LIMITS,
-        registry=registry,
     )
     assert not report.applied and report.pulled == () and report.delta_norm == 0.0
     assert report.weights == {"student": 1.0}
@@ -308,21 +299,17 @@ async def test_no_usable_neighbour_leaves_the_adapter_untouched(world: World, pk
     assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="identity") == 1
     assert _metric(registry, "peerlm_agent_overlay_pulled_adapters_total") == 0
 
-    empty = await pull_and_aggregate(
-        student, [], self_name="student", creds=None, limits=LIMITS, registry=registry
-    )
+    empty = await pull_and_aggregate(_student(pki, registry), student, [])
     assert not empty.applied and empty.refused == () and empty.bytes_received == 0
 
 
 async def test_limits_bound_fan_out_and_size(world: World, pki: Path) -> None:
     t = world.teachers
-    creds = channel_credentials(TlsFiles.from_directory(pki, "student"))
+    ctx = _student(pki)
     report = await pull_and_aggregate(
+        ctx,
         world.student,
         [Candidate("t1", t["t1"].target, 0.5), Candidate("t2", t["t2"].target, 0.7)],
-        self_name="student",
-        creds=creds,
-        limits=LIMITS,
         settings=PullSettings(max_peers=1),
     )
     assert [p.peer for p in report.pulled] == ["t2"]  # the more similar one
@@ -330,11 +317,9 @@ async def test_limits_bound_fan_out_and_size(world: World, pki: Path) -> None:
 
     before = world.student.adapter_state()
     report = await pull_and_aggregate(
+        ctx,
         world.student,
         [Candidate("t1", t["t1"].target, 0.5)],
-        self_name="student",
-        creds=creds,
-        limits=LIMITS,
         settings=PullSettings(max_adapter_bytes=1024),
     )
     assert [(r.peer, r.reason) for r in report.refused] == [("t1", "too_large")]
@@ -345,12 +330,11 @@ async def test_limits_bound_fan_out_and_size(world: World, pki: Path) -> None:
 
 async def test_a_student_from_another_ca_is_not_served(world: World, tmp_path: Path) -> None:
     creds = foreign_member_credentials(tmp_path / "foreign", FEDERATION, "student")
+    ctx = credentials_context(creds, PeerIdentity(FEDERATION, Role.AGENT, "student"))
     report = await pull_and_aggregate(
+        ctx,
         world.student,
         [Candidate("t1", world.teachers["t1"].target, 0.9)],
-        self_name="student",
-        creds=creds,
-        limits=LIMITS,
         settings=PullSettings(timeout_s=10.0),
     )
     assert not report.applied
@@ -371,13 +355,10 @@ async def test_a_harmful_aggregate_is_rolled_back(world: World, pki: Path) -> No
     t = world.teachers
     registry = new_registry()
     report = await pull_and_aggregate(
+        _student(pki, registry),
         student,
         [Candidate("huge", t["huge"].target, 0.9)],
-        self_name="student",
-        creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
-        limits=LIMITS,
         settings=PullSettings(max_norm_ratio=None, timeout_s=20.0),
-        registry=registry,
         gate=AcceptanceGate(VAL, margin=0.1, max_length=64),
     )
     assert report.rolled_back and not report.applied and report.pulled == ()
@@ -389,12 +370,9 @@ async def test_a_harmful_aggregate_is_rolled_back(world: World, pki: Path) -> No
 
     # An honest neighbour passes the same gate (a generous margin: the micro model is noisy).
     honest = await pull_and_aggregate(
+        _student(pki, registry),
         student,
         [Candidate("t1", t["t1"].target, 0.9)],
-        self_name="student",
-        creds=channel_credentials(TlsFiles.from_directory(pki, "student")),
-        limits=LIMITS,
-        registry=registry,
         gate=AcceptanceGate(VAL, margin=5.0, max_length=64),
     )
     assert honest.applied and not honest.rolled_back

@@ -18,6 +18,7 @@ from peerlm.agent.overlay_step import (
     publish_signature,
     pull_settings,
 )
+from peerlm.overlay.aggregation import DEFAULT_ETA, DEFAULT_KAPPA, DEFAULT_PSI
 from peerlm.overlay.metrics import OverlayMetrics
 from peerlm.overlay.node import OverlayNode
 from peerlm.overlay.params import OverlayParams
@@ -27,6 +28,7 @@ from peerlm.overlay.transport import DeliveryPolicy, OverlayHost, PeerPool
 from peerlm.config import AgentOverlaySettings, GrpcLimits
 from peerlm.metrics import new_registry
 from peerlm.rpc import create_channel
+from tests.node_contexts import dev_context
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -57,17 +59,14 @@ async def _step(host: OverlayHost, model: ModelHost, registry: object, **kw: obj
         return fn(*args, **kwargs)
 
     return await overlay_round_step(
+        dev_context("peerlm", host.node_id, registry=registry),  # type: ignore[arg-type]
         host,
         model,
         ImportanceTracker(),
         settings=AgentOverlaySettings(enabled=True, k=2, **kw),  # type: ignore[arg-type]
         round_=1,
         round_timeout_s=2.0,
-        creds=None,
-        limits=GrpcLimits(),
-        registry=registry,  # type: ignore[arg-type]
         run_model=run,
-        log=structlog.get_logger("test"),
     )
 
 
@@ -112,8 +111,11 @@ def test_stopped_host_is_a_refused_query_not_an_error(model: ModelHost) -> None:
 
 
 def test_signature_p_is_the_configured_network_p(model: ModelHost) -> None:
-    settings = pull_settings(AgentOverlaySettings(k=3, psi=2.0), 7.0)
-    assert settings.max_peers == 3 and settings.timeout_s == 7.0 and settings.psi == 2.0
+    settings = pull_settings(AgentOverlaySettings(k=3, psi=0.5), 7.0)
+    assert settings.max_peers == 3 and settings.timeout_s == 7.0 and settings.psi == 0.5
+    # Unset, the PDFL parameters are the aggregation's defaults, defined there only.
+    unset = pull_settings(AgentOverlaySettings(), 7.0)
+    assert (unset.psi, unset.kappa, unset.eta) == (DEFAULT_PSI, DEFAULT_KAPPA, DEFAULT_ETA)
 
     async def go() -> object:
         host = _lone_host("fixed")

@@ -77,3 +77,17 @@ def test_cli_json() -> None:
     assert report["runs"][0]["n"] == 30 and report["hnsw_recall_at_k"] is None
     bad = CliRunner().invoke(app, ["overlay", "--k", "150%"])
     assert bad.exit_code != 0
+
+
+def test_a_missing_bench_extra_is_reported_before_any_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without usearch (the `bench` extra) the run stops at once with the fix, instead of
+    failing at the HNSW step after minutes of simulation."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "usearch", None)  # what an uninstalled package looks like
+    result = CliRunner().invoke(app, ["overlay", "--peers", "30", "--k", "3", "--rounds", "1"])
+    assert result.exit_code == 2
+    assert "bench` extra" in result.output and "usearch" in result.output
+    assert "--no-hnsw" in result.output

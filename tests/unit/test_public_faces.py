@@ -1,0 +1,58 @@
+"""Each subsystem's public face: every exported name resolves, and importing the package is
+cheap (the heavy libraries load only with the names that need them)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FACES = {
+    "peerlm.agent": ("agent", ["peerlm", "bench", "services", "overlay"]),
+    "peerlm.overlay": ("overlay", ["peerlm", "bench", "services", "agent"]),
+    "peerlm.services.cpm": ("services/cpm", ["peerlm", "bench", "agent", "overlay"]),
+}
+
+
+@pytest.mark.parametrize("package", sorted(FACES))
+def test_every_exported_name_resolves(package: str) -> None:
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, f"{package}.{name}"
+    with pytest.raises(AttributeError):
+        module.no_such_name  # noqa: B018
+
+
+def test_importing_the_faces_loads_no_torch_or_grpc() -> None:
+    code = (
+        "import sys, peerlm.agent, peerlm.overlay, peerlm.services.cpm; "
+        "print(sorted(m for m in ('torch', 'grpc', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_package_reaches_into_another_subsystems_modules() -> None:
+    """Outside a subsystem (other subsystems, the application layer, benchmarks) only its
+    package face is imported (tests may reach in)."""
+    offending = []
+    for package, (own, users) in FACES.items():
+        for folder in users:
+            for path in (ROOT / folder).rglob("*.py"):
+                if "wire" in path.parts or path.is_relative_to(ROOT / own):
+                    continue
+                for node in ast.walk(ast.parse(path.read_text())):
+                    if (
+                        isinstance(node, ast.ImportFrom)
+                        and node.module
+                        and node.module.startswith(package + ".")
+                    ):
+                        offending.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module}")
+    assert not offending, offending
