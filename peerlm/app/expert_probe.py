@@ -86,27 +86,6 @@ def _measure(host: Any, problems: list[Any], max_new_tokens: int) -> dict[str, A
     }
 
 
-def _override_recipe(pairs: list[str]) -> None:
-    import dataclasses
-    from types import MappingProxyType
-
-    from peerlm.agent.models import tiny
-
-    recipe = tiny._RECIPES["tiny"]
-    changes: dict[str, Any] = {}
-    for pair in pairs:
-        name, _, raw = pair.partition("=")
-        current = getattr(recipe, name)
-        changes[name] = (
-            raw.lower() in ("1", "true", "yes")
-            if isinstance(current, bool)
-            else (type(current)(raw))
-        )
-    tiny._RECIPES = MappingProxyType(
-        {**tiny._RECIPES, "tiny": dataclasses.replace(recipe, **changes)}
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the probe; prints one JSON object."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -122,17 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own-only", action="store_true", help="Train on own category only.")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument(
-        "--recipe",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="Override a field of the tiny pre-training recipe (a what-if; the cache key "
-        "includes the recipe, so the variant builds into its own directory entry).",
-    )
     args = parser.parse_args(argv)
-    if args.recipe:
-        _override_recipe(args.recipe)
 
     import torch
 
