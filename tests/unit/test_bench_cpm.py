@@ -36,6 +36,7 @@ TINY = params_with(
 )
 
 
+@pytest.mark.slow
 def test_quick_benchmark_reports_every_metric() -> None:
     report = run_benchmark(BenchParams.quick())
     rows = report["results"]
@@ -123,6 +124,7 @@ def test_cli_json_output_parses(tmp_path: Path) -> None:
     assert all(Path(p).stat().st_size > 0 for p in report["plots"])
 
 
+@pytest.mark.slow
 def test_cli_tables() -> None:
     result = CliRunner().invoke(
         app,

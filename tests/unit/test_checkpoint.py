@@ -226,6 +226,7 @@ def _check_recovered(directory: Path, acknowledged: int) -> int:
     return latest.round
 
 
+@pytest.mark.slow
 def test_kill_9_during_saves_never_loses_an_acknowledged_checkpoint(tmp_path: Path) -> None:
     """Child processes die by SIGKILL: at chosen steps inside a save (the third of each
     process, which also prunes), and once from outside at whatever point it is."""

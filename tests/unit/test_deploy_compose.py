@@ -202,6 +202,7 @@ def test_scrape_targets_cover_every_process(tmp_path: Path) -> None:
             assert host in services, host
 
 
+@pytest.mark.slow
 def test_certs_step_is_idempotent_and_hands_out_only_own_keys(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the certs step hands kits to uid 10001 with chown, which needs root")

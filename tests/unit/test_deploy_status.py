@@ -129,6 +129,7 @@ def test_health_of_a_serving_cpm_from_its_own_config(
     assert named.returncode == 0 and json.loads(named.stdout)["serving"]
 
 
+@pytest.mark.slow
 def test_health_fails_when_nothing_listens_or_the_config_is_wrong(
     federation: tuple[Pki, CpmProcess], tmp_path: Path
 ) -> None:

@@ -169,6 +169,7 @@ def test_split_prompt_gives_the_tokens_of_the_whole_text(
     assert pair.input_ids == whole.input_ids
 
 
+@pytest.mark.slow
 def test_akd_student_with_another_tokenizer_learns_the_teacher_text(
     models: dict[str, Path],
 ) -> None:
@@ -194,6 +195,7 @@ def test_akd_student_with_another_tokenizer_learns_the_teacher_text(
     assert after < control_after
 
 
+@pytest.mark.slow
 def test_alpha_zero_ignores_the_teacher_and_one_ignores_local(models: dict[str, Path]) -> None:
     other_teacher = [(p, "    pass\n") for p, _ in TEACHER]
     a, b, c = host(models), host(models), host(models)
@@ -275,6 +277,7 @@ def test_logit_mode_rejects_malformed_entries(models: dict[str, Path]) -> None:
 # ---------------------------------------------------------------------------- generation
 
 
+@pytest.mark.slow
 def test_generate_is_batched_deterministic_and_greedy(models: dict[str, Path]) -> None:
     for arch in ARCHITECTURES:
         h = host(models, arch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from peerlm.overlay.events import LeaseTakeover, Placed
 
 from tests.overlay_harness import Federation, federation
@@ -118,6 +119,7 @@ def test_graceful_leave_hands_over_and_disappears_from_results() -> None:
     assert fed.sim.nodes[leaver].describe()["role"] == "left"
 
 
+@pytest.mark.slow
 def test_churn_keeps_every_query_answered() -> None:
     fed = _built(n=100, seed=9)
     assert fed.population is not None
@@ -145,6 +147,7 @@ def test_churn_keeps_every_query_answered() -> None:
     assert fed.recall(results, K) >= 0.85
 
 
+@pytest.mark.slow
 def test_next_epoch_rotates_initiators_and_replaces_the_tree() -> None:
     fed = federation(60, seed=2, zone_cap=8, epoch_period=40.0)
     fed.build()

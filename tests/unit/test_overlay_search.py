@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from peerlm.overlay.messages import Candidate
@@ -49,6 +50,7 @@ def test_threshold_initialises_from_the_probe_then_follows_the_controller() -> N
     assert -1.0 <= c.update(tau_used=-1.0, scored=10, accepted=0, drift=-1.0, samples=[]) <= 1.0
 
 
+@pytest.mark.slow
 def test_planted_clusters_are_found_with_few_comparisons() -> None:
     fed = federation(120, seed=3, zone_cap=10)
     fed.build()

@@ -121,6 +121,7 @@ def test_logits_package_rebuilds_the_teachers_input(models: dict[str, Path]) -> 
         assert not np.any(entry["ids"][:, 1:] == entry["ids"][:, :1])
 
 
+@pytest.mark.slow
 def test_student_loss_on_the_teachers_distribution_falls(models: dict[str, Path]) -> None:
     teacher = host(models, "gpt2", seed=1)
     teacher.train_local(list(zip(PROMPTS, TEXTS, strict=True)), FAST, steps=8)

@@ -83,6 +83,7 @@ def test_problem_shape(template_samples: list[tuple[str, Problem]]) -> None:
         assert len(expected) >= 2, key  # a constant function cannot pass
 
 
+@pytest.mark.slow
 def test_every_template_reference_passes_and_a_wrong_body_fails(
     template_samples: list[tuple[str, Problem]],
 ) -> None:

@@ -113,6 +113,7 @@ def test_builds_are_deterministic_and_a_new_request_rebuilds(tmp_path: Path) -> 
     assert not c.cached and c.steps == 3 and c.config_hash != a.config_hash
 
 
+@pytest.mark.slow
 def test_builds_side_by_side_give_the_same_weights(tmp_path: Path) -> None:
     """Two builds in two processes (one torch thread each) equal the same builds run one
     after another in this process with one thread: jobs never change a model."""
@@ -224,6 +225,7 @@ def test_lora_rank_and_explicit_targets(micro: list[ModelInfo]) -> None:
 # ------------------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.slow
 def test_cli_build_json_then_list(tmp_path: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(app, ["build", "--size", "micro", "--dir", str(tmp_path), "--json"])
