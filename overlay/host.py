@@ -26,6 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from peerlm.overlay import vrf
 from peerlm.overlay.codec import CodecLimits
+from peerlm.overlay.dialcheck import CertifiedAddressVerifier
 from peerlm.overlay.messages import NodeRef
 from peerlm.overlay.metrics import OverlayMetrics
 from peerlm.overlay.node import OverlayNode
@@ -97,8 +98,10 @@ def build_overlay_host(ctx: NodeContext, config: OverlayHostConfig) -> OverlaySt
     """Assemble the overlay stack of one node on ``ctx`` (not started yet).
 
     Under mTLS the key directory checks every VRF key against the federation CA, and this
-    node's own key must be the one its certificate certifies. In insecure-dev there are no
-    certificates, so the core trusts the key in each ticket (logged as a warning).
+    node's own key must be the one its certificate certifies, and an address a peer names is
+    dialled only after the server there showed that node's certificate. In insecure-dev
+    there are no certificates, so the core trusts the key in each ticket (logged as a
+    warning).
     """
     identity = ctx.identity
     keys: KeyDirectory | None = None
@@ -135,6 +138,13 @@ def build_overlay_host(ctx: NodeContext, config: OverlayHostConfig) -> OverlaySt
         certificate_for=keys.certificate if keys is not None else None,
         metadata=ctx.dev_metadata(),
         tls_failures=ctx.tls_failures,
+        # Under mTLS an address learnt from a peer is dialled only once the server there has
+        # shown the named node's certificate (insecure-dev has no certificates to show).
+        verify_address=(
+            CertifiedAddressVerifier(ctx.tls, ctx.federation)
+            if ctx.mode is SecurityMode.MTLS and ctx.tls is not None
+            else None
+        ),
     )
     host = OverlayHost(
         node,
