@@ -544,6 +544,12 @@ def up_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
+    # Every flag is checked before anything is touched: a typo must not cost the last run's
+    # database and checkpoints.
+    if family is not None and family not in ARCHS:
+        raise typer.BadParameter(f"unknown family {family!r}; one of {', '.join(ARCHS)}")
+    if simulated and (overlay or family):
+        raise typer.BadParameter("--overlay and --family need model-hosting agents")
     console = None if as_json else Console(stderr=True)
     fed = DevFederation(state_dir)
     names = [f"agent-{i}" for i in range(agents)]
@@ -556,10 +562,6 @@ def up_command(
     fed.provision(names)
     if console:
         console.print(f"[bold]peerlm up[/]: {agents} agents, {rounds} rounds, state in {state_dir}")
-    if family is not None and family not in ARCHS:
-        raise typer.BadParameter(f"unknown family {family!r}; one of {', '.join(ARCHS)}")
-    if simulated and (overlay or family):
-        raise typer.BadParameter("--overlay and --family need model-hosting agents")
     try:
         if simulated:
             argv = _sim_argv(fed, names, rounds, seed, heterogeneity)

@@ -1,0 +1,28 @@
+"""`peerlm up` checks every flag before it touches the previous run's state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from peerlm.app.cli import app
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--family", "gtp2"], ["--simulated", "--overlay"], ["--simulated", "--family", "gpt2"]],
+)
+def test_a_bad_flag_leaves_the_last_run_untouched(tmp_path: Path, flags: list[str]) -> None:
+    state = tmp_path / "fed"
+    (state / "agents" / "agent-0" / "checkpoints").mkdir(parents=True)
+    checkpoint = state / "agents" / "agent-0" / "checkpoints" / "round-3.safetensors"
+    checkpoint.write_bytes(b"weights")
+    db = state / "cpm.db"
+    db.write_bytes(b"bandit")
+    result = CliRunner().invoke(app, ["up", "--state-dir", str(state), *flags])
+    assert result.exit_code == 2, result.output
+    assert db.read_bytes() == b"bandit"
+    assert checkpoint.read_bytes() == b"weights"
+    assert not (state / "pki").exists()  # nothing provisioned either
