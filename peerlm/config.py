@@ -75,6 +75,10 @@ class GrpcLimits(_Section):
     chunk_bytes: int = Field(default=1 * MiB, ge=16 * 1024, le=16 * MiB)
     max_concurrent_rpcs: int = Field(default=1024, ge=1)
     max_concurrent_streams: int = Field(default=256, ge=1)
+    # Calls (unary or streaming) one identity may have in flight on a server: a member (or
+    # an admin) cannot hold more than this of max_concurrent_rpcs, so one member's flood
+    # leaves the others served. An agent needs 2 on the CPM (its feed and one call).
+    max_calls_per_identity: int = Field(default=64, ge=1)
     keepalive_time_s: float = Field(default=30.0, gt=0)
     keepalive_timeout_s: float = Field(default=10.0, gt=0)
     min_ping_interval_s: float = Field(default=10.0, gt=0)

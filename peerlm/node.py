@@ -160,6 +160,12 @@ class PeerChannel:
         await self.close()
 
 
+#: Calls a member of a server's expected population holds at once: a stream and a call.
+CALLS_PER_MEMBER = 2
+#: Room kept for operators' admin calls and health probes above the members' share.
+ADMIN_HEADROOM = 64
+
+
 @dataclass(eq=False)
 class NodeContext:
     """Identity, TLS, security mode, limits, metrics, logger and proofs of one process.
@@ -322,27 +328,44 @@ class NodeContext:
         policy: Mapping[str, frozenset[Role]],
         *,
         listen: str,
+        population: int | None = None,
     ) -> NodeServer:
         """Assemble, bind and start this process's gRPC server on ``listen`` with
         ``services`` (see :meth:`bind`); health reports NOT_SERVING until
         :meth:`NodeServer.serving`."""
-        server = self.bind(policy, listen=listen)
+        server = self.bind(policy, listen=listen, population=population)
         for service in services:
             server.add(service)
         await server.start()
         return server
 
-    def bind(self, policy: Mapping[str, frozenset[Role]], *, listen: str) -> NodeServer:
+    def bind(
+        self,
+        policy: Mapping[str, frozenset[Role]],
+        *,
+        listen: str,
+        population: int | None = None,
+    ) -> NodeServer:
         """Assemble this process's gRPC server and bind it to ``listen``, not started: for a
         caller that needs the bound port before it can build its services.
 
         Interceptors: metrics first (so refusals by the next are counted, and oversized
         messages are refused), then authentication and ``policy`` (deny by default; health
-        open to every member, reflection to ``admin`` only). Limits from the context.
+        open to every member, reflection to ``admin`` only) and the per-identity bound on
+        calls in flight (``limits.max_calls_per_identity``). Limits from the context; a
+        server that expects ``population`` members holding a stream each (the CPM: its
+        ``max_agents``, one directive feed and one call each) gets room for all of them
+        plus :data:`ADMIN_HEADROOM` for operators and probes, whatever
+        ``limits.max_concurrent_rpcs`` says.
         """
         admin_only = {method: frozenset({Role.ADMIN}) for method in REFLECTION_METHODS}
+        limits = self.limits
+        if population is not None:
+            needed = population * CALLS_PER_MEMBER + ADMIN_HEADROOM
+            if needed > limits.max_concurrent_rpcs:
+                limits = limits.model_copy(update={"max_concurrent_rpcs": needed})
         server = create_server(
-            self.limits,
+            limits,
             [
                 MetricsInterceptor(self.registry, self.component, self.limits),
                 AuthInterceptor(
@@ -352,6 +375,7 @@ class NodeContext:
                     registry=self.registry,
                     component=self.component,
                     public_methods=HEALTH_METHODS,
+                    max_calls_per_identity=limits.max_calls_per_identity,
                 ),
             ],
         )

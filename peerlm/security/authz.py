@@ -137,8 +137,12 @@ class AuthInterceptor(_ServerInterceptor):
         registry: CollectorRegistry,
         component: str,
         public_methods: frozenset[str] = HEALTH_AND_REFLECTION_METHODS,
+        max_calls_per_identity: int | None = None,
     ) -> None:
         self._policy = {method: frozenset(roles) for method, roles in policy.items()}
+        # Calls in flight per caller (its SPIFFE URI), bounded by max_calls_per_identity.
+        self._max_calls = max_calls_per_identity
+        self._in_flight: dict[str, int] = {}
         self._federation = federation
         self._mode = SecurityMode(mode)
         self._component = component
@@ -246,15 +250,45 @@ class AuthInterceptor(_ServerInterceptor):
                 f"({identity.spiffe_uri}); allowed roles: {roles}",
             )
 
+    def _take_slot(self, identity: PeerIdentity) -> None:
+        if self._max_calls is None:
+            return
+        key = identity.spiffe_uri
+        held = self._in_flight.get(key, 0)
+        if held >= self._max_calls:
+            raise _Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "identity_limit",
+                f"{key} already has {held} calls in flight on this server "
+                f"(limit {self._max_calls} per identity); retry when one has ended",
+            )
+        self._in_flight[key] = held + 1
+
+    def _release(self, identity: PeerIdentity) -> None:
+        if self._max_calls is None:
+            return
+        key = identity.spiffe_uri
+        left = self._in_flight.get(key, 1) - 1
+        if left > 0:
+            self._in_flight[key] = left
+        else:
+            self._in_flight.pop(key, None)
+
     async def _admit(self, context: _Context, method: str) -> PeerIdentity:
-        """Authenticate and authorise, or abort the RPC (counting and logging the refusal)."""
+        """Authenticate, authorise and take one of the caller's call slots, or abort the RPC
+        (counting the refusal; logging it unless it is a flood's ``identity_limit``). The
+        caller must :meth:`_release` the identity when the call ends."""
         identity: PeerIdentity | None = None
         try:
             identity = self._authenticate(context)
             self._authorise(identity, method)
+            self._take_slot(identity)
             return identity
         except _Refusal as refusal:
             self._refusals.labels(self._component, method, refusal.reason).inc()
+            if refusal.reason == "identity_limit":
+                # A flood is counted, not logged call by call (the log would be the flood).
+                await context.abort(refusal.code, refusal.details)
             self._log.warning(
                 "auth_refused",
                 method=method,
@@ -287,7 +321,8 @@ class AuthInterceptor(_ServerInterceptor):
         self, behaviour: Callable[..., Any], method: str
     ) -> Callable[[Any, _Context], Awaitable[Any]]:
         async def guarded(request: Any, context: _Context) -> Any:
-            token = _current_identity.set(await self._admit(context, method))
+            identity = await self._admit(context, method)
+            token = _current_identity.set(identity)
             try:
                 result = behaviour(request, context)
                 if inspect.isawaitable(result):
@@ -295,6 +330,7 @@ class AuthInterceptor(_ServerInterceptor):
                 return result
             finally:
                 _current_identity.reset(token)
+                self._release(identity)
 
         return guarded
 
@@ -305,11 +341,13 @@ class AuthInterceptor(_ServerInterceptor):
             # A coroutine handler writes with context.write(); grpc.aio tells the two styles
             # apart by the function's kind, so the wrapper must be a coroutine function too.
             async def guarded_writer(request: Any, context: _Context) -> None:
-                token = _current_identity.set(await self._admit(context, method))
+                identity = await self._admit(context, method)
+                token = _current_identity.set(identity)
                 try:
                     await behaviour(request, context)
                 finally:
                     _current_identity.reset(token)
+                    self._release(identity)
 
             return guarded_writer
 
@@ -317,16 +355,20 @@ class AuthInterceptor(_ServerInterceptor):
             # The generator body runs in the RPC's task, so the identity set here is what the
             # wrapped handler sees. No reset: the RPC's context dies with its task, and a
             # generator may be finalised from another context, where reset() would fail.
-            _current_identity.set(await self._admit(context, method))
-            result = behaviour(request, context)
-            if hasattr(result, "__aiter__"):
-                async for item in result:
-                    yield item
-            elif inspect.isawaitable(result):
-                await result
-            elif result is not None:
-                for item in result:
-                    yield item
+            identity = await self._admit(context, method)
+            _current_identity.set(identity)
+            try:
+                result = behaviour(request, context)
+                if hasattr(result, "__aiter__"):
+                    async for item in result:
+                        yield item
+                elif inspect.isawaitable(result):
+                    await result
+                elif result is not None:
+                    for item in result:
+                        yield item
+            finally:
+                self._release(identity)
 
         return guarded_generator
 
