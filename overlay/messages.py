@@ -25,8 +25,10 @@ small per-field framing), so the simulator can count control bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 if TYPE_CHECKING:
     from peerlm.overlay.signature import Signature
@@ -662,28 +664,56 @@ def signature_wire_size(sig: Signature) -> int:
     return 20 + len(sig.space) + 6 * int(sig.p)
 
 
-def _value_size(value: object) -> int:
-    if value is None:
-        return 1
-    if isinstance(value, bool):
-        return 1
-    if isinstance(value, int | float):
-        return 8
-    if isinstance(value, str):
-        return _FIELD_BYTES + len(value.encode())
-    if isinstance(value, bytes):
-        return _FIELD_BYTES + len(value)
-    if isinstance(value, tuple):
+# How a value of each type is sized is decided once per type (the checks below, in this
+# order) and then looked up: the simulator sizes every message it carries, and running
+# these checks and ``dataclasses.fields`` per value was most of its time. The memo is a
+# pure function of the type, not state.
+_NONE, _ONE, _EIGHT, _STR, _BYTES, _TUPLE, _SIGNATURE, _RECORD = range(8)
+
+
+def _has(kind: type, name: str) -> bool:
+    return hasattr(kind, name) or name in getattr(kind, "__dataclass_fields__", {})
+
+
+@functools.cache
+def _size_kind(kind: Any) -> tuple[int, tuple[str, ...]]:
+    if kind is type(None):
+        return _NONE, ()
+    if issubclass(kind, bool):
+        return _ONE, ()
+    if issubclass(kind, int | float):
+        return _EIGHT, ()
+    if issubclass(kind, str):
+        return _STR, ()
+    if issubclass(kind, bytes):
+        return _BYTES, ()
+    if issubclass(kind, tuple):
+        return _TUPLE, ()
+    if _has(kind, "indices") and _has(kind, "space"):
+        return _SIGNATURE, ()
+    if dataclasses.is_dataclass(kind):
+        return _RECORD, tuple(f.name for f in dataclasses.fields(kind))
+    raise TypeError(f"no wire size for {kind.__name__}")
+
+
+def _value_size(value: Any) -> int:
+    # (mypy does not see a class as Hashable)
+    code, names = _size_kind(cast(Hashable, type(value)))
+    if code == _RECORD:
+        return _FIELD_BYTES + sum(_value_size(getattr(value, name)) for name in names)
+    if code == _TUPLE:
         return _FIELD_BYTES + sum(_value_size(v) for v in value)
-    if hasattr(value, "indices") and hasattr(value, "space"):
-        return _FIELD_BYTES + signature_wire_size(value)  # type: ignore[arg-type]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _FIELD_BYTES + sum(
-            _value_size(getattr(value, f.name)) for f in dataclasses.fields(value)
-        )
-    raise TypeError(f"no wire size for {type(value).__name__}")
+    if code == _STR:
+        return _FIELD_BYTES + len(value.encode())
+    if code == _EIGHT:
+        return 8
+    if code in (_NONE, _ONE):
+        return 1
+    if code == _BYTES:
+        return _FIELD_BYTES + len(value)
+    return _FIELD_BYTES + signature_wire_size(value)
 
 
 def wire_size(msg: Message) -> int:
     """Estimated bytes of ``msg`` on the wire (for control-traffic accounting)."""
-    return _HEADER_BYTES + sum(_value_size(getattr(msg, f.name)) for f in dataclasses.fields(msg))
+    return _value_size(msg) - _FIELD_BYTES + _HEADER_BYTES
