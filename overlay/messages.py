@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from peerlm.overlay.signature import Signature
@@ -668,7 +668,11 @@ def signature_wire_size(sig: Signature) -> int:
 # order) and then looked up: the simulator sizes every message it carries, and running
 # these checks and ``dataclasses.fields`` per value was most of its time. The memo is a
 # pure function of the type, not state.
-_NONE, _ONE, _EIGHT, _STR, _BYTES, _TUPLE, _SIGNATURE, _RECORD = range(8)
+_NONE, _ONE, _EIGHT, _STR, _BYTES, _TUPLE, _SIGNATURE, _RECORD, _FROZEN = range(9)
+
+SizeMemo = dict[int, tuple[object, int]]
+"""``id(record) -> (record, size)`` for frozen records; holding the record keeps its id
+from being reused while the entry lives."""
 
 
 def _has(kind: type, name: str) -> bool:
@@ -692,17 +696,30 @@ def _size_kind(kind: Any) -> tuple[int, tuple[str, ...]]:
     if _has(kind, "indices") and _has(kind, "space"):
         return _SIGNATURE, ()
     if dataclasses.is_dataclass(kind):
-        return _RECORD, tuple(f.name for f in dataclasses.fields(kind))
+        frozen = bool(getattr(kind, "__dataclass_params__").frozen)  # noqa: B009
+        return _FROZEN if frozen else _RECORD, tuple(f.name for f in dataclasses.fields(kind))
     raise TypeError(f"no wire size for {kind.__name__}")
 
 
-def _value_size(value: Any) -> int:
-    # (mypy does not see a class as Hashable)
-    code, names = _size_kind(cast(Hashable, type(value)))
+# A class is hashable, but mypy does not see it as Hashable.
+_kind_of: Callable[[Any], tuple[int, tuple[str, ...]]] = _size_kind
+
+
+def _value_size(value: Any, memo: SizeMemo | None) -> int:
+    code, names = _kind_of(type(value))
+    if code == _FROZEN:
+        if memo is not None:
+            hit = memo.get(id(value))
+            if hit is not None and hit[0] is value:
+                return hit[1]
+        size = _FIELD_BYTES + sum(_value_size(getattr(value, name), memo) for name in names)
+        if memo is not None:
+            memo[id(value)] = (value, size)
+        return size
     if code == _RECORD:
-        return _FIELD_BYTES + sum(_value_size(getattr(value, name)) for name in names)
+        return _FIELD_BYTES + sum(_value_size(getattr(value, name), memo) for name in names)
     if code == _TUPLE:
-        return _FIELD_BYTES + sum(_value_size(v) for v in value)
+        return _FIELD_BYTES + sum(_value_size(v, memo) for v in value)
     if code == _STR:
         return _FIELD_BYTES + len(value.encode())
     if code == _EIGHT:
@@ -714,6 +731,11 @@ def _value_size(value: Any) -> int:
     return _FIELD_BYTES + signature_wire_size(value)
 
 
-def wire_size(msg: Message) -> int:
-    """Estimated bytes of ``msg`` on the wire (for control-traffic accounting)."""
-    return _value_size(msg) - _FIELD_BYTES + _HEADER_BYTES
+def wire_size(msg: Message, memo: SizeMemo | None = None) -> int:
+    """Estimated bytes of ``msg`` on the wire (for control-traffic accounting).
+
+    ``memo`` (optional, the caller's) remembers the sizes of the immutable records it has
+    seen (descriptors, member entries, whole messages), which recur in many messages; the
+    caller bounds it (clearing it is always safe).
+    """
+    return _value_size(msg, memo) - _FIELD_BYTES + _HEADER_BYTES

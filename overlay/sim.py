@@ -36,7 +36,7 @@ from typing import cast
 import numpy as np
 from peerlm.overlay import vrf
 from peerlm.overlay.events import Event, Send
-from peerlm.overlay.messages import Message, NodeRef, wire_size
+from peerlm.overlay.messages import Message, NodeRef, SizeMemo, wire_size
 from peerlm.overlay.node import OverlayNode
 from peerlm.overlay.params import OverlayParams
 
@@ -93,6 +93,8 @@ class Simulator:
         self._scheduled: dict[str, float] = {}
         self._factor: dict[tuple[str, str], float] = {}
         self._verify = _VerifyCache()
+        # Messages, descriptors and member entries recur in many sends: size each once.
+        self._sizes: SizeMemo = {}
         self._on_event = on_event
         self.events: list[tuple[float, str, Event]] = []
         self.sent_messages: Counter[str] = Counter()
@@ -212,11 +214,10 @@ class Simulator:
 
     def deliver(self, src: str, sends: list[Send]) -> None:
         """Put ``sends`` from ``src`` on the wire."""
-        sizes: dict[int, int] = {}  # one message object is often sent to many peers
+        if len(self._sizes) > _SIZE_MEMO_ENTRIES:
+            self._sizes.clear()
         for s in sends:
-            size = sizes.get(id(s.msg))
-            if size is None:
-                size = sizes[id(s.msg)] = wire_size(s.msg)
+            size = wire_size(s.msg, self._sizes)
             self.sent_messages[src] += 1
             self.sent_bytes[src] += size
             self.kind_messages[s.msg.KIND] += 1
@@ -320,6 +321,9 @@ class Simulator:
             "dropped": self.dropped,
         }
 
+
+_SIZE_MEMO_ENTRIES = 200_000
+"""Records whose wire size the simulator remembers before starting afresh."""
 
 _ROWS_PER_BLOCK = 1024
 """Distance rows computed at once (``N`` x this many floats), so memory stays ``O(N)``."""
