@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -44,7 +44,7 @@ from peerlm.overlay import (
     Send,
     Signature,
     Simulator,
-    cosine_matrix,
+    cosine_rows,
     paper_k,
     round_half_up,
 )
@@ -52,6 +52,7 @@ from peerlm.overlay import (
 __all__ = [
     "BenchConfig",
     "exact_top_k",
+    "exact_top_k_of",
     "hnsw_recall",
     "parse_k",
     "render_report",
@@ -60,6 +61,8 @@ __all__ = [
     "write_plots",
 ]
 
+_TOP_K_BLOCK = 512
+"""Rows of the exact top-K computed at once (``N`` similarities each)."""
 QUERY_KINDS = frozenset({"QUERY", "QUERY_ACK", "QUERY_DOWN", "QUERY_PARTIAL", "QUERY_RESULT"})
 Progress = Callable[[str, int, int], None]
 
@@ -114,14 +117,28 @@ class BenchConfig:
 def exact_top_k(signatures: Sequence[Signature], k: int) -> list[set[int]]:
     """Row ``i``: indices of the ``k`` signatures most similar to ``i`` (itself excluded),
     ties to the lower index."""
-    sim = cosine_matrix(signatures)
-    np.fill_diagonal(sim, -np.inf)
-    order = np.argsort(-sim, axis=1, kind="stable")[:, :k]
-    return [set(int(j) for j in row) for row in order]
+    rows = exact_top_k_of(signatures, k, range(len(signatures)))
+    return [rows[i] for i in range(len(signatures))]
+
+
+def exact_top_k_of(
+    signatures: Sequence[Signature], k: int, rows: Iterable[int]
+) -> dict[int, set[int]]:
+    """:func:`exact_top_k` for the given rows only, computed in blocks of rows so that
+    memory is ``O(N)`` per block instead of the ``N x N`` similarity matrix."""
+    wanted = sorted(set(rows))
+    out: dict[int, set[int]] = {}
+    for start in range(0, len(wanted), _TOP_K_BLOCK):
+        block = wanted[start : start + _TOP_K_BLOCK]
+        sim = cosine_rows(signatures, block)
+        sim[np.arange(len(block)), block] = -np.inf
+        order = np.argsort(-sim, axis=1, kind="stable")[:, :k]
+        out.update({i: set(int(j) for j in row) for i, row in zip(block, order, strict=True)})
+    return out
 
 
 def hnsw_recall(
-    signatures: Sequence[Signature], truth: Sequence[set[int]], k: int, seed: int
+    signatures: Sequence[Signature], truth: Mapping[int, set[int]], k: int, seed: int
 ) -> float:
     """Recall@K of a centralised HNSW index (usearch, cosine, one thread) over the same
     signatures as dense vectors; each peer's own entry is removed from its answer."""
@@ -216,7 +233,6 @@ def run_one(cfg: BenchConfig, n: int, progress: Progress | None = None) -> dict[
         live = sorted(sim.alive)
         index = {nid: i for i, nid in enumerate(live)}
         sigs = [members[nid].signature for nid in live]
-        truth = exact_top_k(sigs, k)
         queriers = live
         if cfg.queries is not None and cfg.queries < len(live):
             # The same peers query every round (their tau controllers warm up), topped up
@@ -226,6 +242,11 @@ def run_one(cfg: BenchConfig, n: int, progress: Progress | None = None) -> dict[
             kept += rng.sample(fresh, min(len(fresh), cfg.queries - len(kept)))
             sample = kept
             queriers = sorted(sample)
+        # Only the queriers' rows are needed, unless the HNSW reference scores every peer.
+        scored_all = cfg.hnsw and rnd == cfg.rounds - 1
+        truth = exact_top_k_of(
+            sigs, k, range(len(sigs)) if scored_all else [index[q] for q in queriers]
+        )
         start_events = len(sim.events)
         messages0 = sim.messages_by_kind(set(QUERY_KINDS))
         qids: dict[str, str] = {}

@@ -11,7 +11,7 @@ import heapq
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from peerlm.overlay import vrf
@@ -31,35 +31,39 @@ VrfVerifier = Callable[[bytes, bytes, bytes], bytes | None]
 """``(public_key, proof, alpha) -> beta | None`` (``peerlm.overlay.vrf.verify`` or a cache)."""
 
 
-@dataclass(order=True)
+@dataclass(slots=True)
 class _Timer:
     at: float
     seq: int
-    fn: Callable[[], None] = field(compare=False)
-    cancelled: bool = field(default=False, compare=False)
+    fn: Callable[[], None]
+    cancelled: bool = False
 
 
 class Timers:
-    """A min-heap of callbacks; cancellation is lazy."""
+    """A min-heap of callbacks, ordered by (time, arming order); cancellation is lazy."""
 
     def __init__(self) -> None:
-        self._heap: list[_Timer] = []
+        # (at, seq, timer) tuples: compared in C, where an ordered dataclass's generated
+        # __lt__ was a Python call per comparison (a hot spot of the simulator).
+        self._heap: list[tuple[float, int, _Timer]] = []
         self._seq = 0
 
     def at(self, when: float, fn: Callable[[], None]) -> _Timer:
         self._seq += 1
         timer = _Timer(when, self._seq, fn)
-        heapq.heappush(self._heap, timer)
+        heapq.heappush(self._heap, (when, self._seq, timer))
         return timer
 
     def next_deadline(self) -> float | None:
-        while self._heap and self._heap[0].cancelled:
-            heapq.heappop(self._heap)
-        return self._heap[0].at if self._heap else None
+        heap = self._heap
+        while heap and heap[0][2].cancelled:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     def pop_due(self, now: float) -> _Timer | None:
-        while self._heap and (self._heap[0].cancelled or self._heap[0].at <= now):
-            timer = heapq.heappop(self._heap)
+        heap = self._heap
+        while heap and (heap[0][2].cancelled or heap[0][0] <= now):
+            timer = heapq.heappop(heap)[2]
             if not timer.cancelled:
                 return timer
         return None

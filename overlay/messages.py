@@ -25,6 +25,8 @@ small per-field framing), so the simulator can count control bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -662,28 +664,78 @@ def signature_wire_size(sig: Signature) -> int:
     return 20 + len(sig.space) + 6 * int(sig.p)
 
 
-def _value_size(value: object) -> int:
-    if value is None:
-        return 1
-    if isinstance(value, bool):
-        return 1
-    if isinstance(value, int | float):
-        return 8
-    if isinstance(value, str):
+# How a value of each type is sized is decided once per type (the checks below, in this
+# order) and then looked up: the simulator sizes every message it carries, and running
+# these checks and ``dataclasses.fields`` per value was most of its time. The memo is a
+# pure function of the type, not state.
+_NONE, _ONE, _EIGHT, _STR, _BYTES, _TUPLE, _SIGNATURE, _RECORD, _FROZEN = range(9)
+
+SizeMemo = dict[int, tuple[object, int]]
+"""``id(record) -> (record, size)`` for frozen records; holding the record keeps its id
+from being reused while the entry lives."""
+
+
+def _has(kind: type, name: str) -> bool:
+    return hasattr(kind, name) or name in getattr(kind, "__dataclass_fields__", {})
+
+
+@functools.cache
+def _size_kind(kind: Any) -> tuple[int, tuple[str, ...]]:
+    if kind is type(None):
+        return _NONE, ()
+    if issubclass(kind, bool):
+        return _ONE, ()
+    if issubclass(kind, int | float):
+        return _EIGHT, ()
+    if issubclass(kind, str):
+        return _STR, ()
+    if issubclass(kind, bytes):
+        return _BYTES, ()
+    if issubclass(kind, tuple):
+        return _TUPLE, ()
+    if _has(kind, "indices") and _has(kind, "space"):
+        return _SIGNATURE, ()
+    if dataclasses.is_dataclass(kind):
+        frozen = bool(getattr(kind, "__dataclass_params__").frozen)  # noqa: B009
+        return _FROZEN if frozen else _RECORD, tuple(f.name for f in dataclasses.fields(kind))
+    raise TypeError(f"no wire size for {kind.__name__}")
+
+
+# A class is hashable, but mypy does not see it as Hashable.
+_kind_of: Callable[[Any], tuple[int, tuple[str, ...]]] = _size_kind
+
+
+def _value_size(value: Any, memo: SizeMemo | None) -> int:
+    code, names = _kind_of(type(value))
+    if code == _FROZEN:
+        if memo is not None:
+            hit = memo.get(id(value))
+            if hit is not None and hit[0] is value:
+                return hit[1]
+        size = _FIELD_BYTES + sum(_value_size(getattr(value, name), memo) for name in names)
+        if memo is not None:
+            memo[id(value)] = (value, size)
+        return size
+    if code == _RECORD:
+        return _FIELD_BYTES + sum(_value_size(getattr(value, name), memo) for name in names)
+    if code == _TUPLE:
+        return _FIELD_BYTES + sum(_value_size(v, memo) for v in value)
+    if code == _STR:
         return _FIELD_BYTES + len(value.encode())
-    if isinstance(value, bytes):
+    if code == _EIGHT:
+        return 8
+    if code in (_NONE, _ONE):
+        return 1
+    if code == _BYTES:
         return _FIELD_BYTES + len(value)
-    if isinstance(value, tuple):
-        return _FIELD_BYTES + sum(_value_size(v) for v in value)
-    if hasattr(value, "indices") and hasattr(value, "space"):
-        return _FIELD_BYTES + signature_wire_size(value)  # type: ignore[arg-type]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _FIELD_BYTES + sum(
-            _value_size(getattr(value, f.name)) for f in dataclasses.fields(value)
-        )
-    raise TypeError(f"no wire size for {type(value).__name__}")
+    return _FIELD_BYTES + signature_wire_size(value)
 
 
-def wire_size(msg: Message) -> int:
-    """Estimated bytes of ``msg`` on the wire (for control-traffic accounting)."""
-    return _HEADER_BYTES + sum(_value_size(getattr(msg, f.name)) for f in dataclasses.fields(msg))
+def wire_size(msg: Message, memo: SizeMemo | None = None) -> int:
+    """Estimated bytes of ``msg`` on the wire (for control-traffic accounting).
+
+    ``memo`` (optional, the caller's) remembers the sizes of the immutable records it has
+    seen (descriptors, member entries, whole messages), which recur in many messages; the
+    caller bounds it (clearing it is always safe).
+    """
+    return _value_size(msg, memo) - _FIELD_BYTES + _HEADER_BYTES

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from peerlm.overlay.context import KeyResolver, NodeContext, VrfVerifier
+from peerlm.overlay.dispatch import Dispatcher, Handler, Route
 from peerlm.overlay.events import Event, RoleChanged, Send
 from peerlm.overlay.hierarchy import ClusterRole
 from peerlm.overlay.maintenance import Roles
@@ -37,8 +38,6 @@ from peerlm.overlay.messages import (
     ElectionTicket,
     EpochAnnounce,
     Heartbeat,
-    HeartbeatAck,
-    JoinAccept,
     JoinRequest,
     LeaseAck,
     LeaseRenew,
@@ -51,7 +50,6 @@ from peerlm.overlay.messages import (
     PeerExchange,
     Probe,
     Query,
-    QueryAck,
     QueryDown,
     QueryPartial,
     QueryResult,
@@ -146,6 +144,57 @@ class OverlayNode:
             self.peers.by_recency,
         )
         self._last_roles: tuple[str, ...] = ()
+        self._dispatcher = Dispatcher(self._routes(), self._unowned)
+
+    def _routes(self) -> list[Route]:
+        """The dispatch table: every routing key and its one owner (see
+        :mod:`peerlm.overlay.dispatch`)."""
+        roles = self.roles
+        table: list[tuple[type[Any] | str, str, Handler]] = [
+            (PeerExchange, "peers", self.peers.on_exchange),
+            (ElectionTicket, "zones", self.zones.on_election),
+            (Probe, "zones", self.zones.on_probe),
+            (Register, "zones", self.zones.on_register),
+            (Neighbor, "zones", self.zones.on_neighbor),
+            (Split, "zones", self.zones.on_split),
+            (ZoneInfoRequest, "zones", self.zones.on_zone_info_request),
+            (ZoneInfo, "zones", self.zones.on_zone_info),
+            (SigProbe, "zones", self.zones.on_sig_probe),
+            (SigReply, "zones", self.zones.on_sig_reply),
+            (MemberAssign, "membership", self.membership.on_member_assign),
+            ("HEARTBEAT_ACK/leaf", "membership", self.membership.on_heartbeat_ack),
+            ("JOIN_ACCEPT/member", "membership", self.membership.on_join_accept),
+            (ClusterState, "roles.sync", roles.sync.on_cluster_state),
+            (ParentUpdate, "roles.sync", roles.sync.on_parent_update),
+            (EpochAnnounce, "roles.announce", roles.announce.on_epoch_announce),
+            (LeaseRenew, "roles.leases", roles.leases.on_lease_renew),
+            (LeaseAck, "roles.leases", roles.leases.on_lease_ack),
+            (Takeover, "roles.leases", roles.leases.on_takeover),
+            (Resign, "roles.leases", roles.leases.on_resign),
+            (Heartbeat, "roles.links", roles.links.on_heartbeat),
+            ("HEARTBEAT_ACK/parent", "roles.links", roles.links.on_heartbeat_ack),
+            (DescriptorUpdate, "roles.links", roles.links.on_descriptor_update),
+            (SignatureUpdate, "roles.links", roles.links.on_signature_update),
+            (Leave, "roles.links", roles.links.on_leave),
+            (JoinRequest, "roles.placement", roles.placement.on_join),
+            ("JOIN_ACCEPT/cluster", "roles.placement", roles.placement.on_join_accept),
+            (Query, "search", self.search.on_query),
+            (QueryDown, "search", self.search.on_query_down),
+            ("QUERY_ACK/child", "search", self.search.on_query_ack),
+            (QueryPartial, "search", self.search.on_query_partial),
+            ("QUERY_ACK/root", "querier", self.querier.on_ack),
+            (QueryResult, "querier", self.querier.on_result),
+        ]
+        return [
+            Route(key if isinstance(key, str) else key.KIND, owner, handler)
+            for key, owner, handler in table
+        ]
+
+    def _unowned(self, key: str) -> None:
+        # A kind the wire decoder knows but no component owns (or an object that is no
+        # message at all): count it under its own key and drop it.
+        self.ctx.reject("unowned_kind")
+        self.ctx.counters[f"unowned.{key}"] += 1
 
     # ------------------------------------------------------------------ identity
     @property
@@ -162,6 +211,11 @@ class OverlayNode:
     def public_key(self) -> bytes:
         """The VRF public key (bound to this node's certificate on a real transport)."""
         return self.ctx.public_key
+
+    @property
+    def message_owners(self) -> Mapping[str, str]:
+        """Routing key -> the component that owns it (:mod:`peerlm.overlay.dispatch`)."""
+        return self._dispatcher.owners
 
     # ------------------------------------------------------------------ plumbing
     def _begin(self, now: float) -> None:
@@ -258,15 +312,21 @@ class OverlayNode:
             epoch = max(0, self.params.epoch_of(self.ctx.now))
         return epoch, self.membership.root(epoch), self.membership.leaf(epoch)
 
-    def _held_epochs(self) -> set[int]:
-        held = set(self.membership.views)
-        held |= {r.descriptor.epoch for r in self.roles.roles.values()}
-        held |= {e for e, _ in self.zones.levels}
-        current = self.params.epoch_of(self.ctx.now)
-        held.add(current)
-        if self.params.epoch_start(current + 1) - self.ctx.now < self.params.level_duration:
-            held.add(current + 1)
-        return held
+    def _holds_epoch(self, epoch: int) -> bool:
+        """Whether this node holds state for ``epoch``: the current epoch (and the next one
+        within a level of its start), or an epoch of a view, zone level or role. Cheapest
+        checks first: this runs for every message."""
+        params = self.params
+        current = params.epoch_of(self.ctx.now)
+        if epoch == current or epoch in self.membership.views:
+            return True
+        if epoch == current + 1 and params.epoch_start(current + 1) - self.ctx.now < (
+            params.level_duration
+        ):
+            return True
+        if any(e == epoch for e, _ in self.zones.levels):
+            return True
+        return any(r.descriptor.epoch == epoch for r in self.roles.roles.values())
 
     # ------------------------------------------------------------------ inputs
     def on_message(self, src_id: str, msg: Message, now: float) -> list[Send]:
@@ -285,83 +345,15 @@ class OverlayNode:
     def _dispatch(self, src: str, msg: Message) -> None:
         self.ctx.current_kind = msg.KIND
         epoch = getattr(msg, "epoch", None)
-        if epoch is not None and epoch not in self._held_epochs():
+        if epoch is not None and not self._holds_epoch(epoch):
             self.ctx.reject("wrong_epoch")
             return
         try:
-            self._route(src, msg)
+            self._dispatcher.dispatch(src, msg)
         except (ValueError, TypeError, KeyError, IndexError) as err:
             # A malformed field that slipped past the handler's checks: reject, stay up.
             self.ctx.reject("malformed")
             self.ctx.counters[f"malformed.{type(err).__name__}"] += 1
-
-    def _route(self, src: str, msg: Message) -> None:
-        match msg:
-            case PeerExchange():
-                self.peers.on_exchange(src, msg)
-            case ElectionTicket():
-                self.zones.on_election(src, msg)
-            case Probe():
-                self.zones.on_probe(src, msg)
-            case Register():
-                self.zones.on_register(src, msg)
-            case Neighbor():
-                self.zones.on_neighbor(src, msg)
-            case Split():
-                self.zones.on_split(src, msg)
-            case ZoneInfoRequest():
-                self.zones.on_zone_info_request(src, msg)
-            case ZoneInfo():
-                self.zones.on_zone_info(src, msg)
-            case SigProbe():
-                self.zones.on_sig_probe(src, msg)
-            case SigReply():
-                self.zones.on_sig_reply(src, msg)
-            case ClusterState():
-                self.roles.on_cluster_state(src, msg)
-            case MemberAssign():
-                self.membership.on_member_assign(src, msg)
-            case ParentUpdate():
-                self.roles.on_parent_update(src, msg)
-            case DescriptorUpdate():
-                self.roles.on_descriptor_update(src, msg)
-            case EpochAnnounce():
-                self.roles.on_epoch_announce(src, msg)
-            case Query():
-                self.search.on_query(src, msg)
-            case QueryDown():
-                self.search.on_query_down(src, msg)
-            case QueryAck():
-                if not self.search.on_query_ack(src, msg):
-                    self.querier.on_ack(src, msg.qid)
-            case QueryPartial():
-                self.search.on_query_partial(src, msg)
-            case QueryResult():
-                self.querier.on_result(src, msg)
-            case Heartbeat():
-                self.roles.on_heartbeat(src, msg)
-            case HeartbeatAck():
-                if not self.roles.on_heartbeat_ack(src, msg):
-                    self.membership.on_heartbeat_ack(src, msg)
-            case LeaseRenew():
-                self.roles.on_lease_renew(src, msg)
-            case LeaseAck():
-                self.roles.on_lease_ack(src, msg)
-            case Takeover():
-                self.roles.on_takeover(src, msg)
-            case Resign():
-                self.roles.on_resign(src, msg)
-            case SignatureUpdate():
-                self.roles.on_signature_update(src, msg)
-            case JoinRequest():
-                self.roles.on_join(src, msg)
-            case JoinAccept():
-                if not self.roles.on_join_accept_item(src, msg):
-                    self.membership.on_join_accept(src, msg)
-            case Leave():
-                self.roles.on_leave(src, msg)
-            case _:
-                self.ctx.reject("unknown_message")
 
     def on_tick(self, now: float) -> list[Send]:
         """Fire every timer due at ``now`` (call when ``now >= next_deadline()``)."""

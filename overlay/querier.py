@@ -26,6 +26,7 @@ from peerlm.overlay.messages import (
     ClusterDescriptor,
     NodeRef,
     Query,
+    QueryAck,
     QueryResult,
     SearchStats,
 )
@@ -141,8 +142,9 @@ class Querier:
         self.ctx.counters["query.entry_failover"] += 1
         self._send(p)
 
-    def on_ack(self, src: str, qid: str) -> None:
-        p = self._pending.get(qid)
+    def on_ack(self, src: str, msg: QueryAck) -> None:
+        """The root confirmed our QUERY (``attempt < 0``): no resend is needed."""
+        p = self._pending.get(msg.qid)
         if p is None:
             return
         p.acked = True

@@ -417,25 +417,23 @@ class SearchServer:
             allowance, lambda: self._child_timeout(session, b, attempt, offset)
         )
 
-    def on_query_ack(self, src: str, msg: QueryAck) -> bool:
-        """A child's acknowledgement (``False``: not one of ours, e.g. a root's to a querier)."""
-        if msg.attempt < 0:
-            return False
+    def on_query_ack(self, src: str, msg: QueryAck) -> None:
+        """A child's acknowledgement of a QUERY_DOWN (``attempt >= 0``; a root's ack to a
+        querier, ``attempt < 0``, is the querier's)."""
         key = self._by_child.get((msg.qid, msg.cluster_id))
         session = self._sessions.get(key) if key is not None else None
         b = session.branches.get(msg.cluster_id) if session is not None else None
         if session is None or b is None or src not in [r.node_id for r in b.child.replicas]:
             self.ctx.reject("unknown_query")
-            return True
+            return
         if not b.pending or b.attempt != msg.attempt or b.acked:
-            return True
+            return
         b.acked = True
         if b.timer is not None:
             b.timer.cancelled = True  # type: ignore[attr-defined]
         attempt, offset = session.attempt, b.replica_offset
         wait = max(0.0, session.deadline - self.ctx.now)
         b.timer = self.ctx.after(wait, lambda: self._child_timeout(session, b, attempt, offset))
-        return True
 
     def _child_timeout(self, session: _Session, b: _Branch, attempt: int, offset: int) -> None:
         if not b.pending or b.attempt != attempt or b.replica_offset != offset or self.ctx.inert:

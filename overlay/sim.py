@@ -36,7 +36,7 @@ from typing import cast
 import numpy as np
 from peerlm.overlay import vrf
 from peerlm.overlay.events import Event, Send
-from peerlm.overlay.messages import Message, NodeRef, wire_size
+from peerlm.overlay.messages import Message, NodeRef, SizeMemo, wire_size
 from peerlm.overlay.node import OverlayNode
 from peerlm.overlay.params import OverlayParams
 
@@ -93,6 +93,8 @@ class Simulator:
         self._scheduled: dict[str, float] = {}
         self._factor: dict[tuple[str, str], float] = {}
         self._verify = _VerifyCache()
+        # Messages, descriptors and member entries recur in many sends: size each once.
+        self._sizes: SizeMemo = {}
         self._on_event = on_event
         self.events: list[tuple[float, str, Event]] = []
         self.sent_messages: Counter[str] = Counter()
@@ -150,25 +152,23 @@ class Simulator:
         if n <= 1:
             return {i: [] for i in ids}
         pts = np.array([self.positions[i] for i in ids])
-        dist = np.sqrt(((pts[:, None, :] - pts[None, :, :]) ** 2).sum(-1))
-        np.fill_diagonal(dist, np.inf)
         k = max(1, min(n - 1, d_max // 2))
         adj: list[set[int]] = [set() for _ in range(n)]
-        nearest = np.argsort(dist, axis=1, kind="stable")[:, :k]
+        nearest = _nearest(pts, k)
         for a in range(n):
             for b in nearest[a]:
                 b = int(b)
                 if len(adj[a]) < d_max and len(adj[b]) < d_max:
                     adj[a].add(b)
                     adj[b].add(a)
-        self._connect(adj, dist)
+        self._connect(adj, pts)
         graph = {ids[a]: [ids[b] for b in sorted(adj[a])] for a in range(n)}
         for nid, neigh in graph.items():
             self.nodes[nid].set_neighbours([self.nodes[m].ref for m in neigh], self.now)
         return graph
 
     @staticmethod
-    def _connect(adj: list[set[int]], dist: np.ndarray) -> None:
+    def _connect(adj: list[set[int]], pts: np.ndarray) -> None:
         n = len(adj)
         while True:
             comp = [-1] * n
@@ -188,11 +188,11 @@ class Simulator:
             if count == 1:
                 return
             labels = np.asarray(comp)
-            inside = labels == 0
-            sub = dist[np.ix_(inside, ~inside)]
-            a_local, b_local = np.unravel_index(int(np.argmin(sub)), sub.shape)
-            a = int(np.flatnonzero(inside)[a_local])
-            b = int(np.flatnonzero(~inside)[b_local])
+            inside = np.flatnonzero(labels == 0)
+            outside = np.flatnonzero(labels != 0)
+            a_local, b_local = _closest_pair(pts[inside], pts[outside])
+            a = int(inside[a_local])
+            b = int(outside[b_local])
             adj[a].add(b)
             adj[b].add(a)
 
@@ -214,8 +214,10 @@ class Simulator:
 
     def deliver(self, src: str, sends: list[Send]) -> None:
         """Put ``sends`` from ``src`` on the wire."""
+        if len(self._sizes) > _SIZE_MEMO_ENTRIES:
+            self._sizes.clear()
         for s in sends:
-            size = wire_size(s.msg)
+            size = wire_size(s.msg, self._sizes)
             self.sent_messages[src] += 1
             self.sent_bytes[src] += size
             self.kind_messages[s.msg.KIND] += 1
@@ -318,6 +320,53 @@ class Simulator:
             "delivered": self.delivered,
             "dropped": self.dropped,
         }
+
+
+_SIZE_MEMO_ENTRIES = 200_000
+"""Records whose wire size the simulator remembers before starting afresh."""
+
+_ROWS_PER_BLOCK = 1024
+"""Distance rows computed at once (``N`` x this many floats), so memory stays ``O(N)``."""
+
+
+def _distances(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Euclidean distances between the rows of ``a`` and of ``b`` (the one formula used, so
+    that every ordering below sees bit-identical values)."""
+    return np.asarray(np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)))
+
+
+def _nearest(pts: np.ndarray, k: int) -> np.ndarray:
+    """Row ``i``: the ``k`` points nearest to point ``i`` (itself excluded), ordered by
+    distance, ties to the lower index, as a stable argsort of the full distance matrix
+    orders them, without building that ``N x N`` matrix: a k-d tree proposes ``k + 4``
+    candidates per point and the exact distances order them."""
+    from scipy.spatial import cKDTree
+
+    n = len(pts)
+    want = min(n, k + 5)
+    _, cand = cKDTree(pts).query(pts, k=want)
+    cand = np.asarray(cand).reshape(n, want)
+    out = np.empty((n, k), dtype=np.int64)
+    for i in range(n):
+        row = cand[i][cand[i] != i]
+        d = _distances(pts[i : i + 1], pts[row])[0]
+        order = np.lexsort((row, d))
+        out[i] = row[order[:k]]
+    return out
+
+
+def _closest_pair(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
+    """``(i, j)`` minimising the distance of ``a[i]`` and ``b[j]``; the first such pair in
+    row-major order, as ``argmin`` over the full ``|a| x |b|`` matrix would find."""
+    best = (np.inf, 0, 0)
+    for start in range(0, len(a), _ROWS_PER_BLOCK):
+        block = _distances(a[start : start + _ROWS_PER_BLOCK], b)
+        flat = int(np.argmin(block))
+        value = float(block.flat[flat])
+        if value < best[0]:
+            i, j = divmod(flat, block.shape[1])
+            best = (value, start + i, j)
+    return best[1], best[2]
 
 
 def deliver_all(sim: Simulator, node_id: str, msgs: list[tuple[NodeRef, Message]]) -> None:
