@@ -123,6 +123,10 @@ def cpm_command(
     no_speed: Annotated[
         bool, typer.Option("--no-speed", help="Skip the select/observe speed section.")
     ] = False,
+    speed_sizes: Annotated[
+        str | None,
+        typer.Option(help="N for the one-thread select() scaling figures (e.g. 1000,5000,10000)."),
+    ] = None,
 ) -> None:
     """Matchmakers (LinUCB variants, Random, Hetero-Greedy, Oracle) on a synthetic federation."""
     if plots is not None:
@@ -143,6 +147,7 @@ def cpm_command(
         sizes=parse_sizes(sizes) if sizes is not None else None,
         jobs=jobs if jobs is not None else min(2, os.cpu_count() or 1),
         speed=False if no_speed else None,
+        speed_scaling_sizes=parse_sizes(speed_sizes) if speed_sizes is not None else None,
     )
     _run_and_report(
         "bench cpm", lambda progress: run_benchmark(params, progress), write_plots,

@@ -154,6 +154,9 @@ class BenchParams:
     speed_n_prefilter: int = 1000
     speed_n_exact: int = 200
     speed_calls: int = 20
+    #: select() latency vs N (one BLAS/OpenMP thread; wall and process CPU time).
+    speed_scaling_sizes: tuple[int, ...] = (1000, 5000, 10_000)
+    speed_scaling_calls: int = 5
     observe_updates: int = 100_000
     mabwiser: bool = True
     mabwiser_n: int = 32
@@ -170,6 +173,8 @@ class BenchParams:
             speed_n_prefilter=200,
             speed_n_exact=40,
             speed_calls=3,
+            speed_scaling_sizes=(100, 200),
+            speed_scaling_calls=2,
             observe_updates=2_000,
             mabwiser_n=8,
             mabwiser_updates=100,
@@ -555,6 +560,51 @@ def _select_latency(n: int, prefilter: bool, calls: int, seed: int) -> dict[str,
     return out
 
 
+def _select_scaling(sizes: Sequence[int], calls: int, seed: int) -> dict[str, Any]:
+    """Median select() wall and CPU time per N, one thread, and the fitted growth exponent.
+
+    The machine may be shared, so process CPU time (``time.process_time``) is the honest
+    figure; wall time is reported beside it. BLAS and OpenMP pools are limited to one
+    thread (threadpoolctl) so the CPU time is that of one core. The exponent is the
+    least-squares slope of log(CPU ms) on log(N) (N log N over 1e3..1e4 gives ~1.13).
+    """
+    # threadpoolctl comes with scikit-learn, a core dependency.
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+    limiter = threadpool_limits(limits=1)
+    rows: list[dict[str, Any]] = []
+    try:
+        for n in sizes:
+            rng = np.random.default_rng(seed + n)
+            mm = Matchmaker(seed=seed)
+            _warm(mm, n, rng)
+            wall, cpu = [], []
+            for _ in range(calls):
+                profiles = _random_profiles(n, rng)
+                t0, c0 = time.perf_counter(), time.process_time()
+                mm.select(profiles)
+                cpu.append(time.process_time() - c0)
+                wall.append(time.perf_counter() - t0)
+            rows.append(
+                {
+                    "n": n,
+                    "calls": calls,
+                    "wall_median_ms": 1e3 * float(np.median(wall)),
+                    "cpu_median_ms": 1e3 * float(np.median(cpu)),
+                    "cpu_min_ms": 1e3 * float(np.min(cpu)),
+                    "candidates": mm.last_candidates,
+                }
+            )
+    finally:
+        limiter.unregister()
+    exponent = None
+    if len(rows) >= 2:
+        x = np.log([r["n"] for r in rows])
+        y = np.log([max(r["cpu_median_ms"], 1e-6) for r in rows])
+        exponent = float(np.polyfit(x, y, 1)[0])
+    return {"threads": 1, "rows": rows, "cpu_growth_exponent": exponent}
+
+
 def _observe_throughput(updates: int, seed: int, **kwargs: Any) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     mm = Matchmaker(seed=seed, **kwargs)
@@ -667,6 +717,9 @@ def speed_report(params: BenchParams, with_mabwiser: bool) -> dict[str, Any]:
         "load_average_before": list(os.getloadavg()),
         "select_prefilter": _select_latency(params.speed_n_prefilter, True, params.speed_calls, 0),
         "select_exact": _select_latency(params.speed_n_exact, False, params.speed_calls, 1),
+        "select_scaling": _select_scaling(
+            params.speed_scaling_sizes, params.speed_scaling_calls, 4
+        ),
         "observe": _observe_throughput(params.observe_updates, 2),
         "observe_paper_context": _observe_throughput(
             params.observe_updates, 3, interaction_features=False, trust_features=False
@@ -822,6 +875,17 @@ def render_report(report: Mapping[str, Any], console: Any) -> None:
                 f"select() N={s['n']} {mode}, {s['candidates']:,} candidates",
                 f"median {s['median_ms']:.1f} ms, p95 {s['p95_ms']:.1f} ms",
             )
+        scaling = speed["select_scaling"]
+        for row in scaling["rows"]:
+            table.add_row(
+                f"select() N={row['n']:,}, 1 thread, {row['candidates']:,} candidates",
+                f"CPU median {row['cpu_median_ms']:.1f} ms (min {row['cpu_min_ms']:.1f}), "
+                f"wall {row['wall_median_ms']:.1f} ms",
+            )
+        table.add_row(
+            "select() CPU growth exponent (log-log fit)",
+            _fmt(scaling["cpu_growth_exponent"], ".2f"),
+        )
         for key, name in (("observe", "default context"), ("observe_paper_context", "paper")):
             o = speed[key]
             table.add_row(

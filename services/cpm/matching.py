@@ -53,16 +53,21 @@ def greedy_disjoint(
     if limit <= 0:
         return chosen
     used = bytearray(n_agents)
-    # Python lists iterate far faster than numpy scalars; the loop usually exits early.
-    s_list = senders[order].tolist()
-    r_list = receivers[order].tolist()
-    for pos, (s, r) in enumerate(zip(s_list, r_list, strict=True)):
-        if used[s] or used[r] or s == r:
-            continue
-        used[s] = used[r] = 1
-        chosen.append(int(order[pos]))
-        if len(chosen) == limit:
-            break
+    # Python lists iterate far faster than numpy scalars; the loop usually exits early, so
+    # candidates are converted a chunk at a time rather than all up front.
+    order = np.asarray(order, dtype=np.intp)
+    chunk = 4096
+    for lo in range(0, len(order), chunk):
+        idx = order[lo : lo + chunk]
+        s_list = senders[idx].tolist()
+        r_list = receivers[idx].tolist()
+        for cand, s, r in zip(idx.tolist(), s_list, r_list, strict=True):
+            if used[s] or used[r] or s == r:
+                continue
+            used[s] = used[r] = 1
+            chosen.append(cand)
+            if len(chosen) == limit:
+                return chosen
     return chosen
 
 

@@ -44,7 +44,7 @@ from .features import ContextFeatures
 from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
 from .normalise import RewardNormaliser, check_reward
-from .prefilter import prefilter_pairs
+from .prefilter import DEFAULT_CLUSTER_MIN_AGENTS, prefilter_pairs
 from .profile import validate_profiles
 from .trust import TrustLedger
 
@@ -161,6 +161,8 @@ class Matchmaker:
         prefilter_min_agents: prefilter only from this many agents on (exact below).
         ridge: ``A`` starts as ``ridge * I``.
         prefilter_random: seeded random partners added per agent by the prefilter.
+        prefilter_cluster_min_agents: from this many agents on the prefilter's top-k
+            search is clustered (sub-quadratic, approximate; see :mod:`.prefilter`).
     """
 
     def __init__(
@@ -179,6 +181,7 @@ class Matchmaker:
         prefilter_min_agents: int = 64,
         ridge: float = 1.0,
         prefilter_random: int = DEFAULT_PREFILTER_RANDOM,
+        prefilter_cluster_min_agents: int = DEFAULT_CLUSTER_MIN_AGENTS,
     ) -> None:
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError("beta must be a finite number >= 0")
@@ -210,6 +213,7 @@ class Matchmaker:
         self._prefilter_k = int(prefilter_k)
         self._prefilter_min_agents = int(prefilter_min_agents)
         self._prefilter_random = int(prefilter_random)
+        self._prefilter_cluster_min_agents = int(prefilter_cluster_min_agents)
         self._selects_since_update = 0
         self._last_candidates = 0
         # Column layout of LinUCB.score_pairs per pair: C forward combos, then C reverse.
@@ -385,6 +389,7 @@ class Matchmaker:
                 self._prefilter_k,
                 self._prefilter_random,
                 rng,
+                cluster_min_agents=self._prefilter_cluster_min_agents,
             )
         left, right = np.triu_indices(n, 1)
         return left.astype(np.intp), right.astype(np.intp)
@@ -514,5 +519,6 @@ class Matchmaker:
             "prefilter_k": self._prefilter_k,
             "prefilter_min_agents": self._prefilter_min_agents,
             "prefilter_random": self._prefilter_random,
+            "prefilter_cluster_min_agents": self._prefilter_cluster_min_agents,
             "context_dim": self.context_dim,
         }

@@ -40,13 +40,22 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.typing import NDArray
+from sklearn.cluster import KMeans
 
 from .features import FeatureLayout
 
-__all__ = ["cheap_pair_scores", "prefilter_pairs"]
+__all__ = ["cheap_pair_scores", "clustered_top_k", "prefilter_pairs"]
 
 # Elements per row block of the N x N score matrix (~8 MB per float32 temporary).
 _BLOCK_ELEMENTS = 1 << 21
+#: From this many agents on, the top-k search is clustered (sub-quadratic) instead of exact.
+DEFAULT_CLUSTER_MIN_AGENTS = 2048
+#: Target agents per k-means cell of the clustered search.
+DEFAULT_CLUSTER_SIZE = 32
+#: Partners scored per cell: the agents that score best against the cell's centre.
+DEFAULT_SHORTLIST = 512
+# k-means is fitted on at most this many agents per cell, then every agent is assigned.
+_FIT_PER_CELL = 8
 
 
 def _block(vec: NDArray[np.float64], sl: slice | None) -> NDArray[np.float64] | None:
@@ -106,13 +115,27 @@ class _CheapModel:
         h = (0.5 * (alpha + gamma) + 0.5 * const_var)[:, None]
         self.var_left = np.hstack([p * (-2.0 * v_a), p2 * v_p, h, ones]).astype(f32)
         self.var_right = np.hstack([p, p2, ones, h]).T.astype(f32).copy()
+        self.fwd_rows = np.ascontiguousarray(self.fwd_right.T)
+        self.rev_rows = np.ascontiguousarray(self.rev_right.T)
+        self.var_rows = np.ascontiguousarray(self.var_right.T)
 
     def rows(self, lo: int, hi: int, beta: float) -> NDArray[np.float32]:
         """Cheap ``max`` over directions of ``mean + beta * sqrt(var)``, rows ``[lo, hi)``."""
-        out: NDArray[np.float32] = self.fwd_left[lo:hi] @ self.fwd_right
-        np.maximum(out, self.rev_left[lo:hi] @ self.rev_right, out=out)
+        return self.block(slice(lo, hi), slice(None), beta)
+
+    def block(
+        self, rows: slice | NDArray[np.intp], cols: slice | NDArray[np.intp], beta: float
+    ) -> NDArray[np.float32]:
+        """The cheap score of the sub-matrix ``rows x cols``."""
+        if isinstance(cols, slice):
+            fr, rr, vr = self.fwd_right[:, cols], self.rev_right[:, cols], self.var_right[:, cols]
+        else:
+            # Gathering rows of the (N, d) copies is far cheaper than columns of (d, N).
+            fr, rr, vr = self.fwd_rows[cols].T, self.rev_rows[cols].T, self.var_rows[cols].T
+        out: NDArray[np.float32] = self.fwd_left[rows] @ fr
+        np.maximum(out, self.rev_left[rows] @ rr, out=out)
         if beta > 0:
-            var = self.var_left[lo:hi] @ self.var_right
+            var = self.var_left[rows] @ vr
             np.maximum(var, 0.0, out=var)
             np.sqrt(var, out=var)
             var *= np.float32(beta)
@@ -136,6 +159,98 @@ def cheap_pair_scores(
     return out
 
 
+def _top_k_exact(model: _CheapModel, n: int, k: int, beta: float) -> NDArray[np.intp]:
+    """Each row's ``k`` best columns of the full cheap score matrix (O(N^2 d_p))."""
+    best = np.empty((n, k), dtype=np.intp)
+    step = max(1, _BLOCK_ELEMENTS // n)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        block = model.rows(lo, hi, beta)
+        block[np.arange(hi - lo), np.arange(lo, hi)] = -np.inf
+        if k < n - 1:
+            best[lo:hi] = np.argpartition(block, n - 1 - k, axis=1)[:, n - k :]
+        else:
+            # Every other agent survives: skip the partition.
+            best[lo:hi] = np.argsort(block, axis=1)[:, 1:]
+    return best
+
+
+def _cross_block(left: _CheapModel, right: _CheapModel, beta: float) -> NDArray[np.float32]:
+    """Cheap scores of ``left``'s agents (rows) against ``right``'s agents (columns)."""
+    out: NDArray[np.float32] = left.fwd_left @ right.fwd_right
+    np.maximum(out, left.rev_left @ right.rev_right, out=out)
+    if beta > 0:
+        var = left.var_left @ right.var_right
+        np.maximum(var, 0.0, out=var)
+        np.sqrt(var, out=var)
+        var *= np.float32(beta)
+        out += var
+    return out
+
+
+def clustered_top_k(
+    profiles: NDArray[np.float64],
+    trust: NDArray[np.float64] | None,
+    layout: FeatureLayout,
+    theta: NDArray[np.float64],
+    a_inv_diag: NDArray[np.float64],
+    beta: float,
+    k: int,
+    rng: np.random.Generator,
+    *,
+    cell_size: int = DEFAULT_CLUSTER_SIZE,
+    shortlist: int = DEFAULT_SHORTLIST,
+) -> NDArray[np.intp]:
+    """Approximate per-agent top-``k`` partners by the cheap score, in ~O(N (C + S) d_p).
+
+    Agents are grouped into ``C ~ N / cell_size`` cells by k-means on ``[profile, trust]``
+    (scikit-learn, random init, fitted on a seeded sample of at most 8 agents per cell,
+    then every agent assigned). Each cell centre, treated as a pseudo-agent, is scored
+    against all agents (one ``(C, N)`` pass) and keeps its ``S = shortlist`` best; the
+    cell's members are then scored exactly against that shortlist only. Members of a
+    cell have similar profiles, so their best partners are mostly the centre's best.
+    Returns ``(N, k)`` partner indices (never the agent itself); deterministic for a
+    given ``rng`` state.
+    """
+    n = profiles.shape[0]
+    k = max(1, min(k, n - 1))
+    feats = profiles if trust is None else np.hstack([profiles, trust[:, None]])
+    n_cells = max(1, min(n // 2, round(n / max(1, cell_size))))
+    seed = int(rng.integers(0, 2**31 - 1))
+    fit_n = min(n, _FIT_PER_CELL * n_cells)
+    sample = rng.choice(n, size=fit_n, replace=False) if fit_n < n else np.arange(n)
+    km = KMeans(n_clusters=n_cells, init="random", n_init=1, max_iter=10, random_state=seed)
+    km.fit(feats[sample])
+    labels = km.predict(feats).astype(np.intp)
+    # Cells present (k-means may leave one empty) as contiguous runs of a stable sort.
+    order = np.argsort(labels, kind="stable").astype(np.intp)
+    counts = np.bincount(labels, minlength=n_cells)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    centres = km.cluster_centers_
+    c_prof = centres[:, : profiles.shape[1]]
+    c_trust = None if trust is None else centres[:, -1]
+    model = _CheapModel(profiles, trust, layout, theta, a_inv_diag)
+    # Each centre's shortlist: the `shortlist` agents scoring best against the centre (a
+    # pseudo-agent), one (C, N) pass. Members of a cell are then scored exactly against
+    # their centre's shortlist only, so an agent is compared with `shortlist` others.
+    centre_model = _CheapModel(c_prof, c_trust, layout, theta, a_inv_diag)
+    centre_scores = _cross_block(centre_model, model, beta)
+    width = min(n, max(shortlist, k + 1))
+    if width < n:
+        lists = np.argpartition(centre_scores, n - width, axis=1)[:, n - width :]
+    else:
+        lists = np.broadcast_to(np.arange(n), (len(centres), n))
+    best = np.empty((n, k), dtype=np.intp)
+    for cell in np.flatnonzero(counts):
+        members = order[starts[cell] : starts[cell + 1]]
+        cols = lists[cell]
+        block = model.block(members, cols, beta)
+        block[members[:, None] == cols[None, :]] = -np.inf
+        top = np.argpartition(block, width - k, axis=1)[:, width - k :]
+        best[members] = cols[top]
+    return best
+
+
 def prefilter_pairs(
     profiles: NDArray[np.float64],
     trust: NDArray[np.float64] | None,
@@ -146,6 +261,10 @@ def prefilter_pairs(
     k: int,
     n_random: int,
     rng: np.random.Generator,
+    *,
+    cluster_min_agents: int = DEFAULT_CLUSTER_MIN_AGENTS,
+    cell_size: int = DEFAULT_CLUSTER_SIZE,
+    shortlist: int = DEFAULT_SHORTLIST,
 ) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
     """Unordered candidate pairs ``(I, J)`` with ``I < J``, unique, sorted.
 
@@ -153,26 +272,31 @@ def prefilter_pairs(
     partners drawn uniformly (seeded) from the others, so at most ``N (k + n_random)``
     pairs survive. Ties in the cheap score fall to the lower index (agents are indexed
     by sorted id); the exact pass that follows breaks its own ties with the seeded
-    generator.
+    generator. From ``cluster_min_agents`` on, the top-``k`` search is
+    :func:`clustered_top_k` (approximate, sub-quadratic) instead of the exact O(N^2) one.
     """
     n = profiles.shape[0]
     if n < 2:
         empty = np.empty(0, dtype=np.intp)
         return empty, empty
     k = max(0, min(k, n - 1))
-    model = _CheapModel(profiles, trust, layout, theta, a_inv_diag)
-    best = np.empty((n, k), dtype=np.intp)
-    if k:
-        step = max(1, _BLOCK_ELEMENTS // n)
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            block = model.rows(lo, hi, beta)
-            block[np.arange(hi - lo), np.arange(lo, hi)] = -np.inf
-            if k < n - 1:
-                best[lo:hi] = np.argpartition(block, n - 1 - k, axis=1)[:, n - k :]
-            else:
-                # Every other agent survives: skip the partition.
-                best[lo:hi] = np.argsort(block, axis=1)[:, 1:]
+    if not k:
+        best = np.empty((n, 0), dtype=np.intp)
+    elif n >= cluster_min_agents:
+        best = clustered_top_k(
+            profiles,
+            trust,
+            layout,
+            theta,
+            a_inv_diag,
+            beta,
+            k,
+            rng,
+            cell_size=cell_size,
+            shortlist=shortlist,
+        )
+    else:
+        best = _top_k_exact(_CheapModel(profiles, trust, layout, theta, a_inv_diag), n, k, beta)
     n_random = max(0, n_random)
     offsets = rng.integers(1, n, size=(n, n_random)) if n_random else np.empty((n, 0), np.intp)
     rand = (np.arange(n)[:, None] + offsets) % n

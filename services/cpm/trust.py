@@ -63,7 +63,13 @@ class TrustLedger:
 
     def scores(self, agents: Sequence[str]) -> NDArray[np.float64]:
         """:meth:`score` for many agents at once, as an array."""
-        return np.array([self.score(a) for a in agents], dtype=np.float64)
+        if not agents:
+            return np.empty(0, dtype=np.float64)
+        # One dict lookup per agent and array arithmetic (a per-agent score() call cost
+        # ~5 ms at N = 10^4); (s + 1) / (e + 2) in float64, exactly as score().
+        get, unseen = self._counts.get, (0, 0)
+        counts = np.array([get(a, unseen) for a in agents], dtype=np.float64)
+        return (counts[:, 1] + 1.0) / (counts[:, 0] + 2.0)
 
     def state(self) -> dict[str, tuple[int, int]]:
         """A copy of every agent's counts."""

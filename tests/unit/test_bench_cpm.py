@@ -61,6 +61,10 @@ def test_quick_benchmark_reports_every_metric() -> None:
     assert speed["select_prefilter"]["prefilter"] is True
     assert speed["select_prefilter"]["median_ms"] > 0
     assert speed["select_exact"]["prefilter"] is False
+    scaling = speed["select_scaling"]
+    assert [r["n"] for r in scaling["rows"]] == [100, 200]
+    assert all(r["cpu_median_ms"] > 0 and r["wall_median_ms"] > 0 for r in scaling["rows"])
+    assert isinstance(scaling["cpu_growth_exponent"], float)
     assert speed["observe"]["updates_per_s"] > 0
     if mabwiser_available():
         assert report["mabwiser_compared"] is True

@@ -1,0 +1,105 @@
+"""The clustered (sub-quadratic) prefilter against the exact one it approximates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from peerlm.services.cpm.matchmaker import Matchmaker
+from peerlm.services.cpm.prefilter import (
+    _CheapModel,
+    _top_k_exact,
+    cheap_pair_scores,
+    clustered_top_k,
+    prefilter_pairs,
+)
+
+D_P = 12
+
+
+def _population(n: int, seed: int) -> tuple[Matchmaker, np.ndarray, np.ndarray]:
+    """A matchmaker that has learnt something, and ``n`` random (bounded) profiles."""
+    rng = np.random.default_rng(seed)
+    mm = Matchmaker(profile_dim=D_P, seed=seed)
+    for _ in range(3):
+        warm = {f"w{i}": rng.uniform(0, 1, D_P) for i in range(40)}
+        for p in mm.select(warm):
+            mm.observe(p, float(rng.normal()))
+    prof = rng.uniform(0.0, 1.0, size=(n, D_P))
+    prof[:, :4] = np.eye(4)[rng.integers(0, 4, size=n)]  # a one-hot block, as in profiles
+    trust = rng.uniform(0.3, 0.7, size=n)
+    return mm, mm.features.bound_profiles(prof), trust
+
+
+def _args(mm: Matchmaker, prof: np.ndarray, trust: np.ndarray) -> tuple:
+    return (prof, trust, mm.features.layout, mm.theta, np.diagonal(mm._bandit.a_inv), 1.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clustered_top_k_recalls_the_exact_top_k(seed: int) -> None:
+    mm, prof, trust = _population(1500, seed)
+    args = _args(mm, prof, trust)
+    k = 8
+    exact = _top_k_exact(_CheapModel(*args[:5]), len(prof), k, 1.0)
+    approx = clustered_top_k(*args, k, np.random.default_rng(seed), cell_size=16, shortlist=256)
+    assert approx.shape == (len(prof), k)
+    assert not np.any(approx == np.arange(len(prof))[:, None])  # never the agent itself
+    assert all(len(set(row)) == k for row in approx.tolist())
+    recall = np.mean([len(np.intersect1d(e, a)) / k for e, a in zip(exact, approx, strict=True)])
+    assert recall >= 0.9, recall
+    # And it is a real search, not luck: a random choice of k would recall ~k / N.
+    rand = np.random.default_rng(seed).integers(0, len(prof), size=(len(prof), k))
+    assert np.mean([len(np.intersect1d(e, r)) / k for e, r in zip(exact, rand, strict=True)]) < 0.05
+
+
+def test_clustered_top_k_is_deterministic_under_a_seed() -> None:
+    mm, prof, trust = _population(800, 5)
+    args = _args(mm, prof, trust)
+    a = clustered_top_k(*args, 8, np.random.default_rng(7), cell_size=16, shortlist=128)
+    b = clustered_top_k(*args, 8, np.random.default_rng(7), cell_size=16, shortlist=128)
+    assert np.array_equal(a, b)
+
+
+def test_clustered_top_k_with_a_shortlist_wider_than_n_is_exact() -> None:
+    mm, prof, trust = _population(120, 3)
+    args = _args(mm, prof, trust)
+    exact = np.sort(_top_k_exact(_CheapModel(*args[:5]), len(prof), 5, 1.0), axis=1)
+    approx = clustered_top_k(*args, 5, np.random.default_rng(0), cell_size=8, shortlist=1000)
+    assert np.array_equal(np.sort(approx, axis=1), exact)
+
+
+def test_exact_prefilter_below_the_cluster_threshold_is_the_full_matrix_top_k() -> None:
+    mm, prof, trust = _population(200, 4)
+    args = _args(mm, prof, trust)
+    k, r = 6, 2
+    left, right = prefilter_pairs(*args, k, r, np.random.default_rng(9), cluster_min_agents=201)
+    # Reference: the full N x N matrix, top-k by sorting, then the same random draws.
+    full = cheap_pair_scores(*args)
+    best = np.argsort(-full, axis=1, kind="stable")[:, :k]
+    rng = np.random.default_rng(9)
+    n = len(prof)
+    rand = (np.arange(n)[:, None] + rng.integers(1, n, size=(n, r))) % n
+    rows = np.repeat(np.arange(n), k + r)
+    cols = np.hstack([best, rand]).ravel()
+    keys = np.unique(np.minimum(rows, cols) * n + np.maximum(rows, cols))
+    assert np.array_equal(left, keys // n) and np.array_equal(right, keys % n)
+
+
+def test_matchmaker_clustered_path_is_deterministic_and_disjoint() -> None:
+    rng = np.random.default_rng(11)
+    profiles = {f"a{i:03d}": rng.uniform(0, 1, D_P) for i in range(300)}
+    runs = []
+    for _ in range(2):
+        mm = Matchmaker(profile_dim=D_P, seed=3, prefilter_cluster_min_agents=64)
+        runs.append(mm.select(profiles))
+    assert runs[0] == runs[1]
+    agents = [a for p in runs[0] for a in (p.sender, p.receiver)]
+    assert len(agents) == len(set(agents))
+    assert len(runs[0]) == 150  # refill passes still pair everybody
+
+
+def test_small_federations_ignore_the_cluster_setting() -> None:
+    rng = np.random.default_rng(12)
+    profiles = {f"a{i:02d}": rng.uniform(0, 1, D_P) for i in range(50)}
+    default = Matchmaker(profile_dim=D_P, seed=1).select(profiles)
+    clustered = Matchmaker(profile_dim=D_P, seed=1, prefilter_cluster_min_agents=2).select(profiles)
+    assert default == clustered  # N < prefilter_min_agents: all pairs scored exactly
