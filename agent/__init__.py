@@ -18,14 +18,25 @@ if TYPE_CHECKING:
     from peerlm.agent.daemon import AgentDaemon, AgentSummary
     from peerlm.agent.directives import DirectiveBook
     from peerlm.agent.evaluation import evaluate, structural_match_rate
-    from peerlm.agent.guardrail import Guardrail
+    from peerlm.agent.guardrail import Guardrail, agent_guardrail
     from peerlm.agent.main import run_agent
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.models.lora import LoraSettings
-    from peerlm.agent.models.tiny import ARCHITECTURES, BuildEvent, ModelInfo, build_models
+    from peerlm.agent.models.tiny import (
+        ARCHITECTURES,
+        DEFAULT_HIDDEN,
+        BuildEvent,
+        ModelInfo,
+        build_models,
+    )
     from peerlm.agent.models.tiny import read_manifest as read_models_manifest
     from peerlm.agent.package import build_text_package, decode_package
-    from peerlm.agent.peer_client import PeerExchangeError, fetch_package, pull_adapter
+    from peerlm.agent.peer_client import (
+        PeerExchangeError,
+        fetch_package,
+        pull_adapter,
+        pull_adapter_with_round,
+    )
     from peerlm.agent.peer_service import PeerExchangeService, serve_peer
     from peerlm.agent.rounds import (
         Integration,
@@ -59,6 +70,9 @@ if TYPE_CHECKING:
 #: Public name -> (module, attribute): imported on first use, so that importing the
 #: package stays cheap (no torch, numpy or grpc until a name needs them).
 _EXPORTS: dict[str, tuple[str, str]] = {
+    "pull_adapter_with_round": ("peerlm.agent.peer_client", "pull_adapter_with_round"),
+    "agent_guardrail": ("peerlm.agent.guardrail", "agent_guardrail"),
+    "DEFAULT_HIDDEN": ("peerlm.agent.models.tiny", "DEFAULT_HIDDEN"),
     "ARCHITECTURES": ("peerlm.agent.models.tiny", "ARCHITECTURES"),
     "AdapterSpec": ("peerlm.agent.adapter_codec", "AdapterSpec"),
     "AgentDaemon": ("peerlm.agent.daemon", "AgentDaemon"),
@@ -119,6 +133,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 __all__ = [
     "ARCHITECTURES",
     "CATEGORIES",
+    "DEFAULT_HIDDEN",
     "DEFAULT_PRIVATE_CATEGORIES",
     "AdapterSpec",
     "AgentDaemon",
@@ -140,6 +155,7 @@ __all__ = [
     "TrainSettings",
     "World",
     "WorldSpec",
+    "agent_guardrail",
     "build_federation_data",
     "build_models",
     "build_package",
@@ -159,6 +175,7 @@ __all__ = [
     "next_directive",
     "public_problems",
     "pull_adapter",
+    "pull_adapter_with_round",
     "read_jsonl",
     "read_manifest",
     "read_models_manifest",

@@ -39,12 +39,12 @@ import structlog
 from peerlm.agent import (
     CATEGORIES,
     Problem,
+    agent_guardrail,
     code_tokens,
     function_key,
     generate_bank,
     public_problems,
 )
-from peerlm.agent import guardrail as guardrail_module
 
 __all__ = ["leak_forms", "main", "measure", "planted_secrets"]
 
@@ -151,7 +151,7 @@ def _build(private: Sequence[Problem], baseline: str | None) -> Any:
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         return module.Guardrail(texts, ngram=8)
-    return guardrail_module.agent_guardrail(texts)
+    return agent_guardrail(texts)
 
 
 def _shape(code: str) -> tuple[str, ...]:

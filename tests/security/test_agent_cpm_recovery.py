@@ -17,10 +17,9 @@ import pytest
 from peerlm.agent.cpm_client import CpmClient
 from prometheus_client import CollectorRegistry
 
-from peerlm.config import GrpcLimits
-from peerlm.security.credentials import channel_credentials
 from peerlm.wire.v1 import cpm_pb2
 from tests.cpm_harness import CpmProcess, Pki
+from tests.node_contexts import kit_context
 
 pytestmark = pytest.mark.integration
 
@@ -34,8 +33,8 @@ def _free_port() -> int:
 
 
 def _client(cpm: CpmProcess, name: str, registry: CollectorRegistry) -> CpmClient:
-    creds = channel_credentials(cpm.pki.tls(name))
-    return CpmClient(cpm.target, GrpcLimits(), creds, registry=registry, reward_retry_s=60)
+    ctx = kit_context(cpm.pki.root, name, registry=registry)
+    return CpmClient(ctx, cpm.target, reward_retry_s=60)
 
 
 def _count(registry: CollectorRegistry, kind: str) -> float:

@@ -13,7 +13,8 @@ from peerlm.app.cli_data import app
 
 def test_data_build_prints_the_full_transfer_hash(tmp_path: Path) -> None:
     args = ["build", "--dir", str(tmp_path / "d"), "--clients", "2"]
-    args += ["--per-category", "3", "--transfer-size", "4", "--test-size", "4"]
+    args += ["--per-private", "8", "--per-public", "4", "--test-per-category", "1"]
+    args += ["--transfer-per-private", "2", "--transfer-per-public", "1"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
