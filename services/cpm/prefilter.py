@@ -132,15 +132,8 @@ class _CheapModel:
         else:
             # Gathering rows of the (N, d) copies is far cheaper than columns of (d, N).
             fr, rr, vr = self.fwd_rows[cols].T, self.rev_rows[cols].T, self.var_rows[cols].T
-        out: NDArray[np.float32] = self.fwd_left[rows] @ fr
-        np.maximum(out, self.rev_left[rows] @ rr, out=out)
-        if beta > 0:
-            var = self.var_left[rows] @ vr
-            np.maximum(var, 0.0, out=var)
-            np.sqrt(var, out=var)
-            var *= np.float32(beta)
-            out += var
-        return out
+        left = (self.fwd_left[rows], self.rev_left[rows], self.var_left[rows])
+        return _cheap_score(left, (fr, rr, vr), beta)
 
 
 def cheap_pair_scores(
@@ -175,17 +168,30 @@ def _top_k_exact(model: _CheapModel, n: int, k: int, beta: float) -> NDArray[np.
     return best
 
 
-def _cross_block(left: _CheapModel, right: _CheapModel, beta: float) -> NDArray[np.float32]:
-    """Cheap scores of ``left``'s agents (rows) against ``right``'s agents (columns)."""
-    out: NDArray[np.float32] = left.fwd_left @ right.fwd_right
-    np.maximum(out, left.rev_left @ right.rev_right, out=out)
+_Factors = tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.float32]]
+
+
+def _cheap_score(left: _Factors, right: _Factors, beta: float) -> NDArray[np.float32]:
+    """``max`` over the two directions of the mean, plus ``beta * sqrt(var)``: the cheap score
+    of left (forward, reverse, variance factors; rows) against right (columns)."""
+    out: NDArray[np.float32] = left[0] @ right[0]
+    np.maximum(out, left[1] @ right[1], out=out)
     if beta > 0:
-        var = left.var_left @ right.var_right
+        var = left[2] @ right[2]
         np.maximum(var, 0.0, out=var)
         np.sqrt(var, out=var)
         var *= np.float32(beta)
         out += var
     return out
+
+
+def _cross_block(left: _CheapModel, right: _CheapModel, beta: float) -> NDArray[np.float32]:
+    """Cheap scores of ``left``'s agents (rows) against ``right``'s agents (columns)."""
+    return _cheap_score(
+        (left.fwd_left, left.rev_left, left.var_left),
+        (right.fwd_right, right.rev_right, right.var_right),
+        beta,
+    )
 
 
 def clustered_top_k(
