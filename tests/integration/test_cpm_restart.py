@@ -76,14 +76,18 @@ async def test_sigkill_mid_stream_keeps_every_acknowledged_reward_once(tmp_path:
     acked: set[str] = set()
     killed = asyncio.Event()
 
-    async def one(d: cpm_pb2.Directive) -> None:
+    async def one(d: cpm_pb2.Directive, i: int) -> None:
+        # Staggered starts: the CPM group-commits concurrent rewards, and on a fast machine
+        # 30 simultaneous reports can all be acknowledged in one batch before the kill lands;
+        # spread out, the kill falls while later reports are still to come or in flight.
+        await asyncio.sleep(0.05 * i)
         if await _report(cpm, d, rewards[d.directive_id]) == "OK":
             acked.add(d.directive_id)
             if len(acked) >= 8 and not killed.is_set():
                 killed.set()
                 cpm.kill()
 
-    await asyncio.gather(*(one(d) for d in directives))
+    await asyncio.gather(*(one(d, i) for i, d in enumerate(directives)))
     assert killed.is_set(), "the CPM should have been killed mid-stream"
     assert 8 <= len(acked) < 30
 
