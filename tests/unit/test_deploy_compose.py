@@ -246,7 +246,7 @@ def test_docker_compose_validates_the_committed_and_a_generated_file(tmp_path: P
     assert out.returncode == 0, out.stderr
     broken = tmp_path / "broken.yml"
     doc = _doc(six.read_text())
-    doc["services"]["cpm"]["depends_on"]["certs"]["condition"] = "service_finished"
+    doc["services"]["cpm"]["depends_on"]["cpm-init"]["condition"] = "service_finished"
     broken.write_text(yaml.safe_dump(doc))
     out = subprocess.run(
         [compose, "-f", str(broken), "config", "-q"], capture_output=True, text=True, cwd=tmp_path
