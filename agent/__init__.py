@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         score_completions,
         teacher_completions,
     )
+    from peerlm.agent.settings import AgentOverlaySettings, AgentSettings
     from peerlm.agent.tasks.bank import CATEGORIES, function_key, generate_bank, public_problems
     from peerlm.agent.tasks.dataset import (
         Manifest,
@@ -70,6 +71,8 @@ if TYPE_CHECKING:
 #: Public name -> (module, attribute): imported on first use, so that importing the
 #: package stays cheap (no torch, numpy or grpc until a name needs them).
 _EXPORTS: dict[str, tuple[str, str]] = {
+    "AgentOverlaySettings": ("peerlm.agent.settings", "AgentOverlaySettings"),
+    "AgentSettings": ("peerlm.agent.settings", "AgentSettings"),
     "pull_adapter_with_round": ("peerlm.agent.peer_client", "pull_adapter_with_round"),
     "agent_guardrail": ("peerlm.agent.guardrail", "agent_guardrail"),
     "DEFAULT_HIDDEN": ("peerlm.agent.models.tiny", "DEFAULT_HIDDEN"),
@@ -137,6 +140,8 @@ __all__ = [
     "DEFAULT_PRIVATE_CATEGORIES",
     "AdapterSpec",
     "AgentDaemon",
+    "AgentOverlaySettings",
+    "AgentSettings",
     "AgentSummary",
     "BuildEvent",
     "CpmClient",

@@ -53,9 +53,10 @@ from peerlm.agent.rounds import (
     linear_schedule,
     round_profile,
 )
+from peerlm.agent.settings import AgentSettings
 
 from peerlm.chunks import HashedPayload
-from peerlm.config import AgentSettings, parse_host_port
+from peerlm.config import parse_host_port
 from peerlm.node import NodeContext
 from peerlm.pki.identity import Role
 from peerlm.security.mode import resolve_channel_security

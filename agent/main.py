@@ -6,7 +6,8 @@ import json
 import sys
 from dataclasses import asdict
 
-from peerlm.config import AgentSettings
+from peerlm.agent.settings import AgentSettings
+
 from peerlm.logs import configure_logging
 from peerlm.process import identity_label, on_stop_signals, run_event_loop
 

@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass
 
 from peerlm.agent.peer_service import PEER_POLICY, PEER_SERVICE_NAME, PeerExchangeService
+from peerlm.agent.settings import AgentSettings
 from peerlm.overlay import (
     OVERLAY_POLICY,
     DeliveryPolicy,
     NodeRef,
     OverlayHost,
     OverlayHostConfig,
-    OverlayParams,
     build_overlay_host,
     certified_vrf_secret,
     describe_bootstrap,
@@ -36,7 +36,7 @@ from peerlm.overlay import (
 )
 from peerlm.overlay import OVERLAY_SERVICE_NAME as SERVICE_NAME
 
-from peerlm.config import AgentSettings, parse_host_port
+from peerlm.config import parse_host_port
 from peerlm.node import NodeContext, NodeServer, Service
 from peerlm.pki.ca import vrf_key_path
 from peerlm.security.mode import SecurityConfigError, SecurityMode
@@ -121,10 +121,7 @@ async def serve_agent(
         raise SecurityConfigError(f"agent overlay: certificate role is {identity.role.value!r}")
     path = vrf_key_path(ctx.tls.cert.parent, ctx.tls.cert.stem)
     secret = certified_vrf_secret(path, identity, who="agent overlay", require_certified=True)
-    try:
-        params = OverlayParams(**settings.overlay.protocol.overrides())
-    except ValueError as err:
-        raise ValueError(f"overlay protocol settings: {err}") from None
+    params = settings.overlay.protocol  # validated by OverlayParams when settings loaded
     listen_host, _ = parse_host_port(settings.listen)
     # One policy for both services (per method, no method name shared).
     server = ctx.bind({**PEER_POLICY, **OVERLAY_POLICY}, listen=settings.listen)

@@ -40,6 +40,7 @@ from peerlm.agent.pull_aggregate import (
     PullSettings,
     pull_and_aggregate,
 )
+from peerlm.agent.settings import AgentOverlaySettings
 from peerlm.overlay import (
     ImportanceTracker,
     OverlayHost,
@@ -49,7 +50,6 @@ from peerlm.overlay import (
     minimal_p,
 )
 
-from peerlm.config import AgentOverlaySettings
 from peerlm.node import NodeContext
 
 __all__ = ["OverlayStepResult", "overlay_round_step", "publish_signature", "pull_settings"]

@@ -45,9 +45,8 @@ if TYPE_CHECKING:
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.package import KnowledgePackage, LogitsPackage
     from peerlm.agent.sandbox import SandboxTelemetry
+    from peerlm.agent.settings import AgentSettings
     from peerlm.agent.tasks.dataset import Problem
-
-    from peerlm.config import AgentSettings
 
 __all__ = [
     "PACKAGE_MODES",

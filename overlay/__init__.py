@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from peerlm.overlay.population import ClusteredPopulation, Member, PopulationSpec
     from peerlm.overlay.service import OVERLAY_POLICY
     from peerlm.overlay.service import SERVICE_NAME as OVERLAY_SERVICE_NAME
+    from peerlm.overlay.settings import OverlaySettings
     from peerlm.overlay.signature import (
         ImportanceTracker,
         Signature,
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 #: Public name -> (module, attribute): imported on first use, so that importing the
 #: package stays cheap (no torch, numpy or grpc until a name needs them).
 _EXPORTS: dict[str, tuple[str, str]] = {
+    "OverlaySettings": ("peerlm.overlay.settings", "OverlaySettings"),
     "AggregationError": ("peerlm.overlay.aggregation", "AggregationError"),
     "AggregationReport": ("peerlm.overlay.aggregation", "AggregationReport"),
     "BuildFinished": ("peerlm.overlay.events", "BuildFinished"),
@@ -122,6 +124,7 @@ __all__ = [
     "OverlayHostConfig",
     "OverlayNode",
     "OverlayParams",
+    "OverlaySettings",
     "OverlayStack",
     "PopulationSpec",
     "QueryCompleted",

@@ -24,13 +24,13 @@ from peerlm.overlay.host import (
     resolve_bootstrap,
 )
 from peerlm.overlay.messages import NodeRef
-from peerlm.overlay.params import OverlayParams
 from peerlm.overlay.service import OVERLAY_POLICY
+from peerlm.overlay.settings import OverlaySettings
 from peerlm.overlay.signature import Signature, SignatureError
 from peerlm.overlay.transport import DeliveryPolicy, OverlayHost
 from prometheus_client import CollectorRegistry
 
-from peerlm.config import OverlaySettings, parse_host_port
+from peerlm.config import parse_host_port
 from peerlm.logs import configure_logging
 from peerlm.metrics import MetricsEndpoint, serve_metrics
 from peerlm.node import NodeContext, NodeServer
@@ -98,13 +98,6 @@ def _vrf_secret(settings: OverlaySettings, identity: PeerIdentity, tls: TlsFiles
     )
 
 
-def _params(settings: OverlaySettings) -> OverlayParams:
-    try:
-        return OverlayParams(**settings.protocol.overrides())
-    except ValueError as err:
-        raise ValueError(f"overlay protocol settings: {err}") from None
-
-
 def _advertised(settings: OverlaySettings, host: str, port: int) -> str:
     if settings.advertise is not None:
         return settings.advertise
@@ -157,7 +150,7 @@ class OverlayRuntime:
             settings, role=Role.OVERLAY, log=log, dev_name=settings.name
         )
         _check_identity(settings, ctx)
-        params = _params(settings)
+        params = settings.protocol
         signature = (
             load_signature(settings.signature_file, params.max_signature_p)
             if settings.signature_file is not None

@@ -11,7 +11,10 @@ import typer
 from rich.console import Console
 
 from peerlm import __version__
-from peerlm.config import AgentSettings, ConfigError, CpmSettings, OverlaySettings, load_settings
+from peerlm.agent import AgentSettings
+from peerlm.config import ConfigError, load_settings
+from peerlm.overlay import OverlaySettings
+from peerlm.services.cpm import CpmSettings
 
 __all__ = ["app", "main"]
 

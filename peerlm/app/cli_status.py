@@ -291,25 +291,20 @@ def status_command(
 
 
 def _component_settings(component: str) -> type[Any]:
-    """The settings class of a process by its component name.
-
-    ``overlay`` is found by its environment prefix (``PEERLM_OVERLAY_``) so this keeps working
-    whatever the overlay issue names the class.
-    """
-    from pydantic_settings import BaseSettings
-
-    import peerlm.config as config_module
+    """The settings class of a process by its component name (its ``PEERLM_<NAME>_`` prefix)."""
+    from peerlm.agent import AgentSettings
+    from peerlm.overlay import OverlaySettings
+    from peerlm.services.cpm import CpmSettings
 
     known: dict[str, type[Any]] = {}
-    for value in vars(config_module).values():
-        if isinstance(value, type) and issubclass(value, BaseSettings):
-            prefix = str(value.model_config.get("env_prefix") or "")
-            if prefix.startswith("PEERLM_") and prefix.endswith("_"):
-                known[prefix.removeprefix("PEERLM_").removesuffix("_").lower()] = value
-    cls = known.get(component)
-    if cls is None:
+    classes: tuple[type[Any], ...] = (AgentSettings, CpmSettings, OverlaySettings)
+    for settings_cls in classes:
+        prefix = str(settings_cls.model_config.get("env_prefix") or "")
+        known[prefix.removeprefix("PEERLM_").removesuffix("_").lower()] = settings_cls
+    found = known.get(component)
+    if found is None:
         _fail(f"unknown component {component!r}; choose from {', '.join(sorted(known))}")
-    return cls
+    return found
 
 
 def _local_target(listen: str) -> str:

@@ -367,8 +367,12 @@ def _round_config(plan: ExperimentPlan, seed: int, i: int) -> Any:
 
 
 def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
-    from peerlm.config import CpmSettings
-    from peerlm.services.cpm import HeteroGreedyMatchmaker, Matchmaker, RandomMatchmaker
+    from peerlm.services.cpm import (
+        CpmSettings,
+        HeteroGreedyMatchmaker,
+        Matchmaker,
+        RandomMatchmaker,
+    )
 
     if strategy == "random":
         return RandomMatchmaker(seed=seed)

@@ -42,6 +42,7 @@ from .trust import TrustLedger
 if TYPE_CHECKING:
     from .core import open_database
     from .server import cpm_command, run_cpm
+    from .settings import CpmSettings
 
 __all__ = [
     "DISTRIBUTION_SLICE",
@@ -53,6 +54,7 @@ __all__ = [
     "PROFILE_LAYOUT",
     "STATIC_SLICE",
     "ContextFeatures",
+    "CpmSettings",
     "FeatureLayout",
     "HeteroGreedyMatchmaker",
     "LinUCB",
@@ -81,6 +83,7 @@ __all__ = [
 
 #: Loaded on first use: the process side (grpc, sqlite) stays out of ``import`` of the library.
 _LAZY: dict[str, tuple[str, str]] = {
+    "CpmSettings": ("peerlm.services.cpm.settings", "CpmSettings"),
     "cpm_command": ("peerlm.services.cpm.server", "cpm_command"),
     "open_database": ("peerlm.services.cpm.core", "open_database"),
     "run_cpm": ("peerlm.services.cpm.server", "run_cpm"),

@@ -50,9 +50,8 @@ from peerlm.services.cpm.records import (
     ProfileRecord,
     RewardRecord,
 )
+from peerlm.services.cpm.settings import CpmSettings
 from peerlm.services.cpm.store import CpmStore
-
-from peerlm.config import CpmSettings
 
 __all__ = [
     "CpmCore",

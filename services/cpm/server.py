@@ -11,9 +11,9 @@ from typing import Any
 from peerlm.services.cpm.core import CpmCore
 from peerlm.services.cpm.metrics import CpmMetrics
 from peerlm.services.cpm.service import CPM_POLICY, CpmService
+from peerlm.services.cpm.settings import CpmSettings
 from peerlm.services.cpm.store import SqliteCpmStore
 
-from peerlm.config import CpmSettings
 from peerlm.logs import configure_logging
 from peerlm.metrics import serve_metrics
 from peerlm.node import NodeContext, Service

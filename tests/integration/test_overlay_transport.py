@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 import structlog
+from peerlm.overlay import OverlaySettings
 from peerlm.overlay import messages as m
 from peerlm.overlay.main import OverlayRuntime
 from peerlm.overlay.metrics import OverlayMetrics
 from peerlm.overlay.transport import DeliveryPolicy, PeerPool
 from prometheus_client import CollectorRegistry
 
-from peerlm.config import GrpcLimits, OverlaySettings, load_settings
+from peerlm.config import GrpcLimits, load_settings
 from peerlm.metrics import new_registry
 from peerlm.rpc import create_channel
 from peerlm.security.credentials import channel_credentials

@@ -497,10 +497,11 @@ async def test_the_daemons_package_fetch_is_counted_in_its_registry(peer: Peer, 
     bytes it received in the agent's registry (issue 13: it passed no registry, so the
     count never moved). The model host is a stand-in: integration is not under test here
     and fails after the fetch, as an exchange failure the daemon counts."""
+    from peerlm.agent import AgentSettings
     from peerlm.agent.daemon import AgentDaemon, AgentSummary
     from peerlm.agent.metrics import AgentTelemetry
 
-    from peerlm.config import AgentSettings, TlsSettings
+    from peerlm.config import TlsSettings
 
     kit = TlsFiles.from_directory(pki, "student")
     settings = AgentSettings(

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 import structlog
-from peerlm.overlay import codec
+from peerlm.overlay import OverlaySettings, codec
 from peerlm.overlay import messages as m
 from peerlm.overlay.dialcheck import CertifiedAddressVerifier
 from peerlm.overlay.main import OverlayRuntime
@@ -21,7 +21,7 @@ from peerlm.overlay.ratelimit import SenderBuckets
 from peerlm.overlay.transport import DeliveryPolicy, PeerPool
 from prometheus_client import CollectorRegistry
 
-from peerlm.config import GrpcLimits, OverlaySettings, load_settings
+from peerlm.config import GrpcLimits, load_settings
 from peerlm.metrics import new_registry
 from peerlm.rpc import create_channel
 from peerlm.security.credentials import channel_credentials

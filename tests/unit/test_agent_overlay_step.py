@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
+from peerlm.agent import AgentOverlaySettings
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
 from peerlm.agent.models.tiny import build_models
@@ -25,7 +26,7 @@ from peerlm.overlay.params import OverlayParams
 from peerlm.overlay.signature import ImportanceTracker
 from peerlm.overlay.transport import DeliveryPolicy, OverlayHost, PeerPool
 
-from peerlm.config import AgentOverlaySettings, GrpcLimits
+from peerlm.config import GrpcLimits
 from peerlm.metrics import new_registry
 from peerlm.rpc import create_channel
 from tests.node_contexts import dev_context

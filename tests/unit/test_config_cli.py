@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from peerlm.services.cpm import CpmSettings
 from typer.testing import CliRunner
 
 from peerlm import __version__
 from peerlm.app.cli import app
-from peerlm.config import ConfigError, CpmSettings, load_settings
+from peerlm.config import ConfigError, load_settings
 
 
 def test_precedence_file_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

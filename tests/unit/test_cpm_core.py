@@ -6,11 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from peerlm.services.cpm import CpmSettings
 from peerlm.services.cpm.core import CpmCore, CpmError, RewardReport
 from peerlm.services.cpm.records import DirectiveStatus
 from peerlm.services.cpm.store import MemoryCpmStore
-
-from peerlm.config import CpmSettings
 
 
 class Clock:

@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import yaml
+from peerlm.agent import AgentSettings
+from peerlm.services.cpm import CpmSettings
 from typer.testing import CliRunner
 
 from peerlm.app.cli import app
 from peerlm.app.compose import ComposePlan, compose_document, render_compose, scrape_targets
-from peerlm.config import AgentSettings, CpmSettings, load_settings
+from peerlm.config import load_settings
 from peerlm.pki.ca import inspect_certificate
 from tests.deploy_tools import ROOT, tool
 

@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 import yaml
+from peerlm.agent import AgentSettings
+from peerlm.services.cpm import CpmSettings
 
-from peerlm.config import AgentSettings, CpmSettings, load_settings
+from peerlm.config import load_settings
 from tests.deploy_tools import ROOT, tool
 
 K8S = ROOT / "deploy" / "k8s"

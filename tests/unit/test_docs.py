@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
-from peerlm.config import (
-    AgentSettings,
-    CpmSettings,
-    GrpcLimits,
-    OverlayProtocolSettings,
-    OverlaySettings,
-)
+from peerlm.agent import AgentSettings
+from peerlm.overlay import OverlayParams, OverlaySettings
+from peerlm.services.cpm import CpmSettings
+
+from peerlm.config import GrpcLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,8 +31,8 @@ def test_every_config_field_is_documented() -> None:
         if name in ("tls", "limits", "protocol"):
             continue
         assert f"`{name}`" in doc, name
-    for name in OverlayProtocolSettings.model_fields:
-        assert f"`protocol.{name}`" in doc, name
+    for field in dataclasses.fields(OverlayParams):
+        assert f"`protocol.{field.name}`" in doc, field.name
 
 
 def test_every_metric_is_catalogued() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from peerlm.agent import AgentSettings
 from peerlm.agent.acceptance import LOSS_PENALTY_NATS, Verdict, judge
 from peerlm.agent.guardrail import Guardrail
 from peerlm.agent.modelhost import ModelHost, TokenizerMismatchError
@@ -32,8 +33,6 @@ from peerlm.agent.rounds import (
     teacher_completions,
 )
 from peerlm.agent.training import TrainSettings
-
-from peerlm.config import AgentSettings
 
 PROMPTS = [
     'def reverse(s: str) -> str:\n    """Reverse s.\n    """\n    ',

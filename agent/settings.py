@@ -1,0 +1,139 @@
+"""The agent daemon's settings (``peerlm agent``), its overlay section included.
+
+The overlay protocol section is the overlay's own parameter model
+(:class:`peerlm.overlay.OverlayParams`), validated by it: one definition of every knob, its
+default and its bounds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from peerlm.overlay import OverlayParams
+from pydantic import ConfigDict, Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from peerlm.config import MiB, Section, ServiceSettings, parse_host_port
+
+__all__ = ["AgentOverlaySettings", "AgentSettings"]
+
+
+class AgentOverlaySettings(Section):
+    """The agent as an overlay node: SemanticDFL pull and personalised aggregation.
+
+    The overlay service shares the agent's peer-exchange server (one port, one certificate),
+    so the address a search returns is the address the adapter is pulled from. See
+    docs/overlay-aggregation.md ("Running it in the agent").
+    """
+
+    # ``protocol.genesis_seed`` is bytes: written and read as hex.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, ser_json_bytes="hex", val_json_bytes="hex"
+    )
+
+    enabled: bool = False
+    bootstrap: tuple[str, ...] = ()
+    protocol: OverlayParams = OverlayParams()
+    k: int = Field(default=2, ge=1, le=1024)
+    query_timeout_s: float | None = Field(default=None, gt=0)
+    signature_p: int | None = Field(default=None, ge=1)
+    tau_min: float = Field(default=0.9, gt=0, le=1)
+    importance_beta: float = Field(default=0.5, ge=0, lt=1)
+    # PDFL step; unset: the algorithm's defaults, defined (and argued for) once, in
+    # peerlm.overlay.aggregation (psi 2, kappa 0.25, eta 1).
+    psi: float | None = Field(default=None, ge=0)
+    kappa: float | None = Field(default=None, gt=0)
+    eta: float | None = Field(default=None, gt=0)
+    # None: the largest adapter this agent's model and LoRA settings can produce (all tensors
+    # float32 plus the 1 MiB header bound); a compatible neighbour's is never larger.
+    max_adapter_bytes: int | None = Field(default=None, ge=1024)
+    # A neighbour's adapter norm may be at most this times ours (None: no bound).
+    max_norm_ratio: float | None = Field(default=10.0, gt=0)
+    bootstrap_retry_s: float = Field(default=1.0, gt=0)
+    # Before its first round the agent waits up to this long for the overlay to place it
+    # (root known, so searches can be answered); 0 starts at once and the rounds before the
+    # first overlay build skip the pull (outcome ``query_refused``).
+    placement_wait_s: float = Field(default=0.0, ge=0)
+    leave_grace_s: float = Field(default=2.0, ge=0)
+
+
+class AgentSettings(ServiceSettings):
+    """The agent daemon (``peerlm agent``). ``listen`` is its peer-exchange endpoint."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", env_prefix="PEERLM_AGENT_", env_nested_delimiter="__"
+    )
+
+    listen: str = "127.0.0.1:50061"
+    advertise: str | None = None
+    cpm: str = "127.0.0.1:50051"
+    state_dir: Path = Path("state/agent")
+    # Model (any causal LM loadable by from_pretrained from a path or hub name).
+    model: str = "state/models/gpt2"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    lora_rank: int = Field(default=8, ge=1, le=1024)
+    lora_alpha: float = Field(default=16.0, gt=0)
+    lora_dropout: float = Field(default=0.05, ge=0, lt=1)
+    lora_target_modules: tuple[str, ...] | None = None
+    # Data: private train/validation JSONL and the public transfer set X_u, pinned by hash.
+    train_file: Path = Path("data/train.jsonl")
+    val_file: Path = Path("data/val.jsonl")
+    transfer_file: Path = Path("data/transfer.jsonl")
+    transfer_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    # Rounds (Algorithm 3) and local training (Table 6; tiny models need a larger lr).
+    rounds: int = Field(default=20, ge=0)
+    round_timeout_s: float = Field(default=60.0, gt=0)
+    local_steps: int | None = Field(default=None, ge=1)
+    learning_rate: float = Field(default=1e-3, gt=0)
+    batch_size: int = Field(default=8, ge=1)
+    grad_accumulation: int = Field(default=4, ge=1)
+    max_length: int = Field(default=256, ge=16)
+    seed: int = 0
+    # AKD (Eq. 2); alpha_KD and the KD temperature linear over the rounds (Table 6).
+    alpha_kd_start: float = Field(default=0.2, ge=0, le=1)
+    alpha_kd_end: float = Field(default=0.5, ge=0, le=1)
+    kd_temperature_start: float = Field(default=2.5, gt=0, le=100)
+    kd_temperature_end: float = Field(default=1.5, gt=0, le=100)
+    # What this agent sends as a teacher: "directive" follows the directive's protocol
+    # (akd: text, akd_logits: logits), "text" always text, "logits" logits whenever the
+    # student's tokenizer is ours; logits fall back to text for any other tokenizer.
+    akd_mode: Literal["directive", "text", "logits"] = "directive"
+    logits_top_k: int = Field(default=16, ge=1, le=1024)
+    transfer_limit: int | None = Field(default=None, ge=1)
+    max_new_tokens: int = Field(default=96, ge=1, le=4096)
+    # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB.
+    reward_gamma: float = Field(default=1.0, ge=0)
+    reward_delta: float = Field(default=0.001, ge=0)
+    # Evaluation (pass@k in the sandbox) and profile privacy.
+    eval_every: int = Field(default=1, ge=1)
+    eval_limit: int | None = Field(default=None, ge=1)
+    # Held-out test problems per evaluation slice ("own", "lacked", "public": JSONL files),
+    # measured before the first and after the last round for the run's report.
+    eval_slice_files: dict[str, Path] = Field(default_factory=dict)
+    sandbox_timeout_s: float = Field(default=5.0, gt=0)
+    sandbox_memory_mb: int = Field(default=256, ge=32)
+    # Operator opt-out: evaluate even where the kernel lacks Landlock or seccomp, i.e. run
+    # model-generated code unconfined (logged as a warning and counted on every run).
+    sandbox_allow_unconfined: bool = False
+    profile_dp_epsilon: float | None = Field(default=None, gt=0)
+    guardrail_ngram: int = Field(default=8, ge=3)
+    max_package_bytes: int = Field(default=64 * MiB, ge=1024)
+    # One completion in a package a teacher sends us (UTF-8 bytes); with the transfer set's
+    # size it bounds what a student parses and tokenises (agent.package.student_limits).
+    package_max_item_bytes: int = Field(default=64 * 1024, ge=1024, le=64 * MiB)
+    # Acceptance gate: an AKD update or overlay aggregate that raises the validation loss by
+    # more than this many nats is rolled back (and, for AKD, reported as a negative reward).
+    acceptance_margin: float | None = Field(default=0.1, ge=0)
+    # SIGTERM: finish the current round within this grace, else stop training at the next
+    # optimiser step, checkpoint and exit 0.
+    stop_grace_s: float = Field(default=30.0, ge=0)
+    # SemanticDFL: the agent as an overlay node pulling its K most similar peers' adapters.
+    overlay: AgentOverlaySettings = AgentOverlaySettings()
+
+    @field_validator("cpm", "advertise")
+    @classmethod
+    def _target_is_host_port(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_host_port(v)
+        return v

@@ -1,0 +1,59 @@
+"""The CPM service's settings (``peerlm cpm``): bandit, matching trigger, bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from peerlm.config import ServiceSettings
+
+__all__ = ["CpmSettings"]
+
+
+class CpmSettings(ServiceSettings):
+    """The CPM service (``peerlm cpm``)."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", env_prefix="PEERLM_CPM_", env_nested_delimiter="__"
+    )
+
+    db: Path = Path("state/cpm.db")
+    # Create a new federation database when ``db`` holds none (missing or empty file).
+    # Without it such a start is refused: a lost database must not become a new federation.
+    init: bool = False
+    # Bandit (Algorithm 2) and context map.
+    profile_dim: int = Field(default=32, ge=1, le=4096)
+    beta: float = Field(default=1.0, ge=0)
+    ridge: float = Field(default=1.0, gt=0)
+    pair_budget: int | None = Field(default=None, ge=1)
+    protocols: tuple[str, ...] = ("akd",)
+    roles: tuple[str, ...] = ("one_way",)
+    interaction_features: bool = True
+    trust_features: bool = True
+    matching: Literal["greedy", "blossom"] = "greedy"
+    prefilter_k: int = Field(default=8, ge=1)
+    prefilter_min_agents: int = Field(default=64, ge=2)
+    seed: int = 0
+    # Matchmaking trigger (Algorithm 3, phase 2): on quorum or timer.
+    quorum_fraction: float = Field(default=1.0, gt=0, le=1.0)
+    min_quorum: int = Field(default=2, ge=2)
+    round_interval_s: float = Field(default=30.0, gt=0)
+    directive_ttl_s: float = Field(default=600.0, gt=0)
+    # Bounds on what clients can make the CPM hold.
+    max_agents: int = Field(default=10_000, ge=2)
+    stream_queue_depth: int = Field(default=64, ge=1)
+    max_reward_magnitude: float = Field(default=1e6, gt=0)
+    # Rewards between two bandit snapshots (the ledger holds every reward in between).
+    snapshot_every: int = Field(default=256, ge=1)
+
+    @field_validator("protocols", "roles")
+    @classmethod
+    def _non_empty_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or any(not s or not s.replace("_", "").isalnum() for s in v):
+            raise ValueError("must be a non-empty list of identifiers like 'akd'")
+        if len(set(v)) != len(v):
+            raise ValueError("must not repeat a name")
+        return v
