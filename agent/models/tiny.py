@@ -158,10 +158,15 @@ class BuildEvent:
     """Progress of :func:`build_models`, one per phase change and per pre-training step."""
 
     arch: str
-    phase: Literal["tokenizer", "pretrain", "save", "done", "cached"]
+    phase: Literal["tokenizer", "pretrain", "save", "done", "cached", "shipped"]
     step: int = 0
     total: int = 0
     loss: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """The model is in place: built, found in the cache or copied from the shipped ones."""
+        return self.phase in ("done", "cached", "shipped")
 
 
 @dataclass
@@ -656,6 +661,62 @@ def _build_one(
     return info
 
 
+def corpus_sha256(size: Size = "tiny", hidden: Sequence[str] = DEFAULT_HIDDEN) -> str:
+    """The digest of the pre-training corpus a build of ``size`` would use on this machine."""
+    from peerlm.agent.tasks.bank import CATEGORIES
+
+    return _corpus(_RECIPES[size], tuple(c for c in CATEGORIES if c in set(hidden))).sha256
+
+
+#: The tiny models as built by this recipe with model seed 0 and one thread, shipped with the
+#: package so that a first run needs no build (see docs/models.md, "Shipped models").
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+
+
+def shipped_model(
+    arch: str, size: str, steps: int, seed: int, hidden: Sequence[str]
+) -> ModelInfo | None:
+    """The shipped build of this request, or None when none is shipped or it differs.
+
+    A shipped model matches when this recipe, built from the corpus the shipped model was
+    built from (its manifest's corpus digest), has its configuration hash, and it left out
+    the same categories. The corpus digest itself may differ from this machine's: the
+    corpus includes the standard library's sources, which change between Python patch
+    releases, and a shipped model stays the project's model on every one of them.
+    """
+    info = read_manifest(SHIPPED_DIR / size / arch)
+    if info is None:
+        return None
+    if info.config_hash != _config_hash(arch, size, steps, seed, info.corpus_sha256):
+        return None
+    if list(info.extra.get("hidden_categories", [])) != list(hidden):
+        return None
+    return info
+
+
+def _install_shipped(shipped: ModelInfo, target: Path) -> ModelInfo:
+    """Copy a shipped model into the cache (next to the target, then swapped in)."""
+    tmp = target.parent / f".{target.name}.copying-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(shipped.path, tmp)
+    for path in tmp.iterdir():
+        path.chmod(0o644)  # package data may be read-only; the cache is ours to replace
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        tmp.rename(target)
+    except OSError:
+        other = read_manifest(target)
+        if other is None or other.config_hash != shipped.config_hash:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    info = read_manifest(target)
+    if info is None:
+        raise RuntimeError(f"the shipped model copied to {target} does not read back")
+    info.cached = True
+    return info
+
+
 def _plan_parallel(pending: int, jobs: int | None, threads: int | None) -> tuple[int, int]:
     """(processes, torch threads each) for ``pending`` builds on this machine's cores.
 
@@ -692,7 +753,9 @@ def build_models(
     ``pretrain_steps`` overrides the size's default (tiny: 1000, micro: 4). ``hidden``
     categories are left out of the public pre-training corpus (default: the default world's
     private categories). A directory whose manifest has the same configuration hash is
-    reused unless ``force``. ``progress`` receives a :class:`BuildEvent` per phase and per
+    reused unless ``force``; otherwise a shipped model of the same request
+    (:func:`shipped_model`) is copied in, and only what is neither is built. ``force``
+    builds from scratch. ``progress`` receives a :class:`BuildEvent` per phase and per
     pre-training step (from the calling thread).
 
     Builds run side by side in ``jobs`` processes with ``threads`` torch threads each
@@ -727,11 +790,16 @@ def build_models(
     for arch in dict.fromkeys(archs):  # de-duplicated, order kept
         target = out_dir / arch
         config_hash = _config_hash(arch, size, steps, seed, corpus.sha256)
+        shipped = None if force else shipped_model(arch, size, steps, seed, hidden)
+        accepted = {config_hash} | ({shipped.config_hash} if shipped else set())
         cached = None if force else read_manifest(target)
-        if cached is not None and cached.config_hash == config_hash:
+        if cached is not None and cached.config_hash in accepted:
             cached.cached = True
             emit(BuildEvent(arch, "cached", cached.steps, cached.steps, cached.final_loss))
             found[arch] = cached
+        elif shipped is not None:
+            found[arch] = _install_shipped(shipped, target)
+            emit(BuildEvent(arch, "shipped", shipped.steps, shipped.steps, shipped.final_loss))
         else:
             pending.append(_Job(arch, size, str(target), steps, seed, hidden, config_hash))
     if size == "micro" and jobs is None:

@@ -148,7 +148,7 @@ def build_with_progress(
             if event.phase == "pretrain":
                 loss = "" if event.loss is None else f"loss {event.loss:.3f}"
                 bar.update(task, total=max(event.total, 1), completed=event.step, status=loss)
-            elif event.phase in ("done", "cached"):
+            elif event.finished:
                 bar.update(
                     task,
                     total=max(event.total, 1),

@@ -300,8 +300,12 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
     archs = tuple(dict.fromkeys(ARCHS[i % len(ARCHS)] for i in range(plan.agents)))
 
     def on_build(e: Any) -> None:
-        if e.phase in ("pretrain", "done", "cached"):
-            event("build", {"arch": e.arch, "phase": e.phase, "step": e.step, "total": e.total})
+        if e.phase == "pretrain" or e.finished:
+            event(
+                "build",
+                {"arch": e.arch, "phase": e.phase, "step": e.step, "total": e.total,
+                 "finished": e.finished},
+            )  # fmt: skip
 
     build_models(models, archs, size=plan.size, seed=plan.model_seed, progress=on_build)
     build_federation_data(data, plan.agents, alpha=plan.alpha, seed=plan.world_seed, overwrite=True)

@@ -140,7 +140,7 @@ def run_experiment_command(
                 arch = data["arch"]
                 if arch not in builds:
                     builds[arch] = progress.add_task(f"build {arch}", total=None, status="")
-                done = data["phase"] in ("done", "cached")
+                done = bool(data.get("finished"))
                 size = max(int(data["total"]), 1)
                 progress.update(
                     builds[arch],
