@@ -76,7 +76,7 @@ from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap
 
 if TYPE_CHECKING:
-    from peerlm.agent import Guardrail, Integration, ModelHost, Problem
+    from peerlm.agent import Guardrail, Integration, ModelHost, Problem, WorldSpec
     from peerlm.services.cpm import Pairing
 
 __all__ = [
@@ -145,6 +145,10 @@ class ExperimentPlan:
     model_seed: int = 0  # the models' build (the shared model cache is built with 0)
     size: Literal["tiny", "micro"] = "tiny"
     alpha: float = 0.1  # Dirichlet concentration of the client split
+    # The world's layout (agent.tasks.world.WorldSpec, "experts"): clients sharing each
+    # private skill, and clients (the last ones) holding none.
+    experts_per_skill: int = 1
+    unskilled: int = 0
     local_steps: int = 8
     grad_accumulation: int = 2
     learning_rate: float = 1e-3
@@ -178,6 +182,15 @@ class ExperimentPlan:
             raise ValueError(f"reward must be 'val' or 'probe', not {self.reward!r}")
         if not self.sample_temperature > 0:
             raise ValueError("sample_temperature must be > 0")
+        self.world_spec()  # the layout's own checks
+
+    def world_spec(self) -> WorldSpec:
+        """The world the plan's data are built with."""
+        from peerlm.agent import WorldSpec
+
+        if not 0 <= self.unskilled < self.agents:
+            raise ValueError("unskilled must leave at least one skilled client")
+        return WorldSpec(experts_per_skill=self.experts_per_skill, unskilled_clients=self.unskilled)
 
 
 def quick_plan(**overrides: Any) -> ExperimentPlan:
@@ -308,7 +321,14 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
             )  # fmt: skip
 
     build_models(models, archs, size=plan.size, seed=plan.model_seed, progress=on_build)
-    build_federation_data(data, plan.agents, alpha=plan.alpha, seed=plan.world_seed, overwrite=True)
+    build_federation_data(
+        data,
+        plan.agents,
+        alpha=plan.alpha,
+        seed=plan.world_seed,
+        world=plan.world_spec(),
+        overwrite=True,
+    )
     clients = [
         (
             read_jsonl(data / "clients" / str(i) / "train.jsonl"),

@@ -65,6 +65,12 @@ def run_experiment_command(
         int | None, typer.Option(min=1, help="Micro-batches of 8 per step.")
     ] = None,
     transfer_limit: Annotated[int | None, typer.Option(min=1, help="Prompts of X_u used.")] = None,
+    experts_per_skill: Annotated[
+        int | None, typer.Option(min=1, help="Clients sharing each private skill.")
+    ] = None,
+    unskilled: Annotated[
+        int | None, typer.Option(min=0, help="Clients (the last ones) with no private skill.")
+    ] = None,
     test_limit: Annotated[int | None, typer.Option(min=1, help="Global test problems.")] = None,
     samples: Annotated[int | None, typer.Option(min=1, help="Samples per problem.")] = None,
     temperature: Annotated[float | None, typer.Option(min=0.01, help="Sampling T.")] = None,
@@ -97,6 +103,8 @@ def run_experiment_command(
         "local_steps": local_steps,
         "grad_accumulation": grad_accumulation,
         "transfer_limit": transfer_limit,
+        "experts_per_skill": experts_per_skill,
+        "unskilled": unskilled,
         "test_limit": test_limit,
         "samples": samples,
         "sample_temperature": temperature,
