@@ -33,12 +33,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MIN_TOKENS", "CodeIndex", "CodeToken", "code_tokens"]
+__all__ = ["MIN_TOKENS", "CodeIndex", "CodeToken", "PromptVocabulary", "code_tokens"]
 
 #: Texts (or windows) shorter than this many code tokens are never judged.
 MIN_TOKENS: Final = 4
 
 _U64 = npt.NDArray[np.uint64]
+_SMALL_INTS: Final = frozenset(repr(i) for i in range(-2, 3))
+_PUNCTUATION: Final = "\"'`.,:;!?()[]{}<>"
 _MULTIPLIER: Final = np.uint64(0x100000001B3)
 _KEEP_NAMES: Final = (
     frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins))
@@ -137,6 +139,72 @@ def _streams(tokens: Sequence[CodeToken]) -> _Streams:
     )
 
 
+class PromptVocabulary:
+    """The literals of a public prompt: what an answer may repeat freely.
+
+    A teacher's completion of a transfer prompt legitimately repeats the prompt's
+    constants and strings (a correct answer to "or -3 if key is missing" contains ``-3``).
+    Such literals carry no private information, whatever private example also contains
+    them. What identifies a private example in code is its constants and strings (module
+    docstring: "the private part of templated code is its constants and strings"); its
+    structure and local names are the skill a teacher is there to pass on. So, answering a
+    known prompt, only a literal the prompt does not hold carries private information, and
+    in prose only a run of words the prompt does not hold (see :meth:`fresh_words`).
+    """
+
+    def __init__(self, prompt: str) -> None:
+        given: set[str] = set()
+        # The docstring is one string literal to the lexer; its prose holds the constants
+        # and strings an answer needs ("repeated 3 times, joined by ','"), so it is lexed
+        # as code too, with its triple quotes blanked out.
+        unquoted = prompt.replace('"""', "   ").replace("'''", "   ")
+        for tok in [*code_tokens(prompt), *code_tokens(unquoted)]:
+            if tok.literal:
+                given.add(tok.text)
+                # Prose numbers end sentences: "less than 10." lexes as 10.0.
+                try:
+                    value = float(tok.text)
+                except ValueError:
+                    continue
+                if value.is_integer():
+                    given.add(repr(int(value)))
+        self._literals = frozenset(given)
+        self._words = frozenset(w.strip(_PUNCTUATION).lower() for w in prompt.split())
+
+    def gives(self, token: CodeToken) -> bool:
+        """Whether ``token`` carries nothing beyond the prompt and the language.
+
+        The integers -2 to 2 are the language's as much as the prompt's (``x % 2 == 0``,
+        ``seq[-1] + seq[-2]``, ``range(1, n)``): they mark a template, not an example.
+        """
+        return not token.literal or token.text in self._literals or token.text in _SMALL_INTS
+
+    def fresh_words(self, words: Sequence[str]) -> npt.NDArray[np.bool_]:
+        """Per whitespace-separated word: does it carry information the prompt lacks?
+
+        A word carries information when it holds a literal the prompt does not, or when it
+        is a plain word (letters only once the punctuation around it is stripped, not a
+        keyword or builtin) the prompt does not hold: prose. Code words (``d.items()``,
+        ``{key:``) carry only their literals.
+        """
+        out = np.zeros(len(words), dtype=bool)
+        for i, word in enumerate(words):
+            core = word.strip(_PUNCTUATION)
+            if core.isalpha():  # a word of prose, punctuation around it or not
+                out[i] = core not in _KEEP_NAMES and core.lower() not in self._words
+            else:
+                out[i] = not all(self.gives(tok) for tok in code_tokens(word))
+        return out
+
+    def fresh_literals(self, words: Sequence[str]) -> npt.NDArray[np.bool_]:
+        """Per word: does it hold a literal the prompt does not?"""
+        return np.fromiter(
+            (any(not self.gives(tok) for tok in code_tokens(w)) for w in words),
+            dtype=bool,
+            count=len(words),
+        )
+
+
 class CodeIndex:
     """Hashed code-token windows of a private set, minus those of a public set.
 
@@ -176,11 +244,16 @@ class CodeIndex:
         return sum(len(v) for v in self._index.values())
 
     def leaked_spans(
-        self, text: str, skip: Sequence[tuple[int, int]] = ()
+        self,
+        text: str,
+        skip: Sequence[tuple[int, int]] = (),
+        context: PromptVocabulary | None = None,
     ) -> list[tuple[int, int]]:
         """Character spans of ``text`` covered by a private window (merged, in order).
 
         Tokens overlapping a ``skip`` span (a placeholder already in the text) never count.
+        With a ``context`` (the public prompt ``text`` answers), a window counts only when
+        it holds a literal the prompt does not (:class:`PromptVocabulary`).
         """
         tokens = [t for t in code_tokens(text) if not _overlaps(t, skip)]
         m = len(tokens)
@@ -191,9 +264,16 @@ class CodeIndex:
         if not len(index):
             return []
         s = _streams(tokens)
-        hits = self._hits(index, _windows(s.verbatim, length)) & _with_literal(s.symbol, length)
+        verbatim_carrier, renamed_carrier = s.symbol, s.literal
+        if context is not None:
+            fresh = np.fromiter((not context.gives(tok) for tok in tokens), dtype=bool, count=m)
+            verbatim_carrier = s.literal & fresh
+            renamed_carrier = s.literal & fresh
+        hits = self._hits(index, _windows(s.verbatim, length)) & _with_literal(
+            verbatim_carrier, length
+        )
         renamed = _windows(s.renamed, length)
-        hits |= self._hits(index, renamed) & _with_literal(s.literal, length)
+        hits |= self._hits(index, renamed) & _with_literal(renamed_carrier, length)
         starts = np.flatnonzero(hits)
         if not len(starts):
             return []

@@ -51,7 +51,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 import structlog
-from peerlm.agent.code_index import CodeIndex
+from peerlm.agent.code_index import CodeIndex, PromptVocabulary
 from peerlm.agent.disguise import PII_PATTERNS, encoded_spans, strip_invisible
 from peerlm.agent.incoming import risky_imports
 from prometheus_client import CollectorRegistry, Counter
@@ -298,6 +298,12 @@ _WINDOW_MULTIPLIER: Final = np.uint64(0x100000001B3)
 _TOKEN: Final = re.compile(r"\S+")
 
 
+def _window_counts(flags: npt.NDArray[np.bool_], n: int) -> npt.NDArray[np.int64]:
+    """For each window of ``n`` consecutive flags: how many are set."""
+    cumulative = np.concatenate(([0], np.cumsum(flags.astype(np.int64))))
+    return cumulative[n:] - cumulative[: max(0, len(flags) - n + 1)]
+
+
 def _token_hash(token: str) -> int:
     # surrogatepass: model output may hold lone surrogates; they must hash, not crash.
     digest = hashlib.blake2b(token.encode("utf-8", "surrogatepass"), digest_size=8).digest()
@@ -418,16 +424,32 @@ class Guardrail:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def filter_text(self, text: str) -> GuardrailResult:
-        """Filter one text; counts and logs (counts only) what was removed."""
-        result = self._filter(text)
+    def filter_text(self, text: str, prompt: str | None = None) -> GuardrailResult:
+        """Filter one text; counts and logs (counts only) what was removed.
+
+        ``prompt``: the public prompt ``text`` answers (a transfer prompt). What the answer
+        repeats from it (its constants, strings, names) is never taken for a private leak.
+        """
+        result = self._filter(text, prompt=prompt)
         if result.removals:
             self._record(result.removals, texts=1)
         return result
 
-    def filter_many(self, texts: Iterable[str]) -> list[GuardrailResult]:
-        """Filter each text; one metric update and one log line for the whole batch."""
-        results = [self._filter(text) for text in texts]
+    def filter_many(
+        self, texts: Iterable[str], prompts: Sequence[str] | None = None
+    ) -> list[GuardrailResult]:
+        """Filter each text; one metric update and one log line for the whole batch.
+
+        ``prompts``, when given, are the public prompts the texts answer, one per text
+        (see :meth:`filter_text`).
+        """
+        texts = list(texts)
+        if prompts is not None and len(prompts) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
+        contexts = [None] * len(texts) if prompts is None else list(prompts)
+        results = [
+            self._filter(text, prompt=prompt) for text, prompt in zip(texts, contexts, strict=True)
+        ]
         totals: collections.Counter[str] = collections.Counter()
         for result in results:
             totals.update(result.removals)
@@ -477,27 +499,32 @@ class Guardrail:
             removals=dict(sorted(removals.items())),
         )
 
-    def _filter(self, text: str, *, private: bool = True) -> GuardrailResult:
+    def _filter(
+        self, text: str, *, private: bool = True, prompt: str | None = None
+    ) -> GuardrailResult:
         totals: collections.Counter[str] = collections.Counter()
+        context = PromptVocabulary(prompt) if prompt is not None else None
         for _ in range(_MAX_PASSES):
-            text, counts = self._one_pass(text, private=private)
+            text, counts = self._one_pass(text, private=private, context=context)
             if not counts:
                 break
             totals.update(counts)
         return GuardrailResult(text, {k: totals[k] for k in KINDS if totals[k]})
 
-    def _one_pass(self, text: str, *, private: bool = True) -> tuple[str, dict[str, int]]:
+    def _one_pass(
+        self, text: str, *, private: bool = True, context: PromptVocabulary | None = None
+    ) -> tuple[str, dict[str, int]]:
         counts: dict[str, int] = {}
         text, hidden = strip_invisible(text)
         if hidden:
             counts["invisible"] = hidden
         if private:
-            text, leaked = self._remove_private_ngrams(text)
+            text, leaked = self._remove_private_ngrams(text, context)
             if leaked:
                 counts["private_text"] = leaked
             if self._code is not None:
                 skip = [m.span() for m in _PLACEHOLDER.finditer(text)]
-                spans = self._code.leaked_spans(text, skip)
+                spans = self._code.leaked_spans(text, skip, context)
                 if spans:
                     text = _replace_spans(text, spans, placeholder("private_code"))
                     counts["private_code"] = len(spans)
@@ -518,13 +545,23 @@ class Guardrail:
             counts["high_entropy"] = found
         return text, counts
 
-    def _remove_private_ngrams(self, text: str) -> tuple[str, int]:
+    def _remove_private_ngrams(
+        self, text: str, context: PromptVocabulary | None = None
+    ) -> tuple[str, int]:
         if not len(self._index):
             return text, 0
         matches = list(_TOKEN.finditer(text))
         windows, usable = _window_hashes([m.group() for m in matches], self._n)
         if not len(windows):
             return text, 0
+        if context is not None:
+            # Answering a public prompt, a window leaks only with a literal the prompt lacks
+            # or a run of prose the prompt lacks (PromptVocabulary).
+            words = [m.group() for m in matches]
+            has_literal = _window_counts(context.fresh_literals(words), self._n) > 0
+            # Prose: at least half the window's words are plain words the prompt lacks.
+            prose = _window_counts(context.fresh_words(words), self._n) * 2 >= self._n
+            usable = usable & (has_literal | prose)
         positions = np.searchsorted(self._index, windows)
         found = self._index[np.minimum(positions, len(self._index) - 1)] == windows
         hits = np.flatnonzero(found & usable)

@@ -221,7 +221,8 @@ def build_text_package(
     ids = [str(i) for i in range(len(prompts))] if prompt_ids is None else list(prompt_ids)
     if len(ids) != len(prompts):
         raise PackageError(f"{len(ids)} prompt ids for {len(prompts)} prompts")
-    vetted = guardrail.filter_many(completions)
+    # The prompts are public (X_u): what an answer repeats from its prompt is no leak.
+    vetted = guardrail.filter_many(completions, prompts)
     items = tuple(
         TextItem(pid, prompt_sha256(prompt), result.text)
         for pid, prompt, result in zip(ids, prompts, vetted, strict=True)
@@ -276,7 +277,7 @@ def build_logits_package(
         else ""
         for ids_ in token_ids
     ]
-    vetted = guardrail.filter_many(greedy)
+    vetted = guardrail.filter_many(greedy, prompts)
     items: list[LogitsItem] = []
     withheld: list[str] = []
     for pid, prompt, ids_, lps, result in zip(

@@ -153,10 +153,10 @@ class ExperimentPlan:
     grad_accumulation: int = 2
     learning_rate: float = 1e-3
     lora_rank: int = 8
-    transfer_limit: int = 24
+    transfer_limit: int = 64
     val_limit: int | None = 8
     test_limit: int = 120
-    samples: int = 4
+    samples: int = 2
     sample_temperature: float = 0.8
     max_new_tokens: int = 64
     reward: RewardMode = "probe"
@@ -525,7 +525,7 @@ def _central_kd(world: _World, clients: list[_Client], seed: int, t: int) -> lis
         [
             r.text
             for r in c.guardrail.filter_many(
-                teacher_completions(c.host, world.transfer, plan.max_new_tokens)
+                teacher_completions(c.host, world.transfer, plan.max_new_tokens), world.transfer
             )
         ]
         for c in clients
@@ -805,6 +805,11 @@ def _strategy_job(
     """One (strategy, seed) in a worker process; events go back through a queue."""
     import torch
 
+    from peerlm.logs import configure_logging
+
+    # Warnings only, to stderr: stdout is the command's (--json), and per-exchange info
+    # lines (the guardrail's counts) would be thousands.
+    configure_logging("experiment", "worker", level="warning")
     torch.set_num_threads(threads)
     return _run_strategy(
         world, strategy, seed, initial, first, lambda k, d: events.put((k, dict(d)))

@@ -96,6 +96,11 @@ def run_experiment_command(
     quiet_transformers()
     import torch
 
+    from peerlm.logs import configure_logging
+
+    # Warnings only, to stderr: stdout carries the table or the --json object.
+    configure_logging("experiment", "local", level="warning")
+
     torch.set_num_threads(threads)
     given: dict[str, Any] = {
         "agents": agents,

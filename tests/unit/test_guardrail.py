@@ -19,6 +19,7 @@ import pytest
 import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from peerlm.agent.code_index import PromptVocabulary, code_tokens
 from peerlm.agent.guardrail import (
     KINDS,
     Guardrail,
@@ -393,3 +394,80 @@ def test_incoming_items_are_vetted_and_refusals_counted() -> None:
     name = "peerlm_agent_guardrail_incoming_rejected_total"
     assert sample(name, {"component": "agent", "reason": "import"}) == 5
     assert sample(name, {"component": "agent", "reason": "secret"}) == 1
+
+
+# --- answering a public prompt (issue 12: the guardrail blocked the skill it should pass on)
+
+_PRIVATE_DICT = [
+    'def get_value(d: dict[str, int], key: str) -> int:\n    """Return the value stored for key'
+    ' in d, or -3 if key is missing."""\n    return d.get(key, -3)\n',
+    'def keep_small(d: dict[str, int]) -> dict[str, int]:\n    """Return the entries of d whose'
+    ' value is less than 7."""\n    return {key: value for key, value in d.items() if value < 7}\n',
+    'def salute(name: str) -> str:\n    """Return the text "Greetings from the north tower, '
+    '<name>." for the given name."""\n    return f"Greetings from the north tower, {name}."\n',
+]
+_PROMPT_12 = (
+    'def lookup(d: dict[str, int], key: str) -> int:\n    """Return the value stored for key in'
+    ' d, or 12 if key is missing.\n\n    >>> lookup({"a": 1}, "b")\n    12\n    """\n'
+)
+_PROMPT_10 = (
+    'def keep_entries(d: dict[str, int]) -> dict[str, int]:\n    """Return the entries of d whose'
+    ' value is less than 10.\n    """\n'
+)
+
+
+def test_an_answer_that_repeats_its_prompt_is_no_leak() -> None:
+    guard = Guardrail(_PRIVATE_DICT)
+    for prompt, answer in (
+        (_PROMPT_12, "return d.get(key, 12)\n"),
+        (_PROMPT_10, "return {key: value for key, value in d.items() if value < 10}\n"),
+    ):
+        # The skill (the private examples' structure) with the prompt's own constants.
+        assert guard.filter_text(answer, prompt).removals == {}, answer
+        assert guard.filter_many([answer], [prompt])[0].text == answer
+    # Without the prompt the structure alone is taken for private code, as before.
+    assert guard.filter_text("return {key: value for key, value in d.items() if value < 7}\n")
+    assert guard.filter_text("return d.get(key, -3)\n").removals
+
+
+def test_private_constants_prose_and_examples_still_leak_under_a_prompt() -> None:
+    guard = Guardrail(_PRIVATE_DICT)
+    # A private example's own constant, not the prompt's: redacted.
+    leaked = guard.filter_text("return d.get(key, -3)\n", _PROMPT_12)
+    assert leaked.removals.get("private_code") == 1 and "-3" not in leaked.text
+    # Private prose the prompt does not hold (8 words of a private docstring).
+    prose = '# the text "Greetings from the north tower, <name>." for the given name\n'
+    assert guard.filter_text(prose, _PROMPT_12).removals == {"private_text": 1}
+    # A whole private example pasted as an answer.
+    assert guard.filter_text(_PRIVATE_DICT[1], _PROMPT_12).removals
+
+
+def test_prompts_must_match_the_texts_one_to_one() -> None:
+    with pytest.raises(ValueError, match="2 texts but 1 prompts"):
+        Guardrail(_PRIVATE_DICT).filter_many(["a", "b"], ["p"])
+
+
+def test_on_the_bundled_bank_answers_pass_and_private_bodies_do_not() -> None:
+    """Per private category: an expert's guardrail lets the references of public transfer
+    prompts of its own category through, and still redacts its own private bodies given as
+    the answer to another prompt."""
+    from peerlm.agent.tasks.bank import generate_bank
+
+    bank = generate_bank({"dict": 60, "sequence": 60}, seed=11)
+    for category in ("dict", "sequence"):
+        problems = [p for p in bank if p.category == category]
+        private, transfer = problems[:40], problems[40:]
+        guard = Guardrail([p.prompt + p.reference for p in private])
+        kept = sum(not guard.filter_text(p.reference, p.prompt).removals for p in transfer)
+        assert kept >= 0.9 * len(transfer), (category, kept)
+        # Given as the answer to another prompt, every private body that holds a constant
+        # or string of its own (one the prompt does not give) is caught; a body without one
+        # (``return sum(d.values())``) is structure, the skill, and passes by design.
+        other = next(p.prompt for p in bank if p.category != category)
+        vocabulary = PromptVocabulary(other)
+        identifying = [
+            p for p in private if any(not vocabulary.gives(t) for t in code_tokens(p.reference))
+        ]
+        assert len(identifying) >= 0.5 * len(private), category
+        for p in identifying:
+            assert guard.filter_text(p.reference, other).removals, p.reference
