@@ -670,7 +670,7 @@ def corpus_sha256(size: Size = "tiny", hidden: Sequence[str] = DEFAULT_HIDDEN) -
 
 #: The tiny models as built by this recipe with model seed 0 and one thread, shipped with the
 #: package so that a first run needs no build (see docs/models.md, "Shipped models").
-SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped-models"
 
 
 def shipped_model(

@@ -2,7 +2,7 @@
 
 The four tiny models of the default recipe (model seed 0, one torch thread, the default
 world's private categories left out) ship with the package under
-``agent/models/shipped/tiny``. These tests keep them true to the recipe: a change of the
+``agent/models/shipped-models/tiny``. These tests keep them true to the recipe: a change of the
 recipe without new shipped models fails here, not silently in a slow first run.
 """
 
@@ -37,7 +37,7 @@ def _offline(offline_hub: None) -> None:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_every_architecture_is_shipped_for_the_default_request(arch: str) -> None:
     info = shipped_model(arch, "tiny", TINY_STEPS, 0, DEFAULT_HIDDEN)
-    assert info is not None, f"agent/models/shipped/tiny/{arch} is missing or stale"
+    assert info is not None, f"agent/models/shipped-models/tiny/{arch} is missing or stale"
     assert info.extra["threads"] == 1 and info.seed == 0
     assert info.extra["hidden_categories"] == list(DEFAULT_HIDDEN)
 
