@@ -646,19 +646,24 @@ def _build_one(
     manifest.pop("path")
     manifest.pop("cached")
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _swap_into_place(tmp, target, config_hash)
+    emit(BuildEvent(arch, "done", steps, steps, final_loss))
+    return info
+
+
+def _swap_into_place(tmp: Path, target: Path, config_hash: str) -> None:
+    """Replace ``target`` by the complete model folder ``tmp`` (a rename, so never half)."""
     if target.exists():
         shutil.rmtree(target, ignore_errors=True)
     try:
         tmp.rename(target)
     except OSError:
         # The cache is shared (up, run-experiment, tests): another process may have put
-        # the same model in place meanwhile. Its build is as good as ours.
+        # the same model in place meanwhile. Its copy is as good as ours.
         other = read_manifest(target)
         if other is None or other.config_hash != config_hash:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-    emit(BuildEvent(arch, "done", steps, steps, final_loss))
-    return info
 
 
 def corpus_sha256(size: Size = "tiny", hidden: Sequence[str] = DEFAULT_HIDDEN) -> str:
@@ -701,15 +706,7 @@ def _install_shipped(shipped: ModelInfo, target: Path) -> ModelInfo:
     shutil.copytree(shipped.path, tmp)
     for path in tmp.iterdir():
         path.chmod(0o644)  # package data may be read-only; the cache is ours to replace
-    if target.exists():
-        shutil.rmtree(target, ignore_errors=True)
-    try:
-        tmp.rename(target)
-    except OSError:
-        other = read_manifest(target)
-        if other is None or other.config_hash != shipped.config_hash:
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+    _swap_into_place(tmp, target, shipped.config_hash)
     info = read_manifest(target)
     if info is None:
         raise RuntimeError(f"the shipped model copied to {target} does not read back")
