@@ -10,7 +10,9 @@ and from one whose role may not:
   gRPC message limit; empty messages; top-level fields spliced in from a valid request so
   that random values reach the checks behind the first one);
 * **mutated** valid requests: bit flips, truncation, inserted and appended bytes, or random
-  bytes, sent raw through a generic channel so that malformed protobuf reaches the server.
+  bytes, sent raw through a generic channel so that malformed protobuf reaches the server;
+* for the two RPCs that read a request header (the directive feed's nonce, the student's
+  tokenizer hint), that header absent, valid, or any printable ASCII.
 
 For every example: the status is one of the codes documented for that RPC (never UNKNOWN
 or INTERNAL); a refused request left the server's state as it was (CPM: ``GetStats``; agent:
@@ -44,7 +46,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peerlm.agent.peer_service import PEER_POLICY
+from peerlm.agent.peer_service import PEER_POLICY, STUDENT_TOKENIZER_METADATA
 from peerlm.overlay import codec
 from peerlm.overlay import messages as om
 from peerlm.overlay.service import OVERLAY_POLICY
@@ -113,6 +115,9 @@ class RpcSpec:
     valid: Callable[[], Message]
     response_stream: bool = False
     feed: bool = False  # a long-lived response stream: "accepted" = its headers came
+    # A request header the RPC reads (also fuzzed: absent, valid, or any printable ASCII).
+    metadata_key: str | None = None
+    metadata_valid: str = ""
 
 
 def _m(service: Any, name: str) -> str:
@@ -151,6 +156,8 @@ SPECS: tuple[RpcSpec, ...] = (
         cpm_pb2.StreamDirectivesRequest,
         response_stream=True,
         feed=True,
+        metadata_key=FEED_NONCE_METADATA,
+        metadata_valid="ab" * 16,
     ),
     RpcSpec(
         "cpm",
@@ -190,6 +197,8 @@ SPECS: tuple[RpcSpec, ...] = (
         _BASE | {NOT_FOUND, PRECONDITION, EXHAUSTED},
         lambda: peer_pb2.FetchPackageRequest(directive_id=peer_server_process.DIRECTIVE_ID),
         response_stream=True,
+        metadata_key=STUDENT_TOKENIZER_METADATA,
+        metadata_valid="0f" * 32,
     ),
     RpcSpec(
         "peer",
@@ -678,15 +687,36 @@ def _no_crash(log: str) -> None:
 # ---------------------------------------------------------------------------- the fuzzing
 
 
-def _call(server: Server, spec: RpcSpec, caller: str, payload: bytes) -> tuple[Any, str]:
+#: A feed accepted without a nonce sends no headers until a directive: after this long
+#: open, it counts as accepted.
+FEED_OPEN_S = 1.5
+
+
+def header_values(spec: RpcSpec) -> st.SearchStrategy[str | None]:
+    """The RPC's request header: absent, valid, or printable ASCII (what gRPC carries)."""
+    if spec.metadata_key is None:
+        return st.none()
+    printable = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
+    return st.one_of(
+        st.none(),
+        st.just(spec.metadata_valid),
+        st.text(alphabet=printable, min_size=1, max_size=100),
+        st.text(alphabet="0123456789abcdefABCDEF", min_size=1, max_size=80),
+    )
+
+
+def _call(
+    server: Server, spec: RpcSpec, caller: str, payload: bytes, header: str | None
+) -> tuple[Any, str]:
     """Send raw ``payload`` to ``spec.method`` as ``caller``: (status code, details)."""
     channel = server.channel(caller)
-    metadata = ((FEED_NONCE_METADATA, "ab" * 16),) if spec.feed else ()
+    metadata = ((spec.metadata_key, header),) if spec.metadata_key and header is not None else ()
+    timeout = FEED_OPEN_S if spec.feed else CALL_TIMEOUT_S
     try:
         if not spec.response_stream:
-            channel.unary_unary(spec.method)(payload, timeout=CALL_TIMEOUT_S, metadata=metadata)
+            channel.unary_unary(spec.method)(payload, timeout=timeout, metadata=metadata)
             return OK, ""
-        call = channel.unary_stream(spec.method)(payload, timeout=CALL_TIMEOUT_S, metadata=metadata)
+        call = channel.unary_stream(spec.method)(payload, timeout=timeout, metadata=metadata)
         if spec.feed and call.initial_metadata():
             # The feed was accepted (the CPM's proof came in the headers); it would stay
             # open: hang up.
@@ -696,13 +726,15 @@ def _call(server: Server, spec: RpcSpec, caller: str, payload: bytes) -> tuple[A
             pass
         return OK, ""
     except grpc.RpcError as err:
+        if spec.feed and err.code() == DEADLINE:
+            return OK, ""  # still open when we gave up on it: accepted
         return err.code(), err.details() or ""
 
 
-def _check(server: Server, spec: RpcSpec, caller: str, payload: bytes) -> None:
+def _check(server: Server, spec: RpcSpec, caller: str, payload: bytes, header: str | None) -> None:
     before_state = server.read_state(server)
     before_refusals = server.refusals()
-    code, details = _call(server, spec, caller, payload)
+    code, details = _call(server, spec, caller, payload, header)
     assert code in spec.codes, (spec.method, caller, code, details, payload[:200])
     # The server's own status, not a transport error standing in for it (a status message
     # over the client's metadata limit used to arrive as RESOURCE_EXHAUSTED "Stream removed").
@@ -742,8 +774,12 @@ def test_fuzzed_requests_get_documented_codes_and_leave_others_served(
     make = random_request if kind == "random" else mutated_request
 
     @_SETTINGS
-    @given(payload=make(spec), caller=st.sampled_from([spec.allowed, spec.denied]))
-    def run(payload: bytes, caller: str) -> None:
-        _check(server, spec, caller, payload)
+    @given(
+        payload=make(spec),
+        caller=st.sampled_from([spec.allowed, spec.denied]),
+        header=header_values(spec),
+    )
+    def run(payload: bytes, caller: str, header: str | None) -> None:
+        _check(server, spec, caller, payload, header)
 
     run()
