@@ -21,7 +21,6 @@ and Flower's single server factory; the code is ours.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -32,7 +31,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from peerlm.config import GrpcLimits, ServiceSettings, TlsSettings, parse_host_port
 from peerlm.metrics import get_collector, get_counter, new_registry
-from peerlm.pki.identity import PeerIdentity, Role, identity_from_certificate_pem
+from peerlm.pki.identity import (
+    PeerIdentity,
+    Role,
+    certificate_hosts,
+    host_listed,
+    identity_from_certificate_pem,
+)
 from peerlm.pki.proof import ExpectedSender, ProofSigner, SenderCheck
 from peerlm.rpc import (
     MetricsInterceptor,
@@ -427,8 +432,8 @@ class NodeContext:
             return True
         host = hosts[0]
         cert = self.tls.load().certificate
-        listed = _san_hosts(cert)
-        ok = _host_listed(host, listed)
+        listed = certificate_hosts(cert)
+        ok = host_listed(host, listed)
         gauge = _advertised_gauge(self.registry)
         gauge.labels(self.component, host).set(0 if ok else 1)
         if not ok:
@@ -489,31 +494,6 @@ def _client_mode(
     return resolve_security(
         insecure_dev=False, listen_host="127.0.0.1", tls=files, component=component, logger=log
     )
-
-
-def _san_hosts(cert: Any) -> set[str]:
-    from cryptography import x509
-
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        return set()
-    names = {str(n).lower() for n in san.get_values_for_type(x509.DNSName)}
-    names |= {str(a) for a in san.get_values_for_type(x509.IPAddress)}
-    return names
-
-
-def _host_listed(host: str, listed: set[str]) -> bool:
-    text = host.strip("[]").lower().rstrip(".")
-    try:
-        return str(ipaddress.ip_address(text)) in listed
-    except ValueError:
-        pass
-    if text in listed:
-        return True
-    # One wildcard label, as TLS name checks allow (``*.example.org``).
-    _, _, parent = text.partition(".")
-    return bool(parent) and f"*.{parent}" in listed
 
 
 def _advertised_gauge(registry: CollectorRegistry) -> Gauge:

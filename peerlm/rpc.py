@@ -23,9 +23,11 @@ from peerlm.config import GrpcLimits
 from peerlm.grpc_types import RpcMethodHandler, ServerInterceptor, ServicerContext
 
 __all__ = [
+    "MAX_STATUS_DETAILS",
     "MetricsInterceptor",
     "Oversized",
     "add_health_and_reflection",
+    "bounded_details",
     "channel_options",
     "create_channel",
     "create_server",
@@ -418,10 +420,49 @@ WrapFn = Callable[[Behaviour, bool], Behaviour]
 _WRAPPED_MARK = "_peerlm_wrapped"
 
 
+#: Longest status message (characters) a service's refusal carries to the client. Handlers
+#: quote request values to say what was wrong; gRPC sends the message percent-encoded in the
+#: trailers, and a client drops trailers over its metadata limit (8 KiB soft, 16 KiB hard by
+#: default) as RESOURCE_EXHAUSTED "received metadata size exceeds limit", hiding the real
+#: status. 512 characters stay under 8 KiB even at 12 encoded bytes per character (4-byte
+#: UTF-8, each byte sent as %XX).
+MAX_STATUS_DETAILS = 512
+_TRUNCATED = " ... [truncated]"
+
+
+def bounded_details(details: str) -> str:
+    """``details`` cut to :data:`MAX_STATUS_DETAILS` characters, marked when cut."""
+    if len(details) <= MAX_STATUS_DETAILS:
+        return details
+    return details[: MAX_STATUS_DETAILS - len(_TRUNCATED)] + _TRUNCATED
+
+
+class _BoundedDetailsContext:
+    """The servicer context a service's handler sees: everything is the real context's,
+    except that ``abort`` and ``set_details`` bound the status message
+    (:func:`bounded_details`). One place for every handler, instead of trusting each
+    message that quotes a request value to have cut it."""
+
+    def __init__(self, context: ServicerContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
+    ) -> Any:
+        return await self._context.abort(code, bounded_details(details), trailing_metadata)
+
+    def set_details(self, details: str) -> None:
+        self._context.set_details(bounded_details(details))
+
+
 def _parsing(behaviour: Behaviour, streamed_requests: bool) -> Behaviour:
     """``behaviour`` (a service's own handler) fed parsed messages instead of :class:`Unparsed`.
 
-    Keeps the function's kind (coroutine or async generator), which grpc.aio reads.
+    Keeps the function's kind (coroutine or async generator), which grpc.aio reads. The
+    handler gets a context whose status messages are bounded (:class:`_BoundedDetailsContext`).
     """
 
     async def parsed(request: Any, context: ServicerContext) -> Any:
@@ -439,13 +480,14 @@ def _parsing(behaviour: Behaviour, streamed_requests: bool) -> Behaviour:
     if inspect.isasyncgenfunction(behaviour):
 
         async def generator(request: Any, context: ServicerContext) -> AsyncIterator[Any]:
-            async for item in behaviour(await parsed(request, context), context):
+            bounded = _BoundedDetailsContext(context)
+            async for item in behaviour(await parsed(request, context), bounded):
                 yield item
 
         return generator
 
     async def coroutine(request: Any, context: ServicerContext) -> Any:
-        result = behaviour(await parsed(request, context), context)
+        result = behaviour(await parsed(request, context), _BoundedDetailsContext(context))
         return await result if inspect.isawaitable(result) else result
 
     return coroutine

@@ -14,6 +14,7 @@ authenticates a peer's connection also fixes the key its VRF outputs must verify
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import stat
@@ -32,6 +33,9 @@ __all__ = [
     "VRF_SECRET_KEY_LEN",
     "PeerIdentity",
     "Role",
+    "certificate_hosts",
+    "certificate_hosts_pem",
+    "host_listed",
     "identity_from_certificate",
     "identity_from_certificate_pem",
     "load_vrf_secret",
@@ -214,6 +218,42 @@ def identity_from_certificate_pem(pem: bytes) -> PeerIdentity:
     a malformed one is a ``ValueError`` like any other defect of the identity.
     """
     return identity_from_certificate(_load_pem(pem))
+
+
+# -- the hosts a certificate may serve as --------------------------------------------------------
+
+
+def certificate_hosts(certificate: x509.Certificate) -> frozenset[str]:
+    """The DNS names (lower case) and IP addresses (canonical text) of ``certificate``'s
+    SANs: the hosts a TLS client dialling it accepts it for."""
+    try:
+        san = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return frozenset()
+    names = {str(n).lower() for n in san.get_values_for_type(x509.DNSName)}
+    names |= {str(a) for a in san.get_values_for_type(x509.IPAddress)}
+    return frozenset(names)
+
+
+def certificate_hosts_pem(pem: bytes) -> frozenset[str]:
+    """:func:`certificate_hosts` of a PEM certificate; ``ValueError`` if it does not parse."""
+    return certificate_hosts(_load_pem(pem))
+
+
+def host_listed(host: str, listed: frozenset[str] | set[str]) -> bool:
+    """Whether a TLS client dialling ``host`` (a name, an IP address, or ``[IPv6]``) would
+    accept a certificate whose SAN hosts are ``listed`` (:func:`certificate_hosts`): an IP
+    address must be listed as one, a name exactly or under one leftmost wildcard label."""
+    text = host.strip("[]").lower().rstrip(".")
+    try:
+        return str(ipaddress.ip_address(text)) in listed
+    except ValueError:
+        pass
+    if text in listed:
+        return True
+    # One wildcard label, as TLS name checks allow (``*.example.org``).
+    _, _, parent = text.partition(".")
+    return bool(parent) and f"*.{parent}" in listed
 
 
 # -- the overlay identity (VRF) key -------------------------------------------------------------

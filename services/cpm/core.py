@@ -53,6 +53,8 @@ from peerlm.services.cpm.records import (
 from peerlm.services.cpm.settings import CpmSettings
 from peerlm.services.cpm.store import CpmStore
 
+from peerlm.pki.identity import host_listed
+
 __all__ = [
     "CpmCore",
     "CpmError",
@@ -67,7 +69,35 @@ _DIRECTIVE_ID = re.compile(r"^[0-9a-f]{32}$")
 LAST_ROUND_METADATA = "peerlm-last-round"
 #: uint64 fields are stored as SQLite INTEGER (signed 64-bit): anything above is refused.
 MAX_STORED_INT = 2**63 - 1
-_ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
+_ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
+#: Longest ``peer_endpoint`` (a DNS name is at most 253 characters, plus ``:65535``).
+MAX_ENDPOINT_LEN = 255
+
+
+def check_endpoint(endpoint: str, hosts: frozenset[str] | None) -> None:
+    """Refuse a ``peer_endpoint`` that is not ``host:port`` (a name, an IPv4 address or a
+    bracketed IPv6 address; a port in 1-65535; at most :data:`MAX_ENDPOINT_LEN` characters)
+    or, when ``hosts`` (the DNS/IP SANs of the caller's certificate) is given, whose host the
+    certificate does not name. Peers dial the endpoint and check the server's certificate
+    against its host, so an endpoint outside the SANs is either unreachable or another
+    member's address; only the first can be honest, and neither is worth pairing.
+    ``hosts=None`` (insecure-dev: no certificate) checks the form only."""
+    match = _ENDPOINT.match(endpoint) if len(endpoint) <= MAX_ENDPOINT_LEN else None
+    if match is None or not 1 <= int(match.group(2)) <= 65535:
+        raise CpmError(
+            "INVALID_ARGUMENT",
+            "endpoint",
+            f"peer_endpoint {endpoint[:64]!r} is not host:port with a port in 1-65535",
+        )
+    host = match.group(1)
+    if hosts is not None and not host_listed(host, hosts):
+        raise CpmError(
+            "PERMISSION_DENIED",
+            "endpoint_not_certified",
+            f"peer_endpoint host {host[:64]!r} is not a DNS or IP SAN of your certificate "
+            f"({', '.join(sorted(hosts)[:8]) or 'none'}); advertise one of those, or have the "
+            f"certificate reissued with --san {host[:64]}",
+        )
 
 
 class CpmError(Exception):
@@ -331,8 +361,14 @@ class CpmCore:
         features: Sequence[float],
         endpoint: str,
         connected: int,
+        *,
+        endpoint_hosts: frozenset[str] | None = None,
     ) -> SubmitOutcome:
-        """Validate and store an agent's profile for the next matchmaking round."""
+        """Validate and store an agent's profile for the next matchmaking round.
+
+        ``endpoint_hosts``: the DNS/IP SANs of the caller's certificate, which a non-empty
+        ``endpoint`` must name (:func:`check_endpoint`); None without a certificate.
+        """
         _check_range("round", round_)
         if len(features) != self._s.profile_dim:
             raise CpmError(
@@ -344,10 +380,8 @@ class CpmCore:
             vec = validate_profile(np.asarray(features, dtype=np.float64), self._s.profile_dim)
         except ValueError as exc:
             raise CpmError("INVALID_ARGUMENT", "profile_values", str(exc)) from None
-        if endpoint and (len(endpoint) > 255 or not _ENDPOINT.match(endpoint)):
-            raise CpmError(
-                "INVALID_ARGUMENT", "endpoint", f"peer_endpoint {endpoint[:64]!r} is not host:port"
-            )
+        if endpoint:
+            check_endpoint(endpoint, endpoint_hosts)
         previous = self._profiles.get(agent)
         if previous is not None and round_ < previous.round:
             # The agent restarted with fresh state or an older checkpoint: tell it the last

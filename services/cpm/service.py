@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import re
 from collections.abc import AsyncIterator, Callable
@@ -37,7 +38,7 @@ from peerlm.services.cpm.metrics import CpmMetrics
 from peerlm.services.cpm.records import DirectiveRecord
 
 from peerlm.grpc_types import ServicerContext
-from peerlm.pki.identity import Role
+from peerlm.pki.identity import Role, certificate_hosts_pem
 from peerlm.pki.proof import FEED_NONCE_METADATA, ProofSigner, transfer_statement
 from peerlm.rpc import metadata_value
 from peerlm.security.authz import current_identity
@@ -253,12 +254,15 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         agent = current_identity().name
         try:
             out = await self._call(
-                self._core.submit_profile,
-                agent,
-                request.round,
-                list(request.features),
-                request.peer_endpoint,
-                self._hub.connected,
+                functools.partial(
+                    self._core.submit_profile,
+                    agent,
+                    request.round,
+                    list(request.features),
+                    request.peer_endpoint,
+                    self._hub.connected,
+                    endpoint_hosts=_certificate_hosts(context),
+                )
             )
         except CpmError as err:
             await self._refuse(context, "SubmitProfile", err)
@@ -515,6 +519,15 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                     self._log.info("directives_expired", count=len(expired))
             except Exception:
                 self._log.exception("matchmaking_loop_error")
+
+
+def _certificate_hosts(context: ServicerContext) -> frozenset[str] | None:
+    """The DNS/IP SANs of the caller's verified certificate; None without one (insecure-dev,
+    where the AuthInterceptor admitted a dev identity from metadata)."""
+    pems = list(context.auth_context().get("x509_pem_cert") or ())
+    if not pems:
+        return None
+    return certificate_hosts_pem(pems[0])
 
 
 def _caller_name() -> str:

@@ -20,6 +20,7 @@ from peerlm.config import GrpcLimits
 from peerlm.metrics import MetricsPortError, new_registry, serve_metrics
 from peerlm.pki.identity import Role
 from peerlm.rpc import (
+    MAX_STATUS_DETAILS,
     MetricsInterceptor,
     add_health_and_reflection,
     create_channel,
@@ -34,6 +35,7 @@ AGENT = "spiffe://acme/agent/a1"
 ECHO = "/t.T/Echo"
 UPLOAD = "/t.T/Upload"
 FEED = "/t.T/Feed"
+REFUSE = "/t.T/Refuse"
 
 
 @dataclass
@@ -79,9 +81,14 @@ async def _serve(with_auth: bool) -> tuple[grpc.aio.Server, Served]:
         seen.append(request.service)
         yield request.service.encode()
 
+    async def refuse(request: health_pb2.HealthCheckRequest, context: Any) -> bytes:
+        # Echoes the caller's text into the status, as a careless handler would.
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no service {request.service!r}")
+        raise AssertionError("unreachable")
+
     interceptors: list[Any] = [MetricsInterceptor(registry, "test")]
     if with_auth:
-        policy = {m: frozenset({Role.ADMIN}) for m in (ECHO, UPLOAD, FEED)}
+        policy = {m: frozenset({Role.ADMIN}) for m in (ECHO, UPLOAD, FEED, REFUSE)}
         interceptors.append(
             AuthInterceptor(
                 policy,
@@ -98,6 +105,7 @@ async def _serve(with_auth: bool) -> tuple[grpc.aio.Server, Served]:
             "Echo": grpc.unary_unary_rpc_method_handler(echo, request_deserializer=parser),
             "Upload": grpc.stream_unary_rpc_method_handler(upload, request_deserializer=parser),
             "Feed": grpc.unary_stream_rpc_method_handler(feed, request_deserializer=parser),
+            "Refuse": grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=parser),
         },
     )
     server.add_generic_rpc_handlers((handler,))
@@ -225,6 +233,23 @@ async def _call(
         return [r async for r in channel.unary_stream(method)(payload, metadata=md)]
     call: Callable[..., Any] = channel.unary_unary(method)
     return await call(payload, metadata=md)
+
+
+@pytest.mark.parametrize("text", ["x" * 200_000, "\u00e9\U0001f600" * 20_000])
+async def test_status_details_are_bounded_whatever_the_handler_echoes(
+    served: Served, text: str
+) -> None:
+    """A handler that echoes the caller's text into its status must not turn the refusal
+    into a transport error: gRPC's 8 KiB metadata limit would make the client see
+    RESOURCE_EXHAUSTED "received metadata size exceeds limit" instead of the real code.
+    Found by tests/security/test_rpc_fuzz.py (an overlay Deliver with a 256 KB recipient)."""
+    request = health_pb2.HealthCheckRequest(service=text).SerializeToString()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _call(served.channel, REFUSE, request, _as(ADMIN))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = err.value.details() or ""
+    assert details.startswith("no service 'xxx") or details.startswith("no service '\u00e9")
+    assert len(details) <= MAX_STATUS_DETAILS and details.endswith("[truncated]")
 
 
 async def test_a_second_server_on_a_bound_address_fails_naming_the_address() -> None:

@@ -153,6 +153,67 @@ def test_bad_profiles_refused(
     assert store.load_profiles() == [] and c.pending == 0
 
 
+@pytest.mark.parametrize(
+    "endpoint", ["h:0", "h:65536", "h:99999", "[::1]:70000", "h:", ":80", "h:1:2", "h :80"]
+)
+def test_endpoint_port_must_be_a_tcp_port(
+    core: tuple[CpmCore, Clock, MemoryCpmStore], endpoint: str
+) -> None:
+    """Issue 11: port 99999 was accepted."""
+    c, _, store = core
+    with pytest.raises(CpmError) as e:
+        c.submit_profile("a", 1, _profile(0), endpoint, connected=1)
+    assert e.value.code == "INVALID_ARGUMENT" and e.value.reason == "endpoint"
+    assert store.load_profiles() == [] and c.pending == 0
+
+
+SANS = frozenset({"127.0.0.1", "::1", "a1.example.org", "*.pool.example.org"})
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "",
+        "127.0.0.1:5000",
+        "A1.Example.org:5000",
+        "a1.example.org.:1",
+        "[::1]:8",
+        "x.pool.example.org:65535",
+    ],
+)
+def test_an_endpoint_named_by_the_callers_certificate_is_accepted(
+    core: tuple[CpmCore, Clock, MemoryCpmStore], endpoint: str
+) -> None:
+    c, _, _ = core
+    c.submit_profile("a", 1, _profile(0), endpoint, connected=1, endpoint_hosts=SANS)
+    assert c.pending == 1
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "a2.example.org:5000",
+        "10.0.0.7:5000",
+        "pool.example.org:1",
+        "y.x.pool.example.org:1",
+        "[::2]:1",
+    ],
+)
+def test_an_endpoint_not_in_the_callers_certificate_is_refused(
+    core: tuple[CpmCore, Clock, MemoryCpmStore], endpoint: str
+) -> None:
+    """Issue 11: another agent's address was accepted as this agent's peer endpoint."""
+    c, _, store = core
+    with pytest.raises(CpmError) as e:
+        c.submit_profile("a", 1, _profile(0), endpoint, connected=1, endpoint_hosts=SANS)
+    assert e.value.code == "PERMISSION_DENIED" and e.value.reason == "endpoint_not_certified"
+    assert endpoint.rsplit(":", 1)[0] in e.value.message
+    assert store.load_profiles() == [] and c.pending == 0
+    # Without a certificate (insecure-dev: endpoint_hosts=None) only the form is checked.
+    c.submit_profile("a", 1, _profile(0), endpoint, connected=1)
+    assert c.pending == 1
+
+
 def test_stale_round_refused_same_round_accepted(
     core: tuple[CpmCore, Clock, MemoryCpmStore],
 ) -> None:

@@ -37,7 +37,7 @@ async def _profiles(pki: Pki, target: str) -> None:
         channel, stub = pki.stub(target, name)
         await stub.SubmitProfile(
             cpm_pb2.SubmitProfileRequest(
-                round=3, features=[0.1] * 32, peer_endpoint=f"{name}.example:50061"
+                round=3, features=[0.1] * 32, peer_endpoint="localhost:50061"
             ),
             timeout=10,
         )
@@ -57,7 +57,7 @@ def test_status_json_shows_agents_and_summary(federation: tuple[Pki, CpmProcess]
     agents = {a["name"]: a for a in data["agents"]}
     assert set(agents) == {"a0", "a1"}
     assert agents["a0"]["last_round"] == 3
-    assert agents["a0"]["peer_endpoint"] == "a0.example:50061"
+    assert agents["a0"]["peer_endpoint"] == "localhost:50061"
     assert agents["a0"]["last_profile_at"] is not None
     assert 0 <= agents["a0"]["last_profile_age_s"] < 600
     for key in ("pairings_in_flight", "rewards_observed", "reward_mean", "reward_std"):

@@ -1,0 +1,112 @@
+"""A stand-alone ``PeerExchange`` server process for the RPC fuzz tests.
+
+It serves the product's :class:`~peerlm.agent.peer_service.PeerExchangeService` through
+:func:`~peerlm.agent.peer_service.serve_peer` (the agent's own server assembly: metrics,
+authorisation, limits) over mTLS on loopback, with a real :class:`DirectiveBook` holding
+one directive (``teacher`` -> ``student``) and a fixed adapter of round 3. What it does not
+have is a model: the package and the adapter are fixed bytes, so a fuzz run never waits for
+a model and the adapter version (the state a refused request must leave alone) only changes
+when something in the server is wrong.
+
+Run: ``python -m tests.security.peer_server_process --pki DIR --name teacher --port-file F
+--metrics-port-file M``; it writes the bound ports and serves until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import structlog
+from google.protobuf.timestamp_pb2 import Timestamp
+from peerlm.agent.directives import DirectiveBook
+from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+
+from peerlm.config import GrpcLimits
+from peerlm.metrics import new_registry, serve_metrics
+from peerlm.node import NodeContext
+from peerlm.pki.identity import Role
+from peerlm.pki.proof import ProofSigner
+from peerlm.security.credentials import TlsFiles
+from peerlm.wire.v1 import cpm_pb2
+
+#: The directive the server teaches under, and what it sends for it / as its adapter.
+DIRECTIVE_ID = "d" * 32
+PACKAGE = b"package-bytes " * 512
+ADAPTER_ROUND = 3
+ADAPTER = b"adapter-bytes " * 512
+CHUNK_BYTES = 1024
+
+
+async def _main(args: argparse.Namespace) -> None:
+    registry = new_registry()
+    tls = TlsFiles.from_directory(Path(args.pki), args.name)
+    ctx = NodeContext.create(
+        component="agent",
+        role=Role.AGENT,
+        federation="unused-with-a-certificate",
+        tls=tls,
+        insecure_dev=False,
+        limits=GrpcLimits(),
+        log=structlog.get_logger("peer"),
+        registry=registry,
+        listen="127.0.0.1:0",
+    )
+    book = DirectiveBook(time.time, self_name=args.name)
+    expires = Timestamp()
+    expires.FromSeconds(int(time.time()) + 86_400)
+    book.add(
+        cpm_pb2.Directive(
+            directive_id=DIRECTIVE_ID,
+            matchmaking_round=1,
+            protocol="akd",
+            role=cpm_pb2.EXCHANGE_ROLE_TEACHER,
+            teacher=args.name,
+            student=args.student,
+            expires_at=expires,
+        )
+    )
+
+    async def package_for(directive: cpm_pb2.Directive, tokenizer: str | None) -> bytes:
+        return PACKAGE
+
+    async def adapter_for(round_: int) -> tuple[int, bytes] | None:
+        return (ADAPTER_ROUND, ADAPTER)
+
+    bundle = tls.load()
+    service = PeerExchangeService(
+        book,
+        package_for,
+        adapter_for,
+        chunk_bytes=CHUNK_BYTES,
+        max_package_bytes=1 << 20,
+        max_adapter_bytes=1 << 20,
+        registry=registry,
+        signer=ProofSigner.from_pem(bundle.cert, bundle.key),
+    )
+    server = await serve_peer(ctx, service, listen="127.0.0.1:0")
+    metrics = serve_metrics(registry, "127.0.0.1", 0)
+    Path(args.metrics_port_file).write_text(str(metrics.port))
+    Path(args.port_file).write_text(str(server.port))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(1)
+
+
+def main() -> None:
+    """Parse the command line and serve until SIGTERM."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--pki", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--student", required=True)
+    parser.add_argument("--port-file", required=True)
+    parser.add_argument("--metrics-port-file", required=True)
+    asyncio.run(_main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
