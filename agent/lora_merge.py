@@ -74,6 +74,7 @@ __all__ = [
     "aggregate_svd",
     "delta_weights",
     "normalise_weights",
+    "svd_of_product",
 ]
 
 #: Which aggregation produced a :class:`MergedAdapter`.
@@ -307,6 +308,36 @@ def delta_weights(
     return {m: (alpha / r) * (_f64(mods[m][1]) @ _f64(mods[m][0])) for m in order}
 
 
+def _stacked(
+    per_client: Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor]]],
+    clients: Sequence[ClientAdapter],
+    lam: Sequence[float],
+    module: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B_cat, A_cat)`` with ``B_cat A_cat = Σ λ_i s_i B_i A_i``: the clients' factors side
+    by side (``m x R`` and ``R x n``, ``R = Σ r_i``), each B scaled by ``λ_i s_i``."""
+    bs = [
+        (w * c.scaling) * _f64(mods[module][1])
+        for mods, c, w in zip(per_client, clients, lam, strict=True)
+    ]
+    as_ = [_f64(mods[module][0]) for mods in per_client]
+    return torch.cat(bs, dim=1), torch.cat(as_, dim=0)
+
+
+def svd_of_product(
+    b: torch.Tensor, a: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The thin SVD ``U diag(S) Vh`` of ``b @ a`` (``m x R`` times ``R x n``) without forming
+    the ``m x n`` product: ``b = Q_b R_b``, ``aᵀ = Q_a R_a``, so ``b a = Q_b (R_b R_aᵀ) Q_aᵀ``
+    and only the small core ``R_b R_aᵀ`` is decomposed. ``O((m + n) R²)`` instead of the
+    ``O(m n min(m, n))`` of a dense SVD; the same singular values and subspaces up to
+    rounding (and the sign of each singular pair). At most ``min(m, n, R)`` values."""
+    qb, rb = torch.linalg.qr(b, mode="reduced")
+    qa, ra = torch.linalg.qr(a.T, mode="reduced")
+    u, s, vh = torch.linalg.svd(rb @ ra.T, full_matrices=False)
+    return qb @ u, s, vh @ qa.T
+
+
 def aggregate_svd(
     clients: Sequence[ClientAdapter],
     *,
@@ -321,7 +352,8 @@ def aggregate_svd(
     ``B̃ = U_r Σ_r · r / alpha``, ``Ã = V_rᵀ`` (``alpha`` defaults to ``r``: scaling 1, the
     paper's split exactly). Clients may have different ranks; by Eckart–Young the stored
     update is the best rank-``r`` approximation of ``ΔW_avg`` in Frobenius norm, exact when
-    ``r`` is at least the rank of ``ΔW_avg``.
+    ``r`` is at least the rank of ``ΔW_avg``. The SVD is taken of the factored sum
+    (:func:`svd_of_product`), never of a dense ``m x n`` matrix.
     """
     out_alpha = _check_output(r, alpha)
     per_client, order = _checked(clients)
@@ -330,12 +362,11 @@ def aggregate_svd(
     state: dict[str, torch.Tensor] = {}
     error: dict[str, float] = {}
     for module in order:
-        delta = _delta_avg(per_client, clients, lam, module)
-        m, n = delta.shape
-        u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+        b_cat, a_cat = _stacked(per_client, clients, lam, module)
+        u, s, vh = svd_of_product(b_cat, a_cat)
         k = min(r, s.shape[0])
-        b = torch.zeros((m, r), dtype=torch.float64)
-        a = torch.zeros((r, n), dtype=torch.float64)
+        b = torch.zeros((b_cat.shape[0], r), dtype=torch.float64)
+        a = torch.zeros((r, a_cat.shape[1]), dtype=torch.float64)
         b[:, :k] = u[:, :k] * (s[:k] / scale_out)
         a[:k, :] = vh[:k, :]
         error[module] = float(torch.linalg.vector_norm(s[k:]))
