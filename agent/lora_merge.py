@@ -36,9 +36,8 @@ Choices the paper leaves open (also in ``docs/onepeft.md``):
   LoRA settings passes its own ``alpha`` and ``r`` and loads the result unchanged.
 * **Rank above the matrix's.** A target rank above ``min(m, n)`` pads the factors with
   zeros (the reconstruction is exact; peft's merge fails on such a rank).
-* **Precision.** Products, sums and the SVD run in float64 on the CPU (``torch.linalg.svd``
-  with the reduced matrices); the output tensors are cast to ``dtype`` (float32 by
-  default, the codec also accepts float16 and bfloat16).
+* **Precision.** Products, sums, QR and SVD run in float64 on the CPU; the output tensors
+  are cast to ``dtype`` (float32 by default, the codec also accepts float16 and bfloat16).
 
 Every refusal is an :class:`~peerlm.agent.adapter_codec.AdapterError` (a ``ValueError``)
 whose message names the client and module and whose ``reason`` is a metric label:
@@ -49,10 +48,12 @@ A/B), ``shape``, ``non_finite``, ``frozen_a`` (FFA-LoRA inputs whose A differ).
 Where this was written by hand and why: peft's merge
 (``PeftModel.add_weighted_adapter(..., combination_type="svd")``) computes the same
 ``ΔW_avg`` and the same split when it is given normalised weights and no clamp (measured
-in ``docs/onepeft.md``), but it works on a live ``PeftModel`` holding every client's
-adapter on the base model, takes the weights as given (no normalisation or checks), runs
-in the adapters' dtype (bfloat16 on CUDA, which ``torch.linalg.svd`` refuses) and fails on
-a rank above ``min(m, n)``. The aggregate here needs only the tensors.
+in ``docs/onepeft.md``: equal to 1.7e-6), but it works on a live ``PeftModel`` holding every
+client's adapter on the base model, takes the weights as given (no normalisation or
+checks), runs in the adapters' dtype (``torch.linalg.svd`` accepts neither bfloat16, the
+agents' CUDA dtype, nor float16), decomposes the dense ``m x n`` sum (two orders of magnitude
+slower than :func:`svd_of_product` at 1024 x 1024) and fails on a rank above ``min(m, n)``.
+The aggregate here needs only the tensors.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 ``peerlm bench cpm`` runs the CPM matchmaking benchmark on the synthetic federation
 (:mod:`peerlm.bench.cpm`); ``peerlm bench overlay`` the semantic overlay in the
 simulator (:mod:`peerlm.bench.overlay`); ``peerlm bench transfer`` adapter pulls beside a raw
-TLS socket and plain gRPC streaming (:mod:`peerlm.bench.transfer`). All: progress on
+TLS socket and plain gRPC streaming (:mod:`peerlm.bench.transfer`); ``peerlm bench lora-merge``
+OnePeFT's SVD aggregation beside peft's merge (:mod:`peerlm.bench.lora_merge`). All: progress on
 stderr, rich tables (or one JSON object with ``--json``) on stdout, optional PNG plots with
 ``--plots DIR`` (cpm, overlay).
 """
