@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from peerlm.agent.lora_merge import ClientAdapter, aggregate_svd, delta_weights, normalise_weights
+from peerlm.agent import ClientAdapter, aggregate_svd, delta_weights, normalise_weights
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from rich.console import Console
