@@ -35,7 +35,7 @@ Choices the paper leaves open (also in ``docs/onepeft.md``):
   ``(alpha / r) · B̃ Ã`` is the truncated ``ΔW_avg`` either way. A host with fixed
   LoRA settings passes its own ``alpha`` and ``r`` and loads the result unchanged.
 * **Rank above the matrix's.** A target rank above ``min(m, n)`` pads the factors with
-  zeros (the reconstruction is exact; peft's merge fails on such a rank).
+  zeros (the reconstruction is exact; peft's merge returns mis-shaped factors there).
 * **Precision.** Products, sums, QR and SVD run in float64 on the CPU; the output tensors
   are cast to ``dtype`` (float32 by default, the codec also accepts float16 and bfloat16).
 
@@ -52,7 +52,7 @@ in ``docs/onepeft.md``: equal to 1.7e-6), but it works on a live ``PeftModel`` h
 client's adapter on the base model, takes the weights as given (no normalisation or
 checks), runs in the adapters' dtype (``torch.linalg.svd`` accepts neither bfloat16, the
 agents' CUDA dtype, nor float16), decomposes the dense ``m x n`` sum (two orders of magnitude
-slower than :func:`svd_of_product` at 1024 x 1024) and fails on a rank above ``min(m, n)``.
+slower than :func:`svd_of_product` at 1024 x 1024) and mis-shapes a rank above ``min(m, n)``.
 The aggregate here needs only the tensors.
 """
 

@@ -30,7 +30,13 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["MergeBenchConfig", "peft_svd_merge", "render_report", "run_benchmark"]
+__all__ = [
+    "MergeBenchConfig",
+    "peft_quirks",
+    "peft_svd_merge",
+    "render_report",
+    "run_benchmark",
+]
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,38 @@ def peft_svd_merge(
     return out
 
 
+def peft_quirks(seed: int = 0) -> dict[str, Any]:
+    """Where peft's SVD merge is not Eq. 3 as used here, measured on a 5 x 6 module with two
+    clients (ranks 2 and 3, data sizes 1 and 3, target rank 4):
+
+    * ``raw_weight_ratio``: peft's update with the raw data sizes as weights over ours (peft
+      does not normalise: 4.0 means the update is scaled by Σ |D_j|);
+    * ``one_adapter_shapes``: one adapter with ``svd_rank=2`` (peft falls back to ``linear``
+      and keeps the client's rank 3);
+    * ``rank_above_min_shapes``: ``svd_rank=6 > min(5, 6)`` (the adapter is configured for
+      rank 6; are A and B of rank 6?).
+    """
+    cfg = MergeBenchConfig(
+        modules=1, dim_in=6, dim_out=5, ranks=(2, 3), alphas=(4.0, 3.0), examples=(1, 3),
+        target_rank=4, seed=seed,
+    )  # fmt: skip
+    model, clients = _client_model(cfg)
+    ours = delta_weights(aggregate_svd(clients, r=4).state, r=4, alpha=4.0)
+    raw = delta_weights(peft_svd_merge(model, ["c0", "c1"], [1.0, 3.0], 4, "raw"), r=4, alpha=4.0)
+    ratios = torch.cat([(raw[m] / ours[m]).flatten() for m in ours])
+    one = peft_svd_merge(model, ["c1"], [1.0], 2, "one")
+    big = peft_svd_merge(model, ["c0", "c1"], [0.25, 0.75], 6, "big")
+
+    def shapes(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+        return {k.rsplit(".", 2)[-2]: list(v.shape) for k, v in state.items()}
+
+    return {
+        "raw_weight_ratio": [float(ratios.min()), float(ratios.max())],
+        "one_adapter_shapes": shapes(one),
+        "rank_above_min_shapes": shapes(big),
+    }
+
+
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -165,6 +203,7 @@ def _run(cfg: MergeBenchConfig, progress: Callable[[str, int, int], None] | None
         "peft_median_s": peft_s,
         "torch_threads": cfg.threads,
         "modules": modules,
+        "peft_quirks": peft_quirks(cfg.seed),
     }
 
 
@@ -198,4 +237,11 @@ def render_report(report: dict[str, Any], console: Console) -> None:
         f"median time: ours {report['ours_median_s'] * 1e3:.1f} ms, "
         f"peft {report['peft_median_s'] * 1e3:.1f} ms "
         f"({cfg['repeats']} repeats, {report['torch_threads']} torch threads)"
+    )
+    quirks = report["peft_quirks"]
+    console.print(
+        "peft, 5x6 module, ranks 2 and 3: raw data sizes (1, 3) as weights give "
+        f"{quirks['raw_weight_ratio'][0]:.3g}-{quirks['raw_weight_ratio'][1]:.3g} x our update; "
+        f"one adapter at svd_rank=2 gives {quirks['one_adapter_shapes']}; "
+        f"svd_rank=6 gives {quirks['rank_above_min_shapes']}"
     )

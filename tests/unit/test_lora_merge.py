@@ -464,3 +464,10 @@ def test_bench_reports_agreement_with_peft() -> None:
         # exact up to the float32 output: the target rank covers Σ r_i
         assert row["ours_error_fro"] < 1e-5 * row["max_abs_delta"]
     assert report["ours_median_s"] > 0 and report["peft_median_s"] > 0
+    # What docs/onepeft.md says of peft's merge (this peft version): no normalisation of the
+    # weights, one adapter keeps its rank, a rank above min(m, n) gives B and A that do not
+    # match the configured rank.
+    quirks = report["peft_quirks"]
+    assert quirks["raw_weight_ratio"] == pytest.approx([4.0, 4.0], rel=1e-4)
+    assert quirks["one_adapter_shapes"] == {"lora_A": [3, 6], "lora_B": [5, 3]}
+    assert quirks["rank_above_min_shapes"] == {"lora_A": [6, 6], "lora_B": [5, 5]}
