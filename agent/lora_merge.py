@@ -67,6 +67,7 @@ import torch
 from peerlm.agent.adapter_codec import AdapterError
 
 __all__ = [
+    "DEFAULT_FFA_ATOL",
     "ClientAdapter",
     "MergeMethod",
     "MergedAdapter",

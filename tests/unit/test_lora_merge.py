@@ -197,6 +197,23 @@ def test_rank_above_the_matrix_pads_with_zeros() -> None:
     assert close(merged_delta(merged)["m.x"], own["m.x"])
 
 
+def test_bfloat16_clients_are_merged_in_float64() -> None:
+    """Adapters trained on CUDA are bfloat16; their values are merged exactly as float64."""
+    wide = [client(1, 2), client(2, 3)]
+    narrow = [
+        ClientAdapter({k: v.to(torch.bfloat16) for k, v in c.state.items()}, c.r, c.alpha, 1)
+        for c in wide
+    ]
+    as_f64 = [
+        ClientAdapter({k: v.to(torch.float64) for k, v in c.state.items()}, c.r, c.alpha, 1)
+        for c in narrow
+    ]
+    got = aggregate_svd(narrow, r=5, dtype=torch.float64)
+    want = ideal(as_f64, got.weights)
+    for m, dw in merged_delta(got).items():
+        assert close(dw, want[m])
+
+
 def test_output_dtype_is_float32_by_default() -> None:
     merged = aggregate_svd([client(1, 2), client(2, 3)], r=4)
     assert {t.dtype for t in merged.state.values()} == {torch.float32}
