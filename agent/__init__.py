@@ -1,5 +1,5 @@
 """The agent: a daemon hosting one LoRA-tuned model that learns with its peers (KNEXA-FL
-student/teacher exchanges, SemanticDFL pulls).
+student/teacher exchanges, SemanticDFL pulls, OnePeFT aggregation of LoRA adapters).
 
 What other packages (the application layer, benchmarks, other subsystems) may use is
 exported here; the modules behind it are the agent's own and may change.
@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from peerlm.agent.directives import DirectiveBook
     from peerlm.agent.evaluation import evaluate, structural_match_rate
     from peerlm.agent.guardrail import Guardrail, agent_guardrail
+    from peerlm.agent.lora_merge import (
+        ClientAdapter,
+        MergedAdapter,
+        aggregate_fedavg_factors,
+        aggregate_ffa,
+        aggregate_svd,
+        delta_weights,
+        normalise_weights,
+    )
     from peerlm.agent.main import run_agent
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.models.lora import LoraSettings
@@ -131,6 +140,13 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "teacher_completions": ("peerlm.agent.rounds", "teacher_completions"),
     "transfer_set_sha256": ("peerlm.agent.tasks.dataset", "transfer_set_sha256"),
     "write_jsonl": ("peerlm.agent.tasks.dataset", "write_jsonl"),
+    "ClientAdapter": ("peerlm.agent.lora_merge", "ClientAdapter"),
+    "MergedAdapter": ("peerlm.agent.lora_merge", "MergedAdapter"),
+    "aggregate_fedavg_factors": ("peerlm.agent.lora_merge", "aggregate_fedavg_factors"),
+    "aggregate_ffa": ("peerlm.agent.lora_merge", "aggregate_ffa"),
+    "aggregate_svd": ("peerlm.agent.lora_merge", "aggregate_svd"),
+    "delta_weights": ("peerlm.agent.lora_merge", "delta_weights"),
+    "normalise_weights": ("peerlm.agent.lora_merge", "normalise_weights"),
 }
 
 __all__ = [
@@ -144,12 +160,14 @@ __all__ = [
     "AgentSettings",
     "AgentSummary",
     "BuildEvent",
+    "ClientAdapter",
     "CpmClient",
     "DirectiveBook",
     "Guardrail",
     "Integration",
     "LoraSettings",
     "Manifest",
+    "MergedAdapter",
     "ModelHost",
     "ModelInfo",
     "PeerExchangeError",
@@ -161,6 +179,9 @@ __all__ = [
     "World",
     "WorldSpec",
     "agent_guardrail",
+    "aggregate_fedavg_factors",
+    "aggregate_ffa",
+    "aggregate_svd",
     "build_federation_data",
     "build_models",
     "build_package",
@@ -169,6 +190,7 @@ __all__ = [
     "category_histogram",
     "code_tokens",
     "decode_package",
+    "delta_weights",
     "encode_adapter",
     "evaluate",
     "evaluate_pass",
@@ -178,6 +200,7 @@ __all__ = [
     "integrate_package",
     "local_update",
     "next_directive",
+    "normalise_weights",
     "public_problems",
     "pull_adapter",
     "pull_adapter_with_round",

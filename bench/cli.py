@@ -3,7 +3,8 @@
 ``peerlm bench cpm`` runs the CPM matchmaking benchmark on the synthetic federation
 (:mod:`peerlm.bench.cpm`); ``peerlm bench overlay`` the semantic overlay in the
 simulator (:mod:`peerlm.bench.overlay`); ``peerlm bench transfer`` adapter pulls beside a raw
-TLS socket and plain gRPC streaming (:mod:`peerlm.bench.transfer`). All: progress on
+TLS socket and plain gRPC streaming (:mod:`peerlm.bench.transfer`); ``peerlm bench lora-merge``
+OnePeFT's SVD aggregation beside peft's merge (:mod:`peerlm.bench.lora_merge`). All: progress on
 stderr, rich tables (or one JSON object with ``--json``) on stdout, optional PNG plots with
 ``--plots DIR`` (cpm, overlay).
 """
@@ -267,5 +268,37 @@ def transfer_command(
     cfg = TransferConfig(sizes_mib=mib, repeats=repeats)
     _run_and_report(
         "bench transfer", lambda progress: run_benchmark(cfg, progress), lambda r, p: [],
+        render_report, None, as_json, {},
+    )  # fmt: skip
+
+
+@app.command("lora-merge")
+def lora_merge_command(
+    modules: Annotated[int, typer.Option(min=1, help="Adapted layers.")] = 8,
+    dim: Annotated[int, typer.Option(min=2, help="Each layer is dim x dim.")] = 1024,
+    ranks: Annotated[str, typer.Option(help="Client LoRA ranks, comma-separated.")] = "8,8,16,4",
+    target_rank: Annotated[int, typer.Option(min=1, help="Rank of the aggregate.")] = 16,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed merges per method.")] = 3,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads for both.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """OnePeFT's SVD aggregation beside peft's add_weighted_adapter(svd): ΔW and time."""
+    from peerlm.bench.lora_merge import MergeBenchConfig, render_report, run_benchmark
+
+    try:
+        rs = tuple(int(part) for part in ranks.split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {ranks!r}") from None
+    if not rs or any(r < 1 for r in rs):
+        raise typer.BadParameter("every rank must be a positive integer", param_hint="--ranks")
+    # alpha = 2 r per client (the agent's default ratio); data sizes 100, 200, ... so the
+    # weights are unequal.
+    cfg = MergeBenchConfig(
+        modules=modules, dim_in=dim, dim_out=dim, ranks=rs,
+        alphas=tuple(2.0 * r for r in rs), examples=tuple(100 * (i + 1) for i in range(len(rs))),
+        target_rank=target_rank, repeats=repeats, threads=threads,
+    )  # fmt: skip
+    _run_and_report(
+        "bench lora-merge", lambda progress: run_benchmark(cfg, progress), lambda r, p: [],
         render_report, None, as_json, {},
     )  # fmt: skip
