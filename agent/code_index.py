@@ -33,7 +33,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MIN_TOKENS", "CodeIndex", "CodeToken", "PromptVocabulary", "code_tokens"]
+__all__ = [
+    "MIN_TOKENS",
+    "CodeIndex",
+    "CodeToken",
+    "PromptVocabulary",
+    "code_tokens",
+    "window_counts",
+]
 
 #: Texts (or windows) shorter than this many code tokens are never judged.
 MIN_TOKENS: Final = 4
@@ -109,13 +116,17 @@ def _windows(hashes: _U64, n: int) -> _U64:
     return out
 
 
+def window_counts(flags: npt.NDArray[np.bool_], n: int) -> npt.NDArray[np.int64]:
+    """For each window of ``n`` consecutive flags: how many are set (none if fewer flags)."""
+    cumulative = np.concatenate(([0], np.cumsum(flags.astype(np.int64))))
+    count = max(0, len(flags) - n + 1)
+    result: npt.NDArray[np.int64] = cumulative[n : n + count] - cumulative[:count]
+    return result
+
+
 def _with_literal(literal: npt.NDArray[np.bool_], n: int) -> npt.NDArray[np.bool_]:
     """For each window of ``n`` tokens: does it hold a literal?"""
-    cumulative = np.concatenate(([0], np.cumsum(literal.astype(np.int64))))
-    count = len(literal) - n + 1
-    if count <= 0:
-        return np.zeros(0, dtype=bool)
-    result: npt.NDArray[np.bool_] = (cumulative[n:] - cumulative[:count]) > 0
+    result: npt.NDArray[np.bool_] = window_counts(literal, n) > 0
     return result
 
 

@@ -51,7 +51,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 import structlog
-from peerlm.agent.code_index import CodeIndex, PromptVocabulary
+from peerlm.agent.code_index import CodeIndex, PromptVocabulary, window_counts
 from peerlm.agent.disguise import PII_PATTERNS, encoded_spans, strip_invisible
 from peerlm.agent.incoming import risky_imports
 from prometheus_client import CollectorRegistry, Counter
@@ -296,12 +296,6 @@ _U64 = npt.NDArray[np.uint64]
 # hashes are independent BLAKE2b values, so collisions stay at ~2^-64 per pair.
 _WINDOW_MULTIPLIER: Final = np.uint64(0x100000001B3)
 _TOKEN: Final = re.compile(r"\S+")
-
-
-def _window_counts(flags: npt.NDArray[np.bool_], n: int) -> npt.NDArray[np.int64]:
-    """For each window of ``n`` consecutive flags: how many are set."""
-    cumulative = np.concatenate(([0], np.cumsum(flags.astype(np.int64))))
-    return cumulative[n:] - cumulative[: max(0, len(flags) - n + 1)]
 
 
 def _token_hash(token: str) -> int:
@@ -558,9 +552,9 @@ class Guardrail:
             # Answering a public prompt, a window leaks only with a literal the prompt lacks
             # or a run of prose the prompt lacks (PromptVocabulary).
             words = [m.group() for m in matches]
-            has_literal = _window_counts(context.fresh_literals(words), self._n) > 0
+            has_literal = window_counts(context.fresh_literals(words), self._n) > 0
             # Prose: at least half the window's words are plain words the prompt lacks.
-            prose = _window_counts(context.fresh_words(words), self._n) * 2 >= self._n
+            prose = window_counts(context.fresh_words(words), self._n) * 2 >= self._n
             usable = usable & (has_literal | prose)
         positions = np.searchsorted(self._index, windows)
         found = self._index[np.minimum(positions, len(self._index) - 1)] == windows
