@@ -419,10 +419,11 @@ def integrate_package(
     (:meth:`ModelHost.train_akd_logits`), which raises
     :class:`~peerlm.agent.modelhost.TokenizerMismatchError` for another tokenizer.
 
-    With ``guardrail``, incoming text items are vetted first
+    With ``guardrail``, incoming items are vetted first
     (:meth:`~peerlm.agent.guardrail.Guardrail.vet_incoming`): one holding a secret or
     personal data, or code importing networking, process, file-system or introspection
-    modules, is not learnt from (and counted).
+    modules, is not learnt from (and counted). A logits item is vetted through the text its
+    completion tokens (column 0) decode to.
     """
     from peerlm.agent.acceptance import AcceptanceGate, judge
     from peerlm.agent.guardrail import placeholder
@@ -455,6 +456,21 @@ def integrate_package(
         mode = "logits"
         temperature = config.kd_temperature(t)
         entries = logit_entries(host, package, transfer_prompts)
+        if guardrail is not None and entries:
+            # Token ids are numbers the filter cannot read: vet each item through the text
+            # its column 0 spells in our tokenizer (it is the teacher's, or the package was
+            # refused above), as the teacher's own guardrail did before sending.
+            texts = [
+                str(
+                    host.tokenizer.decode(
+                        [int(i) for i in e["input_ids"][e["prompt_length"] :]],
+                        skip_special_tokens=True,
+                    )
+                )
+                for e in entries
+            ]
+            verdicts = guardrail.vet_incoming(texts)
+            entries = [e for e, verdict in zip(entries, verdicts, strict=True) if not verdict]
         if not entries:
             stats = host.train_local(local_examples, settings, steps=config.local_steps)
         else:

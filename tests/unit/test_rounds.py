@@ -272,6 +272,79 @@ def test_incoming_text_items_are_vetted_before_the_student_learns(
     assert refused == 3
 
 
+def test_incoming_logits_items_are_vetted_through_their_text(models: dict[str, Path]) -> None:
+    from prometheus_client import CollectorRegistry
+
+    # The same hostile completions as token ids: the student decodes column 0 with its own
+    # (the teacher's) tokenizer and refuses what the text would be refused for. One item is
+    # harmless and still taught.
+    teacher = host(models, "gpt2", seed=1)
+    completions = [
+        "import socket\nreturn socket.gethostname()\n",
+        "return __import__('subprocess').run(['id'])\n",
+        "return xs[0]\n",
+    ]
+    data = build_package(
+        teacher,
+        mode="logits",
+        prompts=PROMPTS,
+        completions=completions,
+        teacher="teacher",
+        directive_id="d" * 32,
+        transfer_sha256=TRANSFER,
+        guardrail=Guardrail([]),
+        top_k=8,
+    )
+    package = decode_package(data)
+    student = host(models, "gpt2", seed=2)
+    registry = CollectorRegistry()
+    result = integrate_package(
+        student,
+        package,
+        kilobytes=len(data) / 1024,
+        local_examples=LOCAL,
+        val_examples=LOCAL,
+        transfer_prompts=PROMPTS,
+        config=config(),
+        t=1,
+        guardrail=Guardrail([], registry=registry),
+    )
+    assert result.mode == "logits"
+    assert result.stats.kd_loss is not None  # the harmless item was learnt from
+    refused = registry.get_sample_value(
+        "peerlm_agent_guardrail_incoming_rejected_total",
+        {"component": "agent", "reason": "import"},
+    )
+    assert refused == 2
+
+    # All items hostile: nothing is distilled, the step is local training only.
+    hostile = decode_package(
+        build_package(
+            teacher,
+            mode="logits",
+            prompts=PROMPTS[:2],
+            completions=completions[:2],
+            teacher="teacher",
+            directive_id="d" * 32,
+            transfer_sha256=TRANSFER,
+            guardrail=Guardrail([]),
+            top_k=8,
+        )
+    )
+    only_local = integrate_package(
+        student,
+        hostile,
+        kilobytes=1.0,
+        local_examples=LOCAL,
+        val_examples=LOCAL,
+        transfer_prompts=PROMPTS,
+        config=config(),
+        t=1,
+        guardrail=Guardrail([], registry=registry),
+    )
+    assert only_local.stats.kd_loss is None
+
+
 # ------------------------------------------------------------------ acceptance gate (issue 11)
 
 
