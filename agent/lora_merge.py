@@ -74,6 +74,7 @@ __all__ = [
     "aggregate_fedavg_factors",
     "aggregate_ffa",
     "aggregate_svd",
+    "check_clients",
     "delta_weights",
     "normalise_weights",
     "svd_of_product",
@@ -251,6 +252,19 @@ def _checked(
                     reason="shape",
                 )
     return per_client, order
+
+
+def check_clients(
+    clients: Sequence[ClientAdapter], weights: Sequence[float] | None = None
+) -> tuple[float, ...]:
+    """Check ``clients`` as every aggregation does and return their normalised weights.
+
+    Same module set and (out, in) shapes for all, A and B of each client's rank, finite
+    floating-point values; weights as in :func:`aggregate_svd`. Raises
+    :class:`AdapterError` naming the client and module.
+    """
+    _checked(clients)
+    return _weights_of(clients, weights)
 
 
 def _check_output(r: int, alpha: float | None) -> float:

@@ -49,6 +49,7 @@ from peerlm.agent.adapter_codec import (
     decode_adapter,
     encode_adapter,
 )
+from peerlm.agent.lora_merge import ClientAdapter
 from peerlm.agent.models.lora import LoraSettings, apply_lora, trainable_share
 from peerlm.agent.training import (
     IGNORE_INDEX,
@@ -419,6 +420,45 @@ class ModelHost:
         )
         stats = self._train([local_src, kd_src], settings, steps)
         stats.local_loss, stats.kd_loss, stats.alpha_kd = local_src.mean(), kd_src.mean(), alpha
+        return stats
+
+    def train_hka(
+        self,
+        public_examples: Sequence[tuple[str, str]],
+        clients: Sequence[ClientAdapter],
+        settings: TrainSettings,
+        *,
+        alpha: float = 0.5,
+        weights: Sequence[float] | None = None,
+        steps: int | None = None,
+    ) -> TrainStats:
+        """OnePeFT's Heterogeneous Knowledge Alignment (Eq. 4-6) of this host's adapter.
+
+        Minimises ``alpha * CE + (1 - alpha) * KL(sum_i lambda_i p_i || q)`` on the
+        completions of ``public_examples`` (D_pub), the teachers ``p_i`` being this base
+        model with client i's adapter (:mod:`peerlm.agent.hka`: one base, the adapters
+        switched per forward; ranks may differ from this host's). ``weights`` are the
+        lambda_i, by default the clients' data shares. ``stats.local_loss`` is the CE mean
+        and ``stats.kd_loss`` the KL mean; ``stats.alpha_kd`` is ``1 - alpha`` (the KD
+        share). A client that does not fit raises :class:`AdapterError` before anything
+        changes.
+        """
+        from peerlm.agent.hka import mixture_kl_sum, teacher_adapters
+
+        a = self._check_alpha(alpha)
+        items = self._encode_all(list(public_examples), settings.max_length)
+        if not items:
+            raise ValueError("train_hka: no public example has a token to train on")
+        with teacher_adapters(self.model, clients, weights) as teachers:
+            ce_src = self._text_source("ce", a, items)
+            kl_src = Source(
+                "kl",
+                1.0 - a,
+                items,
+                lambda batch: mixture_kl_sum(self.model, batch, self._pad_id, teachers),
+            )
+            stats = self._train([ce_src, kl_src], settings, steps)
+        stats.local_loss, stats.kd_loss, stats.alpha_kd = ce_src.mean(), kl_src.mean(), 1.0 - a
         return stats
 
     def _logit_target(self, entry: Mapping[str, Any], limit: int) -> LogitTarget:
