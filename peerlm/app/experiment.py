@@ -27,6 +27,26 @@ semantic_dfl   SemanticDFL pull-and-aggregate: after its local phase each client
                its family trains locally (LocalOnly).
 =============  ==========================================================================
 
+Adapter-merge strategies (issue 9; not in the default list, name them with
+``--strategies``; adapters merge only within one model family, so run them with
+``--family``, every client on one backbone, as in the papers):
+
+==============  =========================================================================
+fedavg_lora     FedAvg-LoRA (FedIT): every round each client pulls its family's adapters
+                and loads the data-weighted average of the A and B factors.
+onepeft         OnePeFT one-shot: local rounds only, then in the last round each client
+                pulls its family's adapters once, aggregates them by SVD (Eq. 3) to its
+                rank and refines by HKA (Eq. 4-6) on the public pairs
+                (:func:`peerlm.agent.onepeft.one_shot`, ``local_steps`` HKA steps).
+onepeft_svd     the same, SVD without HKA (Table 5).
+onepeft_hka     the same, HKA from the FedAvg of factors (Table 5).
+onepeft_fedavg  the same, FedAvg of factors once, no HKA (Table 5's "neither").
+==============  =========================================================================
+
+D_pub of HKA is the transfer problems of the *public* categories with their references
+(public in this world, like Alpaca for the paper); the private categories' references are
+never used.
+
 Round t (Algorithm 3): every client trains locally, measures validation loss and pass@1
 and forms its profile p_i (as the daemon does); the strategy pairs clients; each student
 integrates its teacher's package and its reward goes back to the strategy; then every
@@ -113,7 +133,22 @@ LABELS: Mapping[str, str] = {
     "cpm": "KNEXA-FL (CPM)",
     "oracle": "Oracle pairing",
     "semantic_dfl": "SemanticDFL",
+    "fedavg_lora": "FedAvg-LoRA",
+    "onepeft": "OnePeFT (SVD+HKA)",
+    "onepeft_svd": "OnePeFT SVD only",
+    "onepeft_hka": "OnePeFT HKA only",
+    "onepeft_fedavg": "One-shot FedAvg of factors",
 }
+#: Adapter-merge strategies of issue 9 (OnePeFT, FedAvg-LoRA): known, not run by default.
+MERGE_STRATEGIES: tuple[str, ...] = (
+    "fedavg_lora",
+    "onepeft",
+    "onepeft_svd",
+    "onepeft_hka",
+    "onepeft_fedavg",
+)
+#: Every strategy ``--strategies`` accepts.
+KNOWN_STRATEGIES: tuple[str, ...] = STRATEGIES + MERGE_STRATEGIES
 #: Strategies that exchange knowledge (candidates for "best collaborative").
 COLLABORATIVE: tuple[str, ...] = ("random", "heuristic", "central_kd", "cpm", "oracle")
 #: Per-problem metrics: unbiased pass@1, structural match rate, NLL (nats/byte; lower wins).
@@ -125,6 +160,11 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("cpm", "local_plus"),
     ("best", "local_plus"),
     ("oracle", "local_plus"),
+    ("onepeft", "fedavg_lora"),
+    ("onepeft", "local_plus"),
+    ("onepeft", "onepeft_fedavg"),
+    ("onepeft_svd", "onepeft_fedavg"),
+    ("onepeft_hka", "onepeft_fedavg"),
 )
 #: Client i hosts ARCHS[i % 4] (as ``peerlm up``).
 ARCHS: tuple[str, ...] = ("gpt2", "gpt_neox", "bloom", "qwen2")
@@ -163,11 +203,21 @@ class ExperimentPlan:
     probe_per_category: int = 2
     reward_delta: float = 0.001
     cpm_interaction_features: bool = True
+    # One model family for every client (ARCHS' names); None: client i hosts ARCHS[i % 4].
+    family: str | None = None
+
+    def arch(self, i: int) -> str:
+        """The architecture client ``i`` hosts."""
+        return self.family or ARCHS[i % len(ARCHS)]
 
     def __post_init__(self) -> None:
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        unknown = [s for s in self.strategies if s not in KNOWN_STRATEGIES]
         if unknown:
-            raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+            raise ValueError(
+                f"unknown strategies {unknown}; choose from {', '.join(KNOWN_STRATEGIES)}"
+            )
+        if self.family is not None and self.family not in ARCHS:
+            raise ValueError(f"unknown family {self.family!r}; one of {', '.join(ARCHS)}")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise ValueError("strategies must be a non-empty list without repeats")
         if self.agents < 2 or self.rounds < 1:
@@ -243,6 +293,8 @@ class _World:
     probe: list[Problem]
     slices: list[ClientSlices]
     public: tuple[str, ...]
+    # D_pub of OnePeFT's HKA: the public categories' transfer problems with references.
+    public_pairs: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def probe_examples(self) -> list[tuple[str, str]]:
@@ -310,7 +362,7 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
         transfer_set_sha256,
     )
 
-    archs = tuple(dict.fromkeys(ARCHS[i % len(ARCHS)] for i in range(plan.agents)))
+    archs = tuple(dict.fromkeys(plan.arch(i) for i in range(plan.agents)))
 
     def on_build(e: Any) -> None:
         if e.phase == "pretrain" or e.finished:
@@ -356,6 +408,7 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
         probe,
         slices,
         public,
+        [(p.prompt, p.reference) for p in transfer_problems if p.category in public],
     )
 
 
@@ -365,7 +418,7 @@ def _clients(world: _World, seed: int) -> list[_Client]:
     plan = world.plan
     out = []
     for i, (train, val) in enumerate(world.clients_data):
-        arch = ARCHS[i % len(ARCHS)]
+        arch = plan.arch(i)
         host = ModelHost.load(
             world.models / arch, LoraSettings(r=plan.lora_rank), device="cpu", seed=seed + i
         )
@@ -629,6 +682,63 @@ def _semantic_dfl(clients: list[_Client]) -> list[dict[str, Any]]:
     return records
 
 
+def _families(clients: list[_Client]) -> list[list[_Client]]:
+    groups: dict[str, list[_Client]] = {}
+    for c in clients:
+        groups.setdefault(c.arch, []).append(c)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _merge_exchange(
+    world: _World, strategy: str, clients: list[_Client], seed: int, t: int
+) -> list[dict[str, Any]]:
+    """FedAvg-LoRA every round, or a OnePeFT variant once in the last round, within each
+    model family (a client alone in its family trains locally). Each client pulls the other
+    members' adapters (counted in KB) and builds the aggregate itself, as a peer would."""
+    from peerlm.agent.lora_merge import ClientAdapter, aggregate_fedavg_factors
+    from peerlm.agent.onepeft import one_shot
+
+    plan = world.plan
+    if strategy != "fedavg_lora" and t != plan.rounds:
+        return []
+    records: list[dict[str, Any]] = []
+    for group in _families(clients):
+        adapters = [
+            ClientAdapter(
+                c.host.adapter_state(),
+                r=c.host.lora.r,
+                alpha=c.host.lora.alpha,
+                examples=len(c.train),
+                name=c.name,
+            )
+            for c in group
+        ]
+        sizes = [sum(x.numel() * x.element_size() for x in a.state.values()) for a in adapters]
+        for k, c in enumerate(group):
+            if strategy == "fedavg_lora":
+                c.host.load_adapter_state(aggregate_fedavg_factors(adapters).state)
+            else:
+                settings = _round_config(plan, seed, clients.index(c)).train_settings(t)
+                one_shot(
+                    c.host,
+                    adapters,
+                    world.public_pairs,
+                    settings,
+                    svd=strategy in ("onepeft", "onepeft_svd"),
+                    hka=strategy in ("onepeft", "onepeft_hka"),
+                    steps=plan.local_steps,
+                )
+            c.exchanges += 1
+            records.append(
+                {
+                    "teacher": ",".join(o.name for o in group if o is not c),
+                    "student": c.name,
+                    "kilobytes": round((sum(sizes) - sizes[k]) / 1024, 2),
+                }
+            )
+    return records
+
+
 def _exchange(
     world: _World,
     strategy: str,
@@ -656,6 +766,8 @@ def _exchange(
         return _oracle(world, clients, seed, t)
     if strategy == "semantic_dfl":
         return _semantic_dfl(clients), None
+    if strategy in MERGE_STRATEGIES:
+        return _merge_exchange(world, strategy, clients, seed, t), None
     records: list[dict[str, Any]] = []
     pairings: list[Pairing] = policy.select(profiles)
     for pairing in pairings:
@@ -898,7 +1010,7 @@ def run_experiment(
         "clients": [
             {
                 "name": f"agent-{i}",
-                "arch": ARCHS[i % len(ARCHS)],
+                "arch": plan.arch(i),
                 "train": len(train),
                 "val": len(val),
                 "slices": world.slices[i].to_dict(),

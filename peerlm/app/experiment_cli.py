@@ -31,7 +31,8 @@ def run_experiment_command(
         str | None,
         typer.Option(
             help="Comma-separated: local, local_plus, random, heuristic, central_kd, cpm, "
-            "oracle, semantic_dfl (default: all)."
+            "oracle, semantic_dfl (default: these); adapter merges (with --family): "
+            "fedavg_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg."
         ),
     ] = None,
     seeds: Annotated[
@@ -75,6 +76,10 @@ def run_experiment_command(
     samples: Annotated[int | None, typer.Option(min=1, help="Samples per problem.")] = None,
     temperature: Annotated[float | None, typer.Option(min=0.01, help="Sampling T.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,
+    family: Annotated[
+        str | None,
+        typer.Option(help="One model family for every client (gpt2, gpt_neox, bloom, qwen2)."),
+    ] = None,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads per process.")] = 1,
     jobs: Annotated[
         int, typer.Option(min=1, help="(strategy, seed) runs in this many processes at once.")
@@ -116,6 +121,7 @@ def run_experiment_command(
         "max_new_tokens": max_new_tokens,
         "reward": reward,
         "probe_per_category": probe_per_category,
+        "family": family,
     }
     overrides = {k: v for k, v in given.items() if v is not None}
     overrides["world_seed"] = world_seed

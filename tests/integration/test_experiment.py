@@ -120,3 +120,39 @@ def test_parallel_strategies_give_the_same_results(tmp_path: Path) -> None:
                 seeded.pop("seconds")
     assert runs[0]["runs"] == runs[1]["runs"]
     assert runs[0]["summary"] == runs[1]["summary"]
+
+
+@pytest.mark.timeout(900)
+def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
+    """FedAvg-LoRA merges every round, the OnePeFT variants once in the last round; all
+    within the family (one backbone here), with the pulled bytes counted."""
+    from peerlm.app.experiment import ExperimentPlan, render_table, run_experiment
+
+    plan = ExperimentPlan(
+        agents=3, rounds=2, seeds=(0,), size="micro", family="gpt2",
+        strategies=("local_plus", "fedavg_lora", "onepeft", "onepeft_svd", "onepeft_hka",
+                    "onepeft_fedavg"),
+        local_steps=1, transfer_limit=2, val_limit=2, test_limit=6, samples=1,
+        max_new_tokens=8, probe_per_category=1,
+    )  # fmt: skip
+    result = run_experiment(plan, models=tmp_path / "models", work=tmp_path / "w", jobs=1)
+    assert {c["arch"] for c in result["clients"]} == {"gpt2"}
+    runs = {s: r["0"] for s, r in result["runs"].items()}
+    # 3 clients, each pulling the 2 others' adapters: every round, or once.
+    assert runs["fedavg_lora"]["exchanges"] == 6
+    for name in ("onepeft", "onepeft_svd", "onepeft_hka", "onepeft_fedavg"):
+        assert runs[name]["exchanges"] == 3, name
+        assert [len(r["exchanges"]) for r in runs[name]["rounds"]] == [0, 3]
+        assert runs[name]["kilobytes"] == pytest.approx(runs["fedavg_lora"]["kilobytes"] / 2)
+    # FedAvg-LoRA leaves every client with the same adapter: the same test NLL everywhere.
+    nll = [c["nll"] for c in runs["fedavg_lora"]["clients"].values()]
+    assert nll[0] == pytest.approx(nll[1]) and nll[1] == pytest.approx(nll[2])
+    assert "onepeft_vs_fedavg_lora" in result["summary"]["comparisons"]
+    assert "OnePeFT (SVD+HKA) - FedAvg-LoRA" in render_table(result)
+
+
+def test_merge_strategies_refuse_an_unknown_family() -> None:
+    from peerlm.app.experiment import ExperimentPlan
+
+    with pytest.raises(ValueError, match="unknown family"):
+        ExperimentPlan(family="llama9", strategies=("onepeft",))
