@@ -190,6 +190,12 @@ class AgentDaemon:
         # tokenised apart from the prompt exactly as generation sees it at evaluation time.
         self.train_examples = [(p.prompt, p.reference) for p in self.train]
         self.val_examples = [(p.prompt, p.reference) for p in self.val]
+        # D_pub of OnePeFT's HKA (overlay.aggregation = "svd_hka"): public pairs only.
+        self.public_pairs = (
+            [(p.prompt, p.reference) for p in read_jsonl(s.public_file)] if s.public_file else []
+        )
+        if s.overlay.aggregation == "svd_hka" and not self.public_pairs:
+            raise ValueError(f"public_file {s.public_file} holds no pair for svd_hka's HKA")
         # Held-out test problems per slice, for the report only (never trained on).
         self.slice_problems = {
             name: read_jsonl(path)[: s.eval_limit] if s.eval_limit else read_jsonl(path)
@@ -634,6 +640,7 @@ class AgentDaemon:
             round_timeout_s=self.s.round_timeout_s,
             run_model=self._model,
             gate=self._gate(),
+            hka=(self.public_pairs, self.config.train_settings(t)) if self.public_pairs else None,
         )
         self._count_overlay(result.outcome, result)
         self.state["importance"] = _importance_state(self.importance)

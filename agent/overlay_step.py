@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from peerlm.agent.pull_aggregate import (
     pull_and_aggregate,
 )
 from peerlm.agent.settings import AgentOverlaySettings
+from peerlm.agent.training import TrainSettings
 from peerlm.overlay import (
     ImportanceTracker,
     OverlayHost,
@@ -82,6 +84,9 @@ def pull_settings(overlay: AgentOverlaySettings, timeout_s: float) -> PullSettin
         timeout_s=timeout_s,
         max_adapter_bytes=overlay.max_adapter_bytes,
         max_norm_ratio=overlay.max_norm_ratio,
+        method=overlay.aggregation,
+        hka_alpha=overlay.hka_alpha,
+        hka_steps=overlay.hka_steps,
         **step,
     )
 
@@ -140,11 +145,13 @@ async def overlay_round_step(
     round_timeout_s: float,
     run_model: ModelRunner,
     gate: AcceptanceGate | None = None,
+    hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
 ) -> OverlayStepResult:
     """Publish this round's signature, search the ``k`` nearest peers, pull and aggregate.
 
     Never raises for an overlay or peer failure (see the module docstring); the result says
     what happened. ``ctx`` (the agent's node context) makes the pulls and counts the steps.
+    ``hka`` (public pairs, training settings) is what ``aggregation = "svd_hka"`` distils on.
     """
     log = ctx.log
     steps = ctx.counter(
@@ -203,6 +210,7 @@ async def overlay_round_step(
             run_model=run_model,
             round_=round_,
             gate=gate,
+            hka=hka,
         )
     except asyncio.CancelledError:
         raise

@@ -37,6 +37,13 @@ Choices made here:
 * **One model-thread call.** Reading the local adapter, aggregating and loading the result
   run as one call of ``run_model`` (the daemon passes its model-worker executor), so no
   training step can interleave between read and write.
+* **Two aggregation methods** (``PullSettings.method``). ``pmix`` is the PDFL step above.
+  ``svd_hka`` is OnePeFT on the peer (:func:`peerlm.agent.onepeft.one_shot`): our adapter
+  and the neighbours' are aggregated by SVD (Eq. 3) with weights ``W_ij`` (the same
+  similarity softmax as PDFL, our own entry included: peers do not disclose their data
+  size, the paper's default lambda) and refined by HKA (Eq. 4-6) on the agent's public
+  pairs, ``hka_steps`` optimiser steps at ``hka_alpha``. The neighbours' adapters pass the
+  same checks (same base, LoRA ``r``/``alpha``, shapes, finite, norm bound) first.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 import torch
 from peerlm.agent.acceptance import AcceptanceGate, Verdict
@@ -56,8 +63,10 @@ from peerlm.agent.adapter_codec import (
     adapter_norm,
     decode_adapter,
 )
+from peerlm.agent.lora_merge import ClientAdapter
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.peer_client import PeerExchangeError, pull_adapter_with_round
+from peerlm.agent.training import TrainSettings
 from peerlm.overlay import (
     DEFAULT_ETA,
     DEFAULT_KAPPA,
@@ -65,6 +74,7 @@ from peerlm.overlay import (
     AggregationError,
     AggregationReport,
     Refusal,
+    neighbour_weights,
     personalised_update,
 )
 from pydantic import BaseModel, ConfigDict, Field
@@ -114,6 +124,12 @@ class PullSettings(BaseModel):
     kappa: float = Field(default=DEFAULT_KAPPA, gt=0, description="Softmax temperature.")
     eta: float = Field(default=DEFAULT_ETA, gt=0, description="Proximal step size.")
     psi: float = Field(default=DEFAULT_PSI, ge=0, description="Personalisation weight.")
+    method: Literal["pmix", "svd_hka"] = Field(
+        default="pmix",
+        description="pmix: the PDFL step; svd_hka: OnePeFT's SVD aggregation and HKA.",
+    )
+    hka_alpha: float = Field(default=0.5, ge=0, le=1, description="OnePeFT Eq. 6's alpha.")
+    hka_steps: int = Field(default=8, ge=1, le=10_000, description="HKA optimiser steps.")
 
 
 @dataclass(frozen=True)
@@ -264,6 +280,39 @@ def _select(
     return ranked[:max_peers], refused
 
 
+def _one_shot(
+    host: ModelHost,
+    own: dict[str, torch.Tensor],
+    neighbours: Mapping[str, Mapping[str, torch.Tensor]],
+    similarities: Mapping[str, float],
+    settings: PullSettings,
+    self_name: str,
+    hka: tuple[Sequence[tuple[str, str]], TrainSettings],
+) -> AggregationReport:
+    """OnePeFT's SVD + HKA of our adapter and the neighbours' (see the module docstring)."""
+    from peerlm.agent.onepeft import one_shot
+
+    weights = neighbour_weights(similarities, self_id=self_name, kappa=settings.kappa)
+    names = [self_name, *neighbours]
+    states = {self_name: own, **neighbours}
+    clients = [
+        ClientAdapter(states[n], r=host.lora.r, alpha=host.lora.alpha, name=n) for n in names
+    ]
+    public, train = hka
+    one_shot(
+        host,
+        clients,
+        public,
+        train,
+        alpha=settings.hka_alpha,
+        weights=[weights[n] for n in names],
+        steps=settings.hka_steps,
+    )
+    new = host.adapter_state()
+    delta = math.sqrt(sum(float(torch.sum((new[k] - own[k]) ** 2)) for k in own))
+    return AggregationReport(weights, 1.0, tuple(neighbours), (), delta)
+
+
 def _integrate(
     host: ModelHost,
     neighbours: Mapping[str, Mapping[str, torch.Tensor]],
@@ -271,10 +320,17 @@ def _integrate(
     settings: PullSettings,
     self_name: str,
     gate: AcceptanceGate | None = None,
+    hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
 ) -> tuple[AggregationReport, Verdict | None]:
     """Read, aggregate, load and judge in one model-thread call; the host changes only if
     useful, and with a ``gate`` stays changed only if the held-out loss allows."""
     own = host.adapter_state()
+    if settings.method == "svd_hka":
+        if hka is None:
+            raise ValueError("svd_hka needs public pairs and training settings")
+        pre = gate.loss(host) if gate is not None else math.nan
+        report = _one_shot(host, own, neighbours, similarities, settings, self_name, hka)
+        return report, (gate.settle(host, own, pre) if gate is not None else None)
     updated, report = personalised_update(
         own,
         neighbours,
@@ -300,6 +356,7 @@ async def pull_and_aggregate(
     run_model: ModelRunner | None = None,
     round_: int = 0,
     gate: AcceptanceGate | None = None,
+    hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
 ) -> PullReport:
     """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
 
@@ -311,9 +368,13 @@ async def pull_and_aggregate(
     (non-finite) raises :class:`~peerlm.overlay.aggregation.AggregationError`. With a
     ``gate`` (:mod:`peerlm.agent.acceptance`) an aggregate that makes the held-out loss worse
     by more than its margin is rolled back: ``applied`` is False, ``rolled_back`` True, the
-    neighbours are listed as refused with reason ``rolled_back``.
+    neighbours are listed as refused with reason ``rolled_back``. ``method="svd_hka"`` needs
+    ``hka``: the public (prompt, completion) pairs of D_pub and the training settings of the
+    HKA steps (a ``ValueError`` before anything is pulled otherwise).
     """
     cfg = settings or PullSettings()
+    if cfg.method == "svd_hka" and (hka is None or not hka[0]):
+        raise ValueError("aggregation svd_hka needs public (prompt, completion) pairs for HKA")
     run: ModelRunner = run_model or _inline
     logger: Any = ctx.log
     self_name = ctx.name
@@ -368,7 +429,7 @@ async def pull_and_aggregate(
         similarities = {peer: received[peer].similarity for peer in neighbours}
         try:
             aggregated, verdict = await run(
-                _integrate, host, neighbours, similarities, cfg, self_name, gate
+                _integrate, host, neighbours, similarities, cfg, self_name, gate, hka
             )
             report = aggregated
             applied = bool(aggregated.accepted)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from peerlm.overlay import OverlayParams
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from peerlm.config import MiB, Section, ServiceSettings, parse_host_port
@@ -56,6 +56,12 @@ class AgentOverlaySettings(Section):
     # first overlay build skip the pull (outcome ``query_refused``).
     placement_wait_s: float = Field(default=0.0, ge=0)
     leave_grace_s: float = Field(default=2.0, ge=0)
+    # What the pulled adapters become: "pmix", SemanticDFL's personalised mixing (the PDFL
+    # step), or "svd_hka", OnePeFT's SVD aggregation refined by HKA on the agent's public
+    # pairs (``public_file``), hka_steps optimiser steps at Eq. 6's hka_alpha.
+    aggregation: Literal["pmix", "svd_hka"] = "pmix"
+    hka_alpha: float = Field(default=0.5, ge=0, le=1)
+    hka_steps: int = Field(default=8, ge=1, le=10_000)
 
 
 class AgentSettings(ServiceSettings):
@@ -81,6 +87,9 @@ class AgentSettings(ServiceSettings):
     val_file: Path = Path("data/val.jsonl")
     transfer_file: Path = Path("data/transfer.jsonl")
     transfer_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    # Public labelled pairs (JSONL problems: prompt + reference), D_pub of OnePeFT's HKA;
+    # needed by overlay.aggregation = "svd_hka" only. Never private data.
+    public_file: Path | None = None
     # Rounds (Algorithm 3) and local training (Table 6; tiny models need a larger lr).
     rounds: int = Field(default=20, ge=0)
     round_timeout_s: float = Field(default=60.0, gt=0)
@@ -137,3 +146,12 @@ class AgentSettings(ServiceSettings):
         if v is not None:
             parse_host_port(v)
         return v
+
+    @model_validator(mode="after")
+    def _hka_has_public_pairs(self) -> AgentSettings:
+        if self.overlay.aggregation == "svd_hka" and self.public_file is None:
+            raise ValueError(
+                "overlay.aggregation 'svd_hka' distils on public pairs: set public_file "
+                "(JSONL problems with prompt and reference)"
+            )
+        return self

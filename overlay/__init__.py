@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         AggregationReport,
         Refusal,
         check_neighbour,
+        neighbour_weights,
         personalised_update,
     )
     from peerlm.overlay.events import BuildFinished, QueryCompleted, Send
@@ -98,6 +99,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "name_seed": ("peerlm.overlay.host", "name_seed"),
     "paper_k": ("peerlm.overlay.params", "paper_k"),
     "parse_bootstrap": ("peerlm.overlay.host", "parse_bootstrap"),
+    "neighbour_weights": ("peerlm.overlay.aggregation", "neighbour_weights"),
     "personalised_update": ("peerlm.overlay.aggregation", "personalised_update"),
     "prototype": ("peerlm.overlay.signature", "prototype"),
     "round_half_up": ("peerlm.overlay.params", "round_half_up"),
@@ -144,6 +146,7 @@ __all__ = [
     "make_signature",
     "minimal_p",
     "name_seed",
+    "neighbour_weights",
     "paper_k",
     "parse_bootstrap",
     "personalised_update",

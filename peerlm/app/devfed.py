@@ -312,6 +312,8 @@ class RealPlan:
     alpha: float = 0.1
     overlay: bool = False
     family: str | None = None
+    # What overlay pulls become: "pmix" (SemanticDFL) or "svd_hka" (OnePeFT, issue 9).
+    aggregation: str = "pmix"
     # Below _stop's 10 s before SIGKILL: Ctrl-C lets each agent cut its round and checkpoint.
     stop_grace_s: float = 5.0
 
@@ -395,6 +397,7 @@ def _prepare_real(
     data_dir = fed.root / "data"
     manifest = build_federation_data(data_dir, len(agents), alpha=plan.alpha, seed=seed)
     slice_files = _write_slice_files(fed.root / "eval", data_dir, manifest.world, agents)
+    public_file = _write_public_pairs(data_dir, manifest.world)
     configs = fed.root / "agents"
     configs.mkdir(parents=True, exist_ok=True)
     # With the overlay every agent serves on a known port, and all bootstrap through agent-0.
@@ -413,6 +416,7 @@ def _prepare_real(
             "val_file": str(client / "val.jsonl"),
             "transfer_file": str(data_dir / "transfer.jsonl"),
             "transfer_sha256": manifest.transfer_sha256,
+            "public_file": str(public_file),
             "rounds": rounds,
             "round_timeout_s": plan.round_timeout_s,
             "local_steps": plan.local_steps,
@@ -434,6 +438,7 @@ def _prepare_real(
                 # Rounds start once the first build (at genesis) has placed the agent, so
                 # short micro-model rounds cannot all pass before there is anyone to pull.
                 "placement_wait_s": OVERLAY_STARTUP_S + OVERLAY_PLACEMENT_SLACK_S,
+                "aggregation": plan.aggregation,
             }
         (configs / f"{name}.yaml").write_text(json.dumps(config, indent=2))
 
@@ -444,6 +449,21 @@ def _prepare_real(
         ]  # fmt: skip
 
     return argv
+
+
+def _write_public_pairs(data_dir: Path, world: Any) -> Path:
+    """D_pub of OnePeFT's HKA: the transfer problems of the world's public categories with
+    their references (public in this world, like the paper's Alpaca); never private ones."""
+    from peerlm.agent.tasks.dataset import read_jsonl, write_jsonl
+
+    public = [
+        p
+        for p in read_jsonl(data_dir / "transfer.jsonl")
+        if p.category in set(world.public_categories)
+    ]
+    path = data_dir / "public_pairs.jsonl"
+    write_jsonl(path, public)
+    return path
 
 
 def _before_after(r: Mapping[str, Any], slice_name: str, metric: str, fmt: str) -> str:
@@ -544,6 +564,13 @@ def up_command(
             "pulls are refused (counted) by design."
         ),
     ] = None,
+    aggregation: Annotated[
+        str,
+        typer.Option(
+            help="With --overlay, what the pulled adapters become: pmix (SemanticDFL's "
+            "personalised mixing) or svd_hka (OnePeFT: SVD aggregation + HKA on public pairs)."
+        ),
+    ] = "pmix",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
@@ -553,6 +580,10 @@ def up_command(
         raise typer.BadParameter(f"unknown family {family!r}; one of {', '.join(ARCHS)}")
     if simulated and (overlay or family):
         raise typer.BadParameter("--overlay and --family need model-hosting agents")
+    if aggregation not in ("pmix", "svd_hka"):
+        raise typer.BadParameter(f"unknown aggregation {aggregation!r}; pmix or svd_hka")
+    if aggregation != "pmix" and not overlay:
+        raise typer.BadParameter("--aggregation applies to overlay pulls: add --overlay")
     console = None if as_json else Console(stderr=True)
     fed = DevFederation(state_dir)
     names = [f"agent-{i}" for i in range(agents)]
@@ -569,7 +600,12 @@ def up_command(
         if simulated:
             argv = _sim_argv(fed, names, rounds, seed, heterogeneity)
         else:
-            plan = RealPlan(size="micro" if micro else "tiny", overlay=overlay, family=family)
+            plan = RealPlan(
+                size="micro" if micro else "tiny",
+                overlay=overlay,
+                family=family,
+                aggregation=aggregation,
+            )
             argv = _prepare_real(fed, names, rounds, seed, plan, console)
         result = asyncio.run(_run(fed, names, rounds, argv, metrics_port, console))
     except KeyboardInterrupt:

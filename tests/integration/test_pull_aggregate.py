@@ -376,3 +376,55 @@ async def test_a_harmful_aggregate_is_rolled_back(world: World, pki: Path) -> No
         gate=AcceptanceGate(VAL, margin=5.0, max_length=64),
     )
     assert honest.applied and not honest.rolled_back
+
+
+PUBLIC = [
+    ('def add(a: int, b: int) -> int:\n    """Sum.\n    """\n    ', "return a + b\n"),
+    ('def neg(x: int) -> int:\n    """Negate.\n    """\n    ', "return -x\n"),
+]
+
+
+async def test_svd_hka_aggregates_the_pulled_adapters_as_one_shot_does(
+    world: World, pki: Path, gpt2: Path
+) -> None:
+    """Issue 9: aggregation "svd_hka" is OnePeFT's one-shot step on what was pulled, with the
+    similarity weights; bad neighbours are refused by the same checks first."""
+    from peerlm.agent.lora_merge import ClientAdapter
+    from peerlm.agent.onepeft import one_shot
+    from peerlm.agent.training import TrainSettings
+
+    student = world.student
+    before = student.adapter_state()
+    twin = ModelHost.load(gpt2, LoraSettings(r=8), device="cpu", seed=0)
+    twin.load_adapter_state(before)
+    t = world.teachers
+    train = TrainSettings(learning_rate=1e-2, batch_size=2, grad_accumulation=1, seed=5)
+    settings = PullSettings(method="svd_hka", hka_steps=2, timeout_s=20.0, kappa=0.25)
+    with pytest.raises(ValueError, match="public"):
+        await pull_and_aggregate(_student(pki), student, [], settings=settings)
+    registry = new_registry()
+    report = await pull_and_aggregate(
+        _student(pki, registry),
+        student,
+        [
+            Candidate("t1", t["t1"].target, 0.9),
+            Candidate("t2", t["t2"].target, 0.6),
+            Candidate("nan", t["nan"].target, 0.8),
+        ],
+        settings=settings,
+        hka=(PUBLIC, train),
+    )
+    assert report.applied and [p.peer for p in report.pulled] == ["t1", "t2"]
+    assert {r.peer: r.reason for r in report.refused} == {"nan": "non_finite"}
+    weights = neighbour_weights({"t1": 0.9, "t2": 0.6}, self_id="student", kappa=0.25)
+    assert report.weights == pytest.approx(weights) and report.alpha == 1.0
+    # The same step computed directly on an identical host gives the same adapter.
+    states = {"student": before, **{n: world.hosts[n].adapter_state() for n in ("t1", "t2")}}
+    clients = [ClientAdapter(states[n], r=8, alpha=16.0, name=n) for n in states]
+    result = one_shot(twin, clients, PUBLIC, train, weights=[weights[n] for n in states], steps=2)
+    assert result.variant == "svd+hka" and result.hka is not None
+    expected, after = twin.adapter_state(), student.adapter_state()
+    for name in expected:
+        torch.testing.assert_close(after[name], expected[name], rtol=1e-4, atol=1e-5)
+    assert report.delta_norm > 0
+    assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="applied") == 1

@@ -12,12 +12,18 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_up_overlay_agents_pull_same_family_adapters(tmp_path: Path) -> None:
+# Three rounds of four micro agents after a 60 s genesis wait: about 2 minutes idle, more
+# than the default 300 s timeout on a loaded machine.
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("aggregation", ["pmix", "svd_hka"])
+def test_up_overlay_agents_pull_same_family_adapters(tmp_path: Path, aggregation: str) -> None:
+    """SemanticDFL's personalised mixing, and OnePeFT's SVD + HKA (issue 9) on the same pulls."""
     state = tmp_path / "fed"
     out = subprocess.run(
         [sys.executable, "-m", "peerlm", "up", "--json", "--state-dir", str(state),
-         "--micro", "--overlay", "--family", "gpt2", "-n", "4", "-r", "3"],
-        capture_output=True, text=True, timeout=600,
+         "--micro", "--overlay", "--family", "gpt2", "-n", "4", "-r", "3",
+         "--aggregation", aggregation],
+        capture_output=True, text=True, timeout=850,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
@@ -37,3 +43,7 @@ def test_up_overlay_agents_pull_same_family_adapters(tmp_path: Path) -> None:
     assert all('"overlay_ready"' in log for log in logs)
     assert all(not a["overlay_steps"].get("query_refused") for a in agents)
     assert any('"outcome": "applied"' in log or "overlay_aggregated" in log for log in logs)
+    config = json.loads((state / "agents" / "agent-1.yaml").read_text())
+    assert config["overlay"]["aggregation"] == aggregation
+    public = (state / "data" / "public_pairs.jsonl").read_text().splitlines()
+    assert public and config["public_file"].endswith("public_pairs.jsonl")

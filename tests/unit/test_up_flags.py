@@ -12,7 +12,13 @@ from peerlm.app.cli import app
 
 @pytest.mark.parametrize(
     "flags",
-    [["--family", "gtp2"], ["--simulated", "--overlay"], ["--simulated", "--family", "gpt2"]],
+    [
+        ["--family", "gtp2"],
+        ["--simulated", "--overlay"],
+        ["--simulated", "--family", "gpt2"],
+        ["--overlay", "--aggregation", "fedavg"],
+        ["--aggregation", "svd_hka"],  # aggregation is of overlay pulls
+    ],
 )
 def test_a_bad_flag_leaves_the_last_run_untouched(tmp_path: Path, flags: list[str]) -> None:
     state = tmp_path / "fed"
