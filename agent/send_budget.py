@@ -87,8 +87,10 @@ class SendLedger:
     def request(self, identity: str, nbytes: int) -> int | None:
         """Reserve at once (None) or queue; a queued request's ticket is returned.
 
-        A request is granted at once only when nobody is queued who would fit first: a
-        stream arriving later does not overtake one that waits."""
+        With others queued, the request joins them and the usual order decides (identity
+        holding least, then first come) among those that fit: a request that fits is not
+        held back behind a larger one that does not (chunks are all ``chunk_bytes`` but a
+        payload's last, so nobody starves that way)."""
         cost = self.cost(nbytes)
         if not self._waiting and self._fits(identity, cost):
             self._take(identity, cost)
@@ -112,8 +114,8 @@ class SendLedger:
         return self._grant()
 
     def withdraw(self, ticket: int) -> list[int]:
-        """Drop a queued request (its caller stopped waiting); tickets granted in consequence
-        (a large request leaving may let smaller ones behind it fit)."""
+        """Drop a queued request (its caller stopped waiting); the tickets granted in
+        consequence (none as the ledger stands: whatever fits is granted when it fits)."""
         self._waiting = [w for w in self._waiting if w.seq != ticket]
         return self._grant()
 
