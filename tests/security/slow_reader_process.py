@@ -6,7 +6,9 @@ identity, certificates from ``--pki``), waits up to ``--first-timeout-s`` for th
 (or the status) of every stream, writes what it saw to ``--ready-file`` as JSON
 (``{"first_chunk": n, "refused": {code: n}, "pending": n}``), and stops itself with SIGSTOP:
 from then on its sockets are not read, so the server's writes to it cannot complete, which is
-what a reader that does not consume is to the server. The test ends it with SIGKILL.
+what a reader that does not consume is to the server. Continued (SIGCONT), it reads every
+stream to its end and writes how they ended to ``--final-file``
+(``{"final": {code: n}, "details": {code: one status message}}``), then exits.
 """
 
 from __future__ import annotations
@@ -50,9 +52,27 @@ async def _main(args: argparse.Namespace) -> None:
             refused[err.code().name if isinstance(err, grpc.aio.AioRpcError) else repr(err)] += 1
     summary = {"first_chunk": first, "refused": dict(refused), "pending": pending}
     Path(args.ready_file).write_text(json.dumps(summary))
-    os.kill(os.getpid(), signal.SIGSTOP)  # from here on nothing is read
-    for read in reads:
-        read.cancel()
+    os.kill(os.getpid(), signal.SIGSTOP)  # from here on nothing is read, until SIGCONT
+    # Continued: read every stream to its end and report how each ended.
+    outcomes = await asyncio.gather(
+        *(_finish(call, read) for call, read in zip(calls, reads, strict=True))
+    )
+    final = collections.Counter(code for code, _ in outcomes)
+    details = {code: detail for code, detail in outcomes}
+    Path(args.final_file).write_text(json.dumps({"final": dict(final), "details": details}))
+    for channel in channels:
+        await channel.close()
+
+
+async def _finish(call: grpc.aio.UnaryStreamCall, first: asyncio.Future[object]) -> tuple[str, str]:
+    """How the stream ended: its status code's name and details."""
+    try:
+        await first
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        return "OK", ""
+    except grpc.aio.AioRpcError as err:
+        return err.code().name, err.details() or ""
 
 
 def main() -> None:
@@ -64,6 +84,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, required=True, help="streams per identity")
     parser.add_argument("--first-timeout-s", type=float, default=20.0)
     parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--final-file", required=True)
     asyncio.run(_main(parser.parse_args()))
 
 

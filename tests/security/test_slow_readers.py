@@ -13,15 +13,17 @@ reader processes (``slow_reader_process``) that read one chunk per stream and th
   serialised copy and its own) plus a per-call allowance for every call the server admits;
 * a reader of another identity pulls the whole adapter meanwhile;
 * the stalled readers are cut off and counted (``peerlm_agent_peer_send_cutoffs_total``,
-  scraped from ``/metrics``), and every flood stream ends (no stream keeps bytes reserved
-  beyond the per-identity share);
-* when the readers go away, the budget and the memory come back.
+  scraped from ``/metrics``): no stream keeps bytes reserved beyond its identity's share;
+* when the readers resume, every stream ends, each one cut off with DEADLINE_EXCEEDED
+  ("took no data") or RESOURCE_EXHAUSTED ("send budget") exactly as counted;
+* when the readers are gone, the budget and the memory come back.
 
 Nothing is timed: the waits poll a condition under a generous deadline.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -213,12 +215,12 @@ async def _pull(pki: Path, name: str, target: str) -> bytes:
 
 def _start_readers(
     pki: Path, target: str, work: Path
-) -> list[tuple[subprocess.Popen[bytes], Path]]:
+) -> list[tuple[subprocess.Popen[bytes], Path, Path]]:
     per_process = FLOOD_IDENTITIES // READER_PROCESSES
     readers = []
     for p in range(READER_PROCESSES):
         names = ",".join(f"slow{i}" for i in range(p * per_process, (p + 1) * per_process))
-        ready = work / f"ready{p}"
+        ready, final = work / f"ready{p}", work / f"final{p}"
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -234,11 +236,13 @@ def _start_readers(
                 str(STREAMS_PER_IDENTITY),
                 "--ready-file",
                 str(ready),
+                "--final-file",
+                str(final),
             ],
             stdout=subprocess.DEVNULL,
             stderr=(work / f"reader{p}.log").open("wb"),
         )
-        readers.append((proc, ready))
+        readers.append((proc, ready, final))
     return readers
 
 
@@ -254,12 +258,12 @@ async def test_slow_readers_cannot_grow_the_teacher(
     sampler = _RssSampler(pid, kill_above=idle + 8 * GROWTH_BOUND)
     readers = _start_readers(pki, server.target, tmp_path)
     try:
-        for proc, ready in readers:
+        for proc, ready, _ in readers:
             _wait_for(
                 "a reader to read and stop",
                 lambda p=proc, r=ready: r.exists() and _stopped(p.pid),
             )
-        seen = [json.loads(ready.read_text()) for _, ready in readers]
+        seen = [json.loads(ready.read_text()) for _, ready, _ in readers]
         assert sum(s["first_chunk"] for s in seen) > 0, seen
         # Meanwhile, another member is served in full (checked after the memory bound, which
         # a server without it fails first).
@@ -294,14 +298,36 @@ async def test_slow_readers_cannot_grow_the_teacher(
         assert hashlib.sha256(honest).digest() == hashlib.sha256(adapter).digest()
         assert settled, f"the stalled readers were not cut off: {counted}"
         assert counted["stalled"] + counted.get("busy", 0) >= FLOOD_IDENTITIES
+        # The readers resume: each stream ends, and a stream that was cut off says why.
+        for proc, _, _ in readers:
+            proc.send_signal(signal.SIGCONT)
+        for proc, _, final in readers:
+            _wait_for("a reader to finish", lambda f=final: f.exists())
+            assert proc.wait(60) == 0
+        ended = [json.loads(final.read_text()) for _, _, final in readers]
+        codes: collections.Counter[str] = collections.Counter()
+        details: dict[str, str] = {}
+        for summary in ended:
+            codes.update(summary["final"])
+            details.update(summary["details"])
+        counted = server.cutoffs()
+        print(f"slow readers: streams ended {dict(codes)}; cut-offs {counted}")
+        assert sum(codes.values()) == FLOOD_IDENTITIES * STREAMS_PER_IDENTITY
+        assert set(codes) <= {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}, codes
+        assert codes["DEADLINE_EXCEEDED"] == counted["stalled"]
+        assert codes["RESOURCE_EXHAUSTED"] == counted.get("busy", 0)
+        assert "took no data" in details["DEADLINE_EXCEEDED"]
+        if codes["RESOURCE_EXHAUSTED"]:
+            assert "send budget" in details["RESOURCE_EXHAUSTED"]
     finally:
         sampler.stop()
-        for proc, _ in readers:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-    # The readers are gone: their connections close, gRPC fails the queued writes and the
-    # bytes come back to the budget, and the chunks' memory to the process (what malloc
-    # keeps of the calls' small allocations may stay: at most the chunks' share).
+        for proc, _, _ in readers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+    # The readers are gone: their connections closed and the bytes came back to the budget,
+    # and the chunks' memory to the process (what malloc keeps of the calls' small
+    # allocations may stay: at most the chunks' share).
     _wait_for("the budget to come back", lambda: server.cutoffs().get("in_flight", 0) == 0)
     _wait_for("the memory to come back", lambda: _rss(pid) <= idle + 2 * SEND.budget_bytes, 30)
     print(f"slow readers: RSS after the readers left {_rss(pid) / MiB:.1f} MiB")
