@@ -41,9 +41,11 @@ class _Waiter:
 class SendLedger:
     """Bytes reserved per identity under a total and a per-identity bound (sans-IO).
 
-    A request costs ``min(nbytes, identity_bytes)`` so that a chunk larger than the share is
-    still sent (alone) rather than never. :meth:`request` grants at once or queues;
-    :meth:`release` and :meth:`withdraw` return the waiters granted as a consequence.
+    A request reserves exactly its bytes. One larger than the identity's share is granted
+    when that identity holds nothing, one larger than the total when nothing is reserved, so
+    a chunk is sent (alone) rather than never; the memory bound is then the total plus one
+    chunk. :meth:`request` grants at once or queues; :meth:`release` and :meth:`withdraw`
+    return the waiters granted as a consequence.
     """
 
     def __init__(self, total_bytes: int, identity_bytes: int) -> None:
@@ -71,14 +73,14 @@ class SendLedger:
         return self._held.get(identity, 0)
 
     def cost(self, nbytes: int) -> int:
-        """What a request for ``nbytes`` reserves."""
-        return max(1, min(nbytes, self.identity_bytes))
+        """What a request for ``nbytes`` reserves (an empty one still counts as a byte)."""
+        return max(1, nbytes)
 
     def _fits(self, identity: str, cost: int) -> bool:
-        return (
-            self._in_flight + cost <= self.total_bytes
-            and self.held(identity) + cost <= self.identity_bytes
-        )
+        held = self.held(identity)
+        in_total = self._in_flight == 0 or self._in_flight + cost <= self.total_bytes
+        in_share = held == 0 or held + cost <= self.identity_bytes
+        return in_total and in_share
 
     def _take(self, identity: str, cost: int) -> None:
         self._held[identity] = self.held(identity) + cost

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from peerlm.overlay import OverlayParams
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from peerlm.config import MiB, Section, ServiceSettings, parse_host_port
@@ -42,6 +42,15 @@ class PeerSendSettings(Section):
     # A reader that takes none of a written chunk within this long is cut off: no more
     # chunks, and DEADLINE_EXCEEDED after what was queued. 1 MiB in 30 s is ~280 kbit/s.
     stall_s: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _share_within_budget(self) -> PeerSendSettings:
+        if self.identity_bytes > self.budget_bytes:
+            raise ValueError(
+                f"peer_send.identity_bytes ({self.identity_bytes}) must not exceed "
+                f"peer_send.budget_bytes ({self.budget_bytes})"
+            )
+        return self
 
 
 class AgentOverlaySettings(Section):

@@ -9,8 +9,9 @@ reader processes (``slow_reader_process``) that read one chunk per stream and th
 (SIGSTOP: their sockets are no longer read). Asserted, from outside the server:
 
 * its resident memory (``/proc/PID/status`` VmRSS) never exceeds its idle figure plus a
-  bound derived from the configuration: twice the send budget (gRPC holds a chunk's
-  serialised copy and its own) plus a per-call allowance for every call the server admits;
+  bound derived from the configuration: twice the send budget and one chunk (gRPC holds a
+  chunk's serialised copy and its own; one chunk may pass the budget alone) plus a per-call
+  allowance for every call the server admits;
 * a reader of another identity pulls the whole adapter meanwhile;
 * the stalled readers are cut off and counted (``peerlm_agent_peer_send_cutoffs_total``,
   scraped from ``/metrics``): no stream keeps bytes reserved beyond its identity's share;
@@ -62,7 +63,7 @@ MAX_CALLS = FLOOD_IDENTITIES * STREAMS_PER_IDENTITY + 64
 #: What one admitted call (its HTTP/2 stream, gRPC call, handler task, no chunk) may cost.
 PER_CALL_ALLOWANCE = 64 * 1024
 #: The bound on what the flood may add to the idle server, from the configuration.
-GROWTH_BOUND = 2 * SEND.budget_bytes + MAX_CALLS * PER_CALL_ALLOWANCE
+GROWTH_BOUND = 2 * (SEND.budget_bytes + CHUNK) + MAX_CALLS * PER_CALL_ALLOWANCE
 
 
 def _rss(pid: int) -> int:
@@ -311,11 +312,18 @@ async def test_slow_readers_cannot_grow_the_teacher(
             codes.update(summary["final"])
             details.update(summary["details"])
         counted = server.cutoffs()
-        print(f"slow readers: streams ended {dict(codes)}; cut-offs {counted}")
+        print(f"slow readers: streams ended {dict(codes)}; cut-offs {counted}; {details}")
         assert sum(codes.values()) == FLOOD_IDENTITIES * STREAMS_PER_IDENTITY
-        assert set(codes) <= {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}, codes
-        assert codes["DEADLINE_EXCEEDED"] == counted["stalled"]
-        assert codes["RESOURCE_EXHAUSTED"] == counted.get("busy", 0)
+        assert set(codes) <= {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}
+        # A connection may also have been closed while its reader was stopped (its streams
+        # then end UNAVAILABLE, whatever the server had decided); every other stream ends
+        # as the server counted it. An identity has at most one stalled stream (its share
+        # is one chunk), so each lost connection hides at most one.
+        lost = -(-codes["UNAVAILABLE"] // STREAMS_PER_IDENTITY)
+        assert lost < FLOOD_IDENTITIES // 2, codes
+        dead, busy = codes["DEADLINE_EXCEEDED"], codes["RESOURCE_EXHAUSTED"]
+        assert dead <= counted["stalled"] <= dead + lost, (codes, counted)
+        assert busy <= counted.get("busy", 0) <= busy + codes["UNAVAILABLE"], (codes, counted)
         assert "took no data" in details["DEADLINE_EXCEEDED"]
         if codes["RESOURCE_EXHAUSTED"]:
             assert "send budget" in details["RESOURCE_EXHAUSTED"]
@@ -326,11 +334,14 @@ async def test_slow_readers_cannot_grow_the_teacher(
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
     # The readers are gone: their connections closed and the bytes came back to the budget,
-    # and the chunks' memory to the process (what malloc keeps of the calls' small
-    # allocations may stay: at most the chunks' share).
+    # and the chunks' memory to the process. What malloc keeps of the thousand calls' small
+    # allocations may stay (their allowance), none of the chunks' part of the bound.
     _wait_for("the budget to come back", lambda: server.cutoffs().get("in_flight", 0) == 0)
-    _wait_for("the memory to come back", lambda: _rss(pid) <= idle + 2 * SEND.budget_bytes, 30)
-    print(f"slow readers: RSS after the readers left {_rss(pid) / MiB:.1f} MiB")
+    kept = idle + MAX_CALLS * PER_CALL_ALLOWANCE
+    came_back = _wait_for("the memory to come back", lambda: _rss(pid) <= kept, 30, required=False)
+    after = _rss(pid)
+    print(f"slow readers: RSS after the readers left {after / MiB:.1f} MiB")
+    assert came_back, f"RSS {after / MiB:.1f} MiB after the flood, more than {kept / MiB:.1f}"
     assert await _pull(pki, "honest", server.target) == adapter
     assert os.path.exists(f"/proc/{pid}")  # the teacher survived it all
     assert server.proc.poll() is None

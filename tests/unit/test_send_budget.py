@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peerlm.agent.send_budget import SendBudget, SendLedger
+from peerlm.agent.settings import PeerSendSettings
+from pydantic import ValidationError
 
 
 def test_total_and_identity_bounds_queue_what_does_not_fit() -> None:
@@ -55,13 +57,14 @@ def test_equal_holders_go_first_come_and_a_waiter_can_leave() -> None:
     assert ledger.waiting == 0 and ledger.in_flight == 4
 
 
-def test_a_chunk_larger_than_the_share_costs_the_share() -> None:
+def test_a_chunk_larger_than_the_share_goes_alone() -> None:
     ledger = SendLedger(total_bytes=8, identity_bytes=2)
-    assert ledger.cost(5) == 2
-    assert ledger.request("a", 5) is None
-    assert ledger.held("a") == 2
-    ledger.release("a", 5)
-    assert ledger.in_flight == 0
+    assert ledger.request("a", 5) is None  # a holds nothing: sent alone, all 5 bytes count
+    assert ledger.held("a") == 5
+    assert ledger.request("a", 1) is not None  # nothing more for a until it comes back
+    assert ledger.request("b", 5) is not None  # 5 + 5 would pass the total
+    assert len(ledger.release("a", 5)) == 2  # a's 1 byte and b's 5 now fit the total
+    assert ledger.in_flight == 6
 
 
 def test_releasing_more_than_held_is_an_error() -> None:
@@ -95,8 +98,9 @@ def test_never_more_than_the_bounds_and_everything_comes_back(
         if release_one and granted:
             for t in ledger.release(*granted.pop(0)):
                 granted.append(queued.pop(t))
-        assert ledger.in_flight <= 10
-        assert all(ledger.held(i) <= 4 for i in "abc")
+        # The bounds, each passed by at most one request larger than itself.
+        assert ledger.in_flight <= 10 + 6
+        assert all(ledger.held(i) <= 6 for i in "abc")
     while granted:
         for t in ledger.release(*granted.pop()):
             granted.append(queued.pop(t))
@@ -131,3 +135,9 @@ async def test_a_cancelled_waiter_leaves_nothing_behind() -> None:
         await waiter
     budget.release("a", 4)
     assert budget.ledger.in_flight == 0 and budget.ledger.waiting == 0
+
+
+def test_a_share_above_the_budget_is_refused_at_start() -> None:
+    with pytest.raises(ValidationError, match="identity_bytes"):
+        PeerSendSettings(budget_bytes=1 << 20, identity_bytes=2 << 20)
+    assert PeerSendSettings().identity_bytes <= PeerSendSettings().budget_bytes
