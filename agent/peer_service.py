@@ -305,7 +305,8 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         A write runs as its own task so that a reader that stops can be seen (the handler
         waits at most ``stall_s`` for it) while the chunk's bytes stay reserved until gRPC
         is done with the message: when the reader takes it, or when the call or connection
-        ends (a client cancel, keepalive timeout, server stop)."""
+        ends (the reader hangs up or its process dies, the server stops). The write task is
+        never cancelled from here (shielded), so the bytes come back exactly then."""
         count = 0
         for chunk in chunks:
             nbytes = self._chunk_len(chunk)
@@ -329,7 +330,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
                 self._log.debug("peer_reader_stalled", rpc=rpc, peer=caller, chunk=count)
                 # grpc.aio cannot reset one stream: the chunk stays queued (and reserved)
                 # until the reader takes it or its connection ends; then the stream ends.
-                await write
+                await asyncio.shield(write)
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"this reader took no data for {self._send.stall_s:g} s and was cut "
