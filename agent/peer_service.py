@@ -251,6 +251,9 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
             caller,
             iter_chunks(payload, self._chunk_bytes, PACKAGE_CONTENT_TYPE),
             self._m.package_bytes,
+            # Refused for other readers' load: the teacher's side, so not one of the
+            # student's fetches (a reader that stalls has used its fetch).
+            on_busy=lambda: self._book.refund(directive_id),
         )
         self._log.info(
             "package_sent",
@@ -299,8 +302,10 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         caller: str,
         chunks: Iterable[common_pb2.Chunk],
         sent: Counter,
+        on_busy: Callable[[], None] | None = None,
     ) -> int:
         """Write ``chunks`` one at a time, each under the send budget; the count written.
+        ``on_busy`` runs before a stream is refused for want of budget.
 
         A write runs as its own task so that a reader that stops can be seen (the handler
         waits at most ``stall_s`` for it) while the chunk's bytes stay reserved until gRPC
@@ -312,6 +317,8 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
             nbytes = self._chunk_len(chunk)
             if not await self._budget.reserve(caller, nbytes, self._send.wait_s):
                 self._m.cutoffs.labels(rpc, "busy").inc()
+                if on_busy is not None:
+                    on_busy()
                 ledger = self._budget.ledger
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
