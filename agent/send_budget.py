@@ -9,7 +9,8 @@ and a server handler cannot reset one stalled stream (``abort`` waits behind the
 data). So 1,030 readers that took one chunk and stopped grew a teacher from 106 MB to
 2.5 GB. The bound therefore sits in front of every write: a stream reserves the chunk's
 bytes before it writes and gets them back when gRPC is done with the message, so the
-memory held by unwritten chunks is at most ``total_bytes`` whatever the number of readers.
+memory held by unwritten chunks is at most ``total_bytes`` (plus one chunk that is larger than
+what is free, sent alone) whatever the number of readers.
 
 Fairness: one identity may hold at most ``identity_bytes`` of the total, and when bytes come
 back they go to the waiting stream whose identity holds the least (ties: first come), so a
