@@ -275,6 +275,7 @@ class AgentDaemon:
             registry=self.registry,
             log=self.log,
             signer=self.ctx.signer,
+            send=s.peer_send,
         )
         if s.overlay.enabled:
             from peerlm.agent.overlay_node import serve_agent

@@ -16,7 +16,41 @@ from pydantic_settings import SettingsConfigDict
 
 from peerlm.config import MiB, Section, ServiceSettings, parse_host_port
 
-__all__ = ["AgentOverlaySettings", "AgentSettings"]
+__all__ = ["AgentOverlaySettings", "AgentSettings", "PeerSendSettings"]
+
+
+class PeerSendSettings(Section):
+    """Bounds on what the peer server holds for readers of adapters and packages (issue 11).
+
+    A chunk handed to gRPC stays in memory until its reader takes it, so the peer service
+    reserves every chunk's bytes from one budget before writing it
+    (:mod:`peerlm.agent.send_budget`): at most ``budget_bytes`` are unwritten at once,
+    all streams together, and at most ``identity_bytes`` of them for one member. See
+    docs/security.md ("Slow readers").
+    """
+
+    # 64 chunks of the default 1 MiB: what one package at max_package_bytes needs, and a
+    # bound of about twice this on the memory slow readers can hold (gRPC keeps the
+    # serialised copy and its own).
+    budget_bytes: int = Field(default=64 * MiB, ge=64 * 1024)
+    # One member's streams may have 4 default chunks unwritten at once: a student pulls one
+    # adapter or package from a teacher at a time, so an honest member never waits on it.
+    identity_bytes: int = Field(default=4 * MiB, ge=16 * 1024)
+    # A stream that gets no bytes within this long is refused (RESOURCE_EXHAUSTED); the
+    # gRPC call deadline's default.
+    wait_s: float = Field(default=30.0, gt=0)
+    # A reader that takes none of a written chunk within this long is cut off: no more
+    # chunks, and DEADLINE_EXCEEDED after what was queued. 1 MiB in 30 s is ~280 kbit/s.
+    stall_s: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _share_within_budget(self) -> PeerSendSettings:
+        if self.identity_bytes > self.budget_bytes:
+            raise ValueError(
+                f"peer_send.identity_bytes ({self.identity_bytes}) must not exceed "
+                f"peer_send.budget_bytes ({self.budget_bytes})"
+            )
+        return self
 
 
 class AgentOverlaySettings(Section):
@@ -128,6 +162,8 @@ class AgentSettings(ServiceSettings):
     profile_dp_epsilon: float | None = Field(default=None, gt=0)
     guardrail_ngram: int = Field(default=8, ge=3)
     max_package_bytes: int = Field(default=64 * MiB, ge=1024)
+    # What the peer server may hold for slow readers of adapters and packages.
+    peer_send: PeerSendSettings = PeerSendSettings()
     # One completion in a package a teacher sends us (UTF-8 bytes); with the transfer set's
     # size it bounds what a student parses and tokenises (agent.package.student_limits).
     package_max_item_bytes: int = Field(default=64 * 1024, ge=1024, le=64 * MiB)

@@ -31,6 +31,7 @@ from peerlm.agent.peer_client import (
     pull_adapter_with_round,
 )
 from peerlm.agent.peer_service import PEER_POLICY, PeerExchangeService, serve_peer
+from peerlm.agent.settings import PeerSendSettings
 from prometheus_client import CollectorRegistry
 
 from peerlm.config import GrpcLimits
@@ -104,6 +105,7 @@ class Peer:
     adapter: tuple[int, bytes] | None = None
     fail_next_build: bool = False
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    service: PeerExchangeService | None = None
 
     def add(
         self,
@@ -161,7 +163,9 @@ async def peer(pki: Path, payload: bytes) -> AsyncIterator[Peer]:
         registry=registry,
         log=structlog.get_logger("test"),
         signer=_signer(pki, "teacher"),
+        send=PeerSendSettings(wait_s=1.0),
     )
+    state.service = service
     server = await serve_peer(
         kit_context(pki, "teacher", registry=registry, listen="127.0.0.1:0"),
         service,
@@ -305,6 +309,33 @@ async def test_teacher_refuses_to_send_beyond_its_limit(peer: Peer, pki: Path) -
         )
         == 1
     )
+
+
+async def test_a_busy_send_budget_refuses_counts_and_refunds_the_fetch(
+    peer: Peer, pki: Path
+) -> None:
+    # White-box: the budget held in full stands in for stalled readers of other members
+    # (tests/security/test_slow_readers.py makes real ones).
+    assert peer.service is not None
+    budget = peer.service._budget
+    held = budget.ledger.total_bytes
+    assert await budget.reserve("stalled", held, timeout_s=1)
+    peer.add("c" * 32)
+    err = await _refused(_fetch(peer, pki, "student", "c" * 32))
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "send budget" in str(err)
+    assert peer.book.fetches("c" * 32) == 0  # the teacher's load, not the student's fetch
+    peer.adapter = (2, b"adapter" * 100)
+    with pytest.raises(PeerExchangeError) as pulled:
+        await pull_adapter(
+            _ctx(pki, "student"), peer.target, 0, expect="teacher", max_bytes=10**6, timeout_s=20
+        )
+    assert pulled.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for rpc in ("FetchPackage", "PullAdapter"):
+        assert peer.metric("peerlm_agent_peer_send_cutoffs_total", rpc=rpc, reason="busy") == 1
+    # Once the bytes come back, both are served.
+    budget.release("stalled", held)
+    assert await _fetch(peer, pki, "student", "c" * 32) == peer.payload
+    assert peer.metric("peerlm_agent_peer_send_in_flight_bytes") == 0
 
 
 async def test_failed_build_is_retried_not_cached(peer: Peer, pki: Path) -> None:

@@ -9,13 +9,17 @@ a model and the adapter version (the state a refused request must leave alone) o
 when something in the server is wrong.
 
 Run: ``python -m tests.security.peer_server_process --pki DIR --name teacher --port-file F
---metrics-port-file M``; it writes the bound ports and serves until SIGTERM.
+--metrics-port-file M``; it writes the bound ports and serves until SIGTERM. The slow-reader
+test (``test_slow_readers.py``) also sets the adapter's size (random bytes), the chunk
+size, the send budget (:class:`~peerlm.agent.settings.PeerSendSettings`) and the server's
+call limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -24,7 +28,9 @@ import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
 from peerlm.agent.directives import DirectiveBook
 from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+from peerlm.agent.settings import PeerSendSettings
 
+from peerlm.chunks import HashedPayload
 from peerlm.config import GrpcLimits
 from peerlm.metrics import new_registry, serve_metrics
 from peerlm.node import NodeContext
@@ -50,7 +56,7 @@ async def _main(args: argparse.Namespace) -> None:
         federation="unused-with-a-certificate",
         tls=tls,
         insecure_dev=False,
-        limits=GrpcLimits(),
+        limits=GrpcLimits(max_concurrent_rpcs=args.max_concurrent_rpcs),
         log=structlog.get_logger("peer"),
         registry=registry,
         listen="127.0.0.1:0",
@@ -73,19 +79,25 @@ async def _main(args: argparse.Namespace) -> None:
     async def package_for(directive: cpm_pb2.Directive, tokenizer: str | None) -> bytes:
         return PACKAGE
 
-    async def adapter_for(round_: int) -> tuple[int, bytes] | None:
-        return (ADAPTER_ROUND, ADAPTER)
+    # Hashed once, as the model host's cached encoding of its current adapter version is.
+    adapter = HashedPayload.of(
+        ADAPTER if args.adapter_bytes is None else os.urandom(args.adapter_bytes)
+    )
+
+    async def adapter_for(round_: int) -> tuple[int, HashedPayload] | None:
+        return (ADAPTER_ROUND, adapter)
 
     bundle = tls.load()
     service = PeerExchangeService(
         book,
         package_for,
         adapter_for,
-        chunk_bytes=CHUNK_BYTES,
+        chunk_bytes=args.chunk_bytes,
         max_package_bytes=1 << 20,
-        max_adapter_bytes=1 << 20,
+        max_adapter_bytes=max(1 << 20, len(adapter.data)),
         registry=registry,
         signer=ProofSigner.from_pem(bundle.cert, bundle.key),
+        send=PeerSendSettings.model_validate_json(args.send) if args.send else None,
     )
     server = await serve_peer(ctx, service, listen="127.0.0.1:0")
     metrics = serve_metrics(registry, "127.0.0.1", 0)
@@ -105,6 +117,10 @@ def main() -> None:
     parser.add_argument("--student", required=True)
     parser.add_argument("--port-file", required=True)
     parser.add_argument("--metrics-port-file", required=True)
+    parser.add_argument("--adapter-bytes", type=int, default=None)
+    parser.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES)
+    parser.add_argument("--send", default=None, help="PeerSendSettings as JSON")
+    parser.add_argument("--max-concurrent-rpcs", type=int, default=GrpcLimits().max_concurrent_rpcs)
     asyncio.run(_main(parser.parse_args()))
 
 

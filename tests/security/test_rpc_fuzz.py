@@ -89,6 +89,7 @@ REFUSAL_COUNTERS = (
     "peerlm_grpc_server_malformed_messages_total",
     "peerlm_cpm_rejected_requests_total",
     "peerlm_agent_peer_refusals_total",
+    "peerlm_agent_peer_send_cutoffs_total",
     "peerlm_overlay_rejected_messages_total",
 )
 
