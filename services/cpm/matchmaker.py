@@ -82,6 +82,32 @@ class Pairing:
             arr.flags.writeable = False
         object.__setattr__(self, "context", arr)
 
+    @classmethod
+    def _trusted(
+        cls,
+        sender: str,
+        receiver: str,
+        protocol: str,
+        role: str,
+        context: NDArray[np.float64],
+        ucb: float,
+        mean: float,
+    ) -> Pairing:
+        """A pairing from values the matchmaker produced itself: ``context`` already a
+        read-only float64 row. Skips the frozen-dataclass ``__init__`` (seven guarded
+        ``setattr`` calls and the copy check), which dominated building 5,000 pairings."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(
+            sender=sender,
+            receiver=receiver,
+            protocol=protocol,
+            role=role,
+            context=context,
+            ucb=ucb,
+            mean=mean,
+        )
+        return obj
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pairing):
             return NotImplemented
@@ -128,6 +154,17 @@ class MatchmakerState:
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable
+
+
+@dataclass(frozen=True)
+class _Picked:
+    """The pairings one selection pass kept, best first (agent indices into the round)."""
+
+    senders: NDArray[np.intp]
+    receivers: NDArray[np.intp]
+    combos: NDArray[np.intp]
+    ucb: NDArray[np.float64]
+    mean: NDArray[np.float64]
 
 
 class PairingPolicy(Protocol):
@@ -281,42 +318,43 @@ class Matchmaker:
         # agents whose few candidate partners were taken. Algorithm 2 would still pair
         # them (it stops only at K_p or when nobody is left), so the leftovers get another
         # pass among themselves. With all pairs scored the first pass already fills K_p.
-        chosen: list[tuple[int, int, int, float, float]] = []
+        passes: list[_Picked] = []
+        n_chosen = 0
         free = np.arange(n, dtype=np.intp)
+        taken = np.zeros(n, dtype=bool)
         for _ in range(_MAX_PASSES):
-            picked = self._select_pass(free, mat, trust, budget - len(chosen), rng)
-            if not picked:
+            picked = self._select_pass(free, mat, trust, budget - n_chosen, rng)
+            if not len(picked.senders):
                 break
-            chosen.extend(picked)
-            if len(chosen) >= budget:
+            passes.append(picked)
+            n_chosen += len(picked.senders)
+            if n_chosen >= budget:
                 break
-            taken = np.array([a for c in picked for a in c[:2]], dtype=np.intp)
-            free = np.setdiff1d(free, taken, assume_unique=True)
+            taken[picked.senders] = True
+            taken[picked.receivers] = True
+            free = free[~taken[free]]
             if len(free) < 2:
                 break
-        if not chosen:
+        if not passes:
             return []
 
-        senders = np.array([c[0] for c in chosen], dtype=np.intp)
-        receivers = np.array([c[1] for c in chosen], dtype=np.intp)
-        combo = np.array([c[2] for c in chosen], dtype=np.intp)
+        senders = np.concatenate([p.senders for p in passes])
+        receivers = np.concatenate([p.receivers for p in passes])
+        combo = np.concatenate([p.combos for p in passes])
+        ucb = np.concatenate([p.ucb for p in passes]).tolist()
+        mean = np.concatenate([p.mean for p in passes]).tolist()
         n_roles = len(self._features.roles)
         contexts = self._features.build(
             mat, trust, senders, receivers, combo // n_roles, combo % n_roles
         )
         # Read-only, so each Pairing can hold a row view instead of a copy.
         contexts.flags.writeable = False
+        names = [(p, r) for p in self._features.protocols for r in self._features.roles]
         return [
-            Pairing(
-                sender=ids[s],
-                receiver=ids[r],
-                protocol=self._features.protocols[c // n_roles],
-                role=self._features.roles[c % n_roles],
-                context=contexts[row],
-                ucb=u,
-                mean=mu,
+            Pairing._trusted(ids[s], ids[r], names[c][0], names[c][1], contexts[row], u, mu)
+            for row, (s, r, c, u, mu) in enumerate(
+                zip(senders.tolist(), receivers.tolist(), combo.tolist(), ucb, mean, strict=True)
             )
-            for row, (s, r, c, u, mu) in enumerate(chosen)
         ]
 
     def _select_pass(
@@ -326,11 +364,8 @@ class Matchmaker:
         trust: NDArray[np.float64] | None,
         budget: int,
         rng: np.random.Generator,
-    ) -> list[tuple[int, int, int, float, float]]:
-        """One Algorithm-2 pass over ``agents``: ``(sender, receiver, combo, ucb, mean)``.
-
-        Indices are into ``mat``; ``combo`` indexes the (protocol, role) one-hot.
-        """
+    ) -> _Picked:
+        """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat``."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
@@ -349,25 +384,22 @@ class Matchmaker:
         perm = rng.permutation(len(ucb))
         order = perm[np.argsort(-ucb[perm], kind="stable")]
         if self._matching == "greedy":
-            picked = greedy_disjoint(senders, receivers, order, budget, n)
+            picked = np.asarray(greedy_disjoint(senders, receivers, order, budget, n), np.intp)
         else:
             rank = np.empty(len(ucb), dtype=np.intp)
             rank[order] = np.arange(len(ucb))
             # Each pair's best tuple (over directions, protocols, roles) under the same order.
             best = rank.reshape(n_pairs, combos).argmin(axis=1) + np.arange(n_pairs) * combos
             edges = max_weight_disjoint(left, right, ucb[best], budget, n)
-            picked = sorted((int(best[e]) for e in edges), key=lambda c: int(rank[c]))
-        n_combo = combos // 2
-        return [
-            (
-                int(agents[senders[c]]),
-                int(agents[receivers[c]]),
-                c % n_combo,
-                float(ucb[c]),
-                float(mean[c]),
-            )
-            for c in picked
-        ]
+            picked = best[np.asarray(edges, dtype=np.intp)]
+            picked = picked[np.argsort(rank[picked], kind="stable")]
+        return _Picked(
+            senders=agents[senders[picked]],
+            receivers=agents[receivers[picked]],
+            combos=picked % (combos // 2),
+            ucb=ucb[picked],
+            mean=mean[picked],
+        )
 
     def _candidate_pairs(
         self,
