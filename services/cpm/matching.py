@@ -52,12 +52,13 @@ def greedy_disjoint(
     comes first, among the candidates still alive, at both of its agents (a *locally
     dominant* edge). Each round keeps every such candidate at once, marks their agents,
     and drops the candidates touching them; what remains is the same greedy problem on the
-    free agents, so the union over rounds is the greedy matching. Random candidate graphs
-    need a handful of rounds; a round that keeps few candidates (long chains of
-    decreasing weight) hands the rest to the plain loop, so the worst case stays
-    O(candidates) Python steps rather than O(rounds x candidates). The budget keeps the
-    first ``limit`` of the full greedy matching by rank, which is what the greedy walk
-    with a budget keeps (its earlier decisions do not depend on the budget).
+    free agents, so the union over rounds is the greedy matching. Prefiltered candidate
+    lists need ~10-20 rounds (the first keep few: a handful of agents rank high with
+    everyone). A round after the 16th that keeps few candidates (long chains of decreasing
+    weight), or the 64th round, hands the rest to the plain loop, so the worst case stays
+    O(candidates) Python steps plus 64 vectorised rounds. The budget keeps the first
+    ``limit`` of the full greedy matching by rank, which is what the greedy walk with a
+    budget keeps (its earlier decisions do not depend on the budget).
     """
     limit = min(budget, n_agents // 2)
     if limit <= 0 or len(order) == 0:
@@ -73,6 +74,7 @@ def greedy_disjoint(
     used = np.zeros(n_agents, dtype=bool)
     first = np.empty(n_agents, dtype=np.intp)
     end = len(order)
+    rounds = 0
     while len(pos):
         # Each agent's first alive candidate (its best remaining rank).
         first.fill(end)
@@ -88,7 +90,8 @@ def greedy_disjoint(
         pos, s, r = pos[alive], s[alive], r[alive]
         if n_kept >= limit and (not len(pos) or _kth(kept, limit) < pos[0]):
             break  # every later keep would rank after the first `limit` ones
-        if len(pos) and len(won) < _MIN_ROUND_KEEP:
+        rounds += 1
+        if len(pos) and (rounds >= _MAX_ROUNDS or (rounds >= 16 and len(won) < _MIN_ROUND_KEEP)):
             kept.append(_walk(pos, s, r, used))
             break
     if not kept:
@@ -98,8 +101,11 @@ def greedy_disjoint(
     return out
 
 
-# Below this many keeps per round, the remaining candidates are walked one by one.
+# After 16 rounds, a round keeping fewer than this hands the rest to the plain walk; after
+# _MAX_ROUNDS rounds the walk takes over regardless. Score structure (a few agents that rank
+# high with everyone) makes the first rounds keep few, so the walk must not start too early.
 _MIN_ROUND_KEEP = 32
+_MAX_ROUNDS = 64
 
 
 def _kth(kept: list[NDArray[np.intp]], k: int) -> int:

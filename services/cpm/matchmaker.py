@@ -167,6 +167,21 @@ class _Picked:
     mean: NDArray[np.float64]
 
 
+def _pair_best_mask(ucb2: NDArray[np.float64], perm: NDArray[np.intp]) -> NDArray[np.bool_]:
+    """Flat mask of each row's best tuple of ``ucb2`` (pairs x tuples): the highest UCB,
+    ties to the earliest position in ``perm`` — the tuple the full tie-broken order
+    (``perm`` stably sorted by descending UCB) would reach first. O(tuples), no sort."""
+    n_pairs, combos = ucb2.shape
+    pos = np.empty(perm.size, dtype=np.intp)
+    pos[perm] = np.arange(perm.size)
+    pos2 = pos.reshape(n_pairs, combos)
+    top = ucb2 == ucb2.max(axis=1, keepdims=True)
+    best = np.where(top, pos2, perm.size).argmin(axis=1) + np.arange(n_pairs) * combos
+    mask = np.zeros(perm.size, dtype=bool)
+    mask[best] = True
+    return mask
+
+
 class PairingPolicy(Protocol):
     """What a benchmark or the service needs from a matchmaker (learnt or baseline)."""
 
@@ -392,10 +407,15 @@ class Matchmaker:
 
         # Descending UCB; exact ties fall to a seeded random permutation (never to input order).
         perm = rng.permutation(len(ucb))
-        order = perm[np.argsort(-ucb[perm], kind="stable")]
         if self._matching == "greedy":
+            # Only each pair's best tuple can be kept by the greedy walk (its other tuples
+            # come later, with the same two agents), so only those are ranked and walked:
+            # the walk over all tuples in the full order keeps the same candidates.
+            order = perm[_pair_best_mask(ucb2, perm)[perm]]
+            order = order[np.argsort(-ucb[order], kind="stable")]
             picked = np.asarray(greedy_disjoint(senders, receivers, order, budget, n), np.intp)
         else:
+            order = perm[np.argsort(-ucb[perm], kind="stable")]
             rank = np.empty(len(ucb), dtype=np.intp)
             rank[order] = np.arange(len(ucb))
             # Each pair's best tuple (over directions, protocols, roles) under the same order.

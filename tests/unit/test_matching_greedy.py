@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peerlm.services.cpm.matching import greedy_disjoint, greedy_disjoint_sequential
+from peerlm.services.cpm.matchmaker import _pair_best_mask
 
 
 @settings(max_examples=300, deadline=None)
@@ -58,3 +59,35 @@ def test_vectorised_greedy_keeps_nothing_without_budget_or_candidates() -> None:
     one = np.array([0], dtype=np.intp)
     assert greedy_disjoint(one, one + 1, one * 0, 0, 10) == []
     assert greedy_disjoint(one, one, one * 0, 5, 10) == []  # a self-pair is never kept
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(2, 30),
+    n_pairs=st.integers(1, 120),
+    combos=st.sampled_from([2, 4, 8]),
+    budget=st.integers(1, 15),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_walking_only_each_pairs_best_tuple_keeps_the_same(
+    n: int, n_pairs: int, combos: int, budget: int, seed: int
+) -> None:
+    """What Matchmaker._select_pass does: the walk over each pair's best tuple (ties to the
+    seeded permutation) keeps what the walk over all tuples in the full order keeps."""
+    rng = np.random.default_rng(seed)
+    left = rng.integers(0, n, n_pairs).astype(np.intp)
+    right = ((left + rng.integers(1, n, n_pairs)) % n).astype(np.intp)
+    # Coarse values, so exact ties (within and across pairs) are common.
+    ucb2 = rng.integers(0, 4, size=(n_pairs, combos)).astype(np.float64)
+    ucb = ucb2.ravel()
+    fwd = np.arange(combos) < combos // 2
+    senders = np.where(fwd, left[:, None], right[:, None]).ravel()
+    receivers = np.where(fwd, right[:, None], left[:, None]).ravel()
+    perm = rng.permutation(len(ucb))
+    full = perm[np.argsort(-ucb[perm], kind="stable")]
+    reduced = perm[_pair_best_mask(ucb2, perm)[perm]]
+    reduced = reduced[np.argsort(-ucb[reduced], kind="stable")]
+    assert len(reduced) == n_pairs
+    assert greedy_disjoint(senders, receivers, reduced, budget, n) == greedy_disjoint_sequential(
+        senders, receivers, full, budget, n
+    )
