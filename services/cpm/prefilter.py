@@ -51,7 +51,7 @@ _BLOCK_ELEMENTS = 1 << 21
 #: From this many agents on, the top-k search is clustered (sub-quadratic) instead of exact.
 DEFAULT_CLUSTER_MIN_AGENTS = 2048
 #: Target agents per k-means cell of the clustered search.
-DEFAULT_CLUSTER_SIZE = 32
+DEFAULT_CLUSTER_SIZE = 128
 #: Partners scored per cell: the agents that score best against the cell's centre.
 DEFAULT_SHORTLIST = 512
 # k-means is fitted on at most this many agents per cell, then every agent is assigned.
@@ -115,9 +115,17 @@ class _CheapModel:
         h = (0.5 * (alpha + gamma) + 0.5 * const_var)[:, None]
         self.var_left = np.hstack([p * (-2.0 * v_a), p2 * v_p, h, ones]).astype(f32)
         self.var_right = np.hstack([p, p2, ones, h]).T.astype(f32).copy()
-        self.fwd_rows = np.ascontiguousarray(self.fwd_right.T)
-        self.rev_rows = np.ascontiguousarray(self.rev_right.T)
-        self.var_rows = np.ascontiguousarray(self.var_right.T)
+        self._rows: NDArray[np.float32] | None = None
+
+    @property
+    def right_rows(self) -> NDArray[np.float32]:
+        """``[fwd_right; rev_right; var_right]`` transposed: one contiguous row per agent,
+        so a shortlist of columns is one row gather (built on first use)."""
+        if self._rows is None:
+            self._rows = np.ascontiguousarray(
+                np.vstack([self.fwd_right, self.rev_right, self.var_right]).T
+            )
+        return self._rows
 
     def rows(self, lo: int, hi: int, beta: float) -> NDArray[np.float32]:
         """Cheap ``max`` over directions of ``mean + beta * sqrt(var)``, rows ``[lo, hi)``."""
@@ -130,8 +138,11 @@ class _CheapModel:
         if isinstance(cols, slice):
             fr, rr, vr = self.fwd_right[:, cols], self.rev_right[:, cols], self.var_right[:, cols]
         else:
-            # Gathering rows of the (N, d) copies is far cheaper than columns of (d, N).
-            fr, rr, vr = self.fwd_rows[cols].T, self.rev_rows[cols].T, self.var_rows[cols].T
+            # One gather of whole rows of the (N, d) copy is far cheaper than three gathers
+            # of columns of the (d, N) factors.
+            picked = self.right_rows[cols].T
+            a, b = self.fwd_right.shape[0], self.rev_right.shape[0]
+            fr, rr, vr = picked[:a], picked[a : a + b], picked[a + b :]
         left = (self.fwd_left[rows], self.rev_left[rows], self.var_left[rows])
         return _cheap_score(left, (fr, rr, vr), beta)
 
