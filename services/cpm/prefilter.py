@@ -44,7 +44,13 @@ from sklearn.cluster import KMeans
 
 from .features import FeatureLayout
 
-__all__ = ["cheap_pair_scores", "clustered_top_k", "prefilter_pairs"]
+__all__ = [
+    "cheap_pair_scores",
+    "clustered_top_k",
+    "exact_top_k",
+    "prefilter_pairs",
+    "top_k_partners",
+]
 
 # Elements per row block of the N x N score matrix (~8 MB per float32 temporary).
 _BLOCK_ELEMENTS = 1 << 21
@@ -268,6 +274,58 @@ def clustered_top_k(
     return best
 
 
+def top_k_partners(
+    profiles: NDArray[np.float64],
+    trust: NDArray[np.float64] | None,
+    layout: FeatureLayout,
+    theta: NDArray[np.float64],
+    a_inv_diag: NDArray[np.float64],
+    beta: float,
+    k: int,
+    rng: np.random.Generator,
+    *,
+    cluster_min_agents: int = DEFAULT_CLUSTER_MIN_AGENTS,
+    cell_size: int = DEFAULT_CLUSTER_SIZE,
+    shortlist: int = DEFAULT_SHORTLIST,
+) -> NDArray[np.intp]:
+    """Each agent's ``k`` best partners by the cheap score, ``(N, k)``: the exact search
+    below ``cluster_min_agents`` agents, :func:`clustered_top_k` from there on."""
+    n = profiles.shape[0]
+    k = max(0, min(k, n - 1))
+    if not k:
+        return np.empty((n, 0), dtype=np.intp)
+    if n >= cluster_min_agents:
+        return clustered_top_k(
+            profiles,
+            trust,
+            layout,
+            theta,
+            a_inv_diag,
+            beta,
+            k,
+            rng,
+            cell_size=cell_size,
+            shortlist=shortlist,
+        )
+    return exact_top_k(profiles, trust, layout, theta, a_inv_diag, beta, k)
+
+
+def exact_top_k(
+    profiles: NDArray[np.float64],
+    trust: NDArray[np.float64] | None,
+    layout: FeatureLayout,
+    theta: NDArray[np.float64],
+    a_inv_diag: NDArray[np.float64],
+    beta: float,
+    k: int,
+) -> NDArray[np.intp]:
+    """Each agent's ``k`` best partners by the cheap score over all ``N^2`` pairs (the
+    reference the clustered search's recall is measured against)."""
+    n = profiles.shape[0]
+    k = max(1, min(k, n - 1))
+    return _top_k_exact(_CheapModel(profiles, trust, layout, theta, a_inv_diag), n, k, beta)
+
+
 def prefilter_pairs(
     profiles: NDArray[np.float64],
     trust: NDArray[np.float64] | None,
@@ -297,23 +355,19 @@ def prefilter_pairs(
         empty = np.empty(0, dtype=np.intp)
         return empty, empty
     k = max(0, min(k, n - 1))
-    if not k:
-        best = np.empty((n, 0), dtype=np.intp)
-    elif n >= cluster_min_agents:
-        best = clustered_top_k(
-            profiles,
-            trust,
-            layout,
-            theta,
-            a_inv_diag,
-            beta,
-            k,
-            rng,
-            cell_size=cell_size,
-            shortlist=shortlist,
-        )
-    else:
-        best = _top_k_exact(_CheapModel(profiles, trust, layout, theta, a_inv_diag), n, k, beta)
+    best = top_k_partners(
+        profiles,
+        trust,
+        layout,
+        theta,
+        a_inv_diag,
+        beta,
+        k,
+        rng,
+        cluster_min_agents=cluster_min_agents,
+        cell_size=cell_size,
+        shortlist=shortlist,
+    )
     n_random = max(0, n_random)
     offsets = rng.integers(1, n, size=(n, n_random)) if n_random else np.empty((n, 0), np.intp)
     rand = (np.arange(n)[:, None] + offsets) % n
