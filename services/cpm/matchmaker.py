@@ -22,7 +22,8 @@ Choices the paper leaves open (see also ``docs/matchmaker.md``):
   ``observe`` updates with exactly ``pairing.context``, the vector scored at selection.
 * **Trust** is counted for the sender only; see :mod:`.trust`.
 * **Exact scores without building contexts**: every candidate's UCB is computed exactly
-  by :meth:`.LinUCB.score_pairs` from per-agent and per-pair pieces of ``x^T A^-1 x``;
+  by :meth:`.LinUCB.score_pairs` from per-agent and per-pair pieces of ``x^T A^-1 x``
+  (the per-pair part in float32 by default, ``score_precision``: within ~1e-6 of float64);
   only the chosen pairings' contexts are materialised (see :mod:`.linucb`).
 * **Large federations** (``N >= prefilter_min_agents``) score only prefiltered pairs
   (:mod:`.prefilter`). The sparse candidate graph can strand agents, so leftovers get
