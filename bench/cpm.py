@@ -63,6 +63,7 @@ from peerlm.services.cpm import (
     RewardNormaliser,
     greedy_disjoint,
 )
+from peerlm.services.cpm.prefilter import exact_top_k, top_k_partners
 
 __all__ = [
     "EXTRA_METHODS",
@@ -593,6 +594,7 @@ def _select_scaling(sizes: Sequence[int], calls: int, seed: int) -> dict[str, An
                     "cpu_median_ms": 1e3 * float(np.median(cpu)),
                     "cpu_min_ms": 1e3 * float(np.min(cpu)),
                     "candidates": mm.last_candidates,
+                    **_top_k_recall(mm, profiles, seed),
                 }
             )
     finally:
@@ -603,6 +605,30 @@ def _select_scaling(sizes: Sequence[int], calls: int, seed: int) -> dict[str, An
         y = np.log([max(r["cpu_median_ms"], 1e-6) for r in rows])
         exponent = float(np.polyfit(x, y, 1)[0])
     return {"threads": 1, "rows": rows, "cpu_growth_exponent": exponent}
+
+
+def _top_k_recall(mm: Matchmaker, profiles: Mapping[str, ArrayLike], seed: int) -> dict[str, Any]:
+    """Recall of the exact cheap-score top-k by the prefilter's search at this N (1.0 on the
+    exact path by construction; the clustered search from ``prefilter_cluster_min_agents``)."""
+    cfg = mm.config()
+    ids = sorted(profiles)
+    prof = mm.features.bound_profiles(np.array([profiles[a] for a in ids], dtype=np.float64))
+    trust = np.array([mm.trust(a) for a in ids]) if cfg["trust_features"] else None
+    args = (prof, trust, mm.features.layout, mm.theta, np.diagonal(mm.snapshot().a_inv).copy())
+    k = cfg["prefilter_k"]
+    exact = exact_top_k(*args, cfg["beta"], k)
+    found = top_k_partners(
+        *args,
+        cfg["beta"],
+        k,
+        np.random.default_rng(seed),
+        cluster_min_agents=cfg["prefilter_cluster_min_agents"],
+    )
+    hits = [len(set(e) & set(f)) for e, f in zip(exact.tolist(), found.tolist(), strict=True)]
+    return {
+        "top_k_search": "clustered" if len(ids) >= cfg["prefilter_cluster_min_agents"] else "exact",
+        "top_k_recall": float(np.sum(hits)) / exact.size,
+    }
 
 
 def _observe_throughput(updates: int, seed: int, **kwargs: Any) -> dict[str, Any]:
@@ -881,6 +907,10 @@ def render_report(report: Mapping[str, Any], console: Any) -> None:
                 f"select() N={row['n']:,}, 1 thread, {row['candidates']:,} candidates",
                 f"CPU median {row['cpu_median_ms']:.1f} ms (min {row['cpu_min_ms']:.1f}), "
                 f"wall {row['wall_median_ms']:.1f} ms",
+            )
+            table.add_row(
+                f"prefilter top-k recall N={row['n']:,} ({row['top_k_search']} search)",
+                f"{row['top_k_recall']:.4f}",
             )
         table.add_row(
             "select() CPU growth exponent (log-log fit)",

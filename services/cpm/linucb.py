@@ -27,6 +27,7 @@ float64 resolves for any realistic number of updates.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import scipy.linalg
@@ -37,7 +38,7 @@ from .features import FeatureLayout
 __all__ = ["DEFAULT_REFACTOR_EVERY", "INVERSE_TOLERANCE", "LinUCB"]
 
 # Unordered pairs scored per block in score_pairs (bounds the O(block * d) temporaries).
-_PAIR_BLOCK = 8192
+_PAIR_BLOCK = 1024
 
 #: Updates between re-derivations of ``A^-1`` from a Cholesky factor of ``A``. At d = 132 a
 #: re-factorisation costs ~1 ms, so once per 64 updates adds ~2% to an update's cost while
@@ -376,6 +377,8 @@ class LinUCB:
         left: NDArray[np.intp],
         right: NDArray[np.intp],
         beta: float,
+        *,
+        dtype: type[np.floating[Any]] = np.float64,
     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Exact UCB and mean of every candidate tuple of the pairs ``(left[p], right[p])``.
 
@@ -406,53 +409,83 @@ class LinUCB:
             r_idx = np.append(r_idx, lay.trust_receiver)
         else:
             u = profiles
+        du = u.shape[1]
         oh_idx = np.arange(lay.onehot.start, lay.onehot.stop)
-        # Per agent: quadratic self-terms, the sender-receiver cross map, combo terms, means.
-        q_s = np.einsum("ij,ij->i", u @ m[np.ix_(s_idx, s_idx)], u)
-        q_r = np.einsum("ij,ij->i", u @ m[np.ix_(r_idx, r_idx)], u)
-        cross = 2.0 * (u @ m[np.ix_(s_idx, r_idx)])
+        n_c = len(oh_idx)
         k_rows = m[oh_idx] + m[lay.bias]  # (C, d): row c is M k_c
-        h_s = 2.0 * (u @ k_rows[:, s_idx].T)
-        h_r = 2.0 * (u @ k_rows[:, r_idx].T)
-        kk = k_rows[np.arange(len(oh_idx)), oh_idx] + k_rows[:, lay.bias]
-        mean_s = u @ th[s_idx]
-        mean_r = u @ th[r_idx]
+        kk = k_rows[np.arange(n_c), oh_idx] + k_rows[:, lay.bias]
         mean_c = th[oh_idx] + th[lay.bias]
         inter = lay.absdiff is not None and lay.product is not None
-        if lay.absdiff is not None and lay.product is not None:
-            z_idx = np.r_[
+        z_idx = (
+            np.r_[
                 np.arange(lay.absdiff.start, lay.absdiff.stop),
                 np.arange(lay.product.start, lay.product.stop),
             ]
-            m_zz = m[np.ix_(z_idx, z_idx)]
-            g_s = 2.0 * (u @ m[np.ix_(s_idx, z_idx)])
-            g_r = 2.0 * (u @ m[np.ix_(r_idx, z_idx)])
-            k_z = 2.0 * k_rows[:, z_idx]
-            th_z = th[z_idx]
+            if lay.absdiff is not None and lay.product is not None
+            else np.empty(0, dtype=np.intp)
+        )
+        dz = len(z_idx)
+        # One table row per agent, so each block needs two row gathers (the pair's two
+        # agents) instead of a dozen column-block gathers:
+        #   [u | 2 M_sr^T u | 2 M_sz^T u | 2 M_rz^T u | h_s | h_r]
+        # (h: the agent-combo cross terms) in the scoring dtype, and beside it the per-agent
+        # quadratic self-terms and means [q_s, q_r, mean_s, mean_r] in float64.
+        c_cross, c_gs, c_gr = du, 2 * du, 2 * du + dz
+        c_hs = 2 * du + 2 * dz
+        c_hr = c_hs + n_c
+        dt = np.dtype(dtype)
+        if dt not in (np.float32, np.float64):
+            raise ValueError("dtype must be float32 or float64")
+        table = np.empty((n, c_hr + n_c), dtype=dt)
+        table[:, :du] = u
+        table[:, c_cross:c_gs] = 2.0 * (u @ m[np.ix_(s_idx, r_idx)])
+        if dz:
+            table[:, c_gs:c_gr] = 2.0 * (u @ m[np.ix_(s_idx, z_idx)])
+            table[:, c_gr:c_hs] = 2.0 * (u @ m[np.ix_(r_idx, z_idx)])
+        table[:, c_hs:c_hr] = 2.0 * (u @ k_rows[:, s_idx].T)
+        table[:, c_hr:] = 2.0 * (u @ k_rows[:, r_idx].T)
+        scal = np.empty((n, 4), dtype=np.float64)
+        scal[:, 0] = np.einsum("ij,ij->i", u @ m[np.ix_(s_idx, s_idx)], u)
+        scal[:, 1] = np.einsum("ij,ij->i", u @ m[np.ix_(r_idx, r_idx)], u)
+        scal[:, 2] = u @ th[s_idx]
+        scal[:, 3] = u @ th[r_idx]
+        if inter:
+            m_zz = m[np.ix_(z_idx, z_idx)].astype(dt)
+            k_z = (2.0 * k_rows[:, z_idx]).T.astype(dt)
+            th_z = th[z_idx].astype(dt)
 
-        n_pairs, n_c = len(left), len(oh_idx)
+        n_pairs = len(left)
         ucb = np.empty((n_pairs, 2 * n_c), dtype=np.float64)
         mean = np.empty((n_pairs, 2 * n_c), dtype=np.float64)
         for lo in range(0, n_pairs, _PAIR_BLOCK):
-            i = left[lo : lo + _PAIR_BLOCK]
-            j = right[lo : lo + _PAIR_BLOCK]
-            fwd = q_s[i] + q_r[j] + np.einsum("ij,ij->i", cross[i], u[j])
-            rev = q_s[j] + q_r[i] + np.einsum("ij,ij->i", cross[j], u[i])
-            m_fwd = mean_s[i] + mean_r[j]
-            m_rev = mean_s[j] + mean_r[i]
-            combo = h_s[i] + h_r[j], h_s[j] + h_r[i]
+            li, rj = left[lo : lo + _PAIR_BLOCK], right[lo : lo + _PAIR_BLOCK]
+            ti, tj = table[li], table[rj]
+            si, sj = scal[li], scal[rj]
+            rows = len(ti)
+            ui, uj = ti[:, :du], tj[:, :du]
+            fwd = si[:, 0] + sj[:, 1] + np.einsum("ij,ij->i", ti[:, c_cross:c_gs], uj)
+            rev = sj[:, 0] + si[:, 1] + np.einsum("ij,ij->i", tj[:, c_cross:c_gs], ui)
+            m_fwd = si[:, 2] + sj[:, 3]
+            m_rev = sj[:, 2] + si[:, 3]
+            combo = ti[:, c_hs:c_hr] + tj[:, c_hr:], tj[:, c_hs:c_hr] + ti[:, c_hr:]
             if inter:
-                pi, pj = profiles[i], profiles[j]
-                z = np.hstack([np.abs(pi - pj), pi * pj])
+                pi, pj = ui[:, :dp], uj[:, :dp]
+                z = np.empty((rows, dz), dtype=dt)
+                np.subtract(pi, pj, out=z[:, :dp])
+                np.abs(z[:, :dp], out=z[:, :dp])
+                np.multiply(pi, pj, out=z[:, dp:])
                 q_z = np.einsum("ij,ij->i", z @ m_zz, z)
-                fwd += q_z + np.einsum("ij,ij->i", z, g_s[i] + g_r[j])
-                rev += q_z + np.einsum("ij,ij->i", z, g_s[j] + g_r[i])
-                z_c = z @ k_z.T + kk
+                # z . g for both agents and both roles at once: (rows, 2) per agent.
+                gi = np.einsum("ikd,id->ik", ti[:, c_gs:c_hs].reshape(rows, 2, dz), z)
+                gj = np.einsum("ikd,id->ik", tj[:, c_gs:c_hs].reshape(rows, 2, dz), z)
+                fwd += q_z + gi[:, 0] + gj[:, 1]
+                rev += q_z + gj[:, 0] + gi[:, 1]
+                z_c = z @ k_z + kk
                 m_z = z @ th_z
                 m_fwd += m_z
                 m_rev += m_z
             else:
-                z_c = np.broadcast_to(kk, (len(i), n_c))
+                z_c = np.broadcast_to(kk, (rows, n_c))
             for col, (quad, mu, per_combo) in enumerate(
                 ((fwd, m_fwd, combo[0]), (rev, m_rev, combo[1]))
             ):
@@ -462,6 +495,6 @@ class LinUCB:
                 block *= beta
                 mu_block = mu[:, None] + mean_c
                 cols = slice(col * n_c, (col + 1) * n_c)
-                mean[lo : lo + len(i), cols] = mu_block
-                ucb[lo : lo + len(i), cols] = block + mu_block
+                mean[lo : lo + rows, cols] = mu_block
+                ucb[lo : lo + rows, cols] = block + mu_block
         return ucb, mean

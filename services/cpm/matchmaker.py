@@ -22,7 +22,8 @@ Choices the paper leaves open (see also ``docs/matchmaker.md``):
   ``observe`` updates with exactly ``pairing.context``, the vector scored at selection.
 * **Trust** is counted for the sender only; see :mod:`.trust`.
 * **Exact scores without building contexts**: every candidate's UCB is computed exactly
-  by :meth:`.LinUCB.score_pairs` from per-agent and per-pair pieces of ``x^T A^-1 x``;
+  by :meth:`.LinUCB.score_pairs` from per-agent and per-pair pieces of ``x^T A^-1 x``
+  (the per-pair part in float32 by default, ``score_precision``: within ~1e-6 of float64);
   only the chosen pairings' contexts are materialised (see :mod:`.linucb`).
 * **Large federations** (``N >= prefilter_min_agents``) score only prefiltered pairs
   (:mod:`.prefilter`). The sparse candidate graph can strand agents, so leftovers get
@@ -82,6 +83,32 @@ class Pairing:
             arr.flags.writeable = False
         object.__setattr__(self, "context", arr)
 
+    @classmethod
+    def _trusted(
+        cls,
+        sender: str,
+        receiver: str,
+        protocol: str,
+        role: str,
+        context: NDArray[np.float64],
+        ucb: float,
+        mean: float,
+    ) -> Pairing:
+        """A pairing from values the matchmaker produced itself: ``context`` already a
+        read-only float64 row. Skips the frozen-dataclass ``__init__`` (seven guarded
+        ``setattr`` calls and the copy check), which dominated building 5,000 pairings."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(
+            sender=sender,
+            receiver=receiver,
+            protocol=protocol,
+            role=role,
+            context=context,
+            ucb=ucb,
+            mean=mean,
+        )
+        return obj
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pairing):
             return NotImplemented
@@ -130,6 +157,32 @@ class MatchmakerState:
     __hash__ = None  # type: ignore[assignment]  # mutable
 
 
+@dataclass(frozen=True)
+class _Picked:
+    """The pairings one selection pass kept, best first (agent indices into the round)."""
+
+    senders: NDArray[np.intp]
+    receivers: NDArray[np.intp]
+    combos: NDArray[np.intp]
+    ucb: NDArray[np.float64]
+    mean: NDArray[np.float64]
+
+
+def _pair_best_mask(ucb2: NDArray[np.float64], perm: NDArray[np.intp]) -> NDArray[np.bool_]:
+    """Flat mask of each row's best tuple of ``ucb2`` (pairs x tuples): the highest UCB,
+    ties to the earliest position in ``perm`` — the tuple the full tie-broken order
+    (``perm`` stably sorted by descending UCB) would reach first. O(tuples), no sort."""
+    n_pairs, combos = ucb2.shape
+    pos = np.empty(perm.size, dtype=np.intp)
+    pos[perm] = np.arange(perm.size)
+    pos2 = pos.reshape(n_pairs, combos)
+    top = ucb2 == ucb2.max(axis=1, keepdims=True)
+    best = np.where(top, pos2, perm.size).argmin(axis=1) + np.arange(n_pairs) * combos
+    mask = np.zeros(perm.size, dtype=bool)
+    mask[best] = True
+    return mask
+
+
 class PairingPolicy(Protocol):
     """What a benchmark or the service needs from a matchmaker (learnt or baseline)."""
 
@@ -163,6 +216,9 @@ class Matchmaker:
         prefilter_random: seeded random partners added per agent by the prefilter.
         prefilter_cluster_min_agents: from this many agents on the prefilter's top-k
             search is clustered (sub-quadratic, approximate; see :mod:`.prefilter`).
+        score_precision: arithmetic of the per-pair part of the exact UCB
+            (:meth:`.LinUCB.score_pairs`): ``"float32"`` (default; ~2x faster, UCBs within
+            ~1e-6 of float64) or ``"float64"``.
     """
 
     def __init__(
@@ -182,6 +238,7 @@ class Matchmaker:
         ridge: float = 1.0,
         prefilter_random: int = DEFAULT_PREFILTER_RANDOM,
         prefilter_cluster_min_agents: int = DEFAULT_CLUSTER_MIN_AGENTS,
+        score_precision: Literal["float32", "float64"] = "float32",
     ) -> None:
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError("beta must be a finite number >= 0")
@@ -195,6 +252,10 @@ class Matchmaker:
             raise ValueError("prefilter_k must be >= 1 and prefilter_random >= 0")
         if prefilter_min_agents < 2:
             raise ValueError("prefilter_min_agents must be >= 2")
+        if score_precision not in ("float32", "float64"):
+            raise ValueError(
+                f"score_precision must be 'float32' or 'float64', got {score_precision!r}"
+            )
         self._features = ContextFeatures(
             profile_dim,
             protocols,
@@ -214,6 +275,8 @@ class Matchmaker:
         self._prefilter_min_agents = int(prefilter_min_agents)
         self._prefilter_random = int(prefilter_random)
         self._prefilter_cluster_min_agents = int(prefilter_cluster_min_agents)
+        self._score_precision = score_precision
+        self._score_dtype = np.float32 if score_precision == "float32" else np.float64
         self._selects_since_update = 0
         self._last_candidates = 0
         # Column layout of LinUCB.score_pairs per pair: C forward combos, then C reverse.
@@ -281,42 +344,43 @@ class Matchmaker:
         # agents whose few candidate partners were taken. Algorithm 2 would still pair
         # them (it stops only at K_p or when nobody is left), so the leftovers get another
         # pass among themselves. With all pairs scored the first pass already fills K_p.
-        chosen: list[tuple[int, int, int, float, float]] = []
+        passes: list[_Picked] = []
+        n_chosen = 0
         free = np.arange(n, dtype=np.intp)
+        taken = np.zeros(n, dtype=bool)
         for _ in range(_MAX_PASSES):
-            picked = self._select_pass(free, mat, trust, budget - len(chosen), rng)
-            if not picked:
+            picked = self._select_pass(free, mat, trust, budget - n_chosen, rng)
+            if not len(picked.senders):
                 break
-            chosen.extend(picked)
-            if len(chosen) >= budget:
+            passes.append(picked)
+            n_chosen += len(picked.senders)
+            if n_chosen >= budget:
                 break
-            taken = np.array([a for c in picked for a in c[:2]], dtype=np.intp)
-            free = np.setdiff1d(free, taken, assume_unique=True)
+            taken[picked.senders] = True
+            taken[picked.receivers] = True
+            free = free[~taken[free]]
             if len(free) < 2:
                 break
-        if not chosen:
+        if not passes:
             return []
 
-        senders = np.array([c[0] for c in chosen], dtype=np.intp)
-        receivers = np.array([c[1] for c in chosen], dtype=np.intp)
-        combo = np.array([c[2] for c in chosen], dtype=np.intp)
+        senders = np.concatenate([p.senders for p in passes])
+        receivers = np.concatenate([p.receivers for p in passes])
+        combo = np.concatenate([p.combos for p in passes])
+        ucb = np.concatenate([p.ucb for p in passes]).tolist()
+        mean = np.concatenate([p.mean for p in passes]).tolist()
         n_roles = len(self._features.roles)
         contexts = self._features.build(
             mat, trust, senders, receivers, combo // n_roles, combo % n_roles
         )
         # Read-only, so each Pairing can hold a row view instead of a copy.
         contexts.flags.writeable = False
+        names = [(p, r) for p in self._features.protocols for r in self._features.roles]
         return [
-            Pairing(
-                sender=ids[s],
-                receiver=ids[r],
-                protocol=self._features.protocols[c // n_roles],
-                role=self._features.roles[c % n_roles],
-                context=contexts[row],
-                ucb=u,
-                mean=mu,
+            Pairing._trusted(ids[s], ids[r], names[c][0], names[c][1], contexts[row], u, mu)
+            for row, (s, r, c, u, mu) in enumerate(
+                zip(senders.tolist(), receivers.tolist(), combo.tolist(), ucb, mean, strict=True)
             )
-            for row, (s, r, c, u, mu) in enumerate(chosen)
         ]
 
     def _select_pass(
@@ -326,17 +390,14 @@ class Matchmaker:
         trust: NDArray[np.float64] | None,
         budget: int,
         rng: np.random.Generator,
-    ) -> list[tuple[int, int, int, float, float]]:
-        """One Algorithm-2 pass over ``agents``: ``(sender, receiver, combo, ucb, mean)``.
-
-        Indices are into ``mat``; ``combo`` indexes the (protocol, role) one-hot.
-        """
+    ) -> _Picked:
+        """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat``."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
         left, right = self._candidate_pairs(sub, sub_trust, rng)
         ucb2, mean2 = self._bandit.score_pairs(
-            self._features.layout, sub, sub_trust, left, right, self._beta
+            self._features.layout, sub, sub_trust, left, right, self._beta, dtype=self._score_dtype
         )
         n_pairs, combos = ucb2.shape
         ucb, mean = ucb2.ravel(), mean2.ravel()
@@ -347,27 +408,29 @@ class Matchmaker:
 
         # Descending UCB; exact ties fall to a seeded random permutation (never to input order).
         perm = rng.permutation(len(ucb))
-        order = perm[np.argsort(-ucb[perm], kind="stable")]
         if self._matching == "greedy":
-            picked = greedy_disjoint(senders, receivers, order, budget, n)
+            # Only each pair's best tuple can be kept by the greedy walk (its other tuples
+            # come later, with the same two agents), so only those are ranked and walked:
+            # the walk over all tuples in the full order keeps the same candidates.
+            order = perm[_pair_best_mask(ucb2, perm)[perm]]
+            order = order[np.argsort(-ucb[order], kind="stable")]
+            picked = np.asarray(greedy_disjoint(senders, receivers, order, budget, n), np.intp)
         else:
+            order = perm[np.argsort(-ucb[perm], kind="stable")]
             rank = np.empty(len(ucb), dtype=np.intp)
             rank[order] = np.arange(len(ucb))
             # Each pair's best tuple (over directions, protocols, roles) under the same order.
             best = rank.reshape(n_pairs, combos).argmin(axis=1) + np.arange(n_pairs) * combos
             edges = max_weight_disjoint(left, right, ucb[best], budget, n)
-            picked = sorted((int(best[e]) for e in edges), key=lambda c: int(rank[c]))
-        n_combo = combos // 2
-        return [
-            (
-                int(agents[senders[c]]),
-                int(agents[receivers[c]]),
-                c % n_combo,
-                float(ucb[c]),
-                float(mean[c]),
-            )
-            for c in picked
-        ]
+            picked = best[np.asarray(edges, dtype=np.intp)]
+            picked = picked[np.argsort(rank[picked], kind="stable")]
+        return _Picked(
+            senders=agents[senders[picked]],
+            receivers=agents[receivers[picked]],
+            combos=picked % (combos // 2),
+            ucb=ucb[picked],
+            mean=mean[picked],
+        )
 
     def _candidate_pairs(
         self,
@@ -520,5 +583,6 @@ class Matchmaker:
             "prefilter_min_agents": self._prefilter_min_agents,
             "prefilter_random": self._prefilter_random,
             "prefilter_cluster_min_agents": self._prefilter_cluster_min_agents,
+            "score_precision": self._score_precision,
             "context_dim": self.context_dim,
         }

@@ -65,6 +65,9 @@ def test_quick_benchmark_reports_every_metric() -> None:
     assert [r["n"] for r in scaling["rows"]] == [100, 200]
     assert all(r["cpu_median_ms"] > 0 and r["wall_median_ms"] > 0 for r in scaling["rows"])
     assert isinstance(scaling["cpu_growth_exponent"], float)
+    # Below the clustering threshold the search is exact: recall 1 by construction.
+    assert all(r["top_k_search"] == "exact" for r in scaling["rows"])
+    assert all(r["top_k_recall"] == 1.0 for r in scaling["rows"])
     assert speed["observe"]["updates_per_s"] > 0
     if mabwiser_available():
         assert report["mabwiser_compared"] is True

@@ -72,6 +72,27 @@ def test_validate_profiles_names_the_offender() -> None:
         validate_profiles(["a"], [np.zeros(5)], 4)
 
 
+def test_validate_profiles_fast_path_falls_back_for_every_malformed_row() -> None:
+    """The whole-list conversion is only a fast path: ragged rows, wrong shapes, text and
+    nested rows still get the per-agent message, and values equal the per-row conversion."""
+    good = [0.0, 0.5, 1.0, -1.0]
+    rows = [good, np.arange(4.0), (1, 2, 3, 4)]
+    np.testing.assert_array_equal(
+        validate_profiles(["a", "b", "c"], rows, 4), np.array([np.asarray(r, float) for r in rows])
+    )
+    for bad, message in [
+        ([0.0, 1.0], "'c' must have shape"),  # ragged
+        (np.zeros((4, 1)), "'c' must have shape"),  # same size, wrong shape
+        (["x", "y", "z", "w"], "'c' is not a numeric vector"),
+        ([0.0, 1e9, 0.0, 0.0], "'c'.*exceeds"),
+        ([0.0, np.inf, 0.0, 0.0], "'c'.*NaN or Inf"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            validate_profiles(["a", "b", "c"], [good, good, bad], 4)
+    with pytest.raises(ValueError, match="one profile per agent"):
+        validate_profiles(["a", "b"], [good], 4)
+
+
 def test_default_context_dimension_and_names() -> None:
     full = ContextFeatures(32)
     plain = ContextFeatures(32, interaction=False)

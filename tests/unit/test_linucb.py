@@ -116,6 +116,61 @@ def test_score_pairs_matches_scoring_built_contexts(
             ucb, mean = bandit.score(x[None, :], 0.7)
             assert ucb2[p, col] == pytest.approx(ucb[0], rel=1e-9, abs=1e-9)
             assert mean2[p, col] == pytest.approx(mean[0], rel=1e-9, abs=1e-9)
+    # The matchmaker's default: the per-pair part in float32, within float32 rounding.
+    ucb32, mean32 = bandit.score_pairs(
+        features.layout, profiles, trust_vec, left, right, 0.7, dtype=np.float32
+    )
+    assert ucb32.dtype == np.float64
+    scale = 1.0 + np.abs(ucb2)
+    assert np.all(np.abs(ucb32 - ucb2) <= 1e-4 * scale)
+    assert np.all(np.abs(mean32 - mean2) <= 1e-4 * (1.0 + np.abs(mean2)))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_score_pairs_over_many_blocks_matches_built_contexts(dtype: type) -> None:
+    """More pairs than one block (1024), in both precisions, against LinUCB.score."""
+    rng = np.random.default_rng(11)
+    features = ContextFeatures(6, ["a", "b"], ["one_way"], interaction=True, trust=True)
+    bandit = _trained(features.dim, 40, 11)
+    n = 70
+    profiles = rng.uniform(-1, 1, size=(n, 6))
+    trust_vec = rng.random(n)
+    left, right = np.triu_indices(n, 1)
+    ucb2, mean2 = bandit.score_pairs(
+        features.layout, profiles, trust_vec, left, right, 0.9, dtype=dtype
+    )
+    combos = 2
+    senders = np.concatenate([np.repeat(left, combos), np.repeat(right, combos)])
+    receivers = np.concatenate([np.repeat(right, combos), np.repeat(left, combos)])
+    combo = np.tile(np.arange(combos), 2 * len(left))
+    x = features.build(profiles, trust_vec, senders, receivers, combo, np.zeros_like(combo))
+    ucb, mean = bandit.score(x, 0.9)
+    # Rows of x: all forward tuples, then all reverse; columns of ucb2: forward, reverse.
+    expect = np.hstack(
+        [
+            ucb[: combos * len(left)].reshape(-1, combos),
+            ucb[combos * len(left) :].reshape(-1, combos),
+        ]
+    )
+    expect_mean = np.hstack(
+        [
+            mean[: combos * len(left)].reshape(-1, combos),
+            mean[combos * len(left) :].reshape(-1, combos),
+        ]
+    )
+    tol = 1e-9 if dtype is np.float64 else 1e-4
+    np.testing.assert_allclose(ucb2, expect, rtol=tol, atol=tol)
+    np.testing.assert_allclose(mean2, expect_mean, rtol=tol, atol=tol)
+
+
+def test_score_pairs_rejects_other_dtypes() -> None:
+    features = ContextFeatures(3, ["a"], ["one_way"])
+    bandit = LinUCB(features.dim)
+    idx = np.array([0])
+    with pytest.raises(ValueError, match="float32 or float64"):
+        bandit.score_pairs(
+            features.layout, np.zeros((2, 3)), np.zeros(2), idx, idx + 1, 1.0, dtype=np.float16
+        )
 
 
 def test_initial_state_is_ridge_identity() -> None:

@@ -91,15 +91,21 @@ def test_budget_defaults_to_half_and_is_respected() -> None:
     assert len(Matchmaker(32, pair_budget=99, seed=0).select(profiles)) == 5
 
 
-def test_pairing_scores_match_context() -> None:
-    m = Matchmaker(32, beta=0.7, seed=1)
+@pytest.mark.parametrize(("precision", "tol"), [("float64", 1e-9), ("float32", 1e-5)])
+def test_pairing_scores_match_context(precision: str, tol: float) -> None:
+    m = Matchmaker(32, beta=0.7, seed=1, score_precision=precision)  # type: ignore[arg-type]
     train(m, 5, 10, random_profiles, lambda p, q: 1.0, seed=1)
     a_inv, theta = np.array(m.snapshot().a_inv), np.array(m.theta)
     for p in m.select(random_profiles(np.random.default_rng(9), 10)):
         x = p.context
         assert x.shape == (m.context_dim,) and not x.flags.writeable
-        assert p.mean == pytest.approx(float(theta @ x), abs=1e-9)
-        assert p.ucb == pytest.approx(float(theta @ x) + 0.7 * math.sqrt(x @ a_inv @ x), abs=1e-9)
+        assert p.mean == pytest.approx(float(theta @ x), abs=tol)
+        assert p.ucb == pytest.approx(float(theta @ x) + 0.7 * math.sqrt(x @ a_inv @ x), abs=tol)
+
+
+def test_score_precision_is_validated() -> None:
+    with pytest.raises(ValueError, match="score_precision"):
+        Matchmaker(8, score_precision="float16")  # type: ignore[arg-type]
 
 
 def test_pairings_come_in_descending_ucb() -> None:

@@ -10,7 +10,9 @@ from peerlm.services.cpm.prefilter import (
     _top_k_exact,
     cheap_pair_scores,
     clustered_top_k,
+    exact_top_k,
     prefilter_pairs,
+    top_k_partners,
 )
 
 D_P = 12
@@ -103,3 +105,17 @@ def test_small_federations_ignore_the_cluster_setting() -> None:
     default = Matchmaker(profile_dim=D_P, seed=1).select(profiles)
     clustered = Matchmaker(profile_dim=D_P, seed=1, prefilter_cluster_min_agents=2).select(profiles)
     assert default == clustered  # N < prefilter_min_agents: all pairs scored exactly
+
+
+def test_top_k_partners_dispatches_on_the_cluster_threshold() -> None:
+    mm, prof, trust = _population(300, 6)
+    args = _args(mm, prof, trust)
+    exact = exact_top_k(*args, 6)
+    below = top_k_partners(*args, 6, np.random.default_rng(0), cluster_min_agents=301)
+    assert np.array_equal(np.sort(below, axis=1), np.sort(exact, axis=1))
+    above = top_k_partners(
+        *args, 6, np.random.default_rng(0), cluster_min_agents=300, cell_size=16, shortlist=64
+    )
+    ref = clustered_top_k(*args, 6, np.random.default_rng(0), cell_size=16, shortlist=64)
+    assert np.array_equal(above, ref)
+    assert top_k_partners(*args, 0, np.random.default_rng(0)).shape == (300, 0)
