@@ -47,6 +47,13 @@ if TYPE_CHECKING:
         pull_adapter_with_round,
     )
     from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+    from peerlm.agent.proxy_compress import (
+        block_influence,
+        blocks_to_keep,
+        kept_count,
+        token_batches,
+    )
+    from peerlm.agent.proxy_model import ProxyError, build_proxy, fuse_into, proxy_info
     from peerlm.agent.rounds import (
         Integration,
         ProfileInputs,
@@ -147,6 +154,14 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "aggregate_svd": ("peerlm.agent.lora_merge", "aggregate_svd"),
     "delta_weights": ("peerlm.agent.lora_merge", "delta_weights"),
     "normalise_weights": ("peerlm.agent.lora_merge", "normalise_weights"),
+    "ProxyError": ("peerlm.agent.proxy_model", "ProxyError"),
+    "block_influence": ("peerlm.agent.proxy_compress", "block_influence"),
+    "blocks_to_keep": ("peerlm.agent.proxy_compress", "blocks_to_keep"),
+    "build_proxy": ("peerlm.agent.proxy_model", "build_proxy"),
+    "fuse_into": ("peerlm.agent.proxy_model", "fuse_into"),
+    "kept_count": ("peerlm.agent.proxy_compress", "kept_count"),
+    "proxy_info": ("peerlm.agent.proxy_model", "proxy_info"),
+    "token_batches": ("peerlm.agent.proxy_compress", "token_batches"),
 }
 
 __all__ = [
@@ -174,6 +189,7 @@ __all__ = [
     "PeerExchangeService",
     "Problem",
     "ProfileInputs",
+    "ProxyError",
     "RoundConfig",
     "TrainSettings",
     "World",
@@ -182,9 +198,12 @@ __all__ = [
     "aggregate_fedavg_factors",
     "aggregate_ffa",
     "aggregate_svd",
+    "block_influence",
+    "blocks_to_keep",
     "build_federation_data",
     "build_models",
     "build_package",
+    "build_proxy",
     "build_text_package",
     "category_counts",
     "category_histogram",
@@ -196,11 +215,14 @@ __all__ = [
     "evaluate_pass",
     "fetch_package",
     "function_key",
+    "fuse_into",
     "generate_bank",
     "integrate_package",
+    "kept_count",
     "local_update",
     "next_directive",
     "normalise_weights",
+    "proxy_info",
     "public_problems",
     "pull_adapter",
     "pull_adapter_with_round",
@@ -215,6 +237,7 @@ __all__ = [
     "serve_peer",
     "structural_match_rate",
     "teacher_completions",
+    "token_batches",
     "transfer_set_sha256",
     "write_jsonl",
 ]
