@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from peerlm.agent.directives import DirectiveBook
     from peerlm.agent.evaluation import evaluate, structural_match_rate
     from peerlm.agent.guardrail import Guardrail, agent_guardrail
+    from peerlm.agent.hties import (
+        CohortAnalysis,
+        HTiesResult,
+        fedavg_proxies,
+        h_ties,
+        ties_merge,
+    )
     from peerlm.agent.lora_merge import (
         ClientAdapter,
         MergedAdapter,
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
     )
     from peerlm.agent.models.tiny import read_manifest as read_models_manifest
     from peerlm.agent.package import build_text_package, decode_package
+    from peerlm.agent.pcr import ConflictRegulariser, pcr_penalty
     from peerlm.agent.peer_client import (
         PeerExchangeError,
         fetch_package,
@@ -162,6 +170,13 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "kept_count": ("peerlm.agent.proxy_compress", "kept_count"),
     "proxy_info": ("peerlm.agent.proxy_model", "proxy_info"),
     "token_batches": ("peerlm.agent.proxy_compress", "token_batches"),
+    "CohortAnalysis": ("peerlm.agent.hties", "CohortAnalysis"),
+    "HTiesResult": ("peerlm.agent.hties", "HTiesResult"),
+    "fedavg_proxies": ("peerlm.agent.hties", "fedavg_proxies"),
+    "h_ties": ("peerlm.agent.hties", "h_ties"),
+    "ties_merge": ("peerlm.agent.hties", "ties_merge"),
+    "ConflictRegulariser": ("peerlm.agent.pcr", "ConflictRegulariser"),
+    "pcr_penalty": ("peerlm.agent.pcr", "pcr_penalty"),
 }
 
 __all__ = [
@@ -176,9 +191,12 @@ __all__ = [
     "AgentSummary",
     "BuildEvent",
     "ClientAdapter",
+    "CohortAnalysis",
+    "ConflictRegulariser",
     "CpmClient",
     "DirectiveBook",
     "Guardrail",
+    "HTiesResult",
     "Integration",
     "LoraSettings",
     "Manifest",
@@ -213,15 +231,18 @@ __all__ = [
     "encode_adapter",
     "evaluate",
     "evaluate_pass",
+    "fedavg_proxies",
     "fetch_package",
     "function_key",
     "fuse_into",
     "generate_bank",
+    "h_ties",
     "integrate_package",
     "kept_count",
     "local_update",
     "next_directive",
     "normalise_weights",
+    "pcr_penalty",
     "proxy_info",
     "public_problems",
     "pull_adapter",
@@ -237,6 +258,7 @@ __all__ = [
     "serve_peer",
     "structural_match_rate",
     "teacher_completions",
+    "ties_merge",
     "token_batches",
     "transfer_set_sha256",
     "write_jsonl",
