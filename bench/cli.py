@@ -4,9 +4,10 @@
 (:mod:`peerlm.bench.cpm`); ``peerlm bench overlay`` the semantic overlay in the
 simulator (:mod:`peerlm.bench.overlay`); ``peerlm bench transfer`` adapter pulls beside a raw
 TLS socket and plain gRPC streaming (:mod:`peerlm.bench.transfer`); ``peerlm bench lora-merge``
-OnePeFT's SVD aggregation beside peft's merge (:mod:`peerlm.bench.lora_merge`). All: progress on
-stderr, rich tables (or one JSON object with ``--json``) on stdout, optional PNG plots with
-``--plots DIR`` (cpm, overlay).
+OnePeFT's SVD aggregation beside peft's merge (:mod:`peerlm.bench.lora_merge`); ``peerlm bench
+fedproxy`` H-TIES against FedAvg of proxies on a tiny model (:mod:`peerlm.bench.fedproxy`).
+All: progress on stderr, rich tables (or one JSON object with ``--json``) on stdout, optional
+PNG plots with ``--plots DIR`` (cpm, overlay).
 """
 
 from __future__ import annotations
@@ -323,6 +324,13 @@ def fedproxy_command(
 ) -> None:
     """FedProxy on a tiny model: H-TIES against FedAvg of proxies (reference NLL)."""
     from peerlm.bench.fedproxy import METHODS, FedProxyBenchConfig, render_report, run_benchmark
+
+    # The library's per-load progress bars would interleave with the benchmark's own.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
     try:
         seed_list = tuple(int(part) for part in seeds.split(",") if part.strip())
