@@ -91,6 +91,17 @@ class ConflictRegulariser:
     lambda_reg: float = DEFAULT_LAMBDA_REG
 
     def penalty(self, model: nn.Module) -> torch.Tensor:
-        """``λ_reg · L_reg,k`` of the model's current parameters."""
+        """``λ_reg · L_reg,k`` of the model's current parameters.
+
+        A tied parameter (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) is one
+        parameter: it is counted once, under the name ``named_parameters`` gives it. Scores
+        for other state-dict entries of the model (aliases, buffers) are skipped; a score for
+        a name the model does not have is refused.
+        """
         params = dict(model.named_parameters())
-        return pcr_penalty(params, self.global_params, self.conflict, lambda_reg=self.lambda_reg)
+        known = set(model.state_dict()) | set(params)
+        unknown = sorted(k for k in self.conflict if k not in known)
+        if unknown:
+            raise ProxyError(f"conflict scores for {unknown[:3]}: not in the model", reason="keys")
+        scores = {k: v for k, v in self.conflict.items() if k in params}
+        return pcr_penalty(params, self.global_params, scores, lambda_reg=self.lambda_reg)

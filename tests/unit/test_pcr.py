@@ -76,3 +76,20 @@ def test_bad_scores_are_refused() -> None:
     with pytest.raises(ProxyError) as err:
         pcr_penalty(phi, anchor, {"w": T([0.0, 0.0])}, lambda_reg=-1.0)
     assert err.value.reason == "parameters"
+
+
+def test_a_tied_parameter_is_regularised_once_and_unknown_names_are_refused() -> None:
+    from peerlm.agent.models.tiny import SHIPPED_DIR
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_DIR / "tiny" / "gpt2")
+    anchor = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert "lm_head.weight" in anchor  # the state dict names the tied tensor twice
+    conflict = {k: torch.ones_like(v) for k, v in anchor.items()}
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(0.5)  # moves lm_head.weight too (tied)
+    got = ConflictRegulariser(anchor, conflict, lambda_reg=1.0).penalty(model)
+    assert float(got.detach()) == pytest.approx(0.25 * anchor["transformer.wte.weight"].numel())
+    with pytest.raises(ProxyError) as err:
+        ConflictRegulariser(anchor, {"nope": torch.ones(1)}).penalty(model)
+    assert err.value.reason == "keys"
