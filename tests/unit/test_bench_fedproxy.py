@@ -21,7 +21,8 @@ def _offline(offline_hub: None) -> None:
 @pytest.mark.timeout(600)
 def test_one_small_run_reports_every_method_for_proxy_and_fused_model() -> None:
     seen: list[str] = []
-    cfg = FedProxyBenchConfig(rounds=1, local_steps=1, clients=2, methods=("fedavg", "h_ties_pcr"))
+    # two rounds: the second trains with PCR on the first round's conflict scores
+    cfg = FedProxyBenchConfig(rounds=2, local_steps=1, clients=2, methods=("fedavg", "h_ties_pcr"))
     report = run_benchmark(cfg, lambda label, done, total: seen.append(label))
     names = set(report["mean_nll"])
     assert names == {
@@ -39,7 +40,7 @@ def test_one_small_run_reports_every_method_for_proxy_and_fused_model() -> None:
     out = io.StringIO()
     render_report(report, Console(file=out, width=160))
     assert "h_ties_pcr_fused" in out.getvalue()
-    assert len(seen) == 2 * 1 * 2
+    assert len(seen) == 2 * 2 * 2
 
 
 def test_the_cli_refuses_methods_without_the_fedavg_reference() -> None:
