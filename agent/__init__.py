@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from peerlm.agent.directives import DirectiveBook
     from peerlm.agent.evaluation import evaluate, structural_match_rate
     from peerlm.agent.guardrail import Guardrail, agent_guardrail
+    from peerlm.agent.hties import (
+        CohortAnalysis,
+        HTiesResult,
+        fedavg_proxies,
+        h_ties,
+        ties_merge,
+    )
     from peerlm.agent.lora_merge import (
         ClientAdapter,
         MergedAdapter,
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
     )
     from peerlm.agent.models.tiny import read_manifest as read_models_manifest
     from peerlm.agent.package import build_text_package, decode_package
+    from peerlm.agent.pcr import ConflictRegulariser, pcr_penalty
     from peerlm.agent.peer_client import (
         PeerExchangeError,
         fetch_package,
@@ -47,6 +55,13 @@ if TYPE_CHECKING:
         pull_adapter_with_round,
     )
     from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+    from peerlm.agent.proxy_compress import (
+        block_influence,
+        blocks_to_keep,
+        kept_count,
+        token_batches,
+    )
+    from peerlm.agent.proxy_model import ProxyError, build_proxy, fuse_into, proxy_info
     from peerlm.agent.rounds import (
         Integration,
         ProfileInputs,
@@ -147,6 +162,21 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "aggregate_svd": ("peerlm.agent.lora_merge", "aggregate_svd"),
     "delta_weights": ("peerlm.agent.lora_merge", "delta_weights"),
     "normalise_weights": ("peerlm.agent.lora_merge", "normalise_weights"),
+    "ProxyError": ("peerlm.agent.proxy_model", "ProxyError"),
+    "block_influence": ("peerlm.agent.proxy_compress", "block_influence"),
+    "blocks_to_keep": ("peerlm.agent.proxy_compress", "blocks_to_keep"),
+    "build_proxy": ("peerlm.agent.proxy_model", "build_proxy"),
+    "fuse_into": ("peerlm.agent.proxy_model", "fuse_into"),
+    "kept_count": ("peerlm.agent.proxy_compress", "kept_count"),
+    "proxy_info": ("peerlm.agent.proxy_model", "proxy_info"),
+    "token_batches": ("peerlm.agent.proxy_compress", "token_batches"),
+    "CohortAnalysis": ("peerlm.agent.hties", "CohortAnalysis"),
+    "HTiesResult": ("peerlm.agent.hties", "HTiesResult"),
+    "fedavg_proxies": ("peerlm.agent.hties", "fedavg_proxies"),
+    "h_ties": ("peerlm.agent.hties", "h_ties"),
+    "ties_merge": ("peerlm.agent.hties", "ties_merge"),
+    "ConflictRegulariser": ("peerlm.agent.pcr", "ConflictRegulariser"),
+    "pcr_penalty": ("peerlm.agent.pcr", "pcr_penalty"),
 }
 
 __all__ = [
@@ -161,9 +191,12 @@ __all__ = [
     "AgentSummary",
     "BuildEvent",
     "ClientAdapter",
+    "CohortAnalysis",
+    "ConflictRegulariser",
     "CpmClient",
     "DirectiveBook",
     "Guardrail",
+    "HTiesResult",
     "Integration",
     "LoraSettings",
     "Manifest",
@@ -174,6 +207,7 @@ __all__ = [
     "PeerExchangeService",
     "Problem",
     "ProfileInputs",
+    "ProxyError",
     "RoundConfig",
     "TrainSettings",
     "World",
@@ -182,9 +216,12 @@ __all__ = [
     "aggregate_fedavg_factors",
     "aggregate_ffa",
     "aggregate_svd",
+    "block_influence",
+    "blocks_to_keep",
     "build_federation_data",
     "build_models",
     "build_package",
+    "build_proxy",
     "build_text_package",
     "category_counts",
     "category_histogram",
@@ -194,13 +231,19 @@ __all__ = [
     "encode_adapter",
     "evaluate",
     "evaluate_pass",
+    "fedavg_proxies",
     "fetch_package",
     "function_key",
+    "fuse_into",
     "generate_bank",
+    "h_ties",
     "integrate_package",
+    "kept_count",
     "local_update",
     "next_directive",
     "normalise_weights",
+    "pcr_penalty",
+    "proxy_info",
     "public_problems",
     "pull_adapter",
     "pull_adapter_with_round",
@@ -215,6 +258,8 @@ __all__ = [
     "serve_peer",
     "structural_match_rate",
     "teacher_completions",
+    "ties_merge",
+    "token_batches",
     "transfer_set_sha256",
     "write_jsonl",
 ]

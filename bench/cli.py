@@ -4,9 +4,10 @@
 (:mod:`peerlm.bench.cpm`); ``peerlm bench overlay`` the semantic overlay in the
 simulator (:mod:`peerlm.bench.overlay`); ``peerlm bench transfer`` adapter pulls beside a raw
 TLS socket and plain gRPC streaming (:mod:`peerlm.bench.transfer`); ``peerlm bench lora-merge``
-OnePeFT's SVD aggregation beside peft's merge (:mod:`peerlm.bench.lora_merge`). All: progress on
-stderr, rich tables (or one JSON object with ``--json``) on stdout, optional PNG plots with
-``--plots DIR`` (cpm, overlay).
+OnePeFT's SVD aggregation beside peft's merge (:mod:`peerlm.bench.lora_merge`); ``peerlm bench
+fedproxy`` H-TIES against FedAvg of proxies on a tiny model (:mod:`peerlm.bench.fedproxy`).
+All: progress on stderr, rich tables (or one JSON object with ``--json``) on stdout, optional
+PNG plots with ``--plots DIR`` (cpm, overlay).
 """
 
 from __future__ import annotations
@@ -300,5 +301,51 @@ def lora_merge_command(
     )  # fmt: skip
     _run_and_report(
         "bench lora-merge", lambda progress: run_benchmark(cfg, progress), lambda r, p: [],
+        render_report, None, as_json, {},
+    )  # fmt: skip
+
+
+@app.command("fedproxy")
+def fedproxy_command(
+    arch: Annotated[str, typer.Option(help="Tiny model architecture.")] = "gpt2",
+    ratio: Annotated[
+        float, typer.Option(help="Compression ratio (share of blocks removed).")
+    ] = 0.5,
+    clients: Annotated[int, typer.Option(min=2, help="Cohort size.")] = 4,
+    rounds: Annotated[int, typer.Option(min=1, help="Aggregation rounds.")] = 3,
+    local_steps: Annotated[int, typer.Option(min=1, help="Client steps per round.")] = 12,
+    lr: Annotated[float, typer.Option(help="Client learning rate (AdamW).")] = 1e-3,
+    seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0",
+    methods: Annotated[
+        str, typer.Option(help="Comma-separated: fedavg, ties, h_ties, h_ties_pcr.")
+    ] = "fedavg,ties,h_ties,h_ties_pcr",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """FedProxy on a tiny model: H-TIES against FedAvg of proxies (reference NLL)."""
+    from peerlm.bench.fedproxy import METHODS, FedProxyBenchConfig, render_report, run_benchmark
+
+    # The library's per-load progress bars would interleave with the benchmark's own.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+    try:
+        seed_list = tuple(int(part) for part in seeds.split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {seeds!r}") from None
+    chosen = tuple(m for m in methods.split(",") if m.strip())
+    if "fedavg" not in chosen or any(m not in METHODS for m in chosen) or not seed_list:
+        raise typer.BadParameter(
+            f"methods must include fedavg and be among {', '.join(METHODS)}; seeds non-empty"
+        )
+    cfg = FedProxyBenchConfig(
+        arch=arch, ratio=ratio, clients=clients, rounds=rounds, local_steps=local_steps,
+        lr=lr, seeds=seed_list, methods=chosen, threads=threads,
+    )  # fmt: skip
+    _run_and_report(
+        "bench fedproxy", lambda progress: run_benchmark(cfg, progress), lambda r, p: [],
         render_report, None, as_json, {},
     )  # fmt: skip

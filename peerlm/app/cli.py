@@ -254,7 +254,9 @@ def _mount_subapps() -> None:
 
     app.add_typer(ca_app, name="ca", help="Federation PKI: CA, certificates.")
     app.add_typer(data_app, name="data", help="Bundled task data: build, show.")
-    app.add_typer(models_app, name="models", help="Tiny local models: build.")
+    app.add_typer(
+        models_app, name="models", help="Models: build the tiny ones; FedProxy compress and fuse."
+    )
     _mount_operations()
     try:
         from peerlm.bench.cli import app as bench_app

@@ -275,3 +275,10 @@ def list_command(
         typer.echo(json.dumps({"dir": str(directory), "models": [i.to_dict() for i in infos]}))
     else:
         Console().print(_table(infos, str(directory)))
+
+
+# FedProxy's compress and fuse live in their own module; they are `peerlm models` commands.
+from peerlm.app.cli_proxy import compress_command, fuse_command  # noqa: E402
+
+app.command("compress")(compress_command)
+app.command("fuse")(fuse_command)
