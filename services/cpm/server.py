@@ -44,7 +44,12 @@ async def serve_cpm(
     store = SqliteCpmStore(settings.db)
     core = CpmCore(settings, store, time.time)
     service = CpmService(
-        core, metrics, log, queue_depth=settings.stream_queue_depth, signer=ctx.signer
+        core,
+        metrics,
+        log,
+        queue_depth=settings.stream_queue_depth,
+        signer=ctx.signer,
+        reward_window=settings.reward_stream_window,
     )
     server = await ctx.serve(
         [Service(SERVICE_NAME, service, cpm_pb2_grpc.add_MatchmakerServicer_to_server)],

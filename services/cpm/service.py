@@ -10,6 +10,11 @@ queued (up to ``MAX_REWARD_BATCH``) to the core at once, which applies the rewar
 commits their ledger rows in one transaction (one fsync); each call is answered only
 after that commit. No timer delays a lone reward: the batch is whatever arrived while
 the previous one was being committed, so the batch size adapts to the load.
+
+ReportRewards is the same contract on one long-lived stream: each request message joins
+the same group commit and gets one result, in order, after its commit; a refusal is a
+result (code, reason, bounded message), not the end of the stream. The stream pays gRPC's,
+TLS's and the interceptors' per-call cost once instead of per reward (docs/bench-cpm.md).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import contextlib
 import functools
 import math
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,7 +45,7 @@ from peerlm.services.cpm.records import DirectiveRecord
 from peerlm.grpc_types import ServicerContext
 from peerlm.pki.identity import Role, certificate_hosts_pem
 from peerlm.pki.proof import FEED_NONCE_METADATA, ProofSigner, transfer_statement
-from peerlm.rpc import metadata_value
+from peerlm.rpc import LogLimiter, bounded_details, metadata_value
 from peerlm.security.authz import current_identity
 from peerlm.wire.v1 import common_pb2, cpm_pb2, cpm_pb2_grpc
 
@@ -51,12 +56,18 @@ _SERVICE = "/peerlm.v1.Matchmaker/"
 #: Most rewards committed in one transaction (bounds one batch's latency and memory).
 MAX_REWARD_BATCH = 512
 _Pending = tuple[RewardReport, "asyncio.Future[RewardOutcome | CpmError]"]
+#: Longest directive id echoed in a ReportRewards result (valid ids have 32 characters).
+_ECHO_ID_CHARS = 64
+#: Seconds between two log lines about refused stream rewards for the same reason: a
+#: stream can carry thousands of refusals a second, each counted in the metric.
+_STREAM_REFUSAL_LOG_INTERVAL_S = 10.0
 
 #: Which certificate roles may call which method. Anything not listed is denied.
 CPM_POLICY: dict[str, frozenset[Role]] = {
     _SERVICE + "SubmitProfile": frozenset({Role.AGENT}),
     _SERVICE + "StreamDirectives": frozenset({Role.AGENT}),
     _SERVICE + "ReportReward": frozenset({Role.AGENT}),
+    _SERVICE + "ReportRewards": frozenset({Role.AGENT}),
     _SERVICE + "GetStats": frozenset({Role.ADMIN}),
     _SERVICE + "TriggerMatchmaking": frozenset({Role.ADMIN}),
 }
@@ -177,8 +188,11 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         queue_depth: int,
         tick_s: float = 1.0,
         signer: ProofSigner | None = None,
+        reward_window: int = 64,
     ) -> None:
         self._core = core
+        self._reward_window = reward_window
+        self._refusal_log = LogLimiter(_STREAM_REFUSAL_LOG_INTERVAL_S)
         self._signer = signer
         self._m = metrics
         self._log = log
@@ -365,6 +379,107 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
             directive_id=request.directive_id,
             normalised_reward=out.normalised,
             bandit_updates=out.bandit_updates,
+        )
+
+    async def ReportRewards(
+        self,
+        request_iterator: AsyncIterable[cpm_pb2.ReportRewardRequest],
+        context: ServicerContext,
+    ) -> AsyncIterator[cpm_pb2.ReportRewardResult]:
+        agent = current_identity().name
+        loop = asyncio.get_running_loop()
+        # Read ahead of the results by at most reward_window messages; beyond that the
+        # client waits in HTTP/2 flow control, so one stream holds bounded memory here.
+        window = asyncio.Semaphore(self._reward_window)
+        # In request order: (echoed id, outcome future); None ends; an exception is raised.
+        order: asyncio.Queue[
+            tuple[str, asyncio.Future[RewardOutcome | CpmError]] | BaseException | None
+        ] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                messages = aiter(request_iterator)
+                while True:
+                    await window.acquire()
+                    try:
+                        request = await anext(messages)
+                    except StopAsyncIteration:
+                        break
+                    report = RewardReport(
+                        agent,
+                        request.directive_id,
+                        request.reward,
+                        request.loss_pre,
+                        request.loss_post,
+                        request.kilobytes,
+                    )
+                    done: asyncio.Future[RewardOutcome | CpmError] = loop.create_future()
+                    self._rewards.put_nowait((report, done))
+                    order.put_nowait((request.directive_id[:_ECHO_ID_CHARS], done))
+                order.put_nowait(None)
+            except BaseException as exc:  # a malformed message's abort, a cancelled call
+                order.put_nowait(exc)
+                raise
+
+        reader = loop.create_task(read())
+        pending: list[asyncio.Future[RewardOutcome | CpmError]] = []
+        try:
+            while True:
+                item = await order.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                directive_id, done = item
+                pending.append(done)
+                out = await done
+                pending.pop()
+                window.release()
+                if isinstance(out, CpmError):
+                    yield self._stream_refusal(directive_id, out)
+                    continue
+                yield cpm_pb2.ReportRewardResult(
+                    directive_id=directive_id,
+                    ack=cpm_pb2.ReportRewardResponse(
+                        directive_id=directive_id,
+                        normalised_reward=out.normalised,
+                        bandit_updates=out.bandit_updates,
+                    ),
+                )
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            # Rewards read but not yet answered: one not yet taken by the batcher is dropped
+            # (never acknowledged, so the client sends it again); one being committed is
+            # committed (a resend is answered ALREADY_EXISTS).
+            while not order.empty():
+                rest = order.get_nowait()
+                if isinstance(rest, tuple):
+                    rest[1].cancel()
+            for done in pending:
+                done.cancel()
+
+    def _stream_refusal(self, directive_id: str, err: CpmError) -> cpm_pb2.ReportRewardResult:
+        """A refused reward as a stream result; counted, and logged at a bounded rate."""
+        self._m.rejected.labels("ReportRewards", err.reason).inc()
+        suppressed = self._refusal_log.admit(err.reason)
+        if suppressed is not None:
+            self._log.warning(
+                "request_refused",
+                rpc="ReportRewards",
+                reason=err.reason,
+                detail=err.message,
+                peer=_caller_name(),
+                suppressed_since_last=suppressed,
+            )
+        return cpm_pb2.ReportRewardResult(
+            directive_id=directive_id,
+            refused=cpm_pb2.RewardRefusal(
+                code=grpc.StatusCode[err.code].value[0],
+                reason=err.reason,
+                message=bounded_details(err.message),
+            ),
         )
 
     async def _reward_batcher(self) -> None:
