@@ -219,6 +219,7 @@ async def test_sigkill_mid_reward_streams_keeps_every_acknowledged_reward_once(
     dim = a_inv.shape[0]
     a = np.eye(dim) + sum(np.outer(x, x) for _, x, _ in ledger)
     np.testing.assert_allclose(a_inv, np.linalg.inv(a), rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(b, sum(r * x for _, x, r in ledger), rtol=1e-9, atol=1e-12)
 
     # Resending everything on new streams settles each directive exactly once.
     for student, ids in by_student.items():
