@@ -584,7 +584,9 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
     def _refresh_gauges(self) -> None:
         self._m.open_directives.set(self._core.open_count)
         self._m.bandit_updates.set(self._core.matchmaker.n_updates)
-        self._m.agents.set(len(self._core.agents()))
+        # Not len(agents()): that sorts every profile, per group commit, on the event loop
+        # thread while the core thread may be adding one.
+        self._m.agents.set(self._core.agent_count)
         self._m.connected.set(self._hub.connected)
 
     async def _run_matchmaking(self, trigger: str) -> MatchOutcome:
