@@ -233,3 +233,33 @@ async def test_sigkill_mid_reward_streams_keeps_every_acknowledged_reward_once(
     assert cpm.terminate() == 0
     _, _, _, n_final = _ledger(tmp_path / "cpm.db")
     assert n_final == len(directives)
+
+
+async def test_agent_client_reports_over_one_stream_and_raises_refusals(cpm: CpmProcess) -> None:
+    from peerlm.agent.cpm_client import CpmClient
+    from prometheus_client import CollectorRegistry
+
+    from tests.node_contexts import kit_context
+
+    directives = await _issue_directives(cpm, rounds=10)
+    student = _busiest(directives)
+    mine = [d.directive_id for d in directives if d.student == student]
+    client = CpmClient(kit_context(cpm.pki.root, student, registry=CollectorRegistry()), cpm.target)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.report_reward("0" * 32, 0.1)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "unknown_directive" in (err.value.details() or "")
+        stream = client._reward_call
+        assert stream is not None and not stream.done(), "a refusal leaves the stream open"
+        acks = [await client.report_reward(i, 0.2, loss_pre=1.0, kilobytes=3) for i in mine]
+        assert [a.directive_id for a in acks] == mine
+        assert client._reward_call is stream, "every reward went over the same stream"
+        # A confused agent sends one again: refused (first attempt), learnt once.
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            await client.report_reward(mine[0], 0.2)
+        assert again.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    finally:
+        await client.close()
+    assert await _bandit_updates(cpm) == len(mine)
+    assert _rejected(cpm, "unknown_directive") == 1
