@@ -204,6 +204,9 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._loop_task: asyncio.Task[None] | None = None
         self._batch_task: asyncio.Task[None] | None = None
         self._rewards: asyncio.Queue[_Pending] = asyncio.Queue()
+        # The result queue of every open ReportRewards stream, so that stop() can end them
+        # (an idle stream would otherwise hold the server's shutdown for its whole grace).
+        self._reward_streams: set[asyncio.Queue[Any]] = set()
         self._refresh_gauges()
         # A restart restores the bandit: its gauge shows it before the next matchmaking.
         self._m.theta_norm.set(float(np.linalg.norm(core.matchmaker.theta)))
@@ -232,6 +235,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._stopping.set()
         self._kick.set()
         self._hub.close_all()
+        for results in self._reward_streams:
+            results.put_nowait(_SHUTDOWN)
         if self._loop_task is not None:
             await self._loop_task
         if self._batch_task is not None:
@@ -387,13 +392,17 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         context: ServicerContext,
     ) -> AsyncIterator[cpm_pb2.ReportRewardResult]:
         agent = current_identity().name
+        if self._stopping.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the CPM is shutting down")
         loop = asyncio.get_running_loop()
         # Read ahead of the results by at most reward_window messages; beyond that the
         # client waits in HTTP/2 flow control, so one stream holds bounded memory here.
         window = asyncio.Semaphore(self._reward_window)
-        # In request order: (echoed id, outcome future); None ends; an exception is raised.
+        # In request order: (echoed id, outcome future); None ends (the client is done);
+        # _SHUTDOWN ends (the CPM stops: what is unanswered was not acknowledged); an
+        # exception is raised.
         order: asyncio.Queue[
-            tuple[str, asyncio.Future[RewardOutcome | CpmError]] | BaseException | None
+            tuple[str, asyncio.Future[RewardOutcome | CpmError]] | BaseException | _Signal | None
         ] = asyncio.Queue()
 
         async def read() -> None:
@@ -423,13 +432,15 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
 
         reader = loop.create_task(read())
         pending: list[asyncio.Future[RewardOutcome | CpmError]] = []
+        self._reward_streams.add(order)
         try:
             while True:
                 item = await order.get()
-                if item is None:
+                if item is None or item is _SHUTDOWN:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                assert isinstance(item, tuple)
                 directive_id, done = item
                 pending.append(done)
                 out = await done
@@ -447,6 +458,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                     ),
                 )
         finally:
+            self._reward_streams.discard(order)
             reader.cancel()
             with contextlib.suppress(BaseException):
                 await reader
@@ -483,12 +495,37 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         )
 
     async def _reward_batcher(self) -> None:
-        """Group commit: everything queued goes to the core as one batch, one fsync."""
+        """Group commit: everything queued goes to the core as one batch, one fsync.
+
+        Cancelled at shutdown: every reward it holds or that is queued is answered
+        UNAVAILABLE (not acknowledged; the sender retries, and a reward whose commit
+        finished meanwhile is then answered ALREADY_EXISTS), so no call waits for the
+        server's grace to run out.
+        """
+        live: list[_Pending] = []
+        try:
+            await self._batch_forever(live)
+        except asyncio.CancelledError:
+            err = CpmError(
+                "UNAVAILABLE",
+                "shutting_down",
+                "the CPM is shutting down; the reward was not acknowledged, send it again",
+            )
+            while not self._rewards.empty():
+                live.append(self._rewards.get_nowait())
+            for _, fut in live:
+                if not fut.done():
+                    fut.set_result(err)
+            raise
+
+    async def _batch_forever(self, live: list[_Pending]) -> None:
+        """The batcher's loop; ``live`` holds the batch being committed."""
         while True:
+            live.clear()
             batch = [await self._rewards.get()]
             while len(batch) < MAX_REWARD_BATCH and not self._rewards.empty():
                 batch.append(self._rewards.get_nowait())
-            live = [(rep, fut) for rep, fut in batch if not fut.cancelled()]
+            live.extend((rep, fut) for rep, fut in batch if not fut.cancelled())
             if not live:
                 continue
             snapshots = self._core.snapshots_written

@@ -263,3 +263,22 @@ async def test_agent_client_reports_over_one_stream_and_raises_refusals(cpm: Cpm
         await client.close()
     assert await _bandit_updates(cpm) == len(mine)
     assert _rejected(cpm, "unknown_directive") == 1
+
+
+async def test_sigterm_ends_an_open_reward_stream_cleanly(cpm: CpmProcess) -> None:
+    directives = await _issue_directives(cpm, rounds=1)
+    d = directives[0]
+    ch, stub = cpm.pki.stub(cpm.target, d.student)
+    try:
+        call: Any = stub.ReportRewards(timeout=60)
+        await call.write(_req(d.directive_id))
+        assert (await call.read()).HasField("ack")
+        # The stream stays open and idle, as an agent's does between rounds.
+        rc = await asyncio.get_running_loop().run_in_executor(None, cpm.terminate)
+        assert rc == 0
+        # Ended by the CPM with OK (the server did not have to cancel it at its grace).
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+    finally:
+        await ch.close()
+    assert "cpm_stopped" in cpm.log()
