@@ -198,7 +198,9 @@ class CpmClient:
             try:
                 await asyncio.wait_for(call.write(req), timeout)
                 result = await asyncio.wait_for(call.read(), timeout)
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as err:
+                # A stream's handshake failure surfaces here (unary calls: the channel counts).
+                self._tls_failures.observe(err)
                 self._drop_reward_call(call)
                 raise
             except TimeoutError:
