@@ -2,11 +2,15 @@
 
 Two recoveries live here (issue 11):
 
-* **Rewards are retried idempotently.** A ReportReward that fails with UNAVAILABLE or
-  DEADLINE_EXCEEDED (the CPM restarting, a cut link) is sent again with the same
-  directive id, with backoff, for up to ``reward_retry_s``. The directive id makes this
-  safe: the CPM applies a reward once; if an earlier attempt was committed before the
-  connection broke, the retry is answered ALREADY_EXISTS, which here means "acknowledged".
+* **Rewards are retried idempotently.** Rewards go over one long-lived ReportRewards
+  stream (opened on the first reward, re-opened after it breaks; one reward in flight at a
+  time), which spares the CPM gRPC's per-call cost. A reward whose stream fails with
+  UNAVAILABLE or DEADLINE_EXCEEDED (the CPM restarting, a cut link) is sent again with the
+  same directive id, on a new stream, with backoff, for up to ``reward_retry_s``. The
+  directive id makes this safe: the CPM applies a reward once; if an earlier attempt was
+  committed before the connection broke, the retry is answered ALREADY_EXISTS, which here
+  means "acknowledged". A refusal comes back as a result on the stream and is raised as
+  the same ``AioRpcError`` the unary ReportReward would have ended with.
 * **Rounds resynchronise after a restart.** An agent that restarts with fresh state or
   falls back to an older checkpoint numbers its rounds from there, and the CPM refuses a
   profile older than one it already holds (``stale_round``), telling the last round it
@@ -42,6 +46,8 @@ LAST_ROUND_METADATA = "peerlm-last-round"
 
 #: Metadata key carrying the caller's SPIFFE id in insecure-dev mode only.
 DEV_IDENTITY_METADATA = "peerlm-dev-identity"
+
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 # Codes after which re-opening the directive feed can succeed.
 _RETRYABLE = {
@@ -87,8 +93,15 @@ class CpmClient:
         )
         self._stub = cpm_pb2_grpc.MatchmakerStub(self._channel)  # type: ignore[no-untyped-call]
         self._metadata = self._peer.metadata
+        # The reward stream, and the lock that keeps one reward in flight on it (results
+        # come in request order; one at a time keeps each result with its caller).
+        self._reward_call: Any = None
+        self._reward_lock = asyncio.Lock()
 
     async def close(self) -> None:
+        if self._reward_call is not None:
+            self._reward_call.cancel()
+            self._reward_call = None
         await self._channel.close(None)
 
     async def wait_ready(self, timeout: float) -> None:
@@ -146,10 +159,13 @@ class CpmClient:
         while True:
             attempt += 1
             try:
-                resp: cpm_pb2.ReportRewardResponse = await self._stub.ReportReward(
-                    req, timeout=self._limits.rpc_timeout_s, metadata=self._metadata
+                result = await self._report_on_stream(req)
+                if result.HasField("ack"):
+                    return result.ack
+                raise _rpc_error(
+                    _STATUS_BY_VALUE.get(result.refused.code, grpc.StatusCode.UNKNOWN),
+                    f"{result.refused.message} ({result.refused.reason})",
                 )
-                return resp
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.ALREADY_EXISTS and attempt > 1:
@@ -164,6 +180,47 @@ class CpmClient:
             self._retries.labels("reward_retry").inc()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    async def _report_on_stream(
+        self, req: cpm_pb2.ReportRewardRequest
+    ) -> cpm_pb2.ReportRewardResult:
+        """Send one reward on the reward stream and read its result. A broken stream is
+        dropped (the next reward opens a new one) and raised as an ``AioRpcError``:
+        UNAVAILABLE when it ended, DEADLINE_EXCEEDED when no result came in time."""
+        timeout = self._limits.rpc_timeout_s
+        async with self._reward_lock:
+            call = self._reward_call
+            if call is None or call.done():
+                # The stub is typed for the sync API; on an aio channel a stream call without
+                # a request iterator is written to with write().
+                call = self._stub.ReportRewards(metadata=self._metadata)  # type: ignore[call-arg]
+                self._reward_call = call
+            try:
+                await asyncio.wait_for(call.write(req), timeout)
+                result = await asyncio.wait_for(call.read(), timeout)
+            except grpc.aio.AioRpcError as err:
+                # A stream's handshake failure surfaces here (unary calls: the channel counts).
+                self._tls_failures.observe(err)
+                self._drop_reward_call(call)
+                raise
+            except TimeoutError:
+                self._drop_reward_call(call)
+                raise _rpc_error(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "no reward result in time"
+                ) from None
+            except asyncio.InvalidStateError:  # the stream ended between done() and write()
+                self._drop_reward_call(call)
+                raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the reward stream ended") from None
+            if result is grpc.aio.EOF:  # type: ignore[attr-defined]  # the CPM closed it (shutting down)
+                self._drop_reward_call(call)
+                raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the reward stream ended")
+            assert isinstance(result, cpm_pb2.ReportRewardResult)
+            return result
+
+    def _drop_reward_call(self, call: Any) -> None:
+        call.cancel()
+        if self._reward_call is call:
+            self._reward_call = None
 
     async def directives(self, max_backoff_s: float = 10.0) -> AsyncIterator[cpm_pb2.Directive]:
         """Directives for this agent, forever; the feed is re-opened after transient errors.
@@ -267,3 +324,9 @@ async def next_directive(
             return await asyncio.wait_for(inbox.get(), min(remaining, 0.5))
         except TimeoutError:
             continue
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details, debug_error_string=None
+    )

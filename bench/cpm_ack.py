@@ -184,35 +184,107 @@ async def _issue(
     return found
 
 
-async def _cpm_level(root: Path, clients: int, rewards: int, seed: int) -> dict[str, Any]:
+def _by_client(
+    work: list[tuple[str, str]], agents: list[str], clients: int, n: int
+) -> list[list[tuple[str, str]]]:
+    """``n`` items of ``work`` split over ``clients`` lists; agent ``i``'s rewards all go to
+    list ``i % clients`` (a stream belongs to one agent), taken round-robin across lists."""
+    owner = {a: i % clients for i, a in enumerate(agents)}
+    pools: list[list[tuple[str, str]]] = [[] for _ in range(clients)]
+    for item in work:
+        pools[owner[item[0]]].append(item)
+    out: list[list[tuple[str, str]]] = [[] for _ in range(clients)]
+    taken = 0
+    depth = 0
+    while taken < n and any(depth < len(p) for p in pools):
+        for i, pool in enumerate(pools):
+            if depth < len(pool) and taken < n:
+                out[i].append(pool[depth])
+                taken += 1
+        depth += 1
+    return out
+
+
+async def _report_unary(
+    stubs: Mapping[str, Any], work: list[tuple[str, str]], clients: int, values: Any
+) -> list[float]:
+    """``clients`` tasks, one ReportReward call in flight each; per-call latencies."""
+    queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+    for item in work:
+        queue.put_nowait(item)
+    latencies: list[float] = []
+
+    async def client() -> None:
+        while not queue.empty():
+            student, directive_id = queue.get_nowait()
+            t0 = time.perf_counter()
+            await stubs[student].ReportReward(
+                cpm_pb2.ReportRewardRequest(
+                    directive_id=directive_id, reward=float(values[len(latencies)])
+                ),
+                timeout=60,
+            )
+            latencies.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return latencies
+
+
+async def _report_stream(
+    stubs: Mapping[str, Any], lists: list[list[tuple[str, str]]], values: Any
+) -> list[float]:
+    """One task per list, each with one reward in flight on its agents' ReportRewards
+    streams (opened on first use, one per agent); per-reward latencies."""
+    latencies: list[float] = []
+
+    async def client(items: list[tuple[str, str]]) -> None:
+        calls: dict[str, Any] = {}
+        try:
+            for student, directive_id in items:
+                call = calls.get(student)
+                if call is None:
+                    call = calls[student] = stubs[student].ReportRewards(timeout=600)
+                t0 = time.perf_counter()
+                await call.write(
+                    cpm_pb2.ReportRewardRequest(
+                        directive_id=directive_id, reward=float(values[len(latencies)])
+                    )
+                )
+                result = await call.read()
+                if not isinstance(result, cpm_pb2.ReportRewardResult) or not result.HasField("ack"):
+                    raise RuntimeError(f"reward {directive_id} not acknowledged: {result}")
+                latencies.append(time.perf_counter() - t0)
+            for call in calls.values():
+                await call.done_writing()
+                code = await call.code()
+                if code != grpc.StatusCode.OK:
+                    raise RuntimeError(f"ReportRewards ended with {code.name}")
+        finally:
+            for call in calls.values():
+                call.cancel()  # no-op on a finished call
+
+    await asyncio.gather(*(client(items) for items in lists))
+    return latencies
+
+
+async def _cpm_level(
+    root: Path, clients: int, rewards: int, seed: int, *, stream: bool
+) -> dict[str, Any]:
     cpm = _Cpm(root, 2 * clients)
     channels = {a: cpm.stub(a) for a in cpm.agents}
     stubs = {a: s for a, (_, s) in channels.items()}
     try:
         rounds = math.ceil(rewards / clients)
-        work = (await _issue(cpm, stubs, rounds, seed))[:rewards]
-        queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
-        for item in work:
-            queue.put_nowait(item)
-        latencies: list[float] = []
+        found = await _issue(cpm, stubs, rounds, seed)
         rng = np.random.default_rng(seed + 1)
-        values = rng.uniform(-1, 1, len(work))
-
-        async def client() -> None:
-            while not queue.empty():
-                student, directive_id = queue.get_nowait()
-                t0 = time.perf_counter()
-                await stubs[student].ReportReward(
-                    cpm_pb2.ReportRewardRequest(
-                        directive_id=directive_id, reward=float(values[len(latencies)])
-                    ),
-                    timeout=60,
-                )
-                latencies.append(time.perf_counter() - t0)
-
+        values = rng.uniform(-1, 1, rewards)
         cpu0, own0 = _cpu_seconds(cpm.proc.pid), time.process_time()
         started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(clients)))
+        if stream:
+            lists = _by_client(found, cpm.agents, clients, rewards)
+            latencies = await _report_stream(stubs, lists, values)
+        else:
+            latencies = await _report_unary(stubs, found[:rewards], clients, values)
         elapsed = time.perf_counter() - started
         cpu1, own1 = _cpu_seconds(cpm.proc.pid), time.process_time()
         n = max(1, len(latencies))
@@ -301,17 +373,23 @@ def run_benchmark(params: AckParams, progress: ProgressFn | None = None) -> dict
             if progress is not None:
                 progress(f"SQLite group commit, {clients} clients", k, len(params.clients))
             sql = asyncio.run(_sqlite_level(root / f"sqlite-{clients}.db", clients, n))
-            if progress is not None:
-                progress(f"CPM over mTLS, {clients} clients", k, len(params.clients))
-            level_dir = root / f"cpm-{clients}"
-            level_dir.mkdir()
-            cpm = asyncio.run(_cpm_level(level_dir, clients, n, params.seed + k))
+            results = {}
+            for kind, stream in (("cpm", False), ("cpm_stream", True)):
+                if progress is not None:
+                    how = "ReportRewards streams" if stream else "ReportReward calls"
+                    progress(f"CPM, {how}, {clients} clients", k, len(params.clients))
+                level_dir = root / f"{kind}-{clients}"
+                level_dir.mkdir()
+                results[kind] = asyncio.run(
+                    _cpm_level(level_dir, clients, n, params.seed + k, stream=stream)
+                )
             levels.append(
                 {
                     "clients": clients,
-                    "cpm": cpm,
+                    **results,
                     "sqlite": sql,
-                    "ratio": cpm["acks_per_s"] / sql["inserts_per_s"],
+                    "ratio": results["cpm"]["acks_per_s"] / sql["inserts_per_s"],
+                    "stream_ratio": results["cpm_stream"]["acks_per_s"] / sql["inserts_per_s"],
                 }
             )
         if progress is not None:
@@ -325,25 +403,31 @@ def run_benchmark(params: AckParams, progress: ProgressFn | None = None) -> dict
 
 
 def render_report(report: Mapping[str, Any], console: Any) -> None:
-    """One rich table: acks/s, SQLite limit, ratio and latencies per concurrency."""
+    """One rich table: per concurrency and RPC, acks/s, SQLite limit, ratio, latency, CPU."""
     from rich.table import Table
 
     table = Table(title="Durable reward acknowledgement (real CPM, mTLS, SQLite WAL FULL)")
-    cols = ("clients", "CPM acks/s", "SQLite inserts/s", "ratio", "p50 ms", "p99 ms")
+    cols = ("clients", "RPC", "CPM acks/s", "SQLite inserts/s", "ratio", "p50 ms", "p99 ms")
     for col in (*cols, "CPM CPU ms/ack", "client CPU ms/ack"):
         table.add_column(col, justify="right")
     for lv in report["levels"]:
-        cpm = lv["cpm"]
-        table.add_row(
-            str(lv["clients"]),
-            f"{cpm['acks_per_s']:.0f}",
-            f"{lv['sqlite']['inserts_per_s']:.0f}",
-            f"{lv['ratio']:.1%}",
-            f"{cpm['p50_ms']:.2f}",
-            f"{cpm['p99_ms']:.2f}",
-            "-" if cpm["server_cpu_ms_per_ack"] is None else f"{cpm['server_cpu_ms_per_ack']:.2f}",
-            f"{cpm['client_cpu_ms_per_ack']:.2f}",
-        )
+        for rpc, key, ratio in (
+            ("ReportReward", "cpm", "ratio"),
+            ("ReportRewards", "cpm_stream", "stream_ratio"),
+        ):
+            cpm = lv[key]
+            server = cpm["server_cpu_ms_per_ack"]
+            table.add_row(
+                str(lv["clients"]),
+                rpc,
+                f"{cpm['acks_per_s']:.0f}",
+                f"{lv['sqlite']['inserts_per_s']:.0f}",
+                f"{lv[ratio]:.1%}",
+                f"{cpm['p50_ms']:.2f}",
+                f"{cpm['p99_ms']:.2f}",
+                "-" if server is None else f"{server:.3f}",
+                f"{cpm['client_cpu_ms_per_ack']:.3f}",
+            )
     console.print(table)
 
 

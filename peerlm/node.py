@@ -165,8 +165,9 @@ class PeerChannel:
         await self.close()
 
 
-#: Calls a member of a server's expected population holds at once: a stream and a call.
-CALLS_PER_MEMBER = 2
+#: Calls a member of a server's expected population holds at once: two long-lived streams
+#: (an agent's directive feed and its reward stream, at the CPM) and a call.
+CALLS_PER_MEMBER = 3
 #: Room kept for operators' admin calls and health probes above the members' share.
 ADMIN_HEADROOM = 64
 
@@ -358,9 +359,9 @@ class NodeContext:
         messages are refused), then authentication and ``policy`` (deny by default; health
         open to every member, reflection to ``admin`` only) and the per-identity bound on
         calls in flight (``limits.max_calls_per_identity``). Limits from the context; a
-        server that expects ``population`` members holding a stream each (the CPM: its
-        ``max_agents``, one directive feed and one call each) gets room for all of them
-        plus :data:`ADMIN_HEADROOM` for operators and probes, whatever
+        server that expects ``population`` members holding streams (the CPM: its
+        ``max_agents``, a directive feed, a reward stream and one call each) gets room for
+        all of them plus :data:`ADMIN_HEADROOM` for operators and probes, whatever
         ``limits.max_concurrent_rpcs`` says.
         """
         admin_only = {method: frozenset({Role.ADMIN}) for method in REFLECTION_METHODS}

@@ -200,7 +200,7 @@ class Unparsed:
             raise  # unreachable: on_malformed aborts the call
 
 
-class _LogLimiter:
+class LogLimiter:
     """At most one log line per key per ``interval_s``; counts what it suppressed."""
 
     def __init__(self, interval_s: float) -> None:
@@ -265,7 +265,7 @@ class MetricsInterceptor(ServerInterceptor):
             registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60),
         )
-        self._log_limiter = _LogLimiter(MALFORMED_LOG_INTERVAL_S)
+        self._log_limiter = LogLimiter(MALFORMED_LOG_INTERVAL_S)
         self._log = structlog.get_logger("peerlm.rpc").bind(component=component)
 
     def _record(

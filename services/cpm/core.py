@@ -641,3 +641,8 @@ class CpmCore:
 
     def agents(self) -> list[ProfileRecord]:
         return sorted(self._profiles.values(), key=lambda p: p.agent)
+
+    @property
+    def agent_count(self) -> int:
+        """Agents with a profile (O(1): the gauges read it after every group commit)."""
+        return len(self._profiles)

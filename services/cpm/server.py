@@ -13,6 +13,7 @@ from peerlm.services.cpm.metrics import CpmMetrics
 from peerlm.services.cpm.service import CPM_POLICY, CpmService
 from peerlm.services.cpm.settings import CpmSettings
 from peerlm.services.cpm.store import SqliteCpmStore
+from threadpoolctl import threadpool_limits
 
 from peerlm.logs import configure_logging
 from peerlm.metrics import serve_metrics
@@ -35,12 +36,20 @@ async def serve_cpm(
     log: Any,
 ) -> None:
     """Run the CPM until ``stop`` is set, then shut down gracefully."""
+    # Process-wide and for the process's life (the CPM owns its process): set before the
+    # core makes its first BLAS call (restoring the bandit at start).
+    threadpool_limits(limits=settings.blas_threads, user_api="blas")
     ctx = NodeContext.from_settings(settings, role=Role.CPM, log=log)
     metrics = CpmMetrics(ctx.registry)
     store = SqliteCpmStore(settings.db)
     core = CpmCore(settings, store, time.time)
     service = CpmService(
-        core, metrics, log, queue_depth=settings.stream_queue_depth, signer=ctx.signer
+        core,
+        metrics,
+        log,
+        queue_depth=settings.stream_queue_depth,
+        signer=ctx.signer,
+        reward_window=settings.reward_stream_window,
     )
     server = await ctx.serve(
         [Service(SERVICE_NAME, service, cpm_pb2_grpc.add_MatchmakerServicer_to_server)],

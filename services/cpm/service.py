@@ -10,6 +10,11 @@ queued (up to ``MAX_REWARD_BATCH``) to the core at once, which applies the rewar
 commits their ledger rows in one transaction (one fsync); each call is answered only
 after that commit. No timer delays a lone reward: the batch is whatever arrived while
 the previous one was being committed, so the batch size adapts to the load.
+
+ReportRewards is the same contract on one long-lived stream: each request message joins
+the same group commit and gets one result, in order, after its commit; a refusal is a
+result (code, reason, bounded message), not the end of the stream. The stream pays gRPC's,
+TLS's and the interceptors' per-call cost once instead of per reward (docs/bench-cpm.md).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import contextlib
 import functools
 import math
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,7 +45,7 @@ from peerlm.services.cpm.records import DirectiveRecord
 from peerlm.grpc_types import ServicerContext
 from peerlm.pki.identity import Role, certificate_hosts_pem
 from peerlm.pki.proof import FEED_NONCE_METADATA, ProofSigner, transfer_statement
-from peerlm.rpc import metadata_value
+from peerlm.rpc import LogLimiter, bounded_details, metadata_value
 from peerlm.security.authz import current_identity
 from peerlm.wire.v1 import common_pb2, cpm_pb2, cpm_pb2_grpc
 
@@ -51,12 +56,18 @@ _SERVICE = "/peerlm.v1.Matchmaker/"
 #: Most rewards committed in one transaction (bounds one batch's latency and memory).
 MAX_REWARD_BATCH = 512
 _Pending = tuple[RewardReport, "asyncio.Future[RewardOutcome | CpmError]"]
+#: Longest directive id echoed in a ReportRewards result (valid ids have 32 characters).
+_ECHO_ID_CHARS = 64
+#: Seconds between two log lines about refused stream rewards for the same reason: a
+#: stream can carry thousands of refusals a second, each counted in the metric.
+_STREAM_REFUSAL_LOG_INTERVAL_S = 10.0
 
 #: Which certificate roles may call which method. Anything not listed is denied.
 CPM_POLICY: dict[str, frozenset[Role]] = {
     _SERVICE + "SubmitProfile": frozenset({Role.AGENT}),
     _SERVICE + "StreamDirectives": frozenset({Role.AGENT}),
     _SERVICE + "ReportReward": frozenset({Role.AGENT}),
+    _SERVICE + "ReportRewards": frozenset({Role.AGENT}),
     _SERVICE + "GetStats": frozenset({Role.ADMIN}),
     _SERVICE + "TriggerMatchmaking": frozenset({Role.ADMIN}),
 }
@@ -177,8 +188,11 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         queue_depth: int,
         tick_s: float = 1.0,
         signer: ProofSigner | None = None,
+        reward_window: int = 64,
     ) -> None:
         self._core = core
+        self._reward_window = reward_window
+        self._refusal_log = LogLimiter(_STREAM_REFUSAL_LOG_INTERVAL_S)
         self._signer = signer
         self._m = metrics
         self._log = log
@@ -190,6 +204,9 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._loop_task: asyncio.Task[None] | None = None
         self._batch_task: asyncio.Task[None] | None = None
         self._rewards: asyncio.Queue[_Pending] = asyncio.Queue()
+        # The result queue of every open ReportRewards stream, so that stop() can end them
+        # (an idle stream would otherwise hold the server's shutdown for its whole grace).
+        self._reward_streams: set[asyncio.Queue[Any]] = set()
         self._refresh_gauges()
         # A restart restores the bandit: its gauge shows it before the next matchmaking.
         self._m.theta_norm.set(float(np.linalg.norm(core.matchmaker.theta)))
@@ -218,6 +235,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._stopping.set()
         self._kick.set()
         self._hub.close_all()
+        for results in self._reward_streams:
+            results.put_nowait(_SHUTDOWN)
         if self._loop_task is not None:
             await self._loop_task
         if self._batch_task is not None:
@@ -367,13 +386,146 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
             bandit_updates=out.bandit_updates,
         )
 
+    async def ReportRewards(
+        self,
+        request_iterator: AsyncIterable[cpm_pb2.ReportRewardRequest],
+        context: ServicerContext,
+    ) -> AsyncIterator[cpm_pb2.ReportRewardResult]:
+        agent = current_identity().name
+        if self._stopping.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the CPM is shutting down")
+        loop = asyncio.get_running_loop()
+        # Read ahead of the results by at most reward_window messages; beyond that the
+        # client waits in HTTP/2 flow control, so one stream holds bounded memory here.
+        window = asyncio.Semaphore(self._reward_window)
+        # In request order: (echoed id, outcome future); None ends (the client is done);
+        # _SHUTDOWN ends (the CPM stops: what is unanswered was not acknowledged); an
+        # exception is raised.
+        order: asyncio.Queue[
+            tuple[str, asyncio.Future[RewardOutcome | CpmError]] | BaseException | _Signal | None
+        ] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                messages = aiter(request_iterator)
+                while True:
+                    await window.acquire()
+                    try:
+                        request = await anext(messages)
+                    except StopAsyncIteration:
+                        break
+                    report = RewardReport(
+                        agent,
+                        request.directive_id,
+                        request.reward,
+                        request.loss_pre,
+                        request.loss_post,
+                        request.kilobytes,
+                    )
+                    done: asyncio.Future[RewardOutcome | CpmError] = loop.create_future()
+                    self._rewards.put_nowait((report, done))
+                    order.put_nowait((request.directive_id[:_ECHO_ID_CHARS], done))
+                order.put_nowait(None)
+            except BaseException as exc:  # a malformed message's abort, a cancelled call
+                order.put_nowait(exc)
+                raise
+
+        reader = loop.create_task(read())
+        pending: list[asyncio.Future[RewardOutcome | CpmError]] = []
+        self._reward_streams.add(order)
+        try:
+            while True:
+                item = await order.get()
+                if item is None or item is _SHUTDOWN:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, tuple)
+                directive_id, done = item
+                pending.append(done)
+                out = await done
+                pending.pop()
+                window.release()
+                if isinstance(out, CpmError):
+                    yield self._stream_refusal(directive_id, out)
+                    continue
+                yield cpm_pb2.ReportRewardResult(
+                    directive_id=directive_id,
+                    ack=cpm_pb2.ReportRewardResponse(
+                        directive_id=directive_id,
+                        normalised_reward=out.normalised,
+                        bandit_updates=out.bandit_updates,
+                    ),
+                )
+        finally:
+            self._reward_streams.discard(order)
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            # Rewards read but not yet answered: one not yet taken by the batcher is dropped
+            # (never acknowledged, so the client sends it again); one being committed is
+            # committed (a resend is answered ALREADY_EXISTS).
+            while not order.empty():
+                rest = order.get_nowait()
+                if isinstance(rest, tuple):
+                    rest[1].cancel()
+            for done in pending:
+                done.cancel()
+
+    def _stream_refusal(self, directive_id: str, err: CpmError) -> cpm_pb2.ReportRewardResult:
+        """A refused reward as a stream result; counted, and logged at a bounded rate."""
+        self._m.rejected.labels("ReportRewards", err.reason).inc()
+        suppressed = self._refusal_log.admit(err.reason)
+        if suppressed is not None:
+            self._log.warning(
+                "request_refused",
+                rpc="ReportRewards",
+                reason=err.reason,
+                detail=err.message,
+                peer=_caller_name(),
+                suppressed_since_last=suppressed,
+            )
+        return cpm_pb2.ReportRewardResult(
+            directive_id=directive_id,
+            refused=cpm_pb2.RewardRefusal(
+                code=grpc.StatusCode[err.code].value[0],
+                reason=err.reason,
+                message=bounded_details(err.message),
+            ),
+        )
+
     async def _reward_batcher(self) -> None:
-        """Group commit: everything queued goes to the core as one batch, one fsync."""
+        """Group commit: everything queued goes to the core as one batch, one fsync.
+
+        Cancelled at shutdown: every reward it holds or that is queued is answered
+        UNAVAILABLE (not acknowledged; the sender retries, and a reward whose commit
+        finished meanwhile is then answered ALREADY_EXISTS), so no call waits for the
+        server's grace to run out.
+        """
+        live: list[_Pending] = []
+        try:
+            await self._batch_forever(live)
+        except asyncio.CancelledError:
+            err = CpmError(
+                "UNAVAILABLE",
+                "shutting_down",
+                "the CPM is shutting down; the reward was not acknowledged, send it again",
+            )
+            while not self._rewards.empty():
+                live.append(self._rewards.get_nowait())
+            for _, fut in live:
+                if not fut.done():
+                    fut.set_result(err)
+            raise
+
+    async def _batch_forever(self, live: list[_Pending]) -> None:
+        """The batcher's loop; ``live`` holds the batch being committed."""
         while True:
+            live.clear()
             batch = [await self._rewards.get()]
             while len(batch) < MAX_REWARD_BATCH and not self._rewards.empty():
                 batch.append(self._rewards.get_nowait())
-            live = [(rep, fut) for rep, fut in batch if not fut.cancelled()]
+            live.extend((rep, fut) for rep, fut in batch if not fut.cancelled())
             if not live:
                 continue
             snapshots = self._core.snapshots_written
@@ -469,7 +621,9 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
     def _refresh_gauges(self) -> None:
         self._m.open_directives.set(self._core.open_count)
         self._m.bandit_updates.set(self._core.matchmaker.n_updates)
-        self._m.agents.set(len(self._core.agents()))
+        # Not len(agents()): that sorts every profile, per group commit, on the event loop
+        # thread while the core thread may be adding one.
+        self._m.agents.set(self._core.agent_count)
         self._m.connected.set(self._hub.connected)
 
     async def _run_matchmaking(self, trigger: str) -> MatchOutcome:

@@ -46,8 +46,15 @@ class CpmSettings(ServiceSettings):
     max_agents: int = Field(default=10_000, ge=2)
     stream_queue_depth: int = Field(default=64, ge=1)
     max_reward_magnitude: float = Field(default=1e6, gt=0)
+    # Rewards one ReportRewards stream may have read but not yet answered; with
+    # limits.max_calls_per_identity streams per agent this bounds what one agent queues.
+    reward_stream_window: int = Field(default=64, ge=1, le=4096)
     # Rewards between two bandit snapshots (the ledger holds every reward in between).
     snapshot_every: int = Field(default=256, ge=1)
+    # BLAS threads for the bandit's linear algebra. Its matrices are d x d with d ~ 132:
+    # too small for threads to pay, and OpenBLAS's spinning workers take the cores that the
+    # gRPC and TLS work needs (docs/bench-cpm.md, "Durable reward acknowledgement").
+    blas_threads: int = Field(default=1, ge=1, le=256)
 
     @field_validator("protocols", "roles")
     @classmethod

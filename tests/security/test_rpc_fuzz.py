@@ -118,6 +118,9 @@ class RpcSpec:
     codes: frozenset[grpc.StatusCode]  # documented answers (refusals besides OK)
     valid: Callable[[], Message]
     response_stream: bool = False
+    # A request stream answered by one result per message (ReportRewards): the fuzzed
+    # message is sent on its own stream; a refusal inside a result counts as that code.
+    request_stream: bool = False
     feed: bool = False  # a long-lived response stream: "accepted" = its headers came
     # A request header the RPC reads (also fuzzed: absent, valid, or any printable ASCII).
     metadata_key: str | None = None
@@ -173,6 +176,19 @@ SPECS: tuple[RpcSpec, ...] = (
         lambda: cpm_pb2.ReportRewardRequest(
             directive_id="ab" * 16, reward=0.5, loss_pre=2.0, loss_post=1.5, kilobytes=12
         ),
+    ),
+    RpcSpec(
+        "cpm",
+        _m(_CPM, "ReportRewards"),
+        cpm_pb2.ReportRewardRequest,
+        "a1",
+        "admin",
+        _BASE | {NOT_FOUND, ALREADY, PRECONDITION},
+        lambda: cpm_pb2.ReportRewardRequest(
+            directive_id="cd" * 16, reward=-0.5, loss_pre=2.0, loss_post=2.5, kilobytes=3
+        ),
+        response_stream=True,
+        request_stream=True,
     ),
     RpcSpec(
         "cpm",
@@ -721,6 +737,15 @@ def _call(
     metadata = ((spec.metadata_key, header),) if spec.metadata_key and header is not None else ()
     timeout = FEED_OPEN_S if spec.feed else CALL_TIMEOUT_S
     try:
+        if spec.request_stream:
+            results = channel.stream_stream(spec.method)(
+                iter([payload]), timeout=timeout, metadata=metadata
+            )
+            for raw in results:
+                result = cpm_pb2.ReportRewardResult.FromString(raw)
+                if result.WhichOneof("outcome") == "refused":
+                    return _STATUS_BY_VALUE[result.refused.code], result.refused.message
+            return OK, ""
         if not spec.response_stream:
             channel.unary_unary(spec.method)(payload, timeout=timeout, metadata=metadata)
             return OK, ""
@@ -737,6 +762,9 @@ def _call(
         if spec.feed and err.code() == DEADLINE:
             return OK, ""  # still open when we gave up on it: accepted
         return err.code(), err.details() or ""
+
+
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _check(server: Server, spec: RpcSpec, caller: str, payload: bytes, header: str | None) -> None:

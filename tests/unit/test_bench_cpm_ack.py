@@ -16,9 +16,11 @@ def test_quick_run_acknowledges_every_reward_once() -> None:
     report = run_benchmark(params, lambda label, done, total: seen.append(label))
     assert [lv["clients"] for lv in report["levels"]] == [1, 3]
     for lv in report["levels"]:
-        assert lv["cpm"]["acked"] == 12 == lv["cpm"]["bandit_updates"]
+        for kind in ("cpm", "cpm_stream"):
+            assert lv[kind]["acked"] == 12 == lv[kind]["bandit_updates"]
+            assert lv[kind]["p50_ms"] <= lv[kind]["p99_ms"]
         assert lv["sqlite"]["rows"] == 12
-        assert lv["ratio"] > 0 and lv["cpm"]["p50_ms"] <= lv["cpm"]["p99_ms"]
+        assert lv["ratio"] > 0 and lv["stream_ratio"] > 0
     assert seen[-1] == "done"
 
 
@@ -31,4 +33,4 @@ def test_cli_rejects_bad_client_counts_and_prints_json() -> None:
     )
     assert out.exit_code == 0, out.output
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["levels"][0]["cpm"]["acked"] == 6
+    assert report["levels"][0]["cpm"]["acked"] == 6 == report["levels"][0]["cpm_stream"]["acked"]

@@ -242,6 +242,72 @@ class ReportRewardResponse(_message.Message):
 Global___ReportRewardResponse: _TypeAlias = ReportRewardResponse  # noqa: Y015
 
 @_typing.final
+class ReportRewardResult(_message.Message):
+    """One reward's outcome on a ReportRewards stream: `ack` when it was committed, else the
+    refusal ReportReward would have ended its call with.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIRECTIVE_ID_FIELD_NUMBER: _builtins.int
+    ACK_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    directive_id: _builtins.str
+    """The request's directive_id (as sent, cut to 64 characters)."""
+    @_builtins.property
+    def ack(self) -> Global___ReportRewardResponse: ...
+    @_builtins.property
+    def refused(self) -> Global___RewardRefusal: ...
+    def __init__(
+        self,
+        *,
+        directive_id: _builtins.str = ...,
+        ack: Global___ReportRewardResponse | None = ...,
+        refused: Global___RewardRefusal | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "outcome", b"outcome", "refused", b"refused"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "directive_id", b"directive_id", "outcome", b"outcome", "refused", b"refused"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["ack", "refused"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___ReportRewardResult: _TypeAlias = ReportRewardResult  # noqa: Y015
+
+@_typing.final
+class RewardRefusal(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A google.rpc.Code value (e.g. 6 = ALREADY_EXISTS: the directive's reward was already
+    taken, which for a retry of a reward whose result was lost means "acknowledged").
+    """
+    reason: _builtins.str
+    """The CPM's machine-readable reason (`unknown_directive`, `replayed`, `not_receiver`,
+    ...), as in the metric peerlm_cpm_rejected_requests_total.
+    """
+    message: _builtins.str
+    """Human-readable, at most 512 characters."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RewardRefusal: _TypeAlias = RewardRefusal  # noqa: Y015
+
+@_typing.final
 class GetStatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

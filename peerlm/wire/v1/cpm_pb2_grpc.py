@@ -49,6 +49,11 @@ class MatchmakerStub:
                 request_serializer=peerlm_dot_v1_dot_cpm__pb2.ReportRewardRequest.SerializeToString,
                 response_deserializer=peerlm_dot_v1_dot_cpm__pb2.ReportRewardResponse.FromString,
                 _registered_method=True)
+        self.ReportRewards = channel.stream_stream(
+                '/peerlm.v1.Matchmaker/ReportRewards',
+                request_serializer=peerlm_dot_v1_dot_cpm__pb2.ReportRewardRequest.SerializeToString,
+                response_deserializer=peerlm_dot_v1_dot_cpm__pb2.ReportRewardResult.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/peerlm.v1.Matchmaker/GetStats',
                 request_serializer=peerlm_dot_v1_dot_cpm__pb2.GetStatsRequest.SerializeToString,
@@ -89,6 +94,18 @@ class MatchmakerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportRewards(self, request_iterator, context):
+        """The same as ReportReward for a caller that reports many rewards: one long-lived stream
+        instead of one call per reward (the per-call gRPC, TLS and interceptor cost is paid
+        once). Each request gets exactly one result, in request order, sent only after the
+        reward is durably committed; a refused reward is answered with its status in the
+        result and the stream stays open. At most `reward_stream_window` rewards per stream are
+        read ahead of their results (the rest wait in gRPC flow control). Caller role: agent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Counters and bandit summary. Caller role: admin.
         """
@@ -120,6 +137,11 @@ def add_MatchmakerServicer_to_server(servicer, server):
                     servicer.ReportReward,
                     request_deserializer=peerlm_dot_v1_dot_cpm__pb2.ReportRewardRequest.FromString,
                     response_serializer=peerlm_dot_v1_dot_cpm__pb2.ReportRewardResponse.SerializeToString,
+            ),
+            'ReportRewards': grpc.stream_stream_rpc_method_handler(
+                    servicer.ReportRewards,
+                    request_deserializer=peerlm_dot_v1_dot_cpm__pb2.ReportRewardRequest.FromString,
+                    response_serializer=peerlm_dot_v1_dot_cpm__pb2.ReportRewardResult.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -213,6 +235,33 @@ class Matchmaker:
             '/peerlm.v1.Matchmaker/ReportReward',
             peerlm_dot_v1_dot_cpm__pb2.ReportRewardRequest.SerializeToString,
             peerlm_dot_v1_dot_cpm__pb2.ReportRewardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRewards(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/peerlm.v1.Matchmaker/ReportRewards',
+            peerlm_dot_v1_dot_cpm__pb2.ReportRewardRequest.SerializeToString,
+            peerlm_dot_v1_dot_cpm__pb2.ReportRewardResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,14 @@ class MatchmakerStub:
     only from the directive's receiver; acknowledged only after it is durably committed.
     Caller role: agent.
     """
+    ReportRewards: _grpc.StreamStreamMultiCallable[_cpm_pb2.ReportRewardRequest, _cpm_pb2.ReportRewardResult]
+    """The same as ReportReward for a caller that reports many rewards: one long-lived stream
+    instead of one call per reward (the per-call gRPC, TLS and interceptor cost is paid
+    once). Each request gets exactly one result, in request order, sent only after the
+    reward is durably committed; a refused reward is answered with its status in the
+    result and the stream stays open. At most `reward_stream_window` rewards per stream are
+    read ahead of their results (the rest wait in gRPC flow control). Caller role: agent.
+    """
     GetStats: _grpc.UnaryUnaryMultiCallable[_cpm_pb2.GetStatsRequest, _cpm_pb2.CpmStats]
     """Counters and bandit summary. Caller role: admin."""
     TriggerMatchmaking: _grpc.UnaryUnaryMultiCallable[_cpm_pb2.TriggerMatchmakingRequest, _cpm_pb2.TriggerMatchmakingResponse]
@@ -68,6 +76,14 @@ class MatchmakerAsyncStub(MatchmakerStub):
     """The receiver of a directive reports the reward of Eq. 3 (phase 4). Accepted once, and
     only from the directive's receiver; acknowledged only after it is durably committed.
     Caller role: agent.
+    """
+    ReportRewards: _aio.StreamStreamMultiCallable[_cpm_pb2.ReportRewardRequest, _cpm_pb2.ReportRewardResult]  # type: ignore[assignment]
+    """The same as ReportReward for a caller that reports many rewards: one long-lived stream
+    instead of one call per reward (the per-call gRPC, TLS and interceptor cost is paid
+    once). Each request gets exactly one result, in request order, sent only after the
+    reward is durably committed; a refused reward is answered with its status in the
+    result and the stream stays open. At most `reward_stream_window` rewards per stream are
+    read ahead of their results (the rest wait in gRPC flow control). Caller role: agent.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_cpm_pb2.GetStatsRequest, _cpm_pb2.CpmStats]  # type: ignore[assignment]
     """Counters and bandit summary. Caller role: admin."""
@@ -103,6 +119,20 @@ class MatchmakerServicer(metaclass=_abc_1.ABCMeta):
         """The receiver of a directive reports the reward of Eq. 3 (phase 4). Accepted once, and
         only from the directive's receiver; acknowledged only after it is durably committed.
         Caller role: agent.
+        """
+
+    @_abc_1.abstractmethod
+    def ReportRewards(
+        self,
+        request_iterator: _MaybeAsyncIterator[_cpm_pb2.ReportRewardRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cpm_pb2.ReportRewardResult], _abc.AsyncIterator[_cpm_pb2.ReportRewardResult]]:
+        """The same as ReportReward for a caller that reports many rewards: one long-lived stream
+        instead of one call per reward (the per-call gRPC, TLS and interceptor cost is paid
+        once). Each request gets exactly one result, in request order, sent only after the
+        reward is durably committed; a refused reward is answered with its status in the
+        result and the stream stays open. At most `reward_stream_window` rewards per stream are
+        read ahead of their results (the rest wait in gRPC flow control). Caller role: agent.
         """
 
     @_abc_1.abstractmethod
