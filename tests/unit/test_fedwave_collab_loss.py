@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from peerlm.agent.fedwave.collab_loss import (
     CollabLossSettings,
     consistency_loss,
@@ -133,3 +135,25 @@ def test_the_loss_pulls_adjacent_stages_towards_their_targets() -> None:
         optimiser.step()
     after = gaps()
     assert all(a < b / 2 for a, b in zip(after, before, strict=True)), (before, after)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    vectors=st.lists(
+        st.lists(st.floats(-5, 5, allow_nan=False), min_size=3, max_size=3).filter(
+            lambda v: sum(x * x for x in v) > 1e-3
+        ),
+        min_size=2,
+        max_size=5,
+    ),
+    scales=st.lists(st.floats(0.1, 10), min_size=5, max_size=5),
+    target=st.floats(-1, 1),
+)
+def test_positional_loss_depends_only_on_directions_and_is_bounded(
+    vectors: list[list[float]], scales: list[float], target: float
+) -> None:
+    e = [torch.tensor(v, dtype=torch.float64) for v in vectors]
+    scaled = [x * s for x, s in zip(e, scales, strict=False)]
+    value = positional_loss(e, target).item()
+    assert value == pytest.approx(positional_loss(scaled, target).item(), abs=1e-9)
+    assert 0 <= value <= 4 * (len(e) - 1) + 1e-9  # each term at most (1 + 1)²

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from peerlm.agent.fedwave.dpo import DEFAULT_BETA, DPOSettings, dpo_loss
 from peerlm.agent.fedwave.sequence_losses import per_sample_sft_loss, response_logprobs
 from peerlm.agent.models.tiny import SHIPPED_DIR
@@ -106,3 +108,19 @@ def test_dpo_steps_on_a_tiny_model_raise_the_chosen_margin() -> None:
     assert losses[0] == pytest.approx(math.log(2), abs=1e-5)
     assert losses[-1] < losses[0] - 0.01
     assert terms.reward_accuracy == 1.0
+
+
+LOGP = st.floats(-50, 0, allow_nan=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pc=LOGP, pr=LOGP, rc=LOGP, rr=LOGP, beta=st.floats(0.01, 1.0))
+def test_swapping_chosen_and_rejected_mirrors_the_margin(
+    pc: float, pr: float, rc: float, rr: float, beta: float
+) -> None:
+    """−log σ(z) − (−log σ(−z)) = −z, and the loss is positive."""
+    ahead = dpo_loss(v(pc), v(pr), v(rc), v(rr), beta=beta).loss.item()
+    swapped = dpo_loss(v(pr), v(pc), v(rr), v(rc), beta=beta).loss.item()
+    z = beta * ((pc - pr) - (rc - rr))
+    assert ahead - swapped == pytest.approx(-z, abs=1e-9)
+    assert ahead > 0 and swapped > 0

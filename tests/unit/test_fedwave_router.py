@@ -167,3 +167,19 @@ def test_fedavg_refuses_bad_routers_naming_the_agent() -> None:
     shapes = {k: tuple(v.shape) for k, v in good.items()}
     with pytest.raises(FedWaveError, match="shape"):
         fedavg_routers({"m": (wrong_shape, 1)}, shapes=shapes)
+
+
+@PROPS
+@given(
+    rows=st.lists(st.lists(st.floats(-8, 8), min_size=4, max_size=4), min_size=1, max_size=5),
+    k=st.integers(1, 4),
+)
+def test_top_k_weights_are_the_largest_and_sum_to_one(rows: list[list[float]], k: int) -> None:
+    alpha = torch.softmax(torch.tensor(rows, dtype=torch.float64), dim=-1)
+    idx, w = top_k_routing(alpha, k)
+    torch.testing.assert_close(w.sum(-1), torch.ones(len(rows), dtype=torch.float64))
+    for row in range(len(rows)):
+        kept = alpha[row, idx[row]]
+        dropped = [alpha[row, j].item() for j in range(4) if j not in idx[row].tolist()]
+        assert all(kept.min().item() >= d for d in dropped)
+        assert bool((kept[:-1] >= kept[1:]).all())  # in descending order
