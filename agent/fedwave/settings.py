@@ -8,10 +8,11 @@ them together and checks what spans two of them.
 
 from __future__ import annotations
 
+import torch
 from peerlm.agent.fedwave.collab_loss import CollabLossSettings
 from peerlm.agent.fedwave.dpo import DPOSettings
-from peerlm.agent.fedwave.router import RouterSettings
-from peerlm.agent.fedwave.vclayer import VCLayerSettings
+from peerlm.agent.fedwave.router import MoERouter, RouterSettings
+from peerlm.agent.fedwave.vclayer import VCLayer, VCLayerSettings
 from peerlm.agent.fedwave.workflow import Workflow
 from pydantic import Field, model_validator
 
@@ -40,3 +41,17 @@ class FedWaveSettings(Section):
                 f"{len(self.workflow.stages)} stages (experts)"
             )
         return self
+
+    def initial_vclayer(self, hidden_size: int, stage_index: int) -> VCLayer:
+        """Stage ``stage_index``'s initial VCLayer (generator seeded ``seed + 1 + i``)."""
+        if stage_index < 0:
+            raise ValueError(f"stage index must not be negative, got {stage_index}")
+        generator = torch.Generator().manual_seed(self.seed + 1 + stage_index)
+        return VCLayer(hidden_size, self.vclayer, generator=generator)
+
+    def initial_router(self, hidden_size: int) -> MoERouter:
+        """The router every agent of the workflow starts from (generator seeded ``seed``)."""
+        if self.workflow is None:
+            raise ValueError("the initial router needs a workflow (one expert per stage)")
+        generator = torch.Generator().manual_seed(self.seed)
+        return MoERouter(hidden_size, len(self.workflow.stages), self.router, generator=generator)

@@ -128,3 +128,23 @@ def test_fedwave_settings_bring_the_parts_together() -> None:
         FedWaveSettings.model_validate({"workflow": CHAIN.model_dump(), "router": {"top_k": 4}})
     with pytest.raises(ValidationError, match="extra"):
         FedWaveSettings.model_validate({"server": "x"})
+
+
+def test_every_agent_starts_the_same_router_and_stages_start_different_vclayers() -> None:
+    s = FedWaveSettings.model_validate({"workflow": CHAIN.model_dump(), "seed": 4})
+    a, b = s.initial_router(16), s.initial_router(16)
+    assert a.n_experts == 3
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+    first, again, second = (
+        s.initial_vclayer(16, 0),
+        s.initial_vclayer(16, 0),
+        s.initial_vclayer(16, 1),
+    )
+    assert torch.equal(first.w_q, again.w_q) and not torch.equal(first.w_q, second.w_q)
+    with pytest.raises(ValueError, match="needs a workflow"):
+        FedWaveSettings().initial_router(16)
+    with pytest.raises(ValueError, match="negative"):
+        s.initial_vclayer(16, -1)
