@@ -21,15 +21,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from peerlm.agent.fedwave.chain_tasks import score_chain_tasks
-from peerlm.agent.fedwave.code_chain import CODE_CHAIN_STAGES, build_code_chain
-from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss
-from peerlm.agent.fedwave.generation import greedy_generate
-from peerlm.agent.fedwave.text_metrics import corpus_scores
-from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer
-from peerlm.agent.fedwave.workflow import Workflow
-from peerlm.agent.models.lora import LoraSettings, apply_lora
-from peerlm.agent.models.tiny import SHIPPED_DIR
+from peerlm.agent import (
+    CODE_CHAIN_STAGES,
+    SHIPPED_DIR,
+    LoraSettings,
+    VCCausalLM,
+    VCLayer,
+    Workflow,
+    apply_lora,
+    build_code_chain,
+    corpus_scores,
+    encode_stage_examples,
+    expert_loss,
+    greedy_generate,
+    score_chain_tasks,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 __all__ = ["main", "run"]
