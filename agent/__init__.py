@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     from peerlm.agent.daemon import AgentDaemon, AgentSummary
     from peerlm.agent.directives import DirectiveBook
     from peerlm.agent.evaluation import evaluate, structural_match_rate
+    from peerlm.agent.fedwave.chain_tasks import score_chain_tasks
+    from peerlm.agent.fedwave.code_chain import CODE_CHAIN_STAGES, build_code_chain
+    from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss
+    from peerlm.agent.fedwave.generation import greedy_generate
+    from peerlm.agent.fedwave.text_metrics import corpus_scores
+    from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer
+    from peerlm.agent.fedwave.workflow import Workflow
     from peerlm.agent.guardrail import Guardrail, agent_guardrail
     from peerlm.agent.hties import (
         CohortAnalysis,
@@ -37,10 +44,11 @@ if TYPE_CHECKING:
     )
     from peerlm.agent.main import run_agent
     from peerlm.agent.modelhost import ModelHost
-    from peerlm.agent.models.lora import LoraSettings
+    from peerlm.agent.models.lora import LoraSettings, apply_lora
     from peerlm.agent.models.tiny import (
         ARCHITECTURES,
         DEFAULT_HIDDEN,
+        SHIPPED_DIR,
         BuildEvent,
         ModelInfo,
         build_models,
@@ -177,13 +185,28 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "ties_merge": ("peerlm.agent.hties", "ties_merge"),
     "ConflictRegulariser": ("peerlm.agent.pcr", "ConflictRegulariser"),
     "pcr_penalty": ("peerlm.agent.pcr", "pcr_penalty"),
+    # FedWave foundations (docs/fedwave.md)
+    "CODE_CHAIN_STAGES": ("peerlm.agent.fedwave.code_chain", "CODE_CHAIN_STAGES"),
+    "SHIPPED_DIR": ("peerlm.agent.models.tiny", "SHIPPED_DIR"),
+    "VCCausalLM": ("peerlm.agent.fedwave.vclayer", "VCCausalLM"),
+    "VCLayer": ("peerlm.agent.fedwave.vclayer", "VCLayer"),
+    "Workflow": ("peerlm.agent.fedwave.workflow", "Workflow"),
+    "apply_lora": ("peerlm.agent.models.lora", "apply_lora"),
+    "build_code_chain": ("peerlm.agent.fedwave.code_chain", "build_code_chain"),
+    "corpus_scores": ("peerlm.agent.fedwave.text_metrics", "corpus_scores"),
+    "encode_stage_examples": ("peerlm.agent.fedwave.expert_step", "encode_stage_examples"),
+    "expert_loss": ("peerlm.agent.fedwave.expert_step", "expert_loss"),
+    "greedy_generate": ("peerlm.agent.fedwave.generation", "greedy_generate"),
+    "score_chain_tasks": ("peerlm.agent.fedwave.chain_tasks", "score_chain_tasks"),
 }
 
 __all__ = [
     "ARCHITECTURES",
     "CATEGORIES",
+    "CODE_CHAIN_STAGES",
     "DEFAULT_HIDDEN",
     "DEFAULT_PRIVATE_CATEGORIES",
+    "SHIPPED_DIR",
     "AdapterSpec",
     "AgentDaemon",
     "AgentOverlaySettings",
@@ -210,14 +233,19 @@ __all__ = [
     "ProxyError",
     "RoundConfig",
     "TrainSettings",
+    "VCCausalLM",
+    "VCLayer",
+    "Workflow",
     "World",
     "WorldSpec",
     "agent_guardrail",
     "aggregate_fedavg_factors",
     "aggregate_ffa",
     "aggregate_svd",
+    "apply_lora",
     "block_influence",
     "blocks_to_keep",
+    "build_code_chain",
     "build_federation_data",
     "build_models",
     "build_package",
@@ -226,16 +254,20 @@ __all__ = [
     "category_counts",
     "category_histogram",
     "code_tokens",
+    "corpus_scores",
     "decode_package",
     "delta_weights",
     "encode_adapter",
+    "encode_stage_examples",
     "evaluate",
     "evaluate_pass",
+    "expert_loss",
     "fedavg_proxies",
     "fetch_package",
     "function_key",
     "fuse_into",
     "generate_bank",
+    "greedy_generate",
     "h_ties",
     "integrate_package",
     "kept_count",
@@ -254,6 +286,7 @@ __all__ = [
     "round_profile",
     "run_agent",
     "sample_completions",
+    "score_chain_tasks",
     "score_completions",
     "serve_peer",
     "structural_match_rate",

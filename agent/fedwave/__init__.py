@@ -1,0 +1,12 @@
+"""FedWave (``papers/fedwave.md``): value-chain workflows of expert agents.
+
+The foundations, as sans-IO library code (docs/fedwave.md maps each equation to its code):
+
+* :mod:`~peerlm.agent.fedwave.workflow` — the :class:`Workflow` configuration type;
+* :mod:`~peerlm.agent.fedwave.code_chain` — the generated code value chain (the data);
+* :mod:`~peerlm.agent.fedwave.text_metrics` — Table 1's lexical metrics;
+* :mod:`~peerlm.agent.fedwave.vclayer` — the VCLayer (Eq. 1) around a causal LM;
+* :mod:`~peerlm.agent.fedwave.collab_loss` — the collaborative loss (Eq. 2-6);
+* :mod:`~peerlm.agent.fedwave.router` — the MoE router, its losses and FedAvg (Eq. 7-9);
+* :mod:`~peerlm.agent.fedwave.dpo` — the DPO loss (Eq. 10).
+"""
