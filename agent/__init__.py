@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         build_models,
     )
     from peerlm.agent.models.tiny import read_manifest as read_models_manifest
+    from peerlm.agent.onepeft import OneShotResult, one_shot
     from peerlm.agent.package import build_text_package, decode_package
     from peerlm.agent.pcr import ConflictRegulariser, pcr_penalty
     from peerlm.agent.peer_client import (
@@ -170,6 +171,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "aggregate_svd": ("peerlm.agent.lora_merge", "aggregate_svd"),
     "delta_weights": ("peerlm.agent.lora_merge", "delta_weights"),
     "normalise_weights": ("peerlm.agent.lora_merge", "normalise_weights"),
+    "one_shot": ("peerlm.agent.onepeft", "one_shot"),
+    "OneShotResult": ("peerlm.agent.onepeft", "OneShotResult"),
     "ProxyError": ("peerlm.agent.proxy_model", "ProxyError"),
     "block_influence": ("peerlm.agent.proxy_compress", "block_influence"),
     "blocks_to_keep": ("peerlm.agent.proxy_compress", "blocks_to_keep"),
@@ -226,6 +229,7 @@ __all__ = [
     "MergedAdapter",
     "ModelHost",
     "ModelInfo",
+    "OneShotResult",
     "PeerExchangeError",
     "PeerExchangeService",
     "Problem",
@@ -274,6 +278,7 @@ __all__ = [
     "local_update",
     "next_directive",
     "normalise_weights",
+    "one_shot",
     "pcr_penalty",
     "proxy_info",
     "public_problems",

@@ -61,9 +61,10 @@ from peerlm.services.cpm import (
     Pairing,
     RandomMatchmaker,
     RewardNormaliser,
+    exact_top_k,
     greedy_disjoint,
+    top_k_partners,
 )
-from peerlm.services.cpm.prefilter import exact_top_k, top_k_partners
 
 __all__ = [
     "EXTRA_METHODS",

@@ -455,7 +455,7 @@ def _prepare_real(
 def _write_public_pairs(data_dir: Path, world: Any) -> Path:
     """D_pub of OnePeFT's HKA: the transfer problems of the world's public categories with
     their references (public in this world, like the paper's Alpaca); never private ones."""
-    from peerlm.agent.tasks.dataset import read_jsonl, write_jsonl
+    from peerlm.agent import read_jsonl, write_jsonl
 
     public = [
         p

@@ -695,8 +695,7 @@ def _merge_exchange(
     """FedAvg-LoRA every round, or a OnePeFT variant once in the last round, within each
     model family (a client alone in its family trains locally). Each client pulls the other
     members' adapters (counted in KB) and builds the aggregate itself, as a peer would."""
-    from peerlm.agent.lora_merge import ClientAdapter, aggregate_fedavg_factors
-    from peerlm.agent.onepeft import one_shot
+    from peerlm.agent import ClientAdapter, aggregate_fedavg_factors, one_shot
 
     plan = world.plan
     if strategy != "fedavg_lora" and t != plan.rounds:

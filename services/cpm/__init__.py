@@ -24,7 +24,7 @@ from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
 from .matchmaker import Matchmaker, MatchmakerState, Pairing, PairingPolicy
 from .normalise import EPS, RewardNormaliser
-from .prefilter import cheap_pair_scores, prefilter_pairs
+from .prefilter import cheap_pair_scores, exact_top_k, prefilter_pairs, top_k_partners
 from .profile import (
     DISTRIBUTION_SLICE,
     DYNAMIC_SLICE,
@@ -69,6 +69,7 @@ __all__ = [
     "TrustLedger",
     "cheap_pair_scores",
     "cpm_command",
+    "exact_top_k",
     "greedy_disjoint",
     "js_divergence",
     "js_divergence_matrix",
@@ -76,6 +77,7 @@ __all__ = [
     "open_database",
     "prefilter_pairs",
     "run_cpm",
+    "top_k_partners",
     "validate_profile",
     "validate_profiles",
 ]
