@@ -91,7 +91,7 @@ class Simulator:
         self._queue: list[tuple[float, int, int, str, object]] = []
         self._seq = 0
         self._scheduled: dict[str, float] = {}
-        self._factor: dict[tuple[str, str], float] = {}
+        self._fixed: dict[tuple[str, str], float] = {}
         self._verify = _VerifyCache()
         # Messages, descriptors and member entries recur in many sends: size each once.
         self._sizes: SizeMemo = {}
@@ -136,13 +136,16 @@ class Simulator:
 
     def latency(self, src: str, dst: str) -> float:
         key = (src, dst)
-        factor = self._factor.get(key)
-        if factor is None:
+        # ``base * factor`` of the link (positions never move), then the jitter: the same
+        # products, in the same order, as computing both per message.
+        fixed = self._fixed.get(key)
+        if fixed is None:
             h = hashlib.sha256(f"{self.seed}|{src}|{dst}".encode()).digest()
             factor = 1.0 + self.links.asymmetry * int.from_bytes(h[:4], "big") / 2**32
-            self._factor[key] = factor
-        base = self.links.base + self.links.per_unit * self.distance(src, dst)
-        return base * factor * (1.0 + self.links.jitter * self._rng.random())
+            base = self.links.base + self.links.per_unit * self.distance(src, dst)
+            fixed = base * factor
+            self._fixed[key] = fixed
+        return fixed * (1.0 + self.links.jitter * self._rng.random())
 
     def build_graph(self, ids: list[str] | None = None) -> dict[str, list[str]]:
         """Neighbour sets preferring low RTT (see the module docstring); applied to nodes."""
