@@ -739,8 +739,17 @@ def _value_size(value: Any, memo: SizeMemo | None) -> int:
             if hit is not None and hit[0] is value:
                 return hit[1]
         size = _FIELD_BYTES
-        for field_value in fields_of(value):
-            size += _value_size(field_value, memo)
+        for field in fields_of(value):
+            # Leaf fields inline (most fields are): a call per field was half the cost.
+            field_kind = type(field)
+            if field_kind is str and field.isascii():
+                size += _FIELD_BYTES + len(field)
+            elif field_kind is int or field_kind is float:
+                size += 8
+            elif field is None or field_kind is bool:
+                size += 1
+            else:
+                size += _value_size(field, memo)
         if memo is not None:
             memo[id(value)] = (value, size)
         return size
