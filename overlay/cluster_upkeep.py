@@ -127,6 +127,9 @@ class PrimaryUpkeep:
         added: list[tuple[NodeRef, int]] = []
         now = self.ctx.now
         fresh = self.ctx.params.lease_duration
+        if len(ids) >= want:
+            # Full: the candidate scan below is O(members) per tick and would pick nobody.
+            return
         if role.level == 1:
             # Only members heard from recently: never re-promote a silent (dead) one.
             candidates = [
@@ -137,7 +140,7 @@ class PrimaryUpkeep:
                 and now - role.last_seen.get(nid, -fresh - 1.0) <= fresh
                 and nid not in self._suspects
             ]
-            if len(ids) < want and candidates:
+            if candidates:
                 sigs: list[Signature] = [m.signature for m in candidates if m.signature is not None]
                 close = cosine_to_many(role.descriptor.prototype, sigs)
                 order = sorted(
@@ -145,7 +148,7 @@ class PrimaryUpkeep:
                 )
                 for i in order[: want - len(ids)]:
                     added.append((candidates[i].ref, candidates[i].score))
-        elif len(ids) < want and role.children:
+        elif role.children:
             children = list(role.children.values())
             close = cosine_to_many(role.descriptor.prototype, [c.prototype for c in children])
             order = sorted(range(len(children)), key=lambda i: (-close[i], children[i].cluster_id))
@@ -187,10 +190,24 @@ class PrimaryUpkeep:
             sigs = [c.prototype for c in role.children.values()]
         if not sigs:
             return
+        # The prototype is a pure function of the inputs: when they (by identity) and the
+        # descriptor's prototype are those of the last refresh that pushed nothing, this one
+        # would push nothing either. Skipping it saves a prototype per cluster every few ticks.
+        checked = role.prototype_checked
+        if (
+            checked is not None
+            and checked[1] is role.descriptor.prototype
+            and len(checked[0]) == len(sigs)
+            and all(a is b for a, b in zip(checked[0], sigs, strict=True))
+        ):
+            return
         proto = prototype(sigs, int(np.median([s.p for s in sigs])))
         if sparse_cosine(proto, role.descriptor.prototype) < _PROTOTYPE_PUSH_BELOW:
+            role.prototype_checked = None
             role.bump(prototype=proto)
             role.dirty = True
+        else:
+            role.prototype_checked = (tuple(sigs), role.descriptor.prototype)
 
     def _report_to_parent(self, role: ClusterRole) -> None:
         if role.parent is None:

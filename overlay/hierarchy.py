@@ -241,6 +241,11 @@ class ClusterRole:
     lease_renewed: float = 0.0
     p_mins: tuple[int, ...] = ()
     dirty: bool = False
+    # Primary-side memo: the prototype inputs and descriptor prototype of the last refresh
+    # that changed nothing (:class:`~peerlm.overlay.cluster_upkeep.PrimaryUpkeep`).
+    prototype_checked: tuple[tuple[Signature, ...], Signature] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def cluster_id(self) -> str:

@@ -91,7 +91,7 @@ class Simulator:
         self._queue: list[tuple[float, int, int, str, object]] = []
         self._seq = 0
         self._scheduled: dict[str, float] = {}
-        self._factor: dict[tuple[str, str], float] = {}
+        self._fixed: dict[tuple[str, str], float] = {}
         self._verify = _VerifyCache()
         # Messages, descriptors and member entries recur in many sends: size each once.
         self._sizes: SizeMemo = {}
@@ -136,13 +136,16 @@ class Simulator:
 
     def latency(self, src: str, dst: str) -> float:
         key = (src, dst)
-        factor = self._factor.get(key)
-        if factor is None:
+        # ``base * factor`` of the link (positions never move), then the jitter: the same
+        # products, in the same order, as computing both per message.
+        fixed = self._fixed.get(key)
+        if fixed is None:
             h = hashlib.sha256(f"{self.seed}|{src}|{dst}".encode()).digest()
             factor = 1.0 + self.links.asymmetry * int.from_bytes(h[:4], "big") / 2**32
-            self._factor[key] = factor
-        base = self.links.base + self.links.per_unit * self.distance(src, dst)
-        return base * factor * (1.0 + self.links.jitter * self._rng.random())
+            base = self.links.base + self.links.per_unit * self.distance(src, dst)
+            fixed = base * factor
+            self._fixed[key] = fixed
+        return fixed * (1.0 + self.links.jitter * self._rng.random())
 
     def build_graph(self, ids: list[str] | None = None) -> dict[str, list[str]]:
         """Neighbour sets preferring low RTT (see the module docstring); applied to nodes."""
@@ -214,26 +217,40 @@ class Simulator:
 
     def deliver(self, src: str, sends: list[Send]) -> None:
         """Put ``sends`` from ``src`` on the wire."""
-        if len(self._sizes) > _SIZE_MEMO_ENTRIES:
-            self._sizes.clear()
-        for s in sends:
-            size = wire_size(s.msg, self._sizes)
-            self.sent_messages[src] += 1
-            self.sent_bytes[src] += size
-            self.kind_messages[s.msg.KIND] += 1
-            self.kind_bytes[s.msg.KIND] += size
-            if self.links.loss > 0 and self._rng.random() < self.links.loss:
-                self.dropped += 1
-                continue
-            if s.dst_id not in self.nodes:
-                self.dropped += 1
-                continue
-            self._push(self.now + self.latency(src, s.dst_id), 1, s.dst_id, (src, s.msg))
+        sizes = self._sizes
+        if len(sizes) > _SIZE_MEMO_ENTRIES:
+            sizes.clear()
+        if sends:
+            # Per-message work of the whole run: locals instead of attribute look-ups.
+            loss = self.links.loss
+            nodes = self.nodes
+            kind_messages, kind_bytes = self.kind_messages, self.kind_bytes
+            total = 0
+            for s in sends:
+                msg = s.msg
+                size = wire_size(msg, sizes)
+                total += size
+                kind = msg.KIND
+                kind_messages[kind] += 1
+                kind_bytes[kind] += size
+                if loss > 0 and self._rng.random() < loss:
+                    self.dropped += 1
+                    continue
+                dst = s.dst_id
+                if dst not in nodes:
+                    self.dropped += 1
+                    continue
+                self._push(self.now + self.latency(src, dst), 1, dst, (src, msg))
+            self.sent_messages[src] += len(sends)
+            self.sent_bytes[src] += total
         self._collect(src)
         self._reschedule(src)
 
     def _collect(self, node_id: str) -> None:
-        for ev in self.nodes[node_id].pop_events():
+        node = self.nodes[node_id]
+        if not node.ctx.events:
+            return
+        for ev in node.pop_events():
             self.events.append((self.now, node_id, ev))
             if self._on_event is not None:
                 self._on_event(node_id, ev)
@@ -250,22 +267,24 @@ class Simulator:
 
     def run_until(self, t: float, stop: Callable[[], bool] | None = None) -> None:
         """Process events up to time ``t`` (or until ``stop()`` is true)."""
-        while self._queue and self._queue[0][0] <= t:
-            at, _, kind, node_id, payload = heapq.heappop(self._queue)
+        queue, alive, nodes, scheduled = self._queue, self.alive, self.nodes, self._scheduled
+        pop = heapq.heappop
+        while queue and queue[0][0] <= t:
+            at, _, kind, node_id, payload = pop(queue)
             self.now = at
             if kind == 2:
                 assert callable(payload)
                 payload()
                 continue
-            if node_id not in self.alive:
+            if node_id not in alive:
                 if kind == 1:
                     self.dropped += 1
                 continue
-            node = self.nodes[node_id]
+            node = nodes[node_id]
             if kind == 0:
-                if self._scheduled.get(node_id) != at:
+                if scheduled.get(node_id) != at:
                     continue
-                del self._scheduled[node_id]
+                del scheduled[node_id]
                 self.deliver(node_id, node.on_tick(at))
             else:
                 src, msg = cast(tuple[str, Message], payload)
