@@ -162,6 +162,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("oracle", "local_plus"),
     ("onepeft", "fedavg_lora"),
     ("onepeft", "local_plus"),
+    ("onepeft", "onepeft_svd"),
     ("onepeft", "onepeft_fedavg"),
     ("onepeft_svd", "onepeft_fedavg"),
     ("onepeft_hka", "onepeft_fedavg"),
