@@ -168,6 +168,20 @@ class _Picked:
     mean: NDArray[np.float64]
 
 
+def _descending(values: NDArray[np.float64]) -> NDArray[np.intp]:
+    """``np.argsort(-values, kind="stable")``, ~2x faster when no two values are equal.
+
+    The default (unstable, SIMD) sort is tried first: without equal values the order is
+    unique, so it is the stable one; if the sorted keys hold an equal neighbour or a NaN
+    (``NaN != NaN`` would hide a tie), the stable sort is run after all."""
+    neg = -values
+    order: NDArray[np.intp] = np.argsort(neg)
+    keys = neg[order]
+    if len(keys) > 1 and (bool(np.any(keys[1:] == keys[:-1])) or bool(np.isnan(keys[-1]))):
+        order = np.argsort(neg, kind="stable")
+    return order
+
+
 def _pair_best_mask(ucb2: NDArray[np.float64], perm: NDArray[np.intp]) -> NDArray[np.bool_]:
     """Flat mask of each row's best tuple of ``ucb2`` (pairs x tuples): the highest UCB,
     ties to the earliest position in ``perm`` — the tuple the full tie-broken order
@@ -413,10 +427,10 @@ class Matchmaker:
             # come later, with the same two agents), so only those are ranked and walked:
             # the walk over all tuples in the full order keeps the same candidates.
             order = perm[_pair_best_mask(ucb2, perm)[perm]]
-            order = order[np.argsort(-ucb[order], kind="stable")]
+            order = order[_descending(ucb[order])]
             picked = np.asarray(greedy_disjoint(senders, receivers, order, budget, n), np.intp)
         else:
-            order = perm[np.argsort(-ucb[perm], kind="stable")]
+            order = perm[_descending(ucb[perm])]
             rank = np.empty(len(ucb), dtype=np.intp)
             rank[order] = np.arange(len(ucb))
             # Each pair's best tuple (over directions, protocols, roles) under the same order.

@@ -474,3 +474,23 @@ def test_prefilter_finds_the_best_pair(trained_state: MatchmakerState) -> None:
     assert (best_pre.sender, best_pre.receiver) == (best_exact.sender, best_exact.receiver)
     assert best_pre.ucb == pytest.approx(best_exact.ucb, rel=1e-9)
     assert pre.last_candidates < exact.last_candidates / 5
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties", "nan", "inf_ties", "empty", "one"])
+def test_descending_order_is_the_stable_descending_argsort(kind: str) -> None:
+    from peerlm.services.cpm.matchmaker import _descending
+
+    rng = np.random.default_rng(7)
+    values = rng.standard_normal(5000)
+    if kind == "ties":
+        values = np.round(values, 1)  # many exact ties: the stable order must win
+    elif kind == "nan":
+        values[[3, 900, 4000]] = np.nan
+    elif kind == "inf_ties":
+        values[[10, 20, 30]] = -np.inf
+    elif kind == "empty":
+        values = values[:0]
+    elif kind == "one":
+        values = values[:1]
+    got = _descending(values)
+    assert np.array_equal(got, np.argsort(-values, kind="stable"))

@@ -7,6 +7,7 @@ import pytest
 from peerlm.services.cpm.matchmaker import Matchmaker
 from peerlm.services.cpm.prefilter import (
     _CheapModel,
+    _top_columns,
     _top_k_exact,
     cheap_pair_scores,
     clustered_top_k,
@@ -119,3 +120,38 @@ def test_top_k_partners_dispatches_on_the_cluster_threshold() -> None:
     ref = clustered_top_k(*args, 6, np.random.default_rng(0), cell_size=16, shortlist=64)
     assert np.array_equal(above, ref)
     assert top_k_partners(*args, 0, np.random.default_rng(0)).shape == (300, 0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "width", "k"), [(50, 64, 1), (40, 200, 8), (7, 9, 8), (3, 512, 30)]
+)
+def test_top_columns_is_the_argpartition_top_k_without_ties(rows: int, width: int, k: int) -> None:
+    rng = np.random.default_rng(rows * width + k)
+    block = rng.standard_normal((rows, width)).astype(np.float32)
+    block[np.arange(rows) % width, np.arange(rows) % width] = -np.inf  # like the diagonal
+    got = _top_columns(block, k)
+    want = np.sort(np.argpartition(block, width - k, axis=1)[:, width - k :], axis=1)
+    assert got.dtype == np.intp
+    assert np.array_equal(got, want)
+
+
+def test_top_columns_breaks_ties_to_the_lowest_columns_and_never_prefers_nan() -> None:
+    block = np.array(
+        [
+            [1.0, 5.0, 3.0, 3.0, 3.0, 0.0],  # tie at the k-th value: lowest columns win
+            [2.0, 2.0, 2.0, 2.0, 2.0, 2.0],  # all tied
+            [np.nan, 1.0, 4.0, 0.0, 2.0, 3.0],  # NaN is not a top value
+            [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],  # an ordinary row beside the tied ones
+        ],
+        dtype=np.float32,
+    )
+    got = _top_columns(block, 3)
+    assert got.tolist() == [[1, 2, 3], [0, 1, 2], [2, 4, 5], [3, 4, 5]]
+
+
+def test_exact_top_k_keeps_the_same_partner_sets_as_argpartition() -> None:
+    mm, prof, trust = _population(300, 5)
+    scores = cheap_pair_scores(*_args(mm, prof, trust))
+    want = np.sort(np.argpartition(scores, 300 - 8, axis=1)[:, 300 - 8 :], axis=1)
+    got = np.sort(exact_top_k(*_args(mm, prof, trust), 8), axis=1)
+    assert np.array_equal(got, want)
