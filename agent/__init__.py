@@ -88,6 +88,7 @@ if TYPE_CHECKING:
     )
     from peerlm.agent.settings import AgentOverlaySettings, AgentSettings
     from peerlm.agent.tasks.bank import CATEGORIES, function_key, generate_bank, public_problems
+    from peerlm.agent.tasks.copy_drills import held_out_drills
     from peerlm.agent.tasks.dataset import (
         Manifest,
         Problem,
@@ -134,6 +135,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "WorldSpec": ("peerlm.agent.tasks.world", "WorldSpec"),
     "build_federation_data": ("peerlm.agent.tasks.dataset", "build_federation_data"),
     "build_models": ("peerlm.agent.models.tiny", "build_models"),
+    "held_out_drills": ("peerlm.agent.tasks.copy_drills", "held_out_drills"),
     "build_package": ("peerlm.agent.rounds", "build_package"),
     "build_text_package": ("peerlm.agent.package", "build_text_package"),
     "category_counts": ("peerlm.agent.rounds", "category_counts"),
@@ -273,6 +275,7 @@ __all__ = [
     "generate_bank",
     "greedy_generate",
     "h_ties",
+    "held_out_drills",
     "integrate_package",
     "kept_count",
     "local_update",

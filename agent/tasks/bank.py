@@ -35,6 +35,7 @@ __all__ = [
     "generate_bank",
     "public_problems",
     "render",
+    "render_function",
 ]
 
 #: Category names; their order is the category-histogram index.
@@ -125,16 +126,7 @@ def render(spec: Spec, inputs: Sequence[Args], task_id: str, category: str) -> P
     from peerlm.agent.tasks.dataset import Problem  # dataset imports this module
 
     name = spec.entry_point
-    example = inputs[0]
-    prompt = (
-        f"def {name}({spec.params}) -> {spec.returns}:\n"
-        f'    """{spec.doc}\n'
-        "\n"
-        f"    >>> {_call(name, example)}\n"
-        f"    {_lit(spec.oracle(*example))}\n"
-        '    """\n'
-        "    "
-    )
+    prompt = _prompt(name, spec.params, spec.returns, spec.doc, inputs[0], spec.oracle)
     reference = _reference(spec.body)
     tests = "".join(
         f"assert {_call(name, args)} == {_lit(spec.oracle(*args))}\n" for args in inputs
@@ -146,6 +138,33 @@ def render(spec: Spec, inputs: Sequence[Args], task_id: str, category: str) -> P
         reference=reference,
         tests=tests,
         entry_point=name,
+    )
+
+
+def render_function(
+    name: str,
+    params: str,
+    returns: str,
+    doc: str,
+    body: str,
+    oracle: Callable[..., object],
+    example: Args,
+) -> str:
+    """A complete function in the bank's style (prompt, then body), as pre-training text."""
+    return _prompt(name, params, returns, doc, example, oracle) + _reference(body)
+
+
+def _prompt(
+    name: str, params: str, returns: str, doc: str, example: Args, oracle: Callable[..., object]
+) -> str:
+    return (
+        f"def {name}({params}) -> {returns}:\n"
+        f'    """{doc}\n'
+        "\n"
+        f"    >>> {_call(name, example)}\n"
+        f"    {_lit(oracle(*example))}\n"
+        '    """\n'
+        "    "
     )
 
 

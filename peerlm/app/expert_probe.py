@@ -23,7 +23,7 @@ import tokenize
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "normalise_literals", "wilson"]
+__all__ = ["copy_rate", "main", "normalise_literals", "wilson"]
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -86,6 +86,46 @@ def _measure(host: Any, problems: list[Any], max_new_tokens: int) -> dict[str, A
     }
 
 
+def copy_rate(model_dir: str, corpus_size: int, n: int = 60) -> dict[str, Any]:
+    """Share of ``n`` held-out copy drills (none is in the corpus) whose whole body the
+    pre-trained model predicts token by token (greedy, teacher-forced).
+
+    Teacher forcing on the complete function keeps the measurement free of prompt-boundary
+    effects: where a prompt ends inside what the tokenizer would merge (GPT-2's regex
+    merges ``"\n   "``, Qwen2's ``\"\"\"\n``), free generation measures the boundary,
+    not copying.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peerlm.agent import held_out_drills
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    exact = 0
+    examples: list[dict[str, str]] = []
+    for text in held_out_drills(n, corpus_size):
+        body_at = text.rindex('"""') + len('"""\n    ')
+        encoding = tokenizer(text, return_offsets_mapping=True)
+        ids = torch.tensor([encoding["input_ids"]])
+        first = next(i for i, (lo, hi) in enumerate(encoding["offset_mapping"]) if hi > body_at)
+        with torch.no_grad():
+            predicted = model(input_ids=ids).logits[0, first - 1 : -1].argmax(-1)
+        right = bool(torch.equal(predicted, ids[0, first:]))
+        exact += right
+        if len(examples) < 3:
+            examples.append(
+                {"body": text[body_at:].strip(), "predicted": tokenizer.decode(predicted)}
+            )
+    low, high = wilson(exact, n)
+    return {
+        "n": n,
+        "exact": round(exact / n, 4),
+        "ci95": [round(low, 4), round(high, 4)],
+        "examples": examples,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the probe; prints one JSON object."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -141,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "build_s": round(built, 1),
         "own": sorted(own),
         "train_problems": len(train),
+        "copy_drills_before": copy_rate(info.path, int(info.extra.get("copy_drills") or 0)),
         "before": {"own": _measure(host, own_test, args.max_new_tokens)},
     }
     settings = TrainSettings(learning_rate=args.lr)

@@ -301,3 +301,37 @@ def test_a_model_another_process_put_in_place_is_accepted(
     (target / MANIFEST_NAME).write_text("{}")  # now it is not the same model
     with pytest.raises(OSError):
         build_models(tmp_path, ["gpt2"], size="micro", pretrain_steps=1, force=True)
+
+
+def test_the_copy_phase_runs_after_the_main_phase_and_enters_the_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recipe with a copy phase trains on drills after the main phase: the main phase is
+    untouched (the manifest's final loss is the same), the weights and the key differ,
+    and the build stays deterministic."""
+    import dataclasses
+    from types import MappingProxyType
+
+    from peerlm.agent.models import tiny
+
+    [plain] = build_models(tmp_path / "plain", ["gpt2"], size="micro", pretrain_steps=2)
+    copy = dataclasses.replace(
+        tiny._RECIPES["micro"], copy_drills=40, drill_share=0.8, copy_steps=3, copy_lr=1e-3
+    )
+    monkeypatch.setattr(tiny, "_RECIPES", MappingProxyType({**tiny._RECIPES, "micro": copy}))
+    events: list[BuildEvent] = []
+    [a] = build_models(tmp_path / "a", ["gpt2"], size="micro", pretrain_steps=2,
+                       progress=events.append)  # fmt: skip
+    [b] = build_models(tmp_path / "b", ["gpt2"], size="micro", pretrain_steps=2)
+    assert a.config_hash == b.config_hash != plain.config_hash
+    assert a.corpus_sha256 != plain.corpus_sha256  # the drills are part of the corpus
+    assert a.final_loss == plain.final_loss  # the main phase never sees a drill
+    assert a.extra["copy_drills"] == 40 and a.extra["copy_steps"] == 3
+    assert a.extra["copy_final_loss"] is not None
+    steps = [e.step for e in events if e.phase == "pretrain"]
+    assert steps[-1] == 5 and {e.total for e in events if e.phase == "pretrain"} == {5}
+    wa = load_file(str(Path(a.path) / "model.safetensors"))
+    wb = load_file(str(Path(b.path) / "model.safetensors"))
+    wp = load_file(str(Path(plain.path) / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not all(torch.equal(wa[k], wp[k]) for k in wa)
