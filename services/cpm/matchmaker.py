@@ -45,7 +45,12 @@ from .features import ContextFeatures
 from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
 from .normalise import RewardNormaliser, check_reward
-from .prefilter import DEFAULT_CLUSTER_MIN_AGENTS, prefilter_pairs
+from .prefilter import (
+    DEFAULT_CLUSTER_MIN_AGENTS,
+    CheapScore,
+    PrefilterScratch,
+    prefilter_pairs,
+)
 from .profile import validate_profiles
 from .trust import TrustLedger
 
@@ -190,6 +195,15 @@ def _pair_best_mask(ucb2: NDArray[np.float64], perm: NDArray[np.intp]) -> NDArra
     pos = np.empty(perm.size, dtype=np.intp)
     pos[perm] = np.arange(perm.size)
     pos2 = pos.reshape(n_pairs, combos)
+    if combos == 2:
+        # One protocol and role (the default): the reverse direction wins when its UCB is
+        # higher, or equal and earlier in perm; a NaN never wins, as in the general path.
+        u, p = ucb2.T, pos2.T
+        second = (u[1] > u[0]) | ((u[1] == u[0]) & (p[1] < p[0]))
+        pair_mask = np.empty((n_pairs, 2), dtype=bool)
+        pair_mask[:, 1] = second
+        np.logical_not(second, out=pair_mask[:, 0])
+        return pair_mask.ravel()
     top = ucb2 == ucb2.max(axis=1, keepdims=True)
     best = np.where(top, pos2, perm.size).argmin(axis=1) + np.arange(n_pairs) * combos
     mask = np.zeros(perm.size, dtype=bool)
@@ -293,6 +307,8 @@ class Matchmaker:
         self._score_dtype = np.float32 if score_precision == "float32" else np.float64
         self._selects_since_update = 0
         self._last_candidates = 0
+        # Buffers the exact prefilter reuses across selects (see PrefilterScratch).
+        self._scratch = PrefilterScratch()
         # Column layout of LinUCB.score_pairs per pair: C forward combos, then C reverse.
         n_p, n_r = len(self._features.protocols), len(self._features.roles)
         self._combo_forward = np.arange(2 * n_p * n_r) < n_p * n_r
@@ -416,9 +432,12 @@ class Matchmaker:
         n_pairs, combos = ucb2.shape
         ucb, mean = ucb2.ravel(), mean2.ravel()
         self._last_candidates += len(ucb)
-        fwd = self._combo_forward[None, :]
-        senders = np.where(fwd, left[:, None], right[:, None]).ravel()
-        receivers = np.where(fwd, right[:, None], left[:, None]).ravel()
+
+        def ends(tuples: NDArray[np.intp]) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
+            # Sender and receiver of the given flat tuple indices (only those: the walk
+            # needs each pair's best tuple, not all 2C of them).
+            pair, fwd = tuples // combos, self._combo_forward[tuples % combos]
+            return np.where(fwd, left[pair], right[pair]), np.where(fwd, right[pair], left[pair])
 
         # Descending UCB; exact ties fall to a seeded random permutation (never to input order).
         perm = rng.permutation(len(ucb))
@@ -428,7 +447,9 @@ class Matchmaker:
             # the walk over all tuples in the full order keeps the same candidates.
             order = perm[_pair_best_mask(ucb2, perm)[perm]]
             order = order[_descending(ucb[order])]
-            picked = np.asarray(greedy_disjoint(senders, receivers, order, budget, n), np.intp)
+            s_order, r_order = ends(order)
+            walk = np.arange(len(order), dtype=np.intp)
+            picked = order[np.asarray(greedy_disjoint(s_order, r_order, walk, budget, n), np.intp)]
         else:
             order = perm[_descending(ucb[perm])]
             rank = np.empty(len(ucb), dtype=np.intp)
@@ -438,9 +459,10 @@ class Matchmaker:
             edges = max_weight_disjoint(left, right, ucb[best], budget, n)
             picked = best[np.asarray(edges, dtype=np.intp)]
             picked = picked[np.argsort(rank[picked], kind="stable")]
+        senders, receivers = ends(picked)
         return _Picked(
-            senders=agents[senders[picked]],
-            receivers=agents[receivers[picked]],
+            senders=agents[senders],
+            receivers=agents[receivers],
             combos=picked % (combos // 2),
             ucb=ucb[picked],
             mean=mean[picked],
@@ -456,17 +478,21 @@ class Matchmaker:
         n = mat.shape[0]
         survivors = self._prefilter_k + self._prefilter_random
         if n >= self._prefilter_min_agents and survivors < n - 1:
-            return prefilter_pairs(
+            inputs = CheapScore(
                 mat,
                 trust,
                 self._features.layout,
                 self._bandit.theta,
                 np.diagonal(self._bandit.a_inv),
                 self._beta,
+            )
+            return prefilter_pairs(
+                inputs,
                 self._prefilter_k,
                 self._prefilter_random,
                 rng,
                 cluster_min_agents=self._prefilter_cluster_min_agents,
+                scratch=self._scratch,
             )
         left, right = np.triu_indices(n, 1)
         return left.astype(np.intp), right.astype(np.intp)

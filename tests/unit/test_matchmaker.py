@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peerlm.services.cpm import (
+    CheapScore,
     Matchmaker,
     MatchmakerState,
     Pairing,
@@ -440,12 +441,14 @@ def test_prefilter_keeps_o_n_k_candidates(trained_state: MatchmakerState) -> Non
     assert len(pairings) == n // 2
     assert m.last_candidates < 0.15 * n * (n - 1)
     left, right = prefilter_pairs(
-        np.stack([profiles[a] for a in sorted(profiles)]),
-        np.full(n, 0.5),
-        m.features.layout,
-        np.array(m.theta),
-        np.diagonal(trained_state.a_inv),
-        0.5,
+        CheapScore(
+            np.stack([profiles[a] for a in sorted(profiles)]),
+            np.full(n, 0.5),
+            m.features.layout,
+            np.array(m.theta),
+            np.diagonal(trained_state.a_inv),
+            0.5,
+        ),
         k,
         extra,
         np.random.default_rng(0),
