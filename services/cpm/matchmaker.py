@@ -47,6 +47,7 @@ from .matching import greedy_disjoint, max_weight_disjoint
 from .normalise import RewardNormaliser, check_reward
 from .prefilter import (
     DEFAULT_CLUSTER_MIN_AGENTS,
+    DEFAULT_SHORTLIST,
     CheapScore,
     PrefilterScratch,
     prefilter_pairs,
@@ -60,6 +61,9 @@ __all__ = ["Matchmaker", "MatchmakerState", "Pairing", "PairingPolicy"]
 DEFAULT_PREFILTER_RANDOM = 2
 # Refill passes per select (each pairs leftovers of the previous; two or three suffice).
 _MAX_PASSES = 8
+# In a round that uses the clustered top-k search, refill passes use it from this many
+# leftovers on (2 x the shortlist: below that the exact search scores fewer pairs).
+_REFILL_CLUSTER_MIN_AGENTS = 2 * DEFAULT_SHORTLIST + 1
 
 
 @dataclass(frozen=True)
@@ -243,7 +247,9 @@ class Matchmaker:
         ridge: ``A`` starts as ``ridge * I``.
         prefilter_random: seeded random partners added per agent by the prefilter.
         prefilter_cluster_min_agents: from this many agents on the prefilter's top-k
-            search is clustered (sub-quadratic, approximate; see :mod:`.prefilter`).
+            search is clustered (sub-quadratic, approximate; see :mod:`.prefilter`); such
+            a round's refill passes keep it while more than ``2 * DEFAULT_SHORTLIST``
+            agents are left.
         score_precision: arithmetic of the per-pair part of the exact UCB
             (:meth:`.LinUCB.score_pairs`): ``"float32"`` (default; ~2x faster, UCBs within
             ~1e-6 of float64) or ``"float64"``.
@@ -376,10 +382,17 @@ class Matchmaker:
         # pass among themselves. With all pairs scored the first pass already fills K_p.
         passes: list[_Picked] = []
         n_chosen = 0
+        # A round large enough for the clustered top-k search keeps it for refill passes
+        # with more than 2 x the shortlist leftovers (~1,500 of 10,000 after the first
+        # pass): there the exact search would cost as much as the first pass's clustered
+        # one. Smaller leftovers, and every pass of a smaller round, are searched exactly.
+        cluster_min = self._prefilter_cluster_min_agents
+        if n >= cluster_min:
+            cluster_min = min(cluster_min, _REFILL_CLUSTER_MIN_AGENTS)
         free = np.arange(n, dtype=np.intp)
         taken = np.zeros(n, dtype=bool)
         for _ in range(_MAX_PASSES):
-            picked = self._select_pass(free, mat, trust, budget - n_chosen, rng)
+            picked = self._select_pass(free, mat, trust, budget - n_chosen, rng, cluster_min)
             if not len(picked.senders):
                 break
             passes.append(picked)
@@ -420,12 +433,14 @@ class Matchmaker:
         trust: NDArray[np.float64] | None,
         budget: int,
         rng: np.random.Generator,
+        cluster_min: int,
     ) -> _Picked:
-        """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat``."""
+        """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat``. The
+        prefilter's top-k search is clustered from ``cluster_min`` agents on."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
-        left, right = self._candidate_pairs(sub, sub_trust, rng)
+        left, right = self._candidate_pairs(sub, sub_trust, rng, cluster_min)
         ucb2, mean2 = self._bandit.score_pairs(
             self._features.layout, sub, sub_trust, left, right, self._beta, dtype=self._score_dtype
         )
@@ -473,6 +488,7 @@ class Matchmaker:
         mat: NDArray[np.float64],
         trust: NDArray[np.float64] | None,
         rng: np.random.Generator,
+        cluster_min: int,
     ) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
         """Unordered candidate pairs: all of them, or the prefiltered ones for large N."""
         n = mat.shape[0]
@@ -491,7 +507,7 @@ class Matchmaker:
                 self._prefilter_k,
                 self._prefilter_random,
                 rng,
-                cluster_min_agents=self._prefilter_cluster_min_agents,
+                cluster_min_agents=cluster_min,
                 scratch=self._scratch,
             )
         left, right = np.triu_indices(n, 1)

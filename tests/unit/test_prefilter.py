@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from peerlm.services.cpm.matchmaker import Matchmaker
 from peerlm.services.cpm.prefilter import (
+    DEFAULT_SHORTLIST,
     CheapScore,
     PrefilterScratch,
     _top_columns,
@@ -179,3 +182,27 @@ def test_top_columns_in_a_work_buffer_leaves_the_block_alone() -> None:
     work = np.empty_like(block)
     assert np.array_equal(_top_columns(block, 5, work), _top_columns(block, 5))
     assert np.array_equal(block, before)
+
+
+def test_refill_passes_keep_the_clustered_search_only_in_a_clustered_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import peerlm.services.cpm.matchmaker as matchmaker_module
+
+    calls: list[tuple[int, int]] = []
+    real = matchmaker_module.prefilter_pairs
+
+    def recording(inputs: CheapScore, *args: Any, **kwargs: Any) -> Any:
+        calls.append((len(inputs.profiles), int(kwargs["cluster_min_agents"])))
+        return real(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(matchmaker_module, "prefilter_pairs", recording)
+    rng = np.random.default_rng(21)
+    for n in (2000, 2100):
+        calls.clear()
+        mm = Matchmaker(profile_dim=D_P, seed=2)
+        pairings = mm.select({f"a{i:04d}": rng.uniform(0, 1, D_P) for i in range(n)})
+        assert len(pairings) == n // 2
+        assert calls[0][0] == n and len(calls) >= 2  # the first pass strands some agents
+        want = 2048 if n < 2048 else 2 * DEFAULT_SHORTLIST + 1
+        assert all(cluster_min == want for _, cluster_min in calls)
