@@ -460,8 +460,9 @@ class LinUCB:
         mean = np.empty((n_pairs, 2 * n_c), dtype=np.float64)
         for lo in range(0, n_pairs, _PAIR_BLOCK):
             li, rj = left[lo : lo + _PAIR_BLOCK], right[lo : lo + _PAIR_BLOCK]
-            ti, tj = table[li], table[rj]
-            si, sj = scal[li], scal[rj]
+            # ndarray.take copies whole rows ~2x faster than fancy indexing (numpy 2.x).
+            ti, tj = table.take(li, axis=0), table.take(rj, axis=0)
+            si, sj = scal.take(li, axis=0), scal.take(rj, axis=0)
             rows = len(ti)
             ui, uj = ti[:, :du], tj[:, :du]
             fwd = si[:, 0] + sj[:, 1] + np.einsum("ij,ij->i", ti[:, c_cross:c_gs], uj)

@@ -207,10 +207,17 @@ class _CheapModel:
         else:
             # One gather of whole rows of the (N, d) copy is far cheaper than three gathers
             # of columns of the (d, N) factors.
-            picked = self.right_rows[cols].T
+            picked = self.right_rows.take(cols, axis=0).T
             a, b = self._dims
             fr, rr, vr = picked[:a], picked[a : a + b], picked[a + b :]
-        left = (self.fwd_left[rows], self.rev_left[rows], self.var_left[rows])
+        if isinstance(rows, slice):
+            left = (self.fwd_left[rows], self.rev_left[rows], self.var_left[rows])
+        else:
+            left = (
+                self.fwd_left.take(rows, 0),
+                self.rev_left.take(rows, 0),
+                self.var_left.take(rows, 0),
+            )
         return _cheap_score(left, (fr, rr, vr), beta)
 
 
