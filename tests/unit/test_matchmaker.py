@@ -497,3 +497,19 @@ def test_descending_order_is_the_stable_descending_argsort(kind: str) -> None:
         values = values[:1]
     got = _descending(values)
     assert np.array_equal(got, np.argsort(-values, kind="stable"))
+
+
+def test_select_leaves_the_garbage_collector_as_it_found_it() -> None:
+    import gc
+
+    m = Matchmaker(32, seed=0)
+    profiles = random_profiles(np.random.default_rng(5), 80)
+    assert gc.isenabled()
+    first = m.select(profiles)
+    assert gc.isenabled() and len(first) == 40
+    gc.disable()
+    try:
+        m.select(profiles)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
