@@ -61,9 +61,9 @@ _BLOCK_ELEMENTS = 1 << 21
 #: From this many agents on, the top-k search is clustered (sub-quadratic) instead of exact.
 DEFAULT_CLUSTER_MIN_AGENTS = 2048
 #: Target agents per k-means cell of the clustered search.
-DEFAULT_CLUSTER_SIZE = 192
+DEFAULT_CLUSTER_SIZE = 128
 #: Partners scored per cell: the agents that score best against the cell's centre.
-DEFAULT_SHORTLIST = 448
+DEFAULT_SHORTLIST = 512
 # k-means is fitted on at most this many agents per cell, then every agent is assigned.
 _FIT_PER_CELL = 8
 
