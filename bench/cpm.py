@@ -571,6 +571,9 @@ def _select_scaling(sizes: Sequence[int], calls: int, seed: int) -> dict[str, An
     figure; wall time is reported beside it. BLAS and OpenMP pools are limited to one
     thread (threadpoolctl) so the CPU time is that of one core. The exponent is the
     least-squares slope of log(CPU ms) on log(N) (N log N over 1e3..1e4 gives ~1.13).
+    The C allocator is set as the CPM process sets it (:func:`retain_freed_memory`), for
+    the rest of this process: without it the same calls spend a quarter of their CPU at
+    N = 1,000 in page faults (docs/matchmaker.md, "Third step").
     """
     # threadpoolctl comes with scikit-learn, a core dependency.
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
@@ -925,6 +928,10 @@ def render_report(report: Mapping[str, Any], console: Any) -> None:
         table.add_row(
             "select() CPU growth exponent (log-log fit)",
             _fmt(scaling["cpu_growth_exponent"], ".2f"),
+        )
+        table.add_row(
+            "select() scaling: allocator keeps freed memory (as in the CPM)",
+            "yes" if scaling.get("allocator_retains_freed_memory") else "no",
         )
         for key, name in (("observe", "default context"), ("observe_paper_context", "paper")):
             o = speed[key]
