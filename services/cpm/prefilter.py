@@ -398,7 +398,12 @@ def clustered_top_k(
         members = order[starts[cell] : starts[cell + 1]]
         cols = lists[cell]
         block = model.block(members, cols, beta)
-        block[members[:, None] == cols[None, :]] = -np.inf
+        # A member on its own shortlist is not its own partner. Shortlists are in
+        # ascending order, so a binary search finds each member's column (if any) instead
+        # of a members x shortlist comparison.
+        at = np.minimum(np.searchsorted(cols, members), len(cols) - 1)
+        own = np.flatnonzero(cols[at] == members)
+        block[own, at[own]] = -np.inf
         top = _top_columns(block, k)
         best[members] = cols[top]
     return best
