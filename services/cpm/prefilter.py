@@ -322,7 +322,8 @@ def _cheap_score(
             var = left[2] @ right[2]
             np.maximum(var, 0.0, out=var)
             np.sqrt(var, out=var)
-            var *= np.float32(beta)
+            if beta != 1.0:  # x * 1 == x: the default beta skips a pass
+                var *= np.float32(beta)
             out += var
         return out
     np.matmul(left[0], right[0], out=out)
@@ -331,7 +332,8 @@ def _cheap_score(
         np.matmul(left[2], right[2], out=tmp)
         np.maximum(tmp, 0.0, out=tmp)
         np.sqrt(tmp, out=tmp)
-        tmp *= np.float32(beta)
+        if beta != 1.0:
+            tmp *= np.float32(beta)
         out += tmp
     return out
 
