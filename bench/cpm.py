@@ -53,6 +53,7 @@ from peerlm.bench.synthetic import (
     SyntheticFederation,
 )
 from peerlm.services.cpm import (
+    CheapScore,
     ContextFeatures,
     HeteroGreedyMatchmaker,
     LinUCB,
@@ -63,6 +64,7 @@ from peerlm.services.cpm import (
     RewardNormaliser,
     exact_top_k,
     greedy_disjoint,
+    retain_freed_memory,
     top_k_partners,
 )
 
@@ -569,11 +571,16 @@ def _select_scaling(sizes: Sequence[int], calls: int, seed: int) -> dict[str, An
     figure; wall time is reported beside it. BLAS and OpenMP pools are limited to one
     thread (threadpoolctl) so the CPU time is that of one core. The exponent is the
     least-squares slope of log(CPU ms) on log(N) (N log N over 1e3..1e4 gives ~1.13).
+    The C allocator is set as the CPM process sets it (:func:`retain_freed_memory`), for
+    the rest of this process: without it the same calls spend a quarter of their CPU at
+    N = 1,000 in page faults (docs/matchmaker.md, "Third step").
     """
     # threadpoolctl comes with scikit-learn, a core dependency.
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
     limiter = threadpool_limits(limits=1)
+    # As the CPM process does at start (services/cpm/allocator.py); stays set afterwards.
+    retained = retain_freed_memory()
     rows: list[dict[str, Any]] = []
     try:
         for n in sizes:
@@ -605,7 +612,12 @@ def _select_scaling(sizes: Sequence[int], calls: int, seed: int) -> dict[str, An
         x = np.log([r["n"] for r in rows])
         y = np.log([max(r["cpu_median_ms"], 1e-6) for r in rows])
         exponent = float(np.polyfit(x, y, 1)[0])
-    return {"threads": 1, "rows": rows, "cpu_growth_exponent": exponent}
+    return {
+        "threads": 1,
+        "allocator_retains_freed_memory": retained,
+        "rows": rows,
+        "cpu_growth_exponent": exponent,
+    }
 
 
 def _top_k_recall(mm: Matchmaker, profiles: Mapping[str, ArrayLike], seed: int) -> dict[str, Any]:
@@ -615,12 +627,12 @@ def _top_k_recall(mm: Matchmaker, profiles: Mapping[str, ArrayLike], seed: int) 
     ids = sorted(profiles)
     prof = mm.features.bound_profiles(np.array([profiles[a] for a in ids], dtype=np.float64))
     trust = np.array([mm.trust(a) for a in ids]) if cfg["trust_features"] else None
-    args = (prof, trust, mm.features.layout, mm.theta, np.diagonal(mm.snapshot().a_inv).copy())
+    a_inv_diag = np.diagonal(mm.snapshot().a_inv).copy()
+    inputs = CheapScore(prof, trust, mm.features.layout, mm.theta, a_inv_diag, cfg["beta"])
     k = cfg["prefilter_k"]
-    exact = exact_top_k(*args, cfg["beta"], k)
+    exact = exact_top_k(inputs, k)
     found = top_k_partners(
-        *args,
-        cfg["beta"],
+        inputs,
         k,
         np.random.default_rng(seed),
         cluster_min_agents=cfg["prefilter_cluster_min_agents"],
@@ -916,6 +928,10 @@ def render_report(report: Mapping[str, Any], console: Any) -> None:
         table.add_row(
             "select() CPU growth exponent (log-log fit)",
             _fmt(scaling["cpu_growth_exponent"], ".2f"),
+        )
+        table.add_row(
+            "select() scaling: allocator keeps freed memory (as in the CPM)",
+            "yes" if scaling.get("allocator_retains_freed_memory") else "no",
         )
         for key, name in (("observe", "default context"), ("observe_paper_context", "paper")):
             o = speed[key]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from peerlm.exports import lazy_exports
 
+from .allocator import retain_freed_memory
 from .baselines import (
     HeteroGreedyMatchmaker,
     OracleMatchmaker,
@@ -24,7 +25,13 @@ from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
 from .matchmaker import Matchmaker, MatchmakerState, Pairing, PairingPolicy
 from .normalise import EPS, RewardNormaliser
-from .prefilter import cheap_pair_scores, exact_top_k, prefilter_pairs, top_k_partners
+from .prefilter import (
+    CheapScore,
+    cheap_pair_scores,
+    exact_top_k,
+    prefilter_pairs,
+    top_k_partners,
+)
 from .profile import (
     DISTRIBUTION_SLICE,
     DYNAMIC_SLICE,
@@ -53,6 +60,7 @@ __all__ = [
     "PROFILE_DIM",
     "PROFILE_LAYOUT",
     "STATIC_SLICE",
+    "CheapScore",
     "ContextFeatures",
     "CpmSettings",
     "FeatureLayout",
@@ -76,6 +84,7 @@ __all__ = [
     "max_weight_disjoint",
     "open_database",
     "prefilter_pairs",
+    "retain_freed_memory",
     "run_cpm",
     "top_k_partners",
     "validate_profile",

@@ -33,8 +33,10 @@ Choices the paper leaves open (see also ``docs/matchmaker.md``):
 
 from __future__ import annotations
 
+import gc
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -45,7 +47,13 @@ from .features import ContextFeatures
 from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
 from .normalise import RewardNormaliser, check_reward
-from .prefilter import DEFAULT_CLUSTER_MIN_AGENTS, prefilter_pairs
+from .prefilter import (
+    DEFAULT_CLUSTER_MIN_AGENTS,
+    DEFAULT_SHORTLIST,
+    CheapScore,
+    PrefilterScratch,
+    prefilter_pairs,
+)
 from .profile import validate_profiles
 from .trust import TrustLedger
 
@@ -55,6 +63,21 @@ __all__ = ["Matchmaker", "MatchmakerState", "Pairing", "PairingPolicy"]
 DEFAULT_PREFILTER_RANDOM = 2
 # Refill passes per select (each pairs leftovers of the previous; two or three suffice).
 _MAX_PASSES = 8
+# In a round that uses the clustered top-k search, refill passes use it from this many
+# leftovers on (2 x the shortlist: below that the exact search scores fewer pairs).
+_REFILL_CLUSTER_MIN_AGENTS = 2 * DEFAULT_SHORTLIST + 1
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Disable the cyclic garbage collector for the block (restored as it was after)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -84,30 +107,36 @@ class Pairing:
         object.__setattr__(self, "context", arr)
 
     @classmethod
-    def _trusted(
-        cls,
-        sender: str,
-        receiver: str,
-        protocol: str,
-        role: str,
-        context: NDArray[np.float64],
-        ucb: float,
-        mean: float,
-    ) -> Pairing:
-        """A pairing from values the matchmaker produced itself: ``context`` already a
-        read-only float64 row. Skips the frozen-dataclass ``__init__`` (seven guarded
-        ``setattr`` calls and the copy check), which dominated building 5,000 pairings."""
-        obj = object.__new__(cls)
-        obj.__dict__.update(
-            sender=sender,
-            receiver=receiver,
-            protocol=protocol,
-            role=role,
-            context=context,
-            ucb=ucb,
-            mean=mean,
-        )
-        return obj
+    def _trusted_batch(
+        cls, rows: Iterable[tuple[str, str, str, str, NDArray[np.float64], float, float]]
+    ) -> list[Pairing]:
+        """Pairings from values the matchmaker produced itself, one per ``(sender, receiver,
+        protocol, role, context, ucb, mean)`` row, ``context`` already a read-only float64
+        row. Skips the frozen-dataclass ``__init__`` (seven guarded ``setattr`` calls and
+        the copy check), and pauses the cyclic garbage collector meanwhile: 5,000 pairings
+        are 10,000 new containers, enough to trigger collections that walk the caller's
+        whole heap (about half the cost of building them at N = 10,000)."""
+        new, set_attr = object.__new__, object.__setattr__
+        out: list[Pairing] = []
+        append = out.append
+        with _gc_paused():
+            for sender, receiver, protocol, role, context, ucb, mean in rows:
+                obj = new(cls)
+                set_attr(
+                    obj,
+                    "__dict__",
+                    {
+                        "sender": sender,
+                        "receiver": receiver,
+                        "protocol": protocol,
+                        "role": role,
+                        "context": context,
+                        "ucb": ucb,
+                        "mean": mean,
+                    },
+                )
+                append(obj)
+        return out
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pairing):
@@ -190,6 +219,15 @@ def _pair_best_mask(ucb2: NDArray[np.float64], perm: NDArray[np.intp]) -> NDArra
     pos = np.empty(perm.size, dtype=np.intp)
     pos[perm] = np.arange(perm.size)
     pos2 = pos.reshape(n_pairs, combos)
+    if combos == 2:
+        # One protocol and role (the default): the reverse direction wins when its UCB is
+        # higher, or equal and earlier in perm; a NaN never wins, as in the general path.
+        u, p = ucb2.T, pos2.T
+        second = (u[1] > u[0]) | ((u[1] == u[0]) & (p[1] < p[0]))
+        pair_mask = np.empty((n_pairs, 2), dtype=bool)
+        pair_mask[:, 1] = second
+        np.logical_not(second, out=pair_mask[:, 0])
+        return pair_mask.ravel()
     top = ucb2 == ucb2.max(axis=1, keepdims=True)
     best = np.where(top, pos2, perm.size).argmin(axis=1) + np.arange(n_pairs) * combos
     mask = np.zeros(perm.size, dtype=bool)
@@ -229,7 +267,9 @@ class Matchmaker:
         ridge: ``A`` starts as ``ridge * I``.
         prefilter_random: seeded random partners added per agent by the prefilter.
         prefilter_cluster_min_agents: from this many agents on the prefilter's top-k
-            search is clustered (sub-quadratic, approximate; see :mod:`.prefilter`).
+            search is clustered (sub-quadratic, approximate; see :mod:`.prefilter`); such
+            a round's refill passes keep it while more than ``2 * DEFAULT_SHORTLIST``
+            agents are left.
         score_precision: arithmetic of the per-pair part of the exact UCB
             (:meth:`.LinUCB.score_pairs`): ``"float32"`` (default; ~2x faster, UCBs within
             ~1e-6 of float64) or ``"float64"``.
@@ -293,6 +333,8 @@ class Matchmaker:
         self._score_dtype = np.float32 if score_precision == "float32" else np.float64
         self._selects_since_update = 0
         self._last_candidates = 0
+        # Buffers the exact prefilter reuses across selects (see PrefilterScratch).
+        self._scratch = PrefilterScratch()
         # Column layout of LinUCB.score_pairs per pair: C forward combos, then C reverse.
         n_p, n_r = len(self._features.protocols), len(self._features.roles)
         self._combo_forward = np.arange(2 * n_p * n_r) < n_p * n_r
@@ -360,10 +402,17 @@ class Matchmaker:
         # pass among themselves. With all pairs scored the first pass already fills K_p.
         passes: list[_Picked] = []
         n_chosen = 0
+        # A round large enough for the clustered top-k search keeps it for refill passes
+        # with more than 2 x the shortlist leftovers (~1,500 of 10,000 after the first
+        # pass): there the exact search would cost as much as the first pass's clustered
+        # one. Smaller leftovers, and every pass of a smaller round, are searched exactly.
+        cluster_min = self._prefilter_cluster_min_agents
+        if n >= cluster_min:
+            cluster_min = min(cluster_min, _REFILL_CLUSTER_MIN_AGENTS)
         free = np.arange(n, dtype=np.intp)
         taken = np.zeros(n, dtype=bool)
         for _ in range(_MAX_PASSES):
-            picked = self._select_pass(free, mat, trust, budget - n_chosen, rng)
+            picked = self._select_pass(free, mat, trust, budget - n_chosen, rng, cluster_min)
             if not len(picked.senders):
                 break
             passes.append(picked)
@@ -390,12 +439,18 @@ class Matchmaker:
         # Read-only, so each Pairing can hold a row view instead of a copy.
         contexts.flags.writeable = False
         names = [(p, r) for p in self._features.protocols for r in self._features.roles]
-        return [
-            Pairing._trusted(ids[s], ids[r], names[c][0], names[c][1], contexts[row], u, mu)
-            for row, (s, r, c, u, mu) in enumerate(
-                zip(senders.tolist(), receivers.tolist(), combo.tolist(), ucb, mean, strict=True)
+        return Pairing._trusted_batch(
+            (ids[s], ids[r], *names[c], row, u, mu)
+            for s, r, c, row, u, mu in zip(
+                senders.tolist(),
+                receivers.tolist(),
+                combo.tolist(),
+                contexts,
+                ucb,
+                mean,
+                strict=True,
             )
-        ]
+        )
 
     def _select_pass(
         self,
@@ -404,21 +459,26 @@ class Matchmaker:
         trust: NDArray[np.float64] | None,
         budget: int,
         rng: np.random.Generator,
+        cluster_min: int,
     ) -> _Picked:
-        """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat``."""
+        """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat``. The
+        prefilter's top-k search is clustered from ``cluster_min`` agents on."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
-        left, right = self._candidate_pairs(sub, sub_trust, rng)
+        left, right = self._candidate_pairs(sub, sub_trust, rng, cluster_min)
         ucb2, mean2 = self._bandit.score_pairs(
             self._features.layout, sub, sub_trust, left, right, self._beta, dtype=self._score_dtype
         )
         n_pairs, combos = ucb2.shape
         ucb, mean = ucb2.ravel(), mean2.ravel()
         self._last_candidates += len(ucb)
-        fwd = self._combo_forward[None, :]
-        senders = np.where(fwd, left[:, None], right[:, None]).ravel()
-        receivers = np.where(fwd, right[:, None], left[:, None]).ravel()
+
+        def ends(tuples: NDArray[np.intp]) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
+            # Sender and receiver of the given flat tuple indices (only those: the walk
+            # needs each pair's best tuple, not all 2C of them).
+            pair, fwd = tuples // combos, self._combo_forward[tuples % combos]
+            return np.where(fwd, left[pair], right[pair]), np.where(fwd, right[pair], left[pair])
 
         # Descending UCB; exact ties fall to a seeded random permutation (never to input order).
         perm = rng.permutation(len(ucb))
@@ -428,7 +488,9 @@ class Matchmaker:
             # the walk over all tuples in the full order keeps the same candidates.
             order = perm[_pair_best_mask(ucb2, perm)[perm]]
             order = order[_descending(ucb[order])]
-            picked = np.asarray(greedy_disjoint(senders, receivers, order, budget, n), np.intp)
+            s_order, r_order = ends(order)
+            walk = np.arange(len(order), dtype=np.intp)
+            picked = order[np.asarray(greedy_disjoint(s_order, r_order, walk, budget, n), np.intp)]
         else:
             order = perm[_descending(ucb[perm])]
             rank = np.empty(len(ucb), dtype=np.intp)
@@ -438,9 +500,10 @@ class Matchmaker:
             edges = max_weight_disjoint(left, right, ucb[best], budget, n)
             picked = best[np.asarray(edges, dtype=np.intp)]
             picked = picked[np.argsort(rank[picked], kind="stable")]
+        senders, receivers = ends(picked)
         return _Picked(
-            senders=agents[senders[picked]],
-            receivers=agents[receivers[picked]],
+            senders=agents[senders],
+            receivers=agents[receivers],
             combos=picked % (combos // 2),
             ucb=ucb[picked],
             mean=mean[picked],
@@ -451,22 +514,27 @@ class Matchmaker:
         mat: NDArray[np.float64],
         trust: NDArray[np.float64] | None,
         rng: np.random.Generator,
+        cluster_min: int,
     ) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
         """Unordered candidate pairs: all of them, or the prefiltered ones for large N."""
         n = mat.shape[0]
         survivors = self._prefilter_k + self._prefilter_random
         if n >= self._prefilter_min_agents and survivors < n - 1:
-            return prefilter_pairs(
+            inputs = CheapScore(
                 mat,
                 trust,
                 self._features.layout,
                 self._bandit.theta,
                 np.diagonal(self._bandit.a_inv),
                 self._beta,
+            )
+            return prefilter_pairs(
+                inputs,
                 self._prefilter_k,
                 self._prefilter_random,
                 rng,
-                cluster_min_agents=self._prefilter_cluster_min_agents,
+                cluster_min_agents=cluster_min,
+                scratch=self._scratch,
             )
         left, right = np.triu_indices(n, 1)
         return left.astype(np.intp), right.astype(np.intp)

@@ -38,6 +38,8 @@ in float32, which is plenty for a ranking and halves memory traffic.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numpy.typing import NDArray
 from sklearn.cluster import KMeans
@@ -45,6 +47,8 @@ from sklearn.cluster import KMeans
 from .features import FeatureLayout
 
 __all__ = [
+    "CheapScore",
+    "PrefilterScratch",
     "cheap_pair_scores",
     "clustered_top_k",
     "exact_top_k",
@@ -68,6 +72,53 @@ def _block(vec: NDArray[np.float64], sl: slice | None) -> NDArray[np.float64] | 
     return None if sl is None else vec[sl]
 
 
+@dataclass(frozen=True)
+class CheapScore:
+    """What the cheap pair score is computed from.
+
+    ``profiles`` (N, d_p) are the bounded profiles and ``trust`` (N,) the agents' trust
+    (``None``: 0.5 for everyone where trust features are on); ``theta`` and
+    ``a_inv_diag`` are the bandit's weights and the diagonal of ``A^-1``, laid out as
+    ``layout`` says; ``beta`` weighs the exploration bonus as in the exact UCB.
+    """
+
+    profiles: NDArray[np.float64]
+    trust: NDArray[np.float64] | None
+    layout: FeatureLayout
+    theta: NDArray[np.float64]
+    a_inv_diag: NDArray[np.float64]
+    beta: float
+
+    def model(self) -> _CheapModel:
+        """The per-agent factors of the score (O(N d_p))."""
+        return _CheapModel(self.profiles, self.trust, self.layout, self.theta, self.a_inv_diag)
+
+
+class PrefilterScratch:
+    """Float32 buffers reused by the exact top-k search from one call to the next.
+
+    The exact search writes each row block of the N x N score matrix (up to
+    ``_BLOCK_ELEMENTS`` values) into two buffers. Fresh multi-megabyte temporaries cost
+    more than the arithmetic: the allocator returns them to the kernel when freed, so
+    every call page-faults and zeroes them again (~40% of the exact search's CPU time at
+    N = 1,000). The owner (a :class:`~.matchmaker.Matchmaker`) keeps one scratch, so it
+    holds at most ``2 * _BLOCK_ELEMENTS`` floats (16 MB); it must not be shared between
+    threads.
+    """
+
+    __slots__ = ("_bufs",)
+
+    def __init__(self) -> None:
+        self._bufs: list[NDArray[np.float32]] = [np.empty(0, np.float32) for _ in range(2)]
+
+    def take(self, slot: int, rows: int, cols: int) -> NDArray[np.float32]:
+        """A C-contiguous ``(rows, cols)`` view of buffer ``slot`` (0 or 1); grows it."""
+        size = rows * cols
+        if self._bufs[slot].size < size:
+            self._bufs[slot] = np.empty(size, dtype=np.float32)
+        return self._bufs[slot][:size].reshape(rows, cols)
+
+
 class _CheapModel:
     """The per-agent vectors and bilinear weights of the cheap score."""
 
@@ -81,7 +132,7 @@ class _CheapModel:
     ) -> None:
         p = profiles
         p2 = p * p
-        n = p.shape[0]
+        n, dp = p.shape
         zeros = np.zeros(layout.profile_dim)
         th_a = _block(theta, layout.absdiff)
         th_p = _block(theta, layout.product)
@@ -105,37 +156,47 @@ class _CheapModel:
             c = c + theta[layout.trust_receiver] * t
             alpha = alpha + a_inv_diag[layout.trust_sender] * t * t
             gamma = gamma + a_inv_diag[layout.trust_receiver] * t * t
-        # Each score matrix is one GEMM: the separable terms ride along as extra columns
-        # ([L, a, 1] @ [R; 1; c] = L R + a_i + c_j), so no N x N broadcast pass is needed.
-        f32 = np.float32
-        ones = np.ones((n, 1))
-        a = (a + const_mean)[:, None]
-        c = c[:, None]
-        mean_left = p * (th_p - 2.0 * th_a)
-        self.fwd_left = np.hstack([mean_left, a, ones]).astype(f32)
-        self.fwd_right = np.hstack([p, ones, c]).T.astype(f32).copy()
-        self.rev_left = np.hstack([mean_left, ones, c]).astype(f32)
-        self.rev_right = np.hstack([p, a, ones]).T.astype(f32).copy()
+        a = a + const_mean
         # The bonus uses the direction-averaged variance q + h_i + h_j (h = (alpha + gamma)/2),
         # which is symmetric: one GEMM serves both directions.
-        h = (0.5 * (alpha + gamma) + 0.5 * const_var)[:, None]
-        self.var_left = np.hstack([p * (-2.0 * v_a), p2 * v_p, h, ones]).astype(f32)
-        self.var_right = np.hstack([p, p2, ones, h]).T.astype(f32).copy()
+        h = 0.5 * (alpha + gamma) + 0.5 * const_var
+        # Each score matrix is one GEMM: the separable terms ride along as extra columns
+        # ([L, a, 1] @ [R; 1; c] = L R + a_i + c_j), so no N x N broadcast pass is needed.
+        # The float32 factors are filled column by column from the float64 pieces (the same
+        # rounding as building them in float64 and casting, without the float64 copies).
+        f32 = np.float32
+        mean_left = p * (th_p - 2.0 * th_a)
+        self.fwd_left = _columns(n, f32, mean_left, a, 1.0)
+        self.rev_left = _columns(n, f32, mean_left, 1.0, c)
+        self.var_left = _columns(n, f32, p * (-2.0 * v_a), p2 * v_p, h, 1.0)
+        self.fwd_right = _columns(n, f32, p, 1.0, c).T.copy()
+        self.rev_right = _columns(n, f32, p, a, 1.0).T.copy()
+        self.var_right = _columns(n, f32, p, p2, 1.0, h).T.copy()
+        self._dims = (dp + 2, dp + 2)
         self._rows: NDArray[np.float32] | None = None
+        self._pieces = (p, p2, a, c, h)
 
     @property
     def right_rows(self) -> NDArray[np.float32]:
         """``[fwd_right; rev_right; var_right]`` transposed: one contiguous row per agent,
         so a shortlist of columns is one row gather (built on first use)."""
         if self._rows is None:
-            self._rows = np.ascontiguousarray(
-                np.vstack([self.fwd_right, self.rev_right, self.var_right]).T
-            )
+            p, p2, a, c, h = self._pieces
+            self._rows = _columns(p.shape[0], np.float32, p, 1.0, c, p, a, 1.0, p, p2, 1.0, h)
         return self._rows
 
-    def rows(self, lo: int, hi: int, beta: float) -> NDArray[np.float32]:
-        """Cheap ``max`` over directions of ``mean + beta * sqrt(var)``, rows ``[lo, hi)``."""
-        return self.block(slice(lo, hi), slice(None), beta)
+    def rows(
+        self, lo: int, hi: int, beta: float, scratch: PrefilterScratch | None = None
+    ) -> NDArray[np.float32]:
+        """Cheap ``max`` over directions of ``mean + beta * sqrt(var)``, rows ``[lo, hi)``;
+        written into ``scratch``'s first buffer when given."""
+        left = (self.fwd_left[lo:hi], self.rev_left[lo:hi], self.var_left[lo:hi])
+        right = (self.fwd_right, self.rev_right, self.var_right)
+        if scratch is None:
+            return _cheap_score(left, right, beta)
+        width = self.fwd_right.shape[1]
+        out, tmp = scratch.take(0, hi - lo, width), scratch.take(1, hi - lo, width)
+        return _cheap_score(left, right, beta, out, tmp)
 
     def block(
         self, rows: slice | NDArray[np.intp], cols: slice | NDArray[np.intp], beta: float
@@ -146,46 +207,66 @@ class _CheapModel:
         else:
             # One gather of whole rows of the (N, d) copy is far cheaper than three gathers
             # of columns of the (d, N) factors.
-            picked = self.right_rows[cols].T
-            a, b = self.fwd_right.shape[0], self.rev_right.shape[0]
+            picked = self.right_rows.take(cols, axis=0).T
+            a, b = self._dims
             fr, rr, vr = picked[:a], picked[a : a + b], picked[a + b :]
-        left = (self.fwd_left[rows], self.rev_left[rows], self.var_left[rows])
+        if isinstance(rows, slice):
+            left = (self.fwd_left[rows], self.rev_left[rows], self.var_left[rows])
+        else:
+            left = (
+                self.fwd_left.take(rows, 0),
+                self.rev_left.take(rows, 0),
+                self.var_left.take(rows, 0),
+            )
         return _cheap_score(left, (fr, rr, vr), beta)
 
 
-def cheap_pair_scores(
-    profiles: NDArray[np.float64],
-    trust: NDArray[np.float64] | None,
-    layout: FeatureLayout,
-    theta: NDArray[np.float64],
-    a_inv_diag: NDArray[np.float64],
-    beta: float,
+def _columns(
+    n: int, dtype: type[np.float32], *parts: NDArray[np.float64] | float
 ) -> NDArray[np.float32]:
+    """``np.hstack`` of ``parts`` (``(n, w)`` blocks, ``(n,)`` columns or constants) cast to
+    ``dtype``, written straight into one ``(n, sum w)`` array."""
+    widths = [1 if np.ndim(x) < 2 else np.shape(x)[1] for x in parts]
+    out = np.empty((n, sum(widths)), dtype=dtype)
+    col = 0
+    for x, w in zip(parts, widths, strict=True):
+        out[:, col : col + w] = x if np.ndim(x) != 1 else np.asarray(x)[:, None]
+        col += w
+    return out
+
+
+def cheap_pair_scores(inputs: CheapScore) -> NDArray[np.float32]:
     """The full ``(N, N)`` symmetric cheap score matrix (diagonal: -inf). For tests/tools."""
-    model = _CheapModel(profiles, trust, layout, theta, a_inv_diag)
-    n = profiles.shape[0]
-    out = model.rows(0, n, beta)
+    model = inputs.model()
+    n = inputs.profiles.shape[0]
+    out = model.rows(0, n, inputs.beta)
     np.fill_diagonal(out, -np.inf)
     return out
 
 
-def _top_k_exact(model: _CheapModel, n: int, k: int, beta: float) -> NDArray[np.intp]:
+def _top_k_exact(
+    model: _CheapModel, n: int, k: int, beta: float, scratch: PrefilterScratch | None = None
+) -> NDArray[np.intp]:
     """Each row's ``k`` best columns of the full cheap score matrix (O(N^2 d_p))."""
     best = np.empty((n, k), dtype=np.intp)
     step = max(1, _BLOCK_ELEMENTS // n)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        block = model.rows(lo, hi, beta)
+        block = model.rows(lo, hi, beta, scratch)
         block[np.arange(hi - lo), np.arange(lo, hi)] = -np.inf
         if k < n - 1:
-            best[lo:hi] = _top_columns(block, k)
+            # The second buffer is free once the block is scored: partition a copy there.
+            work = None if scratch is None else scratch.take(1, hi - lo, n)
+            best[lo:hi] = _top_columns(block, k, work)
         else:
             # Every other agent survives: skip the partition.
             best[lo:hi] = np.argsort(block, axis=1)[:, 1:]
     return best
 
 
-def _top_columns(block: NDArray[np.float32], k: int) -> NDArray[np.intp]:
+def _top_columns(
+    block: NDArray[np.float32], k: int, work: NDArray[np.float32] | None = None
+) -> NDArray[np.intp]:
     """The columns of each row's ``k`` largest values, ``(rows, k)`` in ascending column
     order; ties at the k-th value go to the lowest columns.
 
@@ -194,10 +275,16 @@ def _top_columns(block: NDArray[np.float32], k: int) -> NDArray[np.intp]:
     ``np.partition`` of the values (no index array dragged along) gives each row's k-th
     value, and one ``>=`` pass plus ``flatnonzero`` finds the columns. Every row has at
     least ``k`` values ``>=`` its k-th, so a total of exactly ``rows * k`` means no ties;
-    otherwise (ties, NaN) the affected rows fall back to a stable sort.
+    otherwise (ties, NaN) the affected rows fall back to a stable sort. ``work`` (the
+    block's shape) receives the partitioned copy instead of a fresh array.
     """
     rows, width = block.shape
-    kth = np.partition(block, width - k, axis=1)[:, width - k, None]
+    if work is None:
+        kth = np.partition(block, width - k, axis=1)[:, width - k, None]
+    else:
+        np.copyto(work, block)
+        work.partition(width - k, axis=1)
+        kth = work[:, width - k, None]
     ge = block >= kth
     flat = np.flatnonzero(ge)
     if len(flat) == rows * k:
@@ -218,17 +305,36 @@ def _top_columns(block: NDArray[np.float32], k: int) -> NDArray[np.intp]:
 _Factors = tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.float32]]
 
 
-def _cheap_score(left: _Factors, right: _Factors, beta: float) -> NDArray[np.float32]:
+def _cheap_score(
+    left: _Factors,
+    right: _Factors,
+    beta: float,
+    out: NDArray[np.float32] | None = None,
+    tmp: NDArray[np.float32] | None = None,
+) -> NDArray[np.float32]:
     """``max`` over the two directions of the mean, plus ``beta * sqrt(var)``: the cheap score
-    of left (forward, reverse, variance factors; rows) against right (columns)."""
-    out: NDArray[np.float32] = left[0] @ right[0]
-    np.maximum(out, left[1] @ right[1], out=out)
+    of left (forward, reverse, variance factors; rows) against right (columns). ``out`` and
+    ``tmp`` (the result's shape, C-contiguous) take the result and the temporaries."""
+    if out is None or tmp is None:
+        out = left[0] @ right[0]
+        np.maximum(out, left[1] @ right[1], out=out)
+        if beta > 0:
+            var = left[2] @ right[2]
+            np.maximum(var, 0.0, out=var)
+            np.sqrt(var, out=var)
+            if beta != 1.0:  # x * 1 == x: the default beta skips a pass
+                var *= np.float32(beta)
+            out += var
+        return out
+    np.matmul(left[0], right[0], out=out)
+    np.maximum(out, np.matmul(left[1], right[1], out=tmp), out=out)
     if beta > 0:
-        var = left[2] @ right[2]
-        np.maximum(var, 0.0, out=var)
-        np.sqrt(var, out=var)
-        var *= np.float32(beta)
-        out += var
+        np.matmul(left[2], right[2], out=tmp)
+        np.maximum(tmp, 0.0, out=tmp)
+        np.sqrt(tmp, out=tmp)
+        if beta != 1.0:
+            tmp *= np.float32(beta)
+        out += tmp
     return out
 
 
@@ -242,12 +348,7 @@ def _cross_block(left: _CheapModel, right: _CheapModel, beta: float) -> NDArray[
 
 
 def clustered_top_k(
-    profiles: NDArray[np.float64],
-    trust: NDArray[np.float64] | None,
-    layout: FeatureLayout,
-    theta: NDArray[np.float64],
-    a_inv_diag: NDArray[np.float64],
-    beta: float,
+    inputs: CheapScore,
     k: int,
     rng: np.random.Generator,
     *,
@@ -265,6 +366,7 @@ def clustered_top_k(
     Returns ``(N, k)`` partner indices (never the agent itself); deterministic for a
     given ``rng`` state.
     """
+    profiles, trust, beta = inputs.profiles, inputs.trust, inputs.beta
     n = profiles.shape[0]
     k = max(1, min(k, n - 1))
     feats = profiles if trust is None else np.hstack([profiles, trust[:, None]])
@@ -282,11 +384,11 @@ def clustered_top_k(
     centres = km.cluster_centers_
     c_prof = centres[:, : profiles.shape[1]]
     c_trust = None if trust is None else centres[:, -1]
-    model = _CheapModel(profiles, trust, layout, theta, a_inv_diag)
+    model = inputs.model()
     # Each centre's shortlist: the `shortlist` agents scoring best against the centre (a
     # pseudo-agent), one (C, N) pass. Members of a cell are then scored exactly against
     # their centre's shortlist only, so an agent is compared with `shortlist` others.
-    centre_model = _CheapModel(c_prof, c_trust, layout, theta, a_inv_diag)
+    centre_model = _CheapModel(c_prof, c_trust, inputs.layout, inputs.theta, inputs.a_inv_diag)
     centre_scores = _cross_block(centre_model, model, beta)
     width = min(n, max(shortlist, k + 1))
     if width < n:
@@ -298,71 +400,51 @@ def clustered_top_k(
         members = order[starts[cell] : starts[cell + 1]]
         cols = lists[cell]
         block = model.block(members, cols, beta)
-        block[members[:, None] == cols[None, :]] = -np.inf
+        # A member on its own shortlist is not its own partner. Shortlists are in
+        # ascending order, so a binary search finds each member's column (if any) instead
+        # of a members x shortlist comparison.
+        at = np.minimum(np.searchsorted(cols, members), len(cols) - 1)
+        own = np.flatnonzero(cols[at] == members)
+        block[own, at[own]] = -np.inf
         top = _top_columns(block, k)
         best[members] = cols[top]
     return best
 
 
 def top_k_partners(
-    profiles: NDArray[np.float64],
-    trust: NDArray[np.float64] | None,
-    layout: FeatureLayout,
-    theta: NDArray[np.float64],
-    a_inv_diag: NDArray[np.float64],
-    beta: float,
+    inputs: CheapScore,
     k: int,
     rng: np.random.Generator,
     *,
     cluster_min_agents: int = DEFAULT_CLUSTER_MIN_AGENTS,
     cell_size: int = DEFAULT_CLUSTER_SIZE,
     shortlist: int = DEFAULT_SHORTLIST,
+    scratch: PrefilterScratch | None = None,
 ) -> NDArray[np.intp]:
     """Each agent's ``k`` best partners by the cheap score, ``(N, k)``: the exact search
-    below ``cluster_min_agents`` agents, :func:`clustered_top_k` from there on."""
-    n = profiles.shape[0]
+    below ``cluster_min_agents`` agents, :func:`clustered_top_k` from there on.
+    ``scratch`` lends the exact search reusable buffers (results do not depend on it)."""
+    n = inputs.profiles.shape[0]
     k = max(0, min(k, n - 1))
     if not k:
         return np.empty((n, 0), dtype=np.intp)
     if n >= cluster_min_agents:
-        return clustered_top_k(
-            profiles,
-            trust,
-            layout,
-            theta,
-            a_inv_diag,
-            beta,
-            k,
-            rng,
-            cell_size=cell_size,
-            shortlist=shortlist,
-        )
-    return exact_top_k(profiles, trust, layout, theta, a_inv_diag, beta, k)
+        return clustered_top_k(inputs, k, rng, cell_size=cell_size, shortlist=shortlist)
+    return exact_top_k(inputs, k, scratch=scratch)
 
 
 def exact_top_k(
-    profiles: NDArray[np.float64],
-    trust: NDArray[np.float64] | None,
-    layout: FeatureLayout,
-    theta: NDArray[np.float64],
-    a_inv_diag: NDArray[np.float64],
-    beta: float,
-    k: int,
+    inputs: CheapScore, k: int, *, scratch: PrefilterScratch | None = None
 ) -> NDArray[np.intp]:
     """Each agent's ``k`` best partners by the cheap score over all ``N^2`` pairs (the
     reference the clustered search's recall is measured against)."""
-    n = profiles.shape[0]
+    n = inputs.profiles.shape[0]
     k = max(1, min(k, n - 1))
-    return _top_k_exact(_CheapModel(profiles, trust, layout, theta, a_inv_diag), n, k, beta)
+    return _top_k_exact(inputs.model(), n, k, inputs.beta, scratch)
 
 
 def prefilter_pairs(
-    profiles: NDArray[np.float64],
-    trust: NDArray[np.float64] | None,
-    layout: FeatureLayout,
-    theta: NDArray[np.float64],
-    a_inv_diag: NDArray[np.float64],
-    beta: float,
+    inputs: CheapScore,
     k: int,
     n_random: int,
     rng: np.random.Generator,
@@ -370,6 +452,7 @@ def prefilter_pairs(
     cluster_min_agents: int = DEFAULT_CLUSTER_MIN_AGENTS,
     cell_size: int = DEFAULT_CLUSTER_SIZE,
     shortlist: int = DEFAULT_SHORTLIST,
+    scratch: PrefilterScratch | None = None,
 ) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
     """Unordered candidate pairs ``(I, J)`` with ``I < J``, unique, sorted.
 
@@ -380,23 +463,19 @@ def prefilter_pairs(
     generator. From ``cluster_min_agents`` on, the top-``k`` search is
     :func:`clustered_top_k` (approximate, sub-quadratic) instead of the exact O(N^2) one.
     """
-    n = profiles.shape[0]
+    n = inputs.profiles.shape[0]
     if n < 2:
         empty = np.empty(0, dtype=np.intp)
         return empty, empty
     k = max(0, min(k, n - 1))
     best = top_k_partners(
-        profiles,
-        trust,
-        layout,
-        theta,
-        a_inv_diag,
-        beta,
+        inputs,
         k,
         rng,
         cluster_min_agents=cluster_min_agents,
         cell_size=cell_size,
         shortlist=shortlist,
+        scratch=scratch,
     )
     n_random = max(0, n_random)
     offsets = rng.integers(1, n, size=(n, n_random)) if n_random else np.empty((n, 0), np.intp)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peerlm.services.cpm.allocator import retain_freed_memory
 from peerlm.services.cpm.core import CpmCore
 from peerlm.services.cpm.metrics import CpmMetrics
 from peerlm.services.cpm.service import CPM_POLICY, CpmService
@@ -39,6 +40,9 @@ async def serve_cpm(
     # Process-wide and for the process's life (the CPM owns its process): set before the
     # core makes its first BLAS call (restoring the bandit at start).
     threadpool_limits(limits=settings.blas_threads, user_api="blas")
+    # Matchmaking's multi-megabyte temporaries are reused instead of page-faulted afresh
+    # on every select (see .allocator); a no-op where the C library cannot do it.
+    retain_freed_memory()
     ctx = NodeContext.from_settings(settings, role=Role.CPM, log=log)
     metrics = CpmMetrics(ctx.registry)
     store = SqliteCpmStore(settings.db)

@@ -19,6 +19,7 @@ Choices the paper leaves open:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import chain
 
 import numpy as np
 from numpy.typing import NDArray
@@ -68,7 +69,9 @@ class TrustLedger:
         # One dict lookup per agent and array arithmetic (a per-agent score() call cost
         # ~5 ms at N = 10^4); (s + 1) / (e + 2) in float64, exactly as score().
         get, unseen = self._counts.get, (0, 0)
-        counts = np.array([get(a, unseen) for a in agents], dtype=np.float64)
+        # fromiter over the flattened pairs: np.array of a list of tuples was ~3x slower.
+        flat = chain.from_iterable(get(a, unseen) for a in agents)
+        counts = np.fromiter(flat, dtype=np.float64, count=2 * len(agents)).reshape(-1, 2)
         return (counts[:, 1] + 1.0) / (counts[:, 0] + 2.0)
 
     def state(self) -> dict[str, tuple[int, int]]:

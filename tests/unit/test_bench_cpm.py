@@ -65,6 +65,7 @@ def test_quick_benchmark_reports_every_metric() -> None:
     assert [r["n"] for r in scaling["rows"]] == [100, 200]
     assert all(r["cpu_median_ms"] > 0 and r["wall_median_ms"] > 0 for r in scaling["rows"])
     assert isinstance(scaling["cpu_growth_exponent"], float)
+    assert isinstance(scaling["allocator_retains_freed_memory"], bool)
     # Below the clustering threshold the search is exact: recall 1 by construction.
     assert all(r["top_k_search"] == "exact" for r in scaling["rows"])
     assert all(r["top_k_recall"] == 1.0 for r in scaling["rows"])

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peerlm.services.cpm import (
+    CheapScore,
     Matchmaker,
     MatchmakerState,
     Pairing,
@@ -440,12 +441,14 @@ def test_prefilter_keeps_o_n_k_candidates(trained_state: MatchmakerState) -> Non
     assert len(pairings) == n // 2
     assert m.last_candidates < 0.15 * n * (n - 1)
     left, right = prefilter_pairs(
-        np.stack([profiles[a] for a in sorted(profiles)]),
-        np.full(n, 0.5),
-        m.features.layout,
-        np.array(m.theta),
-        np.diagonal(trained_state.a_inv),
-        0.5,
+        CheapScore(
+            np.stack([profiles[a] for a in sorted(profiles)]),
+            np.full(n, 0.5),
+            m.features.layout,
+            np.array(m.theta),
+            np.diagonal(trained_state.a_inv),
+            0.5,
+        ),
         k,
         extra,
         np.random.default_rng(0),
@@ -494,3 +497,19 @@ def test_descending_order_is_the_stable_descending_argsort(kind: str) -> None:
         values = values[:1]
     got = _descending(values)
     assert np.array_equal(got, np.argsort(-values, kind="stable"))
+
+
+def test_select_leaves_the_garbage_collector_as_it_found_it() -> None:
+    import gc
+
+    m = Matchmaker(32, seed=0)
+    profiles = random_profiles(np.random.default_rng(5), 80)
+    assert gc.isenabled()
+    first = m.select(profiles)
+    assert gc.isenabled() and len(first) == 40
+    gc.disable()
+    try:
+        m.select(profiles)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from peerlm.services.cpm.matchmaker import Matchmaker
 from peerlm.services.cpm.prefilter import (
-    _CheapModel,
+    DEFAULT_SHORTLIST,
+    CheapScore,
+    PrefilterScratch,
     _top_columns,
     _top_k_exact,
     cheap_pair_scores,
@@ -33,8 +37,8 @@ def _population(n: int, seed: int) -> tuple[Matchmaker, np.ndarray, np.ndarray]:
     return mm, mm.features.bound_profiles(prof), trust
 
 
-def _args(mm: Matchmaker, prof: np.ndarray, trust: np.ndarray) -> tuple:
-    return (prof, trust, mm.features.layout, mm.theta, np.diagonal(mm._bandit.a_inv), 1.0)
+def _args(mm: Matchmaker, prof: np.ndarray, trust: np.ndarray) -> CheapScore:
+    return CheapScore(prof, trust, mm.features.layout, mm.theta, np.diagonal(mm._bandit.a_inv), 1.0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -42,8 +46,8 @@ def test_clustered_top_k_recalls_the_exact_top_k(seed: int) -> None:
     mm, prof, trust = _population(1500, seed)
     args = _args(mm, prof, trust)
     k = 8
-    exact = _top_k_exact(_CheapModel(*args[:5]), len(prof), k, 1.0)
-    approx = clustered_top_k(*args, k, np.random.default_rng(seed), cell_size=16, shortlist=256)
+    exact = _top_k_exact(args.model(), len(prof), k, 1.0)
+    approx = clustered_top_k(args, k, np.random.default_rng(seed), cell_size=16, shortlist=256)
     assert approx.shape == (len(prof), k)
     assert not np.any(approx == np.arange(len(prof))[:, None])  # never the agent itself
     assert all(len(set(row)) == k for row in approx.tolist())
@@ -57,16 +61,16 @@ def test_clustered_top_k_recalls_the_exact_top_k(seed: int) -> None:
 def test_clustered_top_k_is_deterministic_under_a_seed() -> None:
     mm, prof, trust = _population(800, 5)
     args = _args(mm, prof, trust)
-    a = clustered_top_k(*args, 8, np.random.default_rng(7), cell_size=16, shortlist=128)
-    b = clustered_top_k(*args, 8, np.random.default_rng(7), cell_size=16, shortlist=128)
+    a = clustered_top_k(args, 8, np.random.default_rng(7), cell_size=16, shortlist=128)
+    b = clustered_top_k(args, 8, np.random.default_rng(7), cell_size=16, shortlist=128)
     assert np.array_equal(a, b)
 
 
 def test_clustered_top_k_with_a_shortlist_wider_than_n_is_exact() -> None:
     mm, prof, trust = _population(120, 3)
     args = _args(mm, prof, trust)
-    exact = np.sort(_top_k_exact(_CheapModel(*args[:5]), len(prof), 5, 1.0), axis=1)
-    approx = clustered_top_k(*args, 5, np.random.default_rng(0), cell_size=8, shortlist=1000)
+    exact = np.sort(_top_k_exact(args.model(), len(prof), 5, 1.0), axis=1)
+    approx = clustered_top_k(args, 5, np.random.default_rng(0), cell_size=8, shortlist=1000)
     assert np.array_equal(np.sort(approx, axis=1), exact)
 
 
@@ -74,9 +78,9 @@ def test_exact_prefilter_below_the_cluster_threshold_is_the_full_matrix_top_k() 
     mm, prof, trust = _population(200, 4)
     args = _args(mm, prof, trust)
     k, r = 6, 2
-    left, right = prefilter_pairs(*args, k, r, np.random.default_rng(9), cluster_min_agents=201)
+    left, right = prefilter_pairs(args, k, r, np.random.default_rng(9), cluster_min_agents=201)
     # Reference: the full N x N matrix, top-k by sorting, then the same random draws.
-    full = cheap_pair_scores(*args)
+    full = cheap_pair_scores(args)
     best = np.argsort(-full, axis=1, kind="stable")[:, :k]
     rng = np.random.default_rng(9)
     n = len(prof)
@@ -111,15 +115,15 @@ def test_small_federations_ignore_the_cluster_setting() -> None:
 def test_top_k_partners_dispatches_on_the_cluster_threshold() -> None:
     mm, prof, trust = _population(300, 6)
     args = _args(mm, prof, trust)
-    exact = exact_top_k(*args, 6)
-    below = top_k_partners(*args, 6, np.random.default_rng(0), cluster_min_agents=301)
+    exact = exact_top_k(args, 6)
+    below = top_k_partners(args, 6, np.random.default_rng(0), cluster_min_agents=301)
     assert np.array_equal(np.sort(below, axis=1), np.sort(exact, axis=1))
     above = top_k_partners(
-        *args, 6, np.random.default_rng(0), cluster_min_agents=300, cell_size=16, shortlist=64
+        args, 6, np.random.default_rng(0), cluster_min_agents=300, cell_size=16, shortlist=64
     )
-    ref = clustered_top_k(*args, 6, np.random.default_rng(0), cell_size=16, shortlist=64)
+    ref = clustered_top_k(args, 6, np.random.default_rng(0), cell_size=16, shortlist=64)
     assert np.array_equal(above, ref)
-    assert top_k_partners(*args, 0, np.random.default_rng(0)).shape == (300, 0)
+    assert top_k_partners(args, 0, np.random.default_rng(0)).shape == (300, 0)
 
 
 @pytest.mark.parametrize(
@@ -151,7 +155,54 @@ def test_top_columns_breaks_ties_to_the_lowest_columns_and_never_prefers_nan() -
 
 def test_exact_top_k_keeps_the_same_partner_sets_as_argpartition() -> None:
     mm, prof, trust = _population(300, 5)
-    scores = cheap_pair_scores(*_args(mm, prof, trust))
+    scores = cheap_pair_scores(_args(mm, prof, trust))
     want = np.sort(np.argpartition(scores, 300 - 8, axis=1)[:, 300 - 8 :], axis=1)
-    got = np.sort(exact_top_k(*_args(mm, prof, trust), 8), axis=1)
+    got = np.sort(exact_top_k(_args(mm, prof, trust), 8), axis=1)
     assert np.array_equal(got, want)
+
+
+def test_exact_top_k_with_reused_scratch_equals_fresh_buffers() -> None:
+    # One scratch serves calls of different sizes (a refill pass reuses the first pass's
+    # larger buffers): scores written there must equal fresh ones bit for bit.
+    scratch = PrefilterScratch()
+    for n, seed in ((300, 5), (120, 6), (300, 7), (40, 8)):
+        mm, prof, trust = _population(n, seed)
+        args = _args(mm, prof, trust)
+        model = args.model()
+        assert np.array_equal(model.rows(0, n, 1.0, scratch), model.rows(0, n, 1.0))
+        got = exact_top_k(args, 8, scratch=scratch)
+        assert np.array_equal(got, exact_top_k(args, 8))
+        assert np.array_equal(_top_k_exact(model, n, 8, 1.0, scratch), got)
+
+
+def test_top_columns_in_a_work_buffer_leaves_the_block_alone() -> None:
+    rng = np.random.default_rng(3)
+    block = rng.standard_normal((20, 64)).astype(np.float32)
+    before = block.copy()
+    work = np.empty_like(block)
+    assert np.array_equal(_top_columns(block, 5, work), _top_columns(block, 5))
+    assert np.array_equal(block, before)
+
+
+def test_refill_passes_keep_the_clustered_search_only_in_a_clustered_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import peerlm.services.cpm.matchmaker as matchmaker_module
+
+    calls: list[tuple[int, int]] = []
+    real = matchmaker_module.prefilter_pairs
+
+    def recording(inputs: CheapScore, *args: Any, **kwargs: Any) -> Any:
+        calls.append((len(inputs.profiles), int(kwargs["cluster_min_agents"])))
+        return real(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(matchmaker_module, "prefilter_pairs", recording)
+    rng = np.random.default_rng(21)
+    for n in (2000, 2100):
+        calls.clear()
+        mm = Matchmaker(profile_dim=D_P, seed=2)
+        pairings = mm.select({f"a{i:04d}": rng.uniform(0, 1, D_P) for i in range(n)})
+        assert len(pairings) == n // 2
+        assert calls[0][0] == n and len(calls) >= 2  # the first pass strands some agents
+        want = 2048 if n < 2048 else 2 * DEFAULT_SHORTLIST + 1
+        assert all(cluster_min == want for _, cluster_min in calls)
