@@ -34,8 +34,6 @@ with :func:`encode_vclayer` / :func:`decode_vclayer`).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +50,8 @@ from peerlm.agent.fedwave.errors import FedWaveError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import save as st_save
 from torch import nn
+
+from peerlm.atomic_file import write_atomic
 
 __all__ = [
     "VCLAYER_FILE",
@@ -290,19 +290,7 @@ def _max_bytes(hidden_size: int | None, settings: VCLayerSettings | None) -> int
 
 def save_vclayer(layer: VCLayer, directory: Path, *, stage: str = "") -> Path:
     """Write ``directory/vclayer.safetensors`` atomically (beside a saved peft adapter)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / VCLAYER_FILE
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".vclayer-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(encode_vclayer(layer, stage=stage))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_atomic(directory / VCLAYER_FILE, encode_vclayer(layer, stage=stage))
 
 
 def load_vclayer(
