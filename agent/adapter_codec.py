@@ -58,6 +58,7 @@ __all__ = [
     "adapter_norm",
     "check_state",
     "check_tensor_table",
+    "check_tensors",
     "decode_adapter",
     "encode_adapter",
     "load_finite_tensors",
@@ -192,6 +193,18 @@ def read_safetensors_header(
     return SafetensorsHeader(metadata=meta, tensors=header, data_bytes=len(data) - 8 - n)
 
 
+def _check_keys(
+    names: set[str], shapes: Mapping[str, tuple[int, ...]], what: str, error: ErrorType
+) -> None:
+    missing, unexpected = sorted(set(shapes) - names), sorted(names - set(shapes))
+    if missing or unexpected:
+        raise error(
+            f"{what} does not fit ({len(shapes)} tensors expected); "
+            + _names_message(missing, unexpected),
+            reason="keys",
+        )
+
+
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -215,13 +228,7 @@ def check_tensor_table(
     a bad table costs no tensor decoding and gets a message that names the tensor.
     """
     table = header.tensors
-    missing, unexpected = sorted(set(shapes) - set(table)), sorted(set(table) - set(shapes))
-    if missing or unexpected:
-        raise error(
-            f"{what} does not fit ({len(shapes)} tensors expected); "
-            + _names_message(missing, unexpected),
-            reason="keys",
-        )
+    _check_keys(set(table), shapes, what, error)
     spans = sorted(
         (*_entry_span(name, table[name], shapes[name], dtypes, what, error), name)
         for name in sorted(table)
@@ -367,19 +374,38 @@ def check_state(
 ) -> None:
     """Tensors that fit ``spec``: the names, shapes, floating point, finite; with
     ``max_norm`` also an overall Euclidean norm at most that. Raises :class:`AdapterError`."""
+    # The names first, for a message that says which host the adapter does not fit.
     _check_names(spec, set(state))
+    check_tensors(state, spec.shapes)
+    _check_norm(state, max_norm)
+
+
+def check_tensors(
+    state: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    what: str = "adapter",
+    error: ErrorType = AdapterError,
+) -> None:
+    """Check decoded tensors against the expected ``shapes``: :func:`check_tensor_table`'s
+    counterpart for a state dict already in memory (a peer's, after aggregation, ...).
+
+    In this order, raising ``error(message, reason=...)``: the names are exactly those of
+    ``shapes`` (``keys``); for each tensor (sorted by name) its shape (``shape``), floating
+    point (``dtype``), every value finite (``non_finite``).
+    """
+    _check_keys(set(state), shapes, what, error)
     for name in sorted(state):
         v = state[name]
-        if tuple(v.shape) != spec.shapes[name]:
-            raise AdapterError(
-                f"adapter tensor {name}: shape {tuple(v.shape)} != {spec.shapes[name]}",
+        if tuple(v.shape) != tuple(shapes[name]):
+            raise error(
+                f"{what} tensor {name}: shape {list(v.shape)} != {list(shapes[name])}",
                 reason="shape",
             )
         if not torch.is_floating_point(v):
-            raise AdapterError(f"adapter tensor {name} is {v.dtype}", reason="dtype")
+            raise error(f"{what} tensor {name} is {v.dtype}", reason="dtype")
         if not bool(torch.isfinite(v).all()):
-            raise AdapterError(f"adapter tensor {name} is not finite", reason="non_finite")
-    _check_norm(state, max_norm)
+            raise error(f"{what} tensor {name} is not finite", reason="non_finite")
 
 
 def _check_norm(state: Mapping[str, torch.Tensor], max_norm: float | None) -> None:

@@ -16,6 +16,7 @@ from peerlm.agent.adapter_codec import (
     AdapterError,
     SafetensorsHeader,
     check_tensor_table,
+    check_tensors,
     load_finite_tensors,
     read_safetensors_header,
 )
@@ -170,3 +171,22 @@ def test_the_callers_error_type_and_word_are_kept() -> None:
     nan = _raw(_good_table(), _floats(9) + struct.pack("<f", float("nan")))
     with pytest.raises(FedWaveError, match="router tensor b is not finite"):
         load_finite_tensors(nan, what="router", error=FedWaveError)
+
+
+def test_check_tensors_in_memory() -> None:
+    good = {"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.float16)}
+    check_tensors(good, SHAPES)
+    cases = [
+        ({"a": good["a"]}, "keys", "missing: b"),
+        (good | {"c": torch.zeros(1)}, "keys", "unexpected: c"),
+        (good | {"a": torch.zeros(3, 2)}, "shape", "tensor a: shape [3, 2] != [2, 3]"),
+        (good | {"b": torch.zeros(4, dtype=torch.int32)}, "dtype", "tensor b is torch.int32"),
+        (good | {"b": torch.tensor([0.0, 0.0, float("inf"), 0.0])}, "non_finite", "b is not"),
+    ]
+    for state, reason, needle in cases:
+        with pytest.raises(AdapterError) as err:
+            check_tensors(state, SHAPES)
+        assert err.value.reason == reason and needle in str(err.value), (reason, str(err.value))
+    with pytest.raises(FedWaveError, match="agent 'm': router tensor a: shape") as info:
+        check_tensors(cases[2][0], SHAPES, what="agent 'm': router", error=FedWaveError)
+    assert info.value.reason == "shape"
