@@ -450,6 +450,18 @@ async def test_a_harmful_svd_hka_aggregate_is_rolled_back(world: World, pki: Pat
     gate = AcceptanceGate(VAL, margin=0.1, max_length=64)
     harmful = [Candidate("huge", bad.target, 0.9)]
     try:
+        # The 1e30 adapter: its aggregate is refused before it is loaded, nothing to undo.
+        refused = await pull_and_aggregate(
+            _student(pki),
+            student,
+            [Candidate("huge", world.teachers["huge"].target, 0.9)],
+            settings=settings,
+            gate=gate,
+            hka=(PUBLIC, train),
+        )
+        assert not refused.applied and not refused.rolled_back
+        assert [(r.peer, r.reason) for r in refused.refused] == [("huge", "load")]
+        assert all(torch.equal(student.adapter_state()[k], before[k]) for k in before)
         # Without the gate the aggregate stays, and the held-out loss is finite but worse.
         pre = gate.loss(student)
         kept = await pull_and_aggregate(
