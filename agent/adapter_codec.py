@@ -170,10 +170,14 @@ def read_safetensors_header(
     if len(data) < 8:
         raise error(f"not a safetensors {what}: shorter than its header length", reason="decode")
     n = int.from_bytes(bytes(data[:8]), "little")
-    if n > min(len(data) - 8, max_header_bytes):
+    if n > max_header_bytes:
         raise error(
-            f"not a safetensors {what}: header length {n} out of range "
-            f"(at most {min(len(data) - 8, max_header_bytes)})",
+            f"not a safetensors {what}: header length {n} exceeds the bound of {max_header_bytes}",
+            reason="decode",
+        )
+    if n > len(data) - 8:
+        raise error(
+            f"not a safetensors {what}: header length {n} runs past the end of {len(data)} bytes",
             reason="decode",
         )
     try:
