@@ -95,7 +95,7 @@ def test_header_refusals_are_decode_errors(blob: bytes, needle: str) -> None:
 def test_oversized_header_is_refused_by_the_callers_bound() -> None:
     blob = _raw(_good_table(), _floats(10), meta={"pad": "x" * 5000})
     read_safetensors_header(blob)  # within the default 1 MiB bound
-    with pytest.raises(AdapterError, match="header length .* exceeds the bound of 4096") as err:
+    with pytest.raises(AdapterError, match=r"header length .* exceeds the bound of 4096") as err:
         read_safetensors_header(blob, max_header_bytes=4096)
     assert err.value.reason == "decode"
     with pytest.raises(AdapterError, match="exceeds the limit") as err:
