@@ -10,9 +10,17 @@ weights only, with this ``__metadata__``:
 :class:`AdapterSpec` is what an adapter must be to fit one host: tensor names and shapes,
 the base model, tokenizer and LoRA scaling. :func:`decode_adapter` checks an untrusted blob
 against it in an order that touches the least data first: size, the JSON header (bounded),
-the metadata, the tensor table (names, shapes, dtypes: before a byte of tensor data is
-decoded), then the values (finite, and within a norm bound when one is given). Every
-failure is an :class:`AdapterError` whose ``reason`` is a metric label.
+the metadata, the tensor table (names, shapes, dtypes, data offsets: before a byte of
+tensor data is decoded), then the values (finite, and within a norm bound when one is
+given). Every failure is an :class:`AdapterError` whose ``reason`` is a metric label.
+
+The safetensors checks that do not depend on what the blob holds are public, one function a
+step, and shared by every peerlm safetensors format (adapters here, FedWave's routers and
+VCLayers in :mod:`peerlm.agent.fedwave`): :func:`read_safetensors_header` (size, bounded
+header, metadata), :func:`check_tensor_table` (names, shapes, dtypes, offsets against the
+expected shapes) and :func:`load_finite_tensors` (decode, finite values). Each takes the
+caller's error class and a word for what is decoded, so that a refusal keeps the caller's
+error type and says what was refused.
 
 :class:`EncodedAdapter` is an encoding with its SHA-256, made once per adapter version and
 shared by every pull of that version (:meth:`peerlm.agent.modelhost.ModelHost.encoded_adapter`).
@@ -29,7 +37,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import torch
 from safetensors.torch import load as st_load
@@ -44,12 +52,18 @@ __all__ = [
     "AdapterError",
     "AdapterSpec",
     "EncodedAdapter",
+    "ErrorType",
     "IdentityCheck",
+    "SafetensorsHeader",
     "adapter_norm",
     "check_state",
+    "check_tensor_table",
+    "check_tensors",
     "decode_adapter",
     "encode_adapter",
+    "load_finite_tensors",
     "read_metadata",
+    "read_safetensors_header",
 ]
 
 #: ``peerlm.format`` of every adapter peerlm writes.
@@ -111,25 +125,188 @@ def encode_adapter(state: Mapping[str, torch.Tensor], spec: AdapterSpec) -> byte
     return bytes(st_save(dict(state), metadata=spec.metadata()))
 
 
-def _header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+class ErrorType(Protocol):
+    """An error class the shared safetensors checks raise: ``error(message, reason=label)``
+    (:class:`AdapterError`, :class:`~peerlm.agent.fedwave.errors.FedWaveError`)."""
+
+    def __call__(self, message: str, *, reason: str) -> Exception: ...
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """The parsed, bounded JSON header of a safetensors blob.
+
+    ``metadata`` is ``__metadata__`` (empty when absent), ``tensors`` the raw tensor table
+    (name -> entry, unchecked: see :func:`check_tensor_table`) and ``data_bytes`` the length
+    of the data section that follows the header.
+    """
+
+    metadata: dict[str, str]
+    tensors: dict[str, Any]
+    data_bytes: int
+
+
+def read_safetensors_header(
+    data: bytes | bytearray | memoryview,
+    *,
+    what: str = "adapter",
+    max_bytes: int | None = None,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    error: ErrorType = AdapterError,
+) -> SafetensorsHeader:
+    """Parse the header of an untrusted safetensors blob without touching its tensor data.
+
+    Refuses, as ``error(message, reason=...)`` with messages naming ``what``: a blob over
+    ``max_bytes`` (``too_large``); one shorter than its 8-byte header length, a header
+    length over ``max_header_bytes`` or past the end of the blob, a header that is not a
+    JSON object, a ``__metadata__`` that is not a string-to-string map (all ``decode``).
+    Shared by every peerlm safetensors format (adapters, FedWave routers and VCLayers) so
+    that one piece of code bounds what a peer's blob may make us parse.
+    """
+    if max_bytes is not None and len(data) > max_bytes:
+        raise error(
+            f"{what} of {len(data)} bytes exceeds the limit of {max_bytes}", reason="too_large"
+        )
     if len(data) < 8:
-        raise AdapterError("not a safetensors adapter: shorter than its header length")
+        raise error(f"not a safetensors {what}: shorter than its header length", reason="decode")
     n = int.from_bytes(bytes(data[:8]), "little")
-    if n > min(len(data) - 8, MAX_HEADER_BYTES):
-        raise AdapterError("not a safetensors adapter: header length out of range")
+    if n > max_header_bytes:
+        raise error(
+            f"not a safetensors {what}: header length {n} exceeds the bound of {max_header_bytes}",
+            reason="decode",
+        )
+    if n > len(data) - 8:
+        raise error(
+            f"not a safetensors {what}: header length {n} runs past the end of {len(data)} bytes",
+            reason="decode",
+        )
     try:
         header = json.loads(bytes(data[8 : 8 + n]))
-    except (ValueError, RecursionError) as err:
-        raise AdapterError(f"not a safetensors adapter: header is not JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise error(
+            f"not a safetensors {what}: header is not JSON: {err}", reason="decode"
+        ) from None
     if not isinstance(header, dict):
-        raise AdapterError("not a safetensors adapter: header is not an object")
-    return header
+        raise error(f"not a safetensors {what}: header is not an object", reason="decode")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise error(
+            f"not a safetensors {what}: __metadata__ is not a string-to-string map",
+            reason="decode",
+        )
+    return SafetensorsHeader(metadata=meta, tensors=header, data_bytes=len(data) - 8 - n)
+
+
+def _check_keys(
+    names: set[str], shapes: Mapping[str, tuple[int, ...]], what: str, error: ErrorType
+) -> None:
+    missing, unexpected = sorted(set(shapes) - names), sorted(names - set(shapes))
+    if missing or unexpected:
+        raise error(
+            f"{what} does not fit ({len(shapes)} tensors expected); "
+            + _names_message(missing, unexpected),
+            reason="keys",
+        )
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_tensor_table(
+    header: SafetensorsHeader,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    dtypes: Mapping[str, int] = ADAPTER_DTYPES,
+    what: str = "adapter",
+    error: ErrorType = AdapterError,
+) -> None:
+    """Check a blob's tensor table against the expected ``shapes`` before any data is read.
+
+    In this order, raising ``error(message, reason=...)``: the names are exactly those of
+    ``shapes`` (``keys``); for each tensor (sorted by name) its shape (``shape``), its dtype
+    is a key of ``dtypes`` (safetensors dtype -> item size; ``dtype``), and its
+    ``data_offsets`` span exactly ``item size x elements`` bytes; then the spans, in order,
+    tile the data section from its first byte to its last with neither gap nor overlap
+    (``decode``), which is what the safetensors reader itself demands, checked here so that
+    a bad table costs no tensor decoding and gets a message that names the tensor.
+    """
+    table = header.tensors
+    _check_keys(set(table), shapes, what, error)
+    spans = sorted(
+        (*_entry_span(name, table[name], shapes[name], dtypes, what, error), name)
+        for name in sorted(table)
+    )
+    end = 0
+    for begin, stop, name in spans:
+        if begin != end:
+            raise error(
+                f"{what} tensor {name}: data starts at byte {begin}, not {end} "
+                f"({'overlap' if begin < end else 'gap'})",
+                reason="decode",
+            )
+        end = stop
+    if end != header.data_bytes:
+        raise error(
+            f"{what} tensors end at byte {end} of a {header.data_bytes}-byte data section",
+            reason="decode",
+        )
+
+
+def _entry_span(
+    name: str,
+    entry: object,
+    shape: tuple[int, ...],
+    dtypes: Mapping[str, int],
+    what: str,
+    error: ErrorType,
+) -> tuple[int, int]:
+    """One table entry checked against its expected ``shape``: its ``data_offsets``."""
+    if not isinstance(entry, dict):
+        raise error(f"{what} tensor {name}: table entry is not an object", reason="decode")
+    found, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
+    if not (isinstance(found, list) and all(map(_is_count, found))) or tuple(found) != shape:
+        raise error(f"{what} tensor {name}: shape {found} != {list(shape)}", reason="shape")
+    if not isinstance(dtype, str) or dtype not in dtypes:
+        raise error(f"{what} tensor {name} is {dtype}, not one of {sorted(dtypes)}", reason="dtype")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise error(f"{what} tensor {name}: bad data_offsets {offsets}", reason="decode")
+    begin, end = int(offsets[0]), int(offsets[1])
+    size = dtypes[dtype] * math.prod(shape)
+    if end - begin != size:
+        raise error(
+            f"{what} tensor {name}: data_offsets span {end - begin} bytes, "
+            f"its {dtype} shape {list(shape)} needs {size}",
+            reason="decode",
+        )
+    return begin, end
+
+
+def load_finite_tensors(
+    data: bytes | bytearray | memoryview,
+    *,
+    what: str = "adapter",
+    error: ErrorType = AdapterError,
+) -> dict[str, torch.Tensor]:
+    """Decode a blob whose table :func:`check_tensor_table` passed, refusing non-finite values.
+
+    safetensors' own failures become ``error(..., reason="decode")``; a tensor holding a NaN
+    or an infinity ``error(..., reason="non_finite")``.
+    """
+    try:
+        # safetensors reads from a bytes object; a bytearray/memoryview is copied once here.
+        state = st_load(data if isinstance(data, bytes) else bytes(data))
+    except Exception as err:  # safetensors raises its own error type for corrupt input
+        raise error(f"cannot decode {what}: {err}", reason="decode") from None
+    for name in sorted(state):
+        if not bool(torch.isfinite(state[name]).all()):
+            raise error(f"{what} tensor {name} is not finite", reason="non_finite")
+    return state
 
 
 def read_metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
     """The ``__metadata__`` of an adapter blob, from its (bounded) JSON header alone."""
-    meta = _header(data).get("__metadata__")
-    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+    return read_safetensors_header(data).metadata
 
 
 def _check_identity(meta: Mapping[str, str], spec: AdapterSpec, check: IdentityCheck) -> None:
@@ -168,42 +345,24 @@ def _check_lora(meta: Mapping[str, str], spec: AdapterSpec, check: IdentityCheck
         )
 
 
-def _names_message(spec: AdapterSpec, missing: list[str], unexpected: list[str]) -> str:
+def _names_message(missing: list[str], unexpected: list[str]) -> str:
     parts = []
     for label, names in (("missing", missing), ("unexpected", unexpected)):
         if names:
             more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
             parts.append(f"{label}: {', '.join(names[:3])}{more}")
-    return (
-        f"adapter does not fit this {spec.model_type} host with LoRA r={spec.lora_r} "
-        f"({len(spec.shapes)} tensors expected); " + "; ".join(parts)
-    )
+    return "; ".join(parts)
 
 
 def _check_names(spec: AdapterSpec, names: set[str]) -> None:
     missing = sorted(set(spec.shapes) - names)
     unexpected = sorted(names - set(spec.shapes))
     if missing or unexpected:
-        raise AdapterError(_names_message(spec, missing, unexpected), reason="keys")
-
-
-def _check_table(header: Mapping[str, Any], spec: AdapterSpec) -> None:
-    """Names, shapes and dtypes from the tensor table, before any tensor data is read."""
-    table = {k: v for k, v in header.items() if k != "__metadata__"}
-    _check_names(spec, set(table))
-    for name in sorted(table):
-        entry = table[name]
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        dtype = entry.get("dtype") if isinstance(entry, dict) else None
-        if not isinstance(shape, list) or tuple(shape) != spec.shapes[name]:
-            raise AdapterError(
-                f"adapter tensor {name}: shape {shape} != {spec.shapes[name]}", reason="shape"
-            )
-        if dtype not in ADAPTER_DTYPES:
-            raise AdapterError(
-                f"adapter tensor {name} is {dtype}, not one of {sorted(ADAPTER_DTYPES)}",
-                reason="dtype",
-            )
+        raise AdapterError(
+            f"adapter does not fit this {spec.model_type} host with LoRA r={spec.lora_r} "
+            f"({len(spec.shapes)} tensors expected); " + _names_message(missing, unexpected),
+            reason="keys",
+        )
 
 
 def adapter_norm(state: Mapping[str, torch.Tensor]) -> float:
@@ -219,18 +378,41 @@ def check_state(
 ) -> None:
     """Tensors that fit ``spec``: the names, shapes, floating point, finite; with
     ``max_norm`` also an overall Euclidean norm at most that. Raises :class:`AdapterError`."""
+    # The names first, for a message that says which host the adapter does not fit.
     _check_names(spec, set(state))
+    check_tensors(state, spec.shapes)
+    _check_norm(state, max_norm)
+
+
+def check_tensors(
+    state: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    what: str = "adapter",
+    error: ErrorType = AdapterError,
+) -> None:
+    """Check decoded tensors against the expected ``shapes``: :func:`check_tensor_table`'s
+    counterpart for a state dict already in memory (a peer's, after aggregation, ...).
+
+    In this order, raising ``error(message, reason=...)``: the names are exactly those of
+    ``shapes`` (``keys``); for each tensor (sorted by name) its shape (``shape``), floating
+    point (``dtype``), every value finite (``non_finite``).
+    """
+    _check_keys(set(state), shapes, what, error)
     for name in sorted(state):
         v = state[name]
-        if tuple(v.shape) != spec.shapes[name]:
-            raise AdapterError(
-                f"adapter tensor {name}: shape {tuple(v.shape)} != {spec.shapes[name]}",
+        if tuple(v.shape) != tuple(shapes[name]):
+            raise error(
+                f"{what} tensor {name}: shape {list(v.shape)} != {list(shapes[name])}",
                 reason="shape",
             )
         if not torch.is_floating_point(v):
-            raise AdapterError(f"adapter tensor {name} is {v.dtype}", reason="dtype")
+            raise error(f"{what} tensor {name} is {v.dtype}", reason="dtype")
         if not bool(torch.isfinite(v).all()):
-            raise AdapterError(f"adapter tensor {name} is not finite", reason="non_finite")
+            raise error(f"{what} tensor {name} is not finite", reason="non_finite")
+
+
+def _check_norm(state: Mapping[str, torch.Tensor], max_norm: float | None) -> None:
     if max_norm is not None:
         norm = adapter_norm(state)
         if not norm <= max_norm:
@@ -250,20 +432,13 @@ def decode_adapter(
     """Decode and validate an untrusted adapter blob against ``spec`` (see the module
     docstring for the order of the checks); raises :class:`AdapterError`."""
     limit = spec.max_encoded_bytes() if max_bytes is None else max_bytes
-    if len(data) > limit:
-        raise AdapterError(
-            f"adapter of {len(data)} bytes exceeds the limit of {limit}", reason="too_large"
-        )
-    header = _header(data)
-    raw_meta = header.get("__metadata__")
-    meta = {str(k): str(v) for k, v in raw_meta.items()} if isinstance(raw_meta, dict) else {}
-    _check_identity(meta, spec, identity)
-    _check_table(header, spec)
-    _check_lora(meta, spec, identity)
-    try:
-        # safetensors reads from a bytes object; a bytearray/memoryview is copied once here.
-        state = st_load(data if isinstance(data, bytes) else bytes(data))
-    except Exception as err:  # safetensors raises its own error type for corrupt input
-        raise AdapterError(f"cannot decode adapter: {err}") from None
-    check_state(state, spec, max_norm=max_norm)
+    header = read_safetensors_header(data, max_bytes=limit)
+    _check_identity(header.metadata, spec, identity)
+    # The names first, for a message that says which host the adapter does not fit.
+    _check_names(spec, set(header.tensors))
+    check_tensor_table(header, spec.shapes)
+    _check_lora(header.metadata, spec, identity)
+    # The table fixed the names, shapes and (floating point) dtypes; the values are finite.
+    state = load_finite_tensors(data)
+    _check_norm(state, max_norm)
     return state

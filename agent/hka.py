@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from peerlm.agent.adapter_codec import AdapterError
 from peerlm.agent.lora_merge import ClientAdapter, check_clients
-from peerlm.agent.training import IGNORE_INDEX, Encoded, collate
+from peerlm.agent.training import IGNORE_INDEX, Encoded, collate, eval_mode
 from peft import LoraConfig, PeftModel, set_peft_model_state_dict
 
 __all__ = ["TEACHER_PREFIX", "Teachers", "mixture_kl_sum", "teacher_adapters"]
@@ -53,22 +53,19 @@ class Teachers:
         self.names = tuple(names)
         self.weights = tuple(weights)
 
-    @torch.no_grad()
     def mixture(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``sum_i lambda_i softmax(logits_i)`` at every position, float32 ``[B, L, V]``."""
-        was_training = self.model.training
-        self.model.eval()
         mix: torch.Tensor | None = None
-        try:
-            for name, weight in zip(self.names, self.weights, strict=True):
-                self.model.set_adapter(name)
-                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                probs = F.softmax(logits.float(), dim=-1) * weight
-                mix = probs if mix is None else mix + probs
-        finally:
-            # set_adapter also sets requires_grad: "default" becomes trainable again.
-            self.model.set_adapter("default")
-            self.model.train(was_training)
+        with eval_mode(self.model):
+            try:
+                for name, weight in zip(self.names, self.weights, strict=True):
+                    self.model.set_adapter(name)
+                    logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                    probs = F.softmax(logits.float(), dim=-1) * weight
+                    mix = probs if mix is None else mix + probs
+            finally:
+                # set_adapter also sets requires_grad: "default" becomes trainable again.
+                self.model.set_adapter("default")
         assert mix is not None
         return mix
 

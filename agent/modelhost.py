@@ -29,9 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
-import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -73,6 +71,8 @@ from peerlm.agent.training import (
 )
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+from peerlm.atomic_file import write_atomic
 
 __all__ = [
     "DEFAULT_STOPS",
@@ -795,20 +795,7 @@ class ModelHost:
 
     def save_adapter(self, path: str | Path) -> Path:
         """Write the adapter to ``path`` as safetensors, atomically (temp file + rename)."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        data = self.adapter_bytes()
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return target
+        return write_atomic(Path(path), self.adapter_bytes())
 
     def load_adapter(self, path: str | Path, *, strict: bool = True) -> None:
         """Load an adapter written by :meth:`save_adapter`."""

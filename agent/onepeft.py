@@ -68,7 +68,9 @@ def one_shot(
     """Replace ``host``'s adapter by the one-shot aggregate of ``clients`` (see the module).
 
     Every client is checked before the host changes; a refused one raises
-    :class:`AdapterError` and leaves the host's adapter as it was.
+    :class:`AdapterError` and leaves the host's adapter as it was. HKA failing after the
+    aggregate was loaded (a setting it refuses, an error mid-training) restores the adapter
+    the host had before re-raising, so a failed step never leaves a half-made adapter.
     """
     if svd:
         merged = aggregate_svd(clients, r=host.lora.r, alpha=host.lora.alpha, weights=weights)
@@ -80,10 +82,15 @@ def one_shot(
                 f"r={host.lora.r}, alpha={host.lora.alpha} (use the SVD aggregation)",
                 reason="lora_config",
             )
+    before = host.adapter_state() if hka else None
     host.load_adapter_state(merged.state)
     stats = None
-    if hka:
-        stats = host.train_hka(
-            public_examples, clients, settings, alpha=alpha, weights=merged.weights, steps=steps
-        )
+    if before is not None:
+        try:
+            stats = host.train_hka(
+                public_examples, clients, settings, alpha=alpha, weights=merged.weights, steps=steps
+            )
+        except BaseException:
+            host.load_adapter_state(before)
+            raise
     return OneShotResult(merged, stats, svd)

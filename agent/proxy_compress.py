@@ -34,6 +34,7 @@ from typing import Any, Final
 
 import torch
 from peerlm.agent.proxy_model import ProxyError, block_list
+from peerlm.agent.training import eval_mode
 from torch import nn
 
 __all__ = [
@@ -143,10 +144,8 @@ def block_influence(
     handles = [
         block.register_forward_hook(hook_for(i), with_kwargs=True) for i, block in enumerate(blocks)
     ]
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with eval_mode(model):
             for done, (input_ids, attention_mask) in enumerate(batches, start=1):
                 current_mask[:] = [attention_mask]
                 model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -155,7 +154,6 @@ def block_influence(
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training)
     if not tokens or tokens[0] == 0:
         raise ProxyError("the public data held no token", reason="empty")
     return [1.0 - s / n for s, n in zip(sums, tokens, strict=True)]

@@ -29,7 +29,8 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -49,6 +50,7 @@ __all__ = [
     "collate",
     "encode_example",
     "encode_pair",
+    "eval_mode",
     "fit_lengths",
     "kd_kl_sum",
     "lr_factor",
@@ -302,6 +304,19 @@ def collate(
 
 
 # ---------------------------------------------------------------------------------- losses
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode and without autograd for the ``with`` block; its train/eval
+    mode as before afterwards, whatever happens (a forward pass that only reads the model)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -4,12 +4,12 @@ logs, run its event loop, turn SIGTERM/SIGINT into a graceful stop, publish its 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from peerlm.atomic_file import write_atomic
 from peerlm.config import ServiceSettings
 
 __all__ = ["identity_label", "on_stop_signals", "run_event_loop", "write_port_file"]
@@ -49,6 +49,4 @@ def run_event_loop(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 def write_port_file(path: Path, port: int) -> None:
     """Publish the bound port atomically (tests and scripts poll for the file)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
+    write_atomic(path, f"{port}\n".encode(), mode=0o644)

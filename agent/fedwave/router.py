@@ -42,6 +42,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from peerlm.agent.adapter_codec import check_tensors
 from peerlm.agent.fedwave.errors import FedWaveError
 from peerlm.agent.fedwave.vclayer import masked_mean
 from pydantic import BaseModel, ConfigDict, Field
@@ -207,23 +208,9 @@ def fedavg_routers(
         else {k: tuple(v.shape) for k, v in routers[names[0]][0].items()}
     )
     for name in names:
-        state = routers[name][0]
-        if set(state) != set(reference):
-            raise FedWaveError(
-                f"agent {name!r}: router tensors {sorted(state)}, expected {sorted(reference)}",
-                reason="keys",
-            )
-        for key, tensor in state.items():
-            if not tensor.is_floating_point():
-                raise FedWaveError(f"agent {name!r}: {key} is {tensor.dtype}", reason="dtype")
-            if tuple(tensor.shape) != tuple(reference[key]):
-                raise FedWaveError(
-                    f"agent {name!r}: {key} has shape {tuple(tensor.shape)}, expected "
-                    f"{tuple(reference[key])}",
-                    reason="shape",
-                )
-            if not bool(torch.isfinite(tensor).all()):
-                raise FedWaveError(f"agent {name!r}: {key} is not finite", reason="non_finite")
+        check_tensors(
+            routers[name][0], reference, what=f"agent {name!r}: router", error=FedWaveError
+        )
     merged: dict[str, torch.Tensor] = {}
     for key in sorted(reference):
         acc = torch.zeros(reference[key], dtype=torch.float64)

@@ -34,8 +34,6 @@ with :func:`encode_vclayer` / :func:`decode_vclayer`).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +41,17 @@ from typing import Any, Final
 
 import torch
 import torch.nn.functional as F
+from peerlm.agent.adapter_codec import (
+    check_tensor_table,
+    load_finite_tensors,
+    read_safetensors_header,
+)
 from peerlm.agent.fedwave.errors import FedWaveError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
+
+from peerlm.atomic_file import write_atomic
 
 __all__ = [
     "VCLAYER_FILE",
@@ -72,6 +75,8 @@ VCLAYER_FILE: Final = "vclayer.safetensors"
 VCLAYER_FORMAT: Final = "peerlm-vclayer/1"
 _TENSORS: Final = ("w_q", "w_k", "w_v", "w_o", "stage_embedding")
 _MAX_HEADER: Final = 64 * 1024
+#: A VCLayer travels in float32 only (what :func:`encode_vclayer` writes).
+_DTYPES: Final = {"F32": 4}
 
 
 class VCLayerSettings(BaseModel):
@@ -237,25 +242,23 @@ def decode_vclayer(
 
     When ``hidden_size`` or ``settings`` are given, the blob must match them (a peer's
     VCLayer must fit this model). Checks, cheapest first: size, header, metadata, tensor
-    names and shapes, finite values.
+    table (names, shapes, dtype, offsets), finite values; the safetensors steps are the
+    shared ones of :mod:`peerlm.agent.adapter_codec`.
     """
     limit = max_bytes if max_bytes is not None else _max_bytes(hidden_size, settings)
-    if limit is not None and len(data) > limit:
-        raise FedWaveError(f"VCLayer of {len(data)} bytes exceeds {limit}", reason="too_large")
-    if len(data) < 8 or int.from_bytes(data[:8], "little") > _MAX_HEADER:
-        raise FedWaveError("not a VCLayer (header missing or too large)", reason="decode")
+    header = read_safetensors_header(
+        data, what="VCLayer", max_bytes=limit, max_header_bytes=_MAX_HEADER, error=FedWaveError
+    )
+    meta = header.metadata
+    if meta.get("peerlm.format") != VCLAYER_FORMAT:
+        raise FedWaveError(f"not a {VCLAYER_FORMAT} blob", reason="format")
     try:
-        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-        meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
-        if meta.get("peerlm.format") != VCLAYER_FORMAT:
-            raise FedWaveError(f"not a {VCLAYER_FORMAT} blob", reason="format")
         shape_meta = json.loads(meta["peerlm.vclayer"])
         width = int(shape_meta.pop("hidden_size"))
         found = VCLayerSettings.model_validate(shape_meta)
-    except FedWaveError:
-        raise
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise FedWaveError(f"unreadable VCLayer header: {exc}", reason="decode") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        # pydantic's ValidationError is a ValueError; a non-object JSON has no .pop.
+        raise FedWaveError(f"unreadable VCLayer metadata: {exc}", reason="decode") from None
     if hidden_size is not None and width != hidden_size:
         raise FedWaveError(f"VCLayer width {width}, this model's {hidden_size}", reason="shape")
     if settings is not None and (found.d_vc, found.heads) != (settings.d_vc, settings.heads):
@@ -266,33 +269,16 @@ def decode_vclayer(
         )
     if width < 1:
         raise FedWaveError(f"VCLayer width {width}", reason="shape")
-    expected = {"w_q": [width, found.d_vc], "w_k": [width, found.d_vc],
-                "w_v": [width, found.d_vc], "w_o": [found.d_vc, width],
-                "stage_embedding": [width]}  # fmt: skip
-    table = {k: v for k, v in header.items() if k != "__metadata__"}
-    if set(table) != set(expected):
-        raise FedWaveError(f"VCLayer tensors {sorted(table)}", reason="keys")
-    for name, shape in expected.items():
-        entry = table[name]
-        if not isinstance(entry, dict) or entry.get("dtype") != "F32":
-            raise FedWaveError(f"VCLayer tensor {name} is not float32", reason="dtype")
-        if entry.get("shape") != shape:
-            raise FedWaveError(
-                f"VCLayer tensor {name} has shape {entry.get('shape')}, expected {shape}",
-                reason="shape",
-            )
-    try:
-        state = st_load(data)
-    except SafetensorError as exc:
-        raise FedWaveError(f"undecodable VCLayer: {exc}", reason="decode") from None
-    for name, tensor in state.items():
-        if not bool(torch.isfinite(tensor).all()):
-            raise FedWaveError(f"VCLayer tensor {name} is not finite", reason="non_finite")
+    expected = {"w_q": (width, found.d_vc), "w_k": (width, found.d_vc),
+                "w_v": (width, found.d_vc), "w_o": (found.d_vc, width),
+                "stage_embedding": (width,)}  # fmt: skip
+    check_tensor_table(header, expected, dtypes=_DTYPES, what="VCLayer", error=FedWaveError)
+    state = load_finite_tensors(data, what="VCLayer", error=FedWaveError)
     layer = VCLayer(width, found)
     with torch.no_grad():
         for name in _TENSORS:
             getattr(layer, name).copy_(state[name])
-    return layer, str(meta.get("peerlm.stage", ""))
+    return layer, meta.get("peerlm.stage", "")
 
 
 def _max_bytes(hidden_size: int | None, settings: VCLayerSettings | None) -> int | None:
@@ -304,19 +290,7 @@ def _max_bytes(hidden_size: int | None, settings: VCLayerSettings | None) -> int
 
 def save_vclayer(layer: VCLayer, directory: Path, *, stage: str = "") -> Path:
     """Write ``directory/vclayer.safetensors`` atomically (beside a saved peft adapter)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / VCLAYER_FILE
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".vclayer-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(encode_vclayer(layer, stage=stage))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_atomic(directory / VCLAYER_FILE, encode_vclayer(layer, stage=stage))
 
 
 def load_vclayer(

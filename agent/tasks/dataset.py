@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,8 @@ from peerlm.agent.tasks.world import (
     assign_skills,
     weighted_interleave,
 )
+
+from peerlm.atomic_file import write_atomic
 
 __all__ = [
     "DEFAULT_MIN_PER_CLIENT",
@@ -163,24 +164,8 @@ def write_jsonl(path: str | os.PathLike[str], problems: Iterable[Problem]) -> No
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    # The rename is durable only once the directory entry is.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    # Task files are data anyone on the host may read (the sandbox's user included).
+    write_atomic(path, data, mode=0o644)
 
 
 # ---------------------------------------------------------------------- categories

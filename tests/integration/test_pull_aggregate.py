@@ -428,3 +428,78 @@ async def test_svd_hka_aggregates_the_pulled_adapters_as_one_shot_does(
         torch.testing.assert_close(after[name], expected[name], rtol=1e-4, atol=1e-5)
     assert report.delta_norm > 0
     assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="applied") == 1
+
+
+async def test_a_harmful_svd_hka_aggregate_is_rolled_back(world: World, pki: Path) -> None:
+    """Issue 11 §1.5 for aggregation "svd_hka", as for pmix above. A 1e30 adapter does not
+    get that far here (its SVD aggregate is not finite and is refused before loading), so the
+    harmful neighbour is a teacher's adapter scaled 100-fold: finite, inside every check once
+    the norm bound is off. After OnePeFT's SVD + HKA step it undoes what the student learnt
+    (a finite rise of the held-out loss beyond the margin); the acceptance gate restores the
+    student's adapter, counts and reports it."""
+    from peerlm.agent.training import TrainSettings
+
+    student = world.student
+    student.train_local(VAL, TrainSettings(learning_rate=1e-2, batch_size=2, seed=0), steps=20)
+    before = student.adapter_state()
+    t1 = world.hosts["t1"]
+    loud = {k: 100.0 * v for k, v in t1.adapter_state().items()}
+    bad = await _serve(pki, "huge", bytes(safetensors.torch.save(loud, metadata=t1._metadata())))
+    train = TrainSettings(learning_rate=1e-2, batch_size=2, grad_accumulation=1, seed=5)
+    settings = PullSettings(method="svd_hka", hka_steps=2, max_norm_ratio=None, timeout_s=20.0)
+    gate = AcceptanceGate(VAL, margin=0.1, max_length=64)
+    harmful = [Candidate("huge", bad.target, 0.9)]
+    try:
+        # The 1e30 adapter: its aggregate is refused before it is loaded, nothing to undo.
+        refused = await pull_and_aggregate(
+            _student(pki),
+            student,
+            [Candidate("huge", world.teachers["huge"].target, 0.9)],
+            settings=settings,
+            gate=gate,
+            hka=(PUBLIC, train),
+        )
+        assert not refused.applied and not refused.rolled_back
+        assert [(r.peer, r.reason) for r in refused.refused] == [("huge", "load")]
+        assert all(torch.equal(student.adapter_state()[k], before[k]) for k in before)
+        # Without the gate the aggregate stays, and the held-out loss is finite but worse.
+        pre = gate.loss(student)
+        kept = await pull_and_aggregate(
+            _student(pki), student, harmful, settings=settings, hka=(PUBLIC, train)
+        )
+        post = gate.loss(student)
+        assert kept.applied and math.isfinite(post) and post > pre + gate.margin
+        student.load_adapter_state(before)
+
+        registry = new_registry()
+        report = await pull_and_aggregate(
+            _student(pki, registry),
+            student,
+            harmful,
+            settings=settings,
+            gate=gate,
+            hka=(PUBLIC, train),
+        )
+    finally:
+        assert bad.server is not None
+        await bad.server.stop(0)
+    assert report.rolled_back and not report.applied and report.pulled == ()
+    assert [(r.peer, r.reason) for r in report.refused] == [("huge", "rolled_back")]
+    after = student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert gate.loss(student) == pytest.approx(pre)
+    assert _metric(registry, "peerlm_agent_integrations_rolled_back_total", kind="overlay") == 1
+    assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="rolled_back") == 1
+    assert _metric(registry, "peerlm_agent_overlay_pull_failures_total", reason="rolled_back") == 1
+
+    # An honest neighbour passes the same gate (a generous margin: the micro model is noisy).
+    honest = await pull_and_aggregate(
+        _student(pki, registry),
+        student,
+        [Candidate("t1", world.teachers["t1"].target, 0.9)],
+        settings=settings,
+        gate=AcceptanceGate(VAL, margin=5.0, max_length=64),
+        hka=(PUBLIC, train),
+    )
+    assert honest.applied and not honest.rolled_back
+    assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="applied") == 1

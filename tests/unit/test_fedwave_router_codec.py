@@ -28,6 +28,19 @@ def blob(state: dict[str, torch.Tensor], **meta: str) -> bytes:
     return st_save(state, metadata=base | meta)
 
 
+def _overlapping(data: bytes) -> bytes:
+    """``data`` with its second tensor's offsets moved back into the first's bytes."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    second = sorted(
+        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]
+    )[1]
+    begin, end = header[second]["data_offsets"]
+    header[second]["data_offsets"] = [begin - 4, end - 4]
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data[8 + size :]
+
+
 def test_round_trip_feeds_fedavg() -> None:
     mine, peer = router(0), router(1)
     shapes = router_shapes(mine)
@@ -59,6 +72,8 @@ def test_refusals_carry_their_reason() -> None:
         ((10**6).to_bytes(8, "little") + b"{}", "decode"),
         (len(b"[1]").to_bytes(8, "little") + b"[1]", "decode"),
         (len(b"{no").to_bytes(8, "little") + b"{no", "decode"),
+        (blob(good) + b"\0" * 4, "decode"),  # bytes no tensor owns
+        (_overlapping(blob(good)), "decode"),
     ]
     for data, reason in cases:
         with pytest.raises(FedWaveError) as info:

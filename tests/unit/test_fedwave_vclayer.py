@@ -156,6 +156,14 @@ def _blob(layer: VCLayer, **tensors: torch.Tensor) -> bytes:
     return st_save(state, metadata=meta)
 
 
+def _with_header(blob: bytes, **entries: object) -> bytes:
+    """``blob`` with its JSON header entries replaced (the data section kept)."""
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + size]) | entries
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + blob[8 + size :]
+
+
 def test_decoding_refuses_what_does_not_fit() -> None:
     layer = VCLayer(32, SMALL, generator=torch.Generator().manual_seed(1))
     blob = encode_vclayer(layer, stage="test")
@@ -173,6 +181,13 @@ def test_decoding_refuses_what_does_not_fit() -> None:
         (_blob(layer, w_q=torch.zeros(32, 8)), {}, "shape"),
         (_blob(layer, extra=torch.zeros(1)), {}, "keys"),
         (_blob(layer, w_o=torch.zeros(16, 32, dtype=torch.float16)), {}, "dtype"),
+        (_with_header(blob, __metadata__=["not", "a", "map"]), {}, "decode"),
+        (
+            _with_header(blob, w_k={"dtype": "F32", "shape": [32, 16], "data_offsets": [0, 2048]}),
+            {},
+            "decode",
+        ),  # overlaps another tensor
+        (blob + b"\0" * 4, {}, "decode"),  # bytes no tensor owns
     ]
     for data, kwargs, reason in cases:
         with pytest.raises(FedWaveError) as info:

@@ -151,6 +151,12 @@ def test_bad_teachers_are_refused_before_the_student_changes(
         assert not [k for k, _ in student.model.named_parameters() if TEACHER_PREFIX in k]
     with pytest.raises(ValueError, match="alpha"):
         student.train_hka(PUBLIC, clients, FAST, alpha=1.5, steps=1)
+    # HKA failing after the aggregate was loaded (here: an alpha it refuses) restores the
+    # adapter the student had, as a refused client does.
+    with pytest.raises(ValueError, match="alpha"):
+        one_shot(student, clients, PUBLIC, FAST, alpha=1.5, steps=1)
+    after = student.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_one_shot_variants_of_table_5(gpt2: Path, clients: list[ClientAdapter]) -> None:

@@ -15,6 +15,7 @@ from peerlm.agent.modelhost import ModelHost, TokenizerMismatchError
 from peerlm.agent.models.lora import LoraSettings
 from peerlm.agent.models.tiny import build_models
 from peerlm.agent.package import (
+    KnowledgePackage,
     LogitsPackage,
     TextItem,
     TextPackage,
@@ -33,6 +34,7 @@ from peerlm.agent.rounds import (
     teacher_completions,
 )
 from peerlm.agent.training import TrainSettings
+from prometheus_client import CollectorRegistry
 
 PROMPTS = [
     'def reverse(s: str) -> str:\n    """Reverse s.\n    """\n    ',
@@ -67,17 +69,70 @@ def config(total: int = 4, steps: int = 6) -> RoundConfig:
     return RoundConfig(total_rounds=total, train=FAST, local_steps=steps)
 
 
-def package_bytes(teacher: ModelHost, mode: str) -> bytes:
+def package_bytes(
+    teacher: ModelHost,
+    mode: str,
+    completions: list[str] = TEXTS,
+    prompts: list[str] = PROMPTS,
+) -> bytes:
+    """``teacher``'s package of ``completions`` to ``prompts`` (its guardrail lets all by)."""
     return build_package(
         teacher,
         mode=mode,  # type: ignore[arg-type]
-        prompts=PROMPTS,
-        completions=TEXTS,
+        prompts=prompts,
+        completions=completions,
         teacher="teacher",
         directive_id="d" * 32,
         transfer_sha256=TRANSFER,
         guardrail=Guardrail([]),
         top_k=8,
+    )
+
+
+def text_package(texts: list[str], teacher: str = "teacher") -> TextPackage:
+    """A text package answering :data:`PROMPTS` with ``texts``, built without a guardrail."""
+    return TextPackage(
+        teacher=teacher,
+        directive_id="d" * 32,
+        transfer_sha256=TRANSFER,
+        model_family="gpt2",
+        items=tuple(
+            TextItem(str(i), prompt_sha256(p), t)
+            for i, (p, t) in enumerate(zip(PROMPTS, texts, strict=True))
+        ),
+        created_at=1.0,
+    )
+
+
+def integrate(
+    student: ModelHost,
+    package: KnowledgePackage,
+    *,
+    kilobytes: float = 1.0,
+    round_config: RoundConfig | None = None,
+    t: int = 1,
+    guardrail: Guardrail | None = None,
+) -> Integration:
+    """:func:`integrate_package` of ``package`` in round ``t`` with the local set
+    :data:`LOCAL` (also the validation set) and the transfer set :data:`PROMPTS`."""
+    return integrate_package(
+        student,
+        package,
+        kilobytes=kilobytes,
+        local_examples=LOCAL,
+        val_examples=LOCAL,
+        transfer_prompts=PROMPTS,
+        config=round_config or config(),
+        t=t,
+        guardrail=guardrail,
+    )
+
+
+def refused_imports(registry: CollectorRegistry) -> float | None:
+    """How many incoming items the student's guardrail refused for an import."""
+    return registry.get_sample_value(
+        "peerlm_agent_guardrail_incoming_rejected_total",
+        {"component": "agent", "reason": "import"},
     )
 
 
@@ -129,14 +184,11 @@ def test_student_loss_on_the_teachers_distribution_falls(models: dict[str, Path]
     student = host(models, "gpt2", seed=2)
     entries = logit_entries(student, package, PROMPTS)
     before = student.train_akd_logits(LOCAL, entries, 1.0, FAST, temperature=2.0, steps=1)
-    result = integrate_package(
+    result = integrate(
         student,
         package,
         kilobytes=len(data) / 1024,
-        local_examples=LOCAL,
-        val_examples=LOCAL,
-        transfer_prompts=PROMPTS,
-        config=RoundConfig(total_rounds=2, train=FAST, local_steps=12, alpha_kd_end=1.0),
+        round_config=RoundConfig(total_rounds=2, train=FAST, local_steps=12, alpha_kd_end=1.0),
         t=2,
     )
     assert result.mode == "logits" and result.alpha_kd == 1.0
@@ -156,30 +208,12 @@ def test_logits_of_another_tokenizer_are_refused_and_text_works(models: dict[str
     logits = decode_package(package_bytes(teacher, "logits"))
     student = host(models, "qwen2")
     with pytest.raises(TokenizerMismatchError):
-        integrate_package(
-            student,
-            logits,
-            kilobytes=1.0,
-            local_examples=LOCAL,
-            val_examples=LOCAL,
-            transfer_prompts=PROMPTS,
-            config=config(),
-            t=1,
-        )
+        integrate(student, logits)
     # What the teacher sends a student with another tokenizer: text, which any student uses.
     mode = choose_package_mode("logits", teacher.tokenizer_hash, student.tokenizer_hash)
     text = decode_package(package_bytes(teacher, mode))
     assert isinstance(text, TextPackage)
-    result = integrate_package(
-        student,
-        text,
-        kilobytes=1.0,
-        local_examples=LOCAL,
-        val_examples=LOCAL,
-        transfer_prompts=PROMPTS,
-        config=config(),
-        t=1,
-    )
+    result = integrate(student, text)
     assert result.mode == "text" and result.temperature is None and result.alpha_kd == 0.2
     assert math.isfinite(result.reward)
 
@@ -194,44 +228,21 @@ def test_teacher_completions_are_greedy_and_cut(models: dict[str, Path]) -> None
 
 def test_redacted_and_empty_completions_are_not_learnt_from(models: dict[str, Path]) -> None:
     from peerlm.agent.guardrail import placeholder
-    from peerlm.agent.package import TextItem, prompt_sha256
 
-    def package(texts: list[str]) -> TextPackage:
-        return TextPackage(
-            teacher="teacher",
-            directive_id="d" * 32,
-            transfer_sha256=TRANSFER,
-            model_family="gpt2",
-            items=tuple(
-                TextItem(str(i), prompt_sha256(p), t)
-                for i, (p, t) in enumerate(zip(PROMPTS, texts, strict=True))
-            ),
-        )
-
-    def integrate(texts: list[str]) -> object:
-        return integrate_package(
-            host(models, "gpt2"),
-            package(texts),
-            kilobytes=1.0,
-            local_examples=LOCAL,
-            val_examples=LOCAL,
-            transfer_prompts=PROMPTS,
-            config=config(steps=2),
-            t=1,
-        )
+    def learn(texts: list[str]) -> Integration:
+        return integrate(host(models, "gpt2"), text_package(texts), round_config=config(steps=2))
 
     spoiled = ["return " + placeholder("private_text") + "\n", "  \n", ""]
-    nothing = integrate(spoiled)
-    assert nothing.stats.kd_loss is None  # type: ignore[attr-defined]  # local only
-    one_good = integrate([spoiled[0], "return x * 2\n", ""])
-    assert one_good.stats.kd_loss is not None  # type: ignore[attr-defined]
+    nothing = learn(spoiled)
+    assert nothing.stats.kd_loss is None  # local only
+    one_good = learn([spoiled[0], "return x * 2\n", ""])
+    assert one_good.stats.kd_loss is not None
 
 
 def test_incoming_text_items_are_vetted_before_the_student_learns(
     models: dict[str, Path],
 ) -> None:
     from peerlm.agent.package import build_text_package
-    from prometheus_client import CollectorRegistry
 
     student = host(models, "gpt2", seed=2)
     # A teacher whose completions open sockets and shells: its own guardrail lets them
@@ -252,29 +263,18 @@ def test_incoming_text_items_are_vetted_before_the_student_learns(
     )
     package = decode_package(data)
     registry = CollectorRegistry()
-    result = integrate_package(
+    result = integrate(
         student,
         package,
         kilobytes=len(data) / 1024,
-        local_examples=LOCAL,
-        val_examples=LOCAL,
-        transfer_prompts=PROMPTS,
-        config=config(),
-        t=1,
         guardrail=Guardrail([], registry=registry),
     )
     # Every item refused: the step is local training only (no distillation loss).
     assert result.stats.kd_loss is None
-    refused = registry.get_sample_value(
-        "peerlm_agent_guardrail_incoming_rejected_total",
-        {"component": "agent", "reason": "import"},
-    )
-    assert refused == 3
+    assert refused_imports(registry) == 3
 
 
 def test_incoming_logits_items_are_vetted_through_their_text(models: dict[str, Path]) -> None:
-    from prometheus_client import CollectorRegistry
-
     # The same hostile completions as token ids: the student decodes column 0 with its own
     # (the teacher's) tokenizer and refuses what the text would be refused for. One item is
     # harmless and still taught.
@@ -284,64 +284,23 @@ def test_incoming_logits_items_are_vetted_through_their_text(models: dict[str, P
         "return __import__('subprocess').run(['id'])\n",
         "return xs[0]\n",
     ]
-    data = build_package(
-        teacher,
-        mode="logits",
-        prompts=PROMPTS,
-        completions=completions,
-        teacher="teacher",
-        directive_id="d" * 32,
-        transfer_sha256=TRANSFER,
-        guardrail=Guardrail([]),
-        top_k=8,
-    )
+    data = package_bytes(teacher, "logits", completions)
     package = decode_package(data)
     student = host(models, "gpt2", seed=2)
     registry = CollectorRegistry()
-    result = integrate_package(
+    result = integrate(
         student,
         package,
         kilobytes=len(data) / 1024,
-        local_examples=LOCAL,
-        val_examples=LOCAL,
-        transfer_prompts=PROMPTS,
-        config=config(),
-        t=1,
         guardrail=Guardrail([], registry=registry),
     )
     assert result.mode == "logits"
     assert result.stats.kd_loss is not None  # the harmless item was learnt from
-    refused = registry.get_sample_value(
-        "peerlm_agent_guardrail_incoming_rejected_total",
-        {"component": "agent", "reason": "import"},
-    )
-    assert refused == 2
+    assert refused_imports(registry) == 2
 
     # All items hostile: nothing is distilled, the step is local training only.
-    hostile = decode_package(
-        build_package(
-            teacher,
-            mode="logits",
-            prompts=PROMPTS[:2],
-            completions=completions[:2],
-            teacher="teacher",
-            directive_id="d" * 32,
-            transfer_sha256=TRANSFER,
-            guardrail=Guardrail([]),
-            top_k=8,
-        )
-    )
-    only_local = integrate_package(
-        student,
-        hostile,
-        kilobytes=1.0,
-        local_examples=LOCAL,
-        val_examples=LOCAL,
-        transfer_prompts=PROMPTS,
-        config=config(),
-        t=1,
-        guardrail=Guardrail([], registry=registry),
-    )
+    hostile = decode_package(package_bytes(teacher, "logits", completions[:2], PROMPTS[:2]))
+    only_local = integrate(student, hostile, guardrail=Guardrail([], registry=registry))
     assert only_local.stats.kd_loss is None
 
 
@@ -352,30 +311,17 @@ def _poisoned_package() -> TextPackage:
     """Text crafted to teach garbage: every completion a noise string, inside every limit."""
     rng = np.random.default_rng(7)
     alphabet = list("zqxj#@!~^%&*|<>{}")
-    junk = ["".join(rng.choice(alphabet, size=120)) for _ in PROMPTS]
-    return TextPackage(
-        teacher="mallory",
-        directive_id="e" * 32,
-        transfer_sha256=TRANSFER,
-        model_family="gpt2",
-        items=tuple(
-            TextItem(str(i), prompt_sha256(p), t)
-            for i, (p, t) in enumerate(zip(PROMPTS, junk, strict=True))
-        ),
-        created_at=1.0,
+    return text_package(
+        ["".join(rng.choice(alphabet, size=120)) for _ in PROMPTS], teacher="mallory"
     )
 
 
 def _poison(student: ModelHost, margin: float | None) -> Integration:
     hard = TrainSettings(learning_rate=1e-1, batch_size=4, grad_accumulation=1, seed=0)
-    return integrate_package(
+    return integrate(
         student,
         _poisoned_package(),
-        kilobytes=1.0,
-        local_examples=LOCAL,
-        val_examples=LOCAL,
-        transfer_prompts=PROMPTS,
-        config=RoundConfig(
+        round_config=RoundConfig(
             total_rounds=1,
             train=hard,
             local_steps=16,
@@ -383,7 +329,6 @@ def _poison(student: ModelHost, margin: float | None) -> Integration:
             alpha_kd_end=1.0,
             acceptance_margin=margin,
         ),
-        t=1,
     )
 
 
