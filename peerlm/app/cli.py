@@ -14,7 +14,6 @@ from peerlm import __version__
 from peerlm.agent import AgentSettings
 from peerlm.config import ConfigError, load_settings
 from peerlm.overlay import OverlaySettings
-from peerlm.services.cpm import CpmSettings
 
 __all__ = ["app", "main"]
 
@@ -28,11 +27,19 @@ app = typer.Typer(
 config_app = typer.Typer(help="Inspect configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
-_COMPONENTS: dict[str, type[Any]] = {
-    "cpm": CpmSettings,
-    "agent": AgentSettings,
-    "overlay": OverlaySettings,
-}
+#: The processes whose settings ``config show`` prints. The CPM's settings class is imported
+#: on use only: its package brings the matchmaking library (scikit-learn, SciPy, pandas),
+#: seconds of start-up that every other ``peerlm`` process (agents, overlay nodes) would pay.
+_COMPONENTS = ("cpm", "agent", "overlay")
+
+
+def _settings_class(component: str) -> type[Any] | None:
+    """The settings class of ``component`` (None if unknown)."""
+    if component == "cpm":
+        from peerlm.services.cpm import CpmSettings
+
+        return CpmSettings
+    return {"agent": AgentSettings, "overlay": OverlaySettings}.get(component)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -101,7 +108,7 @@ def cpm(
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from peerlm.security.mode import SecurityConfigError
-    from peerlm.services.cpm import run_cpm
+    from peerlm.services.cpm import CpmSettings, run_cpm
 
     overrides = {
         "listen": listen,
@@ -231,7 +238,7 @@ def config_show(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Print the effective configuration (file < environment < defaults resolved)."""
-    cls = _COMPONENTS.get(component)
+    cls = _settings_class(component)
     if cls is None:
         raise _fail(f"unknown component {component!r}; choose from {', '.join(_COMPONENTS)}")
     try:

@@ -35,7 +35,6 @@ from peerlm.node import NodeContext
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
 from peerlm.security.credentials import TlsFiles
-from peerlm.services.cpm import cpm_command
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
 __all__ = ["DevFederation", "up_command"]
@@ -136,6 +135,10 @@ async def _run(
     metrics_port: int | None,
     console: Console | None,
 ) -> dict[str, Any]:
+    # Imported here: the CPM package loads the matchmaking library (scikit-learn, SciPy),
+    # seconds that every `peerlm` process would pay when the CLI mounts `up`.
+    from peerlm.services.cpm import cpm_command
+
     port_file = fed.root / "cpm.port"
     port_file.unlink(missing_ok=True)
     cpm_args = cpm_command(
