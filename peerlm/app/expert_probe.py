@@ -101,7 +101,7 @@ def copy_rate(model_dir: str, corpus_size: int, n: int = 60) -> dict[str, Any]:
     from peerlm.agent import held_out_drills
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # type: ignore[no-untyped-call]
     exact = 0
     examples: list[dict[str, str]] = []
     for text in held_out_drills(n, corpus_size):
@@ -115,7 +115,7 @@ def copy_rate(model_dir: str, corpus_size: int, n: int = 60) -> dict[str, Any]:
         exact += right
         if len(examples) < 3:
             examples.append(
-                {"body": text[body_at:].strip(), "predicted": tokenizer.decode(predicted)}
+                {"body": text[body_at:].strip(), "predicted": str(tokenizer.decode(predicted))}
             )
     low, high = wilson(exact, n)
     return {

@@ -60,3 +60,13 @@ def test_drills_use_no_construct_of_the_default_private_skills() -> None:
             assert not isinstance(node, forbidden), text
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id in {"len", "min", "max", "sum"}, text
+
+
+def test_held_out_drills_are_never_in_the_corpus() -> None:
+    from peerlm.agent.tasks.copy_drills import CORPUS_SEED, held_out_drills
+
+    corpus = set(copy_drills(2_000, CORPUS_SEED))
+    held_out = held_out_drills(50, 2_000)
+    assert len(held_out) == len(set(held_out)) == 50
+    assert not corpus & set(held_out)
+    assert held_out_drills(50, 0) == held_out_drills(50, 0)
