@@ -219,6 +219,8 @@ class ExperimentPlan:
             )
         if self.family is not None and self.family not in ARCHS:
             raise ValueError(f"unknown family {self.family!r}; one of {', '.join(ARCHS)}")
+        if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= 1):
+            raise ValueError("learning_rate must be in (0, 1]")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise ValueError("strategies must be a non-empty list without repeats")
         if self.agents < 2 or self.rounds < 1:

@@ -62,6 +62,9 @@ def run_experiment_command(
     ] = None,
     work_dir: Annotated[Path, typer.Option(help="Federation data.")] = Path("state/experiment"),
     local_steps: Annotated[int | None, typer.Option(min=1, help="Optimiser steps a round.")] = None,
+    lr: Annotated[
+        float | None, typer.Option(min=1e-6, max=1.0, help="Local learning rate (default 1e-3).")
+    ] = None,
     grad_accumulation: Annotated[
         int | None, typer.Option(min=1, help="Micro-batches of 8 per step.")
     ] = None,
@@ -111,6 +114,7 @@ def run_experiment_command(
         "agents": agents,
         "rounds": rounds,
         "local_steps": local_steps,
+        "learning_rate": lr,
         "grad_accumulation": grad_accumulation,
         "transfer_limit": transfer_limit,
         "experts_per_skill": experts_per_skill,

@@ -156,3 +156,12 @@ def test_merge_strategies_refuse_an_unknown_family() -> None:
 
     with pytest.raises(ValueError, match="unknown family"):
         ExperimentPlan(family="llama9", strategies=("onepeft",))
+
+
+@pytest.mark.parametrize("lr", [0.0, -1e-3, float("nan"), float("inf"), 2.0])
+def test_a_learning_rate_outside_0_1_is_refused(lr: float) -> None:
+    from peerlm.app.experiment import ExperimentPlan
+
+    with pytest.raises(ValueError, match="learning_rate"):
+        ExperimentPlan(learning_rate=lr)
+    assert ExperimentPlan(learning_rate=5e-3).learning_rate == 5e-3
