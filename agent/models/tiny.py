@@ -564,6 +564,19 @@ def _function_windows(
     return rows
 
 
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    """One causal-LM optimiser step on ``batch`` (clipped at 1.0); the step's loss."""
+    logits = model(input_ids=batch).logits
+    loss_t = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
+    )
+    loss_t.backward()  # type: ignore[no-untyped-call]
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss_t.detach())
+
+
 def _pretrain(
     model: torch.nn.Module,
     stream: torch.Tensor,
@@ -585,17 +598,8 @@ def _pretrain(
     tail_losses: list[float] = []
     model.train()
     for step in range(steps):
-        batch = _windows(stream, public, recipe, seq, generator)
-        logits = model(input_ids=batch).logits
-        loss_t = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
-        )
-        loss_t.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = _step(model, optimizer, _windows(stream, public, recipe, seq, generator))
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = float(loss_t.detach())
         if step >= steps - tail:
             tail_losses.append(loss)
         on_step(step + 1, loss)
@@ -627,16 +631,7 @@ def _copy_phase(
     tail_losses: list[float] = []
     model.train()
     for step in range(recipe.copy_steps):
-        batch = _windows(stream, public, phase, seq, generator, drills)
-        logits = model(input_ids=batch).logits
-        loss_t = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
-        )
-        loss_t.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = float(loss_t.detach())
+        loss = _step(model, optimizer, _windows(stream, public, phase, seq, generator, drills))
         if step >= recipe.copy_steps - tail:
             tail_losses.append(loss)
         on_step(step + 1, loss)
