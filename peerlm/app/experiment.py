@@ -190,11 +190,22 @@ class ExperimentPlan:
     # private skill, and clients (the last ones) holding none.
     experts_per_skill: int = 1
     unskilled: int = 0
-    local_steps: int = 8
+    local_steps: int = 12
+    # Optimiser steps of one AKD integration (and LocalOnly+'s matching steps on its own
+    # data); None: ``local_steps``.
+    akd_steps: int | None = 48
+    # Steps each client fine-tunes on its own data before round 1 (the organisations arrive
+    # with locally tuned models; module docstring). 0: clients start from the base model.
+    warmup_steps: int = 120
     grad_accumulation: int = 2
-    learning_rate: float = 1e-3
+    learning_rate: float = 5e-3
     lora_rank: int = 8
-    transfer_limit: int = 64
+    # Prompts of X_u used (a proportional prefix); None: all of it.
+    transfer_limit: int | None = None
+    # The world's sizes (agent.tasks.world.WorldSpec): problems per private category, and
+    # transfer prompts per private category (docs/experiment.md, "The configurations").
+    per_private_category: int = 300
+    transfer_per_private: int = 96
     val_limit: int | None = 8
     test_limit: int = 120
     samples: int = 2
@@ -223,11 +234,19 @@ class ExperimentPlan:
             raise ValueError("learning_rate must be in (0, 1]")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise ValueError("strategies must be a non-empty list without repeats")
+        if self.warmup_steps < 0:
+            raise ValueError("warmup_steps must be >= 0")
         if self.agents < 2 or self.rounds < 1:
             raise ValueError("need at least 2 agents and 1 round")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds must be a non-empty list without repeats")
-        if self.samples < 1 or self.test_limit < 1 or self.transfer_limit < 1:
+        if self.akd_steps is not None and self.akd_steps < 1:
+            raise ValueError("akd_steps must be positive")
+        if (
+            self.samples < 1
+            or self.test_limit < 1
+            or (self.transfer_limit is not None and self.transfer_limit < 1)
+        ):
             raise ValueError("samples, test_limit and transfer_limit must be positive")
         if self.probe_per_category < 1:
             raise ValueError("probe_per_category must be positive")
@@ -243,7 +262,17 @@ class ExperimentPlan:
 
         if not 0 <= self.unskilled < self.agents:
             raise ValueError("unskilled must leave at least one skilled client")
-        return WorldSpec(experts_per_skill=self.experts_per_skill, unskilled_clients=self.unskilled)
+        return WorldSpec(
+            experts_per_skill=self.experts_per_skill,
+            unskilled_clients=self.unskilled,
+            per_private_category=self.per_private_category,
+            transfer_per_private=self.transfer_per_private,
+        )
+
+    @property
+    def integration_steps(self) -> int:
+        """Optimiser steps of one AKD integration (``akd_steps`` or ``local_steps``)."""
+        return self.local_steps if self.akd_steps is None else self.akd_steps
 
 
 def quick_plan(**overrides: Any) -> ExperimentPlan:
@@ -254,6 +283,8 @@ def quick_plan(**overrides: Any) -> ExperimentPlan:
         "local_steps": 2,
         "grad_accumulation": 1,
         "transfer_limit": 6,
+        "akd_steps": None,
+        "warmup_steps": 2,
         "val_limit": 4,
         "test_limit": 24,
         "samples": 2,
@@ -298,6 +329,8 @@ class _World:
     public: tuple[str, ...]
     # D_pub of OnePeFT's HKA: the public categories' transfer problems with references.
     public_pairs: list[tuple[str, str]] = field(default_factory=list)
+    # Each client's adapter after the warm-up (by client name); empty without one.
+    warm: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def probe_examples(self) -> list[tuple[str, str]]:
@@ -426,11 +459,41 @@ def _clients(world: _World, seed: int) -> list[_Client]:
             world.models / arch, LoraSettings(r=plan.lora_rank), device="cpu", seed=seed + i
         )
         guard = Guardrail([p.prompt + p.reference for p in train], public_texts=world.transfer)
-        out.append(_Client(f"agent-{i}", arch, host, train, val, guard))
+        name = f"agent-{i}"
+        if name in world.warm:
+            host.load_adapter_state(world.warm[name])
+        out.append(_Client(name, arch, host, train, val, guard))
     return out
 
 
-def _round_config(plan: ExperimentPlan, seed: int, i: int) -> Any:
+def _warm_up(world: _World, event: Event) -> dict[str, dict[str, Any]]:
+    """Every client's adapter after ``warmup_steps`` on its own data, once per world.
+
+    Seeded by the world seed, not the run seed: the warmed-up models are part of the world
+    the federation starts from (as the built models are), so every run seed and strategy
+    starts from the same experts and the seeds vary only what the federation does.
+    """
+    from peerlm.agent import TrainSettings
+
+    plan = world.plan
+    if plan.warmup_steps == 0:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for i, c in enumerate(_clients(world, plan.world_seed)):
+        settings = TrainSettings(
+            learning_rate=plan.learning_rate,
+            grad_accumulation=plan.grad_accumulation,
+            seed=plan.world_seed * 1_009 + i,
+        )
+        stats = c.host.train_local(c.train_examples, settings, steps=plan.warmup_steps)
+        out[c.name] = c.host.adapter_state()
+        event("warmup", {"client": c.name, "steps": plan.warmup_steps, "loss": stats.mean_loss})
+    return out
+
+
+def _round_config(plan: ExperimentPlan, seed: int, i: int, *, integration: bool = False) -> Any:
+    """Client ``i``'s round configuration; with ``integration`` its ``local_steps`` are the
+    AKD integration's steps (``plan.integration_steps``)."""
     from peerlm.agent import RoundConfig, TrainSettings
 
     return RoundConfig(
@@ -440,7 +503,7 @@ def _round_config(plan: ExperimentPlan, seed: int, i: int) -> Any:
             grad_accumulation=plan.grad_accumulation,
             seed=seed + i,
         ),
-        local_steps=plan.local_steps,
+        local_steps=plan.integration_steps if integration else plan.local_steps,
         reward_delta=plan.reward_delta,
         max_new_tokens=plan.max_new_tokens,
     )
@@ -543,7 +606,7 @@ def _integrate(
         local_examples=student.train_examples,
         val_examples=_reward_examples(world, student),
         transfer_prompts=world.transfer,
-        config=_round_config(world.plan, seed, i),
+        config=_round_config(world.plan, seed, i, integration=True),
         t=t,
     )
 
@@ -760,7 +823,9 @@ def _exchange(
         # The compute a student spends on AKD, spent on the client's own data instead.
         for i, c in enumerate(clients):
             config = _round_config(plan, seed, i)
-            c.host.train_local(c.train_examples, config.train_settings(t), steps=plan.local_steps)
+            c.host.train_local(
+                c.train_examples, config.train_settings(t), steps=plan.integration_steps
+            )
         return [], None
     if strategy == "central_kd":
         return _central_kd(world, clients, seed, t), None
@@ -993,8 +1058,10 @@ def run_experiment(
     emit = event or (lambda _kind, _data: None)
     started = time.perf_counter()
     world = _prepare(plan, models, work / "data", emit)
-    # Round 0: the pre-trained models with fresh adapters (LoRA B = 0): the same for every
-    # strategy and seed; measured once. Round 1's local phase once per seed.
+    world.warm = _warm_up(world, emit)
+    # Round 0: the pre-trained models with fresh adapters (LoRA B = 0), or the warmed-up
+    # ones: the same for every strategy and seed; measured once. Round 1's local phase once
+    # per seed.
     initial = {c.name: _test_nll(world, c) for c in _clients(world, plan.seeds[0])}
     emit("initial", _slice_means(world, dict(enumerate(initial.values()))))
     firsts = {seed: _first_local_phase(world, seed) for seed in plan.seeds}

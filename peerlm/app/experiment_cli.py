@@ -62,8 +62,16 @@ def run_experiment_command(
     ] = None,
     work_dir: Annotated[Path, typer.Option(help="Federation data.")] = Path("state/experiment"),
     local_steps: Annotated[int | None, typer.Option(min=1, help="Optimiser steps a round.")] = None,
+    akd_steps: Annotated[
+        int | None,
+        typer.Option(min=1, help="Optimiser steps of one AKD integration (LocalOnly+ matches)."),
+    ] = None,
+    warmup_steps: Annotated[
+        int | None,
+        typer.Option(min=0, help="Steps each client trains on its own data before round 1."),
+    ] = None,
     lr: Annotated[
-        float | None, typer.Option(min=1e-6, max=1.0, help="Local learning rate (default 1e-3).")
+        float | None, typer.Option(min=1e-6, max=1.0, help="Local learning rate (default 5e-3).")
     ] = None,
     grad_accumulation: Annotated[
         int | None, typer.Option(min=1, help="Micro-batches of 8 per step.")
@@ -114,6 +122,8 @@ def run_experiment_command(
         "agents": agents,
         "rounds": rounds,
         "local_steps": local_steps,
+        "warmup_steps": warmup_steps,
+        "akd_steps": akd_steps,
         "learning_rate": lr,
         "grad_accumulation": grad_accumulation,
         "transfer_limit": transfer_limit,
@@ -173,8 +183,12 @@ def run_experiment_command(
                 )
                 if not err.is_terminal and done:
                     err.print(f"model {arch}: {data['phase']}")
+            elif kind == "warmup":
+                err.print(
+                    f"warm-up {data['client']}: {data['steps']} steps, loss {data['loss']:.3f}"
+                )
             elif kind == "initial":
-                err.print(f"round 0 (pre-trained) test NLL per slice: {_slices(data)}")
+                err.print(f"round 0 test NLL per slice: {_slices(data)}")
             elif kind == "round":
                 status = f"{data['strategy']} seed {data['seed']} round {data['round']}"
                 progress.update(overall, advance=1, status=status)

@@ -165,3 +165,43 @@ def test_a_learning_rate_outside_0_1_is_refused(lr: float) -> None:
     with pytest.raises(ValueError, match="learning_rate"):
         ExperimentPlan(learning_rate=lr)
     assert ExperimentPlan(learning_rate=5e-3).learning_rate == 5e-3
+
+
+def test_a_negative_warmup_is_refused() -> None:
+    from peerlm.app.experiment import ExperimentPlan
+
+    with pytest.raises(ValueError, match="warmup_steps"):
+        ExperimentPlan(warmup_steps=-1)
+
+
+@pytest.mark.timeout(900)
+def test_the_warm_up_gives_every_strategy_and_seed_the_same_trained_start(tmp_path: Path) -> None:
+    """The clients arrive with adapters tuned on their own data: round 0 is measured on
+    them (not on the base models), and every run seed starts from them."""
+    from dataclasses import replace
+
+    from peerlm.app.experiment import ExperimentPlan, run_experiment
+
+    plan = ExperimentPlan(
+        agents=2, rounds=1, strategies=("local",), seeds=(0, 1), size="micro",
+        local_steps=1, transfer_limit=2, val_limit=2, test_limit=24, samples=1,
+        max_new_tokens=8, probe_per_category=1, learning_rate=5e-2,
+    )  # fmt: skip
+    models = tmp_path / "models"
+    cold = run_experiment(plan, models=models, work=tmp_path / "cold")
+    warm = run_experiment(replace(plan, warmup_steps=3), models=models, work=tmp_path / "warm")
+    assert warm["plan"]["warmup_steps"] == 3
+    # The warm-up trained on the clients' own data: their own slice's round-0 NLL fell.
+    assert warm["initial_nll"]["own"] < cold["initial_nll"]["own"]
+    # Both seeds start from the same warmed-up adapters (their round-0 curves agree).
+    curves = [warm["runs"]["local"][s]["curve_nll"] for s in ("0", "1")]
+    assert curves[0]["own"][0] == curves[1]["own"][0] == warm["initial_nll"]["own"]
+
+
+def test_akd_steps_default_to_the_local_steps_and_must_be_positive() -> None:
+    from peerlm.app.experiment import ExperimentPlan
+
+    assert ExperimentPlan(local_steps=5, akd_steps=None).integration_steps == 5
+    assert ExperimentPlan(local_steps=5, akd_steps=20).integration_steps == 20
+    with pytest.raises(ValueError, match="akd_steps"):
+        ExperimentPlan(akd_steps=0)
