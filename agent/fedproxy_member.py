@@ -202,9 +202,10 @@ class ProxyMember:
             raise
         return payload
 
-    async def run_round(self, wanted: int = 0, *, wait_s: float | None = None) -> int:
-        """Pull round ``wanted`` (0: the current), keep it, train it, offer the update;
-        the round trained."""
+    async def _take(
+        self, wanted: int, wait_s: float | None
+    ) -> tuple[ProxyPayload, PreTrainedModel]:
+        """Pull round ``wanted``, build it and keep it at ``proxy_path``."""
         s = self._settings
         payload = await self.pull(
             wanted, wait_s=wait_s if wait_s is not None else 2 * s.round_deadline_s + 60.0
@@ -212,6 +213,21 @@ class ProxyMember:
         model = await asyncio.to_thread(build_proxy_model, payload)
         await asyncio.to_thread(_save_atomic, model, s.proxy_path)
         self.info = payload.info
+        return payload, model
+
+    async def keep(self, wanted: int, *, wait_s: float | None = None) -> int:
+        """Pull round ``wanted`` and keep it at ``proxy_path`` without training: after its
+        last round a member takes the owner's final merge (and, by waiting for it, keeps
+        serving its last update until the owner has collected); the round kept."""
+        payload, model = await self._take(wanted, wait_s)
+        self.model = model
+        return payload.round
+
+    async def run_round(self, wanted: int = 0, *, wait_s: float | None = None) -> int:
+        """Pull round ``wanted`` (0: the current), keep it, train it, offer the update;
+        the round trained."""
+        s = self._settings
+        payload, model = await self._take(wanted, wait_s)
         regulariser = (
             ConflictRegulariser(
                 {k: v.clone() for k, v in payload.state.items()},
