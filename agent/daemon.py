@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -357,6 +358,9 @@ class AgentDaemon:
                 for _ in range(fp.rounds):
                     await cohort.run_round()
                     self.summary.fedproxy_rounds += 1
+                if fp.fused_path is not None:
+                    await asyncio.to_thread(self._fedproxy_fuse, fp.fused_path)
+                await cohort.linger(fp.round_deadline_s)
             else:
                 t = 0
                 for _ in range(fp.rounds):
@@ -368,6 +372,18 @@ class AgentDaemon:
         except Exception as err:  # the cohort's failure is logged, the agent goes on
             self.summary.errors.append(f"fedproxy: {err}")
             self.log.error("fedproxy_failed", error=repr(err))
+
+    def _fedproxy_fuse(self, out: Path) -> None:
+        """The owner's final proxy fused into a fresh copy of its full model, written to
+        ``out`` with the tokenizer (loadable with ``from_pretrained``)."""
+        from peerlm.agent.fedproxy_member import save_model_atomic
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        full = AutoModelForCausalLM.from_pretrained(self.s.model)
+        changed = self.cohort.fuse(full)
+        save_model_atomic(full, out)
+        AutoTokenizer.from_pretrained(self.s.model).save_pretrained(out)
+        self.log.info("fedproxy_fused", path=str(out), changed_tensors=len(changed))
 
     # ------------------------------------------------------------ teacher side
 

@@ -21,7 +21,7 @@ import asyncio
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from peerlm.node import NodeContext
 
-__all__ = ["ProxyMember", "Trainer", "build_proxy_model", "text_trainer"]
+__all__ = [
+    "ProxyMember",
+    "Trainer",
+    "build_proxy_model",
+    "proxy_from",
+    "save_model_atomic",
+    "text_trainer",
+]
 
 #: Trains the proxy in place for one round; the regulariser (None in round 1) is PCR's
 #: penalty to add to the task loss before ``backward``.
@@ -51,9 +58,14 @@ Trainer = Callable[[PreTrainedModel, ConflictRegulariser | None], None]
 
 def build_proxy_model(payload: ProxyPayload) -> PreTrainedModel:
     """The proxy a decoded payload describes, with its weights (a plain causal LM)."""
-    config = _config(payload.config or {})
+    return proxy_from(payload.config or {}, payload.state)
+
+
+def proxy_from(raw_config: dict[str, Any], state: Mapping[str, torch.Tensor]) -> PreTrainedModel:
+    """A model of configuration ``raw_config`` (``to_dict`` form) holding ``state``."""
+    config = _config(raw_config)
     model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    model.load_state_dict(payload.state, strict=True)
+    model.load_state_dict(dict(state), strict=True)
     as_module: torch.nn.Module = model  # transformers' own .eval signature does not type-check
     as_module.eval()
     return model
@@ -211,7 +223,7 @@ class ProxyMember:
             wanted, wait_s=wait_s if wait_s is not None else 2 * s.round_deadline_s + 60.0
         )
         model = await asyncio.to_thread(build_proxy_model, payload)
-        await asyncio.to_thread(_save_atomic, model, s.proxy_path)
+        await asyncio.to_thread(save_model_atomic, model, s.proxy_path)
         self.info = payload.info
         return payload, model
 
@@ -257,7 +269,7 @@ def _header_config(data: bytes, max_bytes: int) -> dict[str, Any]:
     return config
 
 
-def _save_atomic(model: PreTrainedModel, path: Path) -> None:
+def save_model_atomic(model: PreTrainedModel, path: Path) -> None:
     """``save_pretrained`` into a sibling folder, then renamed over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,11 +33,12 @@ from typing import Any
 import grpc
 import torch
 from peerlm.agent.fedproxy_codec import decode_update, encode_proxy
+from peerlm.agent.fedproxy_member import proxy_from
 from peerlm.agent.fedproxy_rounds import CohortRound, RoundError, RoundOutcome
 from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_update
 from peerlm.agent.hties import h_ties
 from peerlm.agent.peer_client import PeerExchangeError
-from peerlm.agent.proxy_model import ProxyError, ProxyInfo, proxy_info
+from peerlm.agent.proxy_model import ProxyError, ProxyInfo, fuse_into, proxy_info
 from peerlm.agent.settings import FedProxySettings
 from prometheus_client import Histogram
 from transformers import PreTrainedModel
@@ -257,6 +258,21 @@ class ProxyOwner:
         self._ctx.log.warning(
             "fedproxy_update_refused", round=core.round, peer=name, reason=reason, detail=detail
         )
+
+    async def linger(self, wait_s: float) -> frozenset[str]:
+        """After the last round: keep serving until every member has pulled the final
+        proxy, for up to ``wait_s``; the members that did not (logged)."""
+        missing = await self.board.wait_served(self._settings.cohort, wait_s)
+        if missing:
+            self._ctx.log.warning(
+                "fedproxy_final_not_pulled", round=self.round, members=sorted(missing)
+            )
+        return missing
+
+    def fuse(self, full: PreTrainedModel) -> tuple[str, ...]:
+        """Write the current global proxy into ``full``, the model it was compressed from,
+        in place (plug-in fusion, Section 4.3); the keys of ``full`` that changed."""
+        return fuse_into(full, proxy_from(self._config, self.state))
 
     def global_state(self) -> Mapping[str, torch.Tensor]:
         """The current global proxy ``φ`` (what the last round published)."""

@@ -90,6 +90,7 @@ class RoundBoard:
         self._horizon = horizon
         self._round = 0
         self._payload: HashedPayload | None = None
+        self._served: set[str] = set()  # who has been sent the current round in full
         self._changed = asyncio.Condition()
 
     @property
@@ -103,8 +104,27 @@ class RoundBoard:
             raise ValueError(f"round {round_} is not after the current {self._round}")
         hashed = payload if isinstance(payload, HashedPayload) else HashedPayload.of(payload)
         async with self._changed:
-            self._round, self._payload = round_, hashed
+            self._round, self._payload, self._served = round_, hashed, set()
             self._changed.notify_all()
+
+    async def served(self, round_: int, reader: str) -> None:
+        """Record that ``reader`` was sent round ``round_`` in full."""
+        async with self._changed:
+            if round_ == self._round:
+                self._served.add(reader)
+                self._changed.notify_all()
+
+    async def wait_served(self, readers: Collection[str], wait_s: float) -> frozenset[str]:
+        """Wait up to ``wait_s`` until every one of ``readers`` has been sent the current
+        round; those who have not."""
+        wanted = frozenset(readers)
+        try:
+            async with asyncio.timeout(wait_s):
+                async with self._changed:
+                    await self._changed.wait_for(lambda: wanted <= self._served)
+        except TimeoutError:
+            pass
+        return wanted - self._served
 
     async def get(self, wanted: int, wait_s: float) -> tuple[RoundAnswer, HashedPayload | None]:
         """(SERVE, payload) of round ``wanted``; (NOT_FOUND, None) for a round that does not
@@ -280,11 +300,11 @@ class ProxyExchangeService(fedproxy_pb2_grpc.ProxyExchangeServicer):
             statement = digest_statement(proof, str(wanted), caller, payload.sha256)
             await context.send_initial_metadata(self._signer.metadata(statement))
         sent = self._sent.labels(rpc)
-        for chunk in iter_chunks(
-            payload, self._chunk_bytes, payload_content_type(content_type, wanted)
-        ):
+        chunks = iter_chunks(payload, self._chunk_bytes, payload_content_type(content_type, wanted))
+        for chunk in chunks:
             await context.write(chunk)
             sent.inc(len(chunk.data))
+        await board.served(wanted, caller)
         self._log.info(
             f"fedproxy_{proof.split('-')[1]}_sent",
             round=wanted,

@@ -119,6 +119,9 @@ class FedProxySettings(Section):
     owner_address: str | None = None
     # Owner: the proxy directory (from_pretrained). Members: where the pulled proxy is kept.
     proxy_path: Path = Path("state/proxy")
+    # Owner: where the final global proxy, fused into the full model (Section 4.3), is
+    # written after the last round (a model folder); None: not written.
+    fused_path: Path | None = None
     # Cohort rounds the owner runs (members follow): each collects until every member
     # delivered or the deadline passed.
     rounds: int = Field(default=3, ge=1, le=100_000)
@@ -166,6 +169,10 @@ class FedProxySettings(Section):
                 raise ValueError(
                     "fedproxy.owner_name/owner_address are a member's settings; an owner has none"
                 )
+        elif self.fused_path is not None:
+            raise ValueError(
+                "fedproxy.fused_path is an owner's setting (members hold no full model)"
+            )
         elif self.owner_name is None or self.owner_address is None:
             raise ValueError(
                 "a fedproxy member needs fedproxy.owner_name and fedproxy.owner_address "

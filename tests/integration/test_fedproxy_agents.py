@@ -112,6 +112,7 @@ def test_an_owner_and_two_member_agents_run_their_cohort_rounds(world: World) ->
                 "owner": True,
                 "cohort": {"a1": at["a1"], "a2": at["a2"]},
                 "proxy_path": str(world.proxy),
+                "fused_path": str(world.tmp / "fused"),
             },
         ),
     }
@@ -166,3 +167,8 @@ def test_an_owner_and_two_member_agents_run_their_cohort_rounds(world: World) ->
     for name in ("a1", "a2"):
         kinds = [e.get("event") for e in _events(logs[name])]
         assert kinds.count("fedproxy_update_ready") == 2
+    # The owner wrote its final proxy fused into its full model: block 3 is the proxy's 1.
+    fused = AutoModelForCausalLM.from_pretrained(world.tmp / "fused").state_dict()
+    key = "transformer.h.{}.mlp.c_fc.weight"
+    assert torch.equal(fused[key.format(3)], final[0][key.format(1)])
+    assert not torch.equal(fused[key.format(3)], start[key.format(1)])

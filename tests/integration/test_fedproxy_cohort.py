@@ -182,11 +182,38 @@ async def test_owner_and_members_run_rounds_and_the_next_proxy_is_the_merge(
     assert pulled.round == 2 and _equal(pulled.state, owner.state)
     assert _equal(pulled.conflict, owner.conflict) and pulled.conflict
 
-    outcome = await _round(cohort, 2, ("m1", "m2"))
+    with structlog.testing.capture_logs() as logs:
+        outcome = await _round(cohort, 2, ("m1", "m2"))
     assert outcome.complete and owner.round == 3
+    # Round 2's training had the PCR term (round 1's had none: no scores yet).
+    ready = [e for e in logs if e["event"] == "fedproxy_update_ready"]
+    assert [e["pcr"] for e in ready] == [True, True]
     # The pulled proxy was kept where the settings say, loadable by from_pretrained.
     kept = AutoModelForCausalLM.from_pretrained(members["m2"]._settings.proxy_path)
     assert _equal(kept.state_dict(), pulled.state)
+    # Plug-in fusion of the final proxy: the kept blocks (0 and 3) and the tensors outside
+    # the blocks become the merge's; the removed blocks stay the full model's.
+    full = AutoModelForCausalLM.from_pretrained(SHIPPED_DIR / "tiny" / "gpt2")
+    before = {k: v.clone() for k, v in full.state_dict().items()}
+    changed = owner.fuse(full)
+    after = full.state_dict()
+    assert changed and all(
+        k.startswith(
+            ("transformer.h.0.", "transformer.h.3.", "transformer.w", "transformer.ln_f", "lm_head")
+        )
+        for k in changed
+    )
+    key = "transformer.h.1.mlp.c_fc.weight"
+    assert torch.equal(after[key], before[key])
+    proxy_key, full_key = "transformer.h.1.mlp.c_fc.weight", "transformer.h.3.mlp.c_fc.weight"
+    assert torch.equal(after[full_key], owner.state[proxy_key])
+    # After the last round the owner serves until every member has the final proxy.
+    assert await owner.linger(0.2) == {"m1", "m2"}
+    assert await members["m1"].keep(3) == 3
+    lingering = asyncio.ensure_future(owner.linger(30))
+    assert await members["m2"].keep(3) == 3
+    assert await lingering == frozenset()
+    assert _equal(members["m2"].model.state_dict(), owner.state)  # type: ignore[union-attr]
     assert cohort.metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="complete") == 2
     assert cohort.metric("owner", "peerlm_agent_fedproxy_updates_merged_total") == 4
     assert cohort.metric("m1", "peerlm_agent_fedproxy_updates_trained_total") == 2

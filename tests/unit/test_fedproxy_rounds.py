@@ -189,3 +189,34 @@ def test_bad_proxies_are_refused_with_their_reason() -> None:
     assert _refusal(lambda: encode_proxy(state, CONFIG, 2, {"nope": torch.zeros(1)})) == "keys"
     update = encode_update(state, INFO, 2)
     assert _refusal(lambda: decode_proxy(update, shapes, max_bytes=1 << 20)) == "format"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"owner": True}, "needs fedproxy.cohort"),
+        ({"owner": True, "cohort": {"m1": "nohost"}}, "fedproxy.cohort.m1"),
+        ({"owner": True, "cohort": {"bad name": "127.0.0.1:1"}}, "not an agent name"),
+        ({"owner": True, "cohort": {"m1": "127.0.0.1:1"}, "owner_name": "o"}, "member's"),
+        ({}, "needs fedproxy.owner_name"),
+        ({"owner_name": "o", "owner_address": "127.0.0.1:1", "fused_path": "x"}, "owner's"),
+        ({"rho": 0.9}, "greater than or equal to 1"),
+        ({"round_deadline_s": 0}, "greater than 0"),
+    ],
+)
+def test_fedproxy_settings_are_refused_with_a_clear_error(
+    settings: dict[str, object], message: str
+) -> None:
+    from peerlm.agent.settings import FedProxySettings
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        FedProxySettings(enabled=True, **settings)  # type: ignore[arg-type]
+    assert message in str(err.value)
+
+
+def test_fedproxy_settings_defaults_are_the_papers() -> None:
+    from peerlm.agent.settings import AgentSettings
+
+    fp = AgentSettings().fedproxy
+    assert not fp.enabled and (fp.r0, fp.delta, fp.rho, fp.lambda_reg) == (1.0, 0.2, 1.1, 1e-5)
