@@ -14,6 +14,7 @@ import grpc
 import pytest
 import structlog
 import torch
+from peerlm.agent.fedproxy_codec import encode_update
 from peerlm.agent.fedproxy_member import ProxyMember, Trainer, text_trainer
 from peerlm.agent.fedproxy_owner import ProxyOwner
 from peerlm.agent.fedproxy_service import (
@@ -25,7 +26,7 @@ from peerlm.agent.fedproxy_service import (
 from peerlm.agent.hties import h_ties
 from peerlm.agent.models.tiny import SHIPPED_DIR
 from peerlm.agent.peer_client import PeerExchangeError
-from peerlm.agent.proxy_model import build_proxy
+from peerlm.agent.proxy_model import ProxyInfo, build_proxy
 from peerlm.agent.settings import FedProxySettings
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -328,3 +329,33 @@ async def test_a_member_that_disappears_and_a_bad_update_are_merged_without(
         == 1
     )
     assert metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="partial") == 1
+
+
+async def test_updates_of_another_shape_or_block_set_are_refused_and_not_merged(
+    cohort_factory: Callable[..., Any],
+) -> None:
+    cohort: Cohort = await cohort_factory(MEMBERS, deadline_s=120.0)
+    owner, members = cohort.owner, cohort.members
+    await owner.start()
+    # m2 and m3 offer hand-made updates for round 1 on their own servers: one with a tensor
+    # of another shape, one of another block set (a proxy of blocks 0 and 2).
+    shaped = {k: v.clone() for k, v in cohort.initial.items()}
+    shaped["transformer.ln_f.bias"] = torch.zeros(shaped["transformer.ln_f.bias"].numel() + 1)
+    await members["m2"].board.publish(1, encode_update(shaped, owner.info, 1))
+    other = ProxyInfo(**{**owner.info.to_dict(), "kept_blocks": (0, 2), "block_influence": ()})
+    await members["m3"].board.publish(1, encode_update(cohort.initial, other, 1))
+    outcome, _ = await asyncio.gather(owner.run_round(), members["m1"].run_round(1))
+    # Everyone answered, so the round ended before its deadline; only m1 was merged.
+    assert not outcome.deadline_passed and outcome.arrived == ("m1",)
+    assert outcome.refused == {"m2": "shape", "m3": "mismatch"}
+    assert _equal(owner.state, h_ties(cohort.initial, [members["m1"].model.state_dict()]).state)  # type: ignore[union-attr]
+    for reason in ("shape", "mismatch"):
+        assert (
+            cohort.metric(
+                "owner",
+                "peerlm_agent_fedproxy_payloads_refused_total",
+                kind="update",
+                reason=reason,
+            )
+            == 1
+        )
