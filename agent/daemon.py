@@ -320,7 +320,8 @@ class AgentDaemon:
 
         if fp.owner:
             proxy = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, fp.proxy_path)
-            self.cohort = ProxyOwner(self.ctx, fp, proxy)
+            checkpoint = self.s.state_dir / "fedproxy" / "owner-proxy.safetensors"
+            self.cohort = ProxyOwner(self.ctx, fp, proxy, checkpoint=checkpoint)
         else:
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
             if tokenizer.pad_token is None:
@@ -354,8 +355,8 @@ class AgentDaemon:
         fp, cohort = self.s.fedproxy, self.cohort
         try:
             if fp.owner:
-                await cohort.start()
-                for _ in range(fp.rounds):
+                await cohort.start()  # resumes at the checkpointed round
+                while cohort.round <= fp.rounds:
                     await cohort.run_round()
                     self.summary.fedproxy_rounds += 1
                 if fp.fused_path is not None:
@@ -363,7 +364,7 @@ class AgentDaemon:
                 await cohort.linger(fp.round_deadline_s)
             else:
                 t = 0
-                for _ in range(fp.rounds):
+                while t < fp.rounds:  # a late member takes the owner's current round
                     t = await cohort.run_round(t + 1)
                     self.summary.fedproxy_rounds += 1
                 await cohort.keep(t + 1)

@@ -28,11 +28,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
-from peerlm.agent.fedproxy_codec import decode_update, encode_proxy
+from peerlm.agent.fedproxy_codec import decode_proxy, decode_update, encode_proxy
 from peerlm.agent.fedproxy_member import proxy_from
 from peerlm.agent.fedproxy_rounds import CohortRound, RoundError, RoundOutcome
 from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_update
@@ -43,6 +44,7 @@ from peerlm.agent.settings import FedProxySettings
 from prometheus_client import Histogram
 from transformers import PreTrainedModel
 
+from peerlm.atomic_file import write_atomic
 from peerlm.metrics import get_collector
 from peerlm.node import NodeContext
 
@@ -56,6 +58,10 @@ _RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_
 class ProxyOwner:
     """The owner's rounds over ``proxy`` (a model built by ``peerlm models compress``).
 
+    ``checkpoint``: a file where every published round (the payload itself: proxy, scores,
+    round) is written atomically before it is served, and from which :meth:`start` resumes
+    after a restart (kill -9 included).
+
     ``clock`` (monotonic seconds) times the rounds' deadlines; the merge runs on a worker
     thread so the server goes on answering.
     """
@@ -66,6 +72,7 @@ class ProxyOwner:
         settings: FedProxySettings,
         proxy: PreTrainedModel,
         *,
+        checkpoint: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         info = proxy_info(proxy)
@@ -74,6 +81,7 @@ class ProxyOwner:
         if not settings.cohort:
             raise ValueError("an owner needs a cohort")
         self._ctx, self._settings, self._clock = ctx, settings, clock
+        self._checkpoint = checkpoint
         self.info: ProxyInfo = info
         self._config: dict[str, Any] = proxy.config.to_dict()
         self.state: dict[str, torch.Tensor] = {
@@ -127,9 +135,24 @@ class ProxyOwner:
         )
 
     async def start(self) -> None:
-        """Publish round 1: the proxy as compressed, no conflict scores (``C = 0``)."""
-        if self.board.round == 0:
-            await self._publish(1)
+        """Publish the round the checkpoint holds, else round 1: the proxy as compressed,
+        no conflict scores (``C = 0``). A checkpoint that does not decode as a proxy of these
+        blocks and shapes raises :class:`ProxyError` (the owner must not silently start over).
+        """
+        if self.board.round != 0:
+            return
+        if self._checkpoint is not None and self._checkpoint.exists():
+            data = await asyncio.to_thread(self._checkpoint.read_bytes)
+            shapes = {k: tuple(v.shape) for k, v in self.state.items()}
+            saved = decode_proxy(data, shapes, max_bytes=len(data), expected_info=self.info)
+            self.state, self.conflict = saved.state, saved.conflict
+            await self.board.publish(saved.round, data)
+            self._opened_at = self._clock()
+            self._ctx.log.info(
+                "fedproxy_restored", round=saved.round, checkpoint=str(self._checkpoint)
+            )
+            return
+        await self._publish(1)
 
     async def _publish(self, round_: int) -> None:
         payload = encode_proxy(self.state, self._config, round_, self.conflict or None)
@@ -139,6 +162,8 @@ class ProxyOwner:
                 f"({self._settings.max_proxy_bytes})",
                 reason="too_large",
             )
+        if self._checkpoint is not None:  # durable before anyone can pull it
+            await asyncio.to_thread(write_atomic, self._checkpoint, payload)
         await self.board.publish(round_, payload)
         self._opened_at = self._clock()
         self._ctx.log.info(

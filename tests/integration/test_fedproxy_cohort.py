@@ -26,7 +26,7 @@ from peerlm.agent.fedproxy_service import (
 from peerlm.agent.hties import h_ties
 from peerlm.agent.models.tiny import SHIPPED_DIR
 from peerlm.agent.peer_client import PeerExchangeError
-from peerlm.agent.proxy_model import ProxyInfo, build_proxy
+from peerlm.agent.proxy_model import ProxyError, ProxyInfo, build_proxy
 from peerlm.agent.settings import FedProxySettings
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -104,7 +104,11 @@ async def cohort_factory(
     servers: list[NodeServer] = []
 
     async def make(
-        members: tuple[str, ...], *, deadline_s: float, trainers: dict[str, Trainer] | None = None
+        members: tuple[str, ...],
+        *,
+        deadline_s: float,
+        trainers: dict[str, Trainer] | None = None,
+        checkpoint: Path | None = None,
     ) -> Cohort:
         contexts = {
             name: kit_context(pki, name, listen="127.0.0.1:0") for name in ("owner", *members)
@@ -120,6 +124,7 @@ async def cohort_factory(
             contexts["owner"],
             FedProxySettings(owner=True, cohort={m: address[m] for m in members}, **common),
             proxy,
+            checkpoint=checkpoint,
         )
         members_ = {}
         for i, name in enumerate(members):
@@ -359,3 +364,25 @@ async def test_updates_of_another_shape_or_block_set_are_refused_and_not_merged(
             )
             == 1
         )
+
+
+async def test_a_restarted_owner_resumes_at_its_last_published_round(
+    cohort_factory: Callable[..., Any], proxy: PreTrainedModel, tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / "owner" / "owner-proxy.safetensors"
+    cohort: Cohort = await cohort_factory(("m1",), deadline_s=60.0, checkpoint=checkpoint)
+    owner = cohort.owner
+    await owner.start()
+    await asyncio.gather(owner.run_round(), cohort.members["m1"].run_round(1))
+    assert owner.round == 2 and checkpoint.exists()
+    # A new owner process (same settings, the proxy as compressed) resumes at round 2.
+    settings = FedProxySettings(enabled=True, owner=True, cohort={"m1": "127.0.0.1:1"})
+    again = ProxyOwner(cohort.contexts["owner"], settings, proxy, checkpoint=checkpoint)
+    assert not _equal(again.state, owner.state)
+    await again.start()
+    assert again.round == 2 and _equal(again.state, owner.state)
+    assert _equal(again.conflict, owner.conflict) and again.conflict
+    # A checkpoint that is not this proxy's stops the owner rather than restarting it.
+    checkpoint.write_bytes(b"\x00" * 64)
+    with pytest.raises(ProxyError):
+        await ProxyOwner(cohort.contexts["owner"], settings, proxy, checkpoint=checkpoint).start()
