@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -96,6 +97,8 @@ class AgentSummary:
     overlay_steps: dict[str, int] = field(default_factory=dict)
     overlay_bytes_received: int = 0
     overlay_bytes_sent: int = 0
+    # FedProxy (fedproxy.enabled): cohort rounds this agent completed as owner or member.
+    fedproxy_rounds: int = 0
     # Per evaluation slice (eval_slice_files): {"pass1", "struct", "nll", "n"}.
     slices_before: dict[str, dict[str, float]] = field(default_factory=dict)
     slices_after: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -117,6 +120,7 @@ class AgentDaemon:
         # The matchmaking round our latest profile is considered in (SubmitProfile's answer).
         self._awaited_round = 0
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
+        self.cohort: Any = None  # ProxyOwner or ProxyMember when fedproxy.enabled
 
     # ------------------------------------------------------------------ set-up
 
@@ -277,6 +281,7 @@ class AgentDaemon:
             signer=self.ctx.signer,
             send=s.peer_send,
         )
+        extra, extra_policy = await self._fedproxy_services()
         if s.overlay.enabled:
             from peerlm.agent.overlay_node import serve_agent
             from peerlm.overlay import ImportanceTracker
@@ -285,9 +290,13 @@ class AgentDaemon:
             saved_importance = self.state.get("importance")
             if isinstance(saved_importance, dict):
                 self.importance.load_state_dict(saved_importance)
-            self.server, self.overlay = await serve_agent(self.ctx, service, s)
+            self.server, self.overlay = await serve_agent(
+                self.ctx, service, s, extra=extra, extra_policy=extra_policy
+            )
         else:
-            self.server = await serve_peer(self.ctx, service, listen=s.listen)
+            self.server = await serve_peer(
+                self.ctx, service, listen=s.listen, extra=extra, extra_policy=extra_policy
+            )
         host, _ = parse_host_port(s.listen)
         self.endpoint = s.advertise or f"{host}:{self.server.port}"
         self.ctx.check_advertised(self.endpoint)
@@ -296,6 +305,86 @@ class AgentDaemon:
             if s.metrics_port is not None
             else None
         )
+
+    async def _fedproxy_services(self) -> tuple[list[Any], dict[str, Any]]:
+        """FedProxy's role (docs/fedproxy.md, section 6): the owner loads its proxy, a
+        member its trainer (its own tokenizer: the host's is the model worker's); either
+        serves ``ProxyExchange`` on the peer server."""
+        fp = self.s.fedproxy
+        if not fp.enabled:
+            return [], {}
+        from peerlm.agent.fedproxy_member import ProxyMember, text_trainer
+        from peerlm.agent.fedproxy_owner import ProxyOwner
+        from peerlm.agent.fedproxy_service import FEDPROXY_POLICY, fedproxy_service
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if fp.owner:
+            proxy = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, fp.proxy_path)
+            checkpoint = self.s.state_dir / "fedproxy" / "owner-proxy.safetensors"
+            self.cohort = ProxyOwner(self.ctx, fp, proxy, checkpoint=checkpoint)
+        else:
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            trainer = text_trainer(
+                tokenizer,
+                self.train_texts,
+                steps=fp.local_steps,
+                learning_rate=fp.learning_rate,
+                batch_size=self.s.batch_size,
+                max_length=self.s.max_length,
+                seed=self.s.seed,
+            )
+            self.cohort = ProxyMember(self.ctx, fp, trainer)
+        service = self.cohort.service(
+            chunk_bytes=self.s.limits.chunk_bytes, max_wait_s=fp.round_deadline_s
+        )
+        self.log.info(
+            "fedproxy_role",
+            owner=fp.owner,
+            cohort=sorted(fp.cohort),
+            owner_name=fp.owner_name,
+            rounds=fp.rounds,
+        )
+        return [fedproxy_service(service)], dict(FEDPROXY_POLICY)
+
+    async def _fedproxy_rounds(self) -> None:
+        """Run ``fedproxy.rounds`` cohort rounds beside the agent's own rounds. A member
+        ends by keeping the owner's final merge. A failure ends the cohort's part (logged,
+        in the summary's errors), not the agent."""
+        fp, cohort = self.s.fedproxy, self.cohort
+        try:
+            if fp.owner:
+                await cohort.start()  # resumes at the checkpointed round
+                while cohort.round <= fp.rounds:
+                    await cohort.run_round()
+                    self.summary.fedproxy_rounds += 1
+                if fp.fused_path is not None:
+                    await asyncio.to_thread(self._fedproxy_fuse, fp.fused_path)
+                await cohort.linger(fp.round_deadline_s)
+            else:
+                t = 0
+                while t < fp.rounds:  # a late member takes the owner's current round
+                    t = await cohort.run_round(t + 1)
+                    self.summary.fedproxy_rounds += 1
+                await cohort.keep(t + 1)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the cohort's failure is logged, the agent goes on
+            self.summary.errors.append(f"fedproxy: {err}")
+            self.log.error("fedproxy_failed", error=repr(err))
+
+    def _fedproxy_fuse(self, out: Path) -> None:
+        """The owner's final proxy fused into a fresh copy of its full model, written to
+        ``out`` with the tokenizer (loadable with ``from_pretrained``)."""
+        from peerlm.agent.fedproxy_member import save_model_atomic
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        full = AutoModelForCausalLM.from_pretrained(self.s.model)
+        changed = self.cohort.fuse(full)
+        save_model_atomic(full, out)
+        AutoTokenizer.from_pretrained(self.s.model).save_pretrained(out)
+        self.log.info("fedproxy_fused", path=str(out), changed_tensors=len(changed))
 
     # ------------------------------------------------------------ teacher side
 
@@ -446,6 +535,7 @@ class AgentDaemon:
         s = self.s
         inbox: asyncio.Queue[cpm_pb2.Directive] = asyncio.Queue()
         feed = asyncio.create_task(self._follow(inbox))
+        cohort = asyncio.create_task(self._fedproxy_rounds()) if self.cohort else None
         try:
             if self.state["round"] == 0 and not self._stop.is_set():
                 loss, pass1 = await self._evaluate(with_pass=True)
@@ -460,12 +550,18 @@ class AgentDaemon:
                 await self._round(t, inbox, feed)
             if not self._stop.is_set():
                 self.summary.slices_after = await self._evaluate_slices()
+            if cohort is not None:  # the cohort's rounds are bounded by their deadlines
+                stopped = asyncio.ensure_future(self._stop.wait())
+                await asyncio.wait({cohort, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                stopped.cancel()
         except grpc.aio.AioRpcError as err:
             self.summary.errors.append(f"{err.code().name}: {err.details()}")
             self.log.error("cpm_error", code=err.code().name, detail=err.details())
         finally:
             feed.cancel()
-            await asyncio.gather(feed, return_exceptions=True)
+            if cohort is not None:
+                cohort.cancel()
+            await asyncio.gather(feed, *([cohort] if cohort else []), return_exceptions=True)
             await self._linger()
         self._count_sent()
         return self.summary

@@ -37,10 +37,12 @@ __all__ = [
     "ExpectedSender",
     "PeerExchangeError",
     "adapter_content_type",
+    "check_sender",
     "fetch_package",
     "parse_adapter_round",
     "pull_adapter",
     "pull_adapter_with_round",
+    "receive_chunks",
 ]
 
 #: Request metadata announcing a student's tokenizer (see peer_service, which reads it).
@@ -257,6 +259,28 @@ async def _receive(
     finally:
         hasher.close()
     return payload, assembler.sha256, assembler.content_type, metadata
+
+
+async def receive_chunks(
+    call: grpc.aio.UnaryStreamCall[Any, common_pb2.Chunk],
+    max_bytes: int,
+    counter: Counter | None,
+    tls_failures: TlsFailureCounter | None,
+    *,
+    what: str,
+) -> tuple[bytes, bytes, str, Any]:
+    """Assemble a chunk stream of any peer service (FedProxy's too) exactly as adapters are:
+    (payload, its verified SHA-256, content type, initial metadata); every failure a
+    :class:`PeerExchangeError`."""
+    return await _receive(call, max_bytes, counter, tls_failures, what=what)
+
+
+def check_sender(
+    expect: ExpectedSender | None, metadata: Any, kind: str, reference: str, sha256: bytes
+) -> None:
+    """Check a stream's sender proof against the digest the assembler computed
+    (:class:`PeerExchangeError` ``unverified_sender`` if it does not hold)."""
+    _check_sender(expect, metadata, kind, reference, sha256)
 
 
 class BackgroundSha256:

@@ -15,8 +15,9 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from peerlm.config import MiB, Section, ServiceSettings, parse_host_port
+from peerlm.pki.identity import NAME_PATTERN as _AGENT_NAME
 
-__all__ = ["AgentOverlaySettings", "AgentSettings", "PeerSendSettings"]
+__all__ = ["AgentOverlaySettings", "AgentSettings", "FedProxySettings", "PeerSendSettings"]
 
 
 class PeerSendSettings(Section):
@@ -98,6 +99,90 @@ class AgentOverlaySettings(Section):
     hka_steps: int = Field(default=8, ge=1, le=10_000)
 
 
+class FedProxySettings(Section):
+    """FedProxy's cohort (issue 9 §2): the owner serves its proxy to the cohort over
+    ``peerlm.v1.ProxyExchange``, collects the members' trained proxies each round, merges
+    them with the analysis and H-TIES and publishes the next proxy with the conflict scores;
+    members pull the proxy, train it with PCR and serve their update to the owner only.
+    See docs/fedproxy.md ("The owner role over the network").
+    """
+
+    enabled: bool = False
+    # This agent holds the full model (the agent's ``model``) and its proxy (``proxy_path``,
+    # made by ``peerlm models compress``), and runs the rounds.
+    owner: bool = False
+    # Owner: the members admitted, agent name (their certificate's) -> host:port of their
+    # peer server. Members: may be left empty (a member serves only the owner).
+    cohort: dict[str, str] = Field(default_factory=dict)
+    # Members: the owner's agent name (certificate) and address.
+    owner_name: str | None = None
+    owner_address: str | None = None
+    # Owner: the proxy directory (from_pretrained). Members: where the pulled proxy is kept.
+    proxy_path: Path = Path("state/proxy")
+    # Owner: where the final global proxy, fused into the full model (Section 4.3), is
+    # written after the last round (a model folder); None: not written.
+    fused_path: Path | None = None
+    # Cohort rounds the owner runs (members follow): each collects until every member
+    # delivered or the deadline passed.
+    rounds: int = Field(default=3, ge=1, le=100_000)
+    round_deadline_s: float = Field(default=300.0, gt=0)
+    # How long to wait before asking an unreachable member or owner again.
+    retry_s: float = Field(default=1.0, gt=0)
+    # Largest proxy payload (weights + conflict scores) either side accepts or sends.
+    max_proxy_bytes: int = Field(default=1024 * MiB, ge=1024)
+    # H-TIES (Eq. 10-13) and PCR (Eq. 9), Appendix B.1's defaults.
+    r0: float = Field(default=1.0, ge=0, le=1)
+    delta: float = Field(default=0.2, ge=0)
+    rho: float = Field(default=1.1, ge=1)
+    lambda_reg: float = Field(default=1e-5, ge=0)
+    # Members' local training of the proxy per round (full-parameter AdamW).
+    local_steps: int = Field(default=8, ge=1, le=100_000)
+    learning_rate: float = Field(default=1e-3, gt=0)
+
+    @field_validator("cohort")
+    @classmethod
+    def _cohort_addresses(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, address in v.items():
+            if not _AGENT_NAME.fullmatch(name):
+                raise ValueError(f"fedproxy.cohort: {name!r} is not an agent name")
+            try:
+                parse_host_port(address)
+            except ValueError as err:
+                raise ValueError(f"fedproxy.cohort.{name}: {err}") from None
+        return v
+
+    @field_validator("owner_address")
+    @classmethod
+    def _owner_address(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_host_port(v)
+        return v
+
+    @model_validator(mode="after")
+    def _roles(self) -> FedProxySettings:
+        if not self.enabled:
+            return self
+        if self.owner:
+            if not self.cohort:
+                raise ValueError("fedproxy.owner needs fedproxy.cohort: name -> host:port")
+            if self.owner_name is not None or self.owner_address is not None:
+                raise ValueError(
+                    "fedproxy.owner_name/owner_address are a member's settings; an owner has none"
+                )
+        elif self.fused_path is not None:
+            raise ValueError(
+                "fedproxy.fused_path is an owner's setting (members hold no full model)"
+            )
+        elif self.owner_name is None or self.owner_address is None:
+            raise ValueError(
+                "a fedproxy member needs fedproxy.owner_name and fedproxy.owner_address "
+                "(or set fedproxy.owner: true on the agent that holds the full model)"
+            )
+        elif not _AGENT_NAME.fullmatch(self.owner_name):
+            raise ValueError(f"fedproxy.owner_name: {self.owner_name!r} is not an agent name")
+        return self
+
+
 class AgentSettings(ServiceSettings):
     """The agent daemon (``peerlm agent``). ``listen`` is its peer-exchange endpoint."""
 
@@ -175,6 +260,8 @@ class AgentSettings(ServiceSettings):
     stop_grace_s: float = Field(default=30.0, ge=0)
     # SemanticDFL: the agent as an overlay node pulling its K most similar peers' adapters.
     overlay: AgentOverlaySettings = AgentOverlaySettings()
+    # FedProxy's owner/member role (docs/fedproxy.md).
+    fedproxy: FedProxySettings = FedProxySettings()
 
     @field_validator("cpm", "advertise")
     @classmethod

@@ -1,0 +1,283 @@
+"""FedProxy's cohort member (Algorithm 1, client side): pull the proxy, train it with PCR,
+serve the update to the owner.
+
+Round ``t``: the member pulls the owner's proxy ``φ^(t−1)`` with the conflict scores
+``C^(t−1)`` (``PullProxy``; the next round is waited for at the owner), checks it
+(:func:`~peerlm.agent.fedproxy_codec.decode_proxy`: the tensor table of the model its
+configuration builds, built on the meta device first so that a hostile configuration costs
+no memory; the blocks of the rounds before; finite; scores in [0, 1]), writes it to
+``fedproxy.proxy_path`` (``save_pretrained``, renamed into place), trains it locally with
+the task loss plus PCR (:class:`~peerlm.agent.pcr.ConflictRegulariser`, Eq. 8–9, ``λ_reg``;
+round 1 has no scores, so no penalty) and publishes the result on its update board, from
+which only its owner may pull it (``PullUpdate``).
+
+The training itself is the caller's (a :data:`Trainer`): the agent trains on its private
+data; :func:`text_trainer` is full-parameter AdamW on a list of texts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from peerlm.agent.fedproxy_codec import (
+    ProxyPayload,
+    decode_proxy,
+    encode_update,
+    read_proxy_header,
+)
+from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_proxy
+from peerlm.agent.pcr import ConflictRegulariser
+from peerlm.agent.peer_client import PeerExchangeError
+from peerlm.agent.proxy_model import ProxyError, ProxyInfo
+from peerlm.agent.settings import FedProxySettings
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from peerlm.node import NodeContext
+
+__all__ = [
+    "ProxyMember",
+    "Trainer",
+    "build_proxy_model",
+    "proxy_from",
+    "save_model_atomic",
+    "text_trainer",
+]
+
+#: Trains the proxy in place for one round; the regulariser (None in round 1) is PCR's
+#: penalty to add to the task loss before ``backward``.
+Trainer = Callable[[PreTrainedModel, ConflictRegulariser | None], None]
+
+
+def build_proxy_model(payload: ProxyPayload) -> PreTrainedModel:
+    """The proxy a decoded payload describes, with its weights (a plain causal LM)."""
+    return proxy_from(payload.config or {}, payload.state)
+
+
+def proxy_from(raw_config: dict[str, Any], state: Mapping[str, torch.Tensor]) -> PreTrainedModel:
+    """A model of configuration ``raw_config`` (``to_dict`` form) holding ``state``."""
+    config = _config(raw_config)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    model.load_state_dict(dict(state), strict=True)
+    as_module: torch.nn.Module = model  # transformers' own .eval signature does not type-check
+    as_module.eval()
+    return model
+
+
+def _config(raw: dict[str, Any]) -> Any:
+    kind = raw.get("model_type")
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(str(kind), **fields)
+    except (ValueError, TypeError, KeyError) as err:  # an unknown model type or bad fields
+        raise ProxyError(f"proxy configuration refused: {err}", reason="model") from None
+
+
+def _shapes(raw: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The state-dict shapes of the model ``raw`` configures, built on the meta device (no
+    memory whatever the configuration says)."""
+    config = _config(raw)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    except Exception as err:  # transformers raises many types for a configuration it refuses
+        raise ProxyError(f"proxy configuration refused: {err}", reason="model") from None
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def text_trainer(
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    steps: int,
+    learning_rate: float,
+    batch_size: int = 4,
+    max_length: int = 128,
+    seed: int = 0,
+) -> Trainer:
+    """Full-parameter AdamW for ``steps`` steps on batches of ``texts`` (causal LM loss on
+    the whole text), plus the PCR penalty when there is one. Deterministic under ``seed``."""
+    if not texts:
+        raise ValueError("a trainer needs texts")
+
+    def train(model: Any, regulariser: ConflictRegulariser | None) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        optimiser = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+        model.train()
+        for _ in range(steps):
+            pick = torch.randint(0, len(texts), (batch_size,), generator=gen).tolist()
+            batch = tokenizer(
+                [texts[i] for i in pick],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+            )
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            loss = model(**batch, labels=labels, use_cache=False).loss
+            if regulariser is not None:
+                loss = loss + regulariser.penalty(model)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+        model.eval()
+
+    return train
+
+
+class ProxyMember:
+    """A member's rounds: pull from the owner of ``settings``, train with ``trainer``."""
+
+    def __init__(
+        self,
+        ctx: NodeContext,
+        settings: FedProxySettings,
+        trainer: Trainer,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if settings.owner or not settings.owner_name or not settings.owner_address:
+            raise ValueError("a member needs fedproxy.owner_name and fedproxy.owner_address")
+        self._ctx, self._settings, self._trainer, self._clock = ctx, settings, trainer, clock
+        self.owner: str = settings.owner_name
+        self.board = RoundBoard(horizon=None)
+        self.info: ProxyInfo | None = None
+        self.model: PreTrainedModel | None = None
+        self._trained = ctx.counter(
+            "peerlm_agent_fedproxy_updates_trained_total",
+            "Rounds a member trained the proxy in and offered the update to its owner",
+        )
+        self._refused = ctx.counter(
+            "peerlm_agent_fedproxy_payloads_refused_total",
+            "Proxies (at a member) and updates (at the owner) refused as bad input",
+            ("kind", "reason"),
+        )
+
+    def service(self, *, chunk_bytes: int, max_wait_s: float) -> ProxyExchangeService:
+        """The ``ProxyExchange`` service of this member: its updates, to its owner only."""
+        return ProxyExchangeService(
+            updates=self.board,
+            owner=self.owner,
+            chunk_bytes=chunk_bytes,
+            max_wait_s=max_wait_s,
+            registry=self._ctx.registry,
+            signer=self._ctx.signer,
+            log=self._ctx.log,
+        )
+
+    async def pull(self, wanted: int, *, wait_s: float) -> ProxyPayload:
+        """The owner's proxy of round ``wanted`` (0: its current one), checked; asks again
+        every ``retry_s`` while the owner is unreachable or not ready, for up to ``wait_s``.
+        A round that no longer exists is replaced by the owner's current one."""
+        s = self._settings
+        assert s.owner_address is not None
+        end = self._clock() + wait_s
+        while True:
+            left = end - self._clock()
+            try:
+                got, data = await pull_proxy(
+                    self._ctx,
+                    s.owner_address,
+                    wanted,
+                    owner=self.owner,
+                    max_bytes=s.max_proxy_bytes,
+                    timeout_s=max(0.05, min(left, s.round_deadline_s)),
+                )
+                break
+            except PeerExchangeError as err:
+                if err.code == grpc.StatusCode.NOT_FOUND and wanted:
+                    self._ctx.log.warning("fedproxy_round_missed", round=wanted)
+                    wanted = 0
+                    continue
+                # Not there yet, or no next round within the call: ask again.
+                retry = err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not retry or self._clock() >= end:
+                    raise
+                await asyncio.sleep(min(s.retry_s, max(0.0, end - self._clock())))
+        try:
+            shapes = _shapes(_header_config(data, s.max_proxy_bytes))
+            payload = decode_proxy(
+                data, shapes, max_bytes=s.max_proxy_bytes, round_=got, expected_info=self.info
+            )
+        except ProxyError as err:
+            self._refused.labels("proxy", err.reason).inc()
+            self._ctx.log.warning(
+                "fedproxy_proxy_refused", round=got, reason=err.reason, detail=str(err)
+            )
+            raise
+        return payload
+
+    async def _take(
+        self, wanted: int, wait_s: float | None
+    ) -> tuple[ProxyPayload, PreTrainedModel]:
+        """Pull round ``wanted``, build it and keep it at ``proxy_path``."""
+        s = self._settings
+        payload = await self.pull(
+            wanted, wait_s=wait_s if wait_s is not None else 2 * s.round_deadline_s + 60.0
+        )
+        model = await asyncio.to_thread(build_proxy_model, payload)
+        await asyncio.to_thread(save_model_atomic, model, s.proxy_path)
+        self.info = payload.info
+        return payload, model
+
+    async def keep(self, wanted: int, *, wait_s: float | None = None) -> int:
+        """Pull round ``wanted`` and keep it at ``proxy_path`` without training: after its
+        last round a member takes the owner's final merge (and, by waiting for it, keeps
+        serving its last update until the owner has collected); the round kept."""
+        payload, model = await self._take(wanted, wait_s)
+        self.model = model
+        return payload.round
+
+    async def run_round(self, wanted: int = 0, *, wait_s: float | None = None) -> int:
+        """Pull round ``wanted`` (0: the current), keep it, train it, offer the update;
+        the round trained."""
+        s = self._settings
+        payload, model = await self._take(wanted, wait_s)
+        regulariser = (
+            ConflictRegulariser(
+                {k: v.clone() for k, v in payload.state.items()},
+                payload.conflict,
+                s.lambda_reg,
+            )
+            if payload.conflict
+            else None
+        )
+        await asyncio.to_thread(self._trainer, model, regulariser)
+        update = encode_update(model.state_dict(), payload.info, payload.round)
+        await self.board.publish(payload.round, update)
+        self.model = model
+        self._trained.inc()
+        self._ctx.log.info(
+            "fedproxy_update_ready",
+            round=payload.round,
+            bytes=len(update),
+            pcr=regulariser is not None,
+        )
+        return payload.round
+
+
+def _header_config(data: bytes, max_bytes: int) -> dict[str, Any]:
+    config = read_proxy_header(data, kind="proxy", max_bytes=max_bytes).config
+    assert config is not None
+    return config
+
+
+def save_model_atomic(model: PreTrainedModel, path: Path) -> None:
+    """``save_pretrained`` into a sibling folder, then renamed over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,304 @@
+"""FedProxy's owner (Algorithm 1, server side): publish the proxy, collect, merge, publish.
+
+The owner is an agent holding the full model and its proxy (``fedproxy.owner: true``).
+Round ``t`` (from 1):
+
+1. the proxy ``φ^(t−1)`` and the conflict scores ``C^(t−1)`` of the merge that made it (none
+   in round 1) are published on the owner's :class:`~peerlm.agent.fedproxy_service.RoundBoard`,
+   from which cohort members pull them (``PullProxy``);
+2. the owner pulls each member's trained proxy (``PullUpdate``, waited for on the member's
+   side up to the time left), checks it (:func:`~peerlm.agent.fedproxy_codec.decode_update`:
+   the same blocks, names, shapes, dtypes; finite) and records it in the round's
+   :class:`~peerlm.agent.fedproxy_rounds.CohortRound` until every member answered or the
+   deadline passed; an unreachable member is asked again every ``retry_s``;
+3. what arrived is merged by the server-side analysis and H-TIES
+   (:func:`~peerlm.agent.hties.h_ties`, Eq. 5–7 and 10–14, ``r0``, ``δ``, ``ρ`` from the
+   settings); who was missing, and why, goes to the log (``fedproxy_round_merged``) and to
+   ``peerlm_agent_fedproxy_members_missing_total{member, reason}``;
+4. ``φ^(t)`` and ``C^(t)`` are published as round ``t + 1``.
+
+A round where nothing arrived republishes the proxy and scores unchanged (nothing to merge;
+logged and counted as ``empty``). A member's bad update never reaches the merge: it is
+counted in ``peerlm_agent_fedproxy_payloads_refused_total{kind="update", reason}`` and the
+member counts as missing for that round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from peerlm.agent.fedproxy_codec import decode_proxy, decode_update, encode_proxy
+from peerlm.agent.fedproxy_member import proxy_from
+from peerlm.agent.fedproxy_rounds import CohortRound, RoundError, RoundOutcome
+from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_update
+from peerlm.agent.hties import h_ties
+from peerlm.agent.peer_client import PeerExchangeError
+from peerlm.agent.proxy_model import ProxyError, ProxyInfo, fuse_into, proxy_info
+from peerlm.agent.settings import FedProxySettings
+from prometheus_client import Histogram
+from transformers import PreTrainedModel
+
+from peerlm.atomic_file import write_atomic
+from peerlm.metrics import get_collector
+from peerlm.node import NodeContext
+
+__all__ = ["ProxyOwner"]
+
+#: Answers after which a member is asked again within the round (it is not there yet, or
+#: has not finished training): the rest are final for the round.
+_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class ProxyOwner:
+    """The owner's rounds over ``proxy`` (a model built by ``peerlm models compress``).
+
+    ``checkpoint``: a file where every published round (the payload itself: proxy, scores,
+    round) is written atomically before it is served, and from which :meth:`start` resumes
+    after a restart (kill -9 included).
+
+    ``clock`` (monotonic seconds) times the rounds' deadlines; the merge runs on a worker
+    thread so the server goes on answering.
+    """
+
+    def __init__(
+        self,
+        ctx: NodeContext,
+        settings: FedProxySettings,
+        proxy: PreTrainedModel,
+        *,
+        checkpoint: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        info = proxy_info(proxy)
+        if info is None:
+            raise ProxyError("the owner's model is not a proxy (no peerlm_proxy)", reason="model")
+        if not settings.cohort:
+            raise ValueError("an owner needs a cohort")
+        self._ctx, self._settings, self._clock = ctx, settings, clock
+        self._checkpoint = checkpoint
+        self.info: ProxyInfo = info
+        self._config: dict[str, Any] = proxy.config.to_dict()
+        self.state: dict[str, torch.Tensor] = {
+            k: v.detach().to("cpu").clone() for k, v in proxy.state_dict().items()
+        }
+        self.conflict: dict[str, torch.Tensor] = {}
+        self.board = RoundBoard(horizon=1)
+        self._opened_at = 0.0
+        reg = ctx.registry
+        self._rounds = ctx.counter(
+            "peerlm_agent_fedproxy_rounds_total",
+            "Cohort rounds closed by the owner: complete (every member merged), partial, empty",
+            ("outcome",),
+        )
+        self._merged = ctx.counter(
+            "peerlm_agent_fedproxy_updates_merged_total", "Member updates merged by H-TIES"
+        )
+        self._missing = ctx.counter(
+            "peerlm_agent_fedproxy_members_missing_total",
+            "Members whose update a round merged without: deadline (none came) or the "
+            "reason it was refused",
+            ("member", "reason"),
+        )
+        self._refused = ctx.counter(
+            "peerlm_agent_fedproxy_payloads_refused_total",
+            "Proxies (at a member) and updates (at the owner) refused as bad input",
+            ("kind", "reason"),
+        )
+        self._merge_seconds = get_collector(
+            Histogram,
+            reg,
+            "peerlm_agent_fedproxy_merge_seconds",
+            "Time of the owner's analysis and H-TIES merge of one round",
+        )
+
+    @property
+    def round(self) -> int:
+        """The round published last (0 before :meth:`start`)."""
+        return self.board.round
+
+    def service(self, *, chunk_bytes: int, max_wait_s: float) -> ProxyExchangeService:
+        """The ``ProxyExchange`` service of this owner: its proxies, to its cohort only."""
+        return ProxyExchangeService(
+            proxies=self.board,
+            cohort=self._settings.cohort,
+            chunk_bytes=chunk_bytes,
+            max_wait_s=max_wait_s,
+            registry=self._ctx.registry,
+            signer=self._ctx.signer,
+            log=self._ctx.log,
+        )
+
+    async def start(self) -> None:
+        """Publish the round the checkpoint holds, else round 1: the proxy as compressed,
+        no conflict scores (``C = 0``). A checkpoint that does not decode as a proxy of these
+        blocks and shapes raises :class:`ProxyError` (the owner must not silently start over).
+        """
+        if self.board.round != 0:
+            return
+        if self._checkpoint is not None and self._checkpoint.exists():
+            data = await asyncio.to_thread(self._checkpoint.read_bytes)
+            shapes = {k: tuple(v.shape) for k, v in self.state.items()}
+            saved = decode_proxy(data, shapes, max_bytes=len(data), expected_info=self.info)
+            self.state, self.conflict = saved.state, saved.conflict
+            await self.board.publish(saved.round, data)
+            self._opened_at = self._clock()
+            self._ctx.log.info(
+                "fedproxy_restored", round=saved.round, checkpoint=str(self._checkpoint)
+            )
+            return
+        await self._publish(1)
+
+    async def _publish(self, round_: int) -> None:
+        payload = encode_proxy(self.state, self._config, round_, self.conflict or None)
+        if len(payload) > self._settings.max_proxy_bytes:
+            raise ProxyError(
+                f"the proxy of {len(payload)} bytes exceeds fedproxy.max_proxy_bytes "
+                f"({self._settings.max_proxy_bytes})",
+                reason="too_large",
+            )
+        if self._checkpoint is not None:  # durable before anyone can pull it
+            await asyncio.to_thread(write_atomic, self._checkpoint, payload)
+        await self.board.publish(round_, payload)
+        self._opened_at = self._clock()
+        self._ctx.log.info(
+            "fedproxy_round_published",
+            round=round_,
+            bytes=len(payload),
+            scored_tensors=len(self.conflict),
+        )
+
+    async def run_round(self) -> RoundOutcome:
+        """Collect the current round, merge what arrived, publish the next round."""
+        await self.start()
+        t = self.board.round
+        core = CohortRound(
+            t,
+            self._settings.cohort,
+            opened_at=self._opened_at,
+            deadline_s=self._settings.round_deadline_s,
+        )
+        updates: dict[str, dict[str, torch.Tensor]] = {}
+        await asyncio.gather(
+            *(
+                self._collect(core, name, address, updates)
+                for name, address in sorted(self._settings.cohort.items())
+            )
+        )
+        outcome = core.close(max(self._clock(), core.deadline if core.pending() else 0.0))
+        for name in outcome.missing:
+            self._missing.labels(name, "deadline").inc()
+        for name, reason in outcome.refused.items():
+            self._missing.labels(name, reason).inc()
+        if outcome.arrived:
+            started = self._clock()
+            result = await asyncio.to_thread(
+                h_ties,
+                self.state,
+                [updates[name] for name in outcome.arrived],
+                r0=self._settings.r0,
+                delta=self._settings.delta,
+                rho=self._settings.rho,
+            )
+            self._merge_seconds.observe(self._clock() - started)
+            self.state, self.conflict = result.state, result.analysis.conflict
+            self._merged.inc(len(outcome.arrived))
+            weights = dict(zip(outcome.arrived, result.analysis.weights, strict=True))
+            heterogeneity = dict(zip(outcome.arrived, result.analysis.heterogeneity, strict=True))
+        else:
+            weights, heterogeneity = {}, {}
+        kind = "complete" if outcome.complete else ("partial" if outcome.arrived else "empty")
+        self._rounds.labels(kind).inc()
+        log = self._ctx.log.info if outcome.complete else self._ctx.log.warning
+        log(
+            "fedproxy_round_merged",
+            round=t,
+            outcome=kind,
+            merged=list(outcome.arrived),
+            missing=list(outcome.missing),
+            refused=outcome.refused,
+            deadline_passed=outcome.deadline_passed,
+            weights=weights,
+            heterogeneity=heterogeneity,
+        )
+        await self._publish(t + 1)
+        return outcome
+
+    async def _collect(
+        self,
+        core: CohortRound,
+        name: str,
+        address: str,
+        updates: dict[str, dict[str, torch.Tensor]],
+    ) -> None:
+        """Ask ``name`` for its update of the round until it comes, is refused, or the
+        deadline passes."""
+        t, s = core.round, self._settings
+        while not core.done(self._clock()):
+            try:
+                data = await pull_update(
+                    self._ctx,
+                    address,
+                    t,
+                    member=name,
+                    max_bytes=s.max_proxy_bytes,
+                    timeout_s=max(0.05, core.remaining(self._clock())),
+                )
+            except PeerExchangeError as err:
+                if err.code in _RETRY_CODES:
+                    self._ctx.log.debug(
+                        "fedproxy_member_not_ready", round=t, peer=name, reason=err.reason
+                    )
+                    await asyncio.sleep(min(s.retry_s, core.remaining(self._clock())))
+                    continue
+                reason = err.reason if err.code is None else err.code.name.lower()
+                self._refuse(core, name, "transfer_" + reason, str(err))
+                return
+            try:
+                update = decode_update(
+                    data, self.state, self.info, max_bytes=s.max_proxy_bytes, round_=t
+                )
+            except ProxyError as err:
+                self._refused.labels("update", err.reason).inc()
+                self._refuse(core, name, err.reason, str(err))
+                return
+            try:
+                core.deliver(name, t, self._clock())
+            except RoundError as err:  # the deadline passed while it was decoded
+                self._ctx.log.warning("fedproxy_update_late", round=t, peer=name, error=str(err))
+                return
+            updates[name] = update.state
+            self._ctx.log.info("fedproxy_update_received", round=t, peer=name, bytes=len(data))
+
+    def _refuse(self, core: CohortRound, name: str, reason: str, detail: str) -> None:
+        try:
+            core.refuse(name, core.round, self._clock(), reason)
+        except RoundError:
+            return  # past the deadline: it counts as missing anyway
+        self._ctx.log.warning(
+            "fedproxy_update_refused", round=core.round, peer=name, reason=reason, detail=detail
+        )
+
+    async def linger(self, wait_s: float) -> frozenset[str]:
+        """After the last round: keep serving until every member has pulled the final
+        proxy, for up to ``wait_s``; the members that did not (logged)."""
+        missing = await self.board.wait_served(self._settings.cohort, wait_s)
+        if missing:
+            self._ctx.log.warning(
+                "fedproxy_final_not_pulled", round=self.round, members=sorted(missing)
+            )
+        return missing
+
+    def fuse(self, full: PreTrainedModel) -> tuple[str, ...]:
+        """Write the current global proxy into ``full``, the model it was compressed from,
+        in place (plug-in fusion, Section 4.3); the keys of ``full`` that changed."""
+        return fuse_into(full, proxy_from(self._config, self.state))
+
+    def global_state(self) -> Mapping[str, torch.Tensor]:
+        """The current global proxy ``φ`` (what the last round published)."""
+        return self.state

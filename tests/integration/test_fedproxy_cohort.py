@@ -1,0 +1,388 @@
+"""FedProxy's cohort over real mTLS on 127.0.0.1: an owner and its members, each with its own
+certificate, node context and gRPC server, run rounds of pull proxy → train with PCR →
+collect → H-TIES → publish, on a proxy of the project's tiny gpt2."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import structlog
+import torch
+from peerlm.agent.fedproxy_codec import encode_update
+from peerlm.agent.fedproxy_member import ProxyMember, Trainer, text_trainer
+from peerlm.agent.fedproxy_owner import ProxyOwner
+from peerlm.agent.fedproxy_service import (
+    FEDPROXY_POLICY,
+    fedproxy_service,
+    pull_proxy,
+    pull_update,
+)
+from peerlm.agent.hties import h_ties
+from peerlm.agent.models.tiny import SHIPPED_DIR
+from peerlm.agent.peer_client import PeerExchangeError
+from peerlm.agent.proxy_model import ProxyError, ProxyInfo, build_proxy
+from peerlm.agent.settings import FedProxySettings
+from prometheus_client import CollectorRegistry
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from peerlm.node import NodeContext, NodeServer
+from peerlm.pki.ca import init_ca, issue_certificate
+from peerlm.pki.identity import Role
+from tests.node_contexts import kit_context
+
+pytestmark = pytest.mark.integration
+
+FEDERATION = "proxytest"
+MEMBERS = ("m1", "m2", "m3")
+CHUNK = 64 * 1024  # a ~3 MB proxy travels in ~45 chunks
+TEXTS = {
+    "m1": [f"def add_{i}(a, b):\n    return a + b + {i}\n" for i in range(16)],
+    "m2": [f"values = sorted(items)[:{i}]\nprint(values)\n" for i in range(16)],
+    "m3": [f"if flag_{i} and not done:\n    count += {i}\n" for i in range(16)],
+}
+
+
+@pytest.fixture(autouse=True)
+def _offline(offline_hub: None) -> None:
+    """Every model load is from the shipped tiny models."""
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pki")
+    init_ca(root, federation=FEDERATION)
+    for name in ("owner", *MEMBERS):
+        issue_certificate(root, Role.AGENT, name, sans=["127.0.0.1"])
+    issue_certificate(root, Role.AGENT, "outsider")
+    return root
+
+
+@pytest.fixture(scope="module")
+def proxy() -> PreTrainedModel:
+    """The owner's proxy: blocks 0 and 3 of the shipped tiny gpt2 (what BI keeps, docs)."""
+    full = AutoModelForCausalLM.from_pretrained(SHIPPED_DIR / "tiny" / "gpt2")
+    return build_proxy(full, (0, 3), ratio=0.5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(SHIPPED_DIR / "tiny" / "gpt2")
+
+
+@dataclass
+class Cohort:
+    owner: ProxyOwner
+    members: dict[str, ProxyMember]
+    servers: dict[str, NodeServer]
+    contexts: dict[str, NodeContext]
+    initial: dict[str, torch.Tensor]
+
+    def metric(self, who: str, name: str, **labels: str) -> float:
+        registry: CollectorRegistry = self.contexts[who].registry
+        return registry.get_sample_value(name, labels) or 0.0
+
+
+def _nan_trainer(inner: Trainer) -> Trainer:
+    def train(model: PreTrainedModel, reg: Any) -> None:
+        inner(model, reg)
+        with torch.no_grad():
+            next(iter(model.parameters())).view(-1)[0] = float("nan")
+
+    return train
+
+
+@pytest.fixture
+async def cohort_factory(
+    pki: Path, proxy: PreTrainedModel, tokenizer: Any, tmp_path: Path
+) -> AsyncIterator[Callable[..., Any]]:
+    servers: list[NodeServer] = []
+
+    async def make(
+        members: tuple[str, ...],
+        *,
+        deadline_s: float,
+        trainers: dict[str, Trainer] | None = None,
+        checkpoint: Path | None = None,
+    ) -> Cohort:
+        contexts = {
+            name: kit_context(pki, name, listen="127.0.0.1:0") for name in ("owner", *members)
+        }
+        # Bound first: the owner's cohort and the members' settings need the ports.
+        bound = {
+            name: ctx.bind(FEDPROXY_POLICY, listen="127.0.0.1:0") for name, ctx in contexts.items()
+        }
+        servers.extend(bound.values())
+        address = {name: f"127.0.0.1:{server.port}" for name, server in bound.items()}
+        common: dict[str, Any] = {"enabled": True, "round_deadline_s": deadline_s, "retry_s": 0.1}
+        owner = ProxyOwner(
+            contexts["owner"],
+            FedProxySettings(owner=True, cohort={m: address[m] for m in members}, **common),
+            proxy,
+            checkpoint=checkpoint,
+        )
+        members_ = {}
+        for i, name in enumerate(members):
+            settings = FedProxySettings(
+                owner_name="owner",
+                owner_address=address["owner"],
+                proxy_path=tmp_path / name / "proxy",
+                local_steps=3,
+                learning_rate=5e-3,
+                **common,
+            )
+            train = text_trainer(tokenizer, TEXTS[name], steps=3, learning_rate=5e-3, seed=i)
+            if trainers and name in trainers:
+                train = trainers[name]
+            members_[name] = ProxyMember(contexts[name], settings, train)
+        bound["owner"].add(fedproxy_service(owner.service(chunk_bytes=CHUNK, max_wait_s=30)))
+        for name, member in members_.items():
+            bound[name].add(fedproxy_service(member.service(chunk_bytes=CHUNK, max_wait_s=30)))
+        for server in bound.values():
+            await server.start()
+            await server.serving(True)
+        initial = {k: v.clone() for k, v in owner.state.items()}
+        return Cohort(owner, members_, bound, contexts, initial)
+
+    yield make
+    for server in servers:
+        await server.stop(0)
+
+
+async def _round(cohort: Cohort, wanted: int, members: tuple[str, ...]) -> Any:
+    """One round: the owner collects while the members pull, train and offer."""
+    results = await asyncio.gather(
+        cohort.owner.run_round(), *(cohort.members[m].run_round(wanted) for m in members)
+    )
+    return results[0]
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+async def test_owner_and_members_run_rounds_and_the_next_proxy_is_the_merge(
+    cohort_factory: Callable[..., Any],
+) -> None:
+    cohort: Cohort = await cohort_factory(("m1", "m2"), deadline_s=120.0)
+    owner, members = cohort.owner, cohort.members
+    await owner.start()
+
+    outcome = await _round(cohort, 1, ("m1", "m2"))
+    assert outcome.round == 1 and outcome.arrived == ("m1", "m2") and outcome.complete
+    # The owner merged exactly what the members trained, with H-TIES at the defaults.
+    trained = [members[m].model.state_dict() for m in ("m1", "m2")]  # type: ignore[union-attr]
+    assert not _equal(trained[0], cohort.initial)
+    expected = h_ties(cohort.initial, trained)
+    assert _equal(owner.state, expected.state)
+    assert set(owner.conflict) == set(expected.analysis.conflict)
+    assert owner.round == 2
+
+    # Round 2's pulled proxy is the owner's merge, with the conflict scores for PCR.
+    pulled = await members["m1"].pull(2, wait_s=30)
+    assert pulled.round == 2 and _equal(pulled.state, owner.state)
+    assert _equal(pulled.conflict, owner.conflict) and pulled.conflict
+
+    with structlog.testing.capture_logs() as logs:
+        outcome = await _round(cohort, 2, ("m1", "m2"))
+    assert outcome.complete and owner.round == 3
+    # Round 2's training had the PCR term (round 1's had none: no scores yet).
+    ready = [e for e in logs if e["event"] == "fedproxy_update_ready"]
+    assert [e["pcr"] for e in ready] == [True, True]
+    # The pulled proxy was kept where the settings say, loadable by from_pretrained.
+    kept = AutoModelForCausalLM.from_pretrained(members["m2"]._settings.proxy_path)
+    assert _equal(kept.state_dict(), pulled.state)
+    # Plug-in fusion of the final proxy: the kept blocks (0 and 3) and the tensors outside
+    # the blocks become the merge's; the removed blocks stay the full model's.
+    full = AutoModelForCausalLM.from_pretrained(SHIPPED_DIR / "tiny" / "gpt2")
+    before = {k: v.clone() for k, v in full.state_dict().items()}
+    changed = owner.fuse(full)
+    after = full.state_dict()
+    assert changed and all(
+        k.startswith(
+            ("transformer.h.0.", "transformer.h.3.", "transformer.w", "transformer.ln_f", "lm_head")
+        )
+        for k in changed
+    )
+    key = "transformer.h.1.mlp.c_fc.weight"
+    assert torch.equal(after[key], before[key])
+    proxy_key, full_key = "transformer.h.1.mlp.c_fc.weight", "transformer.h.3.mlp.c_fc.weight"
+    assert torch.equal(after[full_key], owner.state[proxy_key])
+    # After the last round the owner serves until every member has the final proxy.
+    assert await owner.linger(0.2) == {"m1", "m2"}
+    assert await members["m1"].keep(3) == 3
+    lingering = asyncio.ensure_future(owner.linger(30))
+    assert await members["m2"].keep(3) == 3
+    assert await lingering == frozenset()
+    assert _equal(members["m2"].model.state_dict(), owner.state)  # type: ignore[union-attr]
+    assert cohort.metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="complete") == 2
+    assert cohort.metric("owner", "peerlm_agent_fedproxy_updates_merged_total") == 4
+    assert cohort.metric("m1", "peerlm_agent_fedproxy_updates_trained_total") == 2
+    assert cohort.metric("owner", "peerlm_agent_fedproxy_bytes_sent_total", rpc="PullProxy") > 0
+    assert (
+        cohort.metric("owner", "peerlm_agent_fedproxy_bytes_received_total", rpc="PullUpdate") > 0
+    )
+
+
+async def test_only_the_cohort_gets_the_proxy_and_only_the_owner_the_updates(
+    cohort_factory: Callable[..., Any], pki: Path
+) -> None:
+    cohort: Cohort = await cohort_factory(("m1", "m2"), deadline_s=60.0)
+    await cohort.owner.start()
+    owner_at = f"127.0.0.1:{cohort.servers['owner'].port}"
+    m1_at = f"127.0.0.1:{cohort.servers['m1'].port}"
+    outsider = kit_context(pki, "outsider")
+    m2 = cohort.contexts["m2"]
+
+    async def refused(call: Any) -> grpc.StatusCode | None:
+        with pytest.raises(PeerExchangeError) as err:
+            await call
+        return err.value.code
+
+    kw: dict[str, Any] = {"max_bytes": 1 << 26, "timeout_s": 5.0}
+    # An agent outside the cohort: no proxy.
+    code = await refused(pull_proxy(outsider, owner_at, 0, owner="owner", **kw))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert (
+        cohort.metric(
+            "owner", "peerlm_agent_fedproxy_refusals_total", rpc="PullProxy", reason="not_admitted"
+        )
+        == 1
+    )
+    # Updates go to the owner only: not to an outsider, not to another member.
+    for ctx in (outsider, m2):
+        code = await refused(pull_update(ctx, m1_at, 1, member="m1", **kw))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert (
+        cohort.metric(
+            "m1", "peerlm_agent_fedproxy_refusals_total", rpc="PullUpdate", reason="not_owner"
+        )
+        == 2
+    )
+    # An owner serves no updates; a member serves no proxy.
+    code = await refused(pull_update(m2, owner_at, 1, member="owner", **kw))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    code = await refused(pull_proxy(cohort.contexts["owner"], m1_at, 0, owner="m1", **kw))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    # A round that does not exist (current 1; 2 would be waited for, 3 is not), round 0.
+    code = await refused(pull_proxy(m2, owner_at, 3, owner="owner", **kw))
+    assert code == grpc.StatusCode.NOT_FOUND
+    owner_ctx = cohort.contexts["owner"]
+    code = await refused(pull_update(owner_ctx, m1_at, 0, member="m1", **kw))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    # The next round, not yet published, is waited for and then said not ready.
+    code = await refused(
+        pull_proxy(m2, owner_at, 2, owner="owner", max_bytes=1 << 26, timeout_s=1.0)
+    )
+    assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    # A proxy larger than the reader's limit is refused at the first chunk.
+    with pytest.raises(PeerExchangeError) as err:
+        await pull_proxy(m2, owner_at, 0, owner="owner", max_bytes=1024, timeout_s=5.0)
+    assert err.value.reason == "too_large"
+    # Nothing of that moved the owner's round.
+    assert cohort.owner.round == 1 and _equal(cohort.owner.state, cohort.initial)
+
+
+async def test_a_member_that_disappears_and_a_bad_update_are_merged_without(
+    cohort_factory: Callable[..., Any], tokenizer: Any
+) -> None:
+    bad = _nan_trainer(text_trainer(tokenizer, TEXTS["m3"], steps=2, learning_rate=5e-3))
+    cohort: Cohort = await cohort_factory(MEMBERS, deadline_s=4.0, trainers={"m3": bad})
+    owner, members = cohort.owner, cohort.members
+    await owner.start()
+    # m2 pulls its proxy and is gone before it delivers (its server stops).
+    await members["m2"].pull(1, wait_s=10)
+    await cohort.servers["m2"].stop(0)
+    with structlog.testing.capture_logs() as logs:
+        results = await asyncio.gather(
+            owner.run_round(), members["m1"].run_round(1), members["m3"].run_round(1)
+        )
+    outcome = results[0]
+    assert outcome.arrived == ("m1",) and outcome.missing == ("m2",)
+    assert outcome.refused == {"m3": "non_finite"} and outcome.deadline_passed
+    # What arrived was merged (one client: H-TIES returns its proxy) and published.
+    assert _equal(owner.state, h_ties(cohort.initial, [members["m1"].model.state_dict()]).state)  # type: ignore[union-attr]
+    assert owner.round == 2
+    merged = [e for e in logs if e["event"] == "fedproxy_round_merged"]
+    assert merged and merged[0]["missing"] == ["m2"] and merged[0]["outcome"] == "partial"
+    assert merged[0]["refused"] == {"m3": "non_finite"} and merged[0]["log_level"] == "warning"
+    metric = cohort.metric
+    assert (
+        metric(
+            "owner", "peerlm_agent_fedproxy_members_missing_total", member="m2", reason="deadline"
+        )
+        == 1
+    )
+    assert (
+        metric(
+            "owner", "peerlm_agent_fedproxy_members_missing_total", member="m3", reason="non_finite"
+        )
+        == 1
+    )
+    assert (
+        metric(
+            "owner",
+            "peerlm_agent_fedproxy_payloads_refused_total",
+            kind="update",
+            reason="non_finite",
+        )
+        == 1
+    )
+    assert metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="partial") == 1
+
+
+async def test_updates_of_another_shape_or_block_set_are_refused_and_not_merged(
+    cohort_factory: Callable[..., Any],
+) -> None:
+    cohort: Cohort = await cohort_factory(MEMBERS, deadline_s=120.0)
+    owner, members = cohort.owner, cohort.members
+    await owner.start()
+    # m2 and m3 offer hand-made updates for round 1 on their own servers: one with a tensor
+    # of another shape, one of another block set (a proxy of blocks 0 and 2).
+    shaped = {k: v.clone() for k, v in cohort.initial.items()}
+    shaped["transformer.ln_f.bias"] = torch.zeros(shaped["transformer.ln_f.bias"].numel() + 1)
+    await members["m2"].board.publish(1, encode_update(shaped, owner.info, 1))
+    other = ProxyInfo(**{**owner.info.to_dict(), "kept_blocks": (0, 2), "block_influence": ()})
+    await members["m3"].board.publish(1, encode_update(cohort.initial, other, 1))
+    outcome, _ = await asyncio.gather(owner.run_round(), members["m1"].run_round(1))
+    # Everyone answered, so the round ended before its deadline; only m1 was merged.
+    assert not outcome.deadline_passed and outcome.arrived == ("m1",)
+    assert outcome.refused == {"m2": "shape", "m3": "mismatch"}
+    assert _equal(owner.state, h_ties(cohort.initial, [members["m1"].model.state_dict()]).state)  # type: ignore[union-attr]
+    for reason in ("shape", "mismatch"):
+        assert (
+            cohort.metric(
+                "owner",
+                "peerlm_agent_fedproxy_payloads_refused_total",
+                kind="update",
+                reason=reason,
+            )
+            == 1
+        )
+
+
+async def test_a_restarted_owner_resumes_at_its_last_published_round(
+    cohort_factory: Callable[..., Any], proxy: PreTrainedModel, tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / "owner" / "owner-proxy.safetensors"
+    cohort: Cohort = await cohort_factory(("m1",), deadline_s=60.0, checkpoint=checkpoint)
+    owner = cohort.owner
+    await owner.start()
+    await asyncio.gather(owner.run_round(), cohort.members["m1"].run_round(1))
+    assert owner.round == 2 and checkpoint.exists()
+    # A new owner process (same settings, the proxy as compressed) resumes at round 2.
+    settings = FedProxySettings(enabled=True, owner=True, cohort={"m1": "127.0.0.1:1"})
+    again = ProxyOwner(cohort.contexts["owner"], settings, proxy, checkpoint=checkpoint)
+    assert not _equal(again.state, owner.state)
+    await again.start()
+    assert again.round == 2 and _equal(again.state, owner.state)
+    assert _equal(again.conflict, owner.conflict) and again.conflict
+    # A checkpoint that is not this proxy's stops the owner rather than restarting it.
+    checkpoint.write_bytes(b"\x00" * 64)
+    with pytest.raises(ProxyError):
+        await ProxyOwner(cohort.contexts["owner"], settings, proxy, checkpoint=checkpoint).start()
