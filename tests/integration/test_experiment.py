@@ -108,7 +108,7 @@ def test_parallel_strategies_give_the_same_results(tmp_path: Path) -> None:
     plan = ExperimentPlan(
         agents=2, rounds=1, strategies=("local", "random"), seeds=(0,), size="micro",
         local_steps=1, transfer_limit=2, val_limit=2, test_limit=3, samples=2,
-        max_new_tokens=8, probe_per_category=1,
+        max_new_tokens=8, probe_per_category=1, warmup_steps=0, akd_steps=None,
     )  # fmt: skip
     runs = [
         run_experiment(plan, models=tmp_path / "models", work=tmp_path / f"w{jobs}", jobs=jobs)
@@ -133,7 +133,7 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
         strategies=("local_plus", "fedavg_lora", "onepeft", "onepeft_svd", "onepeft_hka",
                     "onepeft_fedavg"),
         local_steps=1, transfer_limit=2, val_limit=2, test_limit=6, samples=1,
-        max_new_tokens=8, probe_per_category=1,
+        max_new_tokens=8, probe_per_category=1, warmup_steps=0, akd_steps=None,
     )  # fmt: skip
     result = run_experiment(plan, models=tmp_path / "models", work=tmp_path / "w", jobs=1)
     assert {c["arch"] for c in result["clients"]} == {"gpt2"}
@@ -185,7 +185,8 @@ def test_the_warm_up_gives_every_strategy_and_seed_the_same_trained_start(tmp_pa
     plan = ExperimentPlan(
         agents=2, rounds=1, strategies=("local",), seeds=(0, 1), size="micro",
         local_steps=1, transfer_limit=2, val_limit=2, test_limit=24, samples=1,
-        max_new_tokens=8, probe_per_category=1, learning_rate=5e-2,
+        max_new_tokens=8, probe_per_category=1, learning_rate=5e-2, warmup_steps=0,
+        akd_steps=None,
     )  # fmt: skip
     models = tmp_path / "models"
     cold = run_experiment(plan, models=models, work=tmp_path / "cold")
