@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from peerlm.agent.fedwave.settings import FedWaveSettings
 from peerlm.overlay import OverlayParams
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -175,6 +176,9 @@ class AgentSettings(ServiceSettings):
     stop_grace_s: float = Field(default=30.0, ge=0)
     # SemanticDFL: the agent as an overlay node pulling its K most similar peers' adapters.
     overlay: AgentOverlaySettings = AgentOverlaySettings()
+    # FedWave: this agent as the expert of one stage of a value-chain workflow (serves its
+    # router and VCLayer to the workflow's agents, pulls theirs). Off without a workflow.
+    fedwave: FedWaveSettings = FedWaveSettings()
 
     @field_validator("cpm", "advertise")
     @classmethod
