@@ -41,6 +41,7 @@ __all__ = [
     "parse_adapter_round",
     "pull_adapter",
     "pull_adapter_with_round",
+    "receive_chunks",
 ]
 
 #: Request metadata announcing a student's tokenizer (see peer_service, which reads it).
@@ -197,6 +198,20 @@ async def pull_adapter(
         ctx, target, round_, expect=expect, max_bytes=max_bytes, timeout_s=timeout_s
     )
     return payload
+
+
+async def receive_chunks(
+    call: grpc.aio.UnaryStreamCall[Any, common_pb2.Chunk],
+    max_bytes: int,
+    counter: Counter | None,
+    tls_failures: TlsFailureCounter | None,
+    *,
+    what: str,
+) -> tuple[bytes, bytes, str, Any]:
+    """Assemble a chunk stream of another service the same way (FedWave's parts): the
+    payload, its verified SHA-256, its content type and the call's initial metadata; every
+    failure a :class:`PeerExchangeError` with the reasons above."""
+    return await _receive(call, max_bytes, counter, tls_failures, what=what)
 
 
 async def _receive(

@@ -67,6 +67,7 @@ __all__ = [
     "masked_mean",
     "save_expert",
     "save_vclayer",
+    "vclayer_max_bytes",
 ]
 
 #: The file name of a VCLayer saved beside its adapter.
@@ -265,11 +266,17 @@ def decode_vclayer(
     return layer, meta.get("peerlm.stage", "")
 
 
+def vclayer_max_bytes(hidden_size: int, settings: VCLayerSettings) -> int:
+    """The largest blob a VCLayer of this width and settings encodes to (float32 tensors
+    plus the header bound): what a peer's VCLayer may be at most."""
+    floats = 4 * hidden_size * settings.d_vc + hidden_size
+    return 8 + _MAX_HEADER + 4 * floats
+
+
 def _max_bytes(hidden_size: int | None, settings: VCLayerSettings | None) -> int | None:
     if hidden_size is None or settings is None:
         return None
-    floats = 4 * hidden_size * settings.d_vc + hidden_size
-    return 8 + _MAX_HEADER + 4 * floats
+    return vclayer_max_bytes(hidden_size, settings)
 
 
 def save_vclayer(layer: VCLayer, directory: Path, *, stage: str = "") -> Path:
