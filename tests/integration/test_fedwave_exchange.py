@@ -377,3 +377,35 @@ async def test_parts_that_do_not_fit_are_refused_and_leave_the_router_unchanged(
         assert small.rejected == {PullTarget("a4", PartKind.ROUTER): "too_large"}
     finally:
         await mallory.server.stop(0)
+
+
+async def test_peerlm_status_shows_the_workflow(pki: Path, agents: dict[str, Agent]) -> None:
+    import json
+    import sys
+
+    agents["a3"].publish(7)
+
+    async def status(*extra: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "peerlm", "status", "--pki-dir", str(pki),
+            "--fedwave", agents["a3"].target, "--fedwave", agents["a1"].target, *extra,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        return proc.returncode or 0, out.decode()
+
+    code, out = await status("--json")
+    assert code == 0, out
+    rows = json.loads(out)["fedwave"]
+    assert rows[0] == {
+        "target": agents["a3"].target,
+        "agent": "a3",
+        "stage": "implement",
+        "rounds": [7],
+        "stages": [{"name": s.name, "agents": list(s.agents)} for s in WORKFLOW.stages],
+    }
+    assert (rows[1]["agent"], rows[1]["stage"], rows[1]["rounds"]) == ("a1", "specify", [])
+    code, out = await status()
+    assert code == 0, out
+    assert "FedWave workflow" in out and "a1, a2" in out and "implement" in out

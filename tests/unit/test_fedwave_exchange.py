@@ -199,3 +199,15 @@ def test_agents_that_aggregate_the_same_routers_get_the_same_bits() -> None:
     assert results[0]["fc1.weight"][0, 0].item() == pytest.approx(float(expected), rel=1e-6)
     with pytest.raises(FedWaveError, match="attributed to this agent"):
         aggregate_routers("a1", routers["a1"].state_dict(), 10, {"a1": part.router}, shapes)
+
+
+def test_parts_travel_as_chunk_streams_and_messages_carry_no_payload() -> None:
+    from google.protobuf.descriptor import FieldDescriptor
+
+    from peerlm.wire.v1 import common_pb2, fedwave_pb2
+
+    service = fedwave_pb2.DESCRIPTOR.services_by_name["FedWaveExchange"]
+    pull = service.methods_by_name["PullPart"]
+    assert pull.server_streaming and pull.output_type is common_pb2.Chunk.DESCRIPTOR
+    for message in (pull.input_type, service.methods_by_name["DescribeWorkflow"].output_type):
+        assert all(f.type != FieldDescriptor.TYPE_BYTES for f in message.fields), message.name
