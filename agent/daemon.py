@@ -117,6 +117,7 @@ class AgentDaemon:
         # The matchmaking round our latest profile is considered in (SubmitProfile's answer).
         self._awaited_round = 0
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
+        self.fedwave: Any = None  # FedWaveNode when fedwave.workflow is set
 
     # ------------------------------------------------------------------ set-up
 
@@ -277,6 +278,22 @@ class AgentDaemon:
             signer=self.ctx.signer,
             send=s.peer_send,
         )
+        extra = []
+        if s.fedwave.enabled:
+            # FedWave: serve this stage's router and VCLayer to the workflow's agents on the
+            # same port (round 0 published; the round loop is not built yet).
+            from peerlm.agent.fedwave.agent_node import start_fedwave
+            from peerlm.agent.fedwave.exchange_service import FEDWAVE_POLICY, fedwave_service
+
+            self.fedwave = start_fedwave(
+                self.ctx,
+                s.fedwave,
+                hidden_size=int(self.host.model.config.hidden_size),
+                n_samples=len(self.train_examples),
+                chunk_bytes=s.limits.chunk_bytes,
+                log=self.log,
+            )
+            extra.append((fedwave_service(self.fedwave.service), FEDWAVE_POLICY))
         if s.overlay.enabled:
             from peerlm.agent.overlay_node import serve_agent
             from peerlm.overlay import ImportanceTracker
@@ -285,9 +302,9 @@ class AgentDaemon:
             saved_importance = self.state.get("importance")
             if isinstance(saved_importance, dict):
                 self.importance.load_state_dict(saved_importance)
-            self.server, self.overlay = await serve_agent(self.ctx, service, s)
+            self.server, self.overlay = await serve_agent(self.ctx, service, s, extra)
         else:
-            self.server = await serve_peer(self.ctx, service, listen=s.listen)
+            self.server = await serve_peer(self.ctx, service, listen=s.listen, extra=extra)
         host, _ = parse_host_port(s.listen)
         self.endpoint = s.advertise or f"{host}:{self.server.port}"
         self.ctx.check_advertised(self.endpoint)

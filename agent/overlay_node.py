@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from peerlm.agent.peer_service import PEER_POLICY, PEER_SERVICE_NAME, PeerExchangeService
@@ -39,6 +40,7 @@ from peerlm.overlay import OVERLAY_SERVICE_NAME as SERVICE_NAME
 from peerlm.config import parse_host_port
 from peerlm.node import NodeContext, NodeServer, Service
 from peerlm.pki.ca import vrf_key_path
+from peerlm.pki.identity import Role
 from peerlm.security.mode import SecurityConfigError, SecurityMode
 from peerlm.wire.v1 import peer_pb2_grpc
 
@@ -105,9 +107,13 @@ def peer_exchange(service: PeerExchangeService) -> Service:
 
 
 async def serve_agent(
-    ctx: NodeContext, service: PeerExchangeService, settings: AgentSettings
+    ctx: NodeContext,
+    service: PeerExchangeService,
+    settings: AgentSettings,
+    extra: Sequence[tuple[Service, Mapping[str, frozenset[Role]]]] = (),
 ) -> tuple[NodeServer, AgentOverlay]:
-    """Build, bind and start the agent's server with peer exchange *and* the overlay.
+    """Build, bind and start the agent's server with peer exchange *and* the overlay (and
+    ``extra`` services, each with its policy: FedWave's exchange).
 
     Returns the server (bound port in ``.port``) and the :class:`AgentOverlay` (host
     started, not joined yet: call :meth:`AgentOverlay.join`).
@@ -124,7 +130,10 @@ async def serve_agent(
     params = settings.overlay.protocol  # validated by OverlayParams when settings loaded
     listen_host, _ = parse_host_port(settings.listen)
     # One policy for both services (per method, no method name shared).
-    server = ctx.bind({**PEER_POLICY, **OVERLAY_POLICY}, listen=settings.listen)
+    policy = {**PEER_POLICY, **OVERLAY_POLICY}
+    for _, more in extra:
+        policy.update(more)
+    server = ctx.bind(policy, listen=settings.listen)
     address = settings.advertise or f"{listen_host}:{server.port}"
     stack = build_overlay_host(
         ctx,
@@ -140,6 +149,8 @@ async def serve_agent(
     )
     server.add(peer_exchange(service))
     server.add(stack.service)
+    for svc, _ in extra:
+        server.add(svc)
     await server.start()
     await stack.start()
     await server.serving(True)

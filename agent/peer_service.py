@@ -36,7 +36,7 @@ import asyncio
 import collections
 import functools
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, NoReturn
 
 import grpc
@@ -446,14 +446,27 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
             del self._builds[key]
 
 
-async def serve_peer(ctx: NodeContext, service: PeerExchangeService, *, listen: str) -> NodeServer:
+async def serve_peer(
+    ctx: NodeContext,
+    service: PeerExchangeService,
+    *,
+    listen: str,
+    extra: Sequence[tuple[Service, Mapping[str, frozenset[Role]]]] = (),
+) -> NodeServer:
     """Build, bind and start the peer server on ``ctx`` (:meth:`NodeContext.serve`: metrics
     first, then authentication and :data:`PEER_POLICY`); returns it with its bound port.
+    ``extra``: more services on the same port, each with its policy (FedWave's exchange).
     Health reports SERVING once started; the caller stops it (``await server.stop()``).
     """
+    policy = dict(PEER_POLICY)
+    for _, more in extra:
+        policy.update(more)
     server = await ctx.serve(
-        [Service(PEER_SERVICE_NAME, service, peer_pb2_grpc.add_PeerExchangeServicer_to_server)],
-        PEER_POLICY,
+        [
+            Service(PEER_SERVICE_NAME, service, peer_pb2_grpc.add_PeerExchangeServicer_to_server),
+            *(svc for svc, _ in extra),
+        ],
+        policy,
         listen=listen,
     )
     await server.serving(True)
