@@ -12,8 +12,8 @@ refused at the first chunk.
 :func:`pull_round` runs every pull the round needs
 (:func:`~peerlm.agent.fedwave.exchange.plan_pulls`) concurrently under
 ``fedwave.round_deadline_s`` and goes on with what arrived: a part not there by the
-deadline is *missing* (``late``; or ``unavailable``, ``refused``, ``no_endpoint`` when the
-pull ended earlier), counted in
+deadline is *missing* (``late``; or ``unavailable``, ``refused``, ``no_endpoint``, ``error``
+when the pull ended earlier), counted in
 ``peerlm_agent_fedwave_missing_parts_total{kind, reason}``; a part that arrived but does not
 fit (:func:`~peerlm.agent.fedwave.exchange.accept_part`: wrong shape, NaN/inf, oversized,
 wrong round or stage, a sender not in the workflow or not proving to be the agent asked, a
@@ -208,7 +208,13 @@ async def pull_round(
                 where[target] = reason
                 continue
             if err is not None:
-                raise err
+                # Not a transfer failure (a dial refused by the security mode, a bug): the
+                # round goes on without the part, and the log line says what it was.
+                ctx.log.error(
+                    "fedwave_pull_failed", round=round_, peer=target.agent, error=repr(err)
+                )
+                parts.missing[target] = "error"
+                continue
             try:
                 parts.add(
                     accept_part(workflow, target.agent, target.kind, round_, task.result(), bounds)

@@ -211,3 +211,22 @@ def test_parts_travel_as_chunk_streams_and_messages_carry_no_payload() -> None:
     assert pull.server_streaming and pull.output_type is common_pb2.Chunk.DESCRIPTOR
     for message in (pull.input_type, service.methods_by_name["DescribeWorkflow"].output_type):
         assert all(f.type != FieldDescriptor.TYPE_BYTES for f in message.fields), message.name
+
+
+async def test_a_pull_that_cannot_even_be_dialled_is_missing_not_fatal() -> None:
+    from peerlm.agent.fedwave.exchange_client import pull_round
+
+    from tests.node_contexts import dev_context
+
+    # insecure-dev may dial loopback only: the dial to a2 is refused before any traffic;
+    # a3 has no address. The round goes on and counts both.
+    ctx = dev_context("fw", "a1")
+    targets = [PullTarget("a2", PartKind.ROUTER), PullTarget("a3", PartKind.ROUTER)]
+    parts = await pull_round(
+        ctx, WORKFLOW, "a1", 1, {"a2": "10.1.2.3:50061"}, _bounds(), deadline_s=5, targets=targets
+    )
+    assert parts.missing == {targets[0]: "error", targets[1]: "no_endpoint"}
+    count = ctx.registry.get_sample_value(
+        "peerlm_agent_fedwave_missing_parts_total", {"kind": "router", "reason": "error"}
+    )
+    assert count == 1
