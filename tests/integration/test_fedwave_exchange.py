@@ -89,7 +89,12 @@ class Agent:
         )
 
 
-async def _start(pki: Path, name: str, workflow: Workflow = WORKFLOW) -> Agent:
+async def _start(
+    pki: Path,
+    name: str,
+    workflow: Workflow = WORKFLOW,
+    max_bytes: dict[PartKind, int] | None = None,
+) -> Agent:
     ctx = kit_context(pki, name, listen="127.0.0.1:0")
     # Every agent has trained its own router from the common start: different weights.
     router = MoERouter(
@@ -103,6 +108,7 @@ async def _start(pki: Path, name: str, workflow: Workflow = WORKFLOW) -> Agent:
         chunk_bytes=CHUNK,
         registry=ctx.registry,
         signer=ctx.signer,
+        max_bytes=max_bytes,
     )
     server = await serve_fedwave(ctx, service, listen="127.0.0.1:0")
     return Agent(name, ctx, server, service, router, layer)
@@ -375,6 +381,26 @@ async def test_parts_that_do_not_fit_are_refused_and_leave_the_router_unchanged(
             targets=[PullTarget("a4", PartKind.ROUTER)],
         )
         assert small.rejected == {PullTarget("a4", PartKind.ROUTER): "too_large"}
+        # A server does not send a part over its own bound: RESOURCE_EXHAUSTED, counted there,
+        # and missing ("refused") at the puller.
+        strict = await _start(pki, "a2", max_bytes={PartKind.ROUTER: 1024})
+        try:
+            strict.publish(6)
+            over = await pull_round(
+                a1.ctx, WORKFLOW, "a1", 6, {"a2": strict.target}, _bounds(), deadline_s=10.0,
+                targets=[PullTarget("a2", PartKind.ROUTER)],
+            )  # fmt: skip
+            assert over.missing == {PullTarget("a2", PartKind.ROUTER): "refused"}
+            assert (
+                _count(
+                    strict.registry,
+                    "peerlm_agent_fedwave_refusals_total",
+                    {"rpc": "PullPart", "reason": "too_large"},
+                )
+                == 1
+            )
+        finally:
+            await strict.server.stop(0)
     finally:
         await mallory.server.stop(0)
 
