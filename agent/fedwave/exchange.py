@@ -1,6 +1,9 @@
 """FedWave's exchange among a workflow's agents, without I/O: what is served, to whom,
 what is pulled from whom, what is accepted, and the router aggregate (Eq. 9).
 
+Importing it loads no torch (a server that only serves parts never needs it): the decoders
+and the aggregate are imported by the functions that use them.
+
 Each round an agent *publishes* its parts (:class:`PartStore`): its MoE router (with its
 sample count ``n_i``) and its VCLayer (with its stage embedding). Every other agent of the
 workflow pulls this agent's router; the agents of the adjacent stages pull its VCLayer
@@ -24,17 +27,18 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-import torch
 from peerlm.agent.fedwave.errors import FedWaveError
 from peerlm.agent.fedwave.params import VCLayerSettings
-from peerlm.agent.fedwave.router import fedavg_routers
-from peerlm.agent.fedwave.router_codec import DecodedRouter, decode_router, max_router_bytes
-from peerlm.agent.fedwave.vclayer import VCLayer, decode_vclayer, vclayer_max_bytes
 from peerlm.agent.fedwave.workflow import Workflow
 
 from peerlm.chunks import HashedPayload
+
+if TYPE_CHECKING:
+    import torch
+    from peerlm.agent.fedwave.router_codec import DecodedRouter
+    from peerlm.agent.fedwave.vclayer import VCLayer
 
 __all__ = [
     "PART_CONTENT_TYPES",
@@ -218,6 +222,9 @@ class ShapeBounds:
 
     def max_bytes(self, kind: PartKind) -> int:
         """The largest blob of ``kind`` accepted (announced size refused above it)."""
+        from peerlm.agent.fedwave.router_codec import max_router_bytes
+        from peerlm.agent.fedwave.vclayer import vclayer_max_bytes
+
         if kind is PartKind.ROUTER:
             own = max_router_bytes(dict(self.router_shapes))
             return own if self.max_router_bytes is None else min(own, self.max_router_bytes)
@@ -250,6 +257,9 @@ def accept_part(
     sender is an agent of the workflow (``not_in_workflow``), a router is of the round
     asked for (``round``), a VCLayer names the sender's stage (``stage``).
     """
+    from peerlm.agent.fedwave.router_codec import decode_router
+    from peerlm.agent.fedwave.vclayer import decode_vclayer
+
     if agent not in workflow.agents:
         raise FedWaveError(f"{agent!r} is not an agent of the workflow", reason="not_in_workflow")
     if kind is PartKind.ROUTER:
@@ -309,6 +319,9 @@ def aggregate_routers(
 ) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
     """Eq. 9 over this agent's router and the routers that arrived: (the aggregate, the
     agents it averages, sorted). ``FedWaveError`` if ``pulled`` holds this agent itself."""
+    import torch
+    from peerlm.agent.fedwave.router import fedavg_routers
+
     if me in pulled:
         raise FedWaveError(f"a pulled router is attributed to this agent ({me!r})", reason="keys")
     members: dict[str, tuple[Mapping[str, torch.Tensor], int]] = {

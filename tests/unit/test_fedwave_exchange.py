@@ -230,3 +230,15 @@ async def test_a_pull_that_cannot_even_be_dialled_is_missing_not_fatal() -> None
         "peerlm_agent_fedwave_missing_parts_total", {"kind": "router", "reason": "error"}
     )
     assert count == 1
+
+
+def test_serving_parts_loads_no_torch() -> None:
+    # A process that only serves parts (the fuzz and slow-reader servers) starts without it.
+    import subprocess
+    import sys
+
+    code = "import sys, peerlm.agent.fedwave.exchange_service; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip() == "False"
