@@ -20,10 +20,15 @@ if TYPE_CHECKING:
     from peerlm.agent.evaluation import evaluate, structural_match_rate
     from peerlm.agent.fedwave.chain_tasks import score_chain_tasks
     from peerlm.agent.fedwave.code_chain import CODE_CHAIN_STAGES, build_code_chain
+    from peerlm.agent.fedwave.exchange import PartKind, PartStore, ShapeBounds
+    from peerlm.agent.fedwave.exchange_client import aggregate_round_routers, pull_round
+    from peerlm.agent.fedwave.exchange_service import FedWaveExchangeService, serve_fedwave
     from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss
     from peerlm.agent.fedwave.generation import greedy_generate
+    from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
+    from peerlm.agent.fedwave.settings import FedWaveSettings
     from peerlm.agent.fedwave.text_metrics import corpus_scores
-    from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer
+    from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer, encode_vclayer
     from peerlm.agent.fedwave.workflow import Workflow
     from peerlm.agent.guardrail import Guardrail, agent_guardrail
     from peerlm.agent.hties import (
@@ -203,6 +208,18 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "expert_loss": ("peerlm.agent.fedwave.expert_step", "expert_loss"),
     "greedy_generate": ("peerlm.agent.fedwave.generation", "greedy_generate"),
     "score_chain_tasks": ("peerlm.agent.fedwave.chain_tasks", "score_chain_tasks"),
+    # FedWave exchange among a workflow's agents (docs/fedwave.md, section 4)
+    "FedWaveExchangeService": ("peerlm.agent.fedwave.exchange_service", "FedWaveExchangeService"),
+    "serve_fedwave": ("peerlm.agent.fedwave.exchange_service", "serve_fedwave"),
+    "FedWaveSettings": ("peerlm.agent.fedwave.settings", "FedWaveSettings"),
+    "PartKind": ("peerlm.agent.fedwave.exchange", "PartKind"),
+    "PartStore": ("peerlm.agent.fedwave.exchange", "PartStore"),
+    "ShapeBounds": ("peerlm.agent.fedwave.exchange", "ShapeBounds"),
+    "pull_round": ("peerlm.agent.fedwave.exchange_client", "pull_round"),
+    "aggregate_round_routers": ("peerlm.agent.fedwave.exchange_client", "aggregate_round_routers"),
+    "encode_router": ("peerlm.agent.fedwave.router_codec", "encode_router"),
+    "router_shapes": ("peerlm.agent.fedwave.router_codec", "router_shapes"),
+    "encode_vclayer": ("peerlm.agent.fedwave.vclayer", "encode_vclayer"),
 }
 
 __all__ = [
@@ -223,6 +240,8 @@ __all__ = [
     "ConflictRegulariser",
     "CpmClient",
     "DirectiveBook",
+    "FedWaveExchangeService",
+    "FedWaveSettings",
     "Guardrail",
     "HTiesResult",
     "Integration",
@@ -232,12 +251,15 @@ __all__ = [
     "ModelHost",
     "ModelInfo",
     "OneShotResult",
+    "PartKind",
+    "PartStore",
     "PeerExchangeError",
     "PeerExchangeService",
     "Problem",
     "ProfileInputs",
     "ProxyError",
     "RoundConfig",
+    "ShapeBounds",
     "TrainSettings",
     "VCCausalLM",
     "VCLayer",
@@ -247,6 +269,7 @@ __all__ = [
     "agent_guardrail",
     "aggregate_fedavg_factors",
     "aggregate_ffa",
+    "aggregate_round_routers",
     "aggregate_svd",
     "apply_lora",
     "block_influence",
@@ -264,7 +287,9 @@ __all__ = [
     "decode_package",
     "delta_weights",
     "encode_adapter",
+    "encode_router",
     "encode_stage_examples",
+    "encode_vclayer",
     "evaluate",
     "evaluate_pass",
     "expert_loss",
@@ -287,15 +312,18 @@ __all__ = [
     "public_problems",
     "pull_adapter",
     "pull_adapter_with_round",
+    "pull_round",
     "read_jsonl",
     "read_manifest",
     "read_models_manifest",
     "reference_nll",
     "round_profile",
+    "router_shapes",
     "run_agent",
     "sample_completions",
     "score_chain_tasks",
     "score_completions",
+    "serve_fedwave",
     "serve_peer",
     "structural_match_rate",
     "teacher_completions",

@@ -121,6 +121,7 @@ class AgentDaemon:
         self._awaited_round = 0
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
         self.cohort: Any = None  # ProxyOwner or ProxyMember when fedproxy.enabled
+        self.fedwave: Any = None  # FedWaveNode when fedwave.workflow is set
 
     # ------------------------------------------------------------------ set-up
 
@@ -281,7 +282,22 @@ class AgentDaemon:
             signer=self.ctx.signer,
             send=s.peer_send,
         )
-        extra, extra_policy = await self._fedproxy_services()
+        extra = await self._fedproxy_services()
+        if s.fedwave.enabled:
+            # FedWave: serve this stage's router and VCLayer to the workflow's agents on the
+            # same port (round 0 published; the round loop is not built yet).
+            from peerlm.agent.fedwave.agent_node import start_fedwave
+            from peerlm.agent.fedwave.exchange_service import FEDWAVE_POLICY, fedwave_service
+
+            self.fedwave = start_fedwave(
+                self.ctx,
+                s.fedwave,
+                hidden_size=int(self.host.model.config.hidden_size),
+                n_samples=len(self.train_examples),
+                chunk_bytes=s.limits.chunk_bytes,
+                log=self.log,
+            )
+            extra.append((fedwave_service(self.fedwave.service), FEDWAVE_POLICY))
         if s.overlay.enabled:
             from peerlm.agent.overlay_node import serve_agent
             from peerlm.overlay import ImportanceTracker
@@ -290,13 +306,9 @@ class AgentDaemon:
             saved_importance = self.state.get("importance")
             if isinstance(saved_importance, dict):
                 self.importance.load_state_dict(saved_importance)
-            self.server, self.overlay = await serve_agent(
-                self.ctx, service, s, extra=extra, extra_policy=extra_policy
-            )
+            self.server, self.overlay = await serve_agent(self.ctx, service, s, extra)
         else:
-            self.server = await serve_peer(
-                self.ctx, service, listen=s.listen, extra=extra, extra_policy=extra_policy
-            )
+            self.server = await serve_peer(self.ctx, service, listen=s.listen, extra=extra)
         host, _ = parse_host_port(s.listen)
         self.endpoint = s.advertise or f"{host}:{self.server.port}"
         self.ctx.check_advertised(self.endpoint)
@@ -306,13 +318,13 @@ class AgentDaemon:
             else None
         )
 
-    async def _fedproxy_services(self) -> tuple[list[Any], dict[str, Any]]:
+    async def _fedproxy_services(self) -> list[tuple[Any, Any]]:
         """FedProxy's role (docs/fedproxy.md, section 6): the owner loads its proxy, a
         member its trainer (its own tokenizer: the host's is the model worker's); either
         serves ``ProxyExchange`` on the peer server."""
         fp = self.s.fedproxy
         if not fp.enabled:
-            return [], {}
+            return []
         from peerlm.agent.fedproxy_member import ProxyMember, text_trainer
         from peerlm.agent.fedproxy_owner import ProxyOwner
         from peerlm.agent.fedproxy_service import FEDPROXY_POLICY, fedproxy_service
@@ -346,7 +358,7 @@ class AgentDaemon:
             owner_name=fp.owner_name,
             rounds=fp.rounds,
         )
-        return [fedproxy_service(service)], dict(FEDPROXY_POLICY)
+        return [(fedproxy_service(service), dict(FEDPROXY_POLICY))]
 
     async def _fedproxy_rounds(self) -> None:
         """Run ``fedproxy.rounds`` cohort rounds beside the agent's own rounds. A member

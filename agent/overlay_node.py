@@ -110,11 +110,10 @@ async def serve_agent(
     ctx: NodeContext,
     service: PeerExchangeService,
     settings: AgentSettings,
-    *,
-    extra: Sequence[Service] = (),
-    extra_policy: Mapping[str, frozenset[Role]] | None = None,
+    extra: Sequence[tuple[Service, Mapping[str, frozenset[Role]]]] = (),
 ) -> tuple[NodeServer, AgentOverlay]:
-    """Build, bind and start the agent's server with peer exchange *and* the overlay.
+    """Build, bind and start the agent's server with peer exchange *and* the overlay (and
+    ``extra`` services, each with its policy: FedWave's and FedProxy's exchanges).
 
     Returns the server (bound port in ``.port``) and the :class:`AgentOverlay` (host
     started, not joined yet: call :meth:`AgentOverlay.join`).
@@ -131,9 +130,10 @@ async def serve_agent(
     params = settings.overlay.protocol  # validated by OverlayParams when settings loaded
     listen_host, _ = parse_host_port(settings.listen)
     # One policy for both services (per method, no method name shared).
-    server = ctx.bind(
-        {**PEER_POLICY, **OVERLAY_POLICY, **(extra_policy or {})}, listen=settings.listen
-    )
+    policy = {**PEER_POLICY, **OVERLAY_POLICY}
+    for _, more in extra:
+        policy.update(more)
+    server = ctx.bind(policy, listen=settings.listen)
     address = settings.advertise or f"{listen_host}:{server.port}"
     stack = build_overlay_host(
         ctx,
@@ -149,8 +149,8 @@ async def serve_agent(
     )
     server.add(peer_exchange(service))
     server.add(stack.service)
-    for more in extra:  # FedProxy's ProxyExchange, when the agent is in a cohort
-        server.add(more)
+    for svc, _ in extra:
+        server.add(svc)
     await server.start()
     await stack.start()
     await server.serving(True)

@@ -201,6 +201,21 @@ async def pull_adapter(
     return payload
 
 
+async def receive_chunks(
+    call: grpc.aio.UnaryStreamCall[Any, common_pb2.Chunk],
+    max_bytes: int,
+    counter: Counter | None,
+    tls_failures: TlsFailureCounter | None,
+    *,
+    what: str,
+) -> tuple[bytes, bytes, str, Any]:
+    """Assemble a chunk stream of another peer service exactly as adapters are (FedWave's
+    parts, FedProxy's proxies and updates): the payload, its verified SHA-256, its content
+    type and the call's initial metadata; every failure a :class:`PeerExchangeError` with
+    the reasons above."""
+    return await _receive(call, max_bytes, counter, tls_failures, what=what)
+
+
 async def _receive(
     call: grpc.aio.UnaryStreamCall[Any, common_pb2.Chunk],
     max_bytes: int,
@@ -259,20 +274,6 @@ async def _receive(
     finally:
         hasher.close()
     return payload, assembler.sha256, assembler.content_type, metadata
-
-
-async def receive_chunks(
-    call: grpc.aio.UnaryStreamCall[Any, common_pb2.Chunk],
-    max_bytes: int,
-    counter: Counter | None,
-    tls_failures: TlsFailureCounter | None,
-    *,
-    what: str,
-) -> tuple[bytes, bytes, str, Any]:
-    """Assemble a chunk stream of any peer service (FedProxy's too) exactly as adapters are:
-    (payload, its verified SHA-256, content type, initial metadata); every failure a
-    :class:`PeerExchangeError`."""
-    return await _receive(call, max_bytes, counter, tls_failures, what=what)
 
 
 def check_sender(

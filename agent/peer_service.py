@@ -451,21 +451,22 @@ async def serve_peer(
     service: PeerExchangeService,
     *,
     listen: str,
-    extra: Sequence[Service] = (),
-    extra_policy: Mapping[str, frozenset[Role]] | None = None,
+    extra: Sequence[tuple[Service, Mapping[str, frozenset[Role]]]] = (),
 ) -> NodeServer:
     """Build, bind and start the peer server on ``ctx`` (:meth:`NodeContext.serve`: metrics
     first, then authentication and :data:`PEER_POLICY`); returns it with its bound port.
-    ``extra`` services (FedProxy's ``ProxyExchange``) share the server, under
-    ``extra_policy`` for their methods. Health reports SERVING once started; the caller
-    stops it (``await server.stop()``).
+    ``extra``: more services on the same port, each with its policy (FedWave's exchange).
+    Health reports SERVING once started; the caller stops it (``await server.stop()``).
     """
+    policy = dict(PEER_POLICY)
+    for _, more in extra:
+        policy.update(more)
     server = await ctx.serve(
         [
             Service(PEER_SERVICE_NAME, service, peer_pb2_grpc.add_PeerExchangeServicer_to_server),
-            *extra,
+            *(svc for svc, _ in extra),
         ],
-        {**PEER_POLICY, **(extra_policy or {})},
+        policy,
         listen=listen,
     )
     await server.serving(True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from peerlm.agent.fedwave.settings import FedWaveSettings
 from peerlm.overlay import OverlayParams
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -262,6 +263,9 @@ class AgentSettings(ServiceSettings):
     overlay: AgentOverlaySettings = AgentOverlaySettings()
     # FedProxy's owner/member role (docs/fedproxy.md).
     fedproxy: FedProxySettings = FedProxySettings()
+    # FedWave: this agent as the expert of one stage of a value-chain workflow (serves its
+    # router and VCLayer to the workflow's agents, pulls theirs). Off without a workflow.
+    fedwave: FedWaveSettings = FedWaveSettings()
 
     @field_validator("cpm", "advertise")
     @classmethod

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from peerlm.agent.fedwave.params import CollabLossSettings
 from peerlm.agent.fedwave.vclayer import VCLayer
-from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "CollabLossSettings",
@@ -46,20 +46,6 @@ __all__ = [
 ]
 
 _EPS = 1e-8
-
-
-class CollabLossSettings(BaseModel):
-    """γ, the λ weights and the cosine targets of Eq. 2-6."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    gamma: float = Field(default=0.5, ge=0)
-    lambda_pos: float = Field(default=0.1, ge=0)
-    lambda_cont: float = Field(default=0.1, ge=0)
-    lambda_cons: float = Field(default=0.1, ge=0)
-    t_pos: float = Field(default=0.5, ge=-1, le=1)
-    t_cont: float = Field(default=0.9, ge=-1, le=1)
-    t_cons: float = Field(default=0.8, ge=-1, le=1)
 
 
 @dataclass(frozen=True)

@@ -27,20 +27,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from peerlm.agent.fedwave.params import DEFAULT_BETA, DPOSettings
 
 __all__ = ["DEFAULT_BETA", "DPOSettings", "DPOTerms", "dpo_loss"]
-
-#: The paper's β (Section 4.4, Figure 3d).
-DEFAULT_BETA = 0.1
-
-
-class DPOSettings(BaseModel):
-    """DPO's preference strength β."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    beta: float = Field(default=DEFAULT_BETA, gt=0)
 
 
 @dataclass(frozen=True)

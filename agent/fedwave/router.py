@@ -38,14 +38,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from peerlm.agent.adapter_codec import check_tensors
 from peerlm.agent.fedwave.errors import FedWaveError
+from peerlm.agent.fedwave.params import RouterSettings
 from peerlm.agent.fedwave.vclayer import masked_mean
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 __all__ = [
@@ -58,19 +57,6 @@ __all__ = [
     "router_losses",
     "top_k_routing",
 ]
-
-
-class RouterSettings(BaseModel):
-    """The router's width, inference top-k, regulariser weights and local objective."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    hidden: int = Field(default=64, ge=1, le=65536)
-    top_k: int = Field(default=2, ge=1)
-    delta_balance: float = Field(default=0.01, ge=0)
-    delta_entropy: float = Field(default=0.01, ge=0)
-    objective: Literal["stage_label", "paper"] = "stage_label"
-    init_std: float = Field(default=0.02, gt=0, le=1)
 
 
 class MoERouter(nn.Module):

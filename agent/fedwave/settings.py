@@ -1,30 +1,56 @@
-"""FedWave's knobs in one section: the workflow and each component's settings.
+"""FedWave's knobs in one section: the workflow, this agent's place in it, the exchange's
+bounds and each component's settings.
 
-A settings model (``AgentSettings``, ``peerlm up``) can hold :class:`FedWaveSettings` as
-``fedwave:``; nothing reads it there yet. Each component keeps its own model beside its
-maths (one definition of every knob, its default and its bounds); this section only puts
-them together and checks what spans two of them.
+``AgentSettings.fedwave`` holds :class:`FedWaveSettings` (``fedwave:`` in an agent's
+configuration, docs/configuration.md). Each component keeps its own model
+(:mod:`~peerlm.agent.fedwave.params`: one definition of every knob, its default and its
+bounds); this section puts them together and checks what spans two of them. Loading it
+loads no torch (``peerlm health`` reads the agent's configuration); the two methods that
+build modules import torch when called.
 """
 
 from __future__ import annotations
 
-import torch
-from peerlm.agent.fedwave.collab_loss import CollabLossSettings
-from peerlm.agent.fedwave.dpo import DPOSettings
-from peerlm.agent.fedwave.router import MoERouter, RouterSettings
-from peerlm.agent.fedwave.vclayer import VCLayer, VCLayerSettings
+from typing import TYPE_CHECKING
+
+from peerlm.agent.fedwave.params import (
+    CollabLossSettings,
+    DPOSettings,
+    RouterSettings,
+    VCLayerSettings,
+)
 from peerlm.agent.fedwave.workflow import Workflow
 from pydantic import Field, model_validator
 
-from peerlm.config import Section
+from peerlm.config import MiB, Section
+
+if TYPE_CHECKING:
+    from peerlm.agent.fedwave.router import MoERouter
+    from peerlm.agent.fedwave.vclayer import VCLayer
 
 __all__ = ["FedWaveSettings"]
 
 
 class FedWaveSettings(Section):
-    """The workflow, VCLayer, collaborative loss, router and DPO settings."""
+    """The workflow, this agent's stage, the exchange's deadline and size bounds, and the
+    VCLayer, collaborative loss, router and DPO settings.
+
+    ``workflow`` unset: FedWave is off for this agent (nothing else here is read).
+    """
 
     workflow: Workflow | None = None
+    # This agent's stage. Its certificate name must be listed there (checked where the
+    # identity is known, at start: the settings do not know the name). Unset: the stage
+    # whose agents list the certificate name.
+    stage: str | None = None
+    # How long one round's pulls (adjacent VCLayers, every other agent's router) may take
+    # together; what has not arrived by then is counted missing and the round goes on.
+    round_deadline_s: float = Field(default=30.0, gt=0, le=3600)
+    # Largest router / VCLayer blob accepted from a workflow agent (and served). Unset: the
+    # largest blob of this agent's shapes (float32 tensors plus the format's header bound),
+    # which no honest peer of the same workflow exceeds.
+    max_router_bytes: int | None = Field(default=None, ge=1024, le=1024 * MiB)
+    max_vclayer_bytes: int | None = Field(default=None, ge=1024, le=1024 * MiB)
     vclayer: VCLayerSettings = VCLayerSettings()
     collab: CollabLossSettings = CollabLossSettings()
     router: RouterSettings = RouterSettings()
@@ -35,15 +61,55 @@ class FedWaveSettings(Section):
 
     @model_validator(mode="after")
     def _fits_workflow(self) -> FedWaveSettings:
-        if self.workflow is not None and self.router.top_k > len(self.workflow.stages):
+        if self.workflow is None:
+            if self.stage is not None:
+                raise ValueError(f"fedwave.stage {self.stage!r} is set but no fedwave.workflow")
+            return self
+        if self.stage is not None and self.stage not in self.workflow.stage_names:
+            raise ValueError(
+                f"fedwave.stage {self.stage!r} is not a stage of the workflow "
+                f"(stages: {', '.join(self.workflow.stage_names)})"
+            )
+        if self.router.top_k > len(self.workflow.stages):
             raise ValueError(
                 f"router.top_k ({self.router.top_k}) exceeds the workflow's "
                 f"{len(self.workflow.stages)} stages (experts)"
             )
         return self
 
+    @property
+    def enabled(self) -> bool:
+        """Whether a workflow is configured (FedWave is on for this agent)."""
+        return self.workflow is not None
+
+    def member_stage(self, agent: str) -> int:
+        """The index of the stage ``agent`` (this process's certificate name) serves.
+
+        ``ValueError`` with the fix when FedWave is off, when ``agent`` is not in the
+        workflow, or when it is listed in another stage than ``stage`` says.
+        """
+        if self.workflow is None:
+            raise ValueError("fedwave.workflow is not configured")
+        try:
+            index = self.workflow.stage_index(agent)
+        except KeyError:
+            raise ValueError(
+                f"this agent ({agent!r}) is not listed in any stage of fedwave.workflow "
+                f"(agents: {', '.join(self.workflow.agents)})"
+            ) from None
+        listed = self.workflow.stages[index].name
+        if self.stage is not None and self.stage != listed:
+            raise ValueError(
+                f"fedwave.stage is {self.stage!r} but the workflow lists this agent "
+                f"({agent!r}) in stage {listed!r}"
+            )
+        return index
+
     def initial_vclayer(self, hidden_size: int, stage_index: int) -> VCLayer:
         """Stage ``stage_index``'s initial VCLayer (generator seeded ``seed + 1 + i``)."""
+        import torch
+        from peerlm.agent.fedwave.vclayer import VCLayer
+
         if stage_index < 0:
             raise ValueError(f"stage index must not be negative, got {stage_index}")
         generator = torch.Generator().manual_seed(self.seed + 1 + stage_index)
@@ -51,6 +117,9 @@ class FedWaveSettings(Section):
 
     def initial_router(self, hidden_size: int) -> MoERouter:
         """The router every agent of the workflow starts from (generator seeded ``seed``)."""
+        import torch
+        from peerlm.agent.fedwave.router import MoERouter
+
         if self.workflow is None:
             raise ValueError("the initial router needs a workflow (one expert per stage)")
         generator = torch.Generator().manual_seed(self.seed)

@@ -47,7 +47,7 @@ from peerlm.agent.adapter_codec import (
     read_safetensors_header,
 )
 from peerlm.agent.fedwave.errors import FedWaveError
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from peerlm.agent.fedwave.params import VCLayerSettings
 from safetensors.torch import save as st_save
 from torch import nn
 
@@ -67,6 +67,7 @@ __all__ = [
     "masked_mean",
     "save_expert",
     "save_vclayer",
+    "vclayer_max_bytes",
 ]
 
 #: The file name of a VCLayer saved beside its adapter.
@@ -77,22 +78,6 @@ _TENSORS: Final = ("w_q", "w_k", "w_v", "w_o", "stage_embedding")
 _MAX_HEADER: Final = 64 * 1024
 #: A VCLayer travels in float32 only (what :func:`encode_vclayer` writes).
 _DTYPES: Final = {"F32": 4}
-
-
-class VCLayerSettings(BaseModel):
-    """The VCLayer's size: ``d_vc`` (split over ``heads``) and the initial weight scale."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    d_vc: int = Field(default=64, ge=1, le=65536)
-    heads: int = Field(default=4, ge=1, le=1024)
-    init_std: float = Field(default=0.02, gt=0, le=1)
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> VCLayerSettings:
-        if self.d_vc % self.heads:
-            raise ValueError(f"d_vc ({self.d_vc}) must be a multiple of heads ({self.heads})")
-        return self
 
 
 class VCLayer(nn.Module):
@@ -281,11 +266,17 @@ def decode_vclayer(
     return layer, meta.get("peerlm.stage", "")
 
 
+def vclayer_max_bytes(hidden_size: int, settings: VCLayerSettings) -> int:
+    """The largest blob a VCLayer of this width and settings encodes to (float32 tensors
+    plus the header bound): what a peer's VCLayer may be at most."""
+    floats = 4 * hidden_size * settings.d_vc + hidden_size
+    return 8 + _MAX_HEADER + 4 * floats
+
+
 def _max_bytes(hidden_size: int | None, settings: VCLayerSettings | None) -> int | None:
     if hidden_size is None or settings is None:
         return None
-    floats = 4 * hidden_size * settings.d_vc + hidden_size
-    return 8 + _MAX_HEADER + 4 * floats
+    return vclayer_max_bytes(hidden_size, settings)
 
 
 def save_vclayer(layer: VCLayer, directory: Path, *, stage: str = "") -> Path:

@@ -2,7 +2,10 @@
 
 ``status`` calls the CPM's admin ``GetStats`` over mTLS with an ``admin`` certificate and
 shows matchmaking, pairings in flight, the reward summary and one row per agent (last
-profile round and time, exchanges, endpoint); ``--json`` prints the same as one object.
+profile round and time, exchanges, endpoint); with ``--overlay`` and ``--fedwave`` it asks
+overlay nodes (``Describe``) and FedWave agents (``DescribeWorkflow``: the workflow's
+stages and agents, the agent's stage and the rounds it holds) too. ``--json`` prints the
+same as one object.
 
 ``health`` asks a process's gRPC health service whether it is ``SERVING``. Without
 ``--target`` it reads the process's own configuration (``--component`` and ``--config``,
@@ -28,7 +31,13 @@ if TYPE_CHECKING:
     from peerlm.node import NodeContext
     from peerlm.security.credentials import TlsFiles
 
-__all__ = ["description_to_dict", "health_command", "stats_to_dict", "status_command"]
+__all__ = [
+    "description_to_dict",
+    "health_command",
+    "stats_to_dict",
+    "status_command",
+    "workflow_to_dict",
+]
 
 _USAGE_ERROR = 2
 _UNHEALTHY = 1
@@ -189,6 +198,64 @@ def _render_overlay(rows: list[dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
+def workflow_to_dict(desc: Any) -> dict[str, Any]:
+    """A FedWave ``WorkflowDescription`` as plain JSON-ready data."""
+    return {
+        "agent": desc.agent,
+        "stage": desc.stage,
+        "rounds": list(desc.rounds),
+        "stages": [{"name": s.name, "agents": list(s.agents)} for s in desc.stages],
+    }
+
+
+async def _describe_fedwave(
+    targets: list[str], tls: TlsFiles, timeout: float
+) -> list[dict[str, Any]]:
+    """``DescribeWorkflow`` of every FedWave agent; an unreachable one is a row with its
+    error."""
+    import grpc
+
+    from peerlm.security.authz import describe_rpc_error
+    from peerlm.wire.v1 import fedwave_pb2, fedwave_pb2_grpc
+
+    ctx = _admin_context(tls)
+
+    async def one(target: str) -> dict[str, Any]:
+        async with ctx.dial(target) as peer:
+            stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
+            try:
+                desc = await stub.DescribeWorkflow(
+                    fedwave_pb2.DescribeWorkflowRequest(), timeout=timeout
+                )
+            except grpc.aio.AioRpcError as err:
+                return {"target": target, "error": describe_rpc_error(err)}
+            return {"target": target, **workflow_to_dict(desc)}
+
+    return list(await asyncio.gather(*(one(t) for t in targets)))
+
+
+def _render_fedwave(rows: list[dict[str, Any]], console: Console) -> None:
+    """The workflow (as the first agent that answered sees it), then one row per agent."""
+    answered = [r for r in rows if "error" not in r]
+    if answered:
+        workflow = Table(title="FedWave workflow")
+        for column in ("#", "stage", "agents"):
+            workflow.add_column(column)
+        for index, stage in enumerate(answered[0]["stages"], start=1):
+            workflow.add_row(str(index), stage["name"], ", ".join(stage["agents"]))
+        console.print(workflow)
+    agents = Table(title="FedWave agents")
+    for column in ("target", "agent", "stage", "rounds held"):
+        agents.add_column(column)
+    for r in rows:
+        if "error" in r:
+            agents.add_row(r["target"], f"[red]{r['error']}[/red]", "-", "-")
+            continue
+        held = ", ".join(str(x) for x in r["rounds"]) or "none yet"
+        agents.add_row(r["target"], r["agent"], r["stage"], held)
+    console.print(agents)
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -235,6 +302,13 @@ def status_command(
             "--overlay", help="An overlay node's or agent's HOST:PORT (repeatable): its role."
         ),
     ] = None,
+    fedwave: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--fedwave",
+            help="A FedWave agent's HOST:PORT (repeatable): its workflow, stage and rounds.",
+        ),
+    ] = None,
     pki_dir: Annotated[
         Path | None,
         typer.Option(help="Directory with ca.crt and <name>.crt/.key (a CA dir or a kit)."),
@@ -248,16 +322,22 @@ def status_command(
 ) -> None:
     """Show the federation at a glance (admin mTLS): from the CPM its agents, pairings in
     flight and rewards; from each ``--overlay`` node its role, zone, cluster and place in
-    the tree. Exit 1 when the CPM or every overlay node is unreachable."""
+    the tree; from each ``--fedwave`` agent its workflow, stage and the rounds it holds.
+    Exit 1 when the CPM, every overlay node or every FedWave agent is unreachable."""
     import grpc
 
     from peerlm.config import parse_host_port
     from peerlm.security.authz import describe_rpc_error
 
     targets = list(overlay or [])
-    if cpm is None and not targets:
-        _fail("give --cpm HOST:PORT, --overlay HOST:PORT, or both")
-    flagged = [("--overlay", t) for t in targets] + ([("--cpm", cpm)] if cpm else [])
+    workflow_targets = list(fedwave or [])
+    if cpm is None and not targets and not workflow_targets:
+        _fail("give --cpm HOST:PORT, --overlay HOST:PORT, --fedwave HOST:PORT, or several")
+    flagged = (
+        [("--overlay", t) for t in targets]
+        + [("--fedwave", t) for t in workflow_targets]
+        + ([("--cpm", cpm)] if cpm else [])
+    )
     for flag, target in flagged:
         try:
             parse_host_port(target)
@@ -278,6 +358,11 @@ def status_command(
     rows = asyncio.run(_describe_overlay(targets, tls, timeout)) if targets else []
     if targets:
         out["overlay"] = rows
+    wave = (
+        asyncio.run(_describe_fedwave(workflow_targets, tls, timeout)) if workflow_targets else []
+    )
+    if workflow_targets:
+        out["fedwave"] = wave
     if as_json:
         typer.echo(json.dumps(out))
     else:
@@ -286,7 +371,9 @@ def status_command(
             _render(cpm, out, console)
         if rows:
             _render_overlay(rows, console)
-    if rows and all("error" in r for r in rows):
+        if wave:
+            _render_fedwave(wave, console)
+    if (rows and all("error" in r for r in rows)) or (wave and all("error" in r for r in wave)):
         raise typer.Exit(code=_UNHEALTHY)
 
 

@@ -374,3 +374,107 @@ def test_package_request_without_directive_is_refused(world: World) -> None:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+FEDWAVE = {
+    "workflow": {
+        "stages": [
+            {"name": "specify", "agents": ["a0"]},
+            {"name": "implement", "agents": ["a1"]},
+        ]
+    },
+    "router": {"top_k": 2},
+}
+
+
+def test_a_fedwave_agent_serves_its_parts_to_the_workflow_only(world: World) -> None:
+    """An agent configured with a workflow serves round 0's router and VCLayer on its peer
+    port to the workflow's agents (refusing others) and shows in ``peerlm status``; one not
+    listed in the workflow refuses to start."""
+    from peerlm.agent.fedwave.exchange import ShapeBounds
+    from peerlm.agent.fedwave.exchange_client import pull_round
+    from peerlm.agent.fedwave.params import VCLayerSettings
+    from peerlm.agent.fedwave.router import MoERouter
+    from peerlm.agent.fedwave.router_codec import router_shapes
+    from peerlm.agent.fedwave.settings import FedWaveSettings
+    from peerlm.agent.fedwave.workflow import Workflow
+
+    from peerlm.wire.v1 import fedwave_pb2, fedwave_pb2_grpc
+    from tests.node_contexts import kit_context
+
+    base = world.tmp / "fedwave"
+    stray = _config(world, "a3", base / "stray", fedwave=FEDWAVE)
+    refused = subprocess.run(
+        [sys.executable, "-m", "peerlm", "agent", "--config", str(stray)],
+        capture_output=True, text=True, timeout=180, env={**os.environ, **AGENT_ENV},
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "not listed in any stage of fedwave.workflow" in refused.stdout + refused.stderr
+
+    config = _config(world, "a1", base / "state", local_steps=200, rounds=1, fedwave=FEDWAVE)
+    log = base / "a1.log"
+    proc = _start(config, log)
+    try:
+        _wait_for(
+            lambda: (
+                any(e.get("event") == "agent_ready" for e in _events(log))
+                or proc.poll() is not None
+            ),
+            120,
+            "agent ready",
+        )
+        endpoint = str(next(e for e in _events(log) if e.get("event") == "agent_ready")["endpoint"])
+        ready = next(e for e in _events(log) if e.get("event") == "fedwave_ready")
+        assert (ready["stage"], ready["published_round"]) == ("implement", 0)
+        workflow = Workflow.model_validate(FEDWAVE["workflow"])
+        settings = FedWaveSettings.model_validate(FEDWAVE)
+
+        async def pulls() -> tuple[object, grpc.StatusCode | None]:
+            from transformers import AutoConfig
+
+            width = int(AutoConfig.from_pretrained(world.models / "gpt2").hidden_size)
+            bounds = ShapeBounds(
+                router_shapes=router_shapes(MoERouter(width, 2, settings.router)),
+                hidden_size=width,
+                vclayer=VCLayerSettings(),
+            )
+            parts = await pull_round(
+                kit_context(world.pki.root, "a0"), workflow, "a0", 0, {"a1": endpoint}, bounds,
+                deadline_s=30,
+            )  # fmt: skip
+            outsider = kit_context(world.pki.root, "a2")
+            async with outsider.dial(endpoint) as peer:
+                stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
+                request = fedwave_pb2.PullPartRequest(round=0, kind=fedwave_pb2.PART_KIND_ROUTER)
+                try:
+                    async for _ in stub.PullPart(request, timeout=10):
+                        pass
+                except grpc.aio.AioRpcError as err:
+                    return parts, err.code()
+            return parts, None
+
+        parts, outsider_code = asyncio.run(pulls())
+        assert outsider_code == grpc.StatusCode.PERMISSION_DENIED
+        assert not parts.missing and not parts.rejected  # type: ignore[attr-defined]
+        assert parts.routers["a1"].n_samples > 0  # type: ignore[attr-defined]
+        assert sorted(parts.vclayers) == ["a1"]  # type: ignore[attr-defined]
+        # Every agent of the workflow starts from the same router.
+        same = settings.initial_router(parts.vclayers["a1"].hidden_size).state_dict()  # type: ignore[attr-defined]
+        assert all(torch_equal(same[k], v) for k, v in parts.routers["a1"].state.items())  # type: ignore[attr-defined]
+        out = subprocess.run(
+            [sys.executable, "-m", "peerlm", "status", "--fedwave", endpoint,
+             "--pki-dir", str(world.pki.root), "--json"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        row = json.loads(out.stdout)["fedwave"][0]
+        assert (row["agent"], row["stage"], row["rounds"]) == ("a1", "implement", [0])
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def torch_equal(a: object, b: object) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))  # type: ignore[arg-type]

@@ -3,10 +3,13 @@
 It serves the product's :class:`~peerlm.agent.peer_service.PeerExchangeService` through
 :func:`~peerlm.agent.peer_service.serve_peer` (the agent's own server assembly: metrics,
 authorisation, limits) over mTLS on loopback, with a real :class:`DirectiveBook` holding
-one directive (``teacher`` -> ``student``) and a fixed adapter of round 3. What it does not
-have is a model: the package and the adapter are fixed bytes, so a fuzz run never waits for
-a model and the adapter version (the state a refused request must leave alone) only changes
-when something in the server is wrong.
+one directive (``teacher`` -> ``student``) and a fixed adapter of round 3, and beside it on
+the same port FedWave's :class:`~peerlm.agent.fedwave.exchange_service.FedWaveExchangeService`
+(as the agent daemon serves it) for a workflow of the server, the student, ``a2`` and ``a3``,
+with fixed parts of round :data:`FEDWAVE_ROUND`. What it does not have is a model: the
+package, the adapter and the parts are fixed bytes, so a fuzz run never waits for a model
+and the adapter version (the state a refused request must leave alone) only changes when
+something in the server is wrong.
 
 Run: ``python -m tests.security.peer_server_process --pki DIR --name teacher --port-file F
 --metrics-port-file M``; it writes the bound ports and serves until SIGTERM. The slow-reader
@@ -27,6 +30,13 @@ from pathlib import Path
 import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
 from peerlm.agent.directives import DirectiveBook
+from peerlm.agent.fedwave.exchange import PartKind, PartStore
+from peerlm.agent.fedwave.exchange_service import (
+    FEDWAVE_POLICY,
+    FedWaveExchangeService,
+    fedwave_service,
+)
+from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.peer_service import PeerExchangeService, serve_peer
 from peerlm.agent.settings import PeerSendSettings
 
@@ -45,6 +55,9 @@ PACKAGE = b"package-bytes " * 512
 ADAPTER_ROUND = 3
 ADAPTER = b"adapter-bytes " * 512
 CHUNK_BYTES = 1024
+#: The round whose FedWave parts the server holds (the server does not decode them).
+FEDWAVE_ROUND = 2
+FEDWAVE_PARTS = {PartKind.ROUTER: b"router-bytes " * 64, PartKind.VCLAYER: b"vclayer " * 256}
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -99,7 +112,27 @@ async def _main(args: argparse.Namespace) -> None:
         signer=ProofSigner.from_pem(bundle.cert, bundle.key),
         send=PeerSendSettings.model_validate_json(args.send) if args.send else None,
     )
-    server = await serve_peer(ctx, service, listen="127.0.0.1:0")
+    workflow = Workflow.model_validate(
+        {
+            "stages": [
+                {"name": "first", "agents": [args.name, args.student]},
+                {"name": "second", "agents": ["a2", "a3"]},
+            ]
+        }
+    )
+    store = PartStore()
+    store.publish(FEDWAVE_ROUND, FEDWAVE_PARTS)
+    fedwave = FedWaveExchangeService(
+        workflow,
+        args.name,
+        store,
+        chunk_bytes=args.chunk_bytes,
+        registry=registry,
+        signer=ProofSigner.from_pem(bundle.cert, bundle.key),
+    )
+    server = await serve_peer(
+        ctx, service, listen="127.0.0.1:0", extra=[(fedwave_service(fedwave), FEDWAVE_POLICY)]
+    )
     metrics = serve_metrics(registry, "127.0.0.1", 0)
     Path(args.metrics_port_file).write_text(str(metrics.port))
     Path(args.port_file).write_text(str(server.port))

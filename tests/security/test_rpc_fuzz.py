@@ -49,6 +49,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from peerlm.agent.fedwave.exchange_service import FEDWAVE_POLICY
 from peerlm.agent.peer_service import PEER_POLICY, STUDENT_TOKENIZER_METADATA
 from peerlm.overlay import codec
 from peerlm.overlay import messages as om
@@ -64,6 +65,7 @@ from peerlm.wire import v1 as wire_v1
 from peerlm.wire.v1 import (
     common_pb2,
     cpm_pb2,
+    fedwave_pb2,
     overlay_pb2,
     peer_pb2,
 )
@@ -90,6 +92,7 @@ REFUSAL_COUNTERS = (
     "peerlm_cpm_rejected_requests_total",
     "peerlm_agent_peer_refusals_total",
     "peerlm_agent_peer_send_cutoffs_total",
+    "peerlm_agent_fedwave_refusals_total",
     "peerlm_overlay_rejected_messages_total",
 )
 
@@ -101,6 +104,7 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 ALREADY = grpc.StatusCode.ALREADY_EXISTS
 DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
 # ---------------------------------------------------------------------------------- the RPCs
@@ -134,6 +138,7 @@ def _m(service: Any, name: str) -> str:
 _CPM = cpm_pb2.DESCRIPTOR.services_by_name["Matchmaker"]
 _PEER = peer_pb2.DESCRIPTOR.services_by_name["PeerExchange"]
 _OVERLAY = overlay_pb2.DESCRIPTOR.services_by_name["Overlay"]
+_FEDWAVE = fedwave_pb2.DESCRIPTOR.services_by_name["FedWaveExchange"]
 _BASE = frozenset({OK, INVALID, DENIED})
 
 
@@ -230,6 +235,30 @@ SPECS: tuple[RpcSpec, ...] = (
         lambda: peer_pb2.PullAdapterRequest(round=peer_server_process.ADAPTER_ROUND),
         response_stream=True,
     ),
+    # FedWave's exchange, served on the peer port as the agent daemon serves it.
+    RpcSpec(
+        "peer",
+        _m(_FEDWAVE, "PullPart"),
+        fedwave_pb2.PullPartRequest,
+        "a1",
+        "admin",
+        # UNAVAILABLE: a round not published yet (the client retries); NOT_FOUND: a round
+        # no longer kept or a part the round lacks.
+        _BASE | {UNAVAILABLE, NOT_FOUND},
+        lambda: fedwave_pb2.PullPartRequest(
+            round=peer_server_process.FEDWAVE_ROUND, kind=fedwave_pb2.PART_KIND_VCLAYER
+        ),
+        response_stream=True,
+    ),
+    RpcSpec(
+        "peer",
+        _m(_FEDWAVE, "DescribeWorkflow"),
+        fedwave_pb2.DescribeWorkflowRequest,
+        "admin",
+        "cpm",
+        _BASE,
+        fedwave_pb2.DescribeWorkflowRequest,
+    ),
     RpcSpec(
         "overlay",
         _m(_OVERLAY, "Ping"),
@@ -273,7 +302,7 @@ SPECS: tuple[RpcSpec, ...] = (
 
 POLICIES: Mapping[str, Mapping[str, frozenset[Role]]] = {
     "cpm": CPM_POLICY,
-    "peer": PEER_POLICY,
+    "peer": {**PEER_POLICY, **FEDWAVE_POLICY},
     "overlay": OVERLAY_POLICY,
 }
 

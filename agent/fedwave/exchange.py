@@ -1,0 +1,336 @@
+"""FedWave's exchange among a workflow's agents, without I/O: what is served, to whom,
+what is pulled from whom, what is accepted, and the router aggregate (Eq. 9).
+
+Importing it loads no torch (a server that only serves parts never needs it): the decoders
+and the aggregate are imported by the functions that use them.
+
+Each round an agent *publishes* its parts (:class:`PartStore`): its MoE router (with its
+sample count ``n_i``) and its VCLayer (with its stage embedding). Every other agent of the
+workflow pulls this agent's router; the agents of the adjacent stages pull its VCLayer
+(Eq. 5-6 need only the neighbours' pieces). Nothing else travels: no data, no adapter.
+
+* Serving: :func:`decide_pull` admits a caller only if its certificate name is an agent of
+  the workflow, and answers the exact round asked for, or says why not (not published yet:
+  retry; no longer kept; no such part). The gRPC transport
+  (:mod:`~peerlm.agent.fedwave.exchange_service`) maps the decision to a status.
+* Pulling: :func:`plan_pulls` lists what an agent needs for a round; :func:`accept_part`
+  checks a received blob (from a workflow agent, its stage, its round, its shape, finite,
+  within the size bound) with the existing decoders; the transport
+  (:mod:`~peerlm.agent.fedwave.exchange_client`) runs the pulls under the round's deadline.
+* Aggregating: :func:`aggregate_routers` is Eq. 9 over this agent's router and those that
+  arrived: ``fedavg_routers`` sums in float64 over the agents sorted by name, so agents
+  that aggregate the same set get the same bits.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+from peerlm.agent.fedwave.errors import FedWaveError
+from peerlm.agent.fedwave.params import VCLayerSettings
+from peerlm.agent.fedwave.workflow import Workflow
+
+from peerlm.chunks import HashedPayload
+
+if TYPE_CHECKING:
+    import torch
+    from peerlm.agent.fedwave.router_codec import DecodedRouter
+    from peerlm.agent.fedwave.vclayer import VCLayer
+
+__all__ = [
+    "PART_CONTENT_TYPES",
+    "AcceptedPart",
+    "PartKind",
+    "PartStore",
+    "PullRefusal",
+    "PullTarget",
+    "RoundParts",
+    "ShapeBounds",
+    "accept_part",
+    "aggregate_routers",
+    "decide_pull",
+    "parse_part_content_type",
+    "part_content_type",
+    "plan_pulls",
+]
+
+
+class PartKind(enum.StrEnum):
+    """What one pull fetches (the wire's ``PartKind``; also a metric label)."""
+
+    ROUTER = "router"
+    VCLAYER = "vclayer"
+
+
+#: Media type of each part; the server appends ``; round=N``.
+PART_CONTENT_TYPES: Final = {
+    PartKind.ROUTER: "application/vnd.peerlm.fedwave-router+safetensors",
+    PartKind.VCLAYER: "application/vnd.peerlm.fedwave-vclayer+safetensors",
+}
+
+
+def part_content_type(kind: PartKind, round_: int) -> str:
+    """The content type naming ``kind`` and the round of a part's payload."""
+    return f"{PART_CONTENT_TYPES[kind]}; round={round_}"
+
+
+def parse_part_content_type(content_type: str) -> tuple[PartKind, int]:
+    """(kind, round) of a part's content type; ``ValueError`` if it is not one."""
+    base, _, params = content_type.partition(";")
+    kinds = {v: k for k, v in PART_CONTENT_TYPES.items()}
+    kind = kinds.get(base.strip())
+    if kind is None:
+        raise ValueError(f"content type {content_type!r} is not a FedWave part")
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key == "round" and value.isdigit():
+            return kind, int(value)
+    raise ValueError(f"content type {content_type!r} names no round")
+
+
+# --------------------------------------------------------------------------- serving
+
+
+@dataclass(frozen=True)
+class PullRefusal:
+    """Why a pull is not served: ``status`` is a gRPC status name, ``reason`` a metric label."""
+
+    status: str
+    reason: str
+    message: str
+
+
+class PartStore:
+    """The parts this agent has published, per round; the newest ``keep_rounds`` are kept.
+
+    A round's parts are immutable once published: agents that pull them at different times
+    must get the same bytes (or their aggregates would differ), so publishing a round again
+    with other bytes is a ``ValueError``, and so is publishing a round older than the newest.
+    """
+
+    def __init__(self, keep_rounds: int = 2) -> None:
+        if keep_rounds < 1:
+            raise ValueError(f"keep_rounds must be at least 1, got {keep_rounds}")
+        self._keep = keep_rounds
+        self._rounds: dict[int, dict[PartKind, HashedPayload]] = {}
+
+    @property
+    def rounds(self) -> tuple[int, ...]:
+        """The rounds held, ascending."""
+        return tuple(sorted(self._rounds))
+
+    def publish(self, round_: int, parts: Mapping[PartKind, bytes]) -> None:
+        """Make ``parts`` (kind → blob) of ``round_`` available to the workflow's agents."""
+        if round_ < 0:
+            raise ValueError(f"round must be >= 0, got {round_}")
+        if not parts:
+            raise ValueError("nothing to publish")
+        newest = max(self._rounds, default=-1)
+        if round_ < newest:
+            raise ValueError(f"round {round_} is older than the newest published ({newest})")
+        hashed = {PartKind(k): HashedPayload.of(v) for k, v in parts.items()}
+        held = self._rounds.get(round_)
+        if held is not None:
+            for kind, payload in hashed.items():
+                if kind in held and held[kind].sha256 != payload.sha256:
+                    raise ValueError(f"round {round_}'s {kind} is already published, differently")
+            hashed = {**held, **hashed}
+        self._rounds[round_] = hashed
+        for old in sorted(self._rounds)[: -self._keep]:
+            del self._rounds[old]
+
+    def get(self, round_: int, kind: PartKind) -> HashedPayload | PullRefusal:
+        """The payload of ``kind`` in ``round_``, or why there is none."""
+        held = self._rounds.get(round_)
+        if held is None:
+            newest = max(self._rounds, default=None)
+            if newest is None or round_ > newest:
+                latest = "none yet" if newest is None else f"the newest is {newest}"
+                return PullRefusal(
+                    "UNAVAILABLE",
+                    "not_yet",
+                    f"round {round_} is not published yet ({latest}); retry within the "
+                    "round's deadline",
+                )
+            return PullRefusal(
+                "NOT_FOUND", "gone", f"round {round_} is no longer kept (held: {self.rounds})"
+            )
+        payload = held.get(kind)
+        if payload is None:
+            return PullRefusal("NOT_FOUND", "no_part", f"round {round_} has no {kind}")
+        return payload
+
+
+def decide_pull(
+    workflow: Workflow, caller: str, store: PartStore, round_: int, kind: PartKind | None
+) -> HashedPayload | PullRefusal:
+    """Admission and lookup of one pull: the payload to stream, or the refusal.
+
+    ``caller`` is the certificate name of the caller (never a message field); ``kind`` None
+    is an unknown or unspecified wire value.
+    """
+    if caller not in workflow.agents:
+        return PullRefusal(
+            "PERMISSION_DENIED",
+            "not_in_workflow",
+            f"{caller!r} is not an agent of this workflow; its parts are served only to "
+            f"{', '.join(workflow.agents)}",
+        )
+    if kind is None:
+        return PullRefusal("INVALID_ARGUMENT", "bad_kind", "kind must be ROUTER or VCLAYER")
+    return store.get(round_, kind)
+
+
+# --------------------------------------------------------------------------- pulling
+
+
+@dataclass(frozen=True, order=True)
+class PullTarget:
+    """One part to pull: from ``agent``, of ``kind``."""
+
+    agent: str
+    kind: PartKind
+
+
+def plan_pulls(workflow: Workflow, me: str) -> list[PullTarget]:
+    """What agent ``me`` pulls each round: every other agent's router (Eq. 9) and the
+    VCLayer of every agent of the adjacent stages (Eq. 5-6); sorted.
+
+    ``KeyError`` if ``me`` is not in the workflow.
+    """
+    before, after = workflow.adjacent(me)
+    targets = [PullTarget(a, PartKind.ROUTER) for a in workflow.agents if a != me]
+    for stage in (before, after):
+        if stage is not None:
+            targets += [PullTarget(a, PartKind.VCLAYER) for a in stage.agents]
+    return sorted(targets)
+
+
+@dataclass(frozen=True)
+class ShapeBounds:
+    """What a received part must fit: this agent's router shapes, its width and VCLayer
+    settings, and the size bounds (unset: the largest blob of these shapes)."""
+
+    router_shapes: Mapping[str, tuple[int, ...]]
+    hidden_size: int
+    vclayer: VCLayerSettings
+    max_router_bytes: int | None = None
+    max_vclayer_bytes: int | None = None
+
+    def max_bytes(self, kind: PartKind) -> int:
+        """The largest blob of ``kind`` accepted (announced size refused above it)."""
+        from peerlm.agent.fedwave.router_codec import max_router_bytes
+        from peerlm.agent.fedwave.vclayer import vclayer_max_bytes
+
+        if kind is PartKind.ROUTER:
+            own = max_router_bytes(dict(self.router_shapes))
+            return own if self.max_router_bytes is None else min(own, self.max_router_bytes)
+        own = vclayer_max_bytes(self.hidden_size, self.vclayer)
+        return own if self.max_vclayer_bytes is None else min(own, self.max_vclayer_bytes)
+
+
+@dataclass(frozen=True)
+class AcceptedPart:
+    """A checked part: a router (with ``n_i``) or a VCLayer (with its stage)."""
+
+    agent: str
+    kind: PartKind
+    router: DecodedRouter | None = None
+    vclayer: VCLayer | None = None
+
+
+def accept_part(
+    workflow: Workflow,
+    agent: str,
+    kind: PartKind,
+    round_: int,
+    data: bytes,
+    bounds: ShapeBounds,
+) -> AcceptedPart:
+    """Check and decode ``agent``'s ``kind`` blob for ``round_``; ``FedWaveError`` with a
+    metric label on any misfit, before anything of it is used.
+
+    Beyond the decoders' checks (size, format, names, dtypes, shapes, finite values): the
+    sender is an agent of the workflow (``not_in_workflow``), a router is of the round
+    asked for (``round``), a VCLayer names the sender's stage (``stage``).
+    """
+    from peerlm.agent.fedwave.router_codec import decode_router
+    from peerlm.agent.fedwave.vclayer import decode_vclayer
+
+    if agent not in workflow.agents:
+        raise FedWaveError(f"{agent!r} is not an agent of the workflow", reason="not_in_workflow")
+    if kind is PartKind.ROUTER:
+        if len(data) > bounds.max_bytes(kind):
+            raise FedWaveError(
+                f"router of {len(data)} bytes from {agent!r} exceeds {bounds.max_bytes(kind)}",
+                reason="too_large",
+            )
+        router = decode_router(data, shapes=dict(bounds.router_shapes))
+        if router.round != round_:
+            raise FedWaveError(
+                f"router from {agent!r} is of round {router.round}, asked for {round_}",
+                reason="round",
+            )
+        return AcceptedPart(agent, kind, router=router)
+    layer, stage = decode_vclayer(
+        data,
+        hidden_size=bounds.hidden_size,
+        settings=bounds.vclayer,
+        max_bytes=bounds.max_bytes(kind),
+    )
+    expected = workflow.stage_of(agent).name
+    if stage != expected:
+        raise FedWaveError(
+            f"VCLayer from {agent!r} names stage {stage!r}; the workflow lists it in {expected!r}",
+            reason="stage",
+        )
+    return AcceptedPart(agent, kind, vclayer=layer)
+
+
+@dataclass
+class RoundParts:
+    """What one round's pulls brought: the accepted routers and VCLayers by agent, and the
+    parts that did not arrive (``missing``: late, unreachable, refused by the peer) or were
+    refused here (``rejected``), each with its reason."""
+
+    round: int
+    routers: dict[str, DecodedRouter] = field(default_factory=dict)
+    vclayers: dict[str, VCLayer] = field(default_factory=dict)
+    missing: dict[PullTarget, str] = field(default_factory=dict)
+    rejected: dict[PullTarget, str] = field(default_factory=dict)
+
+    def add(self, part: AcceptedPart) -> None:
+        """File an accepted part."""
+        if part.router is not None:
+            self.routers[part.agent] = part.router
+        if part.vclayer is not None:
+            self.vclayers[part.agent] = part.vclayer
+
+
+def aggregate_routers(
+    me: str,
+    own: Mapping[str, torch.Tensor],
+    own_samples: int,
+    pulled: Mapping[str, DecodedRouter],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+    """Eq. 9 over this agent's router and the routers that arrived: (the aggregate, the
+    agents it averages, sorted). ``FedWaveError`` if ``pulled`` holds this agent itself."""
+    import torch
+    from peerlm.agent.fedwave.router import fedavg_routers
+
+    if me in pulled:
+        raise FedWaveError(f"a pulled router is attributed to this agent ({me!r})", reason="keys")
+    members: dict[str, tuple[Mapping[str, torch.Tensor], int]] = {
+        name: (router.state, router.n_samples) for name, router in pulled.items()
+    }
+    # Our own router as the others see it (float32 on the CPU), so every agent sums the
+    # same values.
+    members[me] = (
+        {k: v.detach().to(device="cpu", dtype=torch.float32) for k, v in own.items()},
+        own_samples,
+    )
+    return fedavg_routers(members, shapes=shapes), tuple(sorted(members))
