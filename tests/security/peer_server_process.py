@@ -26,6 +26,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -57,6 +58,10 @@ ADAPTER = b"adapter-bytes " * 512
 CHUNK_BYTES = 1024
 #: The round whose FedWave parts the server holds (the server does not decode them).
 FEDWAVE_ROUND = 2
+#: With ``--fedproxy``: the round of the proxy the server owns (fixed bytes; PullProxy
+#: streams a payload without decoding it).
+FEDPROXY_ROUND = 2
+FEDPROXY_PAYLOAD = b"proxy-bytes " * 128
 FEDWAVE_PARTS = {PartKind.ROUTER: b"router-bytes " * 64, PartKind.VCLAYER: b"vclayer " * 256}
 
 
@@ -130,9 +135,29 @@ async def _main(args: argparse.Namespace) -> None:
         registry=registry,
         signer=ProofSigner.from_pem(bundle.cert, bundle.key),
     )
-    server = await serve_peer(
-        ctx, service, listen="127.0.0.1:0", extra=[(fedwave_service(fedwave), FEDWAVE_POLICY)]
-    )
+    extra: list[tuple[Any, Any]] = [(fedwave_service(fedwave), FEDWAVE_POLICY)]
+    if args.fedproxy:
+        # Imported here: the FedProxy service pulls in torch, which the slow-reader test's
+        # server does not need to start.
+        from peerlm.agent.fedproxy_service import (
+            FEDPROXY_POLICY,
+            ProxyExchangeService,
+            RoundBoard,
+            fedproxy_service,
+        )
+
+        board = RoundBoard(horizon=1)
+        await board.publish(FEDPROXY_ROUND, FEDPROXY_PAYLOAD)
+        proxy = ProxyExchangeService(
+            proxies=board,
+            cohort={args.student},
+            chunk_bytes=args.chunk_bytes,
+            max_wait_s=0.5,
+            registry=registry,
+            signer=ProofSigner.from_pem(bundle.cert, bundle.key),
+        )
+        extra.append((fedproxy_service(proxy), FEDPROXY_POLICY))
+    server = await serve_peer(ctx, service, listen="127.0.0.1:0", extra=extra)
     metrics = serve_metrics(registry, "127.0.0.1", 0)
     Path(args.metrics_port_file).write_text(str(metrics.port))
     Path(args.port_file).write_text(str(server.port))
@@ -153,6 +178,11 @@ def main() -> None:
     parser.add_argument("--adapter-bytes", type=int, default=None)
     parser.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES)
     parser.add_argument("--send", default=None, help="PeerSendSettings as JSON")
+    parser.add_argument(
+        "--fedproxy",
+        action="store_true",
+        help="also serve FedProxy's ProxyExchange as a cohort owner (imports torch)",
+    )
     parser.add_argument("--max-concurrent-rpcs", type=int, default=GrpcLimits().max_concurrent_rpcs)
     asyncio.run(_main(parser.parse_args()))
 

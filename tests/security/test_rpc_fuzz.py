@@ -49,6 +49,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from peerlm.agent.fedproxy_service import FEDPROXY_POLICY
 from peerlm.agent.fedwave.exchange_service import FEDWAVE_POLICY
 from peerlm.agent.peer_service import PEER_POLICY, STUDENT_TOKENIZER_METADATA
 from peerlm.overlay import codec
@@ -65,6 +66,7 @@ from peerlm.wire import v1 as wire_v1
 from peerlm.wire.v1 import (
     common_pb2,
     cpm_pb2,
+    fedproxy_pb2,
     fedwave_pb2,
     overlay_pb2,
     peer_pb2,
@@ -93,6 +95,7 @@ REFUSAL_COUNTERS = (
     "peerlm_agent_peer_refusals_total",
     "peerlm_agent_peer_send_cutoffs_total",
     "peerlm_agent_fedwave_refusals_total",
+    "peerlm_agent_fedproxy_refusals_total",
     "peerlm_overlay_rejected_messages_total",
 )
 
@@ -139,6 +142,7 @@ _CPM = cpm_pb2.DESCRIPTOR.services_by_name["Matchmaker"]
 _PEER = peer_pb2.DESCRIPTOR.services_by_name["PeerExchange"]
 _OVERLAY = overlay_pb2.DESCRIPTOR.services_by_name["Overlay"]
 _FEDWAVE = fedwave_pb2.DESCRIPTOR.services_by_name["FedWaveExchange"]
+_FEDPROXY = fedproxy_pb2.DESCRIPTOR.services_by_name["ProxyExchange"]
 _BASE = frozenset({OK, INVALID, DENIED})
 
 
@@ -259,6 +263,30 @@ SPECS: tuple[RpcSpec, ...] = (
         _BASE,
         fedwave_pb2.DescribeWorkflowRequest,
     ),
+    # FedProxy's exchange, served on the peer port as an owner's daemon serves it (the
+    # fuzzed server owns a proxy of round FEDPROXY_ROUND for a cohort of a1).
+    RpcSpec(
+        "peer",
+        _m(_FEDPROXY, "PullProxy"),
+        fedproxy_pb2.PullProxyRequest,
+        "a1",
+        "admin",
+        # NOT_FOUND: a round that does not exist; UNAVAILABLE: the next round, not ready.
+        _BASE | {NOT_FOUND, UNAVAILABLE},
+        lambda: fedproxy_pb2.PullProxyRequest(round=peer_server_process.FEDPROXY_ROUND),
+        response_stream=True,
+    ),
+    RpcSpec(
+        "peer",
+        _m(_FEDPROXY, "PullUpdate"),
+        fedproxy_pb2.PullUpdateRequest,
+        "a1",
+        "admin",
+        # An owner serves no update: PERMISSION_DENIED to every agent (in _BASE).
+        _BASE | {NOT_FOUND, UNAVAILABLE},
+        lambda: fedproxy_pb2.PullUpdateRequest(round=1),
+        response_stream=True,
+    ),
     RpcSpec(
         "overlay",
         _m(_OVERLAY, "Ping"),
@@ -302,7 +330,7 @@ SPECS: tuple[RpcSpec, ...] = (
 
 POLICIES: Mapping[str, Mapping[str, frozenset[Role]]] = {
     "cpm": CPM_POLICY,
-    "peer": {**PEER_POLICY, **FEDWAVE_POLICY},
+    "peer": {**PEER_POLICY, **FEDWAVE_POLICY, **FEDPROXY_POLICY},
     "overlay": OVERLAY_POLICY,
 }
 
@@ -648,6 +676,7 @@ def peer(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
             str(port_file),
             "--metrics-port-file",
             str(metrics_file),
+            "--fedproxy",
         ],
         stdout=subprocess.DEVNULL,
         stderr=log,
