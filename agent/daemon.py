@@ -55,6 +55,7 @@ from peerlm.agent.rounds import (
     round_profile,
 )
 from peerlm.agent.settings import AgentSettings
+from peerlm.agent.teaching import Competence, competence_of, teachable_indices
 
 from peerlm.chunks import HashedPayload
 from peerlm.config import parse_host_port
@@ -115,7 +116,7 @@ class AgentDaemon:
         # Set when the stop grace has run out: cut whatever the round is doing.
         self._abort = asyncio.Event()
         self._grace: asyncio.TimerHandle | None = None
-        self._prebuild: asyncio.Task[list[str]] | None = None
+        self._prebuild: asyncio.Task[tuple[list[int], list[str]]] | None = None
         self._last_taught: str | None = None
         # The matchmaking round our latest profile is considered in (SubmitProfile's answer).
         self._awaited_round = 0
@@ -180,6 +181,7 @@ class AgentDaemon:
         self.val = read_jsonl(s.val_file)
         transfer = read_jsonl(s.transfer_file)
         self.transfer_prompts = [p.prompt for p in transfer]
+        self.transfer_categories = [p.category for p in transfer]
         digest = transfer_set_sha256(self.transfer_prompts)
         if s.transfer_sha256 and digest != s.transfer_sha256:
             raise ValueError(
@@ -189,6 +191,7 @@ class AgentDaemon:
         self.transfer_digest = digest
         if s.transfer_limit is not None:
             self.transfer_prompts = self.transfer_prompts[: s.transfer_limit]
+            self.transfer_categories = self.transfer_categories[: s.transfer_limit]
         # Guardrail index: the private samples as whole texts.
         self.train_texts = [p.prompt + p.reference for p in self.train]
         # Training and validation as (prompt, completion) pairs: the loss covers the solution,
@@ -269,7 +272,7 @@ class AgentDaemon:
 
         s = self.s
         self.book = DirectiveBook(time.time)
-        self._predictions: dict[str, asyncio.Future[list[str]]] = {}
+        self._predictions: dict[str, asyncio.Future[tuple[list[int], list[str]]]] = {}
         service = PeerExchangeService(
             self.book,
             self._package_for,
@@ -406,27 +409,32 @@ class AgentDaemon:
             return "logits" if directive.protocol == PROTOCOL_LOGITS else "text"
         return mode
 
-    async def _teacher_predictions(self, directive: cpm_pb2.Directive) -> list[str]:
-        """Greedy completions on X_u for a directive, generated once and shared.
+    async def _teacher_predictions(
+        self, directive: cpm_pb2.Directive
+    ) -> tuple[list[int], list[str]]:
+        """Greedy completions on what this agent teaches of X_u (:meth:`_teachable`) for a
+        directive, as (prompt indices, completions), generated once and shared.
 
         The round loop starts this when the directive arrives; the peer server's fetch
         awaits the same future, so the model generates once per directive.
         """
-        from peerlm.agent.rounds import teacher_completions
-
         task = self._predictions.get(directive.directive_id)
         if task is None:
-            task = asyncio.ensure_future(
-                self._model(
-                    teacher_completions, self.host, self.transfer_prompts, self.s.max_new_tokens
-                )
-            )
+            task = asyncio.ensure_future(self._model(self._predict_teachable))
             # Keep only the latest few: predictions are worth nothing after their directive.
             self._predictions = {
                 **dict(list(self._predictions.items())[-3:]),
                 directive.directive_id: task,
             }
         return await asyncio.shield(task)
+
+    def _predict_teachable(self) -> tuple[list[int], list[str]]:
+        from peerlm.agent.rounds import teacher_completions
+
+        chosen = self._teachable()
+        prompts = [self.transfer_prompts[k] for k in chosen]
+        self.telemetry.taught_prompts.observe(len(chosen))
+        return chosen, teacher_completions(self.host, prompts, self.s.max_new_tokens)
 
     async def _package_for(
         self, directive: cpm_pb2.Directive, student_tokenizer: str | None
@@ -439,14 +447,15 @@ class AgentDaemon:
         """
         from peerlm.agent.rounds import build_package, choose_package_mode
 
-        completions = await self._teacher_predictions(directive)
+        chosen, completions = await self._teacher_predictions(directive)
         wanted = self._wanted_mode(directive)
         mode = choose_package_mode(wanted, self.host.tokenizer_hash, student_tokenizer)
         data = await self._model(
             build_package,
             self.host,
             mode=mode,
-            prompts=self.transfer_prompts,
+            prompts=[self.transfer_prompts[k] for k in chosen],
+            prompt_ids=[str(k) for k in chosen],
             completions=completions,
             teacher=self.identity.name,
             directive_id=directive.directive_id,
@@ -464,6 +473,7 @@ class AgentDaemon:
             protocol=directive.protocol,
             wanted=wanted,
             mode=mode,
+            prompts=len(chosen),
             bytes=len(data),
         )
         return data
@@ -505,7 +515,21 @@ class AgentDaemon:
                 telemetry=self.sandbox_telemetry,
             ),
         )
+        competence = competence_of((r.category, r.c, r.n) for r in report.problems)
+        self.state["competence"] = competence.to_dict()
         return loss, float(report.mean.get(1, 0.0))
+
+    def _teachable(self) -> list[int]:
+        """The X_u prompts this agent answers as a teacher (``teach_scope``,
+        :mod:`peerlm.agent.teaching`), by its last measured validation pass@1 per category."""
+        saved = self.state.get("competence")
+        competence = Competence.from_dict(saved) if isinstance(saved, dict) else None
+        return teachable_indices(
+            self.transfer_categories,
+            competence,
+            scope=self.s.teach_scope,
+            min_pass=self.s.teach_min_pass,
+        )
 
     async def _evaluate_slices(self) -> dict[str, dict[str, float]]:
         """Greedy pass@1, structural match and reference NLL (nats/byte) per slice."""

@@ -229,6 +229,12 @@ class AgentSettings(ServiceSettings):
     # student's tokenizer is ours; logits fall back to text for any other tokenizer.
     akd_mode: Literal["directive", "text", "logits"] = "directive"
     logits_top_k: int = Field(default=16, ge=1, le=1024)
+    # What this agent answers of X_u as a teacher (peerlm.agent.teaching): "all" (the
+    # paper's Eq. 2), or "competent": the prompts of categories where the Wilson lower bound
+    # of its last validation pass@1 is at least teach_min_pass (needs eval_every rounds'
+    # pass@1; before the first measurement it answers all).
+    teach_scope: Literal["all", "competent"] = "all"
+    teach_min_pass: float = Field(default=0.2, ge=0, le=1)
     transfer_limit: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=96, ge=1, le=4096)
     # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB.
