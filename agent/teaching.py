@@ -4,11 +4,11 @@ KNEXA-FL (Eq. 2) has the teacher answer *every* prompt of the transfer set X_u. 
 where skills are private and complementary (issue 12) most of X_u belongs to categories the
 teacher never saw: measured on the experiment's world (seed 0, warmed-up experts, 416
 prompts), 288 of the 416 greedy completions a teacher sends are of other clients' private
-categories, and **none** of them passes its tests (0 of 288, three teacher-student pairs),
-while the teacher's own category passes 50-64 %. The student then spends about three
-quarters of its AKD steps learning wrong code, including wrong code for *its own* skill,
-which is what the first measured run showed (own-skill Pass@1 36 % → 20 %, lacked-skill
-Pass@1 flat; docs/experiment.md).
+categories, and 5 of those 864 (three teachers) pass their tests, while the teacher's own
+category passes 50-64 % for the two teachers that learnt theirs. The student then spends
+about three quarters of its AKD steps learning wrong code, including wrong code for *its
+own* skill, which is what the first measured run showed (own-skill Pass@1 36 % → 20 %,
+lacked-skill Pass@1 flat; docs/experiment.md).
 
 Neither signal a teacher or student has for free separates the two on these models: the
 teacher's own per-byte confidence ranks the other clients' categories above its own for
