@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import grpc
 from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.agent.metrics import AgentTelemetry
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.rounds import (
     PROTOCOL_LOGITS,
     PackageMode,
@@ -270,6 +271,9 @@ class AgentDaemon:
         s = self.s
         self.book = DirectiveBook(time.time)
         self._predictions: dict[str, asyncio.Future[list[str]]] = {}
+        # One send budget for the port: every service on it streams through this streamer,
+        # so a member is metered by one share whichever service it pulls from.
+        streamer = PeerStreamer(self.registry, s.peer_send, log=self.log)
         service = PeerExchangeService(
             self.book,
             self._package_for,
@@ -280,9 +284,9 @@ class AgentDaemon:
             registry=self.registry,
             log=self.log,
             signer=self.ctx.signer,
-            send=s.peer_send,
+            streamer=streamer,
         )
-        extra = await self._fedproxy_services()
+        extra = await self._fedproxy_services(streamer)
         if s.fedwave.enabled:
             # FedWave: serve this stage's router and VCLayer to the workflow's agents on the
             # same port (round 0 published; the round loop is not built yet).
@@ -296,6 +300,7 @@ class AgentDaemon:
                 n_samples=len(self.train_examples),
                 chunk_bytes=s.limits.chunk_bytes,
                 log=self.log,
+                streamer=streamer,
             )
             extra.append((fedwave_service(self.fedwave.service), FEDWAVE_POLICY))
         if s.overlay.enabled:
@@ -318,10 +323,11 @@ class AgentDaemon:
             else None
         )
 
-    async def _fedproxy_services(self) -> list[tuple[Any, Any]]:
+    async def _fedproxy_services(self, streamer: PeerStreamer) -> list[tuple[Any, Any]]:
         """FedProxy's role (docs/fedproxy.md, section 6): the owner loads its proxy, a
         member its trainer (its own tokenizer: the host's is the model worker's); either
-        serves ``ProxyExchange`` on the peer server."""
+        serves ``ProxyExchange`` on the peer server, streaming through the port's
+        ``streamer``."""
         fp = self.s.fedproxy
         if not fp.enabled:
             return []
@@ -349,7 +355,9 @@ class AgentDaemon:
             )
             self.cohort = ProxyMember(self.ctx, fp, trainer)
         service = self.cohort.service(
-            chunk_bytes=self.s.limits.chunk_bytes, max_wait_s=fp.round_deadline_s
+            chunk_bytes=self.s.limits.chunk_bytes,
+            max_wait_s=fp.round_deadline_s,
+            streamer=streamer,
         )
         self.log.info(
             "fedproxy_role",

@@ -36,6 +36,7 @@ from peerlm.agent.fedproxy_codec import (
 from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_proxy
 from peerlm.agent.pcr import ConflictRegulariser
 from peerlm.agent.peer_client import PeerExchangeError
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.proxy_model import ProxyError, ProxyInfo
 from peerlm.agent.settings import FedProxySettings
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -160,7 +161,9 @@ class ProxyMember:
             ("kind", "reason"),
         )
 
-    def service(self, *, chunk_bytes: int, max_wait_s: float) -> ProxyExchangeService:
+    def service(
+        self, *, chunk_bytes: int, max_wait_s: float, streamer: PeerStreamer | None = None
+    ) -> ProxyExchangeService:
         """The ``ProxyExchange`` service of this member: its updates, to its owner only."""
         return ProxyExchangeService(
             updates=self.board,
@@ -170,6 +173,7 @@ class ProxyMember:
             registry=self._ctx.registry,
             signer=self._ctx.signer,
             log=self._ctx.log,
+            streamer=streamer,
         )
 
     async def pull(self, wanted: int, *, wait_s: float) -> ProxyPayload:

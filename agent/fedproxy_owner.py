@@ -39,6 +39,7 @@ from peerlm.agent.fedproxy_rounds import CohortRound, RoundError, RoundOutcome
 from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_update
 from peerlm.agent.hties import h_ties
 from peerlm.agent.peer_client import PeerExchangeError
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.proxy_model import ProxyError, ProxyInfo, fuse_into, proxy_info
 from peerlm.agent.settings import FedProxySettings
 from prometheus_client import Histogram
@@ -122,7 +123,9 @@ class ProxyOwner:
         """The round published last (0 before :meth:`start`)."""
         return self.board.round
 
-    def service(self, *, chunk_bytes: int, max_wait_s: float) -> ProxyExchangeService:
+    def service(
+        self, *, chunk_bytes: int, max_wait_s: float, streamer: PeerStreamer | None = None
+    ) -> ProxyExchangeService:
         """The ``ProxyExchange`` service of this owner: its proxies, to its cohort only."""
         return ProxyExchangeService(
             proxies=self.board,
@@ -132,6 +135,7 @@ class ProxyOwner:
             registry=self._ctx.registry,
             signer=self._ctx.signer,
             log=self._ctx.log,
+            streamer=streamer,
         )
 
     async def start(self) -> None:
