@@ -40,7 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from peerlm.agent.cpm_client import CpmClient, next_directive
@@ -63,6 +63,9 @@ from peerlm.node import NodeContext
 from peerlm.pki.identity import Role
 from peerlm.security.mode import resolve_channel_security
 from peerlm.wire.v1 import cpm_pb2
+
+if TYPE_CHECKING:
+    from peerlm.agent.fedproxy_member import Evaluator
 
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
@@ -339,7 +342,9 @@ class AgentDaemon:
         if fp.owner:
             proxy = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, fp.proxy_path)
             checkpoint = self.s.state_dir / "fedproxy" / "owner-proxy.safetensors"
-            self.cohort = ProxyOwner(self.ctx, fp, proxy, checkpoint=checkpoint)
+            self.cohort = ProxyOwner(
+                self.ctx, fp, proxy, checkpoint=checkpoint, evaluate=await self._fedproxy_gate()
+            )
         else:
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
             if tokenizer.pad_token is None:
@@ -367,6 +372,28 @@ class AgentDaemon:
             rounds=fp.rounds,
         )
         return [(fedproxy_service(service), dict(FEDPROXY_POLICY))]
+
+    async def _fedproxy_gate(self) -> Evaluator | None:
+        """The owner's acceptance gate: a merged proxy's loss on the first
+        ``fedproxy.gate_examples`` validation texts (prompt + reference, tokenised with the
+        model's tokenizer, which the proxy shares); None when the gate is off or there is no
+        validation text (logged: merges then pass on the norm bound alone)."""
+        from peerlm.agent.fedproxy_member import text_loss
+        from transformers import AutoTokenizer
+
+        fp = self.s.fedproxy
+        texts = [p.prompt + p.reference for p in self.val[: fp.gate_examples]]
+        if fp.acceptance_margin is None or not texts:
+            self.log.warning(
+                "fedproxy_gate_off", margin=fp.acceptance_margin, validation_texts=len(texts)
+            )
+            return None
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return text_loss(
+            tokenizer, texts, batch_size=self.s.batch_size, max_length=self.s.max_length
+        )
 
     async def _fedproxy_rounds(self) -> None:
         """Run ``fedproxy.rounds`` cohort rounds beside the agent's own rounds. A member
