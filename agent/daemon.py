@@ -40,11 +40,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.agent.metrics import AgentTelemetry
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.rounds import (
     PROTOCOL_LOGITS,
     PackageMode,
@@ -63,6 +64,9 @@ from peerlm.node import NodeContext
 from peerlm.pki.identity import Role
 from peerlm.security.mode import resolve_channel_security
 from peerlm.wire.v1 import cpm_pb2
+
+if TYPE_CHECKING:
+    from peerlm.agent.fedproxy_member import Evaluator
 
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
@@ -273,6 +277,9 @@ class AgentDaemon:
         s = self.s
         self.book = DirectiveBook(time.time)
         self._predictions: dict[str, asyncio.Future[tuple[list[int], list[str]]]] = {}
+        # One send budget for the port: every service on it streams through this streamer,
+        # so a member is metered by one share whichever service it pulls from.
+        streamer = PeerStreamer(self.registry, s.peer_send, log=self.log)
         service = PeerExchangeService(
             self.book,
             self._package_for,
@@ -283,9 +290,9 @@ class AgentDaemon:
             registry=self.registry,
             log=self.log,
             signer=self.ctx.signer,
-            send=s.peer_send,
+            streamer=streamer,
         )
-        extra = await self._fedproxy_services()
+        extra = await self._fedproxy_services(streamer)
         if s.fedwave.enabled:
             # FedWave: serve this stage's router and VCLayer to the workflow's agents on the
             # same port (round 0 published; the round loop is not built yet).
@@ -299,6 +306,7 @@ class AgentDaemon:
                 n_samples=len(self.train_examples),
                 chunk_bytes=s.limits.chunk_bytes,
                 log=self.log,
+                streamer=streamer,
             )
             extra.append((fedwave_service(self.fedwave.service), FEDWAVE_POLICY))
         if s.overlay.enabled:
@@ -321,10 +329,11 @@ class AgentDaemon:
             else None
         )
 
-    async def _fedproxy_services(self) -> list[tuple[Any, Any]]:
+    async def _fedproxy_services(self, streamer: PeerStreamer) -> list[tuple[Any, Any]]:
         """FedProxy's role (docs/fedproxy.md, section 6): the owner loads its proxy, a
         member its trainer (its own tokenizer: the host's is the model worker's); either
-        serves ``ProxyExchange`` on the peer server."""
+        serves ``ProxyExchange`` on the peer server, streaming through the port's
+        ``streamer``."""
         fp = self.s.fedproxy
         if not fp.enabled:
             return []
@@ -336,7 +345,9 @@ class AgentDaemon:
         if fp.owner:
             proxy = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, fp.proxy_path)
             checkpoint = self.s.state_dir / "fedproxy" / "owner-proxy.safetensors"
-            self.cohort = ProxyOwner(self.ctx, fp, proxy, checkpoint=checkpoint)
+            self.cohort = ProxyOwner(
+                self.ctx, fp, proxy, checkpoint=checkpoint, evaluate=await self._fedproxy_gate()
+            )
         else:
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
             if tokenizer.pad_token is None:
@@ -352,7 +363,9 @@ class AgentDaemon:
             )
             self.cohort = ProxyMember(self.ctx, fp, trainer)
         service = self.cohort.service(
-            chunk_bytes=self.s.limits.chunk_bytes, max_wait_s=fp.round_deadline_s
+            chunk_bytes=self.s.limits.chunk_bytes,
+            max_wait_s=fp.round_deadline_s,
+            streamer=streamer,
         )
         self.log.info(
             "fedproxy_role",
@@ -362,6 +375,28 @@ class AgentDaemon:
             rounds=fp.rounds,
         )
         return [(fedproxy_service(service), dict(FEDPROXY_POLICY))]
+
+    async def _fedproxy_gate(self) -> Evaluator | None:
+        """The owner's acceptance gate: a merged proxy's loss on the first
+        ``fedproxy.gate_examples`` validation texts (prompt + reference, tokenised with the
+        model's tokenizer, which the proxy shares); None when the gate is off or there is no
+        validation text (logged: merges then pass on the norm bound alone)."""
+        from peerlm.agent.fedproxy_member import text_loss
+        from transformers import AutoTokenizer
+
+        fp = self.s.fedproxy
+        texts = [p.prompt + p.reference for p in self.val[: fp.gate_examples]]
+        if fp.acceptance_margin is None or not texts:
+            self.log.warning(
+                "fedproxy_gate_off", margin=fp.acceptance_margin, validation_texts=len(texts)
+            )
+            return None
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return text_loss(
+            tokenizer, texts, batch_size=self.s.batch_size, max_length=self.s.max_length
+        )
 
     async def _fedproxy_rounds(self) -> None:
         """Run ``fedproxy.rounds`` cohort rounds beside the agent's own rounds. A member
