@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -233,20 +234,27 @@ def logits_world(world: World) -> Iterator[World]:
     cpm.terminate()
 
 
-def test_logits_mode_between_agents_with_one_tokenizer(logits_world: World) -> None:
-    """Two gpt2 agents: the directive asks for logits, the student announces the teacher's
-    tokenizer, so the package is logits and the student distils at the scheduled T."""
-    w = logits_world
+def _run_pair(
+    w: World, agents: dict[str, dict[str, object]]
+) -> tuple[list[Path], list[dict[str, Any]]]:
+    """Run the named agents (2 rounds, config overrides each) to the end; (logs, summaries)."""
     procs, logs = [], []
-    for name in ("a0", "a1"):
+    for name, overrides in agents.items():
         state = w.tmp / name / "state"
-        config = _config(w, name, state, rounds=2, round_timeout_s=120, local_steps=2)
+        config = _config(w, name, state, rounds=2, round_timeout_s=120, local_steps=2, **overrides)
         logs.append(w.tmp / name / f"{name}.log")
         procs.append(_start(config, logs[-1]))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log.read_text()[-3000:]
-    summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    return logs, [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+def test_logits_mode_between_agents_with_one_tokenizer(logits_world: World) -> None:
+    """Two gpt2 agents: the directive asks for logits, the student announces the teacher's
+    tokenizer, so the package is logits and the student distils at the scheduled T."""
+    w = logits_world
+    logs, summaries = _run_pair(w, {"a0": {}, "a1": {}})
     assert sum(s["exchanges"] for s in summaries) >= 1
     events = [e for log in logs for e in _events(log)]
     built = [e for e in events if e.get("event") == "package_built"]
@@ -496,19 +504,13 @@ def test_a_teacher_without_shown_skill_answers_no_prompt(scope_world: World) -> 
     the student trains on its own data instead; the paper's rule (``all``) on the other
     agent still answers every prompt."""
     w = scope_world
-    procs, logs = [], []
-    for name, scope in (("a0", "competent"), ("a1", "all")):
-        state = w.tmp / name / "state"
-        config = _config(
-            w, name, state, rounds=2, round_timeout_s=120, local_steps=2,
-            teach_scope=scope, teach_min_pass=1.0,
-        )  # fmt: skip
-        logs.append(w.tmp / name / f"{name}.log")
-        procs.append(_start(config, logs[-1]))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log.read_text()[-3000:]
-    summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    logs, summaries = _run_pair(
+        w,
+        {
+            "a0": {"teach_scope": "competent", "teach_min_pass": 1.0},
+            "a1": {"teach_scope": "all", "teach_min_pass": 1.0},
+        },
+    )
     assert sum(s["exchanges"] for s in summaries) >= 1
     built = {
         name: [e for e in _events(log) if e.get("event") == "package_built"]
