@@ -316,6 +316,12 @@ class ModelHost:
         self._frozen_lora_a = bool(frozen)
         self._set_lora_a_trainable(not self._frozen_lora_a)
 
+    def _enforce_freeze(self) -> None:
+        # peft's set_adapter marks the active adapter's factors trainable again; every path
+        # that switches adapters calls this afterwards.
+        if self._frozen_lora_a:
+            self._set_lora_a_trainable(False)
+
     def _set_lora_a_trainable(self, trainable: bool) -> None:
         # Only the host's own adapter ("default"); HKA's teacher adapters stay as they are.
         for name, p in self.model.named_parameters():
@@ -347,10 +353,9 @@ class ModelHost:
     ) -> TrainStats:
         # Training changes the adapter: the cached encoding (if any) is of an older version.
         self._adapter_version += 1
-        if self._frozen_lora_a:
-            # peft's set_adapter (HKA's teacher switching) marks the active adapter's
-            # factors trainable again: re-assert the freeze before every training call.
-            self._set_lora_a_trainable(False)
+        # The optimiser takes its parameters once, at the start: a frozen A stays out of it
+        # even if peft marks it trainable mid-call (HKA switches adapters inside each step).
+        self._enforce_freeze()
         return run_training(self.model, sources, settings, steps, interrupt=self.interrupt)
 
     # ----------------------------------------------------------------------------- training
@@ -478,15 +483,18 @@ class ModelHost:
         items = self._encode_all(list(public_examples), settings.max_length)
         if not items:
             raise ValueError("train_hka: no public example has a token to train on")
-        with teacher_adapters(self.model, clients, weights) as teachers:
-            ce_src = self._text_source("ce", a, items)
-            kl_src = Source(
-                "kl",
-                1.0 - a,
-                items,
-                lambda batch: mixture_kl_sum(self.model, batch, self._pad_id, teachers),
-            )
-            stats = self._train([ce_src, kl_src], settings, steps)
+        try:
+            with teacher_adapters(self.model, clients, weights) as teachers:
+                ce_src = self._text_source("ce", a, items)
+                kl_src = Source(
+                    "kl",
+                    1.0 - a,
+                    items,
+                    lambda batch: mixture_kl_sum(self.model, batch, self._pad_id, teachers),
+                )
+                stats = self._train([ce_src, kl_src], settings, steps)
+        finally:
+            self._enforce_freeze()  # teacher_adapters leaves by set_adapter("default")
         stats.local_loss, stats.kd_loss, stats.alpha_kd = ce_src.mean(), kl_src.mean(), 1.0 - a
         return stats
 

@@ -157,6 +157,7 @@ def test_frozen_lora_a_trains_only_b_in_every_training_call(models: dict[str, Pa
     h.train_local(LOCAL, FAST, steps=3)
     h.train_akd(LOCAL, TEACHER, 0.5, FAST, steps=2)
     h.train_hka(TEACHER, [client], FAST, steps=2)
+    assert h.trainable_parameters == b_entries  # HKA's adapter switching did not unfreeze A
     a1, b1 = _factors(h, "A"), _factors(h, "B")
     assert a1.keys() == a0.keys() and all(torch.equal(a1[k], a0[k]) for k in a0)
     assert any(not torch.equal(b1[k], b0[k]) for k in b0)
