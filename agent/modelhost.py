@@ -15,7 +15,9 @@ The host then offers the agent-side operations of KNEXA-FL:
 - :meth:`~ModelHost.topk_logits` / :meth:`~ModelHost.train_akd_logits`: the logit mode,
   defined only between hosts that share a tokenizer;
 - :meth:`~ModelHost.eval_loss`: validation loss and perplexity (profile, Eq. 3's reward);
-- adapter I/O as safetensors (checkpoints, adapter exchange); never pickle.
+- adapter I/O as safetensors (checkpoints, adapter exchange); never pickle;
+- :attr:`~ModelHost.frozen_lora_a`: train only LoRA B, A fixed (FFA-LoRA, Sun et al. 2024;
+  off by default, the daemon trains both factors).
 
 Thread-safety: a ModelHost is not thread-safe. Every method mutates or reads the model, the
 tokenizer or torch's RNG; the agent daemon owns one worker thread that makes all calls, and
@@ -205,6 +207,7 @@ class ModelHost:
         self.interrupt = threading.Event()
         self._adapter_version = 0
         self._encoded: tuple[int, EncodedAdapter] | None = None
+        self._frozen_lora_a = False
         self.model.eval()
 
     # ------------------------------------------------------------------------ construction
@@ -297,6 +300,34 @@ class ModelHost:
         limit = getattr(self.tokenizer, "model_max_length", 0)
         return int(limit) if isinstance(limit, int) and 0 < limit < 1_000_000 else 2048
 
+    @property
+    def frozen_lora_a(self) -> bool:
+        """Whether training leaves this host's LoRA A factors unchanged (FFA-LoRA).
+
+        When True, every training call (local, AKD, HKA, ...) updates only the B factors of
+        the host's own adapter; A stays bit-identical (it is not even given to the
+        optimiser, so weight decay cannot move it). Loading an adapter still replaces A:
+        the caller decides which A the host holds. False by default.
+        """
+        return self._frozen_lora_a
+
+    @frozen_lora_a.setter
+    def frozen_lora_a(self, frozen: bool) -> None:
+        self._frozen_lora_a = bool(frozen)
+        self._set_lora_a_trainable(not self._frozen_lora_a)
+
+    def _enforce_freeze(self) -> None:
+        # peft's set_adapter marks the active adapter's factors trainable again; every path
+        # that switches adapters calls this afterwards.
+        if self._frozen_lora_a:
+            self._set_lora_a_trainable(False)
+
+    def _set_lora_a_trainable(self, trainable: bool) -> None:
+        # Only the host's own adapter ("default"); HKA's teacher adapters stay as they are.
+        for name, p in self.model.named_parameters():
+            if ".lora_A.default." in name:
+                p.requires_grad_(trainable)
+
     # ------------------------------------------------------------------------------ helpers
 
     @contextmanager
@@ -322,6 +353,9 @@ class ModelHost:
     ) -> TrainStats:
         # Training changes the adapter: the cached encoding (if any) is of an older version.
         self._adapter_version += 1
+        # The optimiser takes its parameters once, at the start: a frozen A stays out of it
+        # even if peft marks it trainable mid-call (HKA switches adapters inside each step).
+        self._enforce_freeze()
         return run_training(self.model, sources, settings, steps, interrupt=self.interrupt)
 
     # ----------------------------------------------------------------------------- training
@@ -449,15 +483,18 @@ class ModelHost:
         items = self._encode_all(list(public_examples), settings.max_length)
         if not items:
             raise ValueError("train_hka: no public example has a token to train on")
-        with teacher_adapters(self.model, clients, weights) as teachers:
-            ce_src = self._text_source("ce", a, items)
-            kl_src = Source(
-                "kl",
-                1.0 - a,
-                items,
-                lambda batch: mixture_kl_sum(self.model, batch, self._pad_id, teachers),
-            )
-            stats = self._train([ce_src, kl_src], settings, steps)
+        try:
+            with teacher_adapters(self.model, clients, weights) as teachers:
+                ce_src = self._text_source("ce", a, items)
+                kl_src = Source(
+                    "kl",
+                    1.0 - a,
+                    items,
+                    lambda batch: mixture_kl_sum(self.model, batch, self._pad_id, teachers),
+                )
+                stats = self._train([ce_src, kl_src], settings, steps)
+        finally:
+            self._enforce_freeze()  # teacher_adapters leaves by set_adapter("default")
         stats.local_loss, stats.kd_loss, stats.alpha_kd = ce_src.mean(), kl_src.mean(), 1.0 - a
         return stats
 

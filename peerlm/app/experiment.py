@@ -41,7 +41,20 @@ onepeft         OnePeFT one-shot: local rounds only, then in the last round each
 onepeft_svd     the same, SVD without HKA (Table 5).
 onepeft_hka     the same, HKA from the FedAvg of factors (Table 5).
 onepeft_fedavg  the same, FedAvg of factors once, no HKA (Table 5's "neither").
+ffa_lora        FFA-LoRA (Sun et al. 2024): every client of a family initialises LoRA A
+                from one shared seed and never trains it (warm-up, local steps); every
+                round each client pulls its family's adapters and loads the data-weighted
+                average of the B factors with the shared A (:func:`aggregate_ffa`).
 ==============  =========================================================================
+
+FFA-LoRA's start. The warm-up above trains A, and each client's A differs, so ffa_lora
+cannot start from it. Its clients run their own warm-up, once per world: the same steps,
+data and batch seeds, with the family's shared A frozen (every client loads its adapter
+from the one seed, the world seed); its round 0 and round-1 local phase are measured on
+that start. Re-initialising A under the warmed-up B would throw the warm-up away (B_i was
+trained against A_i); the frozen-A warm-up is what an organisation joining an FFA-LoRA
+federation does locally. The cost is one more warm-up per world when ffa_lora runs
+(``docs/experiment.md``).
 
 D_pub of HKA is the transfer problems of the *public* categories with their references
 (public in this world, like Alpaca for the paper); the private categories' references are
@@ -139,10 +152,13 @@ LABELS: Mapping[str, str] = {
     "onepeft_svd": "OnePeFT SVD only",
     "onepeft_hka": "OnePeFT HKA only",
     "onepeft_fedavg": "One-shot FedAvg of factors",
+    "ffa_lora": "FFA-LoRA",
 }
-#: Adapter-merge strategies of issue 9 (OnePeFT, FedAvg-LoRA): known, not run by default.
+#: Adapter-merge strategies of issue 9 (OnePeFT, FedAvg-LoRA, FFA-LoRA): known, not run
+#: by default.
 MERGE_STRATEGIES: tuple[str, ...] = (
     "fedavg_lora",
+    "ffa_lora",
     "onepeft",
     "onepeft_svd",
     "onepeft_hka",
@@ -162,6 +178,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("best", "local_plus"),
     ("oracle", "local_plus"),
     ("onepeft", "fedavg_lora"),
+    ("onepeft", "ffa_lora"),
     ("onepeft", "local_plus"),
     ("onepeft", "onepeft_svd"),
     ("onepeft", "onepeft_fedavg"),
@@ -346,6 +363,8 @@ class _World:
     public_pairs: list[tuple[str, str]] = field(default_factory=list)
     # Each client's adapter after the warm-up (by client name); empty without one.
     warm: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The same after ffa_lora's warm-up (shared A, frozen); empty unless ffa_lora runs.
+    ffa_warm: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The category of each prompt of ``transfer`` (what a competent teacher selects by).
     transfer_categories: list[str] = field(default_factory=list)
 
@@ -477,30 +496,40 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
     )
 
 
-def _clients(world: _World, seed: int) -> list[_Client]:
+def _clients(world: _World, seed: int, *, ffa: bool = False) -> list[_Client]:
+    """The clients of run seed ``seed`` on their warm start. With ``ffa`` (FFA-LoRA) every
+    client's adapter is initialised from ``seed`` itself, so a family shares one A, its A is
+    frozen, and the warm start is ffa_lora's own (module docstring)."""
     from peerlm.agent import Guardrail, LoraSettings, ModelHost
 
     plan = world.plan
+    warm = world.ffa_warm if ffa else world.warm
     out = []
     for i, (train, val) in enumerate(world.clients_data):
         arch = plan.arch(i)
         host = ModelHost.load(
-            world.models / arch, LoraSettings(r=plan.lora_rank), device="cpu", seed=seed + i
+            world.models / arch,
+            LoraSettings(r=plan.lora_rank),
+            device="cpu",
+            seed=seed if ffa else seed + i,
         )
+        host.frozen_lora_a = ffa
         guard = Guardrail([p.prompt + p.reference for p in train], public_texts=world.transfer)
         name = f"agent-{i}"
-        if name in world.warm:
-            host.load_adapter_state(world.warm[name])
+        if name in warm:
+            host.load_adapter_state(warm[name])
         out.append(_Client(name, arch, host, train, val, guard))
     return out
 
 
-def _warm_up(world: _World, event: Event) -> dict[str, dict[str, Any]]:
+def _warm_up(world: _World, event: Event, *, ffa: bool = False) -> dict[str, dict[str, Any]]:
     """Every client's adapter after ``warmup_steps`` on its own data, once per world.
 
     Seeded by the world seed, not the run seed: the warmed-up models are part of the world
     the federation starts from (as the built models are), so every run seed and strategy
-    starts from the same experts and the seeds vary only what the federation does.
+    starts from the same experts and the seeds vary only what the federation does. With
+    ``ffa``, ffa_lora's warm-up: the same steps and batches with the family's shared A
+    frozen (module docstring).
     """
     from peerlm.agent import TrainSettings
 
@@ -508,7 +537,7 @@ def _warm_up(world: _World, event: Event) -> dict[str, dict[str, Any]]:
     if plan.warmup_steps == 0:
         return {}
     out: dict[str, dict[str, Any]] = {}
-    for i, c in enumerate(_clients(world, plan.world_seed)):
+    for i, c in enumerate(_clients(world, plan.world_seed, ffa=ffa)):
         settings = TrainSettings(
             learning_rate=plan.learning_rate,
             grad_accumulation=plan.grad_accumulation,
@@ -516,7 +545,10 @@ def _warm_up(world: _World, event: Event) -> dict[str, dict[str, Any]]:
         )
         stats = c.host.train_local(c.train_examples, settings, steps=plan.warmup_steps)
         out[c.name] = c.host.adapter_state()
-        event("warmup", {"client": c.name, "steps": plan.warmup_steps, "loss": stats.mean_loss})
+        event(
+            "warmup",
+            {"client": c.name, "steps": plan.warmup_steps, "loss": stats.mean_loss, "ffa": ffa},
+        )
     return out
 
 
@@ -783,6 +815,10 @@ def _semantic_dfl(clients: list[_Client]) -> list[dict[str, Any]]:
     return records
 
 
+#: Merge strategies that aggregate every round (the others, OnePeFT's, once at the end).
+_EVERY_ROUND: tuple[str, ...] = ("fedavg_lora", "ffa_lora")
+
+
 def _families(clients: list[_Client]) -> list[list[_Client]]:
     groups: dict[str, list[_Client]] = {}
     for c in clients:
@@ -793,13 +829,14 @@ def _families(clients: list[_Client]) -> list[list[_Client]]:
 def _merge_exchange(
     world: _World, strategy: str, clients: list[_Client], seed: int, t: int
 ) -> list[dict[str, Any]]:
-    """FedAvg-LoRA every round, or a OnePeFT variant once in the last round, within each
-    model family (a client alone in its family trains locally). Each client pulls the other
-    members' adapters (counted in KB) and builds the aggregate itself, as a peer would."""
-    from peerlm.agent import ClientAdapter, aggregate_fedavg_factors, one_shot
+    """FedAvg-LoRA or FFA-LoRA every round, or a OnePeFT variant once in the last round,
+    within each model family (a client alone in its family trains locally). Each client
+    pulls the other members' adapters (counted in KB) and builds the aggregate itself, as a
+    peer would."""
+    from peerlm.agent import ClientAdapter, aggregate_fedavg_factors, aggregate_ffa, one_shot
 
     plan = world.plan
-    if strategy != "fedavg_lora" and t != plan.rounds:
+    if strategy not in _EVERY_ROUND and t != plan.rounds:
         return []
     records: list[dict[str, Any]] = []
     for group in _families(clients):
@@ -817,6 +854,9 @@ def _merge_exchange(
         for k, c in enumerate(group):
             if strategy == "fedavg_lora":
                 c.host.load_adapter_state(aggregate_fedavg_factors(adapters).state)
+            elif strategy == "ffa_lora":
+                # Refuses (AdapterError "frozen_a") if a client's A had moved.
+                c.host.load_adapter_state(aggregate_ffa(adapters).state)
             else:
                 settings = _round_config(plan, seed, clients.index(c)).train_settings(t)
                 one_shot(
@@ -925,10 +965,28 @@ def _local_phase(world: _World, c: _Client, seed: int, i: int, t: int) -> _Local
     )
 
 
-def _first_local_phase(world: _World, seed: int) -> dict[str, _LocalPhase]:
+def _first_local_phase(world: _World, seed: int, *, ffa: bool = False) -> dict[str, _LocalPhase]:
     """Round 1's local phase, the same for every strategy of a seed (same adapters, data and
-    batches): computed once and handed to each strategy."""
-    return {c.name: _local_phase(world, c, seed, i, 1) for i, c in enumerate(_clients(world, seed))}
+    batches): computed once and handed to each strategy (ffa_lora's, ``ffa``, on its own
+    start)."""
+    clients = _clients(world, seed, ffa=ffa)
+    return {c.name: _local_phase(world, c, seed, i, 1) for i, c in enumerate(clients)}
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What the strategies of one start share: round 0's test NLL per client and round 1's
+    local phase per run seed. ffa_lora has its own (module docstring)."""
+
+    initial: Mapping[str, Sequence[float]]
+    firsts: Mapping[int, Mapping[str, _LocalPhase]]
+
+
+def _start(world: _World, *, ffa: bool = False) -> _Start:
+    plan = world.plan
+    initial = {c.name: _test_nll(world, c) for c in _clients(world, plan.seeds[0], ffa=ffa)}
+    firsts = {seed: _first_local_phase(world, seed, ffa=ffa) for seed in plan.seeds}
+    return _Start(initial, firsts)
 
 
 def _run_strategy(
@@ -942,7 +1000,7 @@ def _run_strategy(
     from peerlm.agent import ProfileInputs, category_counts, round_profile
 
     plan = world.plan
-    clients = _clients(world, seed)
+    clients = _clients(world, seed, ffa=strategy == "ffa_lora")
     policy = _pairing_policy(strategy, plan, seed)
     rounds: list[dict[str, Any]] = []
     start = _slice_means(world, {i: initial[c.name] for i, c in enumerate(clients)})
@@ -1034,11 +1092,7 @@ def _strategy_job(
 
 
 def _run_parallel(
-    world: _World,
-    initial: Mapping[str, Sequence[float]],
-    firsts: Mapping[int, Mapping[str, _LocalPhase]],
-    jobs: int,
-    emit: Event,
+    world: _World, starts: Mapping[str, _Start], jobs: int, emit: Event
 ) -> dict[tuple[str, int], dict[str, Any]]:
     """(strategy, seed) runs in ``jobs`` worker processes (spawned: no forked torch state)."""
     import multiprocessing
@@ -1056,8 +1110,8 @@ def _run_parallel(
                 world,
                 name,
                 seed,
-                initial,
-                firsts[seed],
+                starts[name].initial,
+                starts[name].firsts[seed],
                 events,
                 torch.get_num_threads(),
             )
@@ -1099,15 +1153,21 @@ def run_experiment(
     world.warm = _warm_up(world, emit)
     # Round 0: the pre-trained models with fresh adapters (LoRA B = 0), or the warmed-up
     # ones: the same for every strategy and seed; measured once. Round 1's local phase once
-    # per seed.
-    initial = {c.name: _test_nll(world, c) for c in _clients(world, plan.seeds[0])}
-    emit("initial", _slice_means(world, dict(enumerate(initial.values()))))
-    firsts = {seed: _first_local_phase(world, seed) for seed in plan.seeds}
+    # per seed. ffa_lora starts from its own warm-up (frozen shared A).
+    common = _start(world)
+    emit("initial", _slice_means(world, dict(enumerate(common.initial.values()))))
+    starts = dict.fromkeys(plan.strategies, common)
+    ffa: _Start | None = None
+    if "ffa_lora" in plan.strategies:
+        world.ffa_warm = _warm_up(world, emit, ffa=True)
+        ffa = starts["ffa_lora"] = _start(world, ffa=True)
     if jobs > 1 and len(plan.strategies) * len(plan.seeds) > 1:
-        runs = _run_parallel(world, initial, firsts, jobs, emit)
+        runs = _run_parallel(world, starts, jobs, emit)
     else:
         runs = {
-            (s, seed): _run_strategy(world, s, seed, initial, firsts[seed], emit)
+            (s, seed): _run_strategy(
+                world, s, seed, starts[s].initial, starts[s].firsts[seed], emit
+            )
             for seed in plan.seeds
             for s in plan.strategies
         }
@@ -1129,7 +1189,12 @@ def run_experiment(
         "probe_problems": len(world.probe),
         "test_problems": len(world.test),
         "units": {name: [list(u) for u in world.units(name)] for name in SLICES},
-        "initial_nll": _slice_means(world, dict(enumerate(initial.values()))),
+        "initial_nll": _slice_means(world, dict(enumerate(common.initial.values()))),
+        **(
+            {"initial_nll_ffa_lora": _slice_means(world, dict(enumerate(ffa.initial.values())))}
+            if ffa is not None
+            else {}
+        ),
         "runs": {s: {str(seed): runs[(s, seed)] for seed in plan.seeds} for s in plan.strategies},
         "seconds": round(time.perf_counter() - started, 1),
     }

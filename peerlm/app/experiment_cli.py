@@ -32,7 +32,7 @@ def run_experiment_command(
         typer.Option(
             help="Comma-separated: local, local_plus, random, heuristic, central_kd, cpm, "
             "oracle, semantic_dfl (default: these); adapter merges (with --family): "
-            "fedavg_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg."
+            "fedavg_lora, ffa_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg."
         ),
     ] = None,
     seeds: Annotated[
@@ -199,8 +199,9 @@ def run_experiment_command(
                 if not err.is_terminal and done:
                     err.print(f"model {arch}: {data['phase']}")
             elif kind == "warmup":
+                what = "warm-up (ffa_lora, A frozen)" if data.get("ffa") else "warm-up"
                 err.print(
-                    f"warm-up {data['client']}: {data['steps']} steps, loss {data['loss']:.3f}"
+                    f"{what} {data['client']}: {data['steps']} steps, loss {data['loss']:.3f}"
                 )
             elif kind == "initial":
                 err.print(f"round 0 test NLL per slice: {_slices(data)}")
@@ -240,6 +241,7 @@ def _json_view(result: Any) -> dict[str, Any]:
         "test_problems": result["test_problems"],
         "probe_problems": result["probe_problems"],
         "initial_nll": result["initial_nll"],
+        **{k: result[k] for k in ("initial_nll_ffa_lora",) if k in result},
         "strategies": summary["strategies"],
         "comparisons": summary["comparisons"],
         "best_collaborative": summary["best_collaborative"],

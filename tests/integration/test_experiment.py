@@ -130,8 +130,8 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
 
     plan = ExperimentPlan(
         agents=3, rounds=2, seeds=(0,), size="micro", family="gpt2",
-        strategies=("local_plus", "fedavg_lora", "onepeft", "onepeft_svd", "onepeft_hka",
-                    "onepeft_fedavg"),
+        strategies=("local_plus", "fedavg_lora", "ffa_lora", "onepeft", "onepeft_svd",
+                    "onepeft_hka", "onepeft_fedavg"),
         local_steps=1, transfer_limit=2, val_limit=2, test_limit=6, samples=1,
         max_new_tokens=8, probe_per_category=1, warmup_steps=0, akd_steps=None,
     )  # fmt: skip
@@ -144,18 +144,85 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
         assert runs[name]["exchanges"] == 3, name
         assert [len(r["exchanges"]) for r in runs[name]["rounds"]] == [0, 3]
         assert runs[name]["kilobytes"] == pytest.approx(runs["fedavg_lora"]["kilobytes"] / 2)
-    # FedAvg-LoRA leaves every client with the same adapter: the same test NLL everywhere.
-    nll = [c["nll"] for c in runs["fedavg_lora"]["clients"].values()]
-    assert nll[0] == pytest.approx(nll[1]) and nll[1] == pytest.approx(nll[2])
-    assert "onepeft_vs_fedavg_lora" in result["summary"]["comparisons"]
+    assert runs["ffa_lora"]["exchanges"] == 6
+    assert runs["ffa_lora"]["kilobytes"] == pytest.approx(runs["fedavg_lora"]["kilobytes"])
+    # FedAvg-LoRA and FFA-LoRA leave every client with the same adapter: the same test NLL.
+    for name in ("fedavg_lora", "ffa_lora"):
+        nll = [c["nll"] for c in runs[name]["clients"].values()]
+        assert nll[0] == pytest.approx(nll[1]) and nll[1] == pytest.approx(nll[2]), name
+    for other in ("fedavg_lora", "ffa_lora"):
+        assert f"onepeft_vs_{other}" in result["summary"]["comparisons"]
     assert "OnePeFT (SVD+HKA) - FedAvg-LoRA" in render_table(result)
+    assert "OnePeFT (SVD+HKA) - FFA-LoRA" in render_table(result)
+    # No warm-up: ffa_lora's round 0 is the base model too (B = 0), as everyone's.
+    assert result["initial_nll_ffa_lora"] == pytest.approx(result["initial_nll"])
 
 
-def test_merge_strategies_refuse_an_unknown_family() -> None:
+@pytest.mark.timeout(900)
+def test_ffa_lora_keeps_one_frozen_a_and_averages_b_by_data(tmp_path: Path) -> None:
+    """FFA-LoRA: its warm-up and local steps leave the family's shared A bit-identical (the
+    world seed's initial A), B trains; after a round every client holds that A and the
+    data-weighted mean of the clients' B."""
+    import torch
+    from peerlm.agent import LoraSettings, ModelHost
+
+    from peerlm.app.experiment import (
+        ExperimentPlan,
+        _clients,
+        _local_phase,
+        _merge_exchange,
+        _prepare,
+        _warm_up,
+    )
+
+    plan = ExperimentPlan(
+        agents=3, rounds=2, seeds=(0,), size="micro", family="gpt2", strategies=("ffa_lora",),
+        local_steps=2, warmup_steps=2, grad_accumulation=1, val_limit=2, max_new_tokens=8,
+        probe_per_category=1, transfer_limit=2, test_limit=6,
+    )  # fmt: skip
+    world = _prepare(plan, tmp_path / "models", tmp_path / "data", lambda _k, _d: None)
+    world.ffa_warm = _warm_up(world, lambda _k, _d: None, ffa=True)
+    fresh = ModelHost.load(
+        tmp_path / "models" / "gpt2", LoraSettings(r=plan.lora_rank), device="cpu",
+        seed=plan.world_seed,
+    )  # fmt: skip
+    shared_a = {k: v for k, v in fresh.adapter_state().items() if ".lora_A." in k}
+    clients = _clients(world, 5, ffa=True)
+    assert all(c.host.frozen_lora_a for c in clients)
+    for i, c in enumerate(clients):
+        _local_phase(world, c, 5, i, 1)
+    states = [c.host.adapter_state() for c in clients]
+    for state in states:
+        assert all(torch.equal(state[k], a) for k, a in shared_a.items())
+        # Warm-up and local steps trained B (it starts at zero).
+        assert any(v.abs().sum() > 0 for k, v in state.items() if ".lora_B." in k)
+    records = _merge_exchange(world, "ffa_lora", clients, 5, 1)
+    assert len(records) == 3 and all(r["kilobytes"] > 0 for r in records)
+    sizes = [len(c.train) for c in clients]
+    assert len(set(sizes)) > 1  # the weights are not all equal: the test sees them
+    for c in clients:
+        merged = c.host.adapter_state()
+        for k, v in merged.items():
+            if ".lora_A." in k:
+                assert torch.equal(v, shared_a[k])
+            else:
+                mean = sum(n * s[k].double() for n, s in zip(sizes, states, strict=True))
+                torch.testing.assert_close(v.double(), mean / sum(sizes), rtol=1e-5, atol=1e-7)
+    # The common path is unchanged: its clients train A, each from its own seed.
+    plain = _clients(world, 5)
+    assert not plain[0].host.frozen_lora_a
+    a0, a1 = (
+        {k: v for k, v in c.host.adapter_state().items() if ".lora_A." in k} for c in plain[:2]
+    )
+    assert any(not torch.equal(a0[k], a1[k]) for k in a0)
+
+
+@pytest.mark.parametrize("strategy", ["onepeft", "ffa_lora"])
+def test_merge_strategies_refuse_an_unknown_family(strategy: str) -> None:
     from peerlm.app.experiment import ExperimentPlan
 
     with pytest.raises(ValueError, match="unknown family"):
-        ExperimentPlan(family="llama9", strategies=("onepeft",))
+        ExperimentPlan(family="llama9", strategies=(strategy,))
 
 
 @pytest.mark.parametrize("lr", [0.0, -1e-3, float("nan"), float("inf"), 2.0])

@@ -133,6 +133,42 @@ def test_train_local_default_steps_and_determinism(models: dict[str, Path]) -> N
     assert adapters_equal(a, b)
 
 
+def _factors(h: ModelHost, kind: str) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in h.adapter_state().items() if f".lora_{kind}." in k}
+
+
+def test_frozen_lora_a_trains_only_b_in_every_training_call(models: dict[str, Path]) -> None:
+    """FFA-LoRA's freeze: local, AKD and HKA training leave A bit-identical and move B; the
+    default host trains both, and unfreezing trains A again."""
+    from peerlm.agent.lora_merge import ClientAdapter
+
+    default = host(models)
+    assert not default.frozen_lora_a
+    h = host(models)
+    h.frozen_lora_a = True
+    assert h.frozen_lora_a
+    # Exactly the B factors remain trainable.
+    b_entries = sum(v.numel() for v in _factors(h, "B").values())
+    assert h.trainable_parameters == b_entries < default.trainable_parameters
+    a0, b0 = _factors(h, "A"), _factors(h, "B")
+    teacher = host(models, seed=3)
+    teacher.train_local(LOCAL, FAST, steps=2)
+    client = ClientAdapter(teacher.adapter_state(), r=8, alpha=teacher.lora.alpha, examples=4)
+    h.train_local(LOCAL, FAST, steps=3)
+    h.train_akd(LOCAL, TEACHER, 0.5, FAST, steps=2)
+    h.train_hka(TEACHER, [client], FAST, steps=2)
+    assert h.trainable_parameters == b_entries  # HKA's adapter switching did not unfreeze A
+    a1, b1 = _factors(h, "A"), _factors(h, "B")
+    assert a1.keys() == a0.keys() and all(torch.equal(a1[k], a0[k]) for k in a0)
+    assert any(not torch.equal(b1[k], b0[k]) for k in b0)
+    default.train_local(LOCAL, FAST, steps=3)
+    assert any(not torch.equal(_factors(default, "A")[k], a0[k]) for k in a0)
+    h.frozen_lora_a = False
+    assert h.trainable_parameters == default.trainable_parameters
+    h.train_local(LOCAL, FAST, steps=1)
+    assert any(not torch.equal(_factors(h, "A")[k], a0[k]) for k in a0)
+
+
 def test_pairs_train_on_the_completion_only(models: dict[str, Path]) -> None:
     h = host(models)
     whole = encode_example(h.tokenizer, TEACHER[0][0] + TEACHER[0][1], 256)
