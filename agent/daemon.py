@@ -17,6 +17,13 @@ worker thread that owns the :class:`ModelHost`, so gRPC (health, peer exchange, 
 directive feed) stays responsive while a training step runs. What is done with the model in
 each phase lives in :mod:`peerlm.agent.rounds`, shared with the in-process experiment.
 
+Merge directives (protocols ``pmix`` and ``svd_hka`` of the CPM's menu): the student pulls
+the teacher's adapter and merges it with its own (:mod:`peerlm.agent.merge_directive`),
+then reports Eq. 3 as for AKD; the teacher only serves its adapter (``PullAdapter``). A
+directive naming a protocol this agent does not execute is refused (counted as a failed
+exchange, reason ``unsupported_protocol``). The profile declares the agent's
+parameter-space fingerprint and executed protocols so the CPM recommends only what fits.
+
 Package modes: as a teacher the agent sends text (protocol ``akd``) or, for a directive of
 protocol ``akd_logits`` (or with ``akd_mode: logits``), the top-k logits of its completions
 when the student announced the same tokenizer, text otherwise (the student announces its
@@ -55,6 +62,7 @@ from peerlm.agent.rounds import (
     round_profile,
 )
 from peerlm.agent.settings import AgentSettings
+from peerlm.services.cpm.menu import MERGE_PROTOCOLS
 
 from peerlm.chunks import HashedPayload
 from peerlm.config import parse_host_port
@@ -87,6 +95,8 @@ class AgentSummary:
     bytes_sent: int = 0
     bytes_received: int = 0
     packages_by_mode: dict[str, int] = field(default_factory=dict)
+    # CPM merge directives integrated as a student, by protocol (pmix, svd_hka).
+    merges_by_protocol: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
     errors: list[str] = field(default_factory=list)
     # SemanticDFL (overlay.enabled): distinct neighbours found by searches, adapters
@@ -117,6 +127,9 @@ class AgentDaemon:
         self._grace: asyncio.TimerHandle | None = None
         self._prebuild: asyncio.Task[list[str]] | None = None
         self._last_taught: str | None = None
+        # The student of our latest merge directive as a teacher, and its adapter pulls
+        # from us before it (the linger waits for one more).
+        self._last_merge: tuple[str, int] | None = None
         # The matchmaking round our latest profile is considered in (SubmitProfile's answer).
         self._awaited_round = 0
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
@@ -223,6 +236,8 @@ class AgentDaemon:
         )
         self.host = await self._model(ModelHost.load, s.model, lora, device=s.device, seed=s.seed)
         self.config = RoundConfig.from_settings(s)
+        self.protocols = s.executed_protocols()
+        self.parameter_space = await self._model(self._parameter_space)
         self.telemetry = AgentTelemetry(self.registry)
         # Generated code is run only confined: refuse to start (before any model output is
         # executed) when this kernel lacks Landlock or seccomp, unless the operator opted out.
@@ -236,6 +251,19 @@ class AgentDaemon:
             public_texts=self.transfer_prompts,
             ngram=s.guardrail_ngram,
             registry=self.registry,
+        )
+
+    def _parameter_space(self) -> str:
+        """This agent's parameter-space fingerprint (model thread: reads the adapter)."""
+        from peerlm.agent.profile import parameter_space_fingerprint
+
+        spec = self.host.adapter_spec()
+        return parameter_space_fingerprint(
+            self.host.model.config.to_dict(),
+            spec.tokenizer_hash,
+            spec.lora_r,
+            spec.lora_alpha,
+            spec.shapes,
         )
 
     async def _restore(self) -> None:
@@ -270,7 +298,7 @@ class AgentDaemon:
         s = self.s
         self.book = DirectiveBook(time.time)
         self._predictions: dict[str, asyncio.Future[list[str]]] = {}
-        service = PeerExchangeService(
+        service = self.peer_service = PeerExchangeService(
             self.book,
             self._package_for,
             self._adapter_for,
@@ -589,11 +617,18 @@ class AgentDaemon:
         (bounded by ``round_timeout_s``); the server's graceful stop lets it finish."""
         if self._prebuild is not None:
             await asyncio.gather(self._prebuild, return_exceptions=True)
-        if self._last_taught is None or self._stop.is_set():
+        if self._stop.is_set():
             return
         deadline = time.monotonic() + self.s.round_timeout_s
-        while self.book.fetches(self._last_taught) == 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
+        if self._last_taught is not None:
+            while self.book.fetches(self._last_taught) == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+        if self._last_merge is not None:
+            student, before = self._last_merge
+            while (
+                self.peer_service.adapter_pulls(student) <= before and time.monotonic() < deadline
+            ):
+                await asyncio.sleep(0.2)
 
     async def _follow(self, inbox: asyncio.Queue[cpm_pb2.Directive]) -> None:
         """Every directive goes into the book (the peer server verifies fetches against it);
@@ -662,9 +697,35 @@ class AgentDaemon:
         lap("wait")
         if directive is not None and self._abort.is_set():
             self.log.info("directive_skipped", round=t, directive=directive.directive_id)
+        elif directive is not None and directive.protocol not in self.protocols:
+            self._exchange_failed(
+                directive,
+                "unsupported_protocol",
+                ValueError(
+                    f"protocol {directive.protocol[:32]!r} is not one this agent executes "
+                    f"({', '.join(self.protocols)})"
+                ),
+            )
         elif directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
-            await self._learn_from(directive, t)
+            if directive.protocol in MERGE_PROTOCOLS:
+                await self._merge_from(directive, t)
+            else:
+                await self._learn_from(directive, t)
             lap("integrate")
+        elif directive is not None and directive.protocol in MERGE_PROTOCOLS:
+            # Teacher of a merge: the student pulls our adapter; nothing to generate.
+            self.log.info(
+                "directive_teacher",
+                round=t,
+                directive=directive.directive_id,
+                student=directive.student,
+                protocol=directive.protocol,
+            )
+            self.summary.as_teacher += 1
+            self._last_merge = (
+                directive.student,
+                self.peer_service.adapter_pulls(directive.student),
+            )
         elif directive is not None:
             # Teacher: generate the predictions now, ahead of the next round's training in
             # the model worker's queue, so the student does not wait behind it.
@@ -787,7 +848,13 @@ class AgentDaemon:
         (refused identity, invalid profile) still end the run.
         """
         try:
-            resp = await self.cpm.submit_profile(t, features, self.endpoint)
+            resp = await self.cpm.submit_profile(
+                t,
+                features,
+                self.endpoint,
+                parameter_space=self.parameter_space,
+                protocols=self.protocols,
+            )
             self._awaited_round = int(resp.matchmaking_round)
             return True
         except grpc.aio.AioRpcError as err:
@@ -901,26 +968,9 @@ class AgentDaemon:
                 loss_post=round(result.loss_post, 4),
                 reward=round(result.reward, 5),
             )
-        try:
-            ack = await self.cpm.report_reward(
-                d.directive_id,
-                result.reward,
-                loss_pre=result.loss_pre,
-                loss_post=result.loss_post,
-                kilobytes=round(kb),
-            )
-        except grpc.aio.AioRpcError as err:
-            # The knowledge is integrated either way; only the CPM's bandit misses this one.
-            self.telemetry.exchange_failures.labels("reward_refused").inc()
-            self.log.warning(
-                "reward_refused",
-                directive=d.directive_id,
-                code=err.code().name,
-                detail=err.details(),
-            )
-            self.summary.errors.append(f"reward {d.directive_id[:8]}: {err.code().name}")
+        ack = await self._report(d, result.reward, result.loss_pre, result.loss_post, kb)
+        if ack is None:
             return
-        self.telemetry.rewards.inc()
         self.telemetry.packages_integrated.labels(result.mode).inc()
         self.summary.exchanges += 1
         self.summary.bytes_received += len(data)
@@ -939,6 +989,100 @@ class AgentDaemon:
             reward=round(result.reward, 5),
             normalised=round(ack.normalised_reward, 4),
         )
+
+    async def _merge_from(self, d: cpm_pb2.Directive, t: int) -> None:
+        """Student side of a merge directive (``pmix``/``svd_hka``): pull the teacher's
+        adapter, merge it by the directive's protocol, report Eq. 3
+        (:mod:`peerlm.agent.merge_directive`)."""
+        from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
+        from peerlm.agent.overlay_step import pull_settings
+
+        s = self.s
+        try:
+            result = await merge_from_teacher(
+                self.ctx,
+                self.host,
+                protocol=d.protocol,
+                teacher=d.teacher,
+                endpoint=d.peer.endpoint,
+                pull=pull_settings(s.overlay, s.round_timeout_s),
+                val_examples=self.val_examples,
+                max_length=s.max_length,
+                margin=s.acceptance_margin,
+                reward_gamma=s.reward_gamma,
+                reward_delta=s.reward_delta,
+                run_model=self._model,
+                hka=(self.public_pairs, self.config.train_settings(t))
+                if self.public_pairs
+                else None,
+                round_=t,
+            )
+        except MergeRefused as exc:
+            self._exchange_failed(d, "adapter_refused", exc)
+            return
+        except Exception as exc:  # a failed exchange is logged and the round goes on
+            self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
+            return
+        if result.rolled_back:
+            self.log.warning(
+                "exchange_rolled_back",
+                round=t,
+                teacher=d.teacher,
+                directive=d.directive_id,
+                protocol=d.protocol,
+                loss_pre=round(result.loss_pre, 4),
+                loss_post=round(result.loss_post, 4),
+                reward=round(result.reward, 5),
+            )
+        ack = await self._report(
+            d, result.reward, result.loss_pre, result.loss_post, result.kilobytes
+        )
+        if ack is None:
+            return
+        self.telemetry.merges.labels(d.protocol).inc()
+        merges = self.summary.merges_by_protocol
+        merges[d.protocol] = merges.get(d.protocol, 0) + 1
+        self.summary.exchanges += 1
+        self.summary.bytes_received += result.report.bytes_received
+        self.summary.rewards.append(round(result.reward, 6))
+        self.log.info(
+            "exchange_integrated",
+            round=t,
+            teacher=d.teacher,
+            directive=d.directive_id,
+            protocol=d.protocol,
+            loss_pre=round(result.loss_pre, 4),
+            loss_post=round(result.loss_post, 4),
+            kilobytes=round(result.kilobytes, 1),
+            reward=round(result.reward, 5),
+            normalised=round(ack.normalised_reward, 4),
+        )
+
+    async def _report(
+        self, d: cpm_pb2.Directive, reward: float, loss_pre: float, loss_post: float, kb: float
+    ) -> cpm_pb2.ReportRewardResponse | None:
+        """Report Eq. 3 for a directive; None (logged, counted) when the CPM refuses it."""
+        try:
+            ack = await self.cpm.report_reward(
+                d.directive_id,
+                reward,
+                loss_pre=loss_pre,
+                loss_post=loss_post,
+                kilobytes=round(kb),
+            )
+        except grpc.aio.AioRpcError as err:
+            # The knowledge is integrated either way; only the CPM's bandit misses this one.
+            self.telemetry.exchange_failures.labels("reward_refused").inc()
+            self.log.warning(
+                "reward_refused",
+                directive=d.directive_id,
+                code=err.code().name,
+                detail=err.details(),
+            )
+            self.summary.errors.append(f"reward {d.directive_id[:8]}: {err.code().name}")
+            return None
+        self.telemetry.rewards.inc()
+        return ack
 
     def _exchange_failed(self, d: cpm_pb2.Directive, reason: str, exc: BaseException) -> None:
         self.telemetry.exchange_failures.labels(reason).inc()
