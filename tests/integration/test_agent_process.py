@@ -220,27 +220,32 @@ def test_sigterm_within_the_grace_finishes_the_round(world: World) -> None:
 
 @pytest.fixture(scope="module")
 def logits_world(world: World) -> Iterator[World]:
-    """A CPM of its own that recommends logits-mode AKD (K_rec = akd_logits), fresh agents."""
+    """A CPM of its own whose menu is text and logits AKD (K_rec = akd, akd_logits), fresh
+    agents. akd_logits is admissible only between agents of one parameter space."""
     tmp = world.tmp / "logits"
     pki = Pki.create(tmp, agents=4)
     cpm = CpmProcess(
         pki,
         tmp / "cpm.db",
         tmp,
-        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": '["akd_logits"]'},
+        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": '["akd", "akd_logits"]'},
     ).start()
     yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
     cpm.terminate()
 
 
 def test_logits_mode_between_agents_with_one_tokenizer(logits_world: World) -> None:
-    """Two gpt2 agents: the directive asks for logits, the student announces the teacher's
-    tokenizer, so the package is logits and the student distils at the scheduled T."""
+    """Two gpt2 agents that execute akd_logits only: the directive asks for logits, the
+    student announces the teacher's tokenizer, so the package is logits and the student
+    distils at the scheduled T."""
     w = logits_world
     procs, logs = [], []
     for name in ("a0", "a1"):
         state = w.tmp / name / "state"
-        config = _config(w, name, state, rounds=2, round_timeout_s=120, local_steps=2)
+        config = _config(
+            w, name, state, rounds=2, round_timeout_s=120, local_steps=2,
+            protocols=["akd_logits"],
+        )  # fmt: skip
         logs.append(w.tmp / name / f"{name}.log")
         procs.append(_start(config, logs[-1]))
     outs = [p.communicate(timeout=600)[0] for p in procs]
@@ -258,7 +263,9 @@ def test_logits_mode_between_agents_with_one_tokenizer(logits_world: World) -> N
 
 
 def test_logits_mode_falls_back_to_text_for_another_tokenizer(logits_world: World) -> None:
-    """A gpt2 and a qwen2 agent under the same akd_logits directives: the teacher sends text."""
+    """A gpt2 and a qwen2 agent that both want logits (``akd_mode: logits``): their
+    parameter spaces differ, so the CPM can only recommend text AKD, and the teacher, asked
+    for logits by its own setting, sends text to the other tokenizer."""
     w = logits_world
     build_models(w.models, ("qwen2",), size="micro")
     procs, logs = [], []
@@ -266,7 +273,7 @@ def test_logits_mode_falls_back_to_text_for_another_tokenizer(logits_world: Worl
         state = w.tmp / f"mixed-{name}" / "state"
         config = _config(
             w, name, state, rounds=3, round_timeout_s=120, local_steps=2,
-            model=str(w.models / arch),
+            model=str(w.models / arch), akd_mode="logits",
         )  # fmt: skip
         logs.append(w.tmp / f"mixed-{name}" / f"{name}.log")
         procs.append(_start(config, logs[-1]))
@@ -276,8 +283,62 @@ def test_logits_mode_falls_back_to_text_for_another_tokenizer(logits_world: Worl
     events = [e for log in logs for e in _events(log)]
     built = [e for e in events if e.get("event") == "package_built"]
     assert built and all(e["wanted"] == "logits" and e["mode"] == "text" for e in built)
+    assert all(e["protocol"] == "akd" for e in built)  # akd_logits is inadmissible here
     integrated = [e for e in events if e.get("event") == "exchange_integrated"]
     assert integrated and all(e["mode"] == "text" for e in integrated)
+
+
+@pytest.fixture(scope="module")
+def merge_world(world: World) -> Iterator[World]:
+    """A CPM of its own that recommends merges only (K_rec = pmix, svd_hka), fresh agents."""
+    tmp = world.tmp / "merge"
+    pki = Pki.create(tmp, agents=4)
+    cpm = CpmProcess(
+        pki,
+        tmp / "cpm.db",
+        tmp,
+        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": '["pmix", "svd_hka"]'},
+    ).start()
+    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
+    cpm.terminate()
+
+
+def test_merge_directives_pull_the_teachers_adapter_and_report_eq3(merge_world: World) -> None:
+    """Issue 9 section 3: two gpt2 agents of one parameter space under a merge-only menu. The
+    CPM pairs them with pmix or svd_hka; the student pulls the teacher's adapter, merges it
+    by that protocol and reports Eq. 3, which the CPM takes into its bandit."""
+    w = merge_world
+    procs, logs = [], []
+    for name in ("a0", "a1"):
+        state = w.tmp / name / "state"
+        config = _config(
+            w, name, state, rounds=2, round_timeout_s=120, local_steps=2,
+            public_file=str(w.data / "transfer.jsonl"), overlay={"hka_steps": 1},
+        )  # fmt: skip
+        logs.append(w.tmp / name / f"{name}.log")
+        procs.append(_start(config, logs[-1]))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log.read_text()[-3000:]
+    summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    merged = sum(sum(s["merges_by_protocol"].values()) for s in summaries)
+    assert merged >= 1 and sum(s["exchanges"] for s in summaries) == merged
+    assert all(set(s["merges_by_protocol"]) <= {"pmix", "svd_hka"} for s in summaries)
+    events = [e for log in logs for e in _events(log)]
+    assert not [e for e in events if e.get("event") == "package_built"]  # no AKD at all
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    assert len(integrated) == merged
+    assert all(e["protocol"] in ("pmix", "svd_hka") for e in integrated)
+    sent = [e for e in events if e.get("event") == "adapter_sent"]
+    assert {(e["peer"]) for e in sent} <= {"a0", "a1"} and sent
+    # The CPM committed each merge's reward into its bandit.
+    committed = [
+        r
+        for e in _events(w.tmp / "cpm.log")
+        if e.get("event") == "rewards_committed"
+        for r in e["rewards"]  # type: ignore[attr-defined]
+    ]
+    assert len(committed) == merged
 
 
 def test_health_answers_while_a_training_step_runs(world: World) -> None:
