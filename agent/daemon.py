@@ -225,6 +225,7 @@ class AgentDaemon:
         from peerlm.agent.guardrail import agent_guardrail
         from peerlm.agent.modelhost import ModelHost
         from peerlm.agent.models.lora import LoraSettings
+        from peerlm.agent.profile import host_parameter_space
         from peerlm.agent.sandbox import SandboxTelemetry, require_confinement
 
         s = self.s
@@ -237,7 +238,7 @@ class AgentDaemon:
         self.host = await self._model(ModelHost.load, s.model, lora, device=s.device, seed=s.seed)
         self.config = RoundConfig.from_settings(s)
         self.protocols = s.executed_protocols()
-        self.parameter_space = await self._model(self._parameter_space)
+        self.parameter_space = await self._model(host_parameter_space, self.host)
         self.telemetry = AgentTelemetry(self.registry)
         # Generated code is run only confined: refuse to start (before any model output is
         # executed) when this kernel lacks Landlock or seccomp, unless the operator opted out.
@@ -251,19 +252,6 @@ class AgentDaemon:
             public_texts=self.transfer_prompts,
             ngram=s.guardrail_ngram,
             registry=self.registry,
-        )
-
-    def _parameter_space(self) -> str:
-        """This agent's parameter-space fingerprint (model thread: reads the adapter)."""
-        from peerlm.agent.profile import parameter_space_fingerprint
-
-        spec = self.host.adapter_spec()
-        return parameter_space_fingerprint(
-            self.host.model.config.to_dict(),
-            spec.tokenizer_hash,
-            spec.lora_r,
-            spec.lora_alpha,
-            spec.shapes,
         )
 
     async def _restore(self) -> None:

@@ -39,11 +39,14 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 from peerlm.services.cpm import PROFILE_LAYOUT
+
+if TYPE_CHECKING:
+    from peerlm.agent.modelhost import ModelHost
 
 __all__ = [
     "FAMILIES",
@@ -52,6 +55,7 @@ __all__ = [
     "AgentMetrics",
     "build_profile",
     "family_index",
+    "host_parameter_space",
     "parameter_space_fingerprint",
 ]
 
@@ -185,3 +189,12 @@ def parameter_space_fingerprint(
     }
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
     return f"{PARAM_SPACE_SCHEME}:{hashlib.sha256(blob.encode()).hexdigest()}"
+
+
+def host_parameter_space(host: ModelHost) -> str:
+    """:func:`parameter_space_fingerprint` of a loaded model host (reads its adapter's
+    tensor shapes: call it where the host may be used, the daemon's model thread)."""
+    spec = host.adapter_spec()
+    return parameter_space_fingerprint(
+        host.model.config.to_dict(), spec.tokenizer_hash, spec.lora_r, spec.lora_alpha, spec.shapes
+    )

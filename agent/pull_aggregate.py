@@ -88,6 +88,7 @@ __all__ = [
     "PullReport",
     "PullSettings",
     "PulledAdapter",
+    "integrate_adapters",
     "pull_and_aggregate",
 ]
 
@@ -318,7 +319,7 @@ def _one_shot(
     return AggregationReport(weights, 1.0, tuple(neighbours), (), delta)
 
 
-def _integrate(
+def integrate_adapters(
     host: ModelHost,
     neighbours: Mapping[str, Mapping[str, torch.Tensor]],
     similarities: Mapping[str, float],
@@ -329,7 +330,9 @@ def _integrate(
 ) -> tuple[AggregationReport, Verdict | None, float]:
     """Read, aggregate, load and judge in one model-thread call; the host changes only if
     useful, and with a ``gate`` stays changed only if the held-out loss allows. Returns
-    the report, the gate's verdict and the held-out loss before (NaN without a gate)."""
+    the report, the gate's verdict and the held-out loss before (NaN without a gate).
+    ``neighbours`` must already have passed the codec's checks (:func:`pull_and_aggregate`
+    does that; the in-process experiment hands over adapters of its own clients)."""
     own = host.adapter_state()
     if settings.method == "svd_hka":
         if hka is None:
@@ -439,7 +442,7 @@ async def pull_and_aggregate(
         similarities = {peer: received[peer].similarity for peer in neighbours}
         try:
             aggregated, verdict, loss_pre = await run(
-                _integrate, host, neighbours, similarities, cfg, self_name, gate, hka
+                integrate_adapters, host, neighbours, similarities, cfg, self_name, gate, hka
             )
             report = aggregated
             if verdict is not None:

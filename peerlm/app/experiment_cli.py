@@ -32,7 +32,8 @@ def run_experiment_command(
         typer.Option(
             help="Comma-separated: local, local_plus, random, heuristic, central_kd, cpm, "
             "oracle, semantic_dfl (default: these); adapter merges (with --family): "
-            "fedavg_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg."
+            "fedavg_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg; the CPM over "
+            "the whole protocol menu (with --family): cpm_menu."
         ),
     ] = None,
     seeds: Annotated[

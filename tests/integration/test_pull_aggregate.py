@@ -690,17 +690,7 @@ async def test_equal_fingerprints_are_exactly_the_mergeable_adapters(
 ) -> None:
     """The fingerprint agents declare to the CPM agrees with the codec's checks: same
     backbone and LoRA shape, same fingerprint; another rank, scaling or model, another."""
-    from peerlm.agent.profile import parameter_space_fingerprint
-
-    def fingerprint(host: ModelHost) -> str:
-        spec = host.adapter_spec()
-        return parameter_space_fingerprint(
-            host.model.config.to_dict(),
-            spec.tokenizer_hash,
-            spec.lora_r,
-            spec.lora_alpha,
-            spec.shapes,
-        )
+    from peerlm.agent.profile import host_parameter_space as fingerprint
 
     [qwen] = build_models(micro_models_dir, ("qwen2",), size="micro")
     same = fingerprint(world.student)
