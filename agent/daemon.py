@@ -700,23 +700,7 @@ class AgentDaemon:
             else:
                 await self._learn_from(directive, t)
             lap("integrate")
-        elif directive is not None and directive.protocol in MERGE_PROTOCOLS:
-            # Teacher of a merge: the student pulls our adapter; nothing to generate.
-            self.log.info(
-                "directive_teacher",
-                round=t,
-                directive=directive.directive_id,
-                student=directive.student,
-                protocol=directive.protocol,
-            )
-            self.summary.as_teacher += 1
-            self._last_merge = (
-                directive.student,
-                self.peer_service.adapter_pulls(directive.student),
-            )
         elif directive is not None:
-            # Teacher: generate the predictions now, ahead of the next round's training in
-            # the model worker's queue, so the student does not wait behind it.
             self.log.info(
                 "directive_teacher",
                 round=t,
@@ -725,8 +709,16 @@ class AgentDaemon:
                 protocol=directive.protocol,
             )
             self.summary.as_teacher += 1
-            self._last_taught = directive.directive_id
-            self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
+            if directive.protocol in MERGE_PROTOCOLS:
+                # The student pulls our adapter: nothing to generate; the linger after
+                # the last round waits for one more pull by that student.
+                student = directive.student
+                self._last_merge = (student, self.peer_service.adapter_pulls(student))
+            else:
+                # Generate the predictions now, ahead of the next round's training in the
+                # model worker's queue, so the student does not wait behind it.
+                self._last_taught = directive.directive_id
+                self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
         if self.overlay is not None and not self._abort.is_set():
             await self._overlay_step(t)
             lap("overlay")
@@ -947,14 +939,14 @@ class AgentDaemon:
         if result.rolled_back:
             # Undone by the acceptance gate; the CPM still hears the (negative) reward.
             self.telemetry.rolled_back.labels("akd").inc()
-            self.log.warning(
+            self._log_exchange(
+                self.log.warning,
                 "exchange_rolled_back",
-                round=t,
-                teacher=d.teacher,
-                directive=d.directive_id,
-                loss_pre=round(result.loss_pre, 4),
-                loss_post=round(result.loss_post, 4),
-                reward=round(result.reward, 5),
+                d,
+                t,
+                result.loss_pre,
+                result.loss_post,
+                result.reward,
             )
         ack = await self._report(d, result.reward, result.loss_pre, result.loss_post, kb)
         if ack is None:
@@ -963,18 +955,18 @@ class AgentDaemon:
         self.summary.exchanges += 1
         self.summary.bytes_received += len(data)
         self.summary.rewards.append(round(result.reward, 6))
-        self.log.info(
+        self._log_exchange(
+            self.log.info,
             "exchange_integrated",
-            round=t,
-            teacher=d.teacher,
-            directive=d.directive_id,
+            d,
+            t,
+            result.loss_pre,
+            result.loss_post,
+            result.reward,
             mode=result.mode,
             alpha_kd=round(result.alpha_kd, 3),
             temperature=None if result.temperature is None else round(result.temperature, 3),
-            loss_pre=round(result.loss_pre, 4),
-            loss_post=round(result.loss_post, 4),
             kilobytes=round(kb, 1),
-            reward=round(result.reward, 5),
             normalised=round(ack.normalised_reward, 4),
         )
 
@@ -1011,17 +1003,9 @@ class AgentDaemon:
         except Exception as exc:  # a failed exchange is logged and the round goes on
             self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
             return
+        outcome = (t, result.loss_pre, result.loss_post, result.reward)
         if result.rolled_back:
-            self.log.warning(
-                "exchange_rolled_back",
-                round=t,
-                teacher=d.teacher,
-                directive=d.directive_id,
-                protocol=d.protocol,
-                loss_pre=round(result.loss_pre, 4),
-                loss_post=round(result.loss_post, 4),
-                reward=round(result.reward, 5),
-            )
+            self._log_exchange(self.log.warning, "exchange_rolled_back", d, *outcome)
         ack = await self._report(
             d, result.reward, result.loss_pre, result.loss_post, result.kilobytes
         )
@@ -1033,17 +1017,37 @@ class AgentDaemon:
         self.summary.exchanges += 1
         self.summary.bytes_received += result.report.bytes_received
         self.summary.rewards.append(round(result.reward, 6))
-        self.log.info(
+        self._log_exchange(
+            self.log.info,
             "exchange_integrated",
+            d,
+            *outcome,
+            kilobytes=round(result.kilobytes, 1),
+            normalised=round(ack.normalised_reward, 4),
+        )
+
+    @staticmethod
+    def _log_exchange(
+        emit: Callable[..., Any],
+        event: str,
+        d: cpm_pb2.Directive,
+        t: int,
+        loss_pre: float,
+        loss_post: float,
+        reward: float,
+        **extra: Any,
+    ) -> None:
+        """One line for a student's exchange: rolled back or integrated, AKD or merge."""
+        emit(
+            event,
             round=t,
             teacher=d.teacher,
             directive=d.directive_id,
             protocol=d.protocol,
-            loss_pre=round(result.loss_pre, 4),
-            loss_post=round(result.loss_post, 4),
-            kilobytes=round(result.kilobytes, 1),
-            reward=round(result.reward, 5),
-            normalised=round(ack.normalised_reward, 4),
+            loss_pre=round(loss_pre, 4),
+            loss_post=round(loss_post, 4),
+            reward=round(reward, 5),
+            **extra,
         )
 
     async def _report(

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -99,6 +100,24 @@ def _events(log: Path) -> list[dict[str, object]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def _run_together(
+    w: World, folder: str, names: tuple[str, ...], **overrides: object
+) -> tuple[list[dict[str, Any]], list[dict[str, object]]]:
+    """Run agents ``names`` side by side to their end (exit 0 asserted); their summaries
+    and every log event."""
+    procs, logs = [], []
+    for name in names:
+        state = w.tmp / folder / name / "state"
+        config = _config(w, name, state, **overrides)
+        logs.append(w.tmp / folder / name / f"{name}.log")
+        procs.append(_start(config, logs[-1]))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log.read_text()[-3000:]
+    summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    return summaries, [e for log in logs for e in _events(log)]
 
 
 def _wait_for(pred: object, timeout: float, what: str) -> None:
@@ -218,42 +237,36 @@ def test_sigterm_within_the_grace_finishes_the_round(world: World) -> None:
     assert "stop_requested" in kinds and "stop_grace_over" not in kinds
 
 
-@pytest.fixture(scope="module")
-def logits_world(world: World) -> Iterator[World]:
-    """A CPM of its own whose menu is text and logits AKD (K_rec = akd, akd_logits), fresh
-    agents. akd_logits is admissible only between agents of one parameter space."""
-    tmp = world.tmp / "logits"
+def _menu_world(world: World, folder: str, protocols: list[str]) -> Iterator[World]:
+    """A CPM of its own recommending ``protocols`` (K_rec), with fresh agent names."""
+    tmp = world.tmp / folder
     pki = Pki.create(tmp, agents=4)
     cpm = CpmProcess(
         pki,
         tmp / "cpm.db",
         tmp,
-        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": '["akd", "akd_logits"]'},
+        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": json.dumps(protocols)},
     ).start()
     yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
     cpm.terminate()
+
+
+@pytest.fixture(scope="module")
+def logits_world(world: World) -> Iterator[World]:
+    """Text and logits AKD (K_rec = akd, akd_logits); akd_logits is admissible only between
+    agents of one parameter space."""
+    yield from _menu_world(world, "logits", ["akd", "akd_logits"])
 
 
 def test_logits_mode_between_agents_with_one_tokenizer(logits_world: World) -> None:
     """Two gpt2 agents that execute akd_logits only: the directive asks for logits, the
     student announces the teacher's tokenizer, so the package is logits and the student
     distils at the scheduled T."""
-    w = logits_world
-    procs, logs = [], []
-    for name in ("a0", "a1"):
-        state = w.tmp / name / "state"
-        config = _config(
-            w, name, state, rounds=2, round_timeout_s=120, local_steps=2,
-            protocols=["akd_logits"],
-        )  # fmt: skip
-        logs.append(w.tmp / name / f"{name}.log")
-        procs.append(_start(config, logs[-1]))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log.read_text()[-3000:]
-    summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    summaries, events = _run_together(
+        logits_world, "same", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
+        protocols=["akd_logits"],
+    )  # fmt: skip
     assert sum(s["exchanges"] for s in summaries) >= 1
-    events = [e for log in logs for e in _events(log)]
     built = [e for e in events if e.get("event") == "package_built"]
     assert built and all(e["mode"] == "logits" and e["protocol"] == "akd_logits" for e in built)
     integrated = [e for e in events if e.get("event") == "exchange_integrated"]
@@ -290,17 +303,8 @@ def test_logits_mode_falls_back_to_text_for_another_tokenizer(logits_world: Worl
 
 @pytest.fixture(scope="module")
 def merge_world(world: World) -> Iterator[World]:
-    """A CPM of its own that recommends merges only (K_rec = pmix, svd_hka), fresh agents."""
-    tmp = world.tmp / "merge"
-    pki = Pki.create(tmp, agents=4)
-    cpm = CpmProcess(
-        pki,
-        tmp / "cpm.db",
-        tmp,
-        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": '["pmix", "svd_hka"]'},
-    ).start()
-    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
-    cpm.terminate()
+    """Merges only (K_rec = pmix, svd_hka)."""
+    yield from _menu_world(world, "merge", ["pmix", "svd_hka"])
 
 
 def test_merge_directives_pull_the_teachers_adapter_and_report_eq3(merge_world: World) -> None:
@@ -308,23 +312,13 @@ def test_merge_directives_pull_the_teachers_adapter_and_report_eq3(merge_world: 
     CPM pairs them with pmix or svd_hka; the student pulls the teacher's adapter, merges it
     by that protocol and reports Eq. 3, which the CPM takes into its bandit."""
     w = merge_world
-    procs, logs = [], []
-    for name in ("a0", "a1"):
-        state = w.tmp / name / "state"
-        config = _config(
-            w, name, state, rounds=2, round_timeout_s=120, local_steps=2,
-            public_file=str(w.data / "transfer.jsonl"), overlay={"hka_steps": 1},
-        )  # fmt: skip
-        logs.append(w.tmp / name / f"{name}.log")
-        procs.append(_start(config, logs[-1]))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log.read_text()[-3000:]
-    summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    summaries, events = _run_together(
+        w, "pair", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
+        public_file=str(w.data / "transfer.jsonl"), overlay={"hka_steps": 1},
+    )  # fmt: skip
     merged = sum(sum(s["merges_by_protocol"].values()) for s in summaries)
     assert merged >= 1 and sum(s["exchanges"] for s in summaries) == merged
     assert all(set(s["merges_by_protocol"]) <= {"pmix", "svd_hka"} for s in summaries)
-    events = [e for log in logs for e in _events(log)]
     assert not [e for e in events if e.get("event") == "package_built"]  # no AKD at all
     integrated = [e for e in events if e.get("event") == "exchange_integrated"]
     assert len(integrated) == merged

@@ -508,6 +508,22 @@ async def test_a_harmful_svd_hka_aggregate_is_rolled_back(world: World, pki: Pat
 # -- CPM merge directives (issue 9 section 3: the student executes the directive's protocol) --
 
 
+def _directive(teacher: str, endpoint: str, **change: Any) -> dict[str, Any]:
+    """merge_from_teacher's keyword arguments for a pmix directive from ``teacher``."""
+    return {
+        "protocol": "pmix",
+        "teacher": teacher,
+        "endpoint": endpoint,
+        "pull": PullSettings(timeout_s=20.0),
+        "val_examples": VAL,
+        "max_length": 64,
+        "margin": 0.1,
+        "reward_gamma": 1.0,
+        "reward_delta": 0.001,
+        **change,
+    }
+
+
 async def test_a_pmix_directive_merges_the_teacher_and_measures_eq3(
     world: World, pki: Path
 ) -> None:
@@ -522,19 +538,12 @@ async def test_a_pmix_directive_merges_the_teacher_and_measures_eq3(
     pre = gate.loss(student)
     registry = new_registry()
     t1 = world.teachers["t1"]
+    # The directive's protocol wins over the pull settings' method and fan-out.
+    pull = PullSettings(timeout_s=20.0, max_peers=5, method="svd_hka")
     out = await merge_from_teacher(
         _student(pki, registry),
         student,
-        protocol="pmix",
-        teacher="t1",
-        endpoint=t1.target,
-        pull=PullSettings(timeout_s=20.0, max_peers=5, method="svd_hka"),
-        val_examples=VAL,
-        max_length=64,
-        margin=None,
-        reward_gamma=1.0,
-        reward_delta=0.001,
-        round_=4,
+        **_directive("t1", t1.target, pull=pull, margin=None, round_=4),
     )
     assert out.protocol == "pmix" and not out.rolled_back
     assert [p.peer for p in out.report.pulled] == ["t1"] and out.report.applied
@@ -568,19 +577,7 @@ async def test_a_merge_directive_refuses_an_adapter_of_another_space(
     target = world.dead_address if teacher == "gone" else world.teachers[teacher].target
     registry = new_registry()
     with pytest.raises(MergeRefused) as err:
-        await merge_from_teacher(
-            _student(pki, registry),
-            student,
-            protocol="pmix",
-            teacher=teacher,
-            endpoint=target,
-            pull=PullSettings(timeout_s=20.0),
-            val_examples=VAL,
-            max_length=64,
-            margin=0.1,
-            reward_gamma=1.0,
-            reward_delta=0.001,
-        )
+        await merge_from_teacher(_student(pki, registry), student, **_directive(teacher, target))
     assert err.value.reason == reason
     after = student.adapter_state()
     assert all(torch.equal(after[k], before[k]) for k in before)
@@ -595,17 +592,7 @@ async def test_a_merge_directive_signed_by_another_member_is_refused(
 
     with pytest.raises(MergeRefused) as err:
         await merge_from_teacher(
-            _student(pki),
-            world.student,
-            protocol="pmix",
-            teacher="t2",
-            endpoint=world.teachers["t1"].target,
-            pull=PullSettings(timeout_s=20.0),
-            val_examples=VAL,
-            max_length=64,
-            margin=0.1,
-            reward_gamma=1.0,
-            reward_delta=0.001,
+            _student(pki), world.student, **_directive("t2", world.teachers["t1"].target)
         )
     assert err.value.reason == "unverified_sender"
 
@@ -619,18 +606,11 @@ async def test_a_harmful_merge_is_rolled_back_and_still_rewarded(world: World, p
     student = world.student
     before = student.adapter_state()
     registry = new_registry()
+    pull = PullSettings(timeout_s=20.0, max_norm_ratio=None)
     out = await merge_from_teacher(
         _student(pki, registry),
         student,
-        protocol="pmix",
-        teacher="huge",
-        endpoint=world.teachers["huge"].target,
-        pull=PullSettings(timeout_s=20.0, max_norm_ratio=None),
-        val_examples=VAL,
-        max_length=64,
-        margin=0.1,
-        reward_gamma=1.0,
-        reward_delta=0.001,
+        **_directive("huge", world.teachers["huge"].target, pull=pull),
     )
     assert out.rolled_back and out.reward < 0
     assert out.loss_post <= out.loss_pre + LOSS_PENALTY_NATS
@@ -642,20 +622,15 @@ async def test_a_harmful_merge_is_rolled_back_and_still_rewarded(world: World, p
 async def test_a_merge_directive_checks_its_protocol_first(world: World, pki: Path) -> None:
     from peerlm.agent.merge_directive import merge_from_teacher
 
-    common: dict[str, Any] = {
-        "teacher": "t1",
-        "endpoint": world.teachers["t1"].target,
-        "pull": PullSettings(timeout_s=20.0),
-        "val_examples": VAL,
-        "max_length": 64,
-        "margin": 0.1,
-        "reward_gamma": 1.0,
-        "reward_delta": 0.001,
-    }
+    target = world.teachers["t1"].target
     with pytest.raises(ValueError, match="not a merge"):
-        await merge_from_teacher(_student(pki), world.student, protocol="akd", **common)
+        await merge_from_teacher(
+            _student(pki), world.student, **_directive("t1", target, protocol="akd")
+        )
     with pytest.raises(ValueError, match="public"):
-        await merge_from_teacher(_student(pki), world.student, protocol="svd_hka", **common)
+        await merge_from_teacher(
+            _student(pki), world.student, **_directive("t1", target, protocol="svd_hka")
+        )
 
 
 async def test_an_svd_hka_directive_merges_by_onepeft(world: World, pki: Path) -> None:
@@ -665,20 +640,15 @@ async def test_an_svd_hka_directive_merges_by_onepeft(world: World, pki: Path) -
     student = world.student
     before = student.adapter_state()
     train = TrainSettings(learning_rate=1e-2, batch_size=2, grad_accumulation=1, seed=5)
-    out = await merge_from_teacher(
-        _student(pki),
-        student,
+    directive = _directive(
+        "t1",
+        world.teachers["t1"].target,
         protocol="svd_hka",
-        teacher="t1",
-        endpoint=world.teachers["t1"].target,
         pull=PullSettings(timeout_s=20.0, hka_steps=2),
-        val_examples=VAL,
-        max_length=64,
         margin=None,
-        reward_gamma=1.0,
-        reward_delta=0.001,
         hka=(PUBLIC, train),
     )
+    out = await merge_from_teacher(_student(pki), student, **directive)
     assert out.protocol == "svd_hka" and out.report.applied and out.report.alpha == 1.0
     assert math.isfinite(out.reward)
     after = student.adapter_state()
