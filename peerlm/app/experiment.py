@@ -47,6 +47,9 @@ cpm_menu        the CPM over the whole menu (issue 9 section 3): each round LinU
                 fingerprint and every protocol); the student executes it as the daemon
                 does and the Eq. 3 reward trains the bandit. Each round's record and
                 event name how many directives chose each protocol (``protocols``).
+cpm_akd_logits  the same CPM with one protocol forced for everyone (the comparison the
+cpm_pmix        issue asks for; ``cpm`` is akd forced). Across families no protocol but
+cpm_svd_hka     akd is admissible, so these pair only within a family.
 ==============  =========================================================================
 
 D_pub of HKA is the transfer problems of the *public* categories with their references
@@ -145,6 +148,9 @@ LABELS: Mapping[str, str] = {
     "onepeft_hka": "OnePeFT HKA only",
     "onepeft_fedavg": "One-shot FedAvg of factors",
     "cpm_menu": "KNEXA-FL (CPM, full menu)",
+    "cpm_akd_logits": "CPM, akd_logits forced",
+    "cpm_pmix": "CPM, pmix forced",
+    "cpm_svd_hka": "CPM, svd_hka forced",
 }
 #: Adapter-merge strategies of issue 9 (OnePeFT, FedAvg-LoRA): known, not run by default.
 MERGE_STRATEGIES: tuple[str, ...] = (
@@ -157,7 +163,16 @@ MERGE_STRATEGIES: tuple[str, ...] = (
 #: The CPM recommending among the whole menu (akd, akd_logits, pmix, svd_hka; issue 9
 #: section 3): known, not run by default; meant for clients of one family (``--family``),
 #: since every protocol but akd needs a shared parameter space.
-MENU_STRATEGIES: tuple[str, ...] = ("cpm_menu",)
+MENU_STRATEGIES: tuple[str, ...] = ("cpm_menu", "cpm_akd_logits", "cpm_pmix", "cpm_svd_hka")
+#: The protocols each CPM strategy may recommend: the menu, or one forced for everyone
+#: (``cpm`` itself is akd forced).
+CPM_PROTOCOLS: Mapping[str, tuple[str, ...]] = {
+    "cpm": ("akd",),
+    "cpm_menu": ("akd", "akd_logits", "pmix", "svd_hka"),
+    "cpm_akd_logits": ("akd_logits",),
+    "cpm_pmix": ("pmix",),
+    "cpm_svd_hka": ("svd_hka",),
+}
 #: Every strategy ``--strategies`` accepts.
 KNOWN_STRATEGIES: tuple[str, ...] = STRATEGIES + MERGE_STRATEGIES + MENU_STRATEGIES
 #: Strategies that exchange knowledge (candidates for "best collaborative").
@@ -167,7 +182,7 @@ COLLABORATIVE: tuple[str, ...] = (
     "central_kd",
     "cpm",
     "oracle",
-    "cpm_menu",
+    *MENU_STRATEGIES,
 )
 #: Per-problem metrics: unbiased pass@1, structural match rate, NLL (nats/byte; lower wins).
 METRICS: tuple[str, ...] = ("pass@1", "struct", "nll")
@@ -175,6 +190,9 @@ METRICS: tuple[str, ...] = ("pass@1", "struct", "nll")
 #: strategy on the lacked slice's pass@1.
 COMPARISONS: tuple[tuple[str, str], ...] = (
     ("cpm_menu", "cpm"),
+    ("cpm_menu", "cpm_akd_logits"),
+    ("cpm_menu", "cpm_pmix"),
+    ("cpm_menu", "cpm_svd_hka"),
     ("cpm_menu", "local_plus"),
     ("cpm", "random"),
     ("cpm", "local_plus"),
@@ -541,10 +559,8 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
         return RandomMatchmaker(seed=seed)
     if strategy == "heuristic":
         return HeteroGreedyMatchmaker()
-    if strategy in ("cpm", "cpm_menu"):
-        from peerlm.services.cpm import MENU
-
-        s = CpmSettings(seed=seed, protocols=MENU if strategy == "cpm_menu" else ("akd",))
+    if strategy in CPM_PROTOCOLS:
+        s = CpmSettings(seed=seed, protocols=CPM_PROTOCOLS[strategy])
         return Matchmaker(
             profile_dim=s.profile_dim,
             beta=s.beta,
@@ -862,7 +878,7 @@ def _exchange(
         return _semantic_dfl(clients), None
     if strategy in MERGE_STRATEGIES:
         return _merge_exchange(world, strategy, clients, seed, t), None
-    if strategy == "cpm_menu":
+    if strategy in MENU_STRATEGIES:
         return _menu_exchange(world, policy, clients, profiles, seed, t), None
     records: list[dict[str, Any]] = []
     pairings: list[Pairing] = policy.select(profiles)
@@ -887,7 +903,8 @@ def _menu_exchange(
     seed: int,
     t: int,
 ) -> list[dict[str, Any]]:
-    """``cpm_menu``: the CPM chooses a protocol of the whole menu per pair, among those
+    """``cpm_menu``: the CPM chooses a protocol of the whole menu per pair (the
+    ``cpm_<protocol>`` strategies: of one protocol, forced for everyone), among those
     admissible for it (each client declares its parameter-space fingerprint and every
     protocol, as an agent does), and the student executes it as the daemon would: AKD by
     text or top-k logits, or the teacher's adapter merged by PDFL (``pmix``) or OnePeFT's
@@ -911,7 +928,7 @@ def _menu_exchange(
         config = _round_config(plan, seed, i, integration=True)
         record: dict[str, Any]
         if pairing.protocol in ("akd", "akd_logits"):
-            directive = f"cpm_menu-{t}-{teacher.name}-{student.name}"
+            directive = f"cpm-{pairing.protocol}-{t}-{teacher.name}-{student.name}"
             completions = teacher_completions(teacher.host, world.transfer, plan.max_new_tokens)
             mode: Literal["text", "logits"] = (
                 "logits" if pairing.protocol == "akd_logits" else "text"
@@ -1059,7 +1076,11 @@ def _run_strategy(
                 "test_nll": nll,
                 "exchanges": exchanges,
                 **({"oracle_gains": gains} if gains is not None else {}),
-                **({"protocols": _protocol_counts(exchanges)} if strategy == "cpm_menu" else {}),
+                **(
+                    {"protocols": _protocol_counts(exchanges)}
+                    if strategy in MENU_STRATEGIES
+                    else {}
+                ),
             }
         )
         event(
@@ -1069,7 +1090,11 @@ def _run_strategy(
                 "seed": seed,
                 "round": t,
                 "nll": nll,
-                **({"protocols": _protocol_counts(exchanges)} if strategy == "cpm_menu" else {}),
+                **(
+                    {"protocols": _protocol_counts(exchanges)}
+                    if strategy in MENU_STRATEGIES
+                    else {}
+                ),
             },
         )
     final = {c.name: _final_eval(world, c, seed * 1_000 + i) for i, c in enumerate(clients)}
@@ -1089,7 +1114,7 @@ def _run_strategy(
 
 
 def _protocol_counts(exchanges: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """How many of a round's directives named each protocol (``cpm_menu``)."""
+    """How many of a round's directives named each protocol (the CPM menu strategies)."""
     counts: dict[str, int] = {}
     for x in exchanges:
         counts[x["protocol"]] = counts.get(x["protocol"], 0) + 1

@@ -154,11 +154,12 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_the_cpm_over_the_menu_chooses_a_protocol_per_pair_quick(tmp_path: Path) -> None:
     """``cpm_menu`` under ``--quick`` on one family: every directive names a protocol of the
-    menu, the round records count them, and each was executed and rewarded."""
+    menu, the round records count them, and each was executed and rewarded; ``cpm_pmix``
+    (one protocol forced for everyone) names pmix only."""
     out = tmp_path / "out"
     args = [
         sys.executable, "-m", "peerlm", "run-experiment", "--quick", "--micro", "--json",
-        "-n", "4", "--family", "gpt2", "--strategies", "local_plus,cpm_menu",
+        "-n", "4", "--family", "gpt2", "--strategies", "local_plus,cpm_menu,cpm_pmix",
         "--local-steps", "1", "--transfer-limit", "3", "--test-limit", "8",
         "--max-new-tokens", "8", "--seeds", "0",
         "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
@@ -170,7 +171,7 @@ def test_the_cpm_over_the_menu_chooses_a_protocol_per_pair_quick(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     view = json.loads(proc.stdout)
     assert view["strategies"]["cpm_menu"]["label"] == "KNEXA-FL (CPM, full menu)"
-    assert "cpm_menu_vs_local_plus" in view["comparisons"]
+    assert {"cpm_menu_vs_local_plus", "cpm_menu_vs_cpm_pmix"} <= set(view["comparisons"])
     result = json.loads((out / "results.json").read_text())
     run = result["runs"]["cpm_menu"]["0"]
     menu = {"akd", "akd_logits", "pmix", "svd_hka"}
@@ -181,6 +182,9 @@ def test_the_cpm_over_the_menu_chooses_a_protocol_per_pair_quick(tmp_path: Path)
         for x in r["exchanges"]:
             assert x["protocol"] in menu and math.isfinite(x["reward"])
             assert x["normalised_reward"] is not None
+    forced = result["runs"]["cpm_pmix"]["0"]
+    assert forced["exchanges"] >= 1
+    assert all(set(r["protocols"]) == {"pmix"} for r in forced["rounds"] if r["exchanges"])
 
 
 def test_merge_strategies_refuse_an_unknown_family() -> None:
