@@ -105,6 +105,7 @@ class AgentSummary:
     adapters_pulled: int = 0
     overlay_refusals: dict[str, int] = field(default_factory=dict)
     overlay_steps: dict[str, int] = field(default_factory=dict)
+    # Adapter bytes pulled and served: overlay pulls and CPM merge directives alike.
     overlay_bytes_received: int = 0
     overlay_bytes_sent: int = 0
     # FedProxy (fedproxy.enabled): cohort rounds this agent completed as owner or member.
@@ -1015,7 +1016,8 @@ class AgentDaemon:
         merges = self.summary.merges_by_protocol
         merges[d.protocol] = merges.get(d.protocol, 0) + 1
         self.summary.exchanges += 1
-        self.summary.bytes_received += result.report.bytes_received
+        # Adapter bytes, as the teacher counts them (overlay_bytes_sent: every adapter sent).
+        self.summary.overlay_bytes_received += result.report.bytes_received
         self.summary.rewards.append(round(result.reward, 6))
         self._log_exchange(
             self.log.info,
