@@ -62,7 +62,6 @@ from peerlm.agent.rounds import (
     round_profile,
 )
 from peerlm.agent.settings import AgentSettings
-from peerlm.services.cpm.menu import MERGE_PROTOCOLS
 
 from peerlm.chunks import HashedPayload
 from peerlm.config import parse_host_port
@@ -686,40 +685,8 @@ class AgentDaemon:
         lap("wait")
         if directive is not None and self._abort.is_set():
             self.log.info("directive_skipped", round=t, directive=directive.directive_id)
-        elif directive is not None and directive.protocol not in self.protocols:
-            self._exchange_failed(
-                directive,
-                "unsupported_protocol",
-                ValueError(
-                    f"protocol {directive.protocol[:32]!r} is not one this agent executes "
-                    f"({', '.join(self.protocols)})"
-                ),
-            )
-        elif directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
-            if directive.protocol in MERGE_PROTOCOLS:
-                await self._merge_from(directive, t)
-            else:
-                await self._learn_from(directive, t)
+        elif directive is not None and await self._act_on(directive, t):
             lap("integrate")
-        elif directive is not None:
-            self.log.info(
-                "directive_teacher",
-                round=t,
-                directive=directive.directive_id,
-                student=directive.student,
-                protocol=directive.protocol,
-            )
-            self.summary.as_teacher += 1
-            if directive.protocol in MERGE_PROTOCOLS:
-                # The student pulls our adapter: nothing to generate; the linger after
-                # the last round waits for one more pull by that student.
-                student = directive.student
-                self._last_merge = (student, self.peer_service.adapter_pulls(student))
-            else:
-                # Generate the predictions now, ahead of the next round's training in the
-                # model worker's queue, so the student does not wait behind it.
-                self._last_taught = directive.directive_id
-                self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
         if self.overlay is not None and not self._abort.is_set():
             await self._overlay_step(t)
             lap("overlay")
@@ -742,6 +709,51 @@ class AgentDaemon:
             seconds=round(time.monotonic() - started, 2),
             waited_s=round(waited, 2),  # for a directive: the idle share of the round
         )
+
+    async def _act_on(self, directive: cpm_pb2.Directive, t: int) -> bool:
+        """Do what the directive names (:func:`~peerlm.agent.directives.directive_action`);
+        True when this agent integrated (or tried to) as the student."""
+        from peerlm.agent.directives import directive_action
+        from peerlm.services.cpm.menu import MERGE_PROTOCOLS
+
+        action = directive_action(
+            directive.protocol, directive.role, self.protocols, MERGE_PROTOCOLS
+        )
+        if action == "refuse":
+            self._exchange_failed(
+                directive,
+                "unsupported_protocol",
+                ValueError(
+                    f"protocol {directive.protocol[:32]!r} as role {int(directive.role)} is "
+                    f"not one this agent executes ({', '.join(self.protocols)})"
+                ),
+            )
+            return False
+        if action == "merge":
+            await self._merge_from(directive, t)
+            return True
+        if action == "learn":
+            await self._learn_from(directive, t)
+            return True
+        self.log.info(
+            "directive_teacher",
+            round=t,
+            directive=directive.directive_id,
+            student=directive.student,
+            protocol=directive.protocol,
+        )
+        self.summary.as_teacher += 1
+        if action == "serve_adapter":
+            # The student pulls our adapter: nothing to generate; the linger after the last
+            # round waits for one more pull by that student.
+            student = directive.student
+            self._last_merge = (student, self.peer_service.adapter_pulls(student))
+        else:
+            # Generate the predictions now, ahead of the next round's training in the model
+            # worker's queue, so the student does not wait behind it.
+            self._last_taught = directive.directive_id
+            self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
+        return False
 
     async def _overlay_enter(self) -> None:
         """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and
