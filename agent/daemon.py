@@ -47,11 +47,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.agent.metrics import AgentTelemetry
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.rounds import (
     PROTOCOL_LOGITS,
     PackageMode,
@@ -62,6 +63,7 @@ from peerlm.agent.rounds import (
     round_profile,
 )
 from peerlm.agent.settings import AgentSettings
+from peerlm.agent.teaching import Competence, competence_of, teachable_indices
 
 from peerlm.chunks import HashedPayload
 from peerlm.config import parse_host_port
@@ -69,6 +71,9 @@ from peerlm.node import NodeContext
 from peerlm.pki.identity import Role
 from peerlm.security.mode import resolve_channel_security
 from peerlm.wire.v1 import cpm_pb2
+
+if TYPE_CHECKING:
+    from peerlm.agent.fedproxy_member import Evaluator
 
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
@@ -125,7 +130,7 @@ class AgentDaemon:
         # Set when the stop grace has run out: cut whatever the round is doing.
         self._abort = asyncio.Event()
         self._grace: asyncio.TimerHandle | None = None
-        self._prebuild: asyncio.Task[list[str]] | None = None
+        self._prebuild: asyncio.Task[tuple[list[int], list[str]]] | None = None
         self._last_taught: str | None = None
         # The student of our latest merge directive as a teacher, and its adapter pulls
         # from us before it (the linger waits for one more).
@@ -193,6 +198,7 @@ class AgentDaemon:
         self.val = read_jsonl(s.val_file)
         transfer = read_jsonl(s.transfer_file)
         self.transfer_prompts = [p.prompt for p in transfer]
+        self.transfer_categories = [p.category for p in transfer]
         digest = transfer_set_sha256(self.transfer_prompts)
         if s.transfer_sha256 and digest != s.transfer_sha256:
             raise ValueError(
@@ -202,6 +208,7 @@ class AgentDaemon:
         self.transfer_digest = digest
         if s.transfer_limit is not None:
             self.transfer_prompts = self.transfer_prompts[: s.transfer_limit]
+            self.transfer_categories = self.transfer_categories[: s.transfer_limit]
         # Guardrail index: the private samples as whole texts.
         self.train_texts = [p.prompt + p.reference for p in self.train]
         # Training and validation as (prompt, completion) pairs: the loss covers the solution,
@@ -285,7 +292,10 @@ class AgentDaemon:
 
         s = self.s
         self.book = DirectiveBook(time.time)
-        self._predictions: dict[str, asyncio.Future[list[str]]] = {}
+        self._predictions: dict[str, asyncio.Future[tuple[list[int], list[str]]]] = {}
+        # One send budget for the port: every service on it streams through this streamer,
+        # so a member is metered by one share whichever service it pulls from.
+        streamer = PeerStreamer(self.registry, s.peer_send, log=self.log)
         service = self.peer_service = PeerExchangeService(
             self.book,
             self._package_for,
@@ -296,9 +306,9 @@ class AgentDaemon:
             registry=self.registry,
             log=self.log,
             signer=self.ctx.signer,
-            send=s.peer_send,
+            streamer=streamer,
         )
-        extra = await self._fedproxy_services()
+        extra = await self._fedproxy_services(streamer)
         if s.fedwave.enabled:
             # FedWave: serve this stage's router and VCLayer to the workflow's agents on the
             # same port (round 0 published; the round loop is not built yet).
@@ -312,6 +322,7 @@ class AgentDaemon:
                 n_samples=len(self.train_examples),
                 chunk_bytes=s.limits.chunk_bytes,
                 log=self.log,
+                streamer=streamer,
             )
             extra.append((fedwave_service(self.fedwave.service), FEDWAVE_POLICY))
         if s.overlay.enabled:
@@ -334,10 +345,11 @@ class AgentDaemon:
             else None
         )
 
-    async def _fedproxy_services(self) -> list[tuple[Any, Any]]:
+    async def _fedproxy_services(self, streamer: PeerStreamer) -> list[tuple[Any, Any]]:
         """FedProxy's role (docs/fedproxy.md, section 6): the owner loads its proxy, a
         member its trainer (its own tokenizer: the host's is the model worker's); either
-        serves ``ProxyExchange`` on the peer server."""
+        serves ``ProxyExchange`` on the peer server, streaming through the port's
+        ``streamer``."""
         fp = self.s.fedproxy
         if not fp.enabled:
             return []
@@ -349,7 +361,9 @@ class AgentDaemon:
         if fp.owner:
             proxy = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, fp.proxy_path)
             checkpoint = self.s.state_dir / "fedproxy" / "owner-proxy.safetensors"
-            self.cohort = ProxyOwner(self.ctx, fp, proxy, checkpoint=checkpoint)
+            self.cohort = ProxyOwner(
+                self.ctx, fp, proxy, checkpoint=checkpoint, evaluate=await self._fedproxy_gate()
+            )
         else:
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
             if tokenizer.pad_token is None:
@@ -365,7 +379,9 @@ class AgentDaemon:
             )
             self.cohort = ProxyMember(self.ctx, fp, trainer)
         service = self.cohort.service(
-            chunk_bytes=self.s.limits.chunk_bytes, max_wait_s=fp.round_deadline_s
+            chunk_bytes=self.s.limits.chunk_bytes,
+            max_wait_s=fp.round_deadline_s,
+            streamer=streamer,
         )
         self.log.info(
             "fedproxy_role",
@@ -375,6 +391,28 @@ class AgentDaemon:
             rounds=fp.rounds,
         )
         return [(fedproxy_service(service), dict(FEDPROXY_POLICY))]
+
+    async def _fedproxy_gate(self) -> Evaluator | None:
+        """The owner's acceptance gate: a merged proxy's loss on the first
+        ``fedproxy.gate_examples`` validation texts (prompt + reference, tokenised with the
+        model's tokenizer, which the proxy shares); None when the gate is off or there is no
+        validation text (logged: merges then pass on the norm bound alone)."""
+        from peerlm.agent.fedproxy_member import text_loss
+        from transformers import AutoTokenizer
+
+        fp = self.s.fedproxy
+        texts = [p.prompt + p.reference for p in self.val[: fp.gate_examples]]
+        if fp.acceptance_margin is None or not texts:
+            self.log.warning(
+                "fedproxy_gate_off", margin=fp.acceptance_margin, validation_texts=len(texts)
+            )
+            return None
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return text_loss(
+            tokenizer, texts, batch_size=self.s.batch_size, max_length=self.s.max_length
+        )
 
     async def _fedproxy_rounds(self) -> None:
         """Run ``fedproxy.rounds`` cohort rounds beside the agent's own rounds. A member
@@ -422,27 +460,32 @@ class AgentDaemon:
             return "logits" if directive.protocol == PROTOCOL_LOGITS else "text"
         return mode
 
-    async def _teacher_predictions(self, directive: cpm_pb2.Directive) -> list[str]:
-        """Greedy completions on X_u for a directive, generated once and shared.
+    async def _teacher_predictions(
+        self, directive: cpm_pb2.Directive
+    ) -> tuple[list[int], list[str]]:
+        """Greedy completions on what this agent teaches of X_u (:meth:`_teachable`) for a
+        directive, as (prompt indices, completions), generated once and shared.
 
         The round loop starts this when the directive arrives; the peer server's fetch
         awaits the same future, so the model generates once per directive.
         """
-        from peerlm.agent.rounds import teacher_completions
-
         task = self._predictions.get(directive.directive_id)
         if task is None:
-            task = asyncio.ensure_future(
-                self._model(
-                    teacher_completions, self.host, self.transfer_prompts, self.s.max_new_tokens
-                )
-            )
+            task = asyncio.ensure_future(self._model(self._predict_teachable))
             # Keep only the latest few: predictions are worth nothing after their directive.
             self._predictions = {
                 **dict(list(self._predictions.items())[-3:]),
                 directive.directive_id: task,
             }
         return await asyncio.shield(task)
+
+    def _predict_teachable(self) -> tuple[list[int], list[str]]:
+        from peerlm.agent.rounds import teacher_completions
+
+        chosen = self._teachable()
+        prompts = [self.transfer_prompts[k] for k in chosen]
+        self.telemetry.taught_prompts.observe(len(chosen))
+        return chosen, teacher_completions(self.host, prompts, self.s.max_new_tokens)
 
     async def _package_for(
         self, directive: cpm_pb2.Directive, student_tokenizer: str | None
@@ -455,14 +498,15 @@ class AgentDaemon:
         """
         from peerlm.agent.rounds import build_package, choose_package_mode
 
-        completions = await self._teacher_predictions(directive)
+        chosen, completions = await self._teacher_predictions(directive)
         wanted = self._wanted_mode(directive)
         mode = choose_package_mode(wanted, self.host.tokenizer_hash, student_tokenizer)
         data = await self._model(
             build_package,
             self.host,
             mode=mode,
-            prompts=self.transfer_prompts,
+            prompts=[self.transfer_prompts[k] for k in chosen],
+            prompt_ids=[str(k) for k in chosen],
             completions=completions,
             teacher=self.identity.name,
             directive_id=directive.directive_id,
@@ -480,6 +524,7 @@ class AgentDaemon:
             protocol=directive.protocol,
             wanted=wanted,
             mode=mode,
+            prompts=len(chosen),
             bytes=len(data),
         )
         return data
@@ -521,7 +566,21 @@ class AgentDaemon:
                 telemetry=self.sandbox_telemetry,
             ),
         )
+        competence = competence_of((r.category, r.c, r.n) for r in report.problems)
+        self.state["competence"] = competence.to_dict()
         return loss, float(report.mean.get(1, 0.0))
+
+    def _teachable(self) -> list[int]:
+        """The X_u prompts this agent answers as a teacher (``teach_scope``,
+        :mod:`peerlm.agent.teaching`), by its last measured validation pass@1 per category."""
+        saved = self.state.get("competence")
+        competence = Competence.from_dict(saved) if isinstance(saved, dict) else None
+        return teachable_indices(
+            self.transfer_categories,
+            competence,
+            scope=self.s.teach_scope,
+            min_pass=self.s.teach_min_pass,
+        )
 
     async def _evaluate_slices(self) -> dict[str, dict[str, float]]:
         """Greedy pass@1, structural match and reference NLL (nats/byte) per slice."""

@@ -36,6 +36,7 @@ from peerlm.agent.fedproxy_codec import (
 from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_proxy
 from peerlm.agent.pcr import ConflictRegulariser
 from peerlm.agent.peer_client import PeerExchangeError
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.proxy_model import ProxyError, ProxyInfo
 from peerlm.agent.settings import FedProxySettings
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -43,11 +44,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from peerlm.node import NodeContext
 
 __all__ = [
+    "Evaluator",
     "ProxyMember",
     "Trainer",
     "build_proxy_model",
     "proxy_from",
     "save_model_atomic",
+    "text_loss",
     "text_trainer",
 ]
 
@@ -132,6 +135,42 @@ def text_trainer(
     return train
 
 
+#: A proxy's held-out loss (mean token cross-entropy, nats) on texts the caller chose.
+Evaluator = Callable[[PreTrainedModel], float]
+
+
+def text_loss(
+    tokenizer: Any, texts: Sequence[str], *, batch_size: int = 4, max_length: int = 128
+) -> Evaluator:
+    """The mean token cross-entropy of a proxy on ``texts``, tokenised as
+    :func:`text_trainer` tokenises (whole text, truncated to ``max_length``), token-weighted,
+    without gradients: the FedProxy owner's acceptance gate measures merges with it."""
+    if not texts:
+        raise ValueError("an evaluator needs texts")
+
+    def evaluate(model: Any) -> float:
+        total, count = 0.0, 0
+        with torch.inference_mode():
+            for lo in range(0, len(texts), batch_size):
+                batch = tokenizer(
+                    list(texts[lo : lo + batch_size]),
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=True,
+                    max_length=max_length,
+                )
+                labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+                # The model's loss is the mean over the batch's scored positions: weight it
+                # by their count so that batches of different lengths add up exactly.
+                scored = int((labels[:, 1:] != -100).sum())
+                loss = model(**batch, labels=labels, use_cache=False).loss
+                total += float(loss) * scored
+                count += scored
+        return total / count if count else float("nan")
+
+    return evaluate
+
+
 class ProxyMember:
     """A member's rounds: pull from the owner of ``settings``, train with ``trainer``."""
 
@@ -160,7 +199,9 @@ class ProxyMember:
             ("kind", "reason"),
         )
 
-    def service(self, *, chunk_bytes: int, max_wait_s: float) -> ProxyExchangeService:
+    def service(
+        self, *, chunk_bytes: int, max_wait_s: float, streamer: PeerStreamer | None = None
+    ) -> ProxyExchangeService:
         """The ``ProxyExchange`` service of this member: its updates, to its owner only."""
         return ProxyExchangeService(
             updates=self.board,
@@ -170,6 +211,7 @@ class ProxyMember:
             registry=self._ctx.registry,
             signer=self._ctx.signer,
             log=self._ctx.log,
+            streamer=streamer,
         )
 
     async def pull(self, wanted: int, *, wait_s: float) -> ProxyPayload:

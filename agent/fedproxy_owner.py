@@ -20,7 +20,13 @@ Round ``t`` (from 1):
 A round where nothing arrived republishes the proxy and scores unchanged (nothing to merge;
 logged and counted as ``empty``). A member's bad update never reaches the merge: it is
 counted in ``peerlm_agent_fedproxy_payloads_refused_total{kind="update", reason}`` and the
-member counts as missing for that round.
+member counts as missing for that round. Besides the codec's checks, an update whose task
+vector is over the norm bound is refused so (``reason="norm"``,
+:mod:`peerlm.agent.fedproxy_admission`), and with an ``evaluate`` the merge passes the
+acceptance gate: a merge that raises the proxy's held-out loss by more than
+``fedproxy.acceptance_margin`` is not published (the previous proxy and scores are, as round
+``t + 1``; logged as ``fedproxy_merge_rejected`` and counted as the round outcome
+``rejected``).
 """
 
 from __future__ import annotations
@@ -33,12 +39,15 @@ from typing import Any
 
 import grpc
 import torch
+from peerlm.agent.acceptance import Verdict, judge
+from peerlm.agent.fedproxy_admission import NORM_REASON, norm_refusal, state_norm
 from peerlm.agent.fedproxy_codec import decode_proxy, decode_update, encode_proxy
-from peerlm.agent.fedproxy_member import proxy_from
+from peerlm.agent.fedproxy_member import Evaluator, proxy_from
 from peerlm.agent.fedproxy_rounds import CohortRound, RoundError, RoundOutcome
 from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_update
 from peerlm.agent.hties import h_ties
 from peerlm.agent.peer_client import PeerExchangeError
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.proxy_model import ProxyError, ProxyInfo, fuse_into, proxy_info
 from peerlm.agent.settings import FedProxySettings
 from prometheus_client import Histogram
@@ -64,6 +73,9 @@ class ProxyOwner:
 
     ``clock`` (monotonic seconds) times the rounds' deadlines; the merge runs on a worker
     thread so the server goes on answering.
+
+    ``evaluate``: the held-out loss of a proxy (:func:`~peerlm.agent.fedproxy_member.text_loss`
+    on the owner's validation texts), for the acceptance gate; None: no gate.
     """
 
     def __init__(
@@ -74,6 +86,7 @@ class ProxyOwner:
         *,
         checkpoint: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        evaluate: Evaluator | None = None,
     ) -> None:
         info = proxy_info(proxy)
         if info is None:
@@ -82,6 +95,9 @@ class ProxyOwner:
             raise ValueError("an owner needs a cohort")
         self._ctx, self._settings, self._clock = ctx, settings, clock
         self._checkpoint = checkpoint
+        self._evaluate = evaluate if settings.acceptance_margin is not None else None
+        self._loss: float | None = None  # the held-out loss of ``state``, once measured
+        self._norm_of: tuple[dict[str, torch.Tensor], float] | None = None
         self.info: ProxyInfo = info
         self._config: dict[str, Any] = proxy.config.to_dict()
         self.state: dict[str, torch.Tensor] = {
@@ -93,7 +109,8 @@ class ProxyOwner:
         reg = ctx.registry
         self._rounds = ctx.counter(
             "peerlm_agent_fedproxy_rounds_total",
-            "Cohort rounds closed by the owner: complete (every member merged), partial, empty",
+            "Cohort rounds closed by the owner: complete (every member merged), partial, "
+            "empty, rejected (the merge failed the acceptance gate; the previous proxy stands)",
             ("outcome",),
         )
         self._merged = ctx.counter(
@@ -122,7 +139,9 @@ class ProxyOwner:
         """The round published last (0 before :meth:`start`)."""
         return self.board.round
 
-    def service(self, *, chunk_bytes: int, max_wait_s: float) -> ProxyExchangeService:
+    def service(
+        self, *, chunk_bytes: int, max_wait_s: float, streamer: PeerStreamer | None = None
+    ) -> ProxyExchangeService:
         """The ``ProxyExchange`` service of this owner: its proxies, to its cohort only."""
         return ProxyExchangeService(
             proxies=self.board,
@@ -132,6 +151,7 @@ class ProxyOwner:
             registry=self._ctx.registry,
             signer=self._ctx.signer,
             log=self._ctx.log,
+            streamer=streamer,
         )
 
     async def start(self) -> None:
@@ -195,6 +215,7 @@ class ProxyOwner:
             self._missing.labels(name, "deadline").inc()
         for name, reason in outcome.refused.items():
             self._missing.labels(name, reason).inc()
+        rejected = False
         if outcome.arrived:
             started = self._clock()
             result = await asyncio.to_thread(
@@ -206,13 +227,19 @@ class ProxyOwner:
                 rho=self._settings.rho,
             )
             self._merge_seconds.observe(self._clock() - started)
-            self.state, self.conflict = result.state, result.analysis.conflict
-            self._merged.inc(len(outcome.arrived))
+            verdict = await self._gate(t, result.state)
+            rejected = verdict is not None and verdict.rolled_back
+            if not rejected:
+                self.state, self.conflict = result.state, result.analysis.conflict
+                self._merged.inc(len(outcome.arrived))
+                if verdict is not None:
+                    self._loss = verdict.loss_post
             weights = dict(zip(outcome.arrived, result.analysis.weights, strict=True))
             heterogeneity = dict(zip(outcome.arrived, result.analysis.heterogeneity, strict=True))
         else:
             weights, heterogeneity = {}, {}
         kind = "complete" if outcome.complete else ("partial" if outcome.arrived else "empty")
+        kind = "rejected" if rejected else kind
         self._rounds.labels(kind).inc()
         log = self._ctx.log.info if outcome.complete else self._ctx.log.warning
         log(
@@ -228,6 +255,29 @@ class ProxyOwner:
         )
         await self._publish(t + 1)
         return outcome
+
+    async def _gate(self, t: int, merged: dict[str, torch.Tensor]) -> Verdict | None:
+        """The acceptance gate's verdict on ``merged`` against the current proxy (None: no
+        gate). Measured on a worker thread; the current proxy's loss once per proxy."""
+        if self._evaluate is None:
+            return None
+        if self._loss is None:
+            self._loss = await asyncio.to_thread(self._measure, self.state)
+        post = await asyncio.to_thread(self._measure, merged)
+        verdict = judge(self._loss, post, self._settings.acceptance_margin)
+        if verdict.rolled_back:
+            self._ctx.log.warning(
+                "fedproxy_merge_rejected",
+                round=t,
+                loss_pre=self._loss,
+                loss_post=post,
+                margin=self._settings.acceptance_margin,
+            )
+        return verdict
+
+    def _measure(self, state: dict[str, torch.Tensor]) -> float:
+        assert self._evaluate is not None
+        return self._evaluate(proxy_from(self._config, state))
 
     async def _collect(
         self,
@@ -267,6 +317,11 @@ class ProxyOwner:
                 self._refused.labels("update", err.reason).inc()
                 self._refuse(core, name, err.reason, str(err))
                 return
+            over = await asyncio.to_thread(self._over_norm, update.state)
+            if over is not None:
+                self._refused.labels("update", NORM_REASON).inc()
+                self._refuse(core, name, NORM_REASON, over)
+                return
             try:
                 core.deliver(name, t, self._clock())
             except RoundError as err:  # the deadline passed while it was decoded
@@ -274,6 +329,17 @@ class ProxyOwner:
                 return
             updates[name] = update.state
             self._ctx.log.info("fedproxy_update_received", round=t, peer=name, bytes=len(data))
+
+    def _over_norm(self, update: dict[str, torch.Tensor]) -> str | None:
+        """Why ``update`` is over the norm bound, or None (on a worker thread). The current
+        proxy's norm, the bound's reference, is computed once per proxy."""
+        base, cached = self.state, self._norm_of
+        if cached is None or cached[0] is not base:
+            cached = (base, state_norm(base))
+            self._norm_of = cached
+        return norm_refusal(
+            base, update, max_ratio=self._settings.max_update_norm_ratio, base_norm=cached[1]
+        )
 
     def _refuse(self, core: CohortRound, name: str, reason: str, detail: str) -> None:
         try:

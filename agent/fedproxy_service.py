@@ -18,10 +18,14 @@ a round that does not exist NOT_FOUND; the next round is waited for up to the ca
 deadline (at most ``max_wait_s``), then UNAVAILABLE (``not_ready``: ask again). Each refusal
 counts in ``peerlm_agent_fedproxy_refusals_total{rpc, reason}`` and is logged with the peer.
 
-Not applied here: the peer service's send budget for slow readers
-(:mod:`peerlm.agent.send_budget`). A proxy goes only to the admitted cohort (and an update
-only to the owner), so the readers are few and known; a reader that stops is cut off by its
-own call deadline.
+Payloads are streamed through the peer port's :class:`~peerlm.agent.peer_stream.PeerStreamer`
+(sender proof, then every chunk under the send budget shared with ``PeerExchange`` and
+FedWave on the same port): an admitted member is not trusted to read, so a member whose
+streams stall holds at most its identity's share of the budget, and is cut off
+(``peerlm_agent_peer_send_cutoffs_total{rpc="PullProxy"|"PullUpdate", reason}``,
+RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED) while the other members are served. Its calls in
+flight are bounded per identity by the server (``limits.max_calls_per_identity``), as on
+every service of the port.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from peerlm.agent.fedproxy_codec import (
 )
 from peerlm.agent.fedproxy_rounds import RoundAnswer, round_answer
 from peerlm.agent.peer_client import PeerExchangeError, check_sender, receive_chunks
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.proxy_model import ProxyError
 from prometheus_client import CollectorRegistry
 
@@ -48,7 +53,7 @@ from peerlm.grpc_types import ServicerContext
 from peerlm.metrics import get_counter
 from peerlm.node import NodeContext, NodeServer, Service
 from peerlm.pki.identity import Role
-from peerlm.pki.proof import ProofSigner, digest_statement
+from peerlm.pki.proof import ProofSigner
 from peerlm.security.authz import current_identity
 from peerlm.wire.v1 import common_pb2, fedproxy_pb2, fedproxy_pb2_grpc
 
@@ -148,7 +153,8 @@ class RoundBoard:
 class ProxyExchangeService(fedproxy_pb2_grpc.ProxyExchangeServicer):
     """Implements ``peerlm.v1.ProxyExchange`` for an owner (``proxies`` and the ``cohort``
     it admits) or a member (``updates`` and its ``owner``'s name); the other method of each
-    role is refused to everyone."""
+    role is refused to everyone. ``streamer``: the peer port's (module docstring); None: one
+    of this service's own with the default send budget (a service served alone)."""
 
     def __init__(
         self,
@@ -162,6 +168,7 @@ class ProxyExchangeService(fedproxy_pb2_grpc.ProxyExchangeServicer):
         registry: CollectorRegistry,
         signer: ProofSigner | None = None,
         log: Any = None,
+        streamer: PeerStreamer | None = None,
     ) -> None:
         if (proxies is None) == (updates is None):
             raise ValueError("a FedProxy service is an owner's (proxies) or a member's (updates)")
@@ -174,6 +181,7 @@ class ProxyExchangeService(fedproxy_pb2_grpc.ProxyExchangeServicer):
         self._chunk_bytes, self._max_wait = chunk_bytes, max_wait_s
         self._signer = signer
         self._log: Any = log if log is not None else structlog.get_logger("peerlm.agent.fedproxy")
+        self._streamer = streamer if streamer is not None else PeerStreamer(registry, log=log)
         self._refusals = get_counter(
             registry,
             "peerlm_agent_fedproxy_refusals_total",
@@ -296,14 +304,18 @@ class ProxyExchangeService(fedproxy_pb2_grpc.ProxyExchangeServicer):
                 f"round {wanted} is not ready yet; ask again",
                 caller,
             )
-        if self._signer is not None:
-            statement = digest_statement(proof, str(wanted), caller, payload.sha256)
-            await context.send_initial_metadata(self._signer.metadata(statement))
-        sent = self._sent.labels(rpc)
-        chunks = iter_chunks(payload, self._chunk_bytes, payload_content_type(content_type, wanted))
-        for chunk in chunks:
-            await context.write(chunk)
-            sent.inc(len(chunk.data))
+        content_type = payload_content_type(content_type, wanted)
+        await self._streamer.stream(
+            context,
+            rpc=rpc,
+            caller=caller,
+            payload=payload,
+            chunks=iter_chunks(payload, self._chunk_bytes, content_type),
+            chunk_bytes=self._chunk_bytes,
+            signer=self._signer,
+            proof=(proof, str(wanted)),
+            sent=self._sent.labels(rpc),
+        )
         await board.served(wanted, caller)
         self._log.info(
             f"fedproxy_{proof.split('-')[1]}_sent",

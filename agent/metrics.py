@@ -38,6 +38,13 @@ class AgentTelemetry:
             ["mode"],
             registry=registry,
         )
+        self.taught_prompts = Histogram(
+            "peerlm_agent_teacher_prompts_count",
+            "Prompts of X_u a teacher answered per directive (teach_scope: all, or the "
+            "categories where it showed skill).",
+            registry=registry,
+            buckets=(0, 1, 8, 32, 64, 128, 256, 512, 1024, 4096),
+        )
         self.packages_integrated = Counter(
             "peerlm_agent_student_packages_total",
             "Knowledge packages integrated as a student, by mode (text or logits).",

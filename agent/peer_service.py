@@ -12,16 +12,14 @@ share one build), streamed with :func:`~peerlm.chunks.iter_chunks`.
 latest, else exactly that round) as safetensors; ``NOT_FOUND`` when there is none. The
 first chunk's content type names the round sent (``...; round=N``).
 
-Both methods write their chunks under a send budget (:mod:`peerlm.agent.send_budget`,
+Both methods stream through the peer port's :class:`~peerlm.agent.peer_stream.PeerStreamer`
+(the send budget shared with FedProxy's and FedWave's services on the same port,
 configured by :class:`~peerlm.agent.settings.PeerSendSettings`): a chunk's bytes are
 reserved before it is handed to gRPC and come back when gRPC is done with it, so readers
 that stop consuming hold at most the budget, whatever their number. A stream that gets no
 bytes within ``wait_s`` is refused with RESOURCE_EXHAUSTED (``busy``); a reader that takes
-no written chunk within ``stall_s`` is cut off (``stalled``: no more chunks, DEADLINE_EXCEEDED
-after what was queued). Both count in ``peerlm_agent_peer_send_cutoffs_total{rpc, reason}``;
-``peerlm_agent_peer_send_in_flight_bytes`` shows the bytes reserved now. They are written as
-``context.write`` handlers, not generators, because only then can the service see a write
-that does not finish.
+no written chunk within ``stall_s`` is cut off (``stalled``). Both count in
+``peerlm_agent_peer_send_cutoffs_total{rpc, reason}``.
 
 Both methods start their stream with a sender proof in the initial metadata when the
 service has a ``signer`` (mTLS): this agent's certificate and its signature over what is
@@ -34,9 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, NoReturn
 
 import grpc
@@ -44,16 +41,15 @@ import structlog
 from peerlm.agent.directives import DirectiveBook, DirectiveError
 from peerlm.agent.package import PACKAGE_CONTENT_TYPE
 from peerlm.agent.peer_client import STUDENT_TOKENIZER_METADATA, adapter_content_type
-from peerlm.agent.send_budget import SendBudget
-from peerlm.agent.settings import PeerSendSettings
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from peerlm.agent.peer_stream import PeerStreamer
+from prometheus_client import CollectorRegistry
 
 from peerlm.chunks import HashedPayload, iter_chunks
 from peerlm.grpc_types import ServicerContext
-from peerlm.metrics import get_collector, get_counter
+from peerlm.metrics import get_counter
 from peerlm.node import NodeContext, NodeServer, Service
 from peerlm.pki.identity import Role
-from peerlm.pki.proof import ProofSigner, digest_statement
+from peerlm.pki.proof import ProofSigner
 from peerlm.rpc import metadata_value
 from peerlm.security.authz import current_identity
 from peerlm.wire.v1 import common_pb2, cpm_pb2, peer_pb2, peer_pb2_grpc
@@ -115,19 +111,6 @@ class _PeerMetrics:
             "peerlm_agent_package_builds_total",
             "Knowledge packages built by the provider (cache misses)",
         )
-        self.cutoffs = get_counter(
-            registry,
-            "peerlm_agent_peer_send_cutoffs_total",
-            "Adapter and package streams ended by the send budget: no bytes within wait_s "
-            "(busy) or a reader that took no chunk within stall_s (stalled)",
-            ("rpc", "reason"),
-        )
-        self.in_flight = get_collector(
-            Gauge,
-            registry,
-            "peerlm_agent_peer_send_in_flight_bytes",
-            "Chunk bytes handed to gRPC and not yet written to their readers",
-        )
 
 
 #: Callers whose adapter pulls are counted (least recently served forgotten first).
@@ -142,7 +125,8 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
     sets ``max_adapter_bytes`` to the largest adapter its model can produce
     (:meth:`~peerlm.agent.adapter_codec.AdapterSpec.max_encoded_bytes`); None: no bound.
     Up to ``cache_entries`` built packages are kept (least recently used evicted first).
-    ``send`` bounds what slow readers can make this agent hold (module docstring).
+    ``streamer`` streams under the peer port's send budget (module docstring); None: one of
+    this service's own with the default :class:`~peerlm.agent.settings.PeerSendSettings`.
     """
 
     def __init__(
@@ -158,7 +142,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         log: Any = None,
         cache_entries: int = 4,
         signer: ProofSigner | None = None,
-        send: PeerSendSettings | None = None,
+        streamer: PeerStreamer | None = None,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -180,9 +164,8 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         # most recently served _PULL_COUNT_ENTRIES callers only.
         self._adapter_pulls: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._m = _PeerMetrics(registry)
-        self._send = send if send is not None else PeerSendSettings()
-        self._budget = SendBudget(self._send.budget_bytes, self._send.identity_bytes)
         self._log: Any = log if log is not None else structlog.get_logger("peerlm.agent.peer")
+        self._streamer = streamer if streamer is not None else PeerStreamer(registry, log=log)
 
     @property
     def chunk_bytes(self) -> int:
@@ -251,13 +234,16 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
                 f"of {self._max_package}",
                 caller,
             )
-        await self._prove(context, "package", directive_id, caller, payload)
-        chunks = await self._write(
+        chunks = await self._streamer.stream(
             context,
-            rpc,
-            caller,
-            iter_chunks(payload, self._chunk_bytes, PACKAGE_CONTENT_TYPE),
-            self._m.package_bytes,
+            rpc=rpc,
+            caller=caller,
+            payload=payload,
+            chunks=iter_chunks(payload, self._chunk_bytes, PACKAGE_CONTENT_TYPE),
+            chunk_bytes=self._chunk_bytes,
+            signer=self._signer,
+            proof=("package", directive_id),
+            sent=self._m.package_bytes,
             # Refused for other readers' load: the teacher's side, so not one of the
             # student's fetches (a reader that stalls has used its fetch).
             on_busy=lambda: self._book.refund(directive_id),
@@ -295,9 +281,17 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
                 f"of {self._max_adapter}",
                 caller,
             )
-        await self._prove(context, "adapter", str(sent_round), caller, payload)
-        chunks = self._adapter_chunks(payload, adapter_content_type(sent_round))
-        await self._write(context, rpc, caller, chunks, self._m.adapter_bytes)
+        await self._streamer.stream(
+            context,
+            rpc=rpc,
+            caller=caller,
+            payload=payload,
+            chunks=self._adapter_chunks(payload, adapter_content_type(sent_round)),
+            chunk_bytes=self._chunk_bytes,
+            signer=self._signer,
+            proof=("adapter", str(sent_round)),
+            sent=self._m.adapter_bytes,
+        )
         self._log.info("adapter_sent", round=sent_round, peer=caller, bytes=len(payload.data))
         self._adapter_pulls[caller] = self._adapter_pulls.pop(caller, 0) + 1
         while len(self._adapter_pulls) > _PULL_COUNT_ENTRIES:
@@ -308,71 +302,6 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         return self._adapter_pulls.get(caller, 0)
 
     # ------------------------------------------------------------- internals
-
-    async def _write(
-        self,
-        context: ServicerContext,
-        rpc: str,
-        caller: str,
-        chunks: Iterable[common_pb2.Chunk],
-        sent: Counter,
-        on_busy: Callable[[], None] | None = None,
-    ) -> int:
-        """Write ``chunks`` one at a time, each under the send budget; the count written.
-        ``on_busy`` runs before a stream is refused for want of budget.
-
-        A write runs as its own task so that a reader that stops can be seen (the handler
-        waits at most ``stall_s`` for it) while the chunk's bytes stay reserved until gRPC
-        is done with the message: when the reader takes it, or when the call or connection
-        ends (the reader hangs up or its process dies, the server stops). The write task is
-        never cancelled from here (shielded), so the bytes come back exactly then."""
-        count = 0
-        for chunk in chunks:
-            nbytes = self._chunk_len(chunk)
-            if not await self._budget.reserve(caller, nbytes, self._send.wait_s):
-                self._m.cutoffs.labels(rpc, "busy").inc()
-                if on_busy is not None:
-                    on_busy()
-                ledger = self._budget.ledger
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"this agent's send budget is taken by other readers "
-                    f"({ledger.in_flight} of {ledger.total_bytes} bytes unwritten, "
-                    f"{ledger.held(caller)} of them yours); got none in "
-                    f"{self._send.wait_s:g} s, retry later",
-                )
-            self._m.in_flight.set(self._budget.ledger.in_flight)
-            write = asyncio.ensure_future(context.write(chunk))
-            write.add_done_callback(functools.partial(self._written, caller, nbytes))
-            try:
-                await asyncio.wait_for(asyncio.shield(write), self._send.stall_s)
-            except TimeoutError:
-                self._m.cutoffs.labels(rpc, "stalled").inc()
-                self._log.debug("peer_reader_stalled", rpc=rpc, peer=caller, chunk=count)
-                # grpc.aio cannot reset one stream: the chunk stays queued (and reserved)
-                # until the reader takes it or its connection ends; then the stream ends.
-                await asyncio.shield(write)
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"this reader took no data for {self._send.stall_s:g} s and was cut "
-                    f"off after {count + 1} chunks; pull again",
-                )
-            sent.inc(nbytes)
-            count += 1
-        return count
-
-    def _written(self, caller: str, nbytes: int, write: asyncio.Future[None]) -> None:
-        # Retrieve the outcome (a failed write is the call's end, reported by gRPC) and
-        # give the bytes back: gRPC no longer holds the message.
-        if not write.cancelled():
-            write.exception()
-        self._budget.release(caller, nbytes)
-        self._m.in_flight.set(self._budget.ledger.in_flight)
-
-    def _chunk_len(self, chunk: common_pb2.Chunk) -> int:
-        # From the offsets: reading ``chunk.data`` would copy it (protobuf copies a bytes
-        # field on every access) just to count it.
-        return min(self._chunk_bytes, chunk.total_size - chunk.offset)
 
     def _adapter_chunks(self, payload: HashedPayload, content_type: str) -> list[common_pb2.Chunk]:
         """The chunk messages of ``payload``, built once per adapter version: every pull of
@@ -390,21 +319,6 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         chunks = list(iter_chunks(payload, self._chunk_bytes, content_type))
         self._chunk_cache = (payload, content_type, chunks)
         return chunks
-
-    async def _prove(
-        self,
-        context: ServicerContext,
-        kind: str,
-        reference: str,
-        caller: str,
-        payload: HashedPayload,
-    ) -> None:
-        """Send the sender proof (:mod:`peerlm.pki.proof`) as initial metadata: the caller
-        cannot see our certificate in TLS, so it checks this instead. Signed over the
-        payload's known digest (no hashing per request)."""
-        if self._signer is not None:
-            statement = digest_statement(kind, reference, caller, payload.sha256)
-            await context.send_initial_metadata(self._signer.metadata(statement))
 
     async def _refuse(
         self,

@@ -139,6 +139,15 @@ class FedProxySettings(Section):
     # Members' local training of the proxy per round (full-parameter AdamW).
     local_steps: int = Field(default=8, ge=1, le=100_000)
     learning_rate: float = Field(default=1e-3, gt=0)
+    # Owner: admission of members' updates (docs/fedproxy.md, "Hostile members"). A task
+    # vector |phi_k - phi| over this times the owner's proxy norm |phi| is refused (None: no
+    # bound); loose on purpose: an honest round's update is a few percent of |phi|.
+    max_update_norm_ratio: float | None = Field(default=1.0, gt=0)
+    # Owner: a merge that raises the proxy's held-out loss (on the first gate_examples texts
+    # of the agent's val_file) by more than this many nats over the previous proxy is not
+    # published; the previous proxy is republished (None: no gate).
+    acceptance_margin: float | None = Field(default=0.1, ge=0)
+    gate_examples: int = Field(default=32, ge=1, le=10_000)
 
     @field_validator("cohort")
     @classmethod
@@ -233,6 +242,12 @@ class AgentSettings(ServiceSettings):
     # (svd_hka only with public_file, which its HKA distils on).
     protocols: tuple[Literal["akd", "akd_logits", "pmix", "svd_hka"], ...] | None = None
     logits_top_k: int = Field(default=16, ge=1, le=1024)
+    # What this agent answers of X_u as a teacher (peerlm.agent.teaching): "all" (the
+    # paper's Eq. 2), or "competent": the prompts of categories where the Wilson lower bound
+    # of its last validation pass@1 is at least teach_min_pass (needs eval_every rounds'
+    # pass@1; before the first measurement it answers all).
+    teach_scope: Literal["all", "competent"] = "all"
+    teach_min_pass: float = Field(default=0.2, ge=0, le=1)
     transfer_limit: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=96, ge=1, le=4096)
     # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB.

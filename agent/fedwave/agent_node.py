@@ -22,6 +22,7 @@ from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
 from peerlm.agent.fedwave.settings import FedWaveSettings
 from peerlm.agent.fedwave.vclayer import VCLayer, encode_vclayer
+from peerlm.agent.peer_stream import PeerStreamer
 
 from peerlm.node import NodeContext
 
@@ -49,6 +50,7 @@ def start_fedwave(
     n_samples: int,
     chunk_bytes: int,
     log: Any = None,
+    streamer: PeerStreamer | None = None,
 ) -> FedWaveNode:
     """This agent's FedWave node with round 0 published; ``ValueError`` (with the fix) if
     FedWave is off, the agent is not in the workflow or in another stage than configured,
@@ -84,6 +86,7 @@ def start_fedwave(
         max_bytes={kind: bounds.max_bytes(kind) for kind in PartKind},
         signer=ctx.signer,
         log=log if log is not None else ctx.log,
+        streamer=streamer,
     )
     ctx.log.info(
         "fedwave_ready",

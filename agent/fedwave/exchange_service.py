@@ -15,13 +15,16 @@ the round, as the peer service's adapters); bytes count in
 ``peerlm_agent_fedwave_bytes_sent_total{kind}``.
 
 The parts are small (a router is tens of KiB, a VCLayer on the tiny models 130-200 KiB,
-both bounded by ``fedwave.max_*_bytes``), so the stream is a plain response generator:
-unlike adapters and packages they need no send budget against slow readers.
+both bounded by ``fedwave.max_*_bytes``), but a workflow member that opens many pulls and
+reads none would still make this agent hold every one of them (issue 11). So the stream goes
+through the peer port's :class:`~peerlm.agent.peer_stream.PeerStreamer`, under the send
+budget shared with ``PeerExchange`` and FedProxy: one identity's share and one total, cut-offs
+in ``peerlm_agent_peer_send_cutoffs_total{rpc="PullPart", reason}``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Final, NoReturn
 
 import grpc
@@ -34,6 +37,7 @@ from peerlm.agent.fedwave.exchange import (
     part_content_type,
 )
 from peerlm.agent.fedwave.workflow import Workflow
+from peerlm.agent.peer_stream import PeerStreamer
 from prometheus_client import CollectorRegistry
 
 from peerlm.chunks import iter_chunks
@@ -41,9 +45,9 @@ from peerlm.grpc_types import ServicerContext
 from peerlm.metrics import get_counter
 from peerlm.node import NodeContext, NodeServer, Service
 from peerlm.pki.identity import Role
-from peerlm.pki.proof import ProofSigner, digest_statement
+from peerlm.pki.proof import ProofSigner
 from peerlm.security.authz import current_identity
-from peerlm.wire.v1 import common_pb2, fedwave_pb2, fedwave_pb2_grpc
+from peerlm.wire.v1 import fedwave_pb2, fedwave_pb2_grpc
 
 __all__ = [
     "FEDWAVE_POLICY",
@@ -80,7 +84,8 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
     parts in ``store`` (the caller publishes into it each round).
 
     ``max_bytes`` (kind → bytes) bounds what is sent: a larger part is refused rather than
-    streamed (the agent sets the same bounds it accepts).
+    streamed (the agent sets the same bounds it accepts). ``streamer``: the peer port's
+    (module docstring); None: one of this service's own with the default send budget.
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
         max_bytes: Mapping[PartKind, int] | None = None,
         signer: ProofSigner | None = None,
         log: Any = None,
+        streamer: PeerStreamer | None = None,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -105,6 +111,7 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
         self._max = dict(max_bytes or {})
         self._signer = signer
         self._log: Any = log if log is not None else structlog.get_logger("peerlm.agent.fedwave")
+        self._streamer = streamer if streamer is not None else PeerStreamer(registry, log=log)
         self._refusals = get_counter(
             registry,
             "peerlm_agent_fedwave_refusals_total",
@@ -124,9 +131,11 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
         """The parts served (publish each round's here)."""
         return self._store
 
+    # A ``context.write`` handler (so a write that does not finish can be seen), which the
+    # generated stub's return type does not list.
     async def PullPart(  # type: ignore[override]
         self, request: fedwave_pb2.PullPartRequest, context: ServicerContext
-    ) -> AsyncIterator[common_pb2.Chunk]:
+    ) -> None:
         rpc, caller = "PullPart", current_identity().name
         round_ = int(request.round)
         kind = _WIRE_KINDS.get(request.kind)
@@ -148,16 +157,18 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
                 caller,
                 round_,
             )
-        if self._signer is not None:
-            # The caller cannot see our certificate in TLS; it checks this proof instead.
-            statement = digest_statement(proof_kind(kind), str(round_), caller, decision.sha256)
-            await context.send_initial_metadata(self._signer.metadata(statement))
         content_type = part_content_type(kind, round_)
-        for chunk in iter_chunks(decision, self._chunk_bytes, content_type):
-            yield chunk
-            self._sent.labels(kind.value).inc(
-                min(self._chunk_bytes, chunk.total_size - chunk.offset)
-            )
+        await self._streamer.stream(
+            context,
+            rpc=rpc,
+            caller=caller,
+            payload=decision,
+            chunks=iter_chunks(decision, self._chunk_bytes, content_type),
+            chunk_bytes=self._chunk_bytes,
+            signer=self._signer,
+            proof=(proof_kind(kind), str(round_)),
+            sent=self._sent.labels(kind.value),
+        )
         self._log.info(
             "fedwave_part_sent",
             round=round_,

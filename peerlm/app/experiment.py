@@ -106,6 +106,7 @@ from peerlm.app.experiment_stats import paired_bootstrap
 
 if TYPE_CHECKING:
     from peerlm.agent import Guardrail, Integration, ModelHost, Problem, WorldSpec
+    from peerlm.agent.teaching import Competence, TeachScope
     from peerlm.services.cpm import Pairing
 
 __all__ = [
@@ -244,7 +245,9 @@ class ExperimentPlan:
     # transfer prompts per private category (docs/experiment.md, "The configurations").
     per_private_category: int = 300
     transfer_per_private: int = 96
-    val_limit: int | None = 8
+    # Validation problems a client generates on each round (its profile's pass@1 and its
+    # per-category competence, ``teach_scope``); None: all of them.
+    val_limit: int | None = None
     test_limit: int = 120
     samples: int = 2
     sample_temperature: float = 0.8
@@ -252,6 +255,11 @@ class ExperimentPlan:
     reward: RewardMode = "probe"
     probe_per_category: int = 2
     reward_delta: float = 0.001
+    # What a teacher answers (peerlm.agent.teaching): "competent", the prompts of categories
+    # whose validation pass@1 has a Wilson lower bound >= teach_min_pass (our choice beyond
+    # the paper); "all", every prompt of X_u (the paper's Eq. 2).
+    teach_scope: TeachScope = "competent"
+    teach_min_pass: float = 0.2
     cpm_interaction_features: bool = True
     # One model family for every client (ARCHS' names); None: client i hosts ARCHS[i % 4].
     family: str | None = None
@@ -292,6 +300,10 @@ class ExperimentPlan:
             raise ValueError(f"reward must be 'val' or 'probe', not {self.reward!r}")
         if not self.sample_temperature > 0:
             raise ValueError("sample_temperature must be > 0")
+        if self.teach_scope not in ("competent", "all"):
+            raise ValueError(f"teach_scope must be 'competent' or 'all', not {self.teach_scope!r}")
+        if not (math.isfinite(self.teach_min_pass) and 0 <= self.teach_min_pass <= 1):
+            raise ValueError("teach_min_pass must be in [0, 1]")
         self.world_spec()  # the layout's own checks
 
     def world_spec(self) -> WorldSpec:
@@ -344,6 +356,9 @@ class _Client:
     history: list[dict[str, float]] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     exchanges: int = 0
+    # Greedy validation pass counts per category of the last local phase (what the client
+    # may teach: :mod:`peerlm.agent.teaching`); None before the first.
+    competence: Competence | None = None
 
     @property
     def train_examples(self) -> list[tuple[str, str]]:
@@ -369,6 +384,19 @@ class _World:
     public_pairs: list[tuple[str, str]] = field(default_factory=list)
     # Each client's adapter after the warm-up (by client name); empty without one.
     warm: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The category of each prompt of ``transfer`` (what a competent teacher selects by).
+    transfer_categories: list[str] = field(default_factory=list)
+
+    def teachable(self, client: _Client) -> list[int]:
+        """Indices of the X_u prompts ``client`` answers as a teacher (``teach_scope``)."""
+        from peerlm.agent.teaching import teachable_indices
+
+        return teachable_indices(
+            self.transfer_categories,
+            client.competence,
+            scope=self.plan.teach_scope,
+            min_pass=self.plan.teach_min_pass,
+        )
 
     @property
     def probe_examples(self) -> list[tuple[str, str]]:
@@ -483,6 +511,7 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
         slices,
         public,
         [(p.prompt, p.reference) for p in transfer_problems if p.category in public],
+        transfer_categories=[p.category for p in transfer_problems][: plan.transfer_limit],
     )
 
 
@@ -649,21 +678,33 @@ def _integrate(
     )
 
 
+def _predictions(world: _World, teacher: _Client) -> tuple[list[int], list[str]]:
+    """What ``teacher`` answers of X_u (:meth:`_World.teachable`) and its greedy answers."""
+    from peerlm.agent import teacher_completions
+
+    chosen = world.teachable(teacher)
+    prompts = [world.transfer[k] for k in chosen]
+    return chosen, teacher_completions(teacher.host, prompts, world.plan.max_new_tokens)
+
+
 def _package(
     world: _World,
     teacher: _Client,
-    completions: Sequence[str],
+    predictions: tuple[list[int], list[str]],
     directive: str,
     mode: Literal["text", "logits"] = "text",
 ) -> tuple[Any, float]:
-    """The teacher's package (text, or top-k logits for a student of the teacher's
-    tokenizer), encoded and decoded as on the wire; (package, KB)."""
+    """The teacher's package of ``predictions`` (:func:`_predictions`): text, or top-k
+    logits for a student of the teacher's tokenizer; encoded and decoded as on the wire;
+    (package, KB)."""
     from peerlm.agent import build_package, decode_package
 
+    chosen, completions = predictions
     data = build_package(
         teacher.host,
         mode=mode,
-        prompts=world.transfer,
+        prompts=[world.transfer[k] for k in chosen],
+        prompt_ids=[str(k) for k in chosen],
         completions=completions,
         teacher=teacher.name,
         directive_id=directive,
@@ -680,18 +721,17 @@ def _package(
 
 
 def _central_kd(world: _World, clients: list[_Client], seed: int, t: int) -> list[dict[str, Any]]:
-    from peerlm.agent import Guardrail, build_text_package, decode_package, teacher_completions
+    from peerlm.agent import Guardrail, build_text_package, decode_package
 
-    plan = world.plan
-    completions = [
-        [
-            r.text
-            for r in c.guardrail.filter_many(
-                teacher_completions(c.host, world.transfer, plan.max_new_tokens), world.transfer
-            )
-        ]
-        for c in clients
-    ]
+    completions = []
+    for c in clients:
+        # What a client does not answer (``teach_scope``) is no candidate: "".
+        chosen, texts = _predictions(world, c)
+        vetted = c.guardrail.filter_many(texts, [world.transfer[k] for k in chosen])
+        answers = [""] * len(world.transfer)
+        for k, r in zip(chosen, vetted, strict=True):
+            answers[k] = r.text
+        completions.append(answers)
     consensus = consensus_texts([c.host for c in clients], world.transfer, completions)
     data = build_text_package(
         prompts=world.transfer,
@@ -723,12 +763,7 @@ def _oracle(
     adapter, the others are restored. Returns the records and every pair's gain
     (``"teacher>student"``), for the CPM's figures.
     """
-    from peerlm.agent import teacher_completions
-
-    plan = world.plan
-    predictions = {
-        c.name: teacher_completions(c.host, world.transfer, plan.max_new_tokens) for c in clients
-    }
+    predictions = {c.name: _predictions(world, c) for c in clients}
     probe = world.probe_examples
     trials: dict[tuple[int, int], tuple[float, Any, Integration, float]] = {}
     for si, student in enumerate(clients):
@@ -856,8 +891,6 @@ def _exchange(
     seed: int,
     t: int,
 ) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
-    from peerlm.agent import teacher_completions
-
     plan = world.plan
     by_name = {c.name: c for c in clients}
     if strategy == "local":
@@ -885,8 +918,7 @@ def _exchange(
     for pairing in pairings:
         teacher, student = by_name[pairing.sender], by_name[pairing.receiver]
         directive = f"{strategy}-{t}-{teacher.name}-{student.name}"
-        completions = teacher_completions(teacher.host, world.transfer, plan.max_new_tokens)
-        package, kb = _package(world, teacher, completions, directive)
+        package, kb = _package(world, teacher, _predictions(world, teacher), directive)
         result = _integrate(world, student, package, kb, seed, clients.index(student), t)
         normalised = policy.observe(pairing, result.reward)
         student.rewards.append(result.reward)
@@ -910,7 +942,6 @@ def _menu_exchange(
     text or top-k logits, or the teacher's adapter merged by PDFL (``pmix``) or OnePeFT's
     SVD + HKA (``svd_hka``) through the agent's own aggregation code. Each reward is Eq. 3
     measured where the plan measures it (``_reward_examples``)."""
-    from peerlm.agent import teacher_completions
     from peerlm.agent.acceptance import AcceptanceGate
     from peerlm.agent.profile import host_parameter_space
     from peerlm.agent.pull_aggregate import PullSettings, integrate_adapters
@@ -929,11 +960,11 @@ def _menu_exchange(
         record: dict[str, Any]
         if pairing.protocol in ("akd", "akd_logits"):
             directive = f"cpm-{pairing.protocol}-{t}-{teacher.name}-{student.name}"
-            completions = teacher_completions(teacher.host, world.transfer, plan.max_new_tokens)
             mode: Literal["text", "logits"] = (
                 "logits" if pairing.protocol == "akd_logits" else "text"
             )
-            package, kb = _package(world, teacher, completions, directive, mode)
+            predictions = _predictions(world, teacher)
+            package, kb = _package(world, teacher, predictions, directive, mode)
             result = _integrate(world, student, package, kb, seed, i, t)
             reward = result.reward
             record = _record(teacher.name, student.name, result, None)
@@ -1000,18 +1031,23 @@ class _LocalPhase:
     train_loss: float
     val_loss: float
     val_pass1: float
+    competence: Competence
 
 
 def _local_phase(world: _World, c: _Client, seed: int, i: int, t: int) -> _LocalPhase:
     from peerlm.agent import local_update, sample_completions, score_completions
+    from peerlm.agent.teaching import competence_of
 
     plan = world.plan
     stats = local_update(c.host, c.train_examples, _round_config(plan, seed, i), t)
     loss, _ = c.host.eval_loss(c.val_examples)
     val = c.val[: plan.val_limit] if plan.val_limit else c.val
     completions = sample_completions(c.host, val, max_new_tokens=plan.max_new_tokens)
-    pass1 = score_completions(val, completions).mean.get(1, 0.0)
-    return _LocalPhase(c.host.adapter_state(), stats.mean_loss, loss, pass1)
+    report = score_completions(val, completions)
+    competence = competence_of((r.category, r.c, r.n) for r in report.problems)
+    return _LocalPhase(
+        c.host.adapter_state(), stats.mean_loss, loss, report.mean.get(1, 0.0), competence
+    )
 
 
 def _first_local_phase(world: _World, seed: int) -> dict[str, _LocalPhase]:
@@ -1047,6 +1083,7 @@ def _run_strategy(
             else:
                 phase = _local_phase(world, c, seed, i, t)
             trained[c.name] = phase.train_loss
+            c.competence = phase.competence
             profile, pass1 = round_profile(
                 c.host,
                 ProfileInputs(

@@ -72,6 +72,19 @@ def run_experiment_command(
         int | None,
         typer.Option(min=0, help="Steps each client trains on its own data before round 1."),
     ] = None,
+    teach_scope: Annotated[
+        str | None,
+        typer.Option(
+            help="What a teacher answers of X_u: competent (categories where its validation "
+            "pass@1 shows skill; default) or all (the paper)."
+        ),
+    ] = None,
+    teach_min_pass: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0, max=1.0, help="Wilson lower bound of pass@1 a taught category needs (0.2)."
+        ),
+    ] = None,
     lr: Annotated[
         float | None, typer.Option(min=1e-6, max=1.0, help="Local learning rate (default 5e-3).")
     ] = None,
@@ -126,6 +139,8 @@ def run_experiment_command(
         "local_steps": local_steps,
         "warmup_steps": warmup_steps,
         "akd_steps": akd_steps,
+        "teach_scope": teach_scope,
+        "teach_min_pass": teach_min_pass,
         "learning_rate": lr,
         "grad_accumulation": grad_accumulation,
         "transfer_limit": transfer_limit,

@@ -533,3 +533,46 @@ def torch_equal(a: object, b: object) -> bool:
     import torch
 
     return bool(torch.equal(a, b))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def scope_world(world: World) -> Iterator[World]:
+    """A CPM of its own (text AKD) for agents with a teach scope, fresh names."""
+    tmp = world.tmp / "scope"
+    pki = Pki.create(tmp, agents=2)
+    cpm = CpmProcess(pki, tmp / "cpm.db", tmp, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"}).start()
+    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
+    cpm.terminate()
+
+
+def test_a_teacher_without_shown_skill_answers_no_prompt(scope_world: World) -> None:
+    """``teach_scope: competent`` over the wire: with a bound no validation result can reach
+    (1.0), the teacher answers no prompt of X_u, the empty package travels and decodes, and
+    the student trains on its own data instead; the paper's rule (``all``) on the other
+    agent still answers every prompt."""
+    w = scope_world
+    procs, logs = [], []
+    for name, scope in (("a0", "competent"), ("a1", "all")):
+        state = w.tmp / name / "state"
+        config = _config(
+            w, name, state, rounds=2, round_timeout_s=120, local_steps=2,
+            teach_scope=scope, teach_min_pass=1.0,
+        )  # fmt: skip
+        logs.append(w.tmp / name / f"{name}.log")
+        procs.append(_start(config, logs[-1]))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log.read_text()[-3000:]
+    summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert sum(s["exchanges"] for s in summaries) >= 1
+    built = {
+        name: [e for e in _events(log) if e.get("event") == "package_built"]
+        for name, log in zip(("a0", "a1"), logs, strict=True)
+    }
+    assert built["a0"] or built["a1"]
+    assert all(e["prompts"] == 0 for e in built["a0"])
+    assert all(e["prompts"] == 4 for e in built["a1"])  # transfer_limit
+    integrated = [
+        e for log in logs for e in _events(log) if e.get("event") == "exchange_integrated"
+    ]
+    assert integrated

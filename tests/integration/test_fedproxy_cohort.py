@@ -14,8 +14,9 @@ import grpc
 import pytest
 import structlog
 import torch
+from peerlm.agent.fedproxy_admission import state_norm, update_norm
 from peerlm.agent.fedproxy_codec import encode_update
-from peerlm.agent.fedproxy_member import ProxyMember, Trainer, text_trainer
+from peerlm.agent.fedproxy_member import Evaluator, ProxyMember, Trainer, text_loss, text_trainer
 from peerlm.agent.fedproxy_owner import ProxyOwner
 from peerlm.agent.fedproxy_service import (
     FEDPROXY_POLICY,
@@ -97,6 +98,19 @@ def _nan_trainer(inner: Trainer) -> Trainer:
     return train
 
 
+def _shifting_trainer(inner: Trainer, shift: Callable[[torch.Tensor], torch.Tensor]) -> Trainer:
+    """A hostile member: trains honestly, then adds ``shift(parameter)`` to every parameter
+    (finite values: the codec's checks pass)."""
+
+    def train(model: PreTrainedModel, reg: Any) -> None:
+        inner(model, reg)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(shift(parameter))
+
+    return train
+
+
 @pytest.fixture
 async def cohort_factory(
     pki: Path, proxy: PreTrainedModel, tokenizer: Any, tmp_path: Path
@@ -109,6 +123,8 @@ async def cohort_factory(
         deadline_s: float,
         trainers: dict[str, Trainer] | None = None,
         checkpoint: Path | None = None,
+        owner_settings: dict[str, Any] | None = None,
+        evaluate: Evaluator | None = None,
     ) -> Cohort:
         contexts = {
             name: kit_context(pki, name, listen="127.0.0.1:0") for name in ("owner", *members)
@@ -122,9 +138,15 @@ async def cohort_factory(
         common: dict[str, Any] = {"enabled": True, "round_deadline_s": deadline_s, "retry_s": 0.1}
         owner = ProxyOwner(
             contexts["owner"],
-            FedProxySettings(owner=True, cohort={m: address[m] for m in members}, **common),
+            FedProxySettings(
+                owner=True,
+                cohort={m: address[m] for m in members},
+                **common,
+                **(owner_settings or {}),
+            ),
             proxy,
             checkpoint=checkpoint,
+            evaluate=evaluate,
         )
         members_ = {}
         for i, name in enumerate(members):
@@ -386,3 +408,106 @@ async def test_a_restarted_owner_resumes_at_its_last_published_round(
     checkpoint.write_bytes(b"\x00" * 64)
     with pytest.raises(ProxyError):
         await ProxyOwner(cohort.contexts["owner"], settings, proxy, checkpoint=checkpoint).start()
+
+
+def _max_abs(state: dict[str, torch.Tensor]) -> float:
+    return max(float(v.abs().max()) for v in state.values() if v.is_floating_point())
+
+
+async def test_a_huge_norm_update_is_refused_and_the_merge_is_the_honest_members(
+    cohort_factory: Callable[..., Any], tokenizer: Any
+) -> None:
+    # m3 sends finite 1e30 values (issue 11's poisoned adapter, here a proxy update).
+    inner = text_trainer(tokenizer, TEXTS["m3"], steps=2, learning_rate=5e-3)
+    hostile = _shifting_trainer(inner, lambda p: torch.full_like(p, 1e30))
+    cohort: Cohort = await cohort_factory(MEMBERS, deadline_s=120.0, trainers={"m3": hostile})
+    owner, members = cohort.owner, cohort.members
+    await owner.start()
+    with structlog.testing.capture_logs() as logs:
+        outcome = await _round(cohort, 1, MEMBERS)
+    assert outcome.arrived == ("m1", "m2") and outcome.refused == {"m3": "norm"}
+    assert not outcome.deadline_passed
+    states = {m: members[m].model.state_dict() for m in MEMBERS}  # type: ignore[union-attr]
+    # Without the bound the merge is wrecked: H-TIES takes m3's entries wherever its mass
+    # dominates (this is what the owner published before the bound).
+    wrecked = h_ties(cohort.initial, [states[m] for m in MEMBERS]).state
+    assert _max_abs(wrecked) > 1e20
+    # With it: exactly the honest members' merge, and a sane proxy.
+    assert _equal(owner.state, h_ties(cohort.initial, [states["m1"], states["m2"]]).state)
+    assert _max_abs(owner.state) < 100
+    # The honest updates are far inside the default bound (1 x the proxy's norm).
+    reference = state_norm(cohort.initial)
+    ratios = {m: update_norm(cohort.initial, states[m]) / reference for m in ("m1", "m2")}
+    print(f"\nhonest task-vector norms / proxy norm: {ratios}")
+    assert all(r < 0.5 for r in ratios.values()), ratios
+    refused = [e for e in logs if e["event"] == "fedproxy_update_refused"]
+    assert [(e["peer"], e["reason"]) for e in refused] == [("m3", "norm")]
+    assert "max_update_norm_ratio" in refused[0]["detail"]
+    metric = cohort.metric
+    assert (
+        metric(
+            "owner", "peerlm_agent_fedproxy_payloads_refused_total", kind="update", reason="norm"
+        )
+        == 1
+    )
+    assert (
+        metric("owner", "peerlm_agent_fedproxy_members_missing_total", member="m3", reason="norm")
+        == 1
+    )
+    assert metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="partial") == 1
+
+
+async def test_a_merge_that_raises_the_held_out_loss_is_not_published(
+    cohort_factory: Callable[..., Any], tokenizer: Any
+) -> None:
+    # m3 is honest in round 1; in round 2 it adds noise of 0.3 x the proxy's norm: inside
+    # the norm bound, so only the acceptance gate can stop it.
+    rounds_trained: list[int] = []
+    inner = text_trainer(tokenizer, TEXTS["m3"], steps=3, learning_rate=5e-3, seed=2)
+    gen = torch.Generator().manual_seed(0)
+
+    def sometimes_hostile(model: PreTrainedModel, reg: Any) -> None:
+        inner(model, reg)
+        rounds_trained.append(1)
+        if len(rounds_trained) == 2:
+            params = list(model.parameters())
+            scale = 0.3 * state_norm(model.state_dict()) / sum(p.numel() for p in params) ** 0.5
+            with torch.no_grad():
+                for p in params:
+                    p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+    held_out = [text for texts in TEXTS.values() for text in texts[::4]]
+    evaluate = text_loss(tokenizer, held_out)
+    cohort: Cohort = await cohort_factory(
+        ("m1", "m3"),
+        deadline_s=120.0,
+        trainers={"m3": sometimes_hostile},
+        evaluate=evaluate,
+    )
+    owner, members = cohort.owner, cohort.members
+    await owner.start()
+    # Round 1: an honest merge passes the gate and is published.
+    outcome = await _round(cohort, 1, ("m1", "m3"))
+    assert outcome.complete
+    honest = [members[m].model.state_dict() for m in ("m1", "m3")]  # type: ignore[union-attr]
+    assert _equal(owner.state, h_ties(cohort.initial, honest).state)
+    accepted = {k: v.clone() for k, v in owner.state.items()}
+    accepted_conflict = {k: v.clone() for k, v in owner.conflict.items()}
+    # Round 2: m3's noise passes the norm bound, the merge fails the gate.
+    with structlog.testing.capture_logs() as logs:
+        outcome = await _round(cohort, 2, ("m1", "m3"))
+    assert outcome.arrived == ("m1", "m3") and not outcome.refused
+    assert owner.round == 3
+    assert _equal(owner.state, accepted) and _equal(owner.conflict, accepted_conflict)
+    rejected = [e for e in logs if e["event"] == "fedproxy_merge_rejected"]
+    assert len(rejected) == 1 and rejected[0]["round"] == 2
+    assert rejected[0]["loss_post"] - rejected[0]["loss_pre"] > 0.1
+    print(f"\ngate: loss {rejected[0]['loss_pre']:.3f} -> {rejected[0]['loss_post']:.3f}")
+    merged = [e for e in logs if e["event"] == "fedproxy_round_merged"]
+    assert merged[0]["outcome"] == "rejected"
+    # Round 3's proxy, as the members pull it, is the previous one.
+    pulled = await members["m1"].pull(3, wait_s=30)
+    assert _equal(pulled.state, accepted)
+    metric = cohort.metric
+    assert metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="rejected") == 1
+    assert metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="complete") == 1

@@ -26,8 +26,11 @@ from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
 from peerlm.agent.fedwave.vclayer import VCLayer, encode_vclayer
 from peerlm.agent.fedwave.workflow import Workflow
+from peerlm.agent.peer_stream import PeerStreamer
+from peerlm.agent.settings import PeerSendSettings
 from prometheus_client import CollectorRegistry
 
+from peerlm.chunks import HashedPayload
 from peerlm.node import NodeContext, NodeServer
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
@@ -97,6 +100,7 @@ async def _start(
     name: str,
     workflow: Workflow = WORKFLOW,
     max_bytes: dict[PartKind, int] | None = None,
+    streamer: PeerStreamer | None = None,
 ) -> Agent:
     ctx = kit_context(pki, name, listen="127.0.0.1:0")
     # Every agent has trained its own router from the common start: different weights.
@@ -112,6 +116,7 @@ async def _start(
         registry=ctx.registry,
         signer=ctx.signer,
         max_bytes=max_bytes,
+        streamer=streamer,
     )
     server = await serve_fedwave(ctx, service, listen="127.0.0.1:0")
     return Agent(name, ctx, server, service, router, layer)
@@ -438,3 +443,39 @@ async def test_peerlm_status_shows_the_workflow(pki: Path, agents: dict[str, Age
     code, out = await status()
     assert code == 0, out
     assert "FedWave workflow" in out and "a1, a2" in out and "implement" in out
+
+
+async def test_a_part_waits_for_the_ports_send_budget_and_is_refused_when_none_comes(
+    pki: Path,
+) -> None:
+    # The send budget the agent's peer port shares between its services (here held in full,
+    # white-box, standing in for other members' stalled readers of any service).
+    ctx_registry = CollectorRegistry()
+    streamer = PeerStreamer(ctx_registry, PeerSendSettings(wait_s=0.5))
+    a1 = await _start(pki, "a1", streamer=streamer)
+    held = streamer.budget.ledger.total_bytes
+    assert await streamer.budget.reserve("stalled-readers", held, timeout_s=1)
+    try:
+        a1.publish(1)
+        a2 = kit_context(pki, "a2")
+
+        async def pull() -> bytes:
+            async with a2.dial(a1.target) as peer:
+                stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
+                request = fedwave_pb2.PullPartRequest(round=1, kind=fedwave_pb2.PART_KIND_ROUTER)
+                return b"".join([chunk.data async for chunk in stub.PullPart(request, timeout=10)])
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pull()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "send budget" in (err.value.details() or "")
+        busy = {"rpc": "PullPart", "reason": "busy"}
+        assert _count(ctx_registry, "peerlm_agent_peer_send_cutoffs_total", busy) == 1
+        assert a1.service.store.rounds == (1,)  # the refusal changed nothing served
+        # Once the bytes come back, the part is served in full, and nothing stays reserved.
+        streamer.budget.release("stalled-readers", held)
+        served = a1.service.store.get(1, PartKind.ROUTER)
+        assert isinstance(served, HashedPayload) and await pull() == served.data
+        assert streamer.budget.ledger.in_flight == 0
+    finally:
+        await a1.server.stop(0)

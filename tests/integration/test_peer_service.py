@@ -31,6 +31,7 @@ from peerlm.agent.peer_client import (
     pull_adapter_with_round,
 )
 from peerlm.agent.peer_service import PEER_POLICY, PeerExchangeService, serve_peer
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.settings import PeerSendSettings
 from prometheus_client import CollectorRegistry
 
@@ -163,7 +164,7 @@ async def peer(pki: Path, payload: bytes) -> AsyncIterator[Peer]:
         registry=registry,
         log=structlog.get_logger("test"),
         signer=_signer(pki, "teacher"),
-        send=PeerSendSettings(wait_s=1.0),
+        streamer=PeerStreamer(registry, PeerSendSettings(wait_s=1.0)),
     )
     state.service = service
     server = await serve_peer(
@@ -317,7 +318,7 @@ async def test_a_busy_send_budget_refuses_counts_and_refunds_the_fetch(
     # White-box: the budget held in full stands in for stalled readers of other members
     # (tests/security/test_slow_readers.py makes real ones).
     assert peer.service is not None
-    budget = peer.service._budget
+    budget = peer.service._streamer.budget
     held = budget.ledger.total_bytes
     assert await budget.reserve("stalled", held, timeout_s=1)
     peer.add("c" * 32)

@@ -11,11 +11,15 @@ package, the adapter and the parts are fixed bytes, so a fuzz run never waits fo
 and the adapter version (the state a refused request must leave alone) only changes when
 something in the server is wrong.
 
+All three services stream through one :class:`~peerlm.agent.peer_stream.PeerStreamer`, as
+on the agent's peer port: one send budget for the port.
+
 Run: ``python -m tests.security.peer_server_process --pki DIR --name teacher --port-file F
 --metrics-port-file M``; it writes the bound ports and serves until SIGTERM. The slow-reader
-test (``test_slow_readers.py``) also sets the adapter's size (random bytes), the chunk
-size, the send budget (:class:`~peerlm.agent.settings.PeerSendSettings`) and the server's
-call limit.
+tests (``test_slow_readers.py``, ``test_slow_cohort_readers.py``) also set the adapter's,
+proxy's and parts' sizes (random bytes), the chunk size, the send budget
+(:class:`~peerlm.agent.settings.PeerSendSettings`), the server's call limits and more
+members of the FedProxy cohort and the FedWave workflow's first stage (``--members``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from peerlm.agent.fedwave.exchange_service import (
 )
 from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.settings import PeerSendSettings
 
 from peerlm.chunks import HashedPayload
@@ -74,7 +79,10 @@ async def _main(args: argparse.Namespace) -> None:
         federation="unused-with-a-certificate",
         tls=tls,
         insecure_dev=False,
-        limits=GrpcLimits(max_concurrent_rpcs=args.max_concurrent_rpcs),
+        limits=GrpcLimits(
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+            max_calls_per_identity=args.max_calls_per_identity,
+        ),
         log=structlog.get_logger("peer"),
         registry=registry,
         listen="127.0.0.1:0",
@@ -106,6 +114,10 @@ async def _main(args: argparse.Namespace) -> None:
         return (ADAPTER_ROUND, adapter)
 
     bundle = tls.load()
+    streamer = PeerStreamer(
+        registry, PeerSendSettings.model_validate_json(args.send) if args.send else None
+    )
+    members = [m for m in args.members.split(",") if m]
     service = PeerExchangeService(
         book,
         package_for,
@@ -115,18 +127,21 @@ async def _main(args: argparse.Namespace) -> None:
         max_adapter_bytes=max(1 << 20, len(adapter.data)),
         registry=registry,
         signer=ProofSigner.from_pem(bundle.cert, bundle.key),
-        send=PeerSendSettings.model_validate_json(args.send) if args.send else None,
+        streamer=streamer,
     )
     workflow = Workflow.model_validate(
         {
             "stages": [
-                {"name": "first", "agents": [args.name, args.student]},
+                {"name": "first", "agents": [args.name, args.student, *members]},
                 {"name": "second", "agents": ["a2", "a3"]},
             ]
         }
     )
     store = PartStore()
-    store.publish(FEDWAVE_ROUND, FEDWAVE_PARTS)
+    parts = FEDWAVE_PARTS
+    if args.fedwave_bytes is not None:
+        parts = {kind: os.urandom(args.fedwave_bytes) for kind in PartKind}
+    store.publish(FEDWAVE_ROUND, parts)
     fedwave = FedWaveExchangeService(
         workflow,
         args.name,
@@ -134,6 +149,7 @@ async def _main(args: argparse.Namespace) -> None:
         chunk_bytes=args.chunk_bytes,
         registry=registry,
         signer=ProofSigner.from_pem(bundle.cert, bundle.key),
+        streamer=streamer,
     )
     extra: list[tuple[Any, Any]] = [(fedwave_service(fedwave), FEDWAVE_POLICY)]
     if args.fedproxy:
@@ -147,14 +163,18 @@ async def _main(args: argparse.Namespace) -> None:
         )
 
         board = RoundBoard(horizon=1)
-        await board.publish(FEDPROXY_ROUND, FEDPROXY_PAYLOAD)
+        await board.publish(
+            FEDPROXY_ROUND,
+            FEDPROXY_PAYLOAD if args.fedproxy_bytes is None else os.urandom(args.fedproxy_bytes),
+        )
         proxy = ProxyExchangeService(
             proxies=board,
-            cohort={args.student},
+            cohort={args.student, *members},
             chunk_bytes=args.chunk_bytes,
             max_wait_s=0.5,
             registry=registry,
             signer=ProofSigner.from_pem(bundle.cert, bundle.key),
+            streamer=streamer,
         )
         extra.append((fedproxy_service(proxy), FEDPROXY_POLICY))
     server = await serve_peer(ctx, service, listen="127.0.0.1:0", extra=extra)
@@ -183,7 +203,15 @@ def main() -> None:
         action="store_true",
         help="also serve FedProxy's ProxyExchange as a cohort owner (imports torch)",
     )
+    parser.add_argument(
+        "--members", default="", help="comma-separated: more cohort and workflow members"
+    )
+    parser.add_argument("--fedproxy-bytes", type=int, default=None, help="random proxy bytes")
+    parser.add_argument("--fedwave-bytes", type=int, default=None, help="random bytes per part")
     parser.add_argument("--max-concurrent-rpcs", type=int, default=GrpcLimits().max_concurrent_rpcs)
+    parser.add_argument(
+        "--max-calls-per-identity", type=int, default=GrpcLimits().max_calls_per_identity
+    )
     asyncio.run(_main(parser.parse_args()))
 
 

@@ -1,7 +1,9 @@
-"""Slow adapter readers for ``test_slow_readers.py``: a real mTLS client process that opens
-many ``PullAdapter`` streams, reads one chunk of each, then stops reading altogether.
+"""Slow readers for ``test_slow_readers.py`` and ``test_slow_cohort_readers.py``: a real mTLS
+client process that opens many payload streams (``PullAdapter``, FedProxy's ``PullProxy``,
+FedWave's ``PullPart``), reads one chunk of each, then stops reading altogether.
 
-It opens ``--streams`` streams for each of its identities (``--names``, one connection per
+It opens ``--streams`` streams for each of its identities, taking the RPCs of ``--rpcs`` in
+turn (``--names``, one connection per
 identity, certificates from ``--pki``), waits up to ``--first-timeout-s`` for the first chunk
 (or the status) of every stream, writes what it saw to ``--ready-file`` as JSON
 (``{"first_chunk": n, "refused": {code: n}, "pending": n}``), and stops itself with SIGSTOP:
@@ -20,24 +22,51 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import grpc
 
-from peerlm.wire.v1 import peer_pb2, peer_pb2_grpc
+from peerlm.wire.v1 import (
+    fedproxy_pb2,
+    fedproxy_pb2_grpc,
+    fedwave_pb2,
+    fedwave_pb2_grpc,
+    peer_pb2,
+    peer_pb2_grpc,
+)
 from tests.node_contexts import kit_context
+from tests.security.peer_server_process import FEDPROXY_ROUND, FEDWAVE_ROUND
+
+
+def _open(rpc: str, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> Any:
+    """One stream of ``rpc`` for the payload the server process holds."""
+    if rpc == "PullAdapter":
+        stub = peer_pb2_grpc.PeerExchangeStub(channel)  # type: ignore[no-untyped-call]
+        return stub.PullAdapter(peer_pb2.PullAdapterRequest(round=0), metadata=metadata)
+    if rpc == "PullProxy":
+        proxy = fedproxy_pb2_grpc.ProxyExchangeStub(channel)  # type: ignore[no-untyped-call]
+        request = fedproxy_pb2.PullProxyRequest(round=FEDPROXY_ROUND)
+        return proxy.PullProxy(request, metadata=metadata)
+    if rpc == "PullPart":
+        wave = fedwave_pb2_grpc.FedWaveExchangeStub(channel)  # type: ignore[no-untyped-call]
+        request = fedwave_pb2.PullPartRequest(
+            round=FEDWAVE_ROUND, kind=fedwave_pb2.PART_KIND_VCLAYER
+        )
+        return wave.PullPart(request, metadata=metadata)
+    raise ValueError(f"unknown rpc {rpc!r}")
 
 
 async def _main(args: argparse.Namespace) -> None:
     pki = Path(args.pki)
     calls: list[grpc.aio.UnaryStreamCall] = []
     channels = []
+    rpcs = args.rpcs.split(",")
     for name in args.names.split(","):
         channel = kit_context(pki, name).dial(args.target)
         channels.append(channel)
-        stub = peer_pb2_grpc.PeerExchangeStub(channel.channel)  # type: ignore[no-untyped-call]
         calls.extend(
-            stub.PullAdapter(peer_pb2.PullAdapterRequest(round=0), metadata=channel.metadata)
-            for _ in range(args.streams)
+            _open(rpcs[i % len(rpcs)], channel.channel, channel.metadata)
+            for i in range(args.streams)
         )
     reads = [asyncio.ensure_future(call.read()) for call in calls]
     await asyncio.wait(reads, timeout=args.first_timeout_s)
@@ -82,6 +111,9 @@ def main() -> None:
     parser.add_argument("--names", required=True, help="comma-separated certificate names")
     parser.add_argument("--target", required=True)
     parser.add_argument("--streams", type=int, required=True, help="streams per identity")
+    parser.add_argument(
+        "--rpcs", default="PullAdapter", help="comma-separated: PullAdapter, PullProxy, PullPart"
+    )
     parser.add_argument("--first-timeout-s", type=float, default=20.0)
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--final-file", required=True)

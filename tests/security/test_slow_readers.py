@@ -29,24 +29,28 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from peerlm.agent.settings import PeerSendSettings
-from prometheus_client.parser import text_string_to_metric_families
 
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
 from peerlm.wire.v1 import peer_pb2, peer_pb2_grpc
 from tests.node_contexts import kit_context
+from tests.security.process_probes import (
+    RssSampler,
+    ServerProcess,
+    SlowReader,
+    peer_server,
+    rss,
+    scrape,
+    start_slow_reader,
+    stopped,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -66,61 +70,6 @@ PER_CALL_ALLOWANCE = 64 * 1024
 GROWTH_BOUND = 2 * (SEND.budget_bytes + CHUNK) + MAX_CALLS * PER_CALL_ALLOWANCE
 
 
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-def _stopped(pid: int) -> bool:
-    # /proc/PID/stat: "pid (comm) state ..."; T = stopped by a signal.
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-
-
-def _wait_for(
-    what: str, check: Callable[[], bool], deadline_s: float = 120.0, *, required: bool = True
-) -> bool:
-    end = time.monotonic() + deadline_s
-    while not check():
-        if time.monotonic() > end:
-            if required:
-                raise AssertionError(f"gave up waiting for {what}")
-            return False
-        time.sleep(0.1)
-    return True
-
-
-@dataclass
-class _RssSampler:
-    """The server's RSS, sampled every 50 ms in a thread, and its peak. Past ``kill_above``
-    the server is killed: a server without the bound would take gigabytes of a shared
-    machine (the peak then shows it)."""
-
-    pid: int
-    kill_above: int
-    peak: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                self.peak = max(self.peak, _rss(self.pid))
-                if self.peak > self.kill_above:
-                    os.kill(self.pid, signal.SIGKILL)
-                    return
-            except (FileNotFoundError, ProcessLookupError):
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pki")
@@ -132,74 +81,26 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@dataclass
-class _Server:
-    proc: subprocess.Popen[bytes]
-    target: str
-    metrics_port: int
-
+class _Server(ServerProcess):
     def cutoffs(self) -> dict[str, float]:
         """``peerlm_agent_peer_send_cutoffs_total`` for PullAdapter by reason, and the
         bytes in flight (key ``in_flight``)."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as reply:
-                text = reply.read().decode()
-        except OSError:  # the server is gone (killed past the sampler's limit)
-            return {}
         found: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "peerlm_agent_peer_send_cutoffs_total":
-                    if sample.labels.get("rpc") == "PullAdapter":
-                        found[sample.labels["reason"]] = sample.value
-                elif sample.name == "peerlm_agent_peer_send_in_flight_bytes":
-                    found["in_flight"] = sample.value
+        for name, labels, value in scrape(self.metrics_port):
+            if name == "peerlm_agent_peer_send_cutoffs_total":
+                if labels.get("rpc") == "PullAdapter":
+                    found[labels["reason"]] = value
+            elif name == "peerlm_agent_peer_send_in_flight_bytes":
+                found["in_flight"] = value
         return found
 
 
 @pytest.fixture
 def server(pki: Path, tmp_path: Path) -> Iterator[_Server]:
-    port_file, metrics_file = tmp_path / "port", tmp_path / "metrics"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.security.peer_server_process",
-            "--pki",
-            str(pki),
-            "--name",
-            "teacher",
-            "--student",
-            "honest",
-            "--port-file",
-            str(port_file),
-            "--metrics-port-file",
-            str(metrics_file),
-            "--adapter-bytes",
-            str(ADAPTER),
-            "--chunk-bytes",
-            str(CHUNK),
-            "--send",
-            SEND.model_dump_json(),
-            "--max-concurrent-rpcs",
-            str(MAX_CALLS),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "server.log").open("wb"),
-    )
-    try:
-        _wait_for("the server's ports", lambda: port_file.exists() and metrics_file.exists(), 60)
-        _wait_for("the port files' contents", lambda: bool(port_file.read_text()), 10)
-        yield _Server(
-            proc, f"127.0.0.1:{port_file.read_text()}", int(metrics_file.read_text() or 0)
-        )
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    args = ["--adapter-bytes", str(ADAPTER), "--chunk-bytes", str(CHUNK)]
+    args += ["--send", SEND.model_dump_json(), "--max-concurrent-rpcs", str(MAX_CALLS)]
+    with peer_server(pki, tmp_path, args) as started:
+        yield _Server(started.proc, started.target, started.metrics_port)
 
 
 async def _pull(pki: Path, name: str, target: str) -> bytes:
@@ -214,37 +115,19 @@ async def _pull(pki: Path, name: str, target: str) -> bytes:
         return bytes(data)
 
 
-def _start_readers(
-    pki: Path, target: str, work: Path
-) -> list[tuple[subprocess.Popen[bytes], Path, Path]]:
+def _start_readers(pki: Path, target: str, work: Path) -> list[SlowReader]:
     per_process = FLOOD_IDENTITIES // READER_PROCESSES
-    readers = []
-    for p in range(READER_PROCESSES):
-        names = ",".join(f"slow{i}" for i in range(p * per_process, (p + 1) * per_process))
-        ready, final = work / f"ready{p}", work / f"final{p}"
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.security.slow_reader_process",
-                "--pki",
-                str(pki),
-                "--names",
-                names,
-                "--target",
-                target,
-                "--streams",
-                str(STREAMS_PER_IDENTITY),
-                "--ready-file",
-                str(ready),
-                "--final-file",
-                str(final),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=(work / f"reader{p}.log").open("wb"),
+    return [
+        start_slow_reader(
+            pki,
+            target,
+            work,
+            str(p),
+            names=[f"slow{i}" for i in range(p * per_process, (p + 1) * per_process)],
+            streams=STREAMS_PER_IDENTITY,
         )
-        readers.append((proc, ready, final))
-    return readers
+        for p in range(READER_PROCESSES)
+    ]
 
 
 async def test_slow_readers_cannot_grow_the_teacher(
@@ -255,14 +138,14 @@ async def test_slow_readers_cannot_grow_the_teacher(
     # buffers are all in place, as on a teacher that has served before.
     adapter = await _pull(pki, "honest", server.target)
     assert len(adapter) == ADAPTER
-    idle = _rss(pid)
-    sampler = _RssSampler(pid, kill_above=idle + 8 * GROWTH_BOUND)
+    idle = rss(pid)
+    sampler = RssSampler(pid, kill_above=idle + 8 * GROWTH_BOUND)
     readers = _start_readers(pki, server.target, tmp_path)
     try:
         for proc, ready, _ in readers:
-            _wait_for(
+            wait_for(
                 "a reader to read and stop",
-                lambda p=proc, r=ready: r.exists() and _stopped(p.pid),
+                lambda p=proc, r=ready: r.exists() and stopped(p.pid),
             )
         seen = [json.loads(ready.read_text()) for _, ready, _ in readers]
         assert sum(s["first_chunk"] for s in seen) > 0, seen
@@ -276,7 +159,7 @@ async def test_slow_readers_cannot_grow_the_teacher(
         # bytes for it within wait_s while its identity's share sat in a stalled stream),
         # unless it finished before its reader stopped. Only the stalled streams' chunks
         # stay reserved, at most one share per identity.
-        settled = _wait_for(
+        settled = wait_for(
             "the stalled readers to be cut off",
             lambda: (
                 server.cutoffs().get("stalled", 0) >= 1
@@ -303,7 +186,7 @@ async def test_slow_readers_cannot_grow_the_teacher(
         for proc, _, _ in readers:
             proc.send_signal(signal.SIGCONT)
         for proc, _, final in readers:
-            _wait_for("a reader to finish", lambda f=final: f.exists())
+            wait_for("a reader to finish", lambda f=final: f.exists())
             assert proc.wait(60) == 0
         ended = [json.loads(final.read_text()) for _, _, final in readers]
         codes: collections.Counter[str] = collections.Counter()
@@ -336,10 +219,10 @@ async def test_slow_readers_cannot_grow_the_teacher(
     # The readers are gone: their connections closed and the bytes came back to the budget,
     # and the chunks' memory to the process. What malloc keeps of the thousand calls' small
     # allocations may stay (their allowance), none of the chunks' part of the bound.
-    _wait_for("the budget to come back", lambda: server.cutoffs().get("in_flight", 0) == 0)
+    wait_for("the budget to come back", lambda: server.cutoffs().get("in_flight", 0) == 0)
     kept = idle + MAX_CALLS * PER_CALL_ALLOWANCE
-    came_back = _wait_for("the memory to come back", lambda: _rss(pid) <= kept, 30, required=False)
-    after = _rss(pid)
+    came_back = wait_for("the memory to come back", lambda: rss(pid) <= kept, 30, required=False)
+    after = rss(pid)
     print(f"slow readers: RSS after the readers left {after / MiB:.1f} MiB")
     assert came_back, f"RSS {after / MiB:.1f} MiB after the flood, more than {kept / MiB:.1f}"
     assert await _pull(pki, "honest", server.target) == adapter

@@ -202,6 +202,9 @@ def test_bad_proxies_are_refused_with_their_reason() -> None:
         ({"owner_name": "o", "owner_address": "127.0.0.1:1", "fused_path": "x"}, "owner's"),
         ({"rho": 0.9}, "greater than or equal to 1"),
         ({"round_deadline_s": 0}, "greater than 0"),
+        ({"max_update_norm_ratio": 0}, "greater than 0"),
+        ({"acceptance_margin": -0.1}, "greater than or equal to 0"),
+        ({"gate_examples": 0}, "greater than or equal to 1"),
     ],
 )
 def test_fedproxy_settings_are_refused_with_a_clear_error(
@@ -220,3 +223,48 @@ def test_fedproxy_settings_defaults_are_the_papers() -> None:
 
     fp = AgentSettings().fedproxy
     assert not fp.enabled and (fp.r0, fp.delta, fp.rho, fp.lambda_reg) == (1.0, 0.2, 1.1, 1e-5)
+    # Admission (docs/fedproxy.md, "Hostile members"): on by default, loose.
+    assert (fp.max_update_norm_ratio, fp.acceptance_margin, fp.gate_examples) == (1.0, 0.1, 32)
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(8, 8, generator=gen),
+        "b": torch.randn(8, generator=gen),
+        "steps": torch.tensor([3]),  # not floating: no part of any norm
+    }
+
+
+def test_update_norms_are_float64_and_ignore_non_floating_tensors() -> None:
+    from peerlm.agent.fedproxy_admission import state_norm, update_norm
+
+    base = _weights()
+    flat = torch.cat([base["w"].reshape(-1), base["b"]]).double()
+    assert state_norm(base) == pytest.approx(float(flat.norm()))
+    # 1e30 entries square to 1e60: inf in float32, finite in float64.
+    huge = {k: (v + 1e30 if v.is_floating_point() else v) for k, v in base.items()}
+    assert update_norm(base, huge) == pytest.approx(1e30 * (72**0.5), rel=1e-6)
+    assert update_norm(base, base) == 0.0
+
+
+def test_the_norm_bound_refuses_huge_and_nan_updates_and_admits_the_rest() -> None:
+    from peerlm.agent.fedproxy_admission import norm_refusal
+
+    base = _weights()
+    small = {k: (v * 1.05 if v.is_floating_point() else v) for k, v in base.items()}
+    assert norm_refusal(base, small, max_ratio=1.0) is None
+    huge = {k: (v + 1e30 if v.is_floating_point() else v) for k, v in base.items()}
+    message = norm_refusal(base, huge, max_ratio=1.0)
+    assert message is not None and "max_update_norm_ratio" in message
+    # Just over and just under the bound, against a given reference norm.
+    double = {k: (v * 2 if v.is_floating_point() else v) for k, v in base.items()}
+    assert norm_refusal(base, double, max_ratio=0.99, base_norm=None) is not None
+    assert norm_refusal(base, double, max_ratio=1.01) is None
+    nan = {
+        k: (torch.full_like(v, float("nan")) if v.is_floating_point() else v)
+        for k, v in base.items()
+    }
+    assert norm_refusal(base, nan, max_ratio=1e9) is not None
+    # No bound configured: nothing is refused.
+    assert norm_refusal(base, huge, max_ratio=None) is None
