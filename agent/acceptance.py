@@ -65,7 +65,8 @@ class AcceptanceGate:
     """Held-out examples and the allowed loss rise; :meth:`guard` applies it to an update."""
 
     examples: Sequence[Example]
-    margin: float = DEFAULT_MARGIN
+    #: None: measure only, never roll back (a CPM merge directive still reports the loss).
+    margin: float | None = DEFAULT_MARGIN
     max_length: int = 256
 
     def loss(self, host: ModelHost) -> float:

@@ -113,25 +113,40 @@ class CpmClient:
         return self._round_offset
 
     async def submit_profile(
-        self, round_: int, features: Sequence[float], peer_endpoint: str = ""
+        self,
+        round_: int,
+        features: Sequence[float],
+        peer_endpoint: str = "",
+        *,
+        parameter_space: str = "",
+        protocols: Sequence[str] = (),
     ) -> cpm_pb2.SubmitProfileResponse:
-        """Submit a profile; on ``stale_round`` resynchronise the round numbering once."""
+        """Submit a profile; on ``stale_round`` resynchronise the round numbering once.
+
+        ``parameter_space`` and ``protocols``: what this agent declares for the CPM's
+        protocol menu (:func:`peerlm.agent.profile.parameter_space_fingerprint`)."""
+        req = cpm_pb2.SubmitProfileRequest(
+            features=list(features),
+            peer_endpoint=peer_endpoint,
+            parameter_space=parameter_space,
+            protocols=list(protocols),
+        )
         try:
-            return await self._submit(round_ + self._round_offset, features, peer_endpoint)
+            return await self._submit(round_ + self._round_offset, req)
         except grpc.aio.AioRpcError as err:
             last = _last_round(err)
             if last is None:
                 raise
         self._round_offset = last + 1 - round_
         self._retries.labels("round_resync").inc()
-        return await self._submit(round_ + self._round_offset, features, peer_endpoint)
+        return await self._submit(round_ + self._round_offset, req)
 
     async def _submit(
-        self, sent_round: int, features: Sequence[float], peer_endpoint: str
+        self, sent_round: int, template: cpm_pb2.SubmitProfileRequest
     ) -> cpm_pb2.SubmitProfileResponse:
-        req = cpm_pb2.SubmitProfileRequest(
-            round=sent_round, features=list(features), peer_endpoint=peer_endpoint
-        )
+        req = cpm_pb2.SubmitProfileRequest()
+        req.CopyFrom(template)
+        req.round = sent_round
         resp: cpm_pb2.SubmitProfileResponse = await self._stub.SubmitProfile(
             req, timeout=self._limits.rpc_timeout_s, metadata=self._metadata
         )

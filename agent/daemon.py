@@ -17,6 +17,13 @@ worker thread that owns the :class:`ModelHost`, so gRPC (health, peer exchange, 
 directive feed) stays responsive while a training step runs. What is done with the model in
 each phase lives in :mod:`peerlm.agent.rounds`, shared with the in-process experiment.
 
+Merge directives (protocols ``pmix`` and ``svd_hka`` of the CPM's menu): the student pulls
+the teacher's adapter and merges it with its own (:mod:`peerlm.agent.merge_directive`),
+then reports Eq. 3 as for AKD; the teacher only serves its adapter (``PullAdapter``). A
+directive naming a protocol this agent does not execute is refused (counted as a failed
+exchange, reason ``unsupported_protocol``). The profile declares the agent's
+parameter-space fingerprint and executed protocols so the CPM recommends only what fits.
+
 Package modes: as a teacher the agent sends text (protocol ``akd``) or, for a directive of
 protocol ``akd_logits`` (or with ``akd_mode: logits``), the top-k logits of its completions
 when the student announced the same tokenizer, text otherwise (the student announces its
@@ -92,6 +99,8 @@ class AgentSummary:
     bytes_sent: int = 0
     bytes_received: int = 0
     packages_by_mode: dict[str, int] = field(default_factory=dict)
+    # CPM merge directives integrated as a student, by protocol (pmix, svd_hka).
+    merges_by_protocol: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
     errors: list[str] = field(default_factory=list)
     # SemanticDFL (overlay.enabled): distinct neighbours found by searches, adapters
@@ -100,6 +109,7 @@ class AgentSummary:
     adapters_pulled: int = 0
     overlay_refusals: dict[str, int] = field(default_factory=dict)
     overlay_steps: dict[str, int] = field(default_factory=dict)
+    # Adapter bytes pulled and served: overlay pulls and CPM merge directives alike.
     overlay_bytes_received: int = 0
     overlay_bytes_sent: int = 0
     # FedProxy (fedproxy.enabled): cohort rounds this agent completed as owner or member.
@@ -122,6 +132,9 @@ class AgentDaemon:
         self._grace: asyncio.TimerHandle | None = None
         self._prebuild: asyncio.Task[tuple[list[int], list[str]]] | None = None
         self._last_taught: str | None = None
+        # The student of our latest merge directive as a teacher, and its adapter pulls
+        # from us before it (the linger waits for one more).
+        self._last_merge: tuple[str, int] | None = None
         # The matchmaking round our latest profile is considered in (SubmitProfile's answer).
         self._awaited_round = 0
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
@@ -219,6 +232,7 @@ class AgentDaemon:
         from peerlm.agent.guardrail import agent_guardrail
         from peerlm.agent.modelhost import ModelHost
         from peerlm.agent.models.lora import LoraSettings
+        from peerlm.agent.profile import host_parameter_space
         from peerlm.agent.sandbox import SandboxTelemetry, require_confinement
 
         s = self.s
@@ -230,6 +244,8 @@ class AgentDaemon:
         )
         self.host = await self._model(ModelHost.load, s.model, lora, device=s.device, seed=s.seed)
         self.config = RoundConfig.from_settings(s)
+        self.protocols = s.executed_protocols()
+        self.parameter_space = await self._model(host_parameter_space, self.host)
         self.telemetry = AgentTelemetry(self.registry)
         # Generated code is run only confined: refuse to start (before any model output is
         # executed) when this kernel lacks Landlock or seccomp, unless the operator opted out.
@@ -280,7 +296,7 @@ class AgentDaemon:
         # One send budget for the port: every service on it streams through this streamer,
         # so a member is metered by one share whichever service it pulls from.
         streamer = PeerStreamer(self.registry, s.peer_send, log=self.log)
-        service = PeerExchangeService(
+        service = self.peer_service = PeerExchangeService(
             self.book,
             self._package_for,
             self._adapter_for,
@@ -648,11 +664,18 @@ class AgentDaemon:
         (bounded by ``round_timeout_s``); the server's graceful stop lets it finish."""
         if self._prebuild is not None:
             await asyncio.gather(self._prebuild, return_exceptions=True)
-        if self._last_taught is None or self._stop.is_set():
+        if self._stop.is_set():
             return
         deadline = time.monotonic() + self.s.round_timeout_s
-        while self.book.fetches(self._last_taught) == 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
+        if self._last_taught is not None:
+            while self.book.fetches(self._last_taught) == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+        if self._last_merge is not None:
+            student, before = self._last_merge
+            while (
+                self.peer_service.adapter_pulls(student) <= before and time.monotonic() < deadline
+            ):
+                await asyncio.sleep(0.2)
 
     async def _follow(self, inbox: asyncio.Queue[cpm_pb2.Directive]) -> None:
         """Every directive goes into the book (the peer server verifies fetches against it);
@@ -721,22 +744,8 @@ class AgentDaemon:
         lap("wait")
         if directive is not None and self._abort.is_set():
             self.log.info("directive_skipped", round=t, directive=directive.directive_id)
-        elif directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
-            await self._learn_from(directive, t)
+        elif directive is not None and await self._act_on(directive, t):
             lap("integrate")
-        elif directive is not None:
-            # Teacher: generate the predictions now, ahead of the next round's training in
-            # the model worker's queue, so the student does not wait behind it.
-            self.log.info(
-                "directive_teacher",
-                round=t,
-                directive=directive.directive_id,
-                student=directive.student,
-                protocol=directive.protocol,
-            )
-            self.summary.as_teacher += 1
-            self._last_taught = directive.directive_id
-            self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
         if self.overlay is not None and not self._abort.is_set():
             await self._overlay_step(t)
             lap("overlay")
@@ -759,6 +768,51 @@ class AgentDaemon:
             seconds=round(time.monotonic() - started, 2),
             waited_s=round(waited, 2),  # for a directive: the idle share of the round
         )
+
+    async def _act_on(self, directive: cpm_pb2.Directive, t: int) -> bool:
+        """Do what the directive names (:func:`~peerlm.agent.directives.directive_action`);
+        True when this agent integrated (or tried to) as the student."""
+        from peerlm.agent.directives import directive_action
+        from peerlm.services.cpm.menu import MERGE_PROTOCOLS
+
+        action = directive_action(
+            directive.protocol, directive.role, self.protocols, MERGE_PROTOCOLS
+        )
+        if action == "refuse":
+            self._exchange_failed(
+                directive,
+                "unsupported_protocol",
+                ValueError(
+                    f"protocol {directive.protocol[:32]!r} as role {int(directive.role)} is "
+                    f"not one this agent executes ({', '.join(self.protocols)})"
+                ),
+            )
+            return False
+        if action == "merge":
+            await self._merge_from(directive, t)
+            return True
+        if action == "learn":
+            await self._learn_from(directive, t)
+            return True
+        self.log.info(
+            "directive_teacher",
+            round=t,
+            directive=directive.directive_id,
+            student=directive.student,
+            protocol=directive.protocol,
+        )
+        self.summary.as_teacher += 1
+        if action == "serve_adapter":
+            # The student pulls our adapter: nothing to generate; the linger after the last
+            # round waits for one more pull by that student.
+            student = directive.student
+            self._last_merge = (student, self.peer_service.adapter_pulls(student))
+        else:
+            # Generate the predictions now, ahead of the next round's training in the model
+            # worker's queue, so the student does not wait behind it.
+            self._last_taught = directive.directive_id
+            self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
+        return False
 
     async def _overlay_enter(self) -> None:
         """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and
@@ -846,7 +900,13 @@ class AgentDaemon:
         (refused identity, invalid profile) still end the run.
         """
         try:
-            resp = await self.cpm.submit_profile(t, features, self.endpoint)
+            resp = await self.cpm.submit_profile(
+                t,
+                features,
+                self.endpoint,
+                parameter_space=self.parameter_space,
+                protocols=self.protocols,
+            )
             self._awaited_round = int(resp.matchmaking_round)
             return True
         except grpc.aio.AioRpcError as err:
@@ -951,21 +1011,128 @@ class AgentDaemon:
         if result.rolled_back:
             # Undone by the acceptance gate; the CPM still hears the (negative) reward.
             self.telemetry.rolled_back.labels("akd").inc()
-            self.log.warning(
+            self._log_exchange(
+                self.log.warning,
                 "exchange_rolled_back",
-                round=t,
-                teacher=d.teacher,
-                directive=d.directive_id,
-                loss_pre=round(result.loss_pre, 4),
-                loss_post=round(result.loss_post, 4),
-                reward=round(result.reward, 5),
+                d,
+                t,
+                result.loss_pre,
+                result.loss_post,
+                result.reward,
             )
+        ack = await self._report(d, result.reward, result.loss_pre, result.loss_post, kb)
+        if ack is None:
+            return
+        self.telemetry.packages_integrated.labels(result.mode).inc()
+        self.summary.exchanges += 1
+        self.summary.bytes_received += len(data)
+        self.summary.rewards.append(round(result.reward, 6))
+        self._log_exchange(
+            self.log.info,
+            "exchange_integrated",
+            d,
+            t,
+            result.loss_pre,
+            result.loss_post,
+            result.reward,
+            mode=result.mode,
+            alpha_kd=round(result.alpha_kd, 3),
+            temperature=None if result.temperature is None else round(result.temperature, 3),
+            kilobytes=round(kb, 1),
+            normalised=round(ack.normalised_reward, 4),
+        )
+
+    async def _merge_from(self, d: cpm_pb2.Directive, t: int) -> None:
+        """Student side of a merge directive (``pmix``/``svd_hka``): pull the teacher's
+        adapter, merge it by the directive's protocol, report Eq. 3
+        (:mod:`peerlm.agent.merge_directive`)."""
+        from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
+        from peerlm.agent.overlay_step import pull_settings
+
+        s = self.s
+        try:
+            result = await merge_from_teacher(
+                self.ctx,
+                self.host,
+                protocol=d.protocol,
+                teacher=d.teacher,
+                endpoint=d.peer.endpoint,
+                pull=pull_settings(s.overlay, s.round_timeout_s),
+                val_examples=self.val_examples,
+                max_length=s.max_length,
+                margin=s.acceptance_margin,
+                reward_gamma=s.reward_gamma,
+                reward_delta=s.reward_delta,
+                run_model=self._model,
+                hka=(self.public_pairs, self.config.train_settings(t))
+                if self.public_pairs
+                else None,
+                round_=t,
+            )
+        except MergeRefused as exc:
+            self._exchange_failed(d, "adapter_refused", exc)
+            return
+        except Exception as exc:  # a failed exchange is logged and the round goes on
+            self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
+            return
+        outcome = (t, result.loss_pre, result.loss_post, result.reward)
+        if result.rolled_back:
+            self._log_exchange(self.log.warning, "exchange_rolled_back", d, *outcome)
+        ack = await self._report(
+            d, result.reward, result.loss_pre, result.loss_post, result.kilobytes
+        )
+        if ack is None:
+            return
+        self.telemetry.merges.labels(d.protocol).inc()
+        merges = self.summary.merges_by_protocol
+        merges[d.protocol] = merges.get(d.protocol, 0) + 1
+        self.summary.exchanges += 1
+        # Adapter bytes, as the teacher counts them (overlay_bytes_sent: every adapter sent).
+        self.summary.overlay_bytes_received += result.report.bytes_received
+        self.summary.rewards.append(round(result.reward, 6))
+        self._log_exchange(
+            self.log.info,
+            "exchange_integrated",
+            d,
+            *outcome,
+            kilobytes=round(result.kilobytes, 1),
+            normalised=round(ack.normalised_reward, 4),
+        )
+
+    @staticmethod
+    def _log_exchange(
+        emit: Callable[..., Any],
+        event: str,
+        d: cpm_pb2.Directive,
+        t: int,
+        loss_pre: float,
+        loss_post: float,
+        reward: float,
+        **extra: Any,
+    ) -> None:
+        """One line for a student's exchange: rolled back or integrated, AKD or merge."""
+        emit(
+            event,
+            round=t,
+            teacher=d.teacher,
+            directive=d.directive_id,
+            protocol=d.protocol,
+            loss_pre=round(loss_pre, 4),
+            loss_post=round(loss_post, 4),
+            reward=round(reward, 5),
+            **extra,
+        )
+
+    async def _report(
+        self, d: cpm_pb2.Directive, reward: float, loss_pre: float, loss_post: float, kb: float
+    ) -> cpm_pb2.ReportRewardResponse | None:
+        """Report Eq. 3 for a directive; None (logged, counted) when the CPM refuses it."""
         try:
             ack = await self.cpm.report_reward(
                 d.directive_id,
-                result.reward,
-                loss_pre=result.loss_pre,
-                loss_post=result.loss_post,
+                reward,
+                loss_pre=loss_pre,
+                loss_post=loss_post,
                 kilobytes=round(kb),
             )
         except grpc.aio.AioRpcError as err:
@@ -978,26 +1145,9 @@ class AgentDaemon:
                 detail=err.details(),
             )
             self.summary.errors.append(f"reward {d.directive_id[:8]}: {err.code().name}")
-            return
+            return None
         self.telemetry.rewards.inc()
-        self.telemetry.packages_integrated.labels(result.mode).inc()
-        self.summary.exchanges += 1
-        self.summary.bytes_received += len(data)
-        self.summary.rewards.append(round(result.reward, 6))
-        self.log.info(
-            "exchange_integrated",
-            round=t,
-            teacher=d.teacher,
-            directive=d.directive_id,
-            mode=result.mode,
-            alpha_kd=round(result.alpha_kd, 3),
-            temperature=None if result.temperature is None else round(result.temperature, 3),
-            loss_pre=round(result.loss_pre, 4),
-            loss_post=round(result.loss_post, 4),
-            kilobytes=round(kb, 1),
-            reward=round(result.reward, 5),
-            normalised=round(ack.normalised_reward, 4),
-        )
+        return ack
 
     def _exchange_failed(self, d: cpm_pb2.Directive, reason: str, exc: BaseException) -> None:
         self.telemetry.exchange_failures.labels(reason).inc()

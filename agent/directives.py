@@ -28,9 +28,9 @@ the oldest. Expired ones are otherwise kept, so a late student learns *expired*
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import grpc
 
@@ -44,8 +44,35 @@ __all__ = [
     "NotStudent",
     "NotTeacher",
     "UnknownDirective",
+    "directive_action",
     "expires_at_seconds",
 ]
+
+#: What the round loop does with its directive (:func:`directive_action`).
+DirectiveAction = Literal["refuse", "learn", "merge", "teach", "serve_adapter"]
+
+
+def directive_action(
+    protocol: str,
+    role: cpm_pb2.ExchangeRole.ValueType,
+    executed: Collection[str],
+    merges: Collection[str],
+) -> DirectiveAction:
+    """The round loop's move for a directive of ``protocol`` addressed to us as ``role``,
+    given the protocols this agent ``executed`` (advertised in its profile) and the merge
+    protocols (``peerlm.services.cpm.menu.MERGE_PROTOCOLS``, passed in so that the peer
+    server, which imports this module, does not load the CPM library): ``refuse`` a
+    protocol it does not execute (whatever the CPM sent); as student ``merge`` the
+    teacher's adapter or ``learn`` its package by AKD; as teacher ``serve_adapter`` (a
+    merge: nothing to build) or ``teach`` (build the package)."""
+    if protocol not in executed:
+        return "refuse"
+    merge = protocol in merges
+    if role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
+        return "merge" if merge else "learn"
+    if role == cpm_pb2.EXCHANGE_ROLE_TEACHER:
+        return "serve_adapter" if merge else "teach"
+    return "refuse"
 
 
 class DirectiveError(Exception):

@@ -51,6 +51,13 @@ class AgentTelemetry:
             ["mode"],
             registry=registry,
         )
+        self.merges = Counter(
+            "peerlm_agent_directive_merges_total",
+            "CPM merge directives integrated as a student (teacher's adapter pulled and "
+            "merged, reward reported), by protocol (pmix, svd_hka).",
+            ["protocol"],
+            registry=registry,
+        )
         self.unmatched_rounds = Counter(
             "peerlm_agent_unmatched_rounds_total",
             "Rounds the CPM said left this agent unpaired (it trained on without waiting).",

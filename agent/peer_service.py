@@ -113,6 +113,10 @@ class _PeerMetrics:
         )
 
 
+#: Callers whose adapter pulls are counted (least recently served forgotten first).
+_PULL_COUNT_ENTRIES = 4096
+
+
 class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
     """Implements ``peerlm.v1.PeerExchange`` over a directive book and two providers.
 
@@ -156,6 +160,9 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
             collections.OrderedDict()
         )
         self._chunk_cache: tuple[HashedPayload, str, list[common_pb2.Chunk]] | None = None
+        # Adapters sent per caller (the daemon lingers for a merge student's pull), the
+        # most recently served _PULL_COUNT_ENTRIES callers only.
+        self._adapter_pulls: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._m = _PeerMetrics(registry)
         self._log: Any = log if log is not None else structlog.get_logger("peerlm.agent.peer")
         self._streamer = streamer if streamer is not None else PeerStreamer(registry, log=log)
@@ -286,6 +293,13 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
             sent=self._m.adapter_bytes,
         )
         self._log.info("adapter_sent", round=sent_round, peer=caller, bytes=len(payload.data))
+        self._adapter_pulls[caller] = self._adapter_pulls.pop(caller, 0) + 1
+        while len(self._adapter_pulls) > _PULL_COUNT_ENTRIES:
+            self._adapter_pulls.popitem(last=False)
+
+    def adapter_pulls(self, caller: str) -> int:
+        """Adapters fully sent to ``caller`` so far (0 if none, or forgotten)."""
+        return self._adapter_pulls.get(caller, 0)
 
     # ------------------------------------------------------------- internals
 

@@ -26,18 +26,47 @@ that validates what agents send; this module fills it:
   histogram is 1 sample), then clipped at 0 and renormalised. With noise this is
   epsilon-differentially private with respect to one training sample; the CPM never sees
   more than this histogram of the data.
+
+Beside the vector, a profile declares the agent's parameter-space fingerprint
+(:func:`parameter_space_fingerprint`) and the protocols it executes, which the CPM uses to
+decide which protocols of its menu are admissible for a pair (``docs/matchmaker.md``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 from peerlm.services.cpm import PROFILE_LAYOUT
 
-__all__ = ["FAMILIES", "PROFILE_DIM", "AgentMetrics", "build_profile", "family_index"]
+if TYPE_CHECKING:
+    from peerlm.agent.modelhost import ModelHost
+
+__all__ = [
+    "FAMILIES",
+    "PARAM_SPACE_SCHEME",
+    "PROFILE_DIM",
+    "AgentMetrics",
+    "build_profile",
+    "family_index",
+    "host_parameter_space",
+    "parameter_space_fingerprint",
+]
+
+#: Prefix of :func:`parameter_space_fingerprint`'s value (a new recipe gets a new one, so
+#: agents of two recipes never look alike).
+PARAM_SPACE_SCHEME = "ps1"
+# Model-config keys that name, place or date a checkpoint without changing what its
+# parameters mean; everything else in ``config.to_dict()`` is architecture.
+_NOT_ARCHITECTURE = frozenset(
+    {"name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
+)
 
 _LAYOUT = PROFILE_LAYOUT
 PROFILE_DIM = _LAYOUT.dim
@@ -129,3 +158,43 @@ def build_profile(
     total = counts.sum()
     p[_LAYOUT.distribution] = counts / total if total > 0 else np.full(12, 1.0 / 12)
     return p
+
+
+def parameter_space_fingerprint(
+    model_config: Mapping[str, Any],
+    tokenizer_hash: str,
+    lora_r: int,
+    lora_alpha: float,
+    adapter_shapes: Mapping[str, tuple[int, ...]],
+) -> str:
+    """``ps1:`` + SHA-256 of what makes two agents' adapters mergeable, never parameters.
+
+    Hashed, as canonical JSON: the backbone configuration (``config.to_dict()`` without
+    the keys that only name, place or date a checkpoint, nor private ``_``-keys), the
+    tokenizer hash, LoRA ``r`` and ``alpha`` (the scaling ``alpha / r`` decides what
+    ``B A`` means) and every adapter tensor's name and shape (the target modules, as
+    resolved). Equal fingerprints: the adapter codec's checks on a pulled adapter pass
+    (``docs/matchmaker.md``, "The fingerprint", for what it cannot tell apart).
+    """
+    arch = {
+        k: v
+        for k, v in model_config.items()
+        if not k.startswith("_") and k not in _NOT_ARCHITECTURE
+    }
+    doc = {
+        "config": arch,
+        "tokenizer": tokenizer_hash,
+        "lora": {"r": int(lora_r), "alpha": float(lora_alpha)},
+        "shapes": {k: list(adapter_shapes[k]) for k in sorted(adapter_shapes)},
+    }
+    blob = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+    return f"{PARAM_SPACE_SCHEME}:{hashlib.sha256(blob.encode()).hexdigest()}"
+
+
+def host_parameter_space(host: ModelHost) -> str:
+    """:func:`parameter_space_fingerprint` of a loaded model host (reads its adapter's
+    tensor shapes: call it where the host may be used, the daemon's model thread)."""
+    spec = host.adapter_spec()
+    return parameter_space_fingerprint(
+        host.model.config.to_dict(), spec.tokenizer_hash, spec.lora_r, spec.lora_alpha, spec.shapes
+    )

@@ -88,6 +88,7 @@ __all__ = [
     "PullReport",
     "PullSettings",
     "PulledAdapter",
+    "integrate_adapters",
     "pull_and_aggregate",
 ]
 
@@ -162,6 +163,11 @@ class PullReport:
     applied: bool
     delta_norm: float
     rolled_back: bool = False
+    #: Held-out loss right before and after the aggregate, when a gate measured them
+    #: (``loss_post`` bounded as :func:`~peerlm.agent.acceptance.judge` reports it); NaN
+    #: otherwise. A CPM merge directive reports Eq. 3's reward from these.
+    loss_pre: float = math.nan
+    loss_post: float = math.nan
 
 
 class ModelRunner(Protocol):
@@ -204,8 +210,8 @@ class _Metrics:
         if n:
             self._pulled.inc(n)
 
-    def rolled_back(self) -> None:
-        self._rolled_back.labels("overlay").inc()
+    def rolled_back(self, kind: str) -> None:
+        self._rolled_back.labels(kind).inc()
 
     def step(self, outcome: str) -> None:
         self._steps.labels(outcome).inc()
@@ -313,7 +319,7 @@ def _one_shot(
     return AggregationReport(weights, 1.0, tuple(neighbours), (), delta)
 
 
-def _integrate(
+def integrate_adapters(
     host: ModelHost,
     neighbours: Mapping[str, Mapping[str, torch.Tensor]],
     similarities: Mapping[str, float],
@@ -321,16 +327,19 @@ def _integrate(
     self_name: str,
     gate: AcceptanceGate | None = None,
     hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
-) -> tuple[AggregationReport, Verdict | None]:
+) -> tuple[AggregationReport, Verdict | None, float]:
     """Read, aggregate, load and judge in one model-thread call; the host changes only if
-    useful, and with a ``gate`` stays changed only if the held-out loss allows."""
+    useful, and with a ``gate`` stays changed only if the held-out loss allows. Returns
+    the report, the gate's verdict and the held-out loss before (NaN without a gate).
+    ``neighbours`` must already have passed the codec's checks (:func:`pull_and_aggregate`
+    does that; the in-process experiment hands over adapters of its own clients)."""
     own = host.adapter_state()
     if settings.method == "svd_hka":
         if hka is None:
             raise ValueError("svd_hka needs public pairs and training settings")
         pre = gate.loss(host) if gate is not None else math.nan
         report = _one_shot(host, own, neighbours, similarities, settings, self_name, hka)
-        return report, (gate.settle(host, own, pre) if gate is not None else None)
+        return report, (gate.settle(host, own, pre) if gate is not None else None), pre
     updated, report = personalised_update(
         own,
         neighbours,
@@ -341,10 +350,10 @@ def _integrate(
         self_id=self_name,
     )
     if not report.accepted:
-        return report, None
+        return report, None, math.nan
     pre = gate.loss(host) if gate is not None else math.nan
     host.load_adapter_state(updated)
-    return report, (gate.settle(host, own, pre) if gate is not None else None)
+    return report, (gate.settle(host, own, pre) if gate is not None else None), pre
 
 
 async def pull_and_aggregate(
@@ -357,6 +366,7 @@ async def pull_and_aggregate(
     round_: int = 0,
     gate: AcceptanceGate | None = None,
     hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
+    kind: str = "overlay",
 ) -> PullReport:
     """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
 
@@ -370,7 +380,9 @@ async def pull_and_aggregate(
     by more than its margin is rolled back: ``applied`` is False, ``rolled_back`` True, the
     neighbours are listed as refused with reason ``rolled_back``. ``method="svd_hka"`` needs
     ``hka``: the public (prompt, completion) pairs of D_pub and the training settings of the
-    HKA steps (a ``ValueError`` before anything is pulled otherwise).
+    HKA steps (a ``ValueError`` before anything is pulled otherwise). ``kind`` labels a
+    rollback in ``peerlm_agent_integrations_rolled_back_total`` (``overlay``, or
+    ``merge`` for a CPM merge directive).
     """
     cfg = settings or PullSettings()
     if cfg.method == "svd_hka" and (hka is None or not hka[0]):
@@ -425,13 +437,16 @@ async def pull_and_aggregate(
 
     report: AggregationReport | None = None
     applied = load_failed = rolled_back = False
+    loss_pre = loss_post = math.nan
     if neighbours:
         similarities = {peer: received[peer].similarity for peer in neighbours}
         try:
-            aggregated, verdict = await run(
-                _integrate, host, neighbours, similarities, cfg, self_name, gate, hka
+            aggregated, verdict, loss_pre = await run(
+                integrate_adapters, host, neighbours, similarities, cfg, self_name, gate, hka
             )
             report = aggregated
+            if verdict is not None:
+                loss_post = verdict.loss_post
             applied = bool(aggregated.accepted)
             rolled_back = verdict is not None and verdict.rolled_back
         except AggregationError:
@@ -448,7 +463,7 @@ async def pull_and_aggregate(
             refused.append(
                 Refusal(peer, "rolled_back", "the aggregate made our held-out loss worse")
             )
-        metrics.rolled_back()
+        metrics.rolled_back(kind)
         pulled, weights, alpha, delta = (), {self_name: 1.0}, report.alpha, 0.0
         applied = False
     elif report is not None:
@@ -500,4 +515,6 @@ async def pull_and_aggregate(
         applied=applied,
         delta_norm=delta,
         rolled_back=rolled_back,
+        loss_pre=loss_pre,
+        loss_post=loss_post,
     )

@@ -237,6 +237,10 @@ class AgentSettings(ServiceSettings):
     # (akd: text, akd_logits: logits), "text" always text, "logits" logits whenever the
     # student's tokenizer is ours; logits fall back to text for any other tokenizer.
     akd_mode: Literal["directive", "text", "logits"] = "directive"
+    # The CPM directives' protocols this agent executes, advertised in its profile (the
+    # CPM never recommends another): akd, akd_logits, pmix, svd_hka. None: every one it can
+    # (svd_hka only with public_file, which its HKA distils on).
+    protocols: tuple[Literal["akd", "akd_logits", "pmix", "svd_hka"], ...] | None = None
     logits_top_k: int = Field(default=16, ge=1, le=1024)
     # What this agent answers of X_u as a teacher (peerlm.agent.teaching): "all" (the
     # paper's Eq. 2), or "competent": the prompts of categories where the Wilson lower bound
@@ -296,4 +300,19 @@ class AgentSettings(ServiceSettings):
                 "overlay.aggregation 'svd_hka' distils on public pairs: set public_file "
                 "(JSONL problems with prompt and reference)"
             )
+        if self.protocols is not None:
+            if len(set(self.protocols)) != len(self.protocols):
+                raise ValueError("protocols must not repeat a name")
+            if "svd_hka" in self.protocols and self.public_file is None:
+                raise ValueError(
+                    "protocols names svd_hka, whose HKA distils on public pairs: set "
+                    "public_file (JSONL problems with prompt and reference)"
+                )
         return self
+
+    def executed_protocols(self) -> tuple[str, ...]:
+        """The protocols this agent executes and advertises (``protocols`` resolved)."""
+        if self.protocols is not None:
+            return tuple(self.protocols)
+        every = ("akd", "akd_logits", "pmix", "svd_hka")
+        return every if self.public_file is not None else every[:3]

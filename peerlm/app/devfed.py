@@ -134,6 +134,7 @@ async def _run(
     agent_argv: AgentArgv,
     metrics_port: int | None,
     console: Console | None,
+    protocols: tuple[str, ...] = ("akd",),
 ) -> dict[str, Any]:
     # Imported here: the CPM package loads the matchmaking library (scikit-learn, SciPy),
     # seconds that every `peerlm` process would pay when the CLI mounts `up`.
@@ -151,7 +152,7 @@ async def _run(
     )
     # Dev pace: the timer matches whoever is waiting after 15 s (30 s in production) when an
     # agent is missing; shorter fragments rounds when agents of different speeds finish apart.
-    dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "15"}
+    dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "15", "PEERLM_CPM_PROTOCOLS": json.dumps(protocols)}
     started = time.monotonic()
     cpm = _spawn(cpm_args, fed.logs / "cpm.log", subprocess.DEVNULL, dev_env)
     procs: list[subprocess.Popen[bytes]] = []
@@ -575,9 +576,19 @@ def up_command(
             "personalised mixing) or svd_hka (OnePeFT: SVD aggregation + HKA on public pairs)."
         ),
     ] = "pmix",
+    protocols: Annotated[
+        str,
+        typer.Option(
+            help="The CPM's protocol menu K_rec, comma-separated: akd, akd_logits, pmix, "
+            "svd_hka (docs/matchmaker.md). All but akd are recommended only between agents "
+            "of one parameter space: combine with --family."
+        ),
+    ] = "akd",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
+    from peerlm.services.cpm.menu import MENU
+
     # Every flag is checked before anything is touched: a typo must not cost the last run's
     # database and checkpoints.
     if family is not None and family not in ARCHS:
@@ -588,6 +599,14 @@ def up_command(
         raise typer.BadParameter(f"unknown aggregation {aggregation!r}; pmix or svd_hka")
     if aggregation != "pmix" and not overlay:
         raise typer.BadParameter("--aggregation applies to overlay pulls: add --overlay")
+    menu = tuple(p.strip() for p in protocols.split(",") if p.strip())
+    unknown = [p for p in menu if p not in MENU]
+    if not menu or unknown or len(set(menu)) != len(menu):
+        raise typer.BadParameter(
+            f"--protocols {protocols!r}: name each of {', '.join(MENU)} at most once"
+        )
+    if simulated and menu != ("akd",):
+        raise typer.BadParameter("simulated agents execute akd only: leave --protocols out")
     console = None if as_json else Console(stderr=True)
     fed = DevFederation(state_dir)
     names = [f"agent-{i}" for i in range(agents)]
@@ -611,7 +630,7 @@ def up_command(
                 aggregation=aggregation,
             )
             argv = _prepare_real(fed, names, rounds, seed, plan, console)
-        result = asyncio.run(_run(fed, names, rounds, argv, metrics_port, console))
+        result = asyncio.run(_run(fed, names, rounds, argv, metrics_port, console, menu))
     except KeyboardInterrupt:
         if console:
             console.print("[yellow]interrupted; all processes stopped[/]")

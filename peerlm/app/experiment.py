@@ -45,6 +45,15 @@ ffa_lora        FFA-LoRA (Sun et al. 2024): every client of a family initialises
                 from one shared seed and never trains it (warm-up, local steps); every
                 round each client pulls its family's adapters and loads the data-weighted
                 average of the B factors with the shared A (:func:`aggregate_ffa`).
+cpm_menu        the CPM over the whole menu (issue 9 section 3): each round LinUCB picks
+                pairs *and* a protocol per pair among akd, akd_logits, pmix and svd_hka,
+                admissible ones only (every client declares its parameter-space
+                fingerprint and every protocol); the student executes it as the daemon
+                does and the Eq. 3 reward trains the bandit. Each round's record and
+                event name how many directives chose each protocol (``protocols``).
+cpm_akd_logits  the same CPM with one protocol forced for everyone (the comparison the
+cpm_pmix        issue asks for; ``cpm`` is akd forced). Across families no protocol but
+cpm_svd_hka     akd is admissible, so these pair only within a family.
 ==============  =========================================================================
 
 FFA-LoRA's start. The warm-up above trains A, and each client's A differs, so ffa_lora
@@ -153,6 +162,10 @@ LABELS: Mapping[str, str] = {
     "onepeft_hka": "OnePeFT HKA only",
     "onepeft_fedavg": "One-shot FedAvg of factors",
     "ffa_lora": "FFA-LoRA",
+    "cpm_menu": "KNEXA-FL (CPM, full menu)",
+    "cpm_akd_logits": "CPM, akd_logits forced",
+    "cpm_pmix": "CPM, pmix forced",
+    "cpm_svd_hka": "CPM, svd_hka forced",
 }
 #: Adapter-merge strategies of issue 9 (OnePeFT, FedAvg-LoRA, FFA-LoRA): known, not run
 #: by default.
@@ -164,15 +177,40 @@ MERGE_STRATEGIES: tuple[str, ...] = (
     "onepeft_hka",
     "onepeft_fedavg",
 )
+#: The CPM recommending among the whole menu (akd, akd_logits, pmix, svd_hka; issue 9
+#: section 3): known, not run by default; meant for clients of one family (``--family``),
+#: since every protocol but akd needs a shared parameter space.
+MENU_STRATEGIES: tuple[str, ...] = ("cpm_menu", "cpm_akd_logits", "cpm_pmix", "cpm_svd_hka")
+#: The protocols each CPM strategy may recommend: the menu, or one forced for everyone
+#: (``cpm`` itself is akd forced).
+CPM_PROTOCOLS: Mapping[str, tuple[str, ...]] = {
+    "cpm": ("akd",),
+    "cpm_menu": ("akd", "akd_logits", "pmix", "svd_hka"),
+    "cpm_akd_logits": ("akd_logits",),
+    "cpm_pmix": ("pmix",),
+    "cpm_svd_hka": ("svd_hka",),
+}
 #: Every strategy ``--strategies`` accepts.
-KNOWN_STRATEGIES: tuple[str, ...] = STRATEGIES + MERGE_STRATEGIES
+KNOWN_STRATEGIES: tuple[str, ...] = STRATEGIES + MERGE_STRATEGIES + MENU_STRATEGIES
 #: Strategies that exchange knowledge (candidates for "best collaborative").
-COLLABORATIVE: tuple[str, ...] = ("random", "heuristic", "central_kd", "cpm", "oracle")
+COLLABORATIVE: tuple[str, ...] = (
+    "random",
+    "heuristic",
+    "central_kd",
+    "cpm",
+    "oracle",
+    *MENU_STRATEGIES,
+)
 #: Per-problem metrics: unbiased pass@1, structural match rate, NLL (nats/byte; lower wins).
 METRICS: tuple[str, ...] = ("pass@1", "struct", "nll")
 #: Key differences of the table: (a, b) for a - b; "best" is the best collaborative
 #: strategy on the lacked slice's pass@1.
 COMPARISONS: tuple[tuple[str, str], ...] = (
+    ("cpm_menu", "cpm"),
+    ("cpm_menu", "cpm_akd_logits"),
+    ("cpm_menu", "cpm_pmix"),
+    ("cpm_menu", "cpm_svd_hka"),
+    ("cpm_menu", "local_plus"),
     ("cpm", "random"),
     ("cpm", "local_plus"),
     ("best", "local_plus"),
@@ -582,8 +620,8 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
         return RandomMatchmaker(seed=seed)
     if strategy == "heuristic":
         return HeteroGreedyMatchmaker()
-    if strategy == "cpm":
-        s = CpmSettings(seed=seed)
+    if strategy in CPM_PROTOCOLS:
+        s = CpmSettings(seed=seed, protocols=CPM_PROTOCOLS[strategy])
         return Matchmaker(
             profile_dim=s.profile_dim,
             beta=s.beta,
@@ -682,16 +720,21 @@ def _predictions(world: _World, teacher: _Client) -> tuple[list[int], list[str]]
 
 
 def _package(
-    world: _World, teacher: _Client, predictions: tuple[list[int], list[str]], directive: str
+    world: _World,
+    teacher: _Client,
+    predictions: tuple[list[int], list[str]],
+    directive: str,
+    mode: Literal["text", "logits"] = "text",
 ) -> tuple[Any, float]:
-    """The teacher's text package of ``predictions`` (:func:`_predictions`), encoded and
-    decoded as on the wire; (package, KB)."""
+    """The teacher's package of ``predictions`` (:func:`_predictions`): text, or top-k
+    logits for a student of the teacher's tokenizer; encoded and decoded as on the wire;
+    (package, KB)."""
     from peerlm.agent import build_package, decode_package
 
     chosen, completions = predictions
     data = build_package(
         teacher.host,
-        mode="text",
+        mode=mode,
         prompts=[world.transfer[k] for k in chosen],
         prompt_ids=[str(k) for k in chosen],
         completions=completions,
@@ -908,6 +951,8 @@ def _exchange(
         return _semantic_dfl(clients), None
     if strategy in MERGE_STRATEGIES:
         return _merge_exchange(world, strategy, clients, seed, t), None
+    if strategy in MENU_STRATEGIES:
+        return _menu_exchange(world, policy, clients, profiles, seed, t), None
     records: list[dict[str, Any]] = []
     pairings: list[Pairing] = policy.select(profiles)
     for pairing in pairings:
@@ -920,6 +965,86 @@ def _exchange(
         student.exchanges += 1
         records.append(_record(teacher.name, student.name, result, float(normalised)))
     return records, None
+
+
+def _menu_exchange(
+    world: _World,
+    policy: Any,
+    clients: list[_Client],
+    profiles: Mapping[str, np.ndarray],
+    seed: int,
+    t: int,
+) -> list[dict[str, Any]]:
+    """``cpm_menu``: the CPM chooses a protocol of the whole menu per pair (the
+    ``cpm_<protocol>`` strategies: of one protocol, forced for everyone), among those
+    admissible for it (each client declares its parameter-space fingerprint and every
+    protocol, as an agent does), and the student executes it as the daemon would: AKD by
+    text or top-k logits, or the teacher's adapter merged by PDFL (``pmix``) or OnePeFT's
+    SVD + HKA (``svd_hka``) through the agent's own aggregation code. Each reward is Eq. 3
+    measured where the plan measures it (``_reward_examples``)."""
+    from peerlm.agent.acceptance import AcceptanceGate
+    from peerlm.agent.profile import host_parameter_space
+    from peerlm.agent.pull_aggregate import PullSettings, integrate_adapters
+    from peerlm.agent.rounds import reward_eq3
+    from peerlm.services.cpm import MENU, Capabilities
+
+    plan = world.plan
+    by_name = {c.name: c for c in clients}
+    capabilities = {c.name: Capabilities(host_parameter_space(c.host), MENU) for c in clients}
+    records: list[dict[str, Any]] = []
+    pairings: list[Pairing] = policy.select(profiles, capabilities)
+    for pairing in pairings:
+        teacher, student = by_name[pairing.sender], by_name[pairing.receiver]
+        i = clients.index(student)
+        config = _round_config(plan, seed, i, integration=True)
+        record: dict[str, Any]
+        if pairing.protocol in ("akd", "akd_logits"):
+            directive = f"cpm-{pairing.protocol}-{t}-{teacher.name}-{student.name}"
+            mode: Literal["text", "logits"] = (
+                "logits" if pairing.protocol == "akd_logits" else "text"
+            )
+            predictions = _predictions(world, teacher)
+            package, kb = _package(world, teacher, predictions, directive, mode)
+            result = _integrate(world, student, package, kb, seed, i, t)
+            reward = result.reward
+            record = _record(teacher.name, student.name, result, None)
+        else:
+            state = {k: v.clone() for k, v in teacher.host.adapter_state().items()}
+            kb = sum(v.numel() * v.element_size() for v in state.values()) / 1024
+            settings = PullSettings.model_validate(
+                {"method": pairing.protocol, "hka_steps": plan.integration_steps}
+            )
+            gate = AcceptanceGate(_reward_examples(world, student), None)
+            _report, verdict, pre = integrate_adapters(
+                student.host,
+                {teacher.name: state},
+                {teacher.name: 1.0},
+                settings,
+                student.name,
+                gate,
+                (world.public_pairs, config.train_settings(t)),
+            )
+            if verdict is None:  # the aggregation refused the teacher: no reward, as an agent
+                continue
+            reward = reward_eq3(
+                pre, verdict.loss_post, kb, config.reward_gamma, config.reward_delta
+            )
+            record = {
+                "teacher": teacher.name,
+                "student": student.name,
+                "mode": pairing.protocol,
+                "loss_pre": round(pre, 5),
+                "loss_post": round(verdict.loss_post, 5),
+                "kilobytes": round(kb, 2),
+                "reward": round(reward, 6),
+            }
+        normalised = policy.observe(pairing, reward)
+        student.rewards.append(reward)
+        student.exchanges += 1
+        records.append(
+            {**record, "protocol": pairing.protocol, "normalised_reward": round(normalised, 5)}
+        )
+    return records
 
 
 def _record(
@@ -1046,11 +1171,26 @@ def _run_strategy(
                 "test_nll": nll,
                 "exchanges": exchanges,
                 **({"oracle_gains": gains} if gains is not None else {}),
+                **(
+                    {"protocols": _protocol_counts(exchanges)}
+                    if strategy in MENU_STRATEGIES
+                    else {}
+                ),
             }
         )
         event(
             "round",
-            {"strategy": strategy, "seed": seed, "round": t, "nll": nll},
+            {
+                "strategy": strategy,
+                "seed": seed,
+                "round": t,
+                "nll": nll,
+                **(
+                    {"protocols": _protocol_counts(exchanges)}
+                    if strategy in MENU_STRATEGIES
+                    else {}
+                ),
+            },
         )
     final = {c.name: _final_eval(world, c, seed * 1_000 + i) for i, c in enumerate(clients)}
     event("final", {"strategy": strategy, "seed": seed})
@@ -1066,6 +1206,14 @@ def _run_strategy(
         "rounds": rounds,
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _protocol_counts(exchanges: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """How many of a round's directives named each protocol (the CPM menu strategies)."""
+    counts: dict[str, int] = {}
+    for x in exchanges:
+        counts[x["protocol"]] = counts.get(x["protocol"], 0) + 1
+    return counts
 
 
 def _strategy_job(

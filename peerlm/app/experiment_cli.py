@@ -32,7 +32,9 @@ def run_experiment_command(
         typer.Option(
             help="Comma-separated: local, local_plus, random, heuristic, central_kd, cpm, "
             "oracle, semantic_dfl (default: these); adapter merges (with --family): "
-            "fedavg_lora, ffa_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg."
+            "fedavg_lora, ffa_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg; the CPM "
+            "over the whole protocol menu (with --family): cpm_menu, or one protocol forced: "
+            "cpm_akd_logits, cpm_pmix, cpm_svd_hka."
         ),
     ] = None,
     seeds: Annotated[

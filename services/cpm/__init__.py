@@ -24,6 +24,7 @@ from .features import ContextFeatures, FeatureLayout
 from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
 from .matchmaker import Matchmaker, MatchmakerState, Pairing, PairingPolicy
+from .menu import MENU, AdmissibilityMask, Capabilities
 from .normalise import EPS, RewardNormaliser
 from .prefilter import (
     CheapScore,
@@ -56,10 +57,13 @@ __all__ = [
     "DYNAMIC_SLICE",
     "EPS",
     "MAX_ABS_PROFILE_VALUE",
+    "MENU",
     "PERFORMANCE_INDEX",
     "PROFILE_DIM",
     "PROFILE_LAYOUT",
     "STATIC_SLICE",
+    "AdmissibilityMask",
+    "Capabilities",
     "CheapScore",
     "ContextFeatures",
     "CpmSettings",

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from peerlm.services.cpm.matchmaker import Matchmaker, Pairing
+from peerlm.services.cpm.menu import Capabilities, check_param_space, check_protocols
 from peerlm.services.cpm.profile import validate_profile
 from peerlm.services.cpm.records import (
     DirectiveRecord,
@@ -363,13 +364,26 @@ class CpmCore:
         connected: int,
         *,
         endpoint_hosts: frozenset[str] | None = None,
+        param_space: str = "",
+        protocols: Sequence[str] = (),
     ) -> SubmitOutcome:
         """Validate and store an agent's profile for the next matchmaking round.
 
         ``endpoint_hosts``: the DNS/IP SANs of the caller's certificate, which a non-empty
         ``endpoint`` must name (:func:`check_endpoint`); None without a certificate.
+        ``param_space`` and ``protocols``: what the agent declares for the menu's
+        admissibility (:mod:`.menu`); refused (INVALID_ARGUMENT, reasons ``param_space`` /
+        ``protocols``) when out of their bounds, with nothing stored.
         """
         _check_range("round", round_)
+        try:
+            check_param_space(param_space)
+        except ValueError as exc:
+            raise CpmError("INVALID_ARGUMENT", "param_space", str(exc)) from None
+        try:
+            advertised = check_protocols(protocols)
+        except ValueError as exc:
+            raise CpmError("INVALID_ARGUMENT", "protocols", str(exc)) from None
         if len(features) != self._s.profile_dim:
             raise CpmError(
                 "INVALID_ARGUMENT",
@@ -398,7 +412,7 @@ class CpmCore:
                 "max_agents",
                 f"the CPM already tracks {self._s.max_agents} agents",
             )
-        record = ProfileRecord(agent, round_, vec, endpoint, self._clock())
+        record = ProfileRecord(agent, round_, vec, endpoint, self._clock(), param_space, advertised)
         self._store.upsert_profile(record)
         self._profiles[agent] = record
         self._pending.add(agent)
@@ -452,7 +466,11 @@ class CpmCore:
                 self._round + 1,
             )
         profiles = {a: self._profiles[a].features for a in agents}
-        pairings = self.matchmaker.select(profiles)
+        capabilities = {
+            a: Capabilities(self._profiles[a].param_space, self._profiles[a].protocols)
+            for a in agents
+        }
+        pairings = self.matchmaker.select(profiles, capabilities)
         self._round += 1
         now = self._clock()
         directives = [self._directive(p, now) for p in pairings]

@@ -25,6 +25,12 @@ Choices the paper leaves open (see also ``docs/matchmaker.md``):
   by :meth:`.LinUCB.score_pairs` from per-agent and per-pair pieces of ``x^T A^-1 x``
   (the per-pair part in float32 by default, ``score_precision``: within ~1e-6 of float64);
   only the chosen pairings' contexts are materialised (see :mod:`.linucb`).
+* **Admissibility is a mask, not a feature.** With ``capabilities`` (what each agent's
+  profile declares: parameter-space fingerprint, protocols it executes; :mod:`.menu`),
+  tuples the menu's rules forbid are removed before the walk: pairs with no admissible
+  tuple are not scored at all, the others' forbidden tuples score ``-inf`` and are never
+  walked. When every tuple is admissible (the default ``("akd",)`` menu) no mask is built
+  and selection is exactly what it was without one.
 * **Large federations** (``N >= prefilter_min_agents``) score only prefiltered pairs
   (:mod:`.prefilter`). The sparse candidate graph can strand agents, so leftovers get
   further passes among themselves until ``K_p`` is met or nobody is left, as Algorithm 2
@@ -46,6 +52,7 @@ from numpy.typing import ArrayLike, NDArray
 from .features import ContextFeatures
 from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
+from .menu import AdmissibilityMask, Capabilities
 from .normalise import RewardNormaliser, check_reward
 from .prefilter import (
     DEFAULT_CLUSTER_MIN_AGENTS,
@@ -372,12 +379,20 @@ class Matchmaker:
 
     # -- Algorithm 2 -------------------------------------------------------------------
 
-    def select(self, profiles: Mapping[str, ArrayLike]) -> list[Pairing]:
+    def select(
+        self,
+        profiles: Mapping[str, ArrayLike],
+        capabilities: Mapping[str, Capabilities] | None = None,
+    ) -> list[Pairing]:
         """Pick up to ``K_p`` disjoint pairings for the agents in ``profiles``.
 
-        Raises ``ValueError`` for an invalid profile (wrong shape, NaN/Inf, absurd
-        magnitude). Returns ``[]`` for fewer than two agents. Pairings come best first
-        (within a refill pass, see :meth:`_select_pass`).
+        ``capabilities``: what each agent declared (:class:`.menu.Capabilities`; an agent
+        missing from it counts as undeclared); only admissible (pair, protocol) tuples are
+        then selected (:class:`.menu.AdmissibilityMask`). ``None``: every tuple is
+        admissible (benchmarks, baselines and tests of the bandit alone). Raises
+        ``ValueError`` for an invalid profile (wrong shape, NaN/Inf, absurd magnitude).
+        Returns ``[]`` for fewer than two agents. Pairings come best first (within a
+        refill pass, see :meth:`_select_pass`).
         """
         if any(not isinstance(a, str) for a in profiles):
             raise ValueError("agent ids must be strings")
@@ -395,6 +410,13 @@ class Matchmaker:
         )
         self._selects_since_update += 1
         trust = self._trust.scores(ids) if self._features.trust else None
+        admissible: AdmissibilityMask | None = None
+        if capabilities is not None:
+            admissible = AdmissibilityMask(
+                ids, capabilities, self._features.protocols, self._features.roles
+            )
+            if admissible.trivial:
+                admissible = None
 
         # Refill passes: a prefiltered candidate graph is sparse, so greedy can strand
         # agents whose few candidate partners were taken. Algorithm 2 would still pair
@@ -412,7 +434,9 @@ class Matchmaker:
         free = np.arange(n, dtype=np.intp)
         taken = np.zeros(n, dtype=bool)
         for _ in range(_MAX_PASSES):
-            picked = self._select_pass(free, mat, trust, budget - n_chosen, rng, cluster_min)
+            picked = self._select_pass(
+                free, mat, trust, budget - n_chosen, rng, cluster_min, admissible
+            )
             if not len(picked.senders):
                 break
             passes.append(picked)
@@ -460,19 +484,37 @@ class Matchmaker:
         budget: int,
         rng: np.random.Generator,
         cluster_min: int,
+        admissible: AdmissibilityMask | None = None,
     ) -> _Picked:
         """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat``. The
-        prefilter's top-k search is clustered from ``cluster_min`` agents on."""
+        prefilter's top-k search is clustered from ``cluster_min`` agents on. With
+        ``admissible``, only its admissible tuples can be picked."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
         left, right = self._candidate_pairs(sub, sub_trust, rng, cluster_min)
+        ok2: NDArray[np.bool_] | None = None
+        if admissible is not None:
+            ok2 = admissible.pairs(agents[left], agents[right])
+            # Pairs with no admissible tuple are not scored at all.
+            keep = ok2.any(axis=1)
+            if not bool(keep.all()):
+                left, right, ok2 = left[keep], right[keep], ok2[keep]
+            if not len(left):
+                none = np.empty(0, dtype=np.intp)
+                return _Picked(none, none, none, np.empty(0), np.empty(0))
         ucb2, mean2 = self._bandit.score_pairs(
             self._features.layout, sub, sub_trust, left, right, self._beta, dtype=self._score_dtype
         )
+        if ok2 is not None:
+            # A forbidden tuple of an admissible pair ranks below every admissible one, so
+            # neither the per-pair best (greedy) nor the rank argmin (blossom) can take it.
+            ucb2 = np.where(ok2, ucb2, -np.inf)
+            self._last_candidates += int(np.count_nonzero(ok2))
+        else:
+            self._last_candidates += ucb2.size
         n_pairs, combos = ucb2.shape
         ucb, mean = ucb2.ravel(), mean2.ravel()
-        self._last_candidates += len(ucb)
 
         def ends(tuples: NDArray[np.intp]) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
             # Sender and receiver of the given flat tuple indices (only those: the walk

@@ -26,6 +26,10 @@ class ProfileRecord:
     features: NDArray[np.float64]
     endpoint: str
     received_at: float
+    #: The parameter-space fingerprint the agent declared ("" undeclared; .menu).
+    param_space: str = ""
+    #: The protocols it executes (() means akd only; .menu.Capabilities).
+    protocols: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -281,6 +281,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                     request.peer_endpoint,
                     self._hub.connected,
                     endpoint_hosts=_certificate_hosts(context),
+                    param_space=request.parameter_space,
+                    protocols=list(request.protocols),
                 )
             )
         except CpmError as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from peerlm.services.cpm.menu import MENU
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -29,6 +30,8 @@ class CpmSettings(ServiceSettings):
     beta: float = Field(default=1.0, ge=0)
     ridge: float = Field(default=1.0, gt=0)
     pair_budget: int | None = Field(default=None, ge=1)
+    # K_rec: the protocols the CPM may recommend, a subset of the menu (akd, akd_logits,
+    # pmix, svd_hka; docs/matchmaker.md). The default changes nothing for a deployment.
     protocols: tuple[str, ...] = ("akd",)
     roles: tuple[str, ...] = ("one_way",)
     interaction_features: bool = True
@@ -63,4 +66,15 @@ class CpmSettings(ServiceSettings):
             raise ValueError("must be a non-empty list of identifiers like 'akd'")
         if len(set(v)) != len(v):
             raise ValueError("must not repeat a name")
+        return v
+
+    @field_validator("protocols")
+    @classmethod
+    def _on_the_menu(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [p for p in v if p not in MENU]
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)} not on the menu; choose from {', '.join(MENU)} "
+                "(h_ties is FedProxy's owner-run cohort merge, configured per owner)"
+            )
         return v

@@ -211,7 +211,8 @@ CREATE TABLE IF NOT EXISTS trust (
 );
 CREATE TABLE IF NOT EXISTS profiles (
     agent TEXT PRIMARY KEY, round INTEGER NOT NULL, features BLOB NOT NULL,
-    endpoint TEXT NOT NULL, received_at REAL NOT NULL
+    endpoint TEXT NOT NULL, received_at REAL NOT NULL,
+    param_space TEXT NOT NULL DEFAULT '', protocols TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS directives (
     directive_id TEXT PRIMARY KEY,
@@ -235,6 +236,13 @@ _MIGRATIONS = (
     ("bandit", "a", "ALTER TABLE bandit ADD COLUMN a BLOB"),
     ("bandit", "reward_seq", "ALTER TABLE bandit ADD COLUMN reward_seq INTEGER"),
     ("directives", "reward_seq", "ALTER TABLE directives ADD COLUMN reward_seq INTEGER"),
+    # The protocol menu: what each agent declared (services/cpm/menu.py).
+    (
+        "profiles",
+        "param_space",
+        "ALTER TABLE profiles ADD COLUMN param_space TEXT NOT NULL DEFAULT ''",
+    ),
+    ("profiles", "protocols", "ALTER TABLE profiles ADD COLUMN protocols TEXT NOT NULL DEFAULT ''"),
 )
 _LEDGER_INDEX = (
     "CREATE UNIQUE INDEX IF NOT EXISTS directives_reward_seq ON directives(reward_seq)"
@@ -353,21 +361,25 @@ class SqliteCpmStore(CpmStore):
     def upsert_profile(self, profile: ProfileRecord) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO profiles(agent, round, features, endpoint, received_at)"
-                " VALUES (?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO profiles(agent, round, features, endpoint, received_at,"
+                " param_space, protocols) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
                     profile.agent,
                     profile.round,
                     _blob(profile.features),
                     profile.endpoint,
                     profile.received_at,
+                    profile.param_space,
+                    # Names are identifiers (checked before they get here): a space-free list.
+                    " ".join(profile.protocols),
                 ),
             )
 
     def load_profiles(self) -> list[ProfileRecord]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT agent, round, features, endpoint, received_at FROM profiles"
+                "SELECT agent, round, features, endpoint, received_at, param_space, protocols"
+                " FROM profiles"
             ).fetchall()
         return [
             ProfileRecord(
@@ -376,8 +388,10 @@ class SqliteCpmStore(CpmStore):
                 features=_array(f, (len(f) // 8,)),
                 endpoint=str(e),
                 received_at=float(t),
+                param_space=str(ps),
+                protocols=tuple(str(pr).split()),
             )
-            for a, r, f, e, t in rows
+            for a, r, f, e, t, ps, pr in rows
         ]
 
     def record_round(self, matchmaking_round: int, directives: Iterable[DirectiveRecord]) -> None:

@@ -102,6 +102,24 @@ def _events(log: Path) -> list[dict[str, object]]:
     return out
 
 
+def _run_together(
+    w: World, folder: str, names: tuple[str, ...], **overrides: object
+) -> tuple[list[dict[str, Any]], list[dict[str, object]]]:
+    """Run agents ``names`` side by side to their end (exit 0 asserted); their summaries
+    and every log event."""
+    procs, logs = [], []
+    for name in names:
+        state = w.tmp / folder / name / "state"
+        config = _config(w, name, state, **overrides)
+        logs.append(w.tmp / folder / name / f"{name}.log")
+        procs.append(_start(config, logs[-1]))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log.read_text()[-3000:]
+    summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    return summaries, [e for log in logs for e in _events(log)]
+
+
 def _wait_for(pred: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not pred():  # type: ignore[operator]
@@ -219,44 +237,36 @@ def test_sigterm_within_the_grace_finishes_the_round(world: World) -> None:
     assert "stop_requested" in kinds and "stop_grace_over" not in kinds
 
 
-@pytest.fixture(scope="module")
-def logits_world(world: World) -> Iterator[World]:
-    """A CPM of its own that recommends logits-mode AKD (K_rec = akd_logits), fresh agents."""
-    tmp = world.tmp / "logits"
+def _menu_world(world: World, folder: str, protocols: list[str]) -> Iterator[World]:
+    """A CPM of its own recommending ``protocols`` (K_rec), with fresh agent names."""
+    tmp = world.tmp / folder
     pki = Pki.create(tmp, agents=4)
     cpm = CpmProcess(
         pki,
         tmp / "cpm.db",
         tmp,
-        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": '["akd_logits"]'},
+        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": json.dumps(protocols)},
     ).start()
     yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
     cpm.terminate()
 
 
-def _run_pair(
-    w: World, agents: dict[str, dict[str, object]]
-) -> tuple[list[Path], list[dict[str, Any]]]:
-    """Run the named agents (2 rounds, config overrides each) to the end; (logs, summaries)."""
-    procs, logs = [], []
-    for name, overrides in agents.items():
-        state = w.tmp / name / "state"
-        config = _config(w, name, state, rounds=2, round_timeout_s=120, local_steps=2, **overrides)
-        logs.append(w.tmp / name / f"{name}.log")
-        procs.append(_start(config, logs[-1]))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log.read_text()[-3000:]
-    return logs, [json.loads(o.strip().splitlines()[-1]) for o in outs]
+@pytest.fixture(scope="module")
+def logits_world(world: World) -> Iterator[World]:
+    """Text and logits AKD (K_rec = akd, akd_logits); akd_logits is admissible only between
+    agents of one parameter space."""
+    yield from _menu_world(world, "logits", ["akd", "akd_logits"])
 
 
 def test_logits_mode_between_agents_with_one_tokenizer(logits_world: World) -> None:
-    """Two gpt2 agents: the directive asks for logits, the student announces the teacher's
-    tokenizer, so the package is logits and the student distils at the scheduled T."""
-    w = logits_world
-    logs, summaries = _run_pair(w, {"a0": {}, "a1": {}})
+    """Two gpt2 agents that execute akd_logits only: the directive asks for logits, the
+    student announces the teacher's tokenizer, so the package is logits and the student
+    distils at the scheduled T."""
+    summaries, events = _run_together(
+        logits_world, "same", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
+        protocols=["akd_logits"],
+    )  # fmt: skip
     assert sum(s["exchanges"] for s in summaries) >= 1
-    events = [e for log in logs for e in _events(log)]
     built = [e for e in events if e.get("event") == "package_built"]
     assert built and all(e["mode"] == "logits" and e["protocol"] == "akd_logits" for e in built)
     integrated = [e for e in events if e.get("event") == "exchange_integrated"]
@@ -266,7 +276,9 @@ def test_logits_mode_between_agents_with_one_tokenizer(logits_world: World) -> N
 
 
 def test_logits_mode_falls_back_to_text_for_another_tokenizer(logits_world: World) -> None:
-    """A gpt2 and a qwen2 agent under the same akd_logits directives: the teacher sends text."""
+    """A gpt2 and a qwen2 agent that both want logits (``akd_mode: logits``): their
+    parameter spaces differ, so the CPM can only recommend text AKD, and the teacher, asked
+    for logits by its own setting, sends text to the other tokenizer."""
     w = logits_world
     build_models(w.models, ("qwen2",), size="micro")
     procs, logs = [], []
@@ -274,7 +286,7 @@ def test_logits_mode_falls_back_to_text_for_another_tokenizer(logits_world: Worl
         state = w.tmp / f"mixed-{name}" / "state"
         config = _config(
             w, name, state, rounds=3, round_timeout_s=120, local_steps=2,
-            model=str(w.models / arch),
+            model=str(w.models / arch), akd_mode="logits",
         )  # fmt: skip
         logs.append(w.tmp / f"mixed-{name}" / f"{name}.log")
         procs.append(_start(config, logs[-1]))
@@ -284,8 +296,43 @@ def test_logits_mode_falls_back_to_text_for_another_tokenizer(logits_world: Worl
     events = [e for log in logs for e in _events(log)]
     built = [e for e in events if e.get("event") == "package_built"]
     assert built and all(e["wanted"] == "logits" and e["mode"] == "text" for e in built)
+    assert all(e["protocol"] == "akd" for e in built)  # akd_logits is inadmissible here
     integrated = [e for e in events if e.get("event") == "exchange_integrated"]
     assert integrated and all(e["mode"] == "text" for e in integrated)
+
+
+@pytest.fixture(scope="module")
+def merge_world(world: World) -> Iterator[World]:
+    """Merges only (K_rec = pmix, svd_hka)."""
+    yield from _menu_world(world, "merge", ["pmix", "svd_hka"])
+
+
+def test_merge_directives_pull_the_teachers_adapter_and_report_eq3(merge_world: World) -> None:
+    """Issue 9 section 3: two gpt2 agents of one parameter space under a merge-only menu. The
+    CPM pairs them with pmix or svd_hka; the student pulls the teacher's adapter, merges it
+    by that protocol and reports Eq. 3, which the CPM takes into its bandit."""
+    w = merge_world
+    summaries, events = _run_together(
+        w, "pair", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
+        public_file=str(w.data / "transfer.jsonl"), overlay={"hka_steps": 1},
+    )  # fmt: skip
+    merged = sum(sum(s["merges_by_protocol"].values()) for s in summaries)
+    assert merged >= 1 and sum(s["exchanges"] for s in summaries) == merged
+    assert all(set(s["merges_by_protocol"]) <= {"pmix", "svd_hka"} for s in summaries)
+    assert not [e for e in events if e.get("event") == "package_built"]  # no AKD at all
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    assert len(integrated) == merged
+    assert all(e["protocol"] in ("pmix", "svd_hka") for e in integrated)
+    sent = [e for e in events if e.get("event") == "adapter_sent"]
+    assert {(e["peer"]) for e in sent} <= {"a0", "a1"} and sent
+    # The CPM committed each merge's reward into its bandit.
+    committed = [
+        r
+        for e in _events(w.tmp / "cpm.log")
+        if e.get("event") == "rewards_committed"
+        for r in e["rewards"]  # type: ignore[attr-defined]
+    ]
+    assert len(committed) == merged
 
 
 def test_health_answers_while_a_training_step_runs(world: World) -> None:
@@ -490,36 +537,19 @@ def torch_equal(a: object, b: object) -> bool:
 
 @pytest.fixture(scope="module")
 def scope_world(world: World) -> Iterator[World]:
-    """A CPM of its own (text AKD) for agents with a teach scope, fresh names."""
-    tmp = world.tmp / "scope"
-    pki = Pki.create(tmp, agents=2)
-    cpm = CpmProcess(pki, tmp / "cpm.db", tmp, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"}).start()
-    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
-    cpm.terminate()
+    """Text AKD for agents with a teach scope, fresh names."""
+    yield from _menu_world(world, "scope", ["akd"])
 
 
 def test_a_teacher_without_shown_skill_answers_no_prompt(scope_world: World) -> None:
     """``teach_scope: competent`` over the wire: with a bound no validation result can reach
-    (1.0), the teacher answers no prompt of X_u, the empty package travels and decodes, and
-    the student trains on its own data instead; the paper's rule (``all``) on the other
-    agent still answers every prompt."""
-    w = scope_world
-    logs, summaries = _run_pair(
-        w,
-        {
-            "a0": {"teach_scope": "competent", "teach_min_pass": 1.0},
-            "a1": {"teach_scope": "all", "teach_min_pass": 1.0},
-        },
-    )
+    (1.0), a teacher answers no prompt of X_u, the empty package travels and decodes, and
+    the student trains on its own data instead (an exchange all the same)."""
+    summaries, events = _run_together(
+        scope_world, "scope", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
+        teach_scope="competent", teach_min_pass=1.0,
+    )  # fmt: skip
     assert sum(s["exchanges"] for s in summaries) >= 1
-    built = {
-        name: [e for e in _events(log) if e.get("event") == "package_built"]
-        for name, log in zip(("a0", "a1"), logs, strict=True)
-    }
-    assert built["a0"] or built["a1"]
-    assert all(e["prompts"] == 0 for e in built["a0"])
-    assert all(e["prompts"] == 4 for e in built["a1"])  # transfer_limit
-    integrated = [
-        e for log in logs for e in _events(log) if e.get("event") == "exchange_integrated"
-    ]
-    assert integrated
+    built = [e for e in events if e.get("event") == "package_built"]
+    assert built and all(e["prompts"] == 0 for e in built)
+    assert [e for e in events if e.get("event") == "exchange_integrated"]

@@ -221,23 +221,38 @@ def _state(stats: cpm_pb2.CpmStats) -> tuple[object, ...]:
     return (stats.profiles_received, stats.bandit_updates, stats.rewards_observed, agents)
 
 
+_GOOD = [0.5] * 32
+
+
 @pytest.mark.parametrize(
-    ("features", "code", "reason"),
+    ("features", "code", "reason", "extra"),
     [
-        ([0.5] * 31, grpc.StatusCode.INVALID_ARGUMENT, "profile_dim"),
-        ([float("nan")] * 32, grpc.StatusCode.INVALID_ARGUMENT, "profile_values"),
-        ([float("-inf")] + [0.0] * 31, grpc.StatusCode.INVALID_ARGUMENT, "profile_values"),
+        ([0.5] * 31, grpc.StatusCode.INVALID_ARGUMENT, "profile_dim", {}),
+        ([float("nan")] * 32, grpc.StatusCode.INVALID_ARGUMENT, "profile_values", {}),
+        ([float("-inf")] + [0.0] * 31, grpc.StatusCode.INVALID_ARGUMENT, "profile_values", {}),
+        # The protocol menu's declarations (services/cpm/menu.py) are bounded too.
+        (_GOOD, grpc.StatusCode.INVALID_ARGUMENT, "param_space", {"parameter_space": "x" * 129}),
+        (_GOOD, grpc.StatusCode.INVALID_ARGUMENT, "param_space", {"parameter_space": "a b"}),
+        (_GOOD, grpc.StatusCode.INVALID_ARGUMENT, "protocols", {"protocols": ["akd", "akd"]}),
+        (_GOOD, grpc.StatusCode.INVALID_ARGUMENT, "protocols", {"protocols": ["p"] * 17}),
+        (_GOOD, grpc.StatusCode.INVALID_ARGUMENT, "protocols", {"protocols": ["AKD;drop"]}),
     ],
 )
 async def test_bad_profiles(
-    cpm: CpmProcess, features: list[float], code: grpc.StatusCode, reason: str
+    cpm: CpmProcess,
+    features: list[float],
+    code: grpc.StatusCode,
+    reason: str,
+    extra: dict[str, object],
 ) -> None:
     labels = {"rpc": "SubmitProfile", "reason": reason}
     counted = _metric(cpm, "peerlm_cpm_rejected_requests_total", **labels)
     before = _state(await _admin_stats(cpm))
     ch, stub = cpm.pki.stub(cpm.target, "a5")
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=99, features=features))
+        await stub.SubmitProfile(
+            cpm_pb2.SubmitProfileRequest(round=99, features=features, **extra)  # type: ignore[arg-type]
+        )
     assert e.value.code() == code and e.value.details()
     await ch.close()
     assert _state(await _admin_stats(cpm)) == before

@@ -159,6 +159,42 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(900)
+def test_the_cpm_over_the_menu_chooses_a_protocol_per_pair_quick(tmp_path: Path) -> None:
+    """``cpm_menu`` under ``--quick`` on one family: every directive names a protocol of the
+    menu, the round records count them, and each was executed and rewarded; ``cpm_pmix``
+    (one protocol forced for everyone) names pmix only."""
+    out = tmp_path / "out"
+    args = [
+        sys.executable, "-m", "peerlm", "run-experiment", "--quick", "--micro", "--json",
+        "-n", "4", "--family", "gpt2", "--strategies", "local_plus,cpm_menu,cpm_pmix",
+        "--local-steps", "1", "--transfer-limit", "3", "--test-limit", "8",
+        "--max-new-tokens", "8", "--seeds", "0",
+        "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
+        "--out", str(out), "--jobs", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        args, capture_output=True, text=True, timeout=900, env={**os.environ, **AGENT_ENV}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    view = json.loads(proc.stdout)
+    assert view["strategies"]["cpm_menu"]["label"] == "KNEXA-FL (CPM, full menu)"
+    assert {"cpm_menu_vs_local_plus", "cpm_menu_vs_cpm_pmix"} <= set(view["comparisons"])
+    result = json.loads((out / "results.json").read_text())
+    run = result["runs"]["cpm_menu"]["0"]
+    menu = {"akd", "akd_logits", "pmix", "svd_hka"}
+    assert run["exchanges"] >= 1
+    for r in run["rounds"]:
+        assert sum(r["protocols"].values()) == len(r["exchanges"])
+        assert set(r["protocols"]) <= menu
+        for x in r["exchanges"]:
+            assert x["protocol"] in menu and math.isfinite(x["reward"])
+            assert x["normalised_reward"] is not None
+    forced = result["runs"]["cpm_pmix"]["0"]
+    assert forced["exchanges"] >= 1
+    assert all(set(r["protocols"]) == {"pmix"} for r in forced["rounds"] if r["exchanges"])
+
+
+@pytest.mark.timeout(900)
 def test_ffa_lora_keeps_one_frozen_a_and_averages_b_by_data(tmp_path: Path) -> None:
     """FFA-LoRA: its warm-up and local steps leave the family's shared A bit-identical (the
     world seed's initial A), B trains; after a round every client holds that A and the

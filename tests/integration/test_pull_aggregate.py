@@ -503,3 +503,171 @@ async def test_a_harmful_svd_hka_aggregate_is_rolled_back(world: World, pki: Pat
     )
     assert honest.applied and not honest.rolled_back
     assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="applied") == 1
+
+
+# -- CPM merge directives (issue 9 section 3: the student executes the directive's protocol) --
+
+
+def _directive(teacher: str, endpoint: str, **change: Any) -> dict[str, Any]:
+    """merge_from_teacher's keyword arguments for a pmix directive from ``teacher``."""
+    return {
+        "protocol": "pmix",
+        "teacher": teacher,
+        "endpoint": endpoint,
+        "pull": PullSettings(timeout_s=20.0),
+        "val_examples": VAL,
+        "max_length": 64,
+        "margin": 0.1,
+        "reward_gamma": 1.0,
+        "reward_delta": 0.001,
+        **change,
+    }
+
+
+async def test_a_pmix_directive_merges_the_teacher_and_measures_eq3(
+    world: World, pki: Path
+) -> None:
+    """The directive's teacher is pulled under its name and merged by the PDFL step; the
+    reward is Eq. 3 from the gate's two held-out losses and the kilobytes pulled."""
+    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.rounds import reward_eq3
+
+    student = world.student
+    before = student.adapter_state()
+    gate = AcceptanceGate(VAL, margin=None, max_length=64)
+    pre = gate.loss(student)
+    registry = new_registry()
+    t1 = world.teachers["t1"]
+    # The directive's protocol wins over the pull settings' method and fan-out.
+    pull = PullSettings(timeout_s=20.0, max_peers=5, method="svd_hka")
+    out = await merge_from_teacher(
+        _student(pki, registry),
+        student,
+        **_directive("t1", t1.target, pull=pull, margin=None, round_=4),
+    )
+    assert out.protocol == "pmix" and not out.rolled_back
+    assert [p.peer for p in out.report.pulled] == ["t1"] and out.report.applied
+    assert out.kilobytes == pytest.approx(len(t1.payload or b"") / 1024.0)
+    assert out.loss_pre == pytest.approx(pre)
+    assert out.loss_post == pytest.approx(gate.loss(student))
+    assert out.reward == reward_eq3(out.loss_pre, out.loss_post, out.kilobytes, 1.0, 0.001)
+    after = student.adapter_state()
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    assert _metric(t1.registry, "peerlm_agent_adapter_bytes_sent_total") >= len(t1.payload or b"")
+
+
+@pytest.mark.parametrize(
+    ("teacher", "reason"),
+    [
+        ("narrow", "shape"),
+        ("alien", "model_type"),
+        ("scaled", "lora_config"),
+        ("gone", "unavailable"),
+    ],
+)
+async def test_a_merge_directive_refuses_an_adapter_of_another_space(
+    world: World, pki: Path, teacher: str, reason: str
+) -> None:
+    """A teacher whose adapter turns out to be of another shape, backbone or scaling (or
+    who is unreachable) fails the directive with the pull's reason; nothing changes."""
+    from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
+
+    student = world.student
+    before = student.adapter_state()
+    target = world.dead_address if teacher == "gone" else world.teachers[teacher].target
+    registry = new_registry()
+    with pytest.raises(MergeRefused) as err:
+        await merge_from_teacher(_student(pki, registry), student, **_directive(teacher, target))
+    assert err.value.reason == reason
+    after = student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert _metric(registry, "peerlm_agent_overlay_pull_failures_total", reason=reason) == 1
+
+
+async def test_a_merge_directive_signed_by_another_member_is_refused(
+    world: World, pki: Path
+) -> None:
+    """The directive names t2, but the endpoint serves t1's adapter under t1's proof."""
+    from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
+
+    with pytest.raises(MergeRefused) as err:
+        await merge_from_teacher(
+            _student(pki), world.student, **_directive("t2", world.teachers["t1"].target)
+        )
+    assert err.value.reason == "unverified_sender"
+
+
+async def test_a_harmful_merge_is_rolled_back_and_still_rewarded(world: World, pki: Path) -> None:
+    """With the norm bound off, the 1e30 adapter is merged, the gate undoes it, and the
+    directive still gets its (bounded, negative) reward, as an AKD rollback does."""
+    from peerlm.agent.acceptance import LOSS_PENALTY_NATS
+    from peerlm.agent.merge_directive import merge_from_teacher
+
+    student = world.student
+    before = student.adapter_state()
+    registry = new_registry()
+    pull = PullSettings(timeout_s=20.0, max_norm_ratio=None)
+    out = await merge_from_teacher(
+        _student(pki, registry),
+        student,
+        **_directive("huge", world.teachers["huge"].target, pull=pull),
+    )
+    assert out.rolled_back and out.reward < 0
+    assert out.loss_post <= out.loss_pre + LOSS_PENALTY_NATS
+    after = student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert _metric(registry, "peerlm_agent_integrations_rolled_back_total", kind="merge") == 1
+
+
+async def test_a_merge_directive_checks_its_protocol_first(world: World, pki: Path) -> None:
+    from peerlm.agent.merge_directive import merge_from_teacher
+
+    target = world.teachers["t1"].target
+    with pytest.raises(ValueError, match="not a merge"):
+        await merge_from_teacher(
+            _student(pki), world.student, **_directive("t1", target, protocol="akd")
+        )
+    with pytest.raises(ValueError, match="public"):
+        await merge_from_teacher(
+            _student(pki), world.student, **_directive("t1", target, protocol="svd_hka")
+        )
+
+
+async def test_an_svd_hka_directive_merges_by_onepeft(world: World, pki: Path) -> None:
+    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.training import TrainSettings
+
+    student = world.student
+    before = student.adapter_state()
+    train = TrainSettings(learning_rate=1e-2, batch_size=2, grad_accumulation=1, seed=5)
+    directive = _directive(
+        "t1",
+        world.teachers["t1"].target,
+        protocol="svd_hka",
+        pull=PullSettings(timeout_s=20.0, hka_steps=2),
+        margin=None,
+        hka=(PUBLIC, train),
+    )
+    out = await merge_from_teacher(_student(pki), student, **directive)
+    assert out.protocol == "svd_hka" and out.report.applied and out.report.alpha == 1.0
+    assert math.isfinite(out.reward)
+    after = student.adapter_state()
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+
+
+async def test_equal_fingerprints_are_exactly_the_mergeable_adapters(
+    world: World, gpt2: Path, micro_models_dir: Path
+) -> None:
+    """The fingerprint agents declare to the CPM agrees with the codec's checks: same
+    backbone and LoRA shape, same fingerprint; another rank, scaling or model, another."""
+    from peerlm.agent.profile import host_parameter_space as fingerprint
+
+    [qwen] = build_models(micro_models_dir, ("qwen2",), size="micro")
+    same = fingerprint(world.student)
+    assert fingerprint(world.hosts["t1"]) == same
+    others = [
+        ModelHost.load(gpt2, LoraSettings(r=4), device="cpu", seed=0),
+        ModelHost.load(gpt2, LoraSettings(r=8, alpha=32.0), device="cpu", seed=0),
+        ModelHost.load(Path(qwen.path), LoraSettings(r=8), device="cpu", seed=0),
+    ]
+    assert len({same, *(fingerprint(h) for h in others)}) == 4

@@ -65,3 +65,19 @@ def test_up_with_model_hosting_agents(tmp_path: Path) -> None:
     # Every agent checkpointed every round.
     for a in agents:
         assert (state / "agents" / a["name"] / "checkpoints").exists()
+
+
+def test_up_with_a_merge_menu_on_one_family(tmp_path: Path) -> None:
+    """``--protocols pmix --family gpt2``: every exchange is a merge directive executed by
+    the agents, each reward committed by the CPM; adapter bytes pulled equal those served."""
+    state = tmp_path / "fed"
+    result = _up(state, "--micro", "-n", "2", "-r", "2", "--family", "gpt2", "--protocols", "pmix")
+    assert result["cpm_exit_code"] == 0 and result["rounds_completed"] == 2
+    agents = result["agents"]
+    assert all(not a["errors"] for a in agents), [a["errors"] for a in agents]
+    merges = sum(a["merges_by_protocol"].get("pmix", 0) for a in agents)
+    assert merges >= 1 and merges == sum(a["exchanges"] for a in agents)
+    assert result["rewards_observed"] == result["rewards_reported"] == merges
+    assert sum(a["bytes_sent"] for a in agents) == 0  # no knowledge package at all
+    received = sum(a["overlay_bytes_received"] for a in agents)
+    assert received > 0 and received == sum(a["overlay_bytes_sent"] for a in agents)

@@ -18,6 +18,10 @@ from peerlm.app.cli import app
         ["--simulated", "--family", "gpt2"],
         ["--overlay", "--aggregation", "fedavg"],
         ["--aggregation", "svd_hka"],  # aggregation is of overlay pulls
+        ["--protocols", "akd,h_ties"],  # not on the CPM's menu
+        ["--protocols", "pmix,pmix"],
+        ["--protocols", ","],
+        ["--simulated", "--protocols", "pmix"],  # simulated agents execute akd only
     ],
 )
 def test_a_bad_flag_leaves_the_last_run_untouched(tmp_path: Path, flags: list[str]) -> None:

@@ -65,13 +65,28 @@ class SubmitProfileRequest(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     PEER_ENDPOINT_FIELD_NUMBER: _builtins.int
+    PARAMETER_SPACE_FIELD_NUMBER: _builtins.int
+    PROTOCOLS_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     """The agent's round counter t."""
     peer_endpoint: _builtins.str
     """Where peers reach this agent's peer service (host:port); empty if it cannot teach."""
+    parameter_space: _builtins.str
+    """The agent's parameter-space fingerprint (docs/matchmaker.md, "The fingerprint"): equal
+    for agents whose adapters can be merged (same backbone configuration, tokenizer and
+    LoRA shape), a digest, never parameters. Empty: undeclared (no merge, no logits AKD).
+    At most 128 characters of [A-Za-z0-9._:-].
+    """
     @_builtins.property
     def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """p_i: d_p finite values (d_p = 32 by default: 8 static, 12 dynamic, 12 distribution)."""
+
+    @_builtins.property
+    def protocols(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The knowledge-exchange protocols this agent executes (K_rec names: "akd",
+        "akd_logits", "pmix", "svd_hka"); empty means ["akd"]. At most 16 lower-case
+        identifiers of at most 32 characters, no repeats.
+        """
 
     def __init__(
         self,
@@ -79,10 +94,12 @@ class SubmitProfileRequest(_message.Message):
         round: _builtins.int = ...,
         features: _abc.Iterable[_builtins.float] | None = ...,
         peer_endpoint: _builtins.str = ...,
+        parameter_space: _builtins.str = ...,
+        protocols: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "peer_endpoint", b"peer_endpoint", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "parameter_space", b"parameter_space", "peer_endpoint", b"peer_endpoint", "protocols", b"protocols", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -144,7 +161,9 @@ class Directive(_message.Message):
     """Single-use id (128-bit random, hex). The reward for it is accepted once."""
     matchmaking_round: _builtins.int
     protocol: _builtins.str
-    """Knowledge-exchange protocol K_rec, e.g. "akd"."""
+    """Knowledge-exchange protocol K_rec: "akd", "akd_logits", "pmix" or "svd_hka" (one of
+    the CPM's configured menu, admissible for this pair: docs/matchmaker.md).
+    """
     role: Global___ExchangeRole.ValueType
     """What the recipient of this message does."""
     teacher: _builtins.str

@@ -1,0 +1,175 @@
+"""The knowledge-exchange menu K_rec and which (pair, protocol) tuples are admissible.
+
+The menu (issue 9, section 3; ``docs/matchmaker.md``, "The menu"):
+
+============  =========================================================================
+protocol      what the student does with the teacher (the directive's sender)
+============  =========================================================================
+``akd``       text AKD: fetches the teacher's completions on X_u and distils them
+``akd_logits``  AKD on the teacher's top-k logits (same tokenizer needed)
+``pmix``      pulls the teacher's adapter and mixes it with its own (SemanticDFL PDFL)
+``svd_hka``   pulls the teacher's adapter, SVD-aggregates it with its own and aligns by
+              HKA on public pairs (OnePeFT)
+============  =========================================================================
+
+Admissibility, decided from profiles only (the CPM never sees parameters):
+
+* a protocol is admissible for a pair only if **both** agents advertise it
+  (:attr:`Capabilities.protocols`; an agent that advertises nothing is taken to support
+  :data:`DEFAULT_AGENT_PROTOCOLS`, i.e. ``akd``, what every peerlm agent has always done);
+* a protocol of :data:`SAME_SPACE_PROTOCOLS` (the merges, and logits distillation, which
+  needs one tokenizer) is admissible only between agents that declared the **same
+  non-empty parameter-space fingerprint** (:attr:`Capabilities.param_space`).
+
+Both rules are symmetric in the pair, so a pair's mask is the same for both directions.
+:class:`AdmissibilityMask` evaluates them vectorised for the matchmaker's candidate pairs:
+one integer per agent for its fingerprint class, one boolean row per agent for its
+protocols; a pair costs a few array gathers, never a Python loop.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = [
+    "AKD",
+    "AKD_LOGITS",
+    "DEFAULT_AGENT_PROTOCOLS",
+    "MAX_ADVERTISED_PROTOCOLS",
+    "MAX_PARAM_SPACE_LEN",
+    "MENU",
+    "MERGE_PROTOCOLS",
+    "PMIX",
+    "SAME_SPACE_PROTOCOLS",
+    "SVD_HKA",
+    "AdmissibilityMask",
+    "Capabilities",
+    "check_param_space",
+    "check_protocols",
+]
+
+AKD = "akd"
+AKD_LOGITS = "akd_logits"
+PMIX = "pmix"
+SVD_HKA = "svd_hka"
+#: Every protocol the CPM may recommend (K_rec); a deployment configures a subset.
+MENU = (AKD, AKD_LOGITS, PMIX, SVD_HKA)
+#: Protocols whose student pulls and merges the sender's adapter.
+MERGE_PROTOCOLS = frozenset({PMIX, SVD_HKA})
+#: Protocols admissible only between agents of one parameter space (same fingerprint).
+SAME_SPACE_PROTOCOLS = frozenset({AKD_LOGITS, PMIX, SVD_HKA})
+#: What an agent that advertises no protocol is taken to support (agents before the menu).
+DEFAULT_AGENT_PROTOCOLS = (AKD,)
+#: Longest parameter-space fingerprint accepted (a SHA-256 hex digest is 64; room for a
+#: scheme prefix such as ``ps1:``).
+MAX_PARAM_SPACE_LEN = 128
+#: Most protocol names one profile may advertise.
+MAX_ADVERTISED_PROTOCOLS = 16
+_PARAM_SPACE = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_PARAM_SPACE_LEN}}}")
+_PROTOCOL_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def check_param_space(value: str) -> str:
+    """``value`` if it is empty or 1-128 characters of ``[A-Za-z0-9._:-]``; else ValueError.
+
+    The CPM compares fingerprints for equality only; the bounds keep what a member can make
+    it store small and printable (it is logged and shown by ``peerlm status``)."""
+    if value and not _PARAM_SPACE.fullmatch(value):
+        raise ValueError(
+            f"parameter_space must be at most {MAX_PARAM_SPACE_LEN} characters of "
+            f"[A-Za-z0-9._:-], got {value[:40]!r}{'...' if len(value) > 40 else ''}"
+        )
+    return value
+
+
+def check_protocols(values: Sequence[str]) -> tuple[str, ...]:
+    """The advertised protocol names as a tuple, or ValueError: at most
+    :data:`MAX_ADVERTISED_PROTOCOLS`, each a lower-case identifier of at most 32
+    characters, no repeats. Names outside this CPM's menu are kept (an agent may be newer
+    than its CPM) and simply never match a configured protocol."""
+    names = tuple(values)
+    if len(names) > MAX_ADVERTISED_PROTOCOLS:
+        raise ValueError(
+            f"at most {MAX_ADVERTISED_PROTOCOLS} protocols may be advertised, got {len(names)}"
+        )
+    for name in names:
+        if not isinstance(name, str) or not _PROTOCOL_NAME.fullmatch(name):
+            raise ValueError(
+                f"protocol name {str(name)[:40]!r} is not a lower-case identifier of at most "
+                "32 characters"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError("protocols must not repeat a name")
+    return names
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an agent's profile declares about how it can exchange knowledge.
+
+    ``param_space``: its parameter-space fingerprint (``""``: undeclared, so no
+    same-space protocol is admissible for it); ``protocols``: the protocols it executes
+    (``()``: :data:`DEFAULT_AGENT_PROTOCOLS`).
+    """
+
+    param_space: str = ""
+    protocols: tuple[str, ...] = ()
+
+    def supports(self, protocol: str) -> bool:
+        """Whether this agent executes ``protocol``."""
+        return protocol in (self.protocols or DEFAULT_AGENT_PROTOCOLS)
+
+
+_UNDECLARED = Capabilities()
+
+
+class AdmissibilityMask:
+    """Which (pair, protocol, role) tuples of a round are admissible (module docstring).
+
+    Built once per ``select`` from the round's agents (in the matchmaker's sorted order)
+    and their :class:`Capabilities` (missing agents: undeclared). :attr:`trivial` is True
+    when every tuple is admissible; the matchmaker then skips the mask entirely, so a
+    deployment on the default single-protocol menu selects exactly as before.
+    """
+
+    def __init__(
+        self,
+        ids: Sequence[str],
+        capabilities: Mapping[str, Capabilities],
+        protocols: Sequence[str],
+        roles: Sequence[str],
+    ) -> None:
+        caps = [capabilities.get(a, _UNDECLARED) for a in ids]
+        self._n_roles = len(roles)
+        # Fingerprint classes: equal non-empty strings share an id; undeclared is -1.
+        spaces = [c.param_space for c in caps]
+        index: dict[str, int] = {}
+        self._space = np.array(
+            [index.setdefault(s, len(index)) if s else -1 for s in spaces], dtype=np.int64
+        )
+        self._support = np.array(
+            [[c.supports(p) for p in protocols] for c in caps], dtype=bool
+        ).reshape(len(caps), len(protocols))
+        self._same_space = np.array([p in SAME_SPACE_PROTOCOLS for p in protocols], dtype=bool)
+        all_supported = bool(self._support.all())
+        one_space = bool(len(index) == 1 and np.all(self._space == 0))
+        self.trivial = all_supported and (not self._same_space.any() or one_space)
+
+    def pairs(self, left: NDArray[np.intp], right: NDArray[np.intp]) -> NDArray[np.bool_]:
+        """``(n_pairs, 2 * n_protocols * n_roles)`` admissibility of the pairs
+        ``(left[k], right[k])`` (indices into the round's agents), in the column layout of
+        :meth:`.LinUCB.score_pairs`: the forward (protocol, role) combos, then the reverse
+        ones (the same, as both rules are symmetric)."""
+        ok = self._support[left] & self._support[right]
+        if self._same_space.any():
+            sl = self._space[left]
+            same = (sl == self._space[right]) & (sl >= 0)
+            ok[:, self._same_space] &= same[:, None]
+        if self._n_roles > 1:
+            ok = np.repeat(ok, self._n_roles, axis=1)
+        return np.concatenate([ok, ok], axis=1)
