@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from peerlm.exports import lazy_exports
 
 if TYPE_CHECKING:
+    from peerlm.agent.acceptance import AcceptanceGate
     from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter
     from peerlm.agent.code_index import code_tokens
     from peerlm.agent.cpm_client import CpmClient, next_directive
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
         pull_adapter_with_round,
     )
     from peerlm.agent.peer_service import PeerExchangeService, serve_peer
+    from peerlm.agent.profile import host_parameter_space
     from peerlm.agent.proxy_compress import (
         block_influence,
         blocks_to_keep,
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
         token_batches,
     )
     from peerlm.agent.proxy_model import ProxyError, build_proxy, fuse_into, proxy_info
+    from peerlm.agent.pull_aggregate import PullSettings, integrate_adapters
     from peerlm.agent.rounds import (
         Integration,
         ProfileInputs,
@@ -86,6 +89,7 @@ if TYPE_CHECKING:
         integrate_package,
         local_update,
         reference_nll,
+        reward_eq3,
         round_profile,
         sample_completions,
         score_completions,
@@ -105,6 +109,7 @@ if TYPE_CHECKING:
         write_jsonl,
     )
     from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES, World, WorldSpec
+    from peerlm.agent.teaching import Competence, TeachScope, competence_of, teachable_indices
     from peerlm.agent.training import TrainSettings
 
 #: Public name -> (module, attribute): imported on first use, so that importing the
@@ -171,6 +176,15 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "teacher_completions": ("peerlm.agent.rounds", "teacher_completions"),
     "transfer_set_sha256": ("peerlm.agent.tasks.dataset", "transfer_set_sha256"),
     "write_jsonl": ("peerlm.agent.tasks.dataset", "write_jsonl"),
+    "AcceptanceGate": ("peerlm.agent.acceptance", "AcceptanceGate"),
+    "host_parameter_space": ("peerlm.agent.profile", "host_parameter_space"),
+    "PullSettings": ("peerlm.agent.pull_aggregate", "PullSettings"),
+    "integrate_adapters": ("peerlm.agent.pull_aggregate", "integrate_adapters"),
+    "reward_eq3": ("peerlm.agent.rounds", "reward_eq3"),
+    "Competence": ("peerlm.agent.teaching", "Competence"),
+    "TeachScope": ("peerlm.agent.teaching", "TeachScope"),
+    "competence_of": ("peerlm.agent.teaching", "competence_of"),
+    "teachable_indices": ("peerlm.agent.teaching", "teachable_indices"),
     "ClientAdapter": ("peerlm.agent.lora_merge", "ClientAdapter"),
     "MergedAdapter": ("peerlm.agent.lora_merge", "MergedAdapter"),
     "aggregate_fedavg_factors": ("peerlm.agent.lora_merge", "aggregate_fedavg_factors"),
@@ -229,6 +243,7 @@ __all__ = [
     "DEFAULT_HIDDEN",
     "DEFAULT_PRIVATE_CATEGORIES",
     "SHIPPED_DIR",
+    "AcceptanceGate",
     "AdapterSpec",
     "AgentDaemon",
     "AgentOverlaySettings",
@@ -237,6 +252,7 @@ __all__ = [
     "BuildEvent",
     "ClientAdapter",
     "CohortAnalysis",
+    "Competence",
     "ConflictRegulariser",
     "CpmClient",
     "DirectiveBook",
@@ -258,8 +274,10 @@ __all__ = [
     "Problem",
     "ProfileInputs",
     "ProxyError",
+    "PullSettings",
     "RoundConfig",
     "ShapeBounds",
+    "TeachScope",
     "TrainSettings",
     "VCCausalLM",
     "VCLayer",
@@ -283,6 +301,7 @@ __all__ = [
     "category_counts",
     "category_histogram",
     "code_tokens",
+    "competence_of",
     "corpus_scores",
     "decode_package",
     "delta_weights",
@@ -301,6 +320,8 @@ __all__ = [
     "greedy_generate",
     "h_ties",
     "held_out_drills",
+    "host_parameter_space",
+    "integrate_adapters",
     "integrate_package",
     "kept_count",
     "local_update",
@@ -317,6 +338,7 @@ __all__ = [
     "read_manifest",
     "read_models_manifest",
     "reference_nll",
+    "reward_eq3",
     "round_profile",
     "router_shapes",
     "run_agent",
@@ -326,6 +348,7 @@ __all__ = [
     "serve_fedwave",
     "serve_peer",
     "structural_match_rate",
+    "teachable_indices",
     "teacher_completions",
     "ties_merge",
     "token_batches",

@@ -773,7 +773,7 @@ class AgentDaemon:
         """Do what the directive names (:func:`~peerlm.agent.directives.directive_action`);
         True when this agent integrated (or tried to) as the student."""
         from peerlm.agent.directives import directive_action
-        from peerlm.services.cpm.menu import MERGE_PROTOCOLS
+        from peerlm.services.cpm import MERGE_PROTOCOLS
 
         action = directive_action(
             directive.protocol, directive.role, self.protocols, MERGE_PROTOCOLS

@@ -46,7 +46,7 @@ from peerlm.agent.pull_aggregate import (
 )
 from peerlm.agent.rounds import reward_eq3
 from peerlm.agent.training import TrainSettings
-from peerlm.services.cpm.menu import MERGE_PROTOCOLS, PMIX, SVD_HKA
+from peerlm.services.cpm import MERGE_PROTOCOLS, PMIX, SVD_HKA
 
 from peerlm.node import NodeContext
 

@@ -587,7 +587,7 @@ def up_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
-    from peerlm.services.cpm.menu import MENU
+    from peerlm.services.cpm import MENU
 
     # Every flag is checked before anything is touched: a typo must not cost the last run's
     # database and checkpoints.

@@ -118,8 +118,15 @@ from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap
 
 if TYPE_CHECKING:
-    from peerlm.agent import Guardrail, Integration, ModelHost, Problem, WorldSpec
-    from peerlm.agent.teaching import Competence, TeachScope
+    from peerlm.agent import (
+        Competence,
+        Guardrail,
+        Integration,
+        ModelHost,
+        Problem,
+        TeachScope,
+        WorldSpec,
+    )
     from peerlm.services.cpm import Pairing
 
 __all__ = [
@@ -408,7 +415,7 @@ class _World:
 
     def teachable(self, client: _Client) -> list[int]:
         """Indices of the X_u prompts ``client`` answers as a teacher (``teach_scope``)."""
-        from peerlm.agent.teaching import teachable_indices
+        from peerlm.agent import teachable_indices
 
         return teachable_indices(
             self.transfer_categories,
@@ -982,10 +989,13 @@ def _menu_exchange(
     text or top-k logits, or the teacher's adapter merged by PDFL (``pmix``) or OnePeFT's
     SVD + HKA (``svd_hka``) through the agent's own aggregation code. Each reward is Eq. 3
     measured where the plan measures it (``_reward_examples``)."""
-    from peerlm.agent.acceptance import AcceptanceGate
-    from peerlm.agent.profile import host_parameter_space
-    from peerlm.agent.pull_aggregate import PullSettings, integrate_adapters
-    from peerlm.agent.rounds import reward_eq3
+    from peerlm.agent import (
+        AcceptanceGate,
+        PullSettings,
+        host_parameter_space,
+        integrate_adapters,
+        reward_eq3,
+    )
     from peerlm.services.cpm import MENU, Capabilities
 
     plan = world.plan
@@ -1075,8 +1085,7 @@ class _LocalPhase:
 
 
 def _local_phase(world: _World, c: _Client, seed: int, i: int, t: int) -> _LocalPhase:
-    from peerlm.agent import local_update, sample_completions, score_completions
-    from peerlm.agent.teaching import competence_of
+    from peerlm.agent import competence_of, local_update, sample_completions, score_completions
 
     plan = world.plan
     stats = local_update(c.host, c.train_examples, _round_config(plan, seed, i), t)

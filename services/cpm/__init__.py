@@ -24,7 +24,7 @@ from .features import ContextFeatures, FeatureLayout
 from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
 from .matchmaker import Matchmaker, MatchmakerState, Pairing, PairingPolicy
-from .menu import MENU, AdmissibilityMask, Capabilities
+from .menu import MENU, MERGE_PROTOCOLS, PMIX, SVD_HKA, AdmissibilityMask, Capabilities
 from .normalise import EPS, RewardNormaliser
 from .prefilter import (
     CheapScore,
@@ -58,10 +58,13 @@ __all__ = [
     "EPS",
     "MAX_ABS_PROFILE_VALUE",
     "MENU",
+    "MERGE_PROTOCOLS",
     "PERFORMANCE_INDEX",
+    "PMIX",
     "PROFILE_DIM",
     "PROFILE_LAYOUT",
     "STATIC_SLICE",
+    "SVD_HKA",
     "AdmissibilityMask",
     "Capabilities",
     "CheapScore",
