@@ -27,6 +27,7 @@ float64 resolves for any realistic number of updates.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,23 @@ from numpy.typing import NDArray
 
 from .features import FeatureLayout
 
-__all__ = ["DEFAULT_REFACTOR_EVERY", "INVERSE_TOLERANCE", "LinUCB"]
+__all__ = ["DEFAULT_REFACTOR_EVERY", "INVERSE_TOLERANCE", "LinUCB", "PairTables"]
+
+
+@dataclass(frozen=True)
+class PairTables:
+    """Per-agent pieces of the exact pair UCB (:meth:`LinUCB.pair_tables`) for one bandit
+    state: one row per agent of ``table`` (scoring dtype) and ``scal`` (float64), the
+    column spans, and the combo and ``z`` weights taken from ``A^-1`` and ``theta``."""
+
+    table: NDArray[np.floating[Any]]
+    scal: NDArray[np.float64]
+    spans: tuple[int, int, int, int, int, int, int, int]
+    kk: NDArray[np.float64]
+    mean_c: NDArray[np.float64]
+    z_weights: tuple[NDArray[Any], NDArray[Any], NDArray[Any]] | None
+    n_updates: int
+
 
 # Unordered pairs scored per block in score_pairs (bounds the O(block * d) temporaries).
 _PAIR_BLOCK = 1024
@@ -393,6 +410,20 @@ class LinUCB:
         products of length ``d_p``. That is ~``(2 d_p)^2`` work per pair instead of
         ``2 C d^2`` with ``d ~ 4 d_p``, and no ``(M, d)`` context matrix.
         """
+        tables = self.pair_tables(layout, profiles, trust, dtype=dtype)
+        return self.score_pair_tables(tables, left, right, beta)
+
+    def pair_tables(
+        self,
+        layout: FeatureLayout,
+        profiles: NDArray[np.float64],
+        trust: NDArray[np.float64] | None,
+        *,
+        dtype: type[np.floating[Any]] = np.float64,
+    ) -> PairTables:
+        """The per-agent pieces of :meth:`score_pairs` for every agent of ``profiles``,
+        computed once so that several sets of pairs among them (a round's refill passes)
+        are scored without repeating them. Valid until the bandit is next updated."""
         lay = layout
         m = self._a_inv
         th = self.theta
@@ -455,6 +486,34 @@ class LinUCB:
             k_z = (2.0 * k_rows[:, z_idx]).T.astype(dt)
             th_z = th[z_idx].astype(dt)
 
+        return PairTables(
+            table=table,
+            scal=scal,
+            spans=(dp, du, dz, n_c, c_cross, c_gs, c_hs, c_hr),
+            kk=kk,
+            mean_c=mean_c,
+            z_weights=(m_zz, k_z, th_z) if inter else None,
+            n_updates=self._n_updates,
+        )
+
+    def score_pair_tables(
+        self,
+        tables: PairTables,
+        left: NDArray[np.intp],
+        right: NDArray[np.intp],
+        beta: float,
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """:meth:`score_pairs` of the pairs ``(left[p], right[p])`` (indices into the
+        agents ``tables`` was built for). Raises ``ValueError`` if the bandit was updated
+        since ``tables`` was built."""
+        if tables.n_updates != self._n_updates:
+            raise ValueError("pair tables are stale: the bandit was updated since they were built")
+        table, scal, kk, mean_c = tables.table, tables.scal, tables.kk, tables.mean_c
+        dp, du, dz, n_c, c_cross, c_gs, c_hs, c_hr = tables.spans
+        inter = tables.z_weights is not None
+        if tables.z_weights is not None:
+            m_zz, k_z, th_z = tables.z_weights
+        dt = table.dtype
         n_pairs = len(left)
         ucb = np.empty((n_pairs, 2 * n_c), dtype=np.float64)
         mean = np.empty((n_pairs, 2 * n_c), dtype=np.float64)

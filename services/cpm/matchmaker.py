@@ -50,7 +50,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .features import ContextFeatures
-from .linucb import LinUCB
+from .linucb import LinUCB, PairTables
 from .matching import greedy_disjoint, max_weight_disjoint
 from .menu import AdmissibilityMask, Capabilities
 from .normalise import RewardNormaliser, check_reward
@@ -433,9 +433,13 @@ class Matchmaker:
             cluster_min = min(cluster_min, _REFILL_CLUSTER_MIN_AGENTS)
         free = np.arange(n, dtype=np.intp)
         taken = np.zeros(n, dtype=bool)
+        # The per-agent pieces of the exact UCB, once for all passes.
+        tables = self._bandit.pair_tables(
+            self._features.layout, mat, trust, dtype=self._score_dtype
+        )
         for _ in range(_MAX_PASSES):
             picked = self._select_pass(
-                free, mat, trust, budget - n_chosen, rng, cluster_min, admissible
+                free, mat, trust, tables, budget - n_chosen, rng, cluster_min, admissible
             )
             if not len(picked.senders):
                 break
@@ -481,14 +485,16 @@ class Matchmaker:
         agents: NDArray[np.intp],
         mat: NDArray[np.float64],
         trust: NDArray[np.float64] | None,
+        tables: PairTables,
         budget: int,
         rng: np.random.Generator,
         cluster_min: int,
         admissible: AdmissibilityMask | None = None,
     ) -> _Picked:
-        """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat``. The
-        prefilter's top-k search is clustered from ``cluster_min`` agents on. With
-        ``admissible``, only its admissible tuples can be picked."""
+        """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat`` and
+        ``tables`` (the bandit's pair tables of all of ``mat``). The prefilter's top-k
+        search is clustered from ``cluster_min`` agents on. With ``admissible``, only its
+        admissible tuples can be picked."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
@@ -503,8 +509,8 @@ class Matchmaker:
             if not len(left):
                 none = np.empty(0, dtype=np.intp)
                 return _Picked(none, none, none, np.empty(0), np.empty(0))
-        ucb2, mean2 = self._bandit.score_pairs(
-            self._features.layout, sub, sub_trust, left, right, self._beta, dtype=self._score_dtype
+        ucb2, mean2 = self._bandit.score_pair_tables(
+            tables, agents[left], agents[right], self._beta
         )
         if ok2 is not None:
             # A forbidden tuple of an admissible pair ranks below every admissible one, so

@@ -334,3 +334,24 @@ def test_block_update_equals_sequential_updates(dim: int, warm: int, k: int, see
     with pytest.raises(ValueError, match="finite"):
         block.update_block(np.full((2, dim), np.nan), np.zeros(2))
     assert block.n_updates == seq.n_updates
+
+
+def test_pair_tables_score_any_subset_of_their_agents_and_go_stale_on_update() -> None:
+    # A round's refill passes score pairs among leftovers from tables built once for all
+    # agents: the same figures as tables built for the leftovers alone.
+    features = ContextFeatures(6, ["akd", "pmix"], ["teacher"], interaction=True, trust=True)
+    bandit = _trained(features.dim, 25, 3)
+    rng = np.random.default_rng(3)
+    profiles, trust_vec = rng.normal(size=(30, 6)), rng.random(30)
+    tables = bandit.pair_tables(features.layout, profiles, trust_vec, dtype=np.float32)
+    sub = np.array([2, 5, 11, 17, 29])
+    left, right = np.triu_indices(len(sub), 1)
+    got = bandit.score_pair_tables(tables, sub[left], sub[right], 0.7)
+    want = bandit.score_pairs(
+        features.layout, profiles[sub], trust_vec[sub], left, right, 0.7, dtype=np.float32
+    )
+    for g, w in zip(got, want, strict=True):
+        assert np.allclose(g, w, rtol=1e-5, atol=1e-6)
+    bandit.update(features.single(profiles[0], profiles[1], "akd", "teacher", 0.5, 0.5), 1.0)
+    with pytest.raises(ValueError, match="stale"):
+        bandit.score_pair_tables(tables, sub[left], sub[right], 0.7)

@@ -206,3 +206,76 @@ def test_refill_passes_keep_the_clustered_search_only_in_a_clustered_round(
         assert calls[0][0] == n and len(calls) >= 2  # the first pass strands some agents
         want = 2048 if n < 2048 else 2 * DEFAULT_SHORTLIST + 1
         assert all(cluster_min == want for _, cluster_min in calls)
+
+
+def _cheap_reference(args: CheapScore) -> np.ndarray:
+    """The cheap score from its definition (module docstring), pair by pair, in float64:
+    the better direction's mean plus beta * sqrt of the direction-averaged diagonal
+    variance approximation."""
+    lay, th, v = args.layout, args.theta, args.a_inv_diag
+    p, t = args.profiles, args.trust
+    n = p.shape[0]
+
+    def block(vec: np.ndarray, sl: slice | None) -> np.ndarray:
+        return np.zeros(lay.profile_dim) if sl is None else vec[sl]
+
+    def mean(i: int, j: int) -> float:
+        x = th[lay.sender] @ p[i] + th[lay.receiver] @ p[j]
+        x += block(th, lay.absdiff) @ (p[i] - p[j]) ** 2 + p[i] @ (block(th, lay.product) * p[j])
+        if t is not None and lay.trust_sender is not None:
+            x += th[lay.trust_sender] * t[i] + th[lay.trust_receiver] * t[j]
+        return float(x + np.max(th[lay.onehot]) + th[lay.bias])
+
+    def var(i: int, j: int) -> float:
+        x = v[lay.sender] @ p[i] ** 2 + v[lay.receiver] @ p[j] ** 2
+        x += block(v, lay.absdiff) @ (p[i] - p[j]) ** 2 + block(v, lay.product) @ (p[i] * p[j]) ** 2
+        if t is not None and lay.trust_sender is not None:
+            x += v[lay.trust_sender] * t[i] ** 2 + v[lay.trust_receiver] * t[j] ** 2
+        return float(x + np.max(v[lay.onehot]) + v[lay.bias])
+
+    out = np.full((n, n), -np.inf)
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                best = max(mean(i, j), mean(j, i))
+                out[i, j] = best + args.beta * np.sqrt(0.5 * (var(i, j) + var(j, i)))
+    return out
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.4])
+def test_cheap_scores_equal_their_definition_pair_by_pair(beta: float) -> None:
+    mm, prof, trust = _population(40, 11)
+    args = CheapScore(
+        prof, trust, mm.features.layout, mm.theta, np.diagonal(mm._bandit.a_inv), beta
+    )
+    got = cheap_pair_scores(args).astype(np.float64)
+    want = _cheap_reference(args)
+    off = ~np.eye(40, dtype=bool)
+    assert np.allclose(got[off], want[off], rtol=1e-4, atol=1e-4)
+    assert np.all(np.isneginf(np.diagonal(got)))
+    # Symmetric, as the better direction and the averaged variance are.
+    assert np.allclose(got[off], got.T[off], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rows", "width", "k"), [(30, 400, 8), (9, 2000, 3), (60, 700, 20)])
+def test_wide_rows_take_the_bounded_search_with_the_same_ties_and_nan_rules(
+    rows: int, width: int, k: int
+) -> None:
+    # Wide enough for the bounded search (width >= 32 k): the rows below exercise rows
+    # with many candidates above the bound, whole-row ties, NaN and infinities.
+    rng = np.random.default_rng(width + k)
+    block = np.round(rng.standard_normal((rows, width)), 1).astype(np.float32)
+    block[0] = 2.0
+    block[1, : width // 2] = np.nan
+    block[2, ::5] = np.inf
+    block[3] = -np.inf
+    block[4, :] = np.nan
+    block[4, 7 : 7 + k] = 1.0
+    got = _top_columns(block, k)
+    want = np.empty_like(got)
+    for r in range(rows):
+        order = np.argsort(-block[r].astype(np.float64), kind="stable")[:k]
+        want[r] = np.sort(order)
+    assert np.array_equal(got, want)
+    assert got[0].tolist() == list(range(k))  # all tied: the lowest columns
+    assert got[4].tolist() == list(range(7, 7 + k))  # NaN never preferred
