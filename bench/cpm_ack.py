@@ -17,8 +17,14 @@ For each concurrency ``C`` (default 1, 10, 50) the benchmark, in one run:
    the group-commit rate SQLite itself allows at that concurrency, with the same asyncio
    plumbing and no RPC, TLS or bandit.
 
+3. **Transport ceiling.** The ``ReportRewards`` client pattern against a bare mTLS
+   grpc.aio server (:mod:`peerlm.bench.echo_server`) that answers every message at once:
+   what Python gRPC with TLS carries here when the server does no work at all.
+
 ``ratio = cpm_acks_per_s / sqlite_inserts_per_s`` is the figure issue 11 targets (>= 0.25
-at 50 clients). Client and server share the machine, so the CPM figure includes the
+at 50 clients); ``echo_ratio`` is the same for the bare transport (no server can beat
+it with this stack), and ``stream_share_of_echo`` the share of that ceiling the CPM
+reaches. Client and server share the machine, so the CPM figure includes the
 client's own gRPC cost.
 """
 
@@ -48,6 +54,8 @@ from peerlm.pki.identity import Role
 from peerlm.rpc import create_channel
 from peerlm.security.credentials import TlsFiles, channel_credentials
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
+
+from .echo_server import ECHO_METHOD
 
 __all__ = ["AckParams", "render_report", "run_benchmark"]
 
@@ -94,18 +102,51 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 # --------------------------------------------------------------------------- CPM side
 
 
+def _federation_pki(root: Path, agents: int) -> Path:
+    """A federation CA under ``root/pki`` with a server (``cpm``), an admin and ``agents``
+    agent certificates ``a0``, ``a1``, ..."""
+    pki = root / "pki"
+    init_ca(pki, federation=_FEDERATION)
+    issue_certificate(pki, Role.CPM, "cpm", sans=["127.0.0.1", "localhost"])
+    issue_certificate(pki, Role.ADMIN, "admin")
+    for i in range(agents):
+        issue_certificate(pki, Role.AGENT, f"a{i}")
+    return pki
+
+
+def _start_child(
+    args: list[str], env: Mapping[str, str], root: Path, port_file: Path, what: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server child that writes its port to ``port_file``; (process, target)."""
+    log = (root / "server.log").open("ab")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, env=dict(env))
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_child(proc)
+            tail = (root / "server.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{what} did not start: {tail}")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+
+
+def _stop_child(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class _Cpm:
     """A ``peerlm cpm`` child with its own CA and ``agents`` agent certificates."""
 
     def __init__(self, root: Path, agents: int) -> None:
         self.root = root
-        self.pki = root / "pki"
-        init_ca(self.pki, federation=_FEDERATION)
-        issue_certificate(self.pki, Role.CPM, "cpm", sans=["127.0.0.1", "localhost"])
-        issue_certificate(self.pki, Role.ADMIN, "admin")
+        self.pki = _federation_pki(root, agents)
         self.agents = [f"a{i}" for i in range(agents)]
-        for name in self.agents:
-            issue_certificate(self.pki, Role.AGENT, name)
         port_file = root / "cpm.port"
         args = cpm_command(
             tls=self.tls("cpm"),
@@ -120,16 +161,7 @@ class _Cpm:
             "PEERLM_CPM_ROUND_INTERVAL_S": "86400",
             "PEERLM_CPM_DIRECTIVE_TTL_S": "86400",
         }
-        log = (root / "cpm.log").open("ab")
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, env=env)
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = (root / "cpm.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"the CPM did not start: {tail}")
-            time.sleep(0.05)
-        self.target = f"127.0.0.1:{int(port_file.read_text())}"
+        self.proc, self.target = _start_child(args, env, root, port_file, "the CPM")
 
     def tls(self, name: str) -> TlsFiles:
         return TlsFiles(self.pki / "ca.crt", self.pki / f"{name}.crt", self.pki / f"{name}.key")
@@ -141,13 +173,29 @@ class _Cpm:
         return ch, cpm_pb2_grpc.MatchmakerStub(ch)  # type: ignore[no-untyped-call]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _stop_child(self.proc)
+
+
+class _Echo:
+    """A bare mTLS echo server child (:mod:`peerlm.bench.echo_server`) with the CPM's
+    certificate, and ``agents`` agent certificates for its clients."""
+
+    def __init__(self, root: Path, agents: int) -> None:
+        self.pki = _federation_pki(root, agents)
+        self.agents = [f"a{i}" for i in range(agents)]
+        port_file = root / "echo.port"
+        tls = TlsFiles(self.pki / "ca.crt", self.pki / "cpm.crt", self.pki / "cpm.key")
+        args = [
+            sys.executable,
+            "-m",
+            "peerlm.bench.echo_server",
+            *(str(x) for x in (tls.ca_cert, tls.cert, tls.key, port_file)),
+        ]
+        self.proc, self.target = _start_child(args, os.environ, root, port_file, "the echo server")
+
+    def channel(self, name: str) -> grpc.aio.Channel:
+        tls = TlsFiles(self.pki / "ca.crt", self.pki / f"{name}.crt", self.pki / f"{name}.key")
+        return create_channel(self.target, GrpcLimits(), channel_credentials(tls))
 
 
 async def _issue(
@@ -231,10 +279,16 @@ async def _report_unary(
 
 
 async def _report_stream(
-    stubs: Mapping[str, Any], lists: list[list[tuple[str, str]]], values: Any
+    open_call: Callable[[str], Any],
+    lists: list[list[tuple[str, str]]],
+    values: Any,
+    *,
+    raw: bool = False,
 ) -> list[float]:
-    """One task per list, each with one reward in flight on its agents' ReportRewards
-    streams (opened on first use, one per agent); per-reward latencies."""
+    """One task per list, each with one reward in flight on its agents' streams (opened
+    on first use by ``open_call(agent)``, one per agent); per-reward latencies. ``raw``:
+    the stream carries bytes (the echo server), so requests go serialised and any reply
+    counts as the acknowledgement."""
     latencies: list[float] = []
 
     async def client(items: list[tuple[str, str]]) -> None:
@@ -243,15 +297,19 @@ async def _report_stream(
             for student, directive_id in items:
                 call = calls.get(student)
                 if call is None:
-                    call = calls[student] = stubs[student].ReportRewards(timeout=600)
+                    call = calls[student] = open_call(student)
                 t0 = time.perf_counter()
-                await call.write(
-                    cpm_pb2.ReportRewardRequest(
-                        directive_id=directive_id, reward=float(values[len(latencies)])
-                    )
+                request = cpm_pb2.ReportRewardRequest(
+                    directive_id=directive_id, reward=float(values[len(latencies)])
                 )
+                await call.write(request.SerializeToString() if raw else request)
                 result = await call.read()
-                if not isinstance(result, cpm_pb2.ReportRewardResult) or not result.HasField("ack"):
+                if raw:
+                    if not isinstance(result, bytes):
+                        raise RuntimeError(f"message {directive_id} not acknowledged: {result}")
+                elif not isinstance(result, cpm_pb2.ReportRewardResult) or not result.HasField(
+                    "ack"
+                ):
                     raise RuntimeError(f"reward {directive_id} not acknowledged: {result}")
                 latencies.append(time.perf_counter() - t0)
             for call in calls.values():
@@ -282,7 +340,9 @@ async def _cpm_level(
         started = time.perf_counter()
         if stream:
             lists = _by_client(found, cpm.agents, clients, rewards)
-            latencies = await _report_stream(stubs, lists, values)
+            latencies = await _report_stream(
+                lambda a: stubs[a].ReportRewards(timeout=600), lists, values
+            )
         else:
             latencies = await _report_unary(stubs, found[:rewards], clients, values)
         elapsed = time.perf_counter() - started
@@ -306,6 +366,47 @@ async def _cpm_level(
         for ch, _ in channels.values():
             await ch.close(None)
         cpm.stop()
+
+
+def _raw_stream(channel: grpc.aio.Channel) -> Any:
+    """The echo method on ``channel``, carrying bytes both ways (no (de)serialisers)."""
+    method: Any = channel.stream_stream
+    return method(ECHO_METHOD)
+
+
+async def _echo_level(root: Path, clients: int, rewards: int, seed: int) -> dict[str, Any]:
+    """The transport's ceiling: the ReportRewards client pattern against the echo server."""
+    echo = _Echo(root, 2 * clients)
+    channels = {a: echo.channel(a) for a in echo.agents}
+    try:
+        # Stand-ins for directives: each agent reports its share, as in the CPM levels.
+        work = [(echo.agents[i % len(echo.agents)], f"{i:032x}") for i in range(rewards)]
+        lists = _by_client(work, echo.agents, clients, rewards)
+        values = np.random.default_rng(seed + 1).uniform(-1, 1, rewards)
+        cpu0, own0 = _cpu_seconds(echo.proc.pid), time.process_time()
+        started = time.perf_counter()
+        latencies = await _report_stream(
+            lambda a: _raw_stream(channels[a])(timeout=600),
+            lists,
+            values,
+            raw=True,
+        )
+        elapsed = time.perf_counter() - started
+        cpu1, own1 = _cpu_seconds(echo.proc.pid), time.process_time()
+        n = max(1, len(latencies))
+        server_cpu = None if cpu0 is None or cpu1 is None else 1000 * (cpu1 - cpu0) / n
+        return {
+            "acked": len(latencies),
+            "seconds": elapsed,
+            "acks_per_s": len(latencies) / elapsed,
+            "server_cpu_ms_per_ack": server_cpu,
+            "client_cpu_ms_per_ack": 1000 * (own1 - own0) / n,
+            **_percentiles(latencies),
+        }
+    finally:
+        for ch in channels.values():
+            await ch.close(None)
+        _stop_child(echo.proc)
 
 
 # ------------------------------------------------------------------------ SQLite limit
@@ -383,13 +484,24 @@ def run_benchmark(params: AckParams, progress: ProgressFn | None = None) -> dict
                 results[kind] = asyncio.run(
                     _cpm_level(level_dir, clients, n, params.seed + k, stream=stream)
                 )
+            if progress is not None:
+                progress(f"bare mTLS echo stream, {clients} clients", k, len(params.clients))
+            echo_dir = root / f"echo-{clients}"
+            echo_dir.mkdir()
+            echo = asyncio.run(_echo_level(echo_dir, clients, n, params.seed + k))
             levels.append(
                 {
                     "clients": clients,
                     **results,
+                    "echo": echo,
                     "sqlite": sql,
                     "ratio": results["cpm"]["acks_per_s"] / sql["inserts_per_s"],
                     "stream_ratio": results["cpm_stream"]["acks_per_s"] / sql["inserts_per_s"],
+                    # The ceiling any server reaches here with Python gRPC and TLS, and the
+                    # share of it the CPM reaches with durable acknowledgement.
+                    "echo_ratio": echo["acks_per_s"] / sql["inserts_per_s"],
+                    "stream_share_of_echo": results["cpm_stream"]["acks_per_s"]
+                    / echo["acks_per_s"],
                 }
             )
         if progress is not None:
@@ -414,6 +526,7 @@ def render_report(report: Mapping[str, Any], console: Any) -> None:
         for rpc, key, ratio in (
             ("ReportReward", "cpm", "ratio"),
             ("ReportRewards", "cpm_stream", "stream_ratio"),
+            ("bare mTLS echo", "echo", "echo_ratio"),
         ):
             cpm = lv[key]
             server = cpm["server_cpu_ms_per_ack"]

@@ -21,6 +21,9 @@ def test_quick_run_acknowledges_every_reward_once() -> None:
             assert lv[kind]["p50_ms"] <= lv[kind]["p99_ms"]
         assert lv["sqlite"]["rows"] == 12
         assert lv["ratio"] > 0 and lv["stream_ratio"] > 0
+        # The bare transport's ceiling is measured with the same client pattern.
+        assert lv["echo"]["acked"] == 12
+        assert lv["echo_ratio"] > 0 and lv["stream_share_of_echo"] > 0
     assert seen[-1] == "done"
 
 
