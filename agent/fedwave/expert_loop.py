@@ -141,12 +141,11 @@ class ExpertLoop:
         return loss
 
     async def start(self) -> None:
-        """Pull the adjacent stages' round-0 VCLayers (round 1's collaborative loss)."""
-        targets = [
-            t for t in plan_pulls(self.workflow, self.ctx.name) if t.kind is PartKind.VCLAYER
-        ]
-        if not targets:
-            return
+        """Round 0's pulls: the adjacent stages' initial VCLayers (round 1's collaborative
+        loss needs them) and every other agent's round-0 router. The routers are the common
+        initial one, so they are only counted, not averaged; pulling them makes every agent
+        wait at start for the whole workflow (up to the deadline) the same way, so that the
+        agents enter round 1 together and a missing agent is missed by all alike."""
         parts = await pull_round(
             self.ctx,
             self.workflow,
@@ -155,9 +154,8 @@ class ExpertLoop:
             self.endpoints,
             self.node.bounds,
             deadline_s=self.settings.round_deadline_s,
-            targets=targets,
         )
-        self._count_parts(parts.vclayers, {}, parts.missing, parts.rejected)
+        self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
         self.predecessor, self.successor = adjacent_vclayers(
             self.workflow, self.ctx.name, parts.vclayers
         )
