@@ -313,7 +313,7 @@ class AgentDaemon:
         extra = await self._fedproxy_services(streamer)
         if s.fedwave.enabled:
             # FedWave: serve this stage's router and VCLayer to the workflow's agents on the
-            # same port (round 0 published; the round loop is not built yet).
+            # same port (round 0 published; run() plays the expert round loop).
             from peerlm.agent.fedwave.agent_node import start_fedwave
             from peerlm.agent.fedwave.exchange_service import FEDWAVE_POLICY, fedwave_service
 

@@ -135,6 +135,7 @@ async def _run(
     metrics_port: int | None,
     console: Console | None,
     protocols: tuple[str, ...] = ("akd",),
+    round_of: Callable[[str], int] | None = None,
 ) -> dict[str, Any]:
     # Imported here: the CPM package loads the matchmaking library (scikit-learn, SciPy),
     # seconds that every `peerlm` process would pay when the CLI mounts `up`.
@@ -177,7 +178,7 @@ async def _run(
             )
         admin = NodeContext.client(fed.tls("admin"), role=Role.ADMIN).dial(target).channel
         stub = cpm_pb2_grpc.MatchmakerStub(admin)  # type: ignore[no-untyped-call]
-        stats = await _watch(stub, procs, agents, rounds, console)
+        stats = await _watch(stub, procs, agents, rounds, console, round_of)
         await admin.close(None)
         reports = []
         for name, p in zip(agents, procs, strict=True):
@@ -220,7 +221,10 @@ async def _watch(
     agents: list[str],
     rounds: int,
     console: Console | None,
+    round_of: Callable[[str], int] | None = None,
 ) -> cpm_pb2.CpmStats | None:
+    """Progress until every agent exits: each agent's round from the CPM's stats, or from
+    ``round_of(agent)`` where the agents do not report rounds to the CPM (FedWave)."""
     last: cpm_pb2.CpmStats | None = None
     # A pipe or log file gets one line per step (an agent's round, new rewards), not bars.
     lines = console is not None and not console.is_terminal
@@ -259,6 +263,17 @@ async def _watch(
                     description=f"CPM: {stats.matchmaking_rounds} matchmaking rounds, "
                     f"{stats.rewards_observed} rewards",
                 )
+                if round_of is not None:
+                    for agent in agents:
+                        done = round_of(agent)
+                        progress.update(tasks[agent], completed=done)
+                        if lines and console and done != seen_rounds.get(agent, 0):
+                            console.print(
+                                f"[{time.monotonic() - started:6.0f} s] {agent}: round "
+                                f"{done}/{rounds}",
+                                highlight=False,
+                            )
+                        seen_rounds[agent] = done
                 if lines and console and stats.rewards_observed != seen_rewards:
                     seen_rewards = stats.rewards_observed
                     console.print(
@@ -675,7 +690,14 @@ def up_command(
                 aggregation=aggregation,
             )
             argv = _prepare_real(fed, names, rounds, seed, plan, console)
-        result = asyncio.run(_run(fed, names, rounds, argv, metrics_port, console, menu))
+        round_of = None
+        if workflow:
+            from peerlm.app.devfed_workflow import LogRounds
+
+            round_of = LogRounds(fed.logs, "fedwave_round_done")
+        result = asyncio.run(
+            _run(fed, names, rounds, argv, metrics_port, console, menu, round_of=round_of)
+        )
     except KeyboardInterrupt:
         if console:
             console.print("[yellow]interrupted; all processes stopped[/]")

@@ -21,7 +21,14 @@ from typing import Any, Literal
 
 from rich.console import Console
 
-__all__ = ["WORKFLOW_AGENTS", "prepare_workflow", "router_agreement", "workflow_rows"]
+__all__ = [
+    "WORKFLOW_AGENTS",
+    "LogRounds",
+    "prepare_workflow",
+    "print_workflow_report",
+    "router_agreement",
+    "workflow_rows",
+]
 
 #: Agents of the workflow, one per code-chain stage (certificate names).
 WORKFLOW_AGENTS: tuple[str, ...] = ("specify-0", "implement-0", "test-0")
@@ -30,6 +37,38 @@ _DATA = {"tiny": (64, 12), "micro": (16, 4)}
 #: A round's pulls wait this long for the slowest agent's training (and, in round 1, for
 #: every agent to have loaded its model and started serving).
 ROUND_DEADLINE_S = 180.0
+
+
+class LogRounds:
+    """An agent's last round from its JSON log (``<logs>/<agent>.log``): the highest
+    ``round`` of the ``event`` lines read so far; each call reads only the new lines."""
+
+    def __init__(self, logs: Path, event: str) -> None:
+        self._logs = logs
+        self._event = event
+        self._offsets: dict[str, int] = {}
+        self._rounds: dict[str, int] = {}
+
+    def __call__(self, agent: str) -> int:
+        path = self._logs / f"{agent}.log"
+        try:
+            with path.open("rb") as handle:
+                handle.seek(self._offsets.get(agent, 0))
+                chunk = handle.read()
+        except OSError:
+            return self._rounds.get(agent, 0)
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a partly written line waits
+        self._offsets[agent] = self._offsets.get(agent, 0) + len(complete)
+        for line in complete.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("event") == self._event:
+                found = entry.get("round")
+                if isinstance(found, int):
+                    self._rounds[agent] = max(self._rounds.get(agent, 0), found)
+        return self._rounds.get(agent, 0)
 
 
 def _stage_problems(examples: Any, stage: str) -> list[Any]:
