@@ -43,7 +43,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -471,6 +471,7 @@ class AgentDaemon:
             batch_size=s.batch_size,
             max_length=s.max_length,
             seed=s.seed,
+            interrupt=self.host.interrupt,
         )
         loop = ExpertLoop(
             self.ctx,
@@ -485,10 +486,12 @@ class AgentDaemon:
         t = 0
         try:
             await loop.measure(held_out, after=False)
-            await loop.start()
-            while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
-                t += 1
-                await loop.play(t)
+            if await self._unless_aborted(loop.start()):
+                while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
+                    t += 1
+                    if not await self._unless_aborted(loop.play(t)):
+                        t -= 1
+                        break
             if not self._stop.is_set():
                 await loop.measure(held_out, after=True)
                 if t:
@@ -500,6 +503,23 @@ class AgentDaemon:
             self.log.error("fedwave_failed", round=t, error=repr(err))
         self.summary.rounds_completed = loop.report.rounds
         self.summary.fedwave = asdict(loop.report)
+
+    async def _unless_aborted(self, step: Awaitable[Any]) -> bool:
+        """Run ``step`` unless the stop grace runs out first (then it is cancelled, the
+        summary says interrupted, and False); a FedWave round may otherwise wait out its
+        deadline after a stop."""
+        task = asyncio.ensure_future(step)
+        aborted = asyncio.ensure_future(self._abort.wait())
+        done, _ = await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        aborted.cancel()
+        if task in done:
+            task.result()
+            return True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self.summary.interrupted = True
+        self.log.warning("fedwave_round_cut", reason="stop_grace_over")
+        return False
 
     def _fedproxy_fuse(self, out: Path) -> None:
         """The owner's final proxy fused into a fresh copy of its full model, written to

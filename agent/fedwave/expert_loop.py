@@ -202,13 +202,16 @@ class ExpertLoop:
         outcome = record_router_aggregate(self.ctx, self.workflow, conclusion.members, t)
         self._rounds.labels(outcome).inc()
         self._round_gauge.set(t)
-        self._train_loss.set(losses[-1])
+        if losses:
+            self._train_loss.set(losses[-1])
         self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
         r = self.report
         r.rounds = t
         r.router_sha256.append(conclusion.digest)
         r.members.append(len(conclusion.members))
-        r.train_loss.append(round(losses[-1], 5))
+        last = round(losses[-1], 5) if losses else None
+        if last is not None:
+            r.train_loss.append(last)
         self.ctx.log.info(
             "fedwave_round_done",
             round=t,
@@ -216,7 +219,7 @@ class ExpertLoop:
             outcome=outcome,
             members=list(conclusion.members),
             router_sha256=conclusion.digest,
-            train_loss=round(losses[-1], 5),
+            train_loss=last,
             train_s=round(trained_s, 2),
             round_s=round(time.monotonic() - started, 2),
         )

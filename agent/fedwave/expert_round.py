@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,6 +166,7 @@ class ExpertTrainer:
         batch_size: int = 8,
         max_length: int = 256,
         seed: int = 0,
+        interrupt: threading.Event | None = None,
     ) -> None:
         if not examples:
             raise ValueError("a FedWave expert needs private training examples")
@@ -178,6 +180,8 @@ class ExpertTrainer:
         self.batch_size = batch_size
         self.max_length = max_length
         self._rng = random.Random(f"peerlm-fedwave-expert/{seed}")
+        # Set when the agent must stop now: training ends after the step in progress.
+        self._interrupt = interrupt
 
     @property
     def vclayer(self) -> VCLayer:
@@ -194,13 +198,16 @@ class ExpertTrainer:
     def train(
         self, steps: int, *, predecessor: VCLayer | None, successor: VCLayer | None
     ) -> list[float]:
-        """``steps`` AdamW steps of Eq. 8 (Eq. 2 without a router); the step losses."""
+        """``steps`` AdamW steps of Eq. 8 (Eq. 2 without a router); the step losses (fewer
+        when the interrupt was set)."""
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}")
         self.model.train()
         optimizer = torch.optim.AdamW(self._parameters(), lr=self.learning_rate)
         losses: list[float] = []
         for _ in range(steps):
+            if self._interrupt is not None and self._interrupt.is_set():
+                break
             batch_examples = self._rng.sample(
                 self.examples, min(self.batch_size, len(self.examples))
             )

@@ -3,6 +3,8 @@ by n_i); a missing agent is left out and said; the trainer trains on the shipped
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from peerlm.agent.fedwave.code_chain import build_code_chain
@@ -157,3 +159,11 @@ def test_the_trainer_lowers_its_loss_and_trains_its_router(offline_hub: None) ->
     assert router_digest(router.state_dict()) != start
     with pytest.raises(ValueError, match="steps"):
         trainer.train(0, predecessor=None, successor=None)
+    # A stop that cannot wait: training ends before the next step.
+    stop = threading.Event()
+    stop.set()
+    stopped = ExpertTrainer(
+        lm, tokenizer, trainer.vclayer, router, stage_index=1, examples=trainer.examples,
+        interrupt=stop,
+    )  # fmt: skip
+    assert stopped.train(5, predecessor=pred, successor=succ) == []
