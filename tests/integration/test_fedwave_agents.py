@@ -228,3 +228,76 @@ def test_experts_end_every_round_with_the_same_router_without_the_late_agent(
     digests = {tuple(r["router_sha256"]) for r in reports.values()}
     assert len(digests) == 1, reports  # every running agent, every round: the same bits
     assert len(set(next(iter(digests)))) == ROUNDS  # and the router changes each round
+
+
+def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
+    """SIGTERM while the expert waits out a round's pulls (its peers never come): the round
+    is cut when the stop grace runs out, not at the round's deadline, and the agent exits
+    0 with a summary that says it was interrupted."""
+    import signal
+
+    models = tmp_path / "models"
+    build_models(models, ("gpt2",), size="micro")
+    pki = Pki.create(tmp_path, agents=4)
+    cpm = CpmProcess(pki, tmp_path / "cpm.db", tmp_path, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"})
+    cpm.start()
+    workflow = Workflow.model_validate(WORKFLOW)
+    chain = build_code_chain(workflow, per_stage=8, n_test=2, n_public=1, seed=0)
+    data = tmp_path / "data"
+    transfer = [Problem("public/0", "public", chain.public[0], "", "", "stage_output")]
+    write_jsonl(data / "transfer.jsonl", transfer)
+    write_jsonl(data / "train.jsonl", _stage_problems(chain.of_agent("a1"), "implement"))
+    peers = {a: f"127.0.0.1:{_free_port()}" for a in workflow.agents}  # only a1 will listen
+    t = pki.tls("a1")
+    config = {
+        "federation": FEDERATION,
+        "listen": peers["a1"],
+        "cpm": cpm.target,
+        "state_dir": str(tmp_path / "state"),
+        "model": str(models / "gpt2"),
+        "device": "cpu",
+        "train_file": str(data / "train.jsonl"),
+        "val_file": str(data / "train.jsonl"),
+        "transfer_file": str(data / "transfer.jsonl"),
+        "rounds": 3,
+        "local_steps": 1,
+        "stop_grace_s": 1,
+        "log_format": "json",
+        "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
+        "fedwave": {"workflow": WORKFLOW, "peers": peers, "round_deadline_s": 600},
+    }
+    path = tmp_path / "a1.yaml"
+    path.write_text(json.dumps(config))
+    log = tmp_path / "a1.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "peerlm", "agent", "--config", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=log.open("a"),
+        text=True,
+        env={**os.environ, **AGENT_ENV},
+    )
+    try:
+        _wait_for(
+            lambda: (
+                any(e.get("event") == "agent_ready" for e in _events(log))
+                or proc.poll() is not None
+            ),
+            180,
+            "agent ready",
+        )
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(1.0)  # into round 0's pulls, which would wait 600 s for the peers
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=300)[0]
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cpm.terminate()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["interrupted"] and summary["fedwave"]["rounds"] == 0
+    assert any(e.get("event") == "fedwave_round_cut" for e in _events(log))
+    assert took < 60, took  # the grace (1 s) plus the shutdown, not the round's 600 s
