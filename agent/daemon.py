@@ -43,7 +43,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -117,6 +117,8 @@ class AgentSummary:
     # Per evaluation slice (eval_slice_files): {"pass1", "struct", "nll", "n"}.
     slices_before: dict[str, dict[str, float]] = field(default_factory=dict)
     slices_after: dict[str, dict[str, float]] = field(default_factory=dict)
+    # FedWave (fedwave.workflow set): the expert loop's report (FedWaveReport as a dict).
+    fedwave: dict[str, Any] = field(default_factory=dict)
 
 
 class AgentDaemon:
@@ -311,7 +313,7 @@ class AgentDaemon:
         extra = await self._fedproxy_services(streamer)
         if s.fedwave.enabled:
             # FedWave: serve this stage's router and VCLayer to the workflow's agents on the
-            # same port (round 0 published; the round loop is not built yet).
+            # same port (round 0 published; run() plays the expert round loop).
             from peerlm.agent.fedwave.agent_node import start_fedwave
             from peerlm.agent.fedwave.exchange_service import FEDWAVE_POLICY, fedwave_service
 
@@ -439,6 +441,85 @@ class AgentDaemon:
         except Exception as err:  # the cohort's failure is logged, the agent goes on
             self.summary.errors.append(f"fedproxy: {err}")
             self.log.error("fedproxy_failed", error=repr(err))
+
+    async def _fedwave_rounds(self) -> None:
+        """The expert round loop (docs/fedwave.md, "The expert round loop"): ``rounds``
+        FedWave rounds (0: until stopped) on this stage's private examples, the held-out
+        loss on the validation examples before and after; then serve until the others have
+        the last round's parts. A failure ends the loop (logged, in the summary's errors)."""
+        from dataclasses import asdict
+
+        from peerlm.agent.fedwave.code_chain import StageExample
+        from peerlm.agent.fedwave.expert_loop import ExpertLoop
+        from peerlm.agent.fedwave.expert_round import ExpertTrainer
+
+        s, node = self.s, self.fedwave
+        as_examples = [
+            StageExample(p.task_id, node.stage, p.prompt, p.reference) for p in self.train
+        ]
+        val = self.val[: s.eval_limit] if s.eval_limit else self.val
+        held_out = [StageExample(p.task_id, node.stage, p.prompt, p.reference) for p in val]
+        trainer = ExpertTrainer(
+            self.host.model,
+            self.host.tokenizer,
+            node.vclayer,
+            node.router,
+            stage_index=node.stage_index,
+            examples=as_examples,
+            collab=s.fedwave.collab,
+            learning_rate=s.learning_rate,
+            batch_size=s.batch_size,
+            max_length=s.max_length,
+            seed=s.seed,
+            interrupt=self.host.interrupt,
+        )
+        loop = ExpertLoop(
+            self.ctx,
+            s.fedwave,
+            node,
+            trainer,
+            n_samples=len(as_examples),
+            # Unset: one pass over the stage's examples per round.
+            local_steps=s.local_steps or -(-len(as_examples) // s.batch_size),
+            run_on_model=lambda fn: self._model(fn),
+        )
+        t = 0
+        try:
+            await loop.measure(held_out, after=False)
+            if await self._unless_aborted(loop.start()):
+                while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
+                    t += 1
+                    if not await self._unless_aborted(loop.play(t)):
+                        t -= 1
+                        break
+            if not self._stop.is_set():
+                await loop.measure(held_out, after=True)
+                if t:
+                    await loop.linger(t, self._stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the loop's failure is reported, the agent stops cleanly
+            self.summary.errors.append(f"fedwave: {err!r}")
+            self.log.error("fedwave_failed", round=t, error=repr(err))
+        self.summary.rounds_completed = loop.report.rounds
+        self.summary.fedwave = asdict(loop.report)
+
+    async def _unless_aborted(self, step: Awaitable[Any]) -> bool:
+        """Run ``step`` unless the stop grace runs out first (then it is cancelled, the
+        summary says interrupted, and False); a FedWave round may otherwise wait out its
+        deadline after a stop."""
+        task = asyncio.ensure_future(step)
+        aborted = asyncio.ensure_future(self._abort.wait())
+        done, _ = await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        aborted.cancel()
+        if task in done:
+            task.result()
+            return True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self.summary.interrupted = True
+        self.log.warning("fedwave_round_cut", reason="stop_grace_over")
+        return False
 
     def _fedproxy_fuse(self, out: Path) -> None:
         """The owner's final proxy fused into a fresh copy of its full model, written to
@@ -624,6 +705,11 @@ class AgentDaemon:
         feed = asyncio.create_task(self._follow(inbox))
         cohort = asyncio.create_task(self._fedproxy_rounds()) if self.cohort else None
         try:
+            if self.fedwave is not None:
+                # A FedWave expert plays FedWave rounds instead of CPM-directed ones: both
+                # would train the same adapter.
+                await self._fedwave_rounds()
+                return self.summary
             if self.state["round"] == 0 and not self._stop.is_set():
                 loss, pass1 = await self._evaluate(with_pass=True)
                 self.summary.loss_before, self.summary.pass_at_1_before = loss, pass1

@@ -12,5 +12,7 @@ The foundations, as sans-IO library code (docs/fedwave.md maps each equation to 
 * :mod:`~peerlm.agent.fedwave.settings` — the ``fedwave:`` section of the agent's settings;
 * :mod:`~peerlm.agent.fedwave.exchange` — what a workflow's agents exchange (sans-IO), with
   its gRPC service (:mod:`~peerlm.agent.fedwave.exchange_service`) and client
-  (:mod:`~peerlm.agent.fedwave.exchange_client`).
+  (:mod:`~peerlm.agent.fedwave.exchange_client`);
+* :mod:`~peerlm.agent.fedwave.expert_round` — one expert round without I/O (training, the
+  round's router aggregate), driven by :mod:`~peerlm.agent.fedwave.expert_loop` in the agent.
 """

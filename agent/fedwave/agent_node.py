@@ -7,8 +7,8 @@ is set; the daemon refuses to start otherwise), builds the initial router (every
 the workflow the same, from ``fedwave.seed``) and this stage's initial VCLayer for the
 model's width, publishes them as round 0 (the router with ``n_i`` = the agent's private
 training examples), and returns the :class:`FedWaveExchangeService` to serve beside the
-peer exchange. The round loop that trains them and publishes later rounds is not built
-yet (docs/fedwave.md, "Not built yet").
+peer exchange. The round loop that trains them and publishes later rounds is
+:mod:`~peerlm.agent.fedwave.expert_loop` (docs/fedwave.md, section 5).
 """
 
 from __future__ import annotations

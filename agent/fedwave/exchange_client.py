@@ -50,7 +50,7 @@ from peerlm.node import NodeContext
 from peerlm.pki.proof import ProofError
 from peerlm.wire.v1 import fedwave_pb2, fedwave_pb2_grpc
 
-__all__ = ["aggregate_round_routers", "pull_part", "pull_round"]
+__all__ = ["aggregate_round_routers", "pull_part", "pull_round", "record_router_aggregate"]
 
 _WIRE_KINDS = {
     PartKind.ROUTER: fedwave_pb2.PART_KIND_ROUTER,
@@ -256,6 +256,15 @@ def aggregate_round_routers(
     (``complete``: every agent of the workflow; ``partial``: some missing) and
     ``peerlm_agent_fedwave_router_members_count`` (agents in the last aggregate)."""
     merged, members = aggregate_routers(ctx.name, own, own_samples, parts.routers, shapes)
+    record_router_aggregate(ctx, workflow, members, parts.round)
+    return merged, members
+
+
+def record_router_aggregate(
+    ctx: NodeContext, workflow: Workflow, members: Sequence[str], round_: int
+) -> str:
+    """Count one router aggregate of ``round_`` over ``members`` and log it: the outcome,
+    ``complete`` (every workflow agent) or ``partial`` (some missing at the deadline)."""
     outcome = "complete" if set(members) == set(workflow.agents) else "partial"
     ctx.counter(
         "peerlm_agent_fedwave_router_aggregations_total",
@@ -269,7 +278,5 @@ def aggregate_round_routers(
         "peerlm_agent_fedwave_router_members_count",
         "Agents whose routers the last FedWave router aggregate averaged (this one included)",
     ).set(len(members))
-    ctx.log.info(
-        "fedwave_router_aggregated", round=parts.round, outcome=outcome, members=list(members)
-    )
-    return merged, members
+    ctx.log.info("fedwave_router_aggregated", round=round_, outcome=outcome, members=list(members))
+    return outcome

@@ -119,12 +119,19 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
             "published or no longer kept, bad request, part over the bound)",
             ("rpc", "reason"),
         )
+        # Distinct callers served each (round, kind): the agent lingers after its last round
+        # until its neighbours have their parts (bounded by the round's deadline).
+        self._served: dict[tuple[int, PartKind], set[str]] = {}
         self._sent = get_counter(
             registry,
             "peerlm_agent_fedwave_bytes_sent_total",
             "FedWave part bytes streamed to the workflow's agents",
             ("kind",),
         )
+
+    def served(self, round_: int, kind: PartKind) -> frozenset[str]:
+        """The callers that were streamed this agent's ``kind`` of ``round_``."""
+        return frozenset(self._served.get((round_, kind), ()))
 
     @property
     def store(self) -> PartStore:
@@ -169,6 +176,10 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
             proof=(proof_kind(kind), str(round_)),
             sent=self._sent.labels(kind.value),
         )
+        served = self._served.setdefault((round_, kind), set())
+        served.add(caller)
+        for key in [k for k in self._served if k[0] < round_ - 2]:
+            del self._served[key]  # bounded: the store keeps the newest rounds only
         self._log.info(
             "fedwave_part_sent",
             round=round_,

@@ -22,7 +22,7 @@ from peerlm.agent.fedwave.params import (
 from peerlm.agent.fedwave.workflow import Workflow
 from pydantic import Field, model_validator
 
-from peerlm.config import MiB, Section
+from peerlm.config import MiB, Section, parse_host_port
 
 if TYPE_CHECKING:
     from peerlm.agent.fedwave.router import MoERouter
@@ -51,6 +51,11 @@ class FedWaveSettings(Section):
     # which no honest peer of the same workflow exceeds.
     max_router_bytes: int | None = Field(default=None, ge=1024, le=1024 * MiB)
     max_vclayer_bytes: int | None = Field(default=None, ge=1024, le=1024 * MiB)
+    # Where the workflow's other agents serve FedWaveExchange: agent name -> HOST:PORT (their
+    # peer port). Written by whoever deploys the workflow (``peerlm up --workflow`` writes
+    # it); an agent without an entry is never dialled and its parts count missing
+    # (``no_endpoint``). This agent's own entry, if listed, is ignored.
+    peers: dict[str, str] = Field(default_factory=dict, max_length=4096)
     vclayer: VCLayerSettings = VCLayerSettings()
     collab: CollabLossSettings = CollabLossSettings()
     router: RouterSettings = RouterSettings()
@@ -62,6 +67,8 @@ class FedWaveSettings(Section):
     @model_validator(mode="after")
     def _fits_workflow(self) -> FedWaveSettings:
         if self.workflow is None:
+            if self.peers:
+                raise ValueError("fedwave.peers is set but no fedwave.workflow")
             if self.stage is not None:
                 raise ValueError(f"fedwave.stage {self.stage!r} is set but no fedwave.workflow")
             return self
@@ -70,6 +77,22 @@ class FedWaveSettings(Section):
                 f"fedwave.stage {self.stage!r} is not a stage of the workflow "
                 f"(stages: {', '.join(self.workflow.stage_names)})"
             )
+        unknown = sorted(set(self.peers) - set(self.workflow.agents))
+        if unknown:
+            raise ValueError(
+                f"fedwave.peers names {', '.join(map(repr, unknown))}, not agents of the "
+                f"workflow (agents: {', '.join(self.workflow.agents)})"
+            )
+        for agent, endpoint in sorted(self.peers.items()):
+            try:
+                _, port = parse_host_port(endpoint)
+            except ValueError as err:
+                raise ValueError(f"fedwave.peers[{agent!r}]: {err}") from None
+            if port == 0:
+                raise ValueError(
+                    f"fedwave.peers[{agent!r}]: port 0 in {endpoint!r} is not an endpoint "
+                    "(1..65535: the agent's peer port)"
+                )
         if self.router.top_k > len(self.workflow.stages):
             raise ValueError(
                 f"router.top_k ({self.router.top_k}) exceeds the workflow's "

@@ -135,6 +135,7 @@ async def _run(
     metrics_port: int | None,
     console: Console | None,
     protocols: tuple[str, ...] = ("akd",),
+    round_of: Callable[[str], int] | None = None,
 ) -> dict[str, Any]:
     # Imported here: the CPM package loads the matchmaking library (scikit-learn, SciPy),
     # seconds that every `peerlm` process would pay when the CLI mounts `up`.
@@ -177,7 +178,7 @@ async def _run(
             )
         admin = NodeContext.client(fed.tls("admin"), role=Role.ADMIN).dial(target).channel
         stub = cpm_pb2_grpc.MatchmakerStub(admin)  # type: ignore[no-untyped-call]
-        stats = await _watch(stub, procs, agents, rounds, console)
+        stats = await _watch(stub, procs, agents, rounds, console, round_of)
         await admin.close(None)
         reports = []
         for name, p in zip(agents, procs, strict=True):
@@ -220,7 +221,10 @@ async def _watch(
     agents: list[str],
     rounds: int,
     console: Console | None,
+    round_of: Callable[[str], int] | None = None,
 ) -> cpm_pb2.CpmStats | None:
+    """Progress until every agent exits: each agent's round from the CPM's stats, or from
+    ``round_of(agent)`` where the agents do not report rounds to the CPM (FedWave)."""
     last: cpm_pb2.CpmStats | None = None
     # A pipe or log file gets one line per step (an agent's round, new rewards), not bars.
     lines = console is not None and not console.is_terminal
@@ -259,6 +263,17 @@ async def _watch(
                     description=f"CPM: {stats.matchmaking_rounds} matchmaking rounds, "
                     f"{stats.rewards_observed} rewards",
                 )
+                if round_of is not None:
+                    for agent in agents:
+                        done = round_of(agent)
+                        progress.update(tasks[agent], completed=done)
+                        if lines and console and done != seen_rounds.get(agent, 0):
+                            console.print(
+                                f"[{time.monotonic() - started:6.0f} s] {agent}: round "
+                                f"{done}/{rounds}",
+                                highlight=False,
+                            )
+                        seen_rounds[agent] = done
                 if lines and console and stats.rewards_observed != seen_rewards:
                     seen_rewards = stats.rewards_observed
                     console.print(
@@ -536,7 +551,12 @@ def _print_report(console: Console, result: dict[str, Any]) -> None:
 
 
 def up_command(
-    agents: Annotated[int, typer.Option("--agents", "-n", min=2, help="Number of agents.")] = 4,
+    agents: Annotated[
+        int | None,
+        typer.Option(
+            "--agents", "-n", min=2, help="Number of agents (default 4; --workflow: one per stage)."
+        ),
+    ] = None,
     rounds: Annotated[int, typer.Option("--rounds", "-r", min=1, help="Rounds per agent.")] = 5,
     state_dir: Annotated[Path, typer.Option(help="Where CA, databases and logs live.")] = Path(
         "state/dev-federation"
@@ -584,6 +604,15 @@ def up_command(
             "of one parameter space: combine with --family."
         ),
     ] = "akd",
+    workflow: Annotated[
+        bool,
+        typer.Option(
+            "--workflow",
+            help="A FedWave value chain instead: one expert agent per stage of the bundled "
+            "code chain (specify, implement, test), exchanging routers and VCLayers over "
+            "mTLS and aggregating the router each round (docs/fedwave.md).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
@@ -607,9 +636,24 @@ def up_command(
         )
     if simulated and menu != ("akd",):
         raise typer.BadParameter("simulated agents execute akd only: leave --protocols out")
+    if workflow:
+        from peerlm.app.devfed_workflow import WORKFLOW_AGENTS
+
+        if simulated or overlay or menu != ("akd",) or resume:
+            raise typer.BadParameter(
+                "--workflow runs model-hosting FedWave experts: leave out --simulated, "
+                "--overlay, --protocols and --resume"
+            )
+        if agents is not None and agents != len(WORKFLOW_AGENTS):
+            raise typer.BadParameter(
+                f"--workflow runs one agent per stage of the code chain "
+                f"({len(WORKFLOW_AGENTS)}): leave out --agents"
+            )
+        names = list(WORKFLOW_AGENTS)
+    else:
+        names = [f"agent-{i}" for i in range(agents if agents is not None else 4)]
     console = None if as_json else Console(stderr=True)
     fed = DevFederation(state_dir)
-    names = [f"agent-{i}" for i in range(agents)]
     if not resume:
         import shutil
 
@@ -618,9 +662,25 @@ def up_command(
         shutil.rmtree(state_dir / "agents", ignore_errors=True)
     fed.provision(names)
     if console:
-        console.print(f"[bold]peerlm up[/]: {agents} agents, {rounds} rounds, state in {state_dir}")
+        console.print(
+            f"[bold]peerlm up[/]: {len(names)} agents, {rounds} rounds, state in {state_dir}"
+            + (" (FedWave workflow: " + " → ".join(names) + ")" if workflow else "")
+        )
     try:
-        if simulated:
+        if workflow:
+            from peerlm.app.devfed_workflow import prepare_workflow
+
+            argv = prepare_workflow(
+                fed,
+                rounds,
+                seed,
+                size="micro" if micro else "tiny",
+                family=family or "gpt2",
+                console=console,
+                free_port=_free_port,
+                stop_grace_s=RealPlan.stop_grace_s,
+            )
+        elif simulated:
             argv = _sim_argv(fed, names, rounds, seed, heterogeneity)
         else:
             plan = RealPlan(
@@ -630,7 +690,14 @@ def up_command(
                 aggregation=aggregation,
             )
             argv = _prepare_real(fed, names, rounds, seed, plan, console)
-        result = asyncio.run(_run(fed, names, rounds, argv, metrics_port, console, menu))
+        round_of = None
+        if workflow:
+            from peerlm.app.devfed_workflow import LogRounds
+
+            round_of = LogRounds(fed.logs, "fedwave_round_done")
+        result = asyncio.run(
+            _run(fed, names, rounds, argv, metrics_port, console, menu, round_of=round_of)
+        )
     except KeyboardInterrupt:
         if console:
             console.print("[yellow]interrupted; all processes stopped[/]")
@@ -638,8 +705,15 @@ def up_command(
     except (RuntimeError, TimeoutError) as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(code=1) from None
+    if workflow:
+        from peerlm.app.devfed_workflow import print_workflow_report, router_agreement
+
+        agreed, played = router_agreement(result["agents"])
+        result["fedwave"] = {"rounds_same_router": agreed, "rounds_played": played}
     if as_json:
         typer.echo(json.dumps(result))
+    elif workflow:
+        print_workflow_report(Console(), result, fed.logs)
     else:
         _print_report(Console(), result)
         Console().print(

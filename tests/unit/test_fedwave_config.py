@@ -30,6 +30,7 @@ fedwave:
   stage: implement
   round_deadline_s: 12.5
   max_router_bytes: 65536
+  peers: {a1: "10.0.0.1:7001", a4: "[::1]:7004"}
 """
 
 
@@ -42,6 +43,7 @@ def test_an_agent_configuration_holds_its_workflow(tmp_path: Path) -> None:
     assert fw.workflow.stage_names == ("specify", "implement", "test")
     assert (fw.stage, fw.round_deadline_s, fw.max_router_bytes) == ("implement", 12.5, 65536)
     assert fw.max_vclayer_bytes is None
+    assert fw.peers == {"a1": "10.0.0.1:7001", "a4": "[::1]:7004"}
     assert fw.member_stage("a3") == 1
     assert not AgentSettings().fedwave.enabled
 
@@ -67,6 +69,15 @@ def test_an_agent_configuration_holds_its_workflow(tmp_path: Path) -> None:
         ({"workflow": WORKFLOW, "round_deadline_s": 0}, "greater than 0"),
         ({"workflow": WORKFLOW, "max_vclayer_bytes": 10}, "greater than or equal to 1024"),
         ({"workflow": WORKFLOW, "router": {"top_k": 4}}, "exceeds the workflow"),
+        ({"peers": {"a1": "127.0.0.1:5000"}}, "fedwave.peers is set but no fedwave.workflow"),
+        ({"workflow": WORKFLOW, "peers": {"zz": "127.0.0.1:5000"}}, "names 'zz', not agents"),
+        (
+            {"workflow": WORKFLOW, "peers": {"a1": "127.0.0.1"}},
+            r"peers\['a1'\]: expected HOST:PORT",
+        ),
+        ({"workflow": WORKFLOW, "peers": {"a1": "h:70000"}}, "out of range"),
+        ({"workflow": WORKFLOW, "peers": {"a1": "h:x"}}, "not a number"),
+        ({"workflow": WORKFLOW, "peers": {"a1": "h:0"}}, "port 0 in 'h:0' is not an endpoint"),
     ],
 )
 def test_a_bad_section_is_refused_with_the_reason(section: dict[str, object], message: str) -> None:

@@ -22,6 +22,12 @@ from peerlm.app.cli import app
         ["--protocols", "pmix,pmix"],
         ["--protocols", ","],
         ["--simulated", "--protocols", "pmix"],  # simulated agents execute akd only
+        ["--workflow", "--simulated"],  # FedWave experts host models
+        ["--workflow", "--overlay"],
+        ["--workflow", "--protocols", "pmix"],
+        ["--workflow", "--resume"],  # the expert loop does not checkpoint
+        ["--workflow", "-n", "4"],  # one agent per stage of the code chain: 3
+        ["--workflow", "--family", "gtp2"],
     ],
 )
 def test_a_bad_flag_leaves_the_last_run_untouched(tmp_path: Path, flags: list[str]) -> None:

@@ -1,0 +1,267 @@
+"""The expert agent's FedWave round loop: the thin driver over :mod:`expert_round`.
+
+:class:`ExpertLoop` is what the agent daemon runs when ``fedwave.workflow`` is set. Each
+round ``t`` (docs/fedwave.md, "The expert round loop"): train on the model thread
+(:meth:`ExpertTrainer.train`), publish the trained router and VCLayer as round ``t`` in the
+node's :class:`PartStore`, :func:`pull_round` (every other agent's router, the adjacent
+stages' VCLayers) under ``fedwave.round_deadline_s``, :func:`conclude_round` (Eq. 9 over
+what arrived, weighted by ``n_i``), and adopt the aggregate. Before round 1 it pulls the
+neighbours' round-0 VCLayers (the collaborative loss of round 1 needs them).
+
+Metrics (beside the exchange's own): ``peerlm_agent_fedwave_rounds_total{outcome}``
+(``complete``: every agent's router averaged; ``partial``: some late, missing or refused),
+``peerlm_agent_fedwave_round`` (the last round concluded),
+``peerlm_agent_fedwave_parts_pulled_total{kind}`` (parts accepted and used),
+``peerlm_agent_fedwave_train_loss`` (the last round's final step loss) and
+``peerlm_agent_fedwave_heldout_loss`` (the expert's held-out SFT loss when measured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from peerlm.agent.fedwave.agent_node import FedWaveNode
+from peerlm.agent.fedwave.exchange import PartKind, plan_pulls
+from peerlm.agent.fedwave.exchange_client import pull_round, record_router_aggregate
+from peerlm.agent.fedwave.expert_round import (
+    ExpertTrainer,
+    RoundConclusion,
+    adjacent_vclayers,
+    conclude_round,
+)
+from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
+from peerlm.agent.fedwave.settings import FedWaveSettings
+from peerlm.agent.fedwave.vclayer import VCLayer, encode_vclayer
+from prometheus_client import Gauge
+
+from peerlm.metrics import get_collector
+from peerlm.node import NodeContext
+
+__all__ = ["ExpertLoop", "FedWaveReport"]
+
+T = TypeVar("T")
+#: Runs a blocking function on the agent's model thread.
+RunOnModel = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+@dataclass
+class FedWaveReport:
+    """The loop's figures for the agent's summary (and ``peerlm up --workflow``'s table)."""
+
+    stage: str
+    rounds: int = 0
+    router_sha256: list[str] = field(default_factory=list)  # per round, the aggregate's
+    members: list[int] = field(default_factory=list)  # per round, agents averaged
+    parts_pulled: dict[str, int] = field(default_factory=dict)  # kind -> accepted
+    parts_missing: dict[str, int] = field(default_factory=dict)  # reason -> count
+    parts_rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
+    train_loss: list[float] = field(default_factory=list)  # per round, the last step's
+    heldout_before: float | None = None
+    heldout_after: float | None = None
+
+
+class ExpertLoop:
+    """Agent i's FedWave rounds over its :class:`FedWaveNode` and :class:`ExpertTrainer`."""
+
+    def __init__(
+        self,
+        ctx: NodeContext,
+        settings: FedWaveSettings,
+        node: FedWaveNode,
+        trainer: ExpertTrainer,
+        *,
+        n_samples: int,
+        local_steps: int,
+        run_on_model: RunOnModel[Any],
+    ) -> None:
+        if settings.workflow is None:
+            raise ValueError("fedwave.workflow is not configured")
+        self.ctx = ctx
+        self.settings = settings
+        self.workflow = settings.workflow
+        self.node = node
+        self.trainer = trainer
+        self.n_samples = n_samples
+        self.local_steps = local_steps
+        self._run = run_on_model
+        self.endpoints: Mapping[str, str] = {
+            a: e for a, e in settings.peers.items() if a != ctx.name
+        }
+        self.shapes = router_shapes(node.router)
+        self.predecessor: VCLayer | None = None
+        self.successor: VCLayer | None = None
+        self.report = FedWaveReport(stage=node.stage)
+        self._rounds = ctx.counter(
+            "peerlm_agent_fedwave_rounds_total",
+            "FedWave expert rounds concluded: complete (every agent's router averaged) or "
+            "partial (some late, missing or refused; the round went on without them)",
+            ("outcome",),
+        )
+        self._pulled = ctx.counter(
+            "peerlm_agent_fedwave_parts_pulled_total",
+            "FedWave parts pulled from the workflow's agents, accepted and used",
+            ("kind",),
+        )
+        self._round_gauge = self._gauge(
+            "peerlm_agent_fedwave_round", "The last FedWave round this agent concluded"
+        )
+        self._train_loss = self._gauge(
+            "peerlm_agent_fedwave_train_loss", "The last FedWave round's final local step loss"
+        )
+        self._heldout = self._gauge(
+            "peerlm_agent_fedwave_heldout_loss",
+            "The expert's mean SFT loss on its stage's held-out examples (last measured)",
+        )
+        unlisted = sorted(set(self.workflow.agents) - set(self.endpoints) - {ctx.name})
+        if unlisted:
+            ctx.log.warning(
+                "fedwave_peers_unlisted",
+                agents=unlisted,
+                detail="no endpoint in fedwave.peers: their parts will count missing (no_endpoint)",
+            )
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        gauge: Gauge = get_collector(Gauge, self.ctx.registry, name, doc)
+        return gauge
+
+    async def measure(self, examples: Any, *, after: bool) -> float | None:
+        """The expert's held-out SFT loss on ``examples`` (before the first or after the
+        last round)."""
+        loss: float | None = await self._run(lambda: self.trainer.heldout_loss(examples))
+        if loss is not None:
+            self._heldout.set(loss)
+        if after:
+            self.report.heldout_after = loss
+        else:
+            self.report.heldout_before = loss
+        return loss
+
+    async def start(self) -> None:
+        """Round 0's pulls: the adjacent stages' initial VCLayers (round 1's collaborative
+        loss needs them) and every other agent's round-0 router. The routers are the common
+        initial one, so they are only counted, not averaged; pulling them makes every agent
+        wait at start for the whole workflow (up to the deadline) the same way, so that the
+        agents enter round 1 together and a missing agent is missed by all alike."""
+        parts = await pull_round(
+            self.ctx,
+            self.workflow,
+            self.ctx.name,
+            0,
+            self.endpoints,
+            self.node.bounds,
+            deadline_s=self.settings.round_deadline_s,
+        )
+        self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
+        self.predecessor, self.successor = adjacent_vclayers(
+            self.workflow, self.ctx.name, parts.vclayers
+        )
+
+    async def play(self, t: int) -> RoundConclusion:
+        """Round ``t``: train, publish, pull, conclude, adopt the aggregate."""
+        if t < 1:
+            raise ValueError(f"rounds start at 1, got {t}")
+        started = time.monotonic()
+        before, after = self.predecessor, self.successor
+        losses = await self._run(
+            lambda: self.trainer.train(self.local_steps, predecessor=before, successor=after)
+        )
+        trained = {k: v.detach().clone() for k, v in self.node.router.state_dict().items()}
+        self.node.store.publish(
+            t,
+            {
+                PartKind.ROUTER: encode_router(self.node.router, n_samples=self.n_samples, round=t),
+                PartKind.VCLAYER: encode_vclayer(self.trainer.vclayer, stage=self.node.stage),
+            },
+        )
+        trained_s = time.monotonic() - started
+        parts = await pull_round(
+            self.ctx,
+            self.workflow,
+            self.ctx.name,
+            t,
+            self.endpoints,
+            self.node.bounds,
+            deadline_s=self.settings.round_deadline_s,
+        )
+        conclusion = conclude_round(
+            self.workflow,
+            self.ctx.name,
+            trained,
+            self.n_samples,
+            parts,
+            self.shapes,
+            predecessor=self.predecessor,
+            successor=self.successor,
+        )
+        await self._run(lambda: self.trainer.load_router(conclusion.router))
+        self.predecessor, self.successor = conclusion.predecessor, conclusion.successor
+        outcome = record_router_aggregate(self.ctx, self.workflow, conclusion.members, t)
+        self._rounds.labels(outcome).inc()
+        self._round_gauge.set(t)
+        if losses:
+            self._train_loss.set(losses[-1])
+        self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
+        r = self.report
+        r.rounds = t
+        r.router_sha256.append(conclusion.digest)
+        r.members.append(len(conclusion.members))
+        last = round(losses[-1], 5) if losses else None
+        if last is not None:
+            r.train_loss.append(last)
+        self.ctx.log.info(
+            "fedwave_round_done",
+            round=t,
+            stage=self.node.stage,
+            outcome=outcome,
+            members=list(conclusion.members),
+            router_sha256=conclusion.digest,
+            train_loss=last,
+            train_s=round(trained_s, 2),
+            round_s=round(time.monotonic() - started, 2),
+        )
+        return conclusion
+
+    def _count_parts(
+        self,
+        vclayers: Mapping[str, Any],
+        routers: Mapping[str, Any],
+        missing: Mapping[Any, str],
+        rejected: Mapping[Any, str],
+    ) -> None:
+        r = self.report
+        for kind, got in ((PartKind.VCLAYER, vclayers), (PartKind.ROUTER, routers)):
+            if got:
+                self._pulled.labels(kind.value).inc(len(got))
+                r.parts_pulled[kind.value] = r.parts_pulled.get(kind.value, 0) + len(got)
+        for reason in missing.values():
+            r.parts_missing[reason] = r.parts_missing.get(reason, 0) + 1
+        for reason in rejected.values():
+            r.parts_rejected[reason] = r.parts_rejected.get(reason, 0) + 1
+
+    async def linger(self, t: int, stop: asyncio.Event) -> bool:
+        """After the last round ``t``, keep serving until every other agent has its
+        round-``t`` router from us and the adjacent stages their VCLayer, at most
+        ``round_deadline_s`` (or until ``stop``); whether they all did."""
+        me = self.ctx.name
+        others = set(self.workflow.agents) - {me}
+        neighbours = {
+            a
+            for a in self.workflow.agents
+            if a != me
+            and any(
+                p.agent == me for p in plan_pulls(self.workflow, a) if p.kind is PartKind.VCLAYER
+            )
+        }
+        service = self.node.service
+        deadline = time.monotonic() + self.settings.round_deadline_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            if others <= service.served(t, PartKind.ROUTER) and neighbours <= service.served(
+                t, PartKind.VCLAYER
+            ):
+                return True
+            await asyncio.sleep(0.1)
+        return False

@@ -1,0 +1,252 @@
+"""One FedWave expert round, without I/O: the local training and the round's conclusion.
+
+A round ``t`` of expert agent i (docs/fedwave.md, "The expert round loop"):
+
+1. **train** (:class:`ExpertTrainer`): ``local_steps`` AdamW steps of :func:`expert_loss`
+   (Eq. 8, or Eq. 2 with the router ablated) on batches of the stage's private examples,
+   over the LoRA factors, the VCLayer and this agent's copy of the router, against the
+   adjacent stages' VCLayers of the previous round;
+2. **publish** the trained router (with ``n_i``) and VCLayer as round ``t`` (the driver);
+3. **pull** every other agent's round-``t`` router and the adjacent stages' round-``t``
+   VCLayers under the round's deadline (the driver, :func:`pull_round`);
+4. **conclude** (:func:`conclude_round`, pure): Eq. 9 over this agent's trained router and
+   those that arrived (weighted by ``n_i``, summed in float64 over the agents sorted by
+   name), the neighbours' VCLayers for the next round, and what is missing or rejected.
+
+Every agent that concludes a round over the same set of routers ends with the same bits
+(:func:`router_digest` says which); an agent missing from the set is left out and counted.
+
+Choices: a fresh AdamW each round (the router is replaced by the aggregate between rounds,
+so moments carried over would belong to parameters no longer there); a stage with several
+agents is seen by its neighbours as the element-wise mean of its agents' VCLayers that
+arrived (the same role; sorted by name, so every neighbour gets the same bits); when none
+arrived the previous round's is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from peerlm.agent.fedwave.code_chain import StageExample
+from peerlm.agent.fedwave.collab_loss import CollabLossSettings
+from peerlm.agent.fedwave.exchange import RoundParts, aggregate_routers
+from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss
+from peerlm.agent.fedwave.router import MoERouter
+from peerlm.agent.fedwave.sequence_losses import per_sample_sft_loss
+from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer
+from peerlm.agent.fedwave.workflow import Workflow
+
+__all__ = [
+    "ExpertTrainer",
+    "RoundConclusion",
+    "adjacent_vclayers",
+    "conclude_round",
+    "mean_vclayer",
+    "router_digest",
+]
+
+
+def router_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over a router's float32 tensors (names sorted, name and shape included):
+    equal for two agents exactly when their routers hold the same bits."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to(device="cpu", dtype=torch.float32).contiguous()
+        h.update(f"{name}:{tuple(tensor.shape)};".encode())
+        h.update(tensor.numpy().tobytes())
+    return h.hexdigest()
+
+
+def mean_vclayer(layers: Sequence[VCLayer]) -> VCLayer:
+    """The element-wise mean of same-shaped VCLayers (a copy; ``ValueError`` if none)."""
+    if not layers:
+        raise ValueError("no VCLayer to average")
+    first = layers[0]
+    out = VCLayer(first.hidden_size, first.settings)
+    states = [layer.state_dict() for layer in layers]
+    with torch.no_grad():
+        merged = {
+            name: torch.stack([s[name].to(torch.float64) for s in states]).mean(0).float()
+            for name in states[0]
+        }
+    out.load_state_dict(merged)
+    out.requires_grad_(False)
+    return out
+
+
+@dataclass(frozen=True)
+class RoundConclusion:
+    """What round ``round`` ends with at one agent."""
+
+    round: int
+    router: dict[str, torch.Tensor]  # the aggregate (Eq. 9): the next round's router
+    members: tuple[str, ...]  # agents averaged, sorted (this one included)
+    complete: bool  # every agent of the workflow is in ``members``
+    digest: str  # router_digest(router)
+    predecessor: VCLayer | None  # the previous stage's VCLayer for the next round
+    successor: VCLayer | None
+    missing: dict[str, str] = field(default_factory=dict)  # "agent/kind" -> reason
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+def conclude_round(
+    workflow: Workflow,
+    me: str,
+    own_router: Mapping[str, torch.Tensor],
+    own_samples: int,
+    parts: RoundParts,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    predecessor: VCLayer | None = None,
+    successor: VCLayer | None = None,
+) -> RoundConclusion:
+    """The round's end at agent ``me``: Eq. 9 over its router and ``parts.routers``, and the
+    adjacent stages' VCLayers from ``parts.vclayers`` (``predecessor``/``successor``: the
+    previous round's, kept where none of the stage's agents' arrived). Pure: the same
+    arguments give the same bits. ``FedWaveError`` from the aggregate (a router that does
+    not fit: the transport has already refused those)."""
+    merged, members = aggregate_routers(me, own_router, own_samples, parts.routers, shapes)
+    before, after = adjacent_vclayers(workflow, me, parts.vclayers, predecessor, successor)
+    return RoundConclusion(
+        round=parts.round,
+        router=merged,
+        members=members,
+        complete=set(members) == set(workflow.agents),
+        digest=router_digest(merged),
+        predecessor=before,
+        successor=after,
+        missing={f"{t.agent}/{t.kind}": r for t, r in sorted(parts.missing.items())},
+        rejected={f"{t.agent}/{t.kind}": r for t, r in sorted(parts.rejected.items())},
+    )
+
+
+def adjacent_vclayers(
+    workflow: Workflow,
+    me: str,
+    arrived: Mapping[str, VCLayer],
+    predecessor: VCLayer | None = None,
+    successor: VCLayer | None = None,
+) -> tuple[VCLayer | None, VCLayer | None]:
+    """The previous and next stages' VCLayers for agent ``me``'s collaborative loss: the
+    mean of each stage's agents' layers in ``arrived``; where none arrived, the one kept
+    from before (``predecessor`` / ``successor``); None for a stage that does not exist."""
+    before, after = workflow.adjacent(me)
+
+    def stage_layer(stage: Any, kept: VCLayer | None) -> VCLayer | None:
+        if stage is None:
+            return None
+        layers = [arrived[a] for a in sorted(stage.agents) if a in arrived]
+        return mean_vclayer(layers) if layers else kept
+
+    return stage_layer(before, predecessor), stage_layer(after, successor)
+
+
+class ExpertTrainer:
+    """Agent i's expert (its LM with LoRA, wrapped with its VCLayer) and its router copy,
+    trained on its stage's private examples. Blocking: the daemon runs it on its model
+    thread."""
+
+    def __init__(
+        self,
+        lm: Any,
+        tokenizer: Any,
+        vclayer: VCLayer,
+        router: MoERouter | None,
+        *,
+        stage_index: int,
+        examples: Sequence[StageExample],
+        collab: CollabLossSettings | None = None,
+        learning_rate: float = 1e-3,
+        batch_size: int = 8,
+        max_length: int = 256,
+        seed: int = 0,
+        interrupt: threading.Event | None = None,
+    ) -> None:
+        if not examples:
+            raise ValueError("a FedWave expert needs private training examples")
+        self.model = VCCausalLM(lm, vclayer)
+        self.tokenizer = tokenizer
+        self.router = router
+        self.stage_index = stage_index
+        self.examples = list(examples)
+        self.collab = collab or CollabLossSettings()
+        self.learning_rate = learning_rate
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self._rng = random.Random(f"peerlm-fedwave-expert/{seed}")
+        # Set when the agent must stop now: training ends after the step in progress.
+        self._interrupt = interrupt
+
+    @property
+    def vclayer(self) -> VCLayer:
+        """This stage's VCLayer (trained in place)."""
+        return self.model.vclayer
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        params = [p for p in self.model.lm.parameters() if p.requires_grad]
+        params += list(self.vclayer.parameters())
+        if self.router is not None:
+            params += list(self.router.parameters())
+        return params
+
+    def train(
+        self, steps: int, *, predecessor: VCLayer | None, successor: VCLayer | None
+    ) -> list[float]:
+        """``steps`` AdamW steps of Eq. 8 (Eq. 2 without a router); the step losses (fewer
+        when the interrupt was set)."""
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1, got {steps}")
+        self.model.train()
+        optimizer = torch.optim.AdamW(self._parameters(), lr=self.learning_rate)
+        losses: list[float] = []
+        for _ in range(steps):
+            if self._interrupt is not None and self._interrupt.is_set():
+                break
+            batch_examples = self._rng.sample(
+                self.examples, min(self.batch_size, len(self.examples))
+            )
+            batch = encode_stage_examples(self.tokenizer, batch_examples, self.max_length)
+            loss = expert_loss(
+                self.model,
+                batch,
+                stage_index=self.stage_index,
+                predecessor=predecessor,
+                successor=successor,
+                router=self.router,
+                collab=self.collab,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.total.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            losses.append(float(loss.total.detach()))
+        self.model.eval()
+        return losses
+
+    def heldout_loss(self, examples: Sequence[StageExample]) -> float | None:
+        """Mean per-sample SFT loss (nats per target token) of the expert on ``examples``
+        (through its VCLayer; None when there is none)."""
+        if not examples:
+            return None
+        self.model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for start in range(0, len(examples), self.batch_size):
+                batch = encode_stage_examples(
+                    self.tokenizer, examples[start : start + self.batch_size], self.max_length
+                )
+                out = self.model(batch.input_ids, batch.attention_mask)
+                losses = per_sample_sft_loss(out.logits, batch.input_ids, batch.target_mask)
+                total += float(losses.sum())
+                count += int(losses.numel())
+        return total / count
+
+    def load_router(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Adopt the round's aggregate as this agent's router."""
+        if self.router is not None:
+            self.router.load_state_dict(dict(state))

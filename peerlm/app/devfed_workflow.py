@@ -1,0 +1,248 @@
+"""``peerlm up --workflow``: a local FedWave value-chain federation on loopback.
+
+One expert agent per stage of the bundled code chain (requirement → signature and
+docstring → implementation → tests; docs/fedwave.md, section 1), each a real ``peerlm
+agent`` process with its own certificate, its stage's private examples as its training
+file and the held-out chains' stage examples as its validation file. Every agent's
+configuration holds the ``fedwave:`` section: the workflow, its stage and every agent's
+endpoint (``fedwave.peers``; the ports are chosen here, before the agents start, so each
+configuration can name the others). The agents run ``rounds`` FedWave rounds (train, publish,
+pull the routers and adjacent VCLayers over mTLS, aggregate the router by n_i) and report;
+:func:`workflow_rows` turns the reports into the final table, one row per stage.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from rich.console import Console
+
+__all__ = [
+    "WORKFLOW_AGENTS",
+    "LogRounds",
+    "prepare_workflow",
+    "print_workflow_report",
+    "router_agreement",
+    "workflow_rows",
+]
+
+#: Agents of the workflow, one per code-chain stage (certificate names).
+WORKFLOW_AGENTS: tuple[str, ...] = ("specify-0", "implement-0", "test-0")
+#: Per stage private examples and held-out chains, by model size (micro: smoke tests).
+_DATA = {"tiny": (64, 12), "micro": (16, 4)}
+#: A round's pulls wait this long for the slowest agent's training (and, in round 1, for
+#: every agent to have loaded its model and started serving).
+ROUND_DEADLINE_S = 180.0
+
+
+class LogRounds:
+    """An agent's last round from its JSON log (``<logs>/<agent>.log``): the highest
+    ``round`` of the ``event`` lines read so far; each call reads only the new lines."""
+
+    def __init__(self, logs: Path, event: str) -> None:
+        self._logs = logs
+        self._event = event
+        self._offsets: dict[str, int] = {}
+        self._rounds: dict[str, int] = {}
+
+    def __call__(self, agent: str) -> int:
+        path = self._logs / f"{agent}.log"
+        try:
+            with path.open("rb") as handle:
+                handle.seek(self._offsets.get(agent, 0))
+                chunk = handle.read()
+        except OSError:
+            return self._rounds.get(agent, 0)
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a partly written line waits
+        self._offsets[agent] = self._offsets.get(agent, 0) + len(complete)
+        for line in complete.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("event") == self._event:
+                found = entry.get("round")
+                if isinstance(found, int):
+                    self._rounds[agent] = max(self._rounds.get(agent, 0), found)
+        return self._rounds.get(agent, 0)
+
+
+def _stage_problems(examples: Any, stage: str) -> list[Any]:
+    """Stage examples as the agent's training/validation records (prompt = the stage's
+    input, reference = its reference output; no tests: the stage loss is what is scored)."""
+    from peerlm.agent import Problem
+
+    return [
+        Problem(
+            task_id=f"{e.task_id}/{stage}",
+            category=stage,
+            prompt=e.source,
+            reference=e.target,
+            tests="",
+            entry_point="stage_output",
+        )
+        for e in examples
+    ]
+
+
+def prepare_workflow(
+    fed: Any,
+    rounds: int,
+    seed: int,
+    *,
+    size: str,
+    family: str,
+    console: Console | None,
+    free_port: Callable[[], int],
+    stop_grace_s: float,
+) -> Callable[[int, str, str], list[str]]:
+    """Build (or reuse) the models and the chain's data; write one configuration per
+    workflow agent (``fedwave:`` with the endpoints); the agents' command lines."""
+    from peerlm.agent import (
+        CODE_CHAIN_STAGES,
+        Problem,
+        Workflow,
+        build_code_chain,
+        transfer_set_sha256,
+        write_jsonl,
+    )
+    from peerlm.app.cli_models import build_with_progress, models_cache_dir
+
+    model_size: Literal["tiny", "micro"] = "micro" if size == "micro" else "tiny"
+    models_dir = models_cache_dir(model_size)
+    if console:
+        console.print(f"building or reusing {size} models in {models_dir} ...")
+    build_with_progress(models_dir, (family,), model_size, console or Console(quiet=True))
+    workflow = Workflow.model_validate(
+        {
+            "stages": [
+                {"name": stage, "agents": [agent]}
+                for stage, agent in zip(CODE_CHAIN_STAGES, WORKFLOW_AGENTS, strict=True)
+            ]
+        }
+    )
+    per_stage, n_test = _DATA[model_size]
+    chain = build_code_chain(workflow, per_stage=per_stage, n_test=n_test, n_public=4, seed=seed)
+    data = fed.root / "workflow-data"
+    data.mkdir(parents=True, exist_ok=True)
+    # X_u (every agent's configuration needs one): the public requirements, nobody's data.
+    transfer = [
+        Problem(f"public/{k}", "public", text, "", "", "stage_output")
+        for k, text in enumerate(chain.public)
+    ]
+    write_jsonl(data / "transfer.jsonl", transfer)
+    ports = {agent: free_port() for agent in WORKFLOW_AGENTS}
+    peers = {agent: f"127.0.0.1:{port}" for agent, port in ports.items()}
+    configs = fed.root / "agents"
+    configs.mkdir(parents=True, exist_ok=True)
+    for index, (stage, agent) in enumerate(zip(CODE_CHAIN_STAGES, WORKFLOW_AGENTS, strict=True)):
+        t = fed.tls(agent)
+        own = data / agent
+        own.mkdir(parents=True, exist_ok=True)
+        write_jsonl(own / "train.jsonl", _stage_problems(chain.of_agent(agent), stage))
+        held_out = [item.example(index, stage) for item in chain.test]
+        write_jsonl(own / "val.jsonl", _stage_problems(held_out, stage))
+        config: dict[str, Any] = {
+            "federation": "dev",
+            "listen": peers[agent],
+            "state_dir": str(fed.root / "agents" / agent),
+            "model": str(models_dir / family),
+            "device": "cpu",
+            "train_file": str(own / "train.jsonl"),
+            "val_file": str(own / "val.jsonl"),
+            "transfer_file": str(data / "transfer.jsonl"),
+            "transfer_sha256": transfer_set_sha256([p.prompt for p in transfer]),
+            "rounds": rounds,
+            "local_steps": 8,
+            "learning_rate": 2e-3,
+            "batch_size": 8,
+            "max_length": 192,
+            "stop_grace_s": stop_grace_s,
+            "seed": seed + index,
+            "log_format": "json",
+            "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
+            "fedwave": {
+                "workflow": workflow.model_dump(),
+                "stage": stage,
+                "peers": peers,
+                "round_deadline_s": ROUND_DEADLINE_S,
+                "seed": seed,
+            },
+        }
+        (configs / f"{agent}.yaml").write_text(json.dumps(config, indent=2))
+
+    def argv(i: int, name: str, target: str) -> list[str]:
+        return [
+            sys.executable, "-m", "peerlm", "agent", "--config", str(configs / f"{name}.yaml"),
+            "--cpm", target,
+        ]  # fmt: skip
+
+    return argv
+
+
+def router_agreement(reports: list[Mapping[str, Any]]) -> tuple[int, int]:
+    """(rounds in which every agent ended with the same router, rounds every agent played)."""
+    digests = [list(r.get("fedwave", {}).get("router_sha256", [])) for r in reports]
+    played = min((len(d) for d in digests), default=0)
+    agreed = sum(1 for k in range(played) if len({d[k] for d in digests}) == 1)
+    return agreed, played
+
+
+def _loss(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, int | float) else "-"
+
+
+def workflow_rows(result: Mapping[str, Any]) -> list[dict[str, str]]:
+    """One row per stage: agent, rounds, router agreement, parts pulled / missing /
+    rejected, the held-out SFT loss before → after, errors."""
+    reports = list(result.get("agents", []))
+    agreed, played = router_agreement(reports)
+    rows = []
+    for r in reports:
+        fw = r.get("fedwave", {})
+        pulled = fw.get("parts_pulled", {})
+        rows.append(
+            {
+                "stage": str(fw.get("stage", "?")),
+                "agent": str(r.get("name", "?")),
+                "rounds": str(fw.get("rounds", 0)),
+                "same router": f"{agreed}/{played} rounds",
+                "pulled r/vc": f"{pulled.get('router', 0)}/{pulled.get('vclayer', 0)}",
+                "missing": str(sum(fw.get("parts_missing", {}).values())),
+                "refused": str(sum(fw.get("parts_rejected", {}).values())),
+                "held-out loss": f"{_loss(fw.get('heldout_before'))}→"
+                f"{_loss(fw.get('heldout_after'))}",
+                "errors": "; ".join(r.get("errors", [])) or "-",
+            }
+        )
+    return rows
+
+
+def print_workflow_report(console: Console, result: Mapping[str, Any], logs: Path) -> None:
+    """The final per-stage table (a vertical block per stage on narrow consoles)."""
+    from rich.table import Table
+
+    rows = workflow_rows(result)
+    title = f"peerlm FedWave workflow: {result.get('rounds')} rounds in {result.get('seconds')} s"
+    if console.is_terminal and console.width >= 120 and rows:
+        table = Table(title=title)
+        for label in rows[0]:
+            table.add_column(label, justify="left" if label in ("stage", "agent") else "right")
+        for row in rows:
+            table.add_row(*row.values())
+        console.print(table)
+    else:
+        lines = [title]
+        for row in rows:
+            lines.append(f"{row['stage']}:")
+            lines += [f"  {k:<14} {v}" for k, v in row.items() if k != "stage"]
+        console.print("\n".join(lines), highlight=False, soft_wrap=True)
+    agreed, played = router_agreement(list(result.get("agents", [])))
+    console.print(
+        f"router: every agent ended {agreed} of {played} rounds with the same bits; logs in {logs}",
+        highlight=False,
+    )

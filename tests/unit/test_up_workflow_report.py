@@ -1,0 +1,58 @@
+"""`peerlm up --workflow`'s report: router agreement across agents, the per-stage rows, and
+each agent's round read from its JSON log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from peerlm.app.devfed_workflow import LogRounds, router_agreement, workflow_rows
+
+
+def report(name: str, stage: str, digests: list[str], **extra: object) -> dict[str, object]:
+    fedwave = {
+        "stage": stage,
+        "rounds": len(digests),
+        "router_sha256": digests,
+        "parts_pulled": {"router": 4, "vclayer": 2},
+        "parts_missing": {"late": 1},
+        "parts_rejected": {},
+        "heldout_before": 2.5,
+        "heldout_after": 1.25,
+    }
+    return {"name": name, "errors": [], "fedwave": {**fedwave, **extra}}
+
+
+def test_agreement_counts_the_rounds_in_which_every_agent_had_the_same_router() -> None:
+    same = [report("a", "specify", ["x", "y", "z"]), report("b", "test", ["x", "y", "z"])]
+    assert router_agreement(same) == (3, 3)
+    split = [report("a", "specify", ["x", "y", "z"]), report("b", "test", ["x", "q"])]
+    assert router_agreement(split) == (1, 2)  # round 2 differs, round 3 not played by b
+    assert router_agreement([]) == (0, 0)
+
+
+def test_one_row_per_stage_with_pulls_and_losses() -> None:
+    rows = workflow_rows({"agents": [report("a", "specify", ["x"]), report("b", "test", ["x"])]})
+    assert [r["stage"] for r in rows] == ["specify", "test"]
+    assert rows[0]["same router"] == "1/1 rounds"
+    assert rows[0]["pulled r/vc"] == "4/2" and rows[0]["missing"] == "1"
+    assert rows[0]["held-out loss"] == "2.500→1.250"
+    no_loss = workflow_rows({"agents": [report("a", "s", [], heldout_after=None)]})
+    assert no_loss[0]["held-out loss"] == "2.500→-"
+
+
+def test_log_rounds_reads_new_complete_lines_only(tmp_path: Path) -> None:
+    rounds = LogRounds(tmp_path, "fedwave_round_done")
+    assert rounds("a") == 0  # no log yet
+    log = tmp_path / "a.log"
+    log.write_text(
+        json.dumps({"event": "fedwave_round_done", "round": 1}) + "\n" + "not json\n"
+        + json.dumps({"event": "other", "round": 9}) + "\n"
+    )  # fmt: skip
+    assert rounds("a") == 1
+    with log.open("a") as handle:
+        handle.write(json.dumps({"event": "fedwave_round_done", "round": 2}))  # no newline yet
+    assert rounds("a") == 1
+    with log.open("a") as handle:
+        handle.write("\n")
+    assert rounds("a") == 2
