@@ -60,6 +60,11 @@ class PreferencePair:
     rejected_expert: int
     alpha: tuple[float, ...]
 
+    @property
+    def informative(self) -> bool:
+        """Whether y_w and y_l differ (an identical pair has no preference to learn)."""
+        return self.chosen != self.rejected
+
 
 @dataclass(frozen=True)
 class PairBatch:
@@ -87,10 +92,9 @@ def build_preference_pairs(
     *,
     max_new_tokens: int = 96,
     max_length: int = 256,
-) -> tuple[list[PreferencePair], int]:
-    """The pairs for ``prompts`` (see the module docstring) and how many were dropped."""
+) -> list[PreferencePair]:
+    """One pair per prompt (see the module docstring), informative or not."""
     pairs: list[PreferencePair] = []
-    dropped = 0
     for prompt in prompts:
         ids, _ = prompt_ids(tokenizer, prompt, max_length)
         alpha = model.route(torch.tensor([ids])).alpha[0]
@@ -102,15 +106,12 @@ def build_preference_pairs(
         rejected = greedy_generate(
             model.expert(worst), tokenizer, [prompt], max_new_tokens=max_new_tokens
         )
-        if chosen[0] == rejected[0]:
-            dropped += 1
-            continue
         pairs.append(
             PreferencePair(
                 prompt, chosen[0], rejected[0], best, worst, tuple(float(a) for a in alpha)
             )
         )
-    return pairs, dropped
+    return pairs
 
 
 def encode_pairs(
@@ -149,9 +150,11 @@ def run_dpo_phase(
     seed: int = 0,
     max_length: int = 256,
 ) -> DPOPhaseReport:
-    """``steps`` AdamW steps of Eq. 10 on ``pairs``, training ``model`` (π_θ) in place."""
+    """``steps`` AdamW steps of Eq. 10 on the informative ``pairs``, training ``model``
+    (π_θ) in place."""
+    pairs = [p for p in pairs if p.informative]
     if not pairs:
-        raise ValueError("the DPO phase needs at least one preference pair")
+        raise ValueError("the DPO phase needs at least one informative preference pair")
     if steps < 0 or batch_size < 1:
         raise ValueError("steps must be >= 0 and batch_size >= 1")
     reference = copy.deepcopy(model).eval()

@@ -117,8 +117,8 @@ def test_preference_pairs_come_from_the_top_and_the_lowest_expert(
     d = experts[0].vclayer.hidden_size
     model = AssembledModel(experts, _forcing_router(d, [1.0, -2.0, 3.0]))
     prompt = "def add(a, b):\n    "
-    pairs, dropped = build_preference_pairs(model, tokenizer, [prompt], max_new_tokens=6)
-    assert dropped == 0 and len(pairs) == 1
+    pairs = build_preference_pairs(model, tokenizer, [prompt], max_new_tokens=6)
+    assert len(pairs) == 1 and pairs[0].informative
     pair = pairs[0]
     assert (pair.chosen_expert, pair.rejected_expert) == (2, 1)
     assert pair.chosen == greedy_generate(experts[2], tokenizer, [prompt], max_new_tokens=6)[0]
@@ -148,5 +148,7 @@ def test_the_phase_loss_equals_eq10_by_hand_and_training_moves_only_the_experts(
     assert float(again.loss) == pytest.approx(by_hand, rel=1e-5)
     assert by_hand < math.log(2) and report.reward_accuracy == 1.0
     assert all(torch.equal(v, model.router.state_dict()[k]) for k, v in router_before.items())
-    with pytest.raises(ValueError, match="at least one"):
-        run_dpo_phase(model, tokenizer, [], steps=1)
+    with pytest.raises(ValueError, match="at least one informative"):
+        run_dpo_phase(
+            model, tokenizer, [PreferencePair("x", "y", "y", 0, 1, (0.5, 0.5, 0.0))], steps=1
+        )
