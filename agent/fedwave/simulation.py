@@ -239,7 +239,8 @@ def simulate_strategy(
     if strategy == "fedavg":
         set_peft_model_state_dict(experts[0].lm, global_lora)
     assembled = AssembledModel(experts, routers[0]) if routers[0] is not None else None
-    pairs_used, dpo_losses = 0, ()
+    pairs_used = 0
+    dpo_losses: tuple[float, ...] = ()
     if use_dpo and assembled is not None and config.dpo_steps > 0:
         pairs = _chained_pairs(assembled, tokenizer, split.public, config.max_new_tokens)
         informative = [p for p in pairs if p.informative]
