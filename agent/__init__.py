@@ -19,8 +19,10 @@ if TYPE_CHECKING:
     from peerlm.agent.daemon import AgentDaemon, AgentSummary
     from peerlm.agent.directives import DirectiveBook
     from peerlm.agent.evaluation import evaluate, structural_match_rate
+    from peerlm.agent.fedwave.assembly import AssembledModel, assembled_generate
     from peerlm.agent.fedwave.chain_tasks import score_chain_tasks
     from peerlm.agent.fedwave.code_chain import CODE_CHAIN_STAGES, build_code_chain
+    from peerlm.agent.fedwave.dpo_phase import build_preference_pairs, run_dpo_phase
     from peerlm.agent.fedwave.exchange import PartKind, PartStore, ShapeBounds
     from peerlm.agent.fedwave.exchange_client import aggregate_round_routers, pull_round
     from peerlm.agent.fedwave.exchange_service import FedWaveExchangeService, serve_fedwave
@@ -28,6 +30,21 @@ if TYPE_CHECKING:
     from peerlm.agent.fedwave.generation import greedy_generate
     from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
     from peerlm.agent.fedwave.settings import FedWaveSettings
+    from peerlm.agent.fedwave.simulation import (
+        STRATEGIES as FEDWAVE_STRATEGIES,
+    )
+    from peerlm.agent.fedwave.simulation import (
+        SimulationConfig as FedWaveSimulationConfig,
+    )
+    from peerlm.agent.fedwave.simulation import (
+        StrategyResult as FedWaveStrategyResult,
+    )
+    from peerlm.agent.fedwave.simulation import (
+        score_strategy as score_fedwave_strategy,
+    )
+    from peerlm.agent.fedwave.simulation import (
+        simulate_strategy as simulate_fedwave_strategy,
+    )
     from peerlm.agent.fedwave.text_metrics import corpus_scores
     from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer, encode_vclayer
     from peerlm.agent.fedwave.workflow import Workflow
@@ -234,6 +251,16 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "encode_router": ("peerlm.agent.fedwave.router_codec", "encode_router"),
     "router_shapes": ("peerlm.agent.fedwave.router_codec", "router_shapes"),
     "encode_vclayer": ("peerlm.agent.fedwave.vclayer", "encode_vclayer"),
+    # FedWave's assembled model, DPO phase and workflow simulation (docs/fedwave.md, 3 and 5)
+    "AssembledModel": ("peerlm.agent.fedwave.assembly", "AssembledModel"),
+    "assembled_generate": ("peerlm.agent.fedwave.assembly", "assembled_generate"),
+    "build_preference_pairs": ("peerlm.agent.fedwave.dpo_phase", "build_preference_pairs"),
+    "run_dpo_phase": ("peerlm.agent.fedwave.dpo_phase", "run_dpo_phase"),
+    "FEDWAVE_STRATEGIES": ("peerlm.agent.fedwave.simulation", "STRATEGIES"),
+    "FedWaveSimulationConfig": ("peerlm.agent.fedwave.simulation", "SimulationConfig"),
+    "FedWaveStrategyResult": ("peerlm.agent.fedwave.simulation", "StrategyResult"),
+    "score_fedwave_strategy": ("peerlm.agent.fedwave.simulation", "score_strategy"),
+    "simulate_fedwave_strategy": ("peerlm.agent.fedwave.simulation", "simulate_strategy"),
 }
 
 __all__ = [
@@ -242,6 +269,7 @@ __all__ = [
     "CODE_CHAIN_STAGES",
     "DEFAULT_HIDDEN",
     "DEFAULT_PRIVATE_CATEGORIES",
+    "FEDWAVE_STRATEGIES",
     "SHIPPED_DIR",
     "AcceptanceGate",
     "AdapterSpec",
@@ -249,6 +277,7 @@ __all__ = [
     "AgentOverlaySettings",
     "AgentSettings",
     "AgentSummary",
+    "AssembledModel",
     "BuildEvent",
     "ClientAdapter",
     "CohortAnalysis",
@@ -258,6 +287,8 @@ __all__ = [
     "DirectiveBook",
     "FedWaveExchangeService",
     "FedWaveSettings",
+    "FedWaveSimulationConfig",
+    "FedWaveStrategyResult",
     "Guardrail",
     "HTiesResult",
     "Integration",
@@ -290,12 +321,14 @@ __all__ = [
     "aggregate_round_routers",
     "aggregate_svd",
     "apply_lora",
+    "assembled_generate",
     "block_influence",
     "blocks_to_keep",
     "build_code_chain",
     "build_federation_data",
     "build_models",
     "build_package",
+    "build_preference_pairs",
     "build_proxy",
     "build_text_package",
     "category_counts",
@@ -342,11 +375,14 @@ __all__ = [
     "round_profile",
     "router_shapes",
     "run_agent",
+    "run_dpo_phase",
     "sample_completions",
     "score_chain_tasks",
     "score_completions",
+    "score_fedwave_strategy",
     "serve_fedwave",
     "serve_peer",
+    "simulate_fedwave_strategy",
     "structural_match_rate",
     "teachable_indices",
     "teacher_completions",

@@ -9,6 +9,10 @@ The foundations, as sans-IO library code (docs/fedwave.md maps each equation to 
 * :mod:`~peerlm.agent.fedwave.collab_loss` — the collaborative loss (Eq. 2-6);
 * :mod:`~peerlm.agent.fedwave.router` — the MoE router, its losses and FedAvg (Eq. 7-9);
 * :mod:`~peerlm.agent.fedwave.dpo` — the DPO loss (Eq. 10);
+* :mod:`~peerlm.agent.fedwave.assembly` — the assembled π_SFT (the router's top-2 mixture);
+* :mod:`~peerlm.agent.fedwave.dpo_phase` — the router-made preference pairs and the DPO phase;
+* :mod:`~peerlm.agent.fedwave.simulation` — one workflow simulated under FedWave, FedAvg and
+  the ablations (``peerlm run-workflow-experiment``);
 * :mod:`~peerlm.agent.fedwave.settings` — the ``fedwave:`` section of the agent's settings;
 * :mod:`~peerlm.agent.fedwave.exchange` — what a workflow's agents exchange (sans-IO), with
   its gRPC service (:mod:`~peerlm.agent.fedwave.exchange_service`) and client

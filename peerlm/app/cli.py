@@ -285,9 +285,11 @@ def _mount_dev() -> None:
     from peerlm.app.devfed import up_command
     from peerlm.app.experiment_cli import run_experiment_command
     from peerlm.app.simulated import sim_agent_command
+    from peerlm.app.workflow_experiment_cli import run_workflow_experiment_command
 
     app.command("up")(up_command)
     app.command("run-experiment")(run_experiment_command)
+    app.command("run-workflow-experiment")(run_workflow_experiment_command)
     app.command("sim-agent", hidden=True)(sim_agent_command)
 
 
