@@ -160,13 +160,18 @@ class CpmClient:
         loss_pre: float = 0.0,
         loss_post: float = 0.0,
         kilobytes: int = 0,
+        failure: int = 0,
     ) -> cpm_pb2.ReportRewardResponse:
+        """Report Eq. 3's ``reward`` for a directive, or with ``failure`` (a
+        ``peerlm.v1.ExchangeFailure`` value, ``reward`` 0) that the student refused it;
+        retried idempotently (module docstring)."""
         req = cpm_pb2.ReportRewardRequest(
             directive_id=directive_id,
             reward=reward,
             loss_pre=loss_pre,
             loss_post=loss_post,
             kilobytes=kilobytes,
+            failure=failure,  # type: ignore[arg-type]
         )
         deadline = time.monotonic() + self._reward_retry_s
         backoff = 0.25

@@ -787,6 +787,8 @@ class AgentDaemon:
                     f"not one this agent executes ({', '.join(self.protocols)})"
                 ),
             )
+            if directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
+                await self._report_refusal(directive, "unsupported_protocol")
             return False
         if action == "merge":
             await self._merge_from(directive, t)
@@ -1003,9 +1005,11 @@ class AgentDaemon:
             if isinstance(exc, PackageError):
                 self.telemetry.package_refusals.labels(exc.reason).inc()
             self._exchange_failed(d, reason, exc)
+            await self._report_refusal(d, reason)
             return
         except Exception as exc:  # a failed exchange is logged and the round goes on
             self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
+            await self._report_refusal(d, getattr(exc, "reason", "error"))
             return
         self._note_interrupted(result.stats.interrupted, t, "integrate", result.stats.steps)
         if result.rolled_back:
@@ -1071,9 +1075,11 @@ class AgentDaemon:
             )
         except MergeRefused as exc:
             self._exchange_failed(d, "adapter_refused", exc)
+            await self._report_refusal(d, exc.reason)
             return
         except Exception as exc:  # a failed exchange is logged and the round goes on
             self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
+            await self._report_refusal(d, getattr(exc, "reason", "error"))
             return
         outcome = (t, result.loss_pre, result.loss_post, result.reward)
         if result.rolled_back:
@@ -1148,6 +1154,34 @@ class AgentDaemon:
             return None
         self.telemetry.rewards.inc()
         return ack
+
+    async def _report_refusal(self, d: cpm_pb2.Directive, reason: str) -> None:
+        """Tell the CPM the student refused ``d`` for ``reason``
+        (:func:`~peerlm.agent.directives.refusal_failure`), so that its bandit learns the
+        tuple was bad; nothing for a reason that is this agent's own trouble."""
+        from peerlm.agent.directives import refusal_failure
+
+        failure = refusal_failure(reason)
+        if failure == cpm_pb2.EXCHANGE_FAILURE_UNSPECIFIED:
+            return
+        try:
+            await self.cpm.report_reward(d.directive_id, 0.0, failure=failure)
+        except grpc.aio.AioRpcError as err:
+            self.telemetry.exchange_failures.labels("reward_refused").inc()
+            self.log.warning(
+                "refusal_not_reported",
+                directive=d.directive_id,
+                code=err.code().name,
+                detail=err.details(),
+            )
+            return
+        self.log.info(
+            "refusal_reported",
+            directive=d.directive_id,
+            teacher=d.teacher,
+            reason=reason,
+            failure=cpm_pb2.ExchangeFailure.Name(failure),
+        )
 
     def _exchange_failed(self, d: cpm_pb2.Directive, reason: str, exc: BaseException) -> None:
         self.telemetry.exchange_failures.labels(reason).inc()

@@ -20,6 +20,9 @@ Decisions the paper leaves open, made here:
   context stored with the directive at selection time is the one the bandit learns from
   (the agent never sends a context vector, so it cannot poison the model's features).
 * Expired directives are closed without a bandit update; they are counted in a metric.
+* A student that refuses a directive reports the failure in the reward's place
+  (``RewardReport.failure``, :mod:`.refusals`): same authorisation, once, same group
+  commit; the ledger keeps the reason and the bandit learns ``refusal_reward``.
 * Rewards are committed in batches (:meth:`CpmCore.report_rewards`): each is applied to
   the in-memory bandit in turn, then all their ledger rows go into one transaction; if
   that fails, the bandit is put back as it was before the batch and nothing is
@@ -51,6 +54,7 @@ from peerlm.services.cpm.records import (
     ProfileRecord,
     RewardRecord,
 )
+from peerlm.services.cpm.refusals import failure_name
 from peerlm.services.cpm.settings import CpmSettings
 from peerlm.services.cpm.store import CpmStore
 
@@ -145,6 +149,9 @@ class RewardReport:
     loss_pre: float = 0.0
     loss_post: float = 0.0
     kilobytes: int = 0
+    #: A refused exchange's wire code (``peerlm.v1.ExchangeFailure``, :mod:`.refusals`);
+    #: 0 for a reward.
+    failure: int = 0
 
 
 @dataclass(frozen=True)
@@ -560,14 +567,24 @@ class CpmCore:
                 accepted.append((len(results), rep, directive))
                 results.append(None)
             # One Woodbury step for the whole batch (LinUCB.update_block).
-            normalised = self.matchmaker.observe_many(
-                [_pairing(d) for _, _, d in accepted], [rep.reward for _, rep, _ in accepted]
-            )
+            # A refused exchange teaches the bandit the configured refusal reward (.refusals).
+            values = [
+                self._s.refusal_reward if rep.failure else rep.reward for _, rep, _ in accepted
+            ]
+            normalised = self.matchmaker.observe_many([_pairing(d) for _, _, d in accepted], values)
             now = self._clock()
             updates = before.n_updates
-            for (slot, rep, directive), r_norm in zip(accepted, normalised, strict=True):
+            for (slot, rep, directive), value, r_norm in zip(
+                accepted, values, normalised, strict=True
+            ):
                 record = RewardRecord(
-                    rep.reward, r_norm, rep.loss_pre, rep.loss_post, rep.kilobytes, now
+                    value,
+                    r_norm,
+                    rep.loss_pre,
+                    rep.loss_post,
+                    rep.kilobytes,
+                    now,
+                    failure_name(rep.failure),
                 )
                 self._seq += 1
                 updates += 1
@@ -603,6 +620,17 @@ class CpmCore:
         ):
             if not math.isfinite(value):
                 raise CpmError("INVALID_ARGUMENT", "non_finite", f"{name} must be finite")
+        try:
+            failure_name(rep.failure)
+        except ValueError as exc:
+            raise CpmError("INVALID_ARGUMENT", "failure_reason", str(exc)) from None
+        if rep.failure and (reward, rep.loss_pre, rep.loss_post) != (0.0, 0.0, 0.0):
+            raise CpmError(
+                "INVALID_ARGUMENT",
+                "failure_with_reward",
+                "a refused exchange carries no reward or losses (the CPM applies its "
+                "configured refusal reward); send reward, loss_pre and loss_post as 0",
+            )
         if abs(reward) > self._s.max_reward_magnitude:
             raise CpmError(
                 "INVALID_ARGUMENT",

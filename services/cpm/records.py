@@ -42,6 +42,9 @@ class RewardRecord:
     loss_post: float
     kilobytes: int
     rewarded_at: float
+    #: Why the student refused the directive (:mod:`.refusals`); "" for a reward. For a
+    #: refusal, ``reward`` is the configured refusal reward the bandit learnt.
+    failure: str = ""
 
 
 @dataclass(frozen=True)

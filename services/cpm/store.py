@@ -224,7 +224,8 @@ CREATE TABLE IF NOT EXISTS directives (
     issued_at REAL NOT NULL, expires_at REAL NOT NULL,
     status TEXT NOT NULL,
     reward REAL, normalised_reward REAL, loss_pre REAL, loss_post REAL,
-    kilobytes INTEGER, rewarded_at REAL, reward_seq INTEGER
+    kilobytes INTEGER, rewarded_at REAL, reward_seq INTEGER,
+    failure TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS directives_open ON directives(status) WHERE status = 'open';
 """
@@ -243,6 +244,8 @@ _MIGRATIONS = (
         "ALTER TABLE profiles ADD COLUMN param_space TEXT NOT NULL DEFAULT ''",
     ),
     ("profiles", "protocols", "ALTER TABLE profiles ADD COLUMN protocols TEXT NOT NULL DEFAULT ''"),
+    # Refused exchanges (services/cpm/refusals.py): the reason, "" for a reward.
+    ("directives", "failure", "ALTER TABLE directives ADD COLUMN failure TEXT NOT NULL DEFAULT ''"),
 )
 _LEDGER_INDEX = (
     "CREATE UNIQUE INDEX IF NOT EXISTS directives_reward_seq ON directives(reward_seq)"
@@ -431,7 +434,7 @@ class SqliteCpmStore(CpmStore):
     _DIRECTIVE_COLUMNS = (
         "directive_id, matchmaking_round, protocol, role, teacher, student, teacher_endpoint,"
         " student_endpoint, context, ucb, issued_at, expires_at, status, reward,"
-        " normalised_reward, loss_pre, loss_post, kilobytes, rewarded_at"
+        " normalised_reward, loss_pre, loss_post, kilobytes, rewarded_at, failure"
     )
 
     @staticmethod
@@ -448,6 +451,7 @@ class SqliteCpmStore(CpmStore):
                 loss_post=float(row[16]),  # type: ignore[arg-type]
                 kilobytes=int(row[17]),  # type: ignore[call-overload]
                 rewarded_at=float(row[18]),  # type: ignore[arg-type]
+                failure=str(row[19]),
             )
         return DirectiveRecord(
             directive_id=str(row[0]),
@@ -486,8 +490,8 @@ class SqliteCpmStore(CpmStore):
             for directive_id, reward, seq in rewards:
                 cur = db.execute(
                     "UPDATE directives SET status='rewarded', reward=?, normalised_reward=?,"
-                    " loss_pre=?, loss_post=?, kilobytes=?, rewarded_at=?, reward_seq=?"
-                    " WHERE directive_id=? AND status='open'",
+                    " loss_pre=?, loss_post=?, kilobytes=?, rewarded_at=?, reward_seq=?,"
+                    " failure=? WHERE directive_id=? AND status='open'",
                     (
                         reward.reward,
                         reward.normalised,
@@ -496,6 +500,7 @@ class SqliteCpmStore(CpmStore):
                         reward.kilobytes,
                         reward.rewarded_at,
                         seq,
+                        reward.failure,
                         directive_id,
                     ),
                 )
