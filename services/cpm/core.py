@@ -46,7 +46,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from peerlm.services.cpm.matchmaker import Matchmaker, Pairing
-from peerlm.services.cpm.menu import Capabilities, check_param_space, check_protocols
+from peerlm.services.cpm.menu import (
+    Capabilities,
+    check_overlay_peers,
+    check_param_space,
+    check_protocols,
+)
 from peerlm.services.cpm.profile import validate_profile
 from peerlm.services.cpm.records import (
     DirectiveRecord,
@@ -373,6 +378,7 @@ class CpmCore:
         endpoint_hosts: frozenset[str] | None = None,
         param_space: str = "",
         protocols: Sequence[str] = (),
+        overlay_peers: Sequence[str] = (),
     ) -> SubmitOutcome:
         """Validate and store an agent's profile for the next matchmaking round.
 
@@ -380,7 +386,9 @@ class CpmCore:
         ``endpoint`` must name (:func:`check_endpoint`); None without a certificate.
         ``param_space`` and ``protocols``: what the agent declares for the menu's
         admissibility (:mod:`.menu`); refused (INVALID_ARGUMENT, reasons ``param_space`` /
-        ``protocols``) when out of their bounds, with nothing stored.
+        ``protocols``) when out of their bounds, with nothing stored. ``overlay_peers``:
+        the agent's overlay top-K, which narrows the senders of its merge directives
+        (:func:`.menu.check_overlay_peers`; reason ``overlay_peers``).
         """
         _check_range("round", round_)
         try:
@@ -391,6 +399,10 @@ class CpmCore:
             advertised = check_protocols(protocols)
         except ValueError as exc:
             raise CpmError("INVALID_ARGUMENT", "protocols", str(exc)) from None
+        try:
+            peers = check_overlay_peers(overlay_peers, agent, lambda name: name in self._profiles)
+        except ValueError as exc:
+            raise CpmError("INVALID_ARGUMENT", "overlay_peers", str(exc)) from None
         if len(features) != self._s.profile_dim:
             raise CpmError(
                 "INVALID_ARGUMENT",
@@ -419,7 +431,9 @@ class CpmCore:
                 "max_agents",
                 f"the CPM already tracks {self._s.max_agents} agents",
             )
-        record = ProfileRecord(agent, round_, vec, endpoint, self._clock(), param_space, advertised)
+        record = ProfileRecord(
+            agent, round_, vec, endpoint, self._clock(), param_space, advertised, peers
+        )
         self._store.upsert_profile(record)
         self._profiles[agent] = record
         self._pending.add(agent)
@@ -474,7 +488,11 @@ class CpmCore:
             )
         profiles = {a: self._profiles[a].features for a in agents}
         capabilities = {
-            a: Capabilities(self._profiles[a].param_space, self._profiles[a].protocols)
+            a: Capabilities(
+                self._profiles[a].param_space,
+                self._profiles[a].protocols,
+                frozenset(self._profiles[a].overlay_peers) or None,
+            )
             for a in agents
         }
         pairings = self.matchmaker.select(profiles, capabilities)

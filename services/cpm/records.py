@@ -30,6 +30,8 @@ class ProfileRecord:
     param_space: str = ""
     #: The protocols it executes (() means akd only; .menu.Capabilities).
     protocols: tuple[str, ...] = ()
+    #: Its reported overlay top-K (() not reported; .menu, "overlay narrowing").
+    overlay_peers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                     endpoint_hosts=_certificate_hosts(context),
                     param_space=request.parameter_space,
                     protocols=list(request.protocols),
+                    overlay_peers=list(request.overlay_peers),
                 )
             )
         except CpmError as err:

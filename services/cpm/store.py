@@ -212,7 +212,8 @@ CREATE TABLE IF NOT EXISTS trust (
 CREATE TABLE IF NOT EXISTS profiles (
     agent TEXT PRIMARY KEY, round INTEGER NOT NULL, features BLOB NOT NULL,
     endpoint TEXT NOT NULL, received_at REAL NOT NULL,
-    param_space TEXT NOT NULL DEFAULT '', protocols TEXT NOT NULL DEFAULT ''
+    param_space TEXT NOT NULL DEFAULT '', protocols TEXT NOT NULL DEFAULT '',
+    overlay_peers TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS directives (
     directive_id TEXT PRIMARY KEY,
@@ -244,6 +245,11 @@ _MIGRATIONS = (
         "ALTER TABLE profiles ADD COLUMN param_space TEXT NOT NULL DEFAULT ''",
     ),
     ("profiles", "protocols", "ALTER TABLE profiles ADD COLUMN protocols TEXT NOT NULL DEFAULT ''"),
+    (
+        "profiles",
+        "overlay_peers",
+        "ALTER TABLE profiles ADD COLUMN overlay_peers TEXT NOT NULL DEFAULT ''",
+    ),
     # Refused exchanges (services/cpm/refusals.py): the reason, "" for a reward.
     ("directives", "failure", "ALTER TABLE directives ADD COLUMN failure TEXT NOT NULL DEFAULT ''"),
 )
@@ -365,7 +371,7 @@ class SqliteCpmStore(CpmStore):
         with self._tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO profiles(agent, round, features, endpoint, received_at,"
-                " param_space, protocols) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                " param_space, protocols, overlay_peers) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     profile.agent,
                     profile.round,
@@ -375,14 +381,16 @@ class SqliteCpmStore(CpmStore):
                     profile.param_space,
                     # Names are identifiers (checked before they get here): a space-free list.
                     " ".join(profile.protocols),
+                    # Certificate names (checked): no spaces either.
+                    " ".join(profile.overlay_peers),
                 ),
             )
 
     def load_profiles(self) -> list[ProfileRecord]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT agent, round, features, endpoint, received_at, param_space, protocols"
-                " FROM profiles"
+                "SELECT agent, round, features, endpoint, received_at, param_space, protocols,"
+                " overlay_peers FROM profiles"
             ).fetchall()
         return [
             ProfileRecord(
@@ -393,8 +401,9 @@ class SqliteCpmStore(CpmStore):
                 received_at=float(t),
                 param_space=str(ps),
                 protocols=tuple(str(pr).split()),
+                overlay_peers=tuple(str(op).split()),
             )
-            for a, r, f, e, t, ps, pr in rows
+            for a, r, f, e, t, ps, pr, op in rows
         ]
 
     def record_round(self, matchmaking_round: int, directives: Iterable[DirectiveRecord]) -> None:

@@ -109,6 +109,7 @@ class SubmitProfileRequest(_message.Message):
     PEER_ENDPOINT_FIELD_NUMBER: _builtins.int
     PARAMETER_SPACE_FIELD_NUMBER: _builtins.int
     PROTOCOLS_FIELD_NUMBER: _builtins.int
+    OVERLAY_PEERS_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     """The agent's round counter t."""
     peer_endpoint: _builtins.str
@@ -130,6 +131,15 @@ class SubmitProfileRequest(_message.Message):
         identifiers of at most 32 characters, no repeats.
         """
 
+    @_builtins.property
+    def overlay_peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The agent's current SemanticDFL overlay top-K most similar peers, by certificate name
+        (docs/matchmaker.md, "Overlay narrowing"): when non-empty, a merge directive
+        (pmix, svd_hka) for which this agent is the student names only a sender listed here.
+        Empty: not reported (no narrowing). At most 64 names, no repeats, not the agent
+        itself, each an agent whose profile the CPM holds.
+        """
+
     def __init__(
         self,
         *,
@@ -138,10 +148,11 @@ class SubmitProfileRequest(_message.Message):
         peer_endpoint: _builtins.str = ...,
         parameter_space: _builtins.str = ...,
         protocols: _abc.Iterable[_builtins.str] | None = ...,
+        overlay_peers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "parameter_space", b"parameter_space", "peer_endpoint", b"peer_endpoint", "protocols", b"protocols", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "overlay_peers", b"overlay_peers", "parameter_space", b"parameter_space", "peer_endpoint", b"peer_endpoint", "protocols", b"protocols", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
