@@ -245,6 +245,8 @@ class AgentDaemon:
         self.host = await self._model(ModelHost.load, s.model, lora, device=s.device, seed=s.seed)
         self.config = RoundConfig.from_settings(s)
         self.protocols = s.executed_protocols()
+        #: The overlay's last top-K, reported with the profile (empty: none yet).
+        self.overlay_peers: list[str] = []
         self.parameter_space = await self._model(host_parameter_space, self.host)
         self.telemetry = AgentTelemetry(self.registry)
         # Generated code is run only confined: refuse to start (before any model output is
@@ -849,6 +851,7 @@ class AgentDaemon:
         """SemanticDFL pull and personalised aggregation (:mod:`peerlm.agent.overlay_step`);
         its failures are counted in the summary and never end the round."""
         from peerlm.agent.overlay_step import overlay_round_step
+        from peerlm.services.cpm import MAX_OVERLAY_PEERS
 
         if not await self.overlay.join(self._stop):
             self._count_overlay("not_joined", None)
@@ -867,6 +870,9 @@ class AgentDaemon:
             hka=(self.public_pairs, self.config.train_settings(t)) if self.public_pairs else None,
         )
         self._count_overlay(result.outcome, result)
+        if result.neighbours:
+            # The CPM narrows the senders of our merge directives to these (menu.py).
+            self.overlay_peers = list(dict.fromkeys(result.neighbours))[:MAX_OVERLAY_PEERS]
         self.state["importance"] = _importance_state(self.importance)
 
     def _gate(self) -> Any:
@@ -908,6 +914,7 @@ class AgentDaemon:
                 self.endpoint,
                 parameter_space=self.parameter_space,
                 protocols=self.protocols,
+                overlay_peers=self.overlay_peers,
             )
             self._awaited_round = int(resp.matchmaking_round)
             return True

@@ -77,6 +77,9 @@ __all__ = [
 _DIRECTIVE_ID = re.compile(r"^[0-9a-f]{32}$")
 #: Trailing metadata of a ``stale_round`` refusal: the last round the CPM holds for the agent.
 LAST_ROUND_METADATA = "peerlm-last-round"
+#: Trailing metadata of an ``INVALID_ARGUMENT`` refusal of one profile field: its name
+#: (``overlay_peers``, so that an agent can submit again without the list).
+REFUSED_FIELD_METADATA = "peerlm-refused-field"
 #: uint64 fields are stored as SQLite INTEGER (signed 64-bit): anything above is refused.
 MAX_STORED_INT = 2**63 - 1
 _ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
@@ -402,7 +405,12 @@ class CpmCore:
         try:
             peers = check_overlay_peers(overlay_peers, agent, lambda name: name in self._profiles)
         except ValueError as exc:
-            raise CpmError("INVALID_ARGUMENT", "overlay_peers", str(exc)) from None
+            raise CpmError(
+                "INVALID_ARGUMENT",
+                "overlay_peers",
+                str(exc),
+                ((REFUSED_FIELD_METADATA, "overlay_peers"),),
+            ) from None
         if len(features) != self._s.profile_dim:
             raise CpmError(
                 "INVALID_ARGUMENT",
