@@ -43,6 +43,8 @@ __all__ = ["DEV_IDENTITY_METADATA", "LAST_ROUND_METADATA", "CpmClient"]
 #: the same name as ``peerlm.services.cpm.core.LAST_ROUND_METADATA`` (agents do not import
 #: the service).
 LAST_ROUND_METADATA = "peerlm-last-round"
+#: ``peerlm.services.cpm.core.REFUSED_FIELD_METADATA``: the profile field a refusal names.
+REFUSED_FIELD_METADATA = "peerlm-refused-field"
 
 #: Metadata key carrying the caller's SPIFFE id in insecure-dev mode only.
 DEV_IDENTITY_METADATA = "peerlm-dev-identity"
@@ -88,7 +90,8 @@ class CpmClient:
             ctx.registry,
             "peerlm_agent_cpm_recoveries_total",
             "CPM calls recovered by the client: reward retries after UNAVAILABLE or a "
-            "deadline, round resynchronisations after stale_round.",
+            "deadline, round resynchronisations after stale_round, overlay lists the CPM "
+            "refused dropped from a profile.",
             ("kind",),
         )
         self._stub = cpm_pb2_grpc.MatchmakerStub(self._channel)  # type: ignore[no-untyped-call]
@@ -120,20 +123,35 @@ class CpmClient:
         *,
         parameter_space: str = "",
         protocols: Sequence[str] = (),
+        overlay_peers: Sequence[str] = (),
     ) -> cpm_pb2.SubmitProfileResponse:
         """Submit a profile; on ``stale_round`` resynchronise the round numbering once.
 
         ``parameter_space`` and ``protocols``: what this agent declares for the CPM's
-        protocol menu (:func:`peerlm.agent.profile.parameter_space_fingerprint`)."""
+        protocol menu (:func:`peerlm.agent.profile.parameter_space_fingerprint`).
+        ``overlay_peers``: its overlay top-K, narrowing the senders of its merge
+        directives; a list the CPM refuses (a peer it does not know yet, say) is dropped
+        and the profile sent again without it (counted: ``overlay_peers_dropped``)."""
         req = cpm_pb2.SubmitProfileRequest(
             features=list(features),
             peer_endpoint=peer_endpoint,
             parameter_space=parameter_space,
             protocols=list(protocols),
+            overlay_peers=list(overlay_peers),
         )
         try:
             return await self._submit(round_ + self._round_offset, req)
         except grpc.aio.AioRpcError as err:
+            if req.overlay_peers and _refused_field(err) == "overlay_peers":
+                self._retries.labels("overlay_peers_dropped").inc()
+                del req.overlay_peers[:]
+                return await self.submit_profile(
+                    round_,
+                    features,
+                    peer_endpoint,
+                    parameter_space=parameter_space,
+                    protocols=protocols,
+                )
             last = _last_round(err)
             if last is None:
                 raise
@@ -160,13 +178,18 @@ class CpmClient:
         loss_pre: float = 0.0,
         loss_post: float = 0.0,
         kilobytes: int = 0,
+        failure: int = 0,
     ) -> cpm_pb2.ReportRewardResponse:
+        """Report Eq. 3's ``reward`` for a directive, or with ``failure`` (a
+        ``peerlm.v1.ExchangeFailure`` value, ``reward`` 0) that the student refused it;
+        retried idempotently (module docstring)."""
         req = cpm_pb2.ReportRewardRequest(
             directive_id=directive_id,
             reward=reward,
             loss_pre=loss_pre,
             loss_post=loss_post,
             kilobytes=kilobytes,
+            failure=failure,  # type: ignore[arg-type]
         )
         deadline = time.monotonic() + self._reward_retry_s
         backoff = 0.25
@@ -298,6 +321,17 @@ class CpmClient:
             raise _unauthenticated(
                 f"the directive feed did not prove it comes from a CPM: {err} ({err.reason})"
             ) from None
+
+
+def _refused_field(err: grpc.aio.AioRpcError) -> str | None:
+    """The profile field an ``INVALID_ARGUMENT`` refusal names, else None."""
+    if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    trailers: Any = err.trailing_metadata() or ()
+    for item in trailers:
+        if str(item[0]) == REFUSED_FIELD_METADATA:
+            return str(item[1])
+    return None
 
 
 def _last_round(err: grpc.aio.AioRpcError) -> int | None:

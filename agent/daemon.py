@@ -247,6 +247,8 @@ class AgentDaemon:
         self.host = await self._model(ModelHost.load, s.model, lora, device=s.device, seed=s.seed)
         self.config = RoundConfig.from_settings(s)
         self.protocols = s.executed_protocols()
+        #: The overlay's last top-K, reported with the profile (empty: none yet).
+        self.overlay_peers: list[str] = []
         self.parameter_space = await self._model(host_parameter_space, self.host)
         self.telemetry = AgentTelemetry(self.registry)
         # Generated code is run only confined: refuse to start (before any model output is
@@ -873,6 +875,8 @@ class AgentDaemon:
                     f"not one this agent executes ({', '.join(self.protocols)})"
                 ),
             )
+            if directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
+                await self._report_refusal(directive, "unsupported_protocol")
             return False
         if action == "merge":
             await self._merge_from(directive, t)
@@ -933,6 +937,7 @@ class AgentDaemon:
         """SemanticDFL pull and personalised aggregation (:mod:`peerlm.agent.overlay_step`);
         its failures are counted in the summary and never end the round."""
         from peerlm.agent.overlay_step import overlay_round_step
+        from peerlm.services.cpm import MAX_OVERLAY_PEERS
 
         if not await self.overlay.join(self._stop):
             self._count_overlay("not_joined", None)
@@ -951,6 +956,9 @@ class AgentDaemon:
             hka=(self.public_pairs, self.config.train_settings(t)) if self.public_pairs else None,
         )
         self._count_overlay(result.outcome, result)
+        if result.neighbours:
+            # The CPM narrows the senders of our merge directives to these (menu.py).
+            self.overlay_peers = list(dict.fromkeys(result.neighbours))[:MAX_OVERLAY_PEERS]
         self.state["importance"] = _importance_state(self.importance)
 
     def _gate(self) -> Any:
@@ -992,6 +1000,7 @@ class AgentDaemon:
                 self.endpoint,
                 parameter_space=self.parameter_space,
                 protocols=self.protocols,
+                overlay_peers=self.overlay_peers,
             )
             self._awaited_round = int(resp.matchmaking_round)
             return True
@@ -1089,9 +1098,11 @@ class AgentDaemon:
             if isinstance(exc, PackageError):
                 self.telemetry.package_refusals.labels(exc.reason).inc()
             self._exchange_failed(d, reason, exc)
+            await self._report_refusal(d, reason)
             return
         except Exception as exc:  # a failed exchange is logged and the round goes on
             self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
+            await self._report_refusal(d, getattr(exc, "reason", "error"))
             return
         self._note_interrupted(result.stats.interrupted, t, "integrate", result.stats.steps)
         if result.rolled_back:
@@ -1157,9 +1168,11 @@ class AgentDaemon:
             )
         except MergeRefused as exc:
             self._exchange_failed(d, "adapter_refused", exc)
+            await self._report_refusal(d, exc.reason)
             return
         except Exception as exc:  # a failed exchange is logged and the round goes on
             self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
+            await self._report_refusal(d, getattr(exc, "reason", "error"))
             return
         outcome = (t, result.loss_pre, result.loss_post, result.reward)
         if result.rolled_back:
@@ -1234,6 +1247,34 @@ class AgentDaemon:
             return None
         self.telemetry.rewards.inc()
         return ack
+
+    async def _report_refusal(self, d: cpm_pb2.Directive, reason: str) -> None:
+        """Tell the CPM the student refused ``d`` for ``reason``
+        (:func:`~peerlm.agent.directives.refusal_failure`), so that its bandit learns the
+        tuple was bad; nothing for a reason that is this agent's own trouble."""
+        from peerlm.agent.directives import refusal_failure
+
+        failure = refusal_failure(reason)
+        if failure == cpm_pb2.EXCHANGE_FAILURE_UNSPECIFIED:
+            return
+        try:
+            await self.cpm.report_reward(d.directive_id, 0.0, failure=failure)
+        except grpc.aio.AioRpcError as err:
+            self.telemetry.exchange_failures.labels("reward_refused").inc()
+            self.log.warning(
+                "refusal_not_reported",
+                directive=d.directive_id,
+                code=err.code().name,
+                detail=err.details(),
+            )
+            return
+        self.log.info(
+            "refusal_reported",
+            directive=d.directive_id,
+            teacher=d.teacher,
+            reason=reason,
+            failure=cpm_pb2.ExchangeFailure.Name(failure),
+        )
 
     def _exchange_failed(self, d: cpm_pb2.Directive, reason: str, exc: BaseException) -> None:
         self.telemetry.exchange_failures.labels(reason).inc()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar, Literal
 
 import grpc
@@ -46,6 +47,7 @@ __all__ = [
     "UnknownDirective",
     "directive_action",
     "expires_at_seconds",
+    "refusal_failure",
 ]
 
 #: What the round loop does with its directive (:func:`directive_action`).
@@ -73,6 +75,44 @@ def directive_action(
     if role == cpm_pb2.EXCHANGE_ROLE_TEACHER:
         return "serve_adapter" if merge else "teach"
     return "refuse"
+
+
+_F = cpm_pb2.ExchangeFailure
+#: The agent's failure reasons (``peerlm_agent_exchange_failures_total{reason}``: the
+#: package's, the pull's and the adapter codec's refusal reasons) that say something about
+#: the directive's tuple, by the ``ExchangeFailure`` the student reports to the CPM.
+_REFUSALS = MappingProxyType(
+    {
+        "unsupported_protocol": _F.EXCHANGE_FAILURE_UNSUPPORTED_PROTOCOL,
+        "tokenizer_mismatch": _F.EXCHANGE_FAILURE_PARAMETER_SPACE,
+        "tokenizer": _F.EXCHANGE_FAILURE_PARAMETER_SPACE,
+        "model_type": _F.EXCHANGE_FAILURE_PARAMETER_SPACE,
+        "lora_config": _F.EXCHANGE_FAILURE_PARAMETER_SPACE,
+        "keys": _F.EXCHANGE_FAILURE_PARAMETER_SPACE,
+        "shape": _F.EXCHANGE_FAILURE_PARAMETER_SPACE,
+        "timeout": _F.EXCHANGE_FAILURE_PULL_FAILED,
+        "unavailable": _F.EXCHANGE_FAILURE_PULL_FAILED,
+        "refused": _F.EXCHANGE_FAILURE_PULL_FAILED,
+        "too_large": _F.EXCHANGE_FAILURE_PULL_FAILED,
+        "unverified_sender": _F.EXCHANGE_FAILURE_SENDER_PROOF,
+        "corrupt": _F.EXCHANGE_FAILURE_INVALID_PAYLOAD,
+        "decode": _F.EXCHANGE_FAILURE_INVALID_PAYLOAD,
+        "format": _F.EXCHANGE_FAILURE_INVALID_PAYLOAD,
+        "dtype": _F.EXCHANGE_FAILURE_INVALID_PAYLOAD,
+        "non_finite": _F.EXCHANGE_FAILURE_INVALID_PAYLOAD,
+        "norm": _F.EXCHANGE_FAILURE_INVALID_PAYLOAD,
+        "package": _F.EXCHANGE_FAILURE_INVALID_PAYLOAD,
+    }
+)
+
+
+def refusal_failure(reason: str) -> cpm_pb2.ExchangeFailure.ValueType:
+    """The ``ExchangeFailure`` a student reports for a directive it could not execute for
+    ``reason``, or ``EXCHANGE_FAILURE_UNSPECIFIED`` (0: report nothing) for a reason that
+    is this agent's own trouble (an internal error, an aggregation that changed nothing),
+    which says nothing about the tuple the CPM chose: that directive expires unrewarded,
+    as before."""
+    return _REFUSALS.get(reason, _F.EXCHANGE_FAILURE_UNSPECIFIED)
 
 
 class DirectiveError(Exception):

@@ -26,7 +26,8 @@ Choices made here:
   of another shape or backbone, non-finite, too large: :class:`MergeRefused` with the
   pull's reason; the student's adapter is untouched. The daemon counts it as a failed
   exchange (``peerlm_agent_exchange_failures_total{reason="adapter_refused"}``), like an
-  AKD package that cannot be used, and the directive expires at the CPM unrewarded.
+  AKD package that cannot be used, and reports the refusal to the CPM by the pull's
+  reason (:func:`peerlm.agent.directives.refusal_failure`), so its bandit learns it.
 """
 
 from __future__ import annotations

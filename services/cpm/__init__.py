@@ -24,7 +24,15 @@ from .features import ContextFeatures, FeatureLayout
 from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
 from .matchmaker import Matchmaker, MatchmakerState, Pairing, PairingPolicy
-from .menu import MENU, MERGE_PROTOCOLS, PMIX, SVD_HKA, AdmissibilityMask, Capabilities
+from .menu import (
+    MAX_OVERLAY_PEERS,
+    MENU,
+    MERGE_PROTOCOLS,
+    PMIX,
+    SVD_HKA,
+    AdmissibilityMask,
+    Capabilities,
+)
 from .normalise import EPS, RewardNormaliser
 from .prefilter import (
     CheapScore,
@@ -57,6 +65,7 @@ __all__ = [
     "DYNAMIC_SLICE",
     "EPS",
     "MAX_ABS_PROFILE_VALUE",
+    "MAX_OVERLAY_PEERS",
     "MENU",
     "MERGE_PROTOCOLS",
     "PERFORMANCE_INDEX",

@@ -20,6 +20,9 @@ Decisions the paper leaves open, made here:
   context stored with the directive at selection time is the one the bandit learns from
   (the agent never sends a context vector, so it cannot poison the model's features).
 * Expired directives are closed without a bandit update; they are counted in a metric.
+* A student that refuses a directive reports the failure in the reward's place
+  (``RewardReport.failure``, :mod:`.refusals`): same authorisation, once, same group
+  commit; the ledger keeps the reason and the bandit learns ``refusal_reward``.
 * Rewards are committed in batches (:meth:`CpmCore.report_rewards`): each is applied to
   the in-memory bandit in turn, then all their ledger rows go into one transaction; if
   that fails, the bandit is put back as it was before the batch and nothing is
@@ -43,7 +46,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from peerlm.services.cpm.matchmaker import Matchmaker, Pairing
-from peerlm.services.cpm.menu import Capabilities, check_param_space, check_protocols
+from peerlm.services.cpm.menu import (
+    Capabilities,
+    check_overlay_peers,
+    check_param_space,
+    check_protocols,
+)
 from peerlm.services.cpm.profile import validate_profile
 from peerlm.services.cpm.records import (
     DirectiveRecord,
@@ -51,6 +59,7 @@ from peerlm.services.cpm.records import (
     ProfileRecord,
     RewardRecord,
 )
+from peerlm.services.cpm.refusals import failure_name
 from peerlm.services.cpm.settings import CpmSettings
 from peerlm.services.cpm.store import CpmStore
 
@@ -68,6 +77,9 @@ __all__ = [
 _DIRECTIVE_ID = re.compile(r"^[0-9a-f]{32}$")
 #: Trailing metadata of a ``stale_round`` refusal: the last round the CPM holds for the agent.
 LAST_ROUND_METADATA = "peerlm-last-round"
+#: Trailing metadata of an ``INVALID_ARGUMENT`` refusal of one profile field: its name
+#: (``overlay_peers``, so that an agent can submit again without the list).
+REFUSED_FIELD_METADATA = "peerlm-refused-field"
 #: uint64 fields are stored as SQLite INTEGER (signed 64-bit): anything above is refused.
 MAX_STORED_INT = 2**63 - 1
 _ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
@@ -145,6 +157,9 @@ class RewardReport:
     loss_pre: float = 0.0
     loss_post: float = 0.0
     kilobytes: int = 0
+    #: A refused exchange's wire code (``peerlm.v1.ExchangeFailure``, :mod:`.refusals`);
+    #: 0 for a reward.
+    failure: int = 0
 
 
 @dataclass(frozen=True)
@@ -366,6 +381,7 @@ class CpmCore:
         endpoint_hosts: frozenset[str] | None = None,
         param_space: str = "",
         protocols: Sequence[str] = (),
+        overlay_peers: Sequence[str] = (),
     ) -> SubmitOutcome:
         """Validate and store an agent's profile for the next matchmaking round.
 
@@ -373,7 +389,9 @@ class CpmCore:
         ``endpoint`` must name (:func:`check_endpoint`); None without a certificate.
         ``param_space`` and ``protocols``: what the agent declares for the menu's
         admissibility (:mod:`.menu`); refused (INVALID_ARGUMENT, reasons ``param_space`` /
-        ``protocols``) when out of their bounds, with nothing stored.
+        ``protocols``) when out of their bounds, with nothing stored. ``overlay_peers``:
+        the agent's overlay top-K, which narrows the senders of its merge directives
+        (:func:`.menu.check_overlay_peers`; reason ``overlay_peers``).
         """
         _check_range("round", round_)
         try:
@@ -384,6 +402,15 @@ class CpmCore:
             advertised = check_protocols(protocols)
         except ValueError as exc:
             raise CpmError("INVALID_ARGUMENT", "protocols", str(exc)) from None
+        try:
+            peers = check_overlay_peers(overlay_peers, agent, lambda name: name in self._profiles)
+        except ValueError as exc:
+            raise CpmError(
+                "INVALID_ARGUMENT",
+                "overlay_peers",
+                str(exc),
+                ((REFUSED_FIELD_METADATA, "overlay_peers"),),
+            ) from None
         if len(features) != self._s.profile_dim:
             raise CpmError(
                 "INVALID_ARGUMENT",
@@ -412,7 +439,9 @@ class CpmCore:
                 "max_agents",
                 f"the CPM already tracks {self._s.max_agents} agents",
             )
-        record = ProfileRecord(agent, round_, vec, endpoint, self._clock(), param_space, advertised)
+        record = ProfileRecord(
+            agent, round_, vec, endpoint, self._clock(), param_space, advertised, peers
+        )
         self._store.upsert_profile(record)
         self._profiles[agent] = record
         self._pending.add(agent)
@@ -467,7 +496,11 @@ class CpmCore:
             )
         profiles = {a: self._profiles[a].features for a in agents}
         capabilities = {
-            a: Capabilities(self._profiles[a].param_space, self._profiles[a].protocols)
+            a: Capabilities(
+                self._profiles[a].param_space,
+                self._profiles[a].protocols,
+                frozenset(self._profiles[a].overlay_peers) or None,
+            )
             for a in agents
         }
         pairings = self.matchmaker.select(profiles, capabilities)
@@ -560,14 +593,24 @@ class CpmCore:
                 accepted.append((len(results), rep, directive))
                 results.append(None)
             # One Woodbury step for the whole batch (LinUCB.update_block).
-            normalised = self.matchmaker.observe_many(
-                [_pairing(d) for _, _, d in accepted], [rep.reward for _, rep, _ in accepted]
-            )
+            # A refused exchange teaches the bandit the configured refusal reward (.refusals).
+            values = [
+                self._s.refusal_reward if rep.failure else rep.reward for _, rep, _ in accepted
+            ]
+            normalised = self.matchmaker.observe_many([_pairing(d) for _, _, d in accepted], values)
             now = self._clock()
             updates = before.n_updates
-            for (slot, rep, directive), r_norm in zip(accepted, normalised, strict=True):
+            for (slot, rep, directive), value, r_norm in zip(
+                accepted, values, normalised, strict=True
+            ):
                 record = RewardRecord(
-                    rep.reward, r_norm, rep.loss_pre, rep.loss_post, rep.kilobytes, now
+                    value,
+                    r_norm,
+                    rep.loss_pre,
+                    rep.loss_post,
+                    rep.kilobytes,
+                    now,
+                    failure_name(rep.failure),
                 )
                 self._seq += 1
                 updates += 1
@@ -603,6 +646,17 @@ class CpmCore:
         ):
             if not math.isfinite(value):
                 raise CpmError("INVALID_ARGUMENT", "non_finite", f"{name} must be finite")
+        try:
+            failure_name(rep.failure)
+        except ValueError as exc:
+            raise CpmError("INVALID_ARGUMENT", "failure_reason", str(exc)) from None
+        if rep.failure and (reward, rep.loss_pre, rep.loss_post) != (0.0, 0.0, 0.0):
+            raise CpmError(
+                "INVALID_ARGUMENT",
+                "failure_with_reward",
+                "a refused exchange carries no reward or losses (the CPM applies its "
+                "configured refusal reward); send reward, loss_pre and loss_post as 0",
+            )
         if abs(reward) > self._s.max_reward_magnitude:
             raise CpmError(
                 "INVALID_ARGUMENT",

@@ -21,7 +21,14 @@ Admissibility, decided from profiles only (the CPM never sees parameters):
   needs one tokenizer) is admissible only between agents that declared the **same
   non-empty parameter-space fingerprint** (:attr:`Capabilities.param_space`).
 
-Both rules are symmetric in the pair, so a pair's mask is the same for both directions.
+Both rules are symmetric in the pair. A third is not (**overlay narrowing**, SemanticDFL
+as the CPM's candidate filter):
+
+* a protocol of :data:`MERGE_PROTOCOLS` is admissible for ``sender -> student`` only if
+  the sender is in the student's reported overlay top-K
+  (:attr:`Capabilities.senders`) when the student reported one; a student that reported
+  none is not narrowed. Non-merge protocols are never narrowed: AKD needs no adapter of
+  the sender, so similarity in parameter space is no precondition for it.
 :class:`AdmissibilityMask` evaluates them vectorised for the matchmaker's candidate pairs:
 one integer per agent for its fingerprint class, one boolean row per agent for its
 protocols; a pair costs a few array gathers, never a Python loop.
@@ -30,7 +37,7 @@ protocols; a pair costs a few array gathers, never a Python loop.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +48,7 @@ __all__ = [
     "AKD_LOGITS",
     "DEFAULT_AGENT_PROTOCOLS",
     "MAX_ADVERTISED_PROTOCOLS",
+    "MAX_OVERLAY_PEERS",
     "MAX_PARAM_SPACE_LEN",
     "MENU",
     "MERGE_PROTOCOLS",
@@ -49,6 +57,7 @@ __all__ = [
     "SVD_HKA",
     "AdmissibilityMask",
     "Capabilities",
+    "check_overlay_peers",
     "check_param_space",
     "check_protocols",
 ]
@@ -70,6 +79,8 @@ DEFAULT_AGENT_PROTOCOLS = (AKD,)
 MAX_PARAM_SPACE_LEN = 128
 #: Most protocol names one profile may advertise.
 MAX_ADVERTISED_PROTOCOLS = 16
+#: Most overlay peers one profile may report (SemanticDFL's K is a handful; room to spare).
+MAX_OVERLAY_PEERS = 64
 _PARAM_SPACE = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_PARAM_SPACE_LEN}}}")
 _PROTOCOL_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
@@ -108,17 +119,42 @@ def check_protocols(values: Sequence[str]) -> tuple[str, ...]:
     return names
 
 
+def check_overlay_peers(
+    values: Sequence[str], agent: str, known: Callable[[str], bool]
+) -> tuple[str, ...]:
+    """The reported overlay top-K as a tuple, or ValueError: at most
+    :data:`MAX_OVERLAY_PEERS` names, no repeats, not ``agent`` itself, each ``known`` (an
+    agent of the federation the CPM holds a profile of: a name it could never pair would
+    only be a way to make the CPM store strings)."""
+    names = tuple(values)
+    if len(names) > MAX_OVERLAY_PEERS:
+        raise ValueError(
+            f"at most {MAX_OVERLAY_PEERS} overlay peers may be reported, got {len(names)}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError("overlay_peers must not repeat a name")
+    for name in names:
+        if name == agent:
+            raise ValueError("overlay_peers must not name the reporting agent itself")
+        if len(name) > 64 or not known(name):
+            raise ValueError(f"overlay peer {name[:64]!r} is not an agent this CPM knows")
+    return names
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What an agent's profile declares about how it can exchange knowledge.
 
     ``param_space``: its parameter-space fingerprint (``""``: undeclared, so no
     same-space protocol is admissible for it); ``protocols``: the protocols it executes
-    (``()``: :data:`DEFAULT_AGENT_PROTOCOLS`).
+    (``()``: :data:`DEFAULT_AGENT_PROTOCOLS`); ``senders``: its reported overlay top-K, the
+    only admissible senders of a merge protocol to it (``None``: not reported, no
+    narrowing).
     """
 
     param_space: str = ""
     protocols: tuple[str, ...] = ()
+    senders: frozenset[str] | None = None
 
     def supports(self, protocol: str) -> bool:
         """Whether this agent executes ``protocol``."""
@@ -158,18 +194,50 @@ class AdmissibilityMask:
         self._same_space = np.array([p in SAME_SPACE_PROTOCOLS for p in protocols], dtype=bool)
         all_supported = bool(self._support.all())
         one_space = bool(len(index) == 1 and np.all(self._space == 0))
-        self.trivial = all_supported and (not self._same_space.any() or one_space)
+        self._merge = np.array([p in MERGE_PROTOCOLS for p in protocols], dtype=bool)
+        # Overlay narrowing: the allowed (sender, student) pairs as sorted int64 keys
+        # ``sender * n + student``, and which students narrow at all.
+        n = len(ids)
+        position = {a: k for k, a in enumerate(ids)}
+        self._n = n
+        self._narrowed = np.array([c.senders is not None for c in caps], dtype=bool)
+        self._allowed = np.sort(
+            np.array(
+                [
+                    position[s] * n + k
+                    for k, c in enumerate(caps)
+                    for s in (c.senders or ())
+                    if s in position
+                ],
+                dtype=np.int64,
+            )
+        )
+        narrowing = bool(self._merge.any() and self._narrowed.any())
+        self.trivial = all_supported and (not self._same_space.any() or one_space) and not narrowing
 
     def pairs(self, left: NDArray[np.intp], right: NDArray[np.intp]) -> NDArray[np.bool_]:
         """``(n_pairs, 2 * n_protocols * n_roles)`` admissibility of the pairs
         ``(left[k], right[k])`` (indices into the round's agents), in the column layout of
         :meth:`.LinUCB.score_pairs`: the forward (protocol, role) combos, then the reverse
-        ones (the same, as both rules are symmetric)."""
+        ones (the same but for overlay narrowing, which depends on who is the student)."""
         ok = self._support[left] & self._support[right]
         if self._same_space.any():
             sl = self._space[left]
             same = (sl == self._space[right]) & (sl >= 0)
             ok[:, self._same_space] &= same[:, None]
+        forward, reverse = ok, ok
+        if self._merge.any() and self._narrowed.any():
+            # left -> right: the student is right; right -> left: the student is left.
+            forward, reverse = ok.copy(), ok.copy()
+            forward[:, self._merge] &= self._may_send(left, right)[:, None]
+            reverse[:, self._merge] &= self._may_send(right, left)[:, None]
         if self._n_roles > 1:
-            ok = np.repeat(ok, self._n_roles, axis=1)
-        return np.concatenate([ok, ok], axis=1)
+            forward = np.repeat(forward, self._n_roles, axis=1)
+            reverse = np.repeat(reverse, self._n_roles, axis=1)
+        return np.concatenate([forward, reverse], axis=1)
+
+    def _may_send(self, sender: NDArray[np.intp], student: NDArray[np.intp]) -> NDArray[np.bool_]:
+        """Whether each ``sender[k]`` may send a merge to ``student[k]`` (narrowing only)."""
+        keys = sender.astype(np.int64) * self._n + student.astype(np.int64)
+        listed = np.isin(keys, self._allowed, assume_unique=False)
+        return ~self._narrowed[student] | listed

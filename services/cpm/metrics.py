@@ -25,6 +25,13 @@ class CpmMetrics:
             "Rewards committed to the bandit.",
             registry=registry,
         )
+        self.exchange_refusals = Counter(
+            "peerlm_cpm_exchange_refusals_total",
+            "Directives their student refused (committed like a reward; the bandit learnt "
+            "refusal_reward), by refusal reason and protocol.",
+            ["reason", "protocol"],
+            registry=registry,
+        )
         self.rejected = Counter(
             "peerlm_cpm_rejected_requests_total",
             "Requests refused by validation or authorisation, by RPC and reason.",

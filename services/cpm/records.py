@@ -30,6 +30,8 @@ class ProfileRecord:
     param_space: str = ""
     #: The protocols it executes (() means akd only; .menu.Capabilities).
     protocols: tuple[str, ...] = ()
+    #: Its reported overlay top-K (() not reported; .menu, "overlay narrowing").
+    overlay_peers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class RewardRecord:
     loss_post: float
     kilobytes: int
     rewarded_at: float
+    #: Why the student refused the directive (:mod:`.refusals`); "" for a reward. For a
+    #: refusal, ``reward`` is the configured refusal reward the bandit learnt.
+    failure: str = ""
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                     endpoint_hosts=_certificate_hosts(context),
                     param_space=request.parameter_space,
                     protocols=list(request.protocols),
+                    overlay_peers=list(request.overlay_peers),
                 )
             )
         except CpmError as err:
@@ -375,6 +376,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
             request.loss_pre,
             request.loss_post,
             request.kilobytes,
+            request.failure,
         )
         done: asyncio.Future[RewardOutcome | CpmError] = asyncio.get_running_loop().create_future()
         self._rewards.put_nowait((report, done))
@@ -423,6 +425,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                         request.loss_pre,
                         request.loss_post,
                         request.kilobytes,
+                        request.failure,
                     )
                     done: asyncio.Future[RewardOutcome | CpmError] = loop.create_future()
                     self._rewards.put_nowait((report, done))
@@ -552,6 +555,11 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                 self._m.rewards.inc(len(committed))
                 for _, done in committed:
                     self._m.normalised_reward.observe(done.normalised)
+                    record = done.directive.reward
+                    if record is not None and record.failure:
+                        self._m.exchange_refusals.labels(
+                            record.failure, done.directive.protocol
+                        ).inc()
                 self._log.info(
                     "rewards_committed",
                     count=len(committed),
@@ -564,6 +572,12 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                             "round": done.directive.matchmaking_round,
                             "reward": rep.reward,
                             "normalised": round(done.normalised, 4),
+                            **(
+                                {"failure": done.directive.reward.failure}
+                                if done.directive.reward is not None
+                                and done.directive.reward.failure
+                                else {}
+                            ),
                         }
                         for rep, done in committed
                     ],

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from peerlm.services.cpm.menu import MENU
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from peerlm.config import ServiceSettings
@@ -49,6 +49,10 @@ class CpmSettings(ServiceSettings):
     max_agents: int = Field(default=10_000, ge=2)
     stream_queue_depth: int = Field(default=64, ge=1)
     max_reward_magnitude: float = Field(default=1e6, gt=0)
+    # What the bandit learns from a refused exchange (services/cpm/refusals.py): Eq. 3's
+    # value for an exchange that changed nothing and moved nothing. At most
+    # max_reward_magnitude in absolute value.
+    refusal_reward: float = 0.0
     # Rewards one ReportRewards stream may have read but not yet answered; with
     # limits.max_calls_per_identity streams per agent this bounds what one agent queues.
     reward_stream_window: int = Field(default=64, ge=1, le=4096)
@@ -58,6 +62,15 @@ class CpmSettings(ServiceSettings):
     # too small for threads to pay, and OpenBLAS's spinning workers take the cores that the
     # gRPC and TLS work needs (docs/bench-cpm.md, "Durable reward acknowledgement").
     blas_threads: int = Field(default=1, ge=1, le=256)
+
+    @model_validator(mode="after")
+    def _refusal_reward_bounded(self) -> CpmSettings:
+        if not abs(self.refusal_reward) <= self.max_reward_magnitude:
+            raise ValueError(
+                f"refusal_reward {self.refusal_reward} exceeds max_reward_magnitude "
+                f"{self.max_reward_magnitude:g} (or is not finite)"
+            )
+        return self
 
     @field_validator("protocols", "roles")
     @classmethod

@@ -212,7 +212,8 @@ CREATE TABLE IF NOT EXISTS trust (
 CREATE TABLE IF NOT EXISTS profiles (
     agent TEXT PRIMARY KEY, round INTEGER NOT NULL, features BLOB NOT NULL,
     endpoint TEXT NOT NULL, received_at REAL NOT NULL,
-    param_space TEXT NOT NULL DEFAULT '', protocols TEXT NOT NULL DEFAULT ''
+    param_space TEXT NOT NULL DEFAULT '', protocols TEXT NOT NULL DEFAULT '',
+    overlay_peers TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS directives (
     directive_id TEXT PRIMARY KEY,
@@ -224,7 +225,8 @@ CREATE TABLE IF NOT EXISTS directives (
     issued_at REAL NOT NULL, expires_at REAL NOT NULL,
     status TEXT NOT NULL,
     reward REAL, normalised_reward REAL, loss_pre REAL, loss_post REAL,
-    kilobytes INTEGER, rewarded_at REAL, reward_seq INTEGER
+    kilobytes INTEGER, rewarded_at REAL, reward_seq INTEGER,
+    failure TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS directives_open ON directives(status) WHERE status = 'open';
 """
@@ -243,6 +245,13 @@ _MIGRATIONS = (
         "ALTER TABLE profiles ADD COLUMN param_space TEXT NOT NULL DEFAULT ''",
     ),
     ("profiles", "protocols", "ALTER TABLE profiles ADD COLUMN protocols TEXT NOT NULL DEFAULT ''"),
+    (
+        "profiles",
+        "overlay_peers",
+        "ALTER TABLE profiles ADD COLUMN overlay_peers TEXT NOT NULL DEFAULT ''",
+    ),
+    # Refused exchanges (services/cpm/refusals.py): the reason, "" for a reward.
+    ("directives", "failure", "ALTER TABLE directives ADD COLUMN failure TEXT NOT NULL DEFAULT ''"),
 )
 _LEDGER_INDEX = (
     "CREATE UNIQUE INDEX IF NOT EXISTS directives_reward_seq ON directives(reward_seq)"
@@ -362,7 +371,7 @@ class SqliteCpmStore(CpmStore):
         with self._tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO profiles(agent, round, features, endpoint, received_at,"
-                " param_space, protocols) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                " param_space, protocols, overlay_peers) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     profile.agent,
                     profile.round,
@@ -372,14 +381,16 @@ class SqliteCpmStore(CpmStore):
                     profile.param_space,
                     # Names are identifiers (checked before they get here): a space-free list.
                     " ".join(profile.protocols),
+                    # Certificate names (checked): no spaces either.
+                    " ".join(profile.overlay_peers),
                 ),
             )
 
     def load_profiles(self) -> list[ProfileRecord]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT agent, round, features, endpoint, received_at, param_space, protocols"
-                " FROM profiles"
+                "SELECT agent, round, features, endpoint, received_at, param_space, protocols,"
+                " overlay_peers FROM profiles"
             ).fetchall()
         return [
             ProfileRecord(
@@ -390,8 +401,9 @@ class SqliteCpmStore(CpmStore):
                 received_at=float(t),
                 param_space=str(ps),
                 protocols=tuple(str(pr).split()),
+                overlay_peers=tuple(str(op).split()),
             )
-            for a, r, f, e, t, ps, pr in rows
+            for a, r, f, e, t, ps, pr, op in rows
         ]
 
     def record_round(self, matchmaking_round: int, directives: Iterable[DirectiveRecord]) -> None:
@@ -431,7 +443,7 @@ class SqliteCpmStore(CpmStore):
     _DIRECTIVE_COLUMNS = (
         "directive_id, matchmaking_round, protocol, role, teacher, student, teacher_endpoint,"
         " student_endpoint, context, ucb, issued_at, expires_at, status, reward,"
-        " normalised_reward, loss_pre, loss_post, kilobytes, rewarded_at"
+        " normalised_reward, loss_pre, loss_post, kilobytes, rewarded_at, failure"
     )
 
     @staticmethod
@@ -448,6 +460,7 @@ class SqliteCpmStore(CpmStore):
                 loss_post=float(row[16]),  # type: ignore[arg-type]
                 kilobytes=int(row[17]),  # type: ignore[call-overload]
                 rewarded_at=float(row[18]),  # type: ignore[arg-type]
+                failure=str(row[19]),
             )
         return DirectiveRecord(
             directive_id=str(row[0]),
@@ -486,8 +499,8 @@ class SqliteCpmStore(CpmStore):
             for directive_id, reward, seq in rewards:
                 cur = db.execute(
                     "UPDATE directives SET status='rewarded', reward=?, normalised_reward=?,"
-                    " loss_pre=?, loss_post=?, kilobytes=?, rewarded_at=?, reward_seq=?"
-                    " WHERE directive_id=? AND status='open'",
+                    " loss_pre=?, loss_post=?, kilobytes=?, rewarded_at=?, reward_seq=?,"
+                    " failure=? WHERE directive_id=? AND status='open'",
                     (
                         reward.reward,
                         reward.normalised,
@@ -496,6 +509,7 @@ class SqliteCpmStore(CpmStore):
                         reward.kilobytes,
                         reward.rewarded_at,
                         seq,
+                        reward.failure,
                         directive_id,
                     ),
                 )

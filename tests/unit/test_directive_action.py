@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from peerlm.agent.directives import directive_action
+from peerlm.agent.directives import directive_action, refusal_failure
 from peerlm.agent.settings import AgentSettings
 from peerlm.services.cpm.menu import MENU, MERGE_PROTOCOLS
 
@@ -45,3 +45,34 @@ def test_a_protocol_the_agent_does_not_execute_is_refused(
 def test_a_role_that_is_not_a_pairing_is_refused() -> None:
     for role in (cpm_pb2.EXCHANGE_ROLE_UNSPECIFIED, cpm_pb2.EXCHANGE_ROLE_UNMATCHED, 99):
         assert directive_action("akd", role, MENU, MERGE_PROTOCOLS) == "refuse"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("reason", "failure"),
+    [
+        ("unsupported_protocol", cpm_pb2.EXCHANGE_FAILURE_UNSUPPORTED_PROTOCOL),
+        ("tokenizer_mismatch", cpm_pb2.EXCHANGE_FAILURE_PARAMETER_SPACE),
+        ("shape", cpm_pb2.EXCHANGE_FAILURE_PARAMETER_SPACE),
+        ("lora_config", cpm_pb2.EXCHANGE_FAILURE_PARAMETER_SPACE),
+        ("unavailable", cpm_pb2.EXCHANGE_FAILURE_PULL_FAILED),
+        ("timeout", cpm_pb2.EXCHANGE_FAILURE_PULL_FAILED),
+        ("unverified_sender", cpm_pb2.EXCHANGE_FAILURE_SENDER_PROOF),
+        ("corrupt", cpm_pb2.EXCHANGE_FAILURE_INVALID_PAYLOAD),
+        ("norm", cpm_pb2.EXCHANGE_FAILURE_INVALID_PAYLOAD),
+        ("package", cpm_pb2.EXCHANGE_FAILURE_INVALID_PAYLOAD),
+        # The agent's own trouble says nothing about the tuple: not reported.
+        ("error", cpm_pb2.EXCHANGE_FAILURE_UNSPECIFIED),
+        ("not_integrated", cpm_pb2.EXCHANGE_FAILURE_UNSPECIFIED),
+    ],
+)
+def test_a_refused_directive_is_reported_by_its_reason(
+    reason: str, failure: cpm_pb2.ExchangeFailure.ValueType
+) -> None:
+    assert refusal_failure(reason) == failure
+
+
+def test_every_reported_failure_is_one_the_cpm_accepts() -> None:
+    from peerlm.agent import directives
+    from peerlm.services.cpm.refusals import FAILURE_REASONS
+
+    assert set(directives._REFUSALS.values()) == set(FAILURE_REASONS)

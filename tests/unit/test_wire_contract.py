@@ -31,12 +31,14 @@ def test_cpm_messages_have_no_bytes_and_no_unbounded_payloads() -> None:
         assert f.type != FieldDescriptor.TYPE_BYTES, f"{name} could carry a payload"
         assert f.message_type is None or f.message_type.full_name != "peerlm.v1.Chunk", name
     # The only repeated scalars are the profile vector, whose length the CPM checks (d_p),
-    # and the advertised protocol names (at most 16 short identifiers, checked by the CPM:
-    # services/cpm/menu.py check_protocols).
+    # the advertised protocol names (at most 16 short identifiers, checked by the CPM:
+    # services/cpm/menu.py check_protocols) and the overlay top-K (at most 64 names of
+    # agents the CPM knows: check_overlay_peers).
     repeated_scalars = [n for n, f in fields if f.is_repeated and f.message_type is None]
     assert repeated_scalars == [
         "peerlm.v1.SubmitProfileRequest.features",
         "peerlm.v1.SubmitProfileRequest.protocols",
+        "peerlm.v1.SubmitProfileRequest.overlay_peers",
     ]
 
 

@@ -58,6 +58,48 @@ paired, so it trains locally at once instead of waiting for its round timeout. O
 """
 Global___ExchangeRole: _TypeAlias = ExchangeRole  # noqa: Y015
 
+class _ExchangeFailure:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ExchangeFailureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ExchangeFailure.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    EXCHANGE_FAILURE_UNSPECIFIED: _ExchangeFailure.ValueType  # 0
+    """Not a failure: the request carries the reward of Eq. 3."""
+    EXCHANGE_FAILURE_UNSUPPORTED_PROTOCOL: _ExchangeFailure.ValueType  # 1
+    """The student does not execute the directive's protocol in its role."""
+    EXCHANGE_FAILURE_PARAMETER_SPACE: _ExchangeFailure.ValueType  # 2
+    """The teacher's adapter or package is of another parameter space: base model type,
+    tokenizer, LoRA configuration, tensor names or shapes.
+    """
+    EXCHANGE_FAILURE_PULL_FAILED: _ExchangeFailure.ValueType  # 3
+    """The pull or fetch from the teacher failed: unreachable, timed out, refused, too large."""
+    EXCHANGE_FAILURE_SENDER_PROOF: _ExchangeFailure.ValueType  # 4
+    """The teacher's sender proof did not verify."""
+    EXCHANGE_FAILURE_INVALID_PAYLOAD: _ExchangeFailure.ValueType  # 5
+    """What arrived did not decode or failed its checks (corrupt, non-finite, norm bound)."""
+
+class ExchangeFailure(_ExchangeFailure, metaclass=_ExchangeFailureEnumTypeWrapper):
+    """Why a student refused a directive. A closed list: any other value is refused
+    (INVALID_ARGUMENT, reason `failure_reason`).
+    """
+
+EXCHANGE_FAILURE_UNSPECIFIED: ExchangeFailure.ValueType  # 0
+"""Not a failure: the request carries the reward of Eq. 3."""
+EXCHANGE_FAILURE_UNSUPPORTED_PROTOCOL: ExchangeFailure.ValueType  # 1
+"""The student does not execute the directive's protocol in its role."""
+EXCHANGE_FAILURE_PARAMETER_SPACE: ExchangeFailure.ValueType  # 2
+"""The teacher's adapter or package is of another parameter space: base model type,
+tokenizer, LoRA configuration, tensor names or shapes.
+"""
+EXCHANGE_FAILURE_PULL_FAILED: ExchangeFailure.ValueType  # 3
+"""The pull or fetch from the teacher failed: unreachable, timed out, refused, too large."""
+EXCHANGE_FAILURE_SENDER_PROOF: ExchangeFailure.ValueType  # 4
+"""The teacher's sender proof did not verify."""
+EXCHANGE_FAILURE_INVALID_PAYLOAD: ExchangeFailure.ValueType  # 5
+"""What arrived did not decode or failed its checks (corrupt, non-finite, norm bound)."""
+Global___ExchangeFailure: _TypeAlias = ExchangeFailure  # noqa: Y015
+
 @_typing.final
 class SubmitProfileRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -67,6 +109,7 @@ class SubmitProfileRequest(_message.Message):
     PEER_ENDPOINT_FIELD_NUMBER: _builtins.int
     PARAMETER_SPACE_FIELD_NUMBER: _builtins.int
     PROTOCOLS_FIELD_NUMBER: _builtins.int
+    OVERLAY_PEERS_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     """The agent's round counter t."""
     peer_endpoint: _builtins.str
@@ -88,6 +131,15 @@ class SubmitProfileRequest(_message.Message):
         identifiers of at most 32 characters, no repeats.
         """
 
+    @_builtins.property
+    def overlay_peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The agent's current SemanticDFL overlay top-K most similar peers, by certificate name
+        (docs/matchmaker.md, "Overlay narrowing"): when non-empty, a merge directive
+        (pmix, svd_hka) for which this agent is the student names only a sender listed here.
+        Empty: not reported (no narrowing). At most 64 names, no repeats, not the agent
+        itself, each an agent whose profile the CPM holds.
+        """
+
     def __init__(
         self,
         *,
@@ -96,10 +148,11 @@ class SubmitProfileRequest(_message.Message):
         peer_endpoint: _builtins.str = ...,
         parameter_space: _builtins.str = ...,
         protocols: _abc.Iterable[_builtins.str] | None = ...,
+        overlay_peers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "parameter_space", b"parameter_space", "peer_endpoint", b"peer_endpoint", "protocols", b"protocols", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "overlay_peers", b"overlay_peers", "parameter_space", b"parameter_space", "peer_endpoint", b"peer_endpoint", "protocols", b"protocols", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -209,6 +262,7 @@ class ReportRewardRequest(_message.Message):
     LOSS_PRE_FIELD_NUMBER: _builtins.int
     LOSS_POST_FIELD_NUMBER: _builtins.int
     KILOBYTES_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     directive_id: _builtins.str
     reward: _builtins.float
     """r_sr of Eq. 3: gamma * (L_pre - L_post) - delta * KB. Must be finite."""
@@ -216,6 +270,13 @@ class ReportRewardRequest(_message.Message):
     """Diagnostics kept in the ledger; the bandit learns only from `reward`."""
     loss_post: _builtins.float
     kilobytes: _builtins.int
+    failure: Global___ExchangeFailure.ValueType
+    """Set when the student did not execute the directive: why (docs/matchmaker.md, "Refused
+    exchanges"). Authorised, accepted once and acknowledged exactly like a reward, and
+    takes the reward's place: the CPM records the reason in its ledger and feeds the
+    bandit its configured `refusal_reward`. With a failure, `reward`, `loss_pre` and
+    `loss_post` must be 0 (`kilobytes`: what was received before the refusal).
+    """
     def __init__(
         self,
         *,
@@ -224,10 +285,11 @@ class ReportRewardRequest(_message.Message):
         loss_pre: _builtins.float = ...,
         loss_post: _builtins.float = ...,
         kilobytes: _builtins.int = ...,
+        failure: Global___ExchangeFailure.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["directive_id", b"directive_id", "kilobytes", b"kilobytes", "loss_post", b"loss_post", "loss_pre", b"loss_pre", "reward", b"reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directive_id", b"directive_id", "failure", b"failure", "kilobytes", b"kilobytes", "loss_post", b"loss_post", "loss_pre", b"loss_pre", "reward", b"reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
