@@ -5,7 +5,8 @@ round ``t`` (docs/fedwave.md, "The expert round loop"): train on the model threa
 (:meth:`ExpertTrainer.train`), publish the trained router and VCLayer as round ``t`` in the
 node's :class:`PartStore`, :func:`pull_round` (every other agent's router, the adjacent
 stages' VCLayers) under ``fedwave.round_deadline_s``, :func:`conclude_round` (Eq. 9 over
-what arrived, weighted by ``n_i``), and adopt the aggregate. Before round 1 it pulls the
+what arrived, weighted by ``n_i``, after the norm bounds of :mod:`part_admission` refused
+the finite-but-huge parts), and adopt the aggregate. Before round 1 it pulls the
 neighbours' round-0 VCLayers (the collaborative loss of round 1 needs them).
 
 Metrics (beside the exchange's own): ``peerlm_agent_fedwave_rounds_total{outcome}``
@@ -33,6 +34,7 @@ from peerlm.agent.fedwave.expert_round import (
     adjacent_vclayers,
     conclude_round,
 )
+from peerlm.agent.fedwave.part_admission import screen_round
 from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
 from peerlm.agent.fedwave.settings import FedWaveSettings
 from peerlm.agent.fedwave.vclayer import VCLayer, encode_vclayer
@@ -146,6 +148,7 @@ class ExpertLoop:
         initial one, so they are only counted, not averaged; pulling them makes every agent
         wait at start for the whole workflow (up to the deadline) the same way, so that the
         agents enter round 1 together and a missing agent is missed by all alike."""
+        base = self._router_state()
         parts = await pull_round(
             self.ctx,
             self.workflow,
@@ -155,6 +158,7 @@ class ExpertLoop:
             self.node.bounds,
             deadline_s=self.settings.round_deadline_s,
         )
+        self._screen(parts, base)
         self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
         self.predecessor, self.successor = adjacent_vclayers(
             self.workflow, self.ctx.name, parts.vclayers
@@ -166,10 +170,11 @@ class ExpertLoop:
             raise ValueError(f"rounds start at 1, got {t}")
         started = time.monotonic()
         before, after = self.predecessor, self.successor
+        base = self._router_state()  # ρ^(t−1): the norm bound's reference
         losses = await self._run(
             lambda: self.trainer.train(self.local_steps, predecessor=before, successor=after)
         )
-        trained = {k: v.detach().clone() for k, v in self.node.router.state_dict().items()}
+        trained = self._router_state()
         self.node.store.publish(
             t,
             {
@@ -187,6 +192,7 @@ class ExpertLoop:
             self.node.bounds,
             deadline_s=self.settings.round_deadline_s,
         )
+        self._screen(parts, base)
         conclusion = conclude_round(
             self.workflow,
             self.ctx.name,
@@ -224,6 +230,36 @@ class ExpertLoop:
             round_s=round(time.monotonic() - started, 2),
         )
         return conclusion
+
+    def _router_state(self) -> dict[str, Any]:
+        return {k: v.detach().clone() for k, v in self.node.router.state_dict().items()}
+
+    def _screen(self, parts: Any, base: Mapping[str, Any]) -> None:
+        """The norm bounds (:mod:`part_admission`): parts over them move to the rejected
+        ones (reason ``norm``), counted like the transport's refusals and logged."""
+        refused = screen_round(
+            parts,
+            base_router=base,
+            own_vclayer=self.trainer.vclayer,
+            max_router_update_ratio=self.settings.max_router_update_ratio,
+            max_vclayer_norm_ratio=self.settings.max_vclayer_norm_ratio,
+        )
+        for target, why in sorted(refused.items()):
+            self.ctx.counter(
+                "peerlm_agent_fedwave_rejected_parts_total",
+                "FedWave parts refused on arrival (sender not in the workflow or not proved, "
+                "shape, non-finite, oversized, wrong round or stage, over the norm bound); "
+                "never used",
+                ("kind", "reason"),
+            ).labels(target.kind.value, "norm").inc()
+            self.ctx.log.warning(
+                "fedwave_part_refused",
+                round=parts.round,
+                peer=target.agent,
+                kind=target.kind.value,
+                reason="norm",
+                detail=why,
+            )
 
     def _count_parts(
         self,
