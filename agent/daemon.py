@@ -449,6 +449,7 @@ class AgentDaemon:
         the last round's parts. A failure ends the loop (logged, in the summary's errors)."""
         from dataclasses import asdict
 
+        from peerlm.agent.checkpoint import CheckpointStore
         from peerlm.agent.fedwave.code_chain import StageExample
         from peerlm.agent.fedwave.expert_loop import ExpertLoop
         from peerlm.agent.fedwave.expert_round import ExpertTrainer
@@ -482,11 +483,18 @@ class AgentDaemon:
             # Unset: one pass over the stage's examples per round.
             local_steps=s.local_steps or -(-len(as_examples) // s.batch_size),
             run_on_model=lambda fn: self._model(fn),
+            # Each concluded round, atomically; a restart goes on from the newest.
+            checkpoints=CheckpointStore(s.state_dir / "fedwave" / "checkpoints", log=self.log),
+            adapter_state=self.host.adapter_state,
+            load_adapter=self.host.load_adapter_state,
         )
         t = 0
         try:
-            await loop.measure(held_out, after=False)
-            if await self._unless_aborted(loop.start()):
+            t = await loop.restore()
+            if t == 0:
+                await loop.measure(held_out, after=False)
+            if await self._unless_aborted(loop.rejoin(t) if t else loop.start()):
+                t = loop.next_round - 1
                 while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
                     t += 1
                     if not await self._unless_aborted(loop.play(t)):

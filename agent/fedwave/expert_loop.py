@@ -22,12 +22,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from peerlm.agent.fedwave.agent_node import FedWaveNode
 from peerlm.agent.fedwave.exchange import PartKind, plan_pulls
-from peerlm.agent.fedwave.exchange_client import pull_round, record_router_aggregate
+from peerlm.agent.fedwave.exchange_client import (
+    newest_rounds,
+    pull_round,
+    record_router_aggregate,
+)
+from peerlm.agent.fedwave.expert_checkpoint import pack_expert_state, unpack_expert_state
 from peerlm.agent.fedwave.expert_round import (
     ExpertTrainer,
     RoundConclusion,
@@ -42,6 +47,9 @@ from prometheus_client import Gauge
 
 from peerlm.metrics import get_collector
 from peerlm.node import NodeContext
+
+if TYPE_CHECKING:
+    from peerlm.agent.checkpoint import CheckpointStore
 
 __all__ = ["ExpertLoop", "FedWaveReport"]
 
@@ -64,6 +72,10 @@ class FedWaveReport:
     train_loss: list[float] = field(default_factory=list)  # per round, the last step's
     heldout_before: float | None = None
     heldout_after: float | None = None
+    # Restarts: the checkpointed round resumed from (the last one), and the rounds the
+    # workflow played while this agent was down (it rejoined at the workflow's round).
+    resumed_from: int | None = None
+    rounds_skipped: int = 0
 
 
 class ExpertLoop:
@@ -79,6 +91,9 @@ class ExpertLoop:
         n_samples: int,
         local_steps: int,
         run_on_model: RunOnModel[Any],
+        checkpoints: CheckpointStore | None = None,
+        adapter_state: Callable[[], dict[str, Any]] | None = None,
+        load_adapter: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         if settings.workflow is None:
             raise ValueError("fedwave.workflow is not configured")
@@ -90,6 +105,12 @@ class ExpertLoop:
         self.n_samples = n_samples
         self.local_steps = local_steps
         self._run = run_on_model
+        # Where each concluded round is checkpointed (None: not), and how the expert's
+        # adapter is read and restored (the model host's; on the model thread).
+        self.checkpoints = checkpoints
+        self._adapter_state = adapter_state
+        self._load_adapter = load_adapter
+        self.next_round = 1  # the round play() is to be called with next
         self.endpoints: Mapping[str, str] = {
             a: e for a, e in settings.peers.items() if a != ctx.name
         }
@@ -205,6 +226,7 @@ class ExpertLoop:
         )
         await self._run(lambda: self.trainer.load_router(conclusion.router))
         self.predecessor, self.successor = conclusion.predecessor, conclusion.successor
+        self.next_round = t + 1
         outcome = record_router_aggregate(self.ctx, self.workflow, conclusion.members, t)
         self._rounds.labels(outcome).inc()
         self._round_gauge.set(t)
@@ -229,7 +251,89 @@ class ExpertLoop:
             train_s=round(trained_s, 2),
             round_s=round(time.monotonic() - started, 2),
         )
+        if self.checkpoints is not None:
+            await self._run(lambda: self._save(t))
         return conclusion
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save(self, t: int) -> None:
+        """Round ``t``'s end, atomically (model thread): adapter, adopted router, VCLayer,
+        the neighbours' VCLayers, the report and the batch sampler's RNG."""
+        assert self.checkpoints is not None
+        adapter = self._adapter_state() if self._adapter_state is not None else {}
+        tensors, state = pack_expert_state(
+            t,
+            adapter=adapter,
+            router=self.node.router.state_dict(),
+            vclayer=self.trainer.vclayer,
+            predecessor=self.predecessor,
+            successor=self.successor,
+            report=asdict(self.report),
+            rng=self.trainer.rng,
+        )
+        self.checkpoints.save(t, tensors, state)
+
+    async def restore(self) -> int:
+        """Load the newest checkpoint, if any: the expert's adapter, router, VCLayer, the
+        neighbours' VCLayers, the report and RNG as they were at the end of its round;
+        that round (0: none, a fresh start). ``ValueError`` if it does not fit this agent
+        (nothing loaded then)."""
+        if self.checkpoints is None:
+            return 0
+        checkpoint = await self._run(self.checkpoints.load_latest)
+        if checkpoint is None:
+            return 0
+        bounds = self.node.bounds
+        saved = unpack_expert_state(
+            checkpoint.tensors,
+            checkpoint.state,
+            router_shapes=self.shapes,
+            hidden_size=bounds.hidden_size,
+            vclayer=bounds.vclayer,
+        )
+
+        def load() -> None:
+            if self._load_adapter is not None:
+                self._load_adapter(saved.adapter)  # checked before anything changes
+            self.trainer.load_router(saved.router)
+            self.trainer.vclayer.load_state_dict(saved.vclayer)
+            self.trainer.rng.setstate(saved.rng)
+
+        await self._run(load)
+        self.predecessor, self.successor = saved.predecessor, saved.successor
+        self.report = FedWaveReport(**saved.report)
+        self.report.resumed_from = saved.round
+        self.next_round = saved.round + 1
+        self._round_gauge.set(saved.round)
+        self.ctx.log.info("fedwave_checkpoint_restored", round=saved.round, stage=self.node.stage)
+        return saved.round
+
+    async def rejoin(self, t: int) -> int:
+        """After :meth:`restore` of round ``t``: the round to play next, the workflow's.
+        The other agents went on while this one was down; their newest published round
+        ``R`` (``DescribeWorkflow``, asked for at most the round's deadline) is the round
+        they are in or have just concluded. The agent plays ``max(t + 1, R)``: it trains
+        from its checkpointed router and pulls that round's parts (the others keep the
+        last two rounds), so it joins the round they wait on, or the next one's set. The
+        rounds in between are skipped (counted in the report): its router joins the
+        others' at the first round they all conclude over the same set (Eq. 9 over the same
+        trained routers gives the same bits, whatever each started from)."""
+        newest = await newest_rounds(
+            self.ctx, self.endpoints, timeout_s=min(self.settings.round_deadline_s, 10.0)
+        )
+        workflow_round = max(newest.values(), default=0)
+        self.next_round = max(t + 1, workflow_round)
+        skipped = self.next_round - (t + 1)
+        self.report.rounds_skipped += skipped
+        self.ctx.log.info(
+            "fedwave_rejoined",
+            checkpoint_round=t,
+            next_round=self.next_round,
+            skipped=skipped,
+            peers_newest=newest,
+        )
+        return self.next_round
 
     def _router_state(self) -> dict[str, Any]:
         return {k: v.detach().clone() for k, v in self.node.router.state_dict().items()}
