@@ -76,6 +76,10 @@ class FedWaveReport:
     # workflow played while this agent was down (it rejoined at the workflow's round).
     resumed_from: int | None = None
     rounds_skipped: int = 0
+    # Part bytes by kind: streamed to the workflow's agents (served) and taken off the wire
+    # from them (pulled, refused parts included); across restarts.
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
 
 
 class ExpertLoop:
@@ -111,6 +115,9 @@ class ExpertLoop:
         self._adapter_state = adapter_state
         self._load_adapter = load_adapter
         self.next_round = 1  # the round play() is to be called with next
+        # The report's byte counts when this process started (restored from a checkpoint):
+        # the process's counters start at 0.
+        self._bytes_before: tuple[dict[str, int], dict[str, int]] = ({}, {})
         self.endpoints: Mapping[str, str] = {
             a: e for a, e in settings.peers.items() if a != ctx.name
         }
@@ -257,11 +264,28 @@ class ExpertLoop:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def count_bytes(self) -> FedWaveReport:
+        """Update the report's part bytes sent and received, by kind, from this process's
+        counters (``peerlm_agent_fedwave_bytes_sent_total`` /
+        ``..._bytes_received_total``) plus what the restored report held; the report."""
+        sent, received = self._bytes_before
+        for kind in PartKind:
+            for into, before, name in (
+                (self.report.bytes_sent, sent, "peerlm_agent_fedwave_bytes_sent_total"),
+                (self.report.bytes_received, received, "peerlm_agent_fedwave_bytes_received_total"),
+            ):
+                now = self.ctx.registry.get_sample_value(name, {"kind": kind.value}) or 0.0
+                total = before.get(kind.value, 0) + int(now)
+                if total:
+                    into[kind.value] = total
+        return self.report
+
     def _save(self, t: int) -> None:
         """Round ``t``'s end, atomically (model thread): adapter, adopted router, VCLayer,
         the neighbours' VCLayers, the report and the batch sampler's RNG."""
         assert self.checkpoints is not None
         adapter = self._adapter_state() if self._adapter_state is not None else {}
+        self.count_bytes()
         tensors, state = pack_expert_state(
             t,
             adapter=adapter,
@@ -304,6 +328,7 @@ class ExpertLoop:
         self.predecessor, self.successor = saved.predecessor, saved.successor
         self.report = FedWaveReport(**saved.report)
         self.report.resumed_from = saved.round
+        self._bytes_before = (dict(self.report.bytes_sent), dict(self.report.bytes_received))
         self.next_round = saved.round + 1
         self._round_gauge.set(saved.round)
         self.ctx.log.info("fedwave_checkpoint_restored", round=saved.round, stage=self.node.stage)

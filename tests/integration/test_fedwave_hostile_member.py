@@ -285,5 +285,18 @@ def test_honest_experts_refuse_a_hostile_members_parts_and_keep_one_router(
             kind="vclayer", reason=reason,
         )  # fmt: skip
         assert got == n, (reason, got)
+    for name, summary in summaries.items():
+        # The parts served and pulled are the FedWave run's traffic, in the summary: every
+        # honest agent served its routers to the two others and pulled theirs (and a4's
+        # refused ones, taken off the wire all the same).
+        fw = summary["fedwave"]
+        assert fw["bytes_sent"]["router"] > 0 and fw["bytes_received"]["router"] > 0, fw
+        assert summary["bytes_sent"] == sum(fw["bytes_sent"].values()), summary
+        assert summary["bytes_received"] == sum(fw["bytes_received"].values()), summary
+        sent = sum(
+            _value(scraped[name], "peerlm_agent_fedwave_bytes_sent_total", kind=k)
+            for k in ("router", "vclayer")
+        )
+        assert 0 < sent <= summary["bytes_sent"], (name, sent)
     digests = {tuple(r["router_sha256"]) for r in reports.values()}
     assert len(digests) == 1, reports  # every honest agent, every round: the same bits
