@@ -142,6 +142,7 @@ class AgentDaemon:
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
         self.cohort: Any = None  # ProxyOwner or ProxyMember when fedproxy.enabled
         self.fedwave: Any = None  # FedWaveNode when fedwave.workflow is set
+        self._expert_loop: Any = None  # its ExpertLoop once the rounds started
 
     # ------------------------------------------------------------------ set-up
 
@@ -449,8 +450,7 @@ class AgentDaemon:
         FedWave rounds (0: until stopped) on this stage's private examples, the held-out
         loss on the validation examples before and after; then serve until the others have
         the last round's parts. A failure ends the loop (logged, in the summary's errors)."""
-        from dataclasses import asdict
-
+        from peerlm.agent.checkpoint import CheckpointStore
         from peerlm.agent.fedwave.code_chain import StageExample
         from peerlm.agent.fedwave.expert_loop import ExpertLoop
         from peerlm.agent.fedwave.expert_round import ExpertTrainer
@@ -484,11 +484,19 @@ class AgentDaemon:
             # Unset: one pass over the stage's examples per round.
             local_steps=s.local_steps or -(-len(as_examples) // s.batch_size),
             run_on_model=lambda fn: self._model(fn),
+            # Each concluded round, atomically; a restart goes on from the newest.
+            checkpoints=CheckpointStore(s.state_dir / "fedwave" / "checkpoints", log=self.log),
+            adapter_state=self.host.adapter_state,
+            load_adapter=self.host.load_adapter_state,
         )
+        self._expert_loop = loop
         t = 0
         try:
-            await loop.measure(held_out, after=False)
-            if await self._unless_aborted(loop.start()):
+            t = await loop.restore()
+            if t == 0:
+                await loop.measure(held_out, after=False)
+            if await self._unless_aborted(loop.rejoin(t) if t else loop.start()):
+                t = loop.next_round - 1
                 while not self._stop.is_set() and (s.rounds == 0 or t < s.rounds):
                     t += 1
                     if not await self._unless_aborted(loop.play(t)):
@@ -504,7 +512,7 @@ class AgentDaemon:
             self.summary.errors.append(f"fedwave: {err!r}")
             self.log.error("fedwave_failed", round=t, error=repr(err))
         self.summary.rounds_completed = loop.report.rounds
-        self.summary.fedwave = asdict(loop.report)
+        self._count_sent()
 
     async def _unless_aborted(self, step: Awaitable[Any]) -> bool:
         """Run ``step`` unless the stop grace runs out first (then it is cancelled, the
@@ -742,6 +750,14 @@ class AgentDaemon:
         return self.summary
 
     def _count_sent(self) -> None:
+        if self._expert_loop is not None:
+            # FedWave: the parts served and pulled are the traffic (no package moves), with
+            # the report (its byte counts go on across restarts).
+            report = self._expert_loop.count_bytes()
+            self.summary.bytes_sent = sum(report.bytes_sent.values())
+            self.summary.bytes_received = sum(report.bytes_received.values())
+            self.summary.fedwave = asdict(report)
+            return
         sent = self.registry.get_sample_value("peerlm_agent_package_bytes_sent_total")
         self.summary.bytes_sent = int(sent or 0)
         adapters = self.registry.get_sample_value("peerlm_agent_adapter_bytes_sent_total")

@@ -50,7 +50,13 @@ from peerlm.node import NodeContext
 from peerlm.pki.proof import ProofError
 from peerlm.wire.v1 import fedwave_pb2, fedwave_pb2_grpc
 
-__all__ = ["aggregate_round_routers", "pull_part", "pull_round", "record_router_aggregate"]
+__all__ = [
+    "aggregate_round_routers",
+    "newest_rounds",
+    "pull_part",
+    "pull_round",
+    "record_router_aggregate",
+]
 
 _WIRE_KINDS = {
     PartKind.ROUTER: fedwave_pb2.PART_KIND_ROUTER,
@@ -241,6 +247,35 @@ async def pull_round(
         rejected=len(parts.rejected),
     )
     return parts
+
+
+async def newest_rounds(
+    ctx: NodeContext, endpoints: Mapping[str, str], *, timeout_s: float
+) -> dict[str, int]:
+    """The newest round each agent at ``endpoints`` (agent name → HOST:PORT) has published
+    (``DescribeWorkflow``, the channel proving it is that agent), asked concurrently for at
+    most ``timeout_s``; an agent that does not answer, or has published nothing, is left
+    out. A restarted expert uses it to find the round the workflow is in."""
+
+    async def ask(agent: str, target: str) -> int | None:
+        async with ctx.dial(target, expect=agent) as peer:
+            stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
+            reply = await stub.DescribeWorkflow(
+                fedwave_pb2.DescribeWorkflowRequest(), timeout=timeout_s, metadata=peer.metadata
+            )
+        if reply.agent != agent:
+            return None  # the certificate proved it; a reply naming another is not used
+        return max(reply.rounds) if reply.rounds else None
+
+    names = sorted(endpoints)
+    answers = await asyncio.gather(*(ask(a, endpoints[a]) for a in names), return_exceptions=True)
+    out: dict[str, int] = {}
+    for agent, answer in zip(names, answers, strict=True):
+        if isinstance(answer, int):
+            out[agent] = answer
+        elif isinstance(answer, BaseException) and not isinstance(answer, Exception):
+            raise answer  # cancellation
+    return out
 
 
 def aggregate_round_routers(

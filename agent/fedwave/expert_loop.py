@@ -5,7 +5,8 @@ round ``t`` (docs/fedwave.md, "The expert round loop"): train on the model threa
 (:meth:`ExpertTrainer.train`), publish the trained router and VCLayer as round ``t`` in the
 node's :class:`PartStore`, :func:`pull_round` (every other agent's router, the adjacent
 stages' VCLayers) under ``fedwave.round_deadline_s``, :func:`conclude_round` (Eq. 9 over
-what arrived, weighted by ``n_i``), and adopt the aggregate. Before round 1 it pulls the
+what arrived, weighted by ``n_i``, after the norm bounds of :mod:`part_admission` refused
+the finite-but-huge parts), and adopt the aggregate. Before round 1 it pulls the
 neighbours' round-0 VCLayers (the collaborative loss of round 1 needs them).
 
 Metrics (beside the exchange's own): ``peerlm_agent_fedwave_rounds_total{outcome}``
@@ -21,18 +22,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from peerlm.agent.fedwave.agent_node import FedWaveNode
 from peerlm.agent.fedwave.exchange import PartKind, plan_pulls
-from peerlm.agent.fedwave.exchange_client import pull_round, record_router_aggregate
+from peerlm.agent.fedwave.exchange_client import (
+    newest_rounds,
+    pull_round,
+    record_router_aggregate,
+)
+from peerlm.agent.fedwave.expert_checkpoint import pack_expert_state, unpack_expert_state
 from peerlm.agent.fedwave.expert_round import (
     ExpertTrainer,
     RoundConclusion,
     adjacent_vclayers,
     conclude_round,
 )
+from peerlm.agent.fedwave.part_admission import screen_round
 from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
 from peerlm.agent.fedwave.settings import FedWaveSettings
 from peerlm.agent.fedwave.vclayer import VCLayer, encode_vclayer
@@ -40,6 +47,9 @@ from prometheus_client import Gauge
 
 from peerlm.metrics import get_collector
 from peerlm.node import NodeContext
+
+if TYPE_CHECKING:
+    from peerlm.agent.checkpoint import CheckpointStore
 
 __all__ = ["ExpertLoop", "FedWaveReport"]
 
@@ -62,6 +72,14 @@ class FedWaveReport:
     train_loss: list[float] = field(default_factory=list)  # per round, the last step's
     heldout_before: float | None = None
     heldout_after: float | None = None
+    # Restarts: the checkpointed round resumed from (the last one), and the rounds the
+    # workflow played while this agent was down (it rejoined at the workflow's round).
+    resumed_from: int | None = None
+    rounds_skipped: int = 0
+    # Part bytes by kind: streamed to the workflow's agents (served) and taken off the wire
+    # from them (pulled, refused parts included); across restarts.
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
 
 
 class ExpertLoop:
@@ -77,6 +95,9 @@ class ExpertLoop:
         n_samples: int,
         local_steps: int,
         run_on_model: RunOnModel[Any],
+        checkpoints: CheckpointStore | None = None,
+        adapter_state: Callable[[], dict[str, Any]] | None = None,
+        load_adapter: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         if settings.workflow is None:
             raise ValueError("fedwave.workflow is not configured")
@@ -88,6 +109,15 @@ class ExpertLoop:
         self.n_samples = n_samples
         self.local_steps = local_steps
         self._run = run_on_model
+        # Where each concluded round is checkpointed (None: not), and how the expert's
+        # adapter is read and restored (the model host's; on the model thread).
+        self.checkpoints = checkpoints
+        self._adapter_state = adapter_state
+        self._load_adapter = load_adapter
+        self.next_round = 1  # the round play() is to be called with next
+        # The report's byte counts when this process started (restored from a checkpoint):
+        # the process's counters start at 0.
+        self._bytes_before: tuple[dict[str, int], dict[str, int]] = ({}, {})
         self.endpoints: Mapping[str, str] = {
             a: e for a, e in settings.peers.items() if a != ctx.name
         }
@@ -146,6 +176,7 @@ class ExpertLoop:
         initial one, so they are only counted, not averaged; pulling them makes every agent
         wait at start for the whole workflow (up to the deadline) the same way, so that the
         agents enter round 1 together and a missing agent is missed by all alike."""
+        base = self._router_state()
         parts = await pull_round(
             self.ctx,
             self.workflow,
@@ -155,6 +186,7 @@ class ExpertLoop:
             self.node.bounds,
             deadline_s=self.settings.round_deadline_s,
         )
+        self._screen(parts, base)
         self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
         self.predecessor, self.successor = adjacent_vclayers(
             self.workflow, self.ctx.name, parts.vclayers
@@ -166,10 +198,11 @@ class ExpertLoop:
             raise ValueError(f"rounds start at 1, got {t}")
         started = time.monotonic()
         before, after = self.predecessor, self.successor
+        base = self._router_state()  # ρ^(t−1): the norm bound's reference
         losses = await self._run(
             lambda: self.trainer.train(self.local_steps, predecessor=before, successor=after)
         )
-        trained = {k: v.detach().clone() for k, v in self.node.router.state_dict().items()}
+        trained = self._router_state()
         self.node.store.publish(
             t,
             {
@@ -187,6 +220,7 @@ class ExpertLoop:
             self.node.bounds,
             deadline_s=self.settings.round_deadline_s,
         )
+        self._screen(parts, base)
         conclusion = conclude_round(
             self.workflow,
             self.ctx.name,
@@ -199,6 +233,7 @@ class ExpertLoop:
         )
         await self._run(lambda: self.trainer.load_router(conclusion.router))
         self.predecessor, self.successor = conclusion.predecessor, conclusion.successor
+        self.next_round = t + 1
         outcome = record_router_aggregate(self.ctx, self.workflow, conclusion.members, t)
         self._rounds.labels(outcome).inc()
         self._round_gauge.set(t)
@@ -223,7 +258,137 @@ class ExpertLoop:
             train_s=round(trained_s, 2),
             round_s=round(time.monotonic() - started, 2),
         )
+        if self.checkpoints is not None:
+            await self._run(lambda: self._save(t))
         return conclusion
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def count_bytes(self) -> FedWaveReport:
+        """Update the report's part bytes sent and received, by kind, from this process's
+        counters (``peerlm_agent_fedwave_bytes_sent_total`` /
+        ``..._bytes_received_total``) plus what the restored report held; the report."""
+        sent, received = self._bytes_before
+        for kind in PartKind:
+            for into, before, name in (
+                (self.report.bytes_sent, sent, "peerlm_agent_fedwave_bytes_sent_total"),
+                (self.report.bytes_received, received, "peerlm_agent_fedwave_bytes_received_total"),
+            ):
+                now = self.ctx.registry.get_sample_value(name, {"kind": kind.value}) or 0.0
+                total = before.get(kind.value, 0) + int(now)
+                if total:
+                    into[kind.value] = total
+        return self.report
+
+    def _save(self, t: int) -> None:
+        """Round ``t``'s end, atomically (model thread): adapter, adopted router, VCLayer,
+        the neighbours' VCLayers, the report and the batch sampler's RNG."""
+        assert self.checkpoints is not None
+        adapter = self._adapter_state() if self._adapter_state is not None else {}
+        self.count_bytes()
+        tensors, state = pack_expert_state(
+            t,
+            adapter=adapter,
+            router=self.node.router.state_dict(),
+            vclayer=self.trainer.vclayer,
+            predecessor=self.predecessor,
+            successor=self.successor,
+            report=asdict(self.report),
+            rng=self.trainer.rng,
+        )
+        self.checkpoints.save(t, tensors, state)
+
+    async def restore(self) -> int:
+        """Load the newest checkpoint, if any: the expert's adapter, router, VCLayer, the
+        neighbours' VCLayers, the report and RNG as they were at the end of its round;
+        that round (0: none, a fresh start). ``ValueError`` if it does not fit this agent
+        (nothing loaded then)."""
+        if self.checkpoints is None:
+            return 0
+        checkpoint = await self._run(self.checkpoints.load_latest)
+        if checkpoint is None:
+            return 0
+        bounds = self.node.bounds
+        saved = unpack_expert_state(
+            checkpoint.tensors,
+            checkpoint.state,
+            router_shapes=self.shapes,
+            hidden_size=bounds.hidden_size,
+            vclayer=bounds.vclayer,
+        )
+
+        def load() -> None:
+            if self._load_adapter is not None:
+                self._load_adapter(saved.adapter)  # checked before anything changes
+            self.trainer.load_router(saved.router)
+            self.trainer.vclayer.load_state_dict(saved.vclayer)
+            self.trainer.rng.setstate(saved.rng)
+
+        await self._run(load)
+        self.predecessor, self.successor = saved.predecessor, saved.successor
+        self.report = FedWaveReport(**saved.report)
+        self.report.resumed_from = saved.round
+        self._bytes_before = (dict(self.report.bytes_sent), dict(self.report.bytes_received))
+        self.next_round = saved.round + 1
+        self._round_gauge.set(saved.round)
+        self.ctx.log.info("fedwave_checkpoint_restored", round=saved.round, stage=self.node.stage)
+        return saved.round
+
+    async def rejoin(self, t: int) -> int:
+        """After :meth:`restore` of round ``t``: the round to play next, the workflow's.
+        The other agents went on while this one was down; their newest published round
+        ``R`` (``DescribeWorkflow``, asked for at most the round's deadline) is the round
+        they are in or have just concluded. The agent plays ``max(t + 1, R)``: it trains
+        from its checkpointed router and pulls that round's parts (the others keep the
+        last two rounds), so it joins the round they wait on, or the next one's set. The
+        rounds in between are skipped (counted in the report): its router joins the
+        others' at the first round they all conclude over the same set (Eq. 9 over the same
+        trained routers gives the same bits, whatever each started from)."""
+        newest = await newest_rounds(
+            self.ctx, self.endpoints, timeout_s=min(self.settings.round_deadline_s, 10.0)
+        )
+        workflow_round = max(newest.values(), default=0)
+        self.next_round = max(t + 1, workflow_round)
+        skipped = self.next_round - (t + 1)
+        self.report.rounds_skipped += skipped
+        self.ctx.log.info(
+            "fedwave_rejoined",
+            checkpoint_round=t,
+            next_round=self.next_round,
+            skipped=skipped,
+            peers_newest=newest,
+        )
+        return self.next_round
+
+    def _router_state(self) -> dict[str, Any]:
+        return {k: v.detach().clone() for k, v in self.node.router.state_dict().items()}
+
+    def _screen(self, parts: Any, base: Mapping[str, Any]) -> None:
+        """The norm bounds (:mod:`part_admission`): parts over them move to the rejected
+        ones (reason ``norm``), counted like the transport's refusals and logged."""
+        refused = screen_round(
+            parts,
+            base_router=base,
+            own_vclayer=self.trainer.vclayer,
+            max_router_update_ratio=self.settings.max_router_update_ratio,
+            max_vclayer_norm_ratio=self.settings.max_vclayer_norm_ratio,
+        )
+        for target, why in sorted(refused.items()):
+            self.ctx.counter(
+                "peerlm_agent_fedwave_rejected_parts_total",
+                "FedWave parts refused on arrival (sender not in the workflow or not proved, "
+                "shape, non-finite, oversized, wrong round or stage, over the norm bound); "
+                "never used",
+                ("kind", "reason"),
+            ).labels(target.kind.value, "norm").inc()
+            self.ctx.log.warning(
+                "fedwave_part_refused",
+                round=parts.round,
+                peer=target.agent,
+                kind=target.kind.value,
+                reason="norm",
+                detail=why,
+            )
 
     def _count_parts(
         self,

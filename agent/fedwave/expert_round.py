@@ -184,6 +184,11 @@ class ExpertTrainer:
         self._interrupt = interrupt
 
     @property
+    def rng(self) -> random.Random:
+        """The batch sampler's generator (its state is checkpointed between rounds)."""
+        return self._rng
+
+    @property
     def vclayer(self) -> VCLayer:
         """This stage's VCLayer (trained in place)."""
         return self.model.vclayer

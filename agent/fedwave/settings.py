@@ -56,6 +56,11 @@ class FedWaveSettings(Section):
     # it); an agent without an entry is never dialled and its parts count missing
     # (``no_endpoint``). This agent's own entry, if listed, is ignored.
     peers: dict[str, str] = Field(default_factory=dict, max_length=4096)
+    # Norm bounds on the parts that arrived (agent/fedwave/part_admission.py; null: none): a
+    # router's change against the round's starting router at most this times that router's
+    # norm; a neighbour's VCLayer's norm at most this times this agent's own VCLayer's.
+    max_router_update_ratio: float | None = Field(default=1.0, gt=0, le=1e6)
+    max_vclayer_norm_ratio: float | None = Field(default=10.0, gt=0, le=1e6)
     vclayer: VCLayerSettings = VCLayerSettings()
     collab: CollabLossSettings = CollabLossSettings()
     router: RouterSettings = RouterSettings()

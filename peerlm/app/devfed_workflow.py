@@ -198,7 +198,7 @@ def _loss(value: Any) -> str:
 
 def workflow_rows(result: Mapping[str, Any]) -> list[dict[str, str]]:
     """One row per stage: agent, rounds, router agreement, parts pulled / missing /
-    rejected, the held-out SFT loss before → after, errors."""
+    rejected, part KiB served / pulled, the held-out SFT loss before → after, errors."""
     reports = list(result.get("agents", []))
     agreed, played = router_agreement(reports)
     rows = []
@@ -214,6 +214,8 @@ def workflow_rows(result: Mapping[str, Any]) -> list[dict[str, str]]:
                 "pulled r/vc": f"{pulled.get('router', 0)}/{pulled.get('vclayer', 0)}",
                 "missing": str(sum(fw.get("parts_missing", {}).values())),
                 "refused": str(sum(fw.get("parts_rejected", {}).values())),
+                "KiB out/in": f"{sum(fw.get('bytes_sent', {}).values()) / 1024:.0f}/"
+                f"{sum(fw.get('bytes_received', {}).values()) / 1024:.0f}",
                 "held-out loss": f"{_loss(fw.get('heldout_before'))}→"
                 f"{_loss(fw.get('heldout_after'))}",
                 "errors": "; ".join(r.get("errors", [])) or "-",

@@ -19,6 +19,8 @@ def report(name: str, stage: str, digests: list[str], **extra: object) -> dict[s
         "parts_rejected": {},
         "heldout_before": 2.5,
         "heldout_after": 1.25,
+        "bytes_sent": {"router": 3072, "vclayer": 2048},
+        "bytes_received": {"router": 10240},
     }
     return {"name": name, "errors": [], "fedwave": {**fedwave, **extra}}
 
@@ -37,6 +39,7 @@ def test_one_row_per_stage_with_pulls_and_losses() -> None:
     assert rows[0]["same router"] == "1/1 rounds"
     assert rows[0]["pulled r/vc"] == "4/2" and rows[0]["missing"] == "1"
     assert rows[0]["held-out loss"] == "2.500→1.250"
+    assert rows[0]["KiB out/in"] == "5/10"
     no_loss = workflow_rows({"agents": [report("a", "s", [], heldout_after=None)]})
     assert no_loss[0]["held-out loss"] == "2.500→-"
 

@@ -1,0 +1,110 @@
+"""What an expert agent lets into its round's conclusion beyond the codecs' checks
+(issue 10 §5, "Bad input"): a norm bound on every router and VCLayer that arrived.
+
+The transport and the decoders refuse a part of the wrong size, format, shape or with a
+NaN/inf in it (:func:`~peerlm.agent.fedwave.exchange.accept_part`). A finite part can still
+wreck the aggregate for every agent: one router of entries 1e30 dominates Eq. 9's weighted
+mean whatever its ``n_i``, and a neighbour's VCLayer of 1e30 makes the collaborative loss
+(Eq. 5-6) meaningless. :func:`screen_round` moves such parts from the accepted ones to the
+rejected ones (reason ``norm``) before the round is concluded, with no I/O:
+
+* **a router**: its task vector against the round's starting router ``ρ^(t−1)`` (the
+  aggregate every agent adopted at the end of the previous round, the common initial router
+  in round 1) may have an L2 norm of at most ``max_router_update_ratio × ‖ρ^(t−1)‖``.
+  Relative to ``ρ^(t−1)`` and not to this agent's own trained router: every honest agent
+  that concluded the previous round over the same set holds the same ``ρ^(t−1)`` bit for
+  bit, so they all refuse the same routers and their aggregates stay equal (a reference of
+  each agent's own would let a router placed on the edge pass at one agent and not at
+  another, and split the workflow's routers). Default 1 (as FedProxy's
+  ``max_update_norm_ratio``): a round of a few AdamW steps moves the router by a few per
+  cent of its norm; a change as large as the router itself is no training step.
+* **a VCLayer**: its L2 norm may be at most ``max_vclayer_norm_ratio ×`` this agent's own
+  VCLayer's (every stage's starts from the same distribution, :meth:`FedWaveSettings.
+  initial_vclayer`; stages drift apart in training, so the default is a loose 10). A
+  neighbour's VCLayer only enters this agent's loss, never a shared aggregate, so an
+  agent-local reference splits nothing.
+
+Norms are float64 over every floating tensor (:func:`~peerlm.agent.fedproxy_admission.
+state_norm`), so 1e30 entries do not overflow to inf; a NaN norm is refused too.
+
+Not here: an acceptance gate on the adopted router (keep the previous one if the held-out
+loss rises). The expert's held-out SFT loss does not go through the router (the router
+chooses among the experts in the assembled model), so that loss cannot judge it; and a
+gate that kept a different router at some agents than at others would split the workflow's
+routers, which Eq. 9 is there to keep equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from peerlm.agent.fedproxy_admission import state_norm, update_norm
+from peerlm.agent.fedwave.exchange import PartKind, PullTarget, RoundParts
+from peerlm.agent.fedwave.vclayer import VCLayer
+
+__all__ = ["NORM_REASON", "router_norm_refusal", "screen_round", "vclayer_norm_refusal"]
+
+#: The refusal reason (metric label) of a part over its norm bound.
+NORM_REASON = "norm"
+
+
+def router_norm_refusal(
+    base: Mapping[str, torch.Tensor], router: Mapping[str, torch.Tensor], *, max_ratio: float
+) -> str | None:
+    """Why ``router`` is over the bound against the round's starting router ``base`` (a
+    message), or None if within it."""
+    reference = state_norm(base)
+    norm = update_norm(base, router)
+    if norm <= max_ratio * reference:  # not ``>``: a NaN norm is refused too
+        return None
+    return (
+        f"router update norm {norm:.4g} exceeds {max_ratio:g} x the round's starting router "
+        f"norm {reference:.4g} (fedwave.max_router_update_ratio)"
+    )
+
+
+def vclayer_norm_refusal(own: VCLayer, layer: VCLayer, *, max_ratio: float) -> str | None:
+    """Why ``layer`` is over the bound against this agent's own VCLayer (a message), or
+    None if within it."""
+    reference = state_norm(own.state_dict())
+    norm = state_norm(layer.state_dict())
+    if norm <= max_ratio * reference:
+        return None
+    return (
+        f"VCLayer norm {norm:.4g} exceeds {max_ratio:g} x this agent's own VCLayer norm "
+        f"{reference:.4g} (fedwave.max_vclayer_norm_ratio)"
+    )
+
+
+def screen_round(
+    parts: RoundParts,
+    *,
+    base_router: Mapping[str, torch.Tensor],
+    own_vclayer: VCLayer,
+    max_router_update_ratio: float | None,
+    max_vclayer_norm_ratio: float | None,
+) -> dict[PullTarget, str]:
+    """Move the parts of ``parts`` over their norm bound (module docstring) from its
+    accepted routers / VCLayers to ``parts.rejected`` (reason ``norm``); what was moved,
+    with each refusal's message. A ratio of None: no bound for that kind."""
+    refused: dict[PullTarget, str] = {}
+    if max_router_update_ratio is not None:
+        for agent in sorted(parts.routers):
+            why = router_norm_refusal(
+                base_router, parts.routers[agent].state, max_ratio=max_router_update_ratio
+            )
+            if why is not None:
+                refused[PullTarget(agent, PartKind.ROUTER)] = why
+                del parts.routers[agent]
+    if max_vclayer_norm_ratio is not None:
+        for agent in sorted(parts.vclayers):
+            why = vclayer_norm_refusal(
+                own_vclayer, parts.vclayers[agent], max_ratio=max_vclayer_norm_ratio
+            )
+            if why is not None:
+                refused[PullTarget(agent, PartKind.VCLAYER)] = why
+                del parts.vclayers[agent]
+    for target in refused:
+        parts.rejected[target] = NORM_REASON
+    return refused

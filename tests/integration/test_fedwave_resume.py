@@ -1,0 +1,132 @@
+"""A FedWave expert killed mid-run (SIGKILL) and restarted: it resumes from its checkpoint
+of the last round it concluded (adapter, adopted router, VCLayer, neighbours' VCLayers),
+rejoins the workflow at the round the others are in, and every agent ends the run with the
+same router. Real ``peerlm agent`` processes on loopback mTLS."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from peerlm.agent.fedwave.workflow import Workflow
+from peerlm.agent.models.tiny import build_models
+
+from tests.cpm_harness import CpmProcess, Pki
+from tests.integration.test_fedwave_agents import _events, _free_port, _wait_for
+from tests.integration.test_fedwave_hostile_member import (
+    agent_config,
+    start_agent,
+    write_stage_data,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+WORKFLOW = {
+    "stages": [
+        {"name": "specify", "agents": ["a0"]},
+        {"name": "implement", "agents": ["a1"]},
+        {"name": "test", "agents": ["a2"]},
+    ]
+}
+AGENTS = ("a0", "a1", "a2")
+VICTIM = "a1"
+KILLED_AFTER = 2  # the kill comes once this round's checkpoint is saved (or a later one's)
+ROUNDS = 8
+DEADLINE_S = 60.0
+
+
+def _saved(log: Path, round_: int) -> bool:
+    return any(
+        e.get("event") == "checkpoint_saved" and e.get("round") == round_ for e in _events(log)
+    )
+
+
+def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    build_models(models, ("gpt2",), size="micro")
+    pki = Pki.create(tmp_path, agents=3)
+    workflow = Workflow.model_validate(WORKFLOW)
+    cpm = CpmProcess(pki, tmp_path / "cpm.db", tmp_path, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"})
+    cpm.start()
+    data = tmp_path / "data"
+    transfer = write_stage_data(data, workflow, AGENTS)
+    peers = {a: f"127.0.0.1:{_free_port()}" for a in AGENTS}
+    configs = {
+        a: agent_config(
+            tmp_path,
+            pki,
+            cpm,
+            a,
+            peers,
+            _free_port(),
+            models,
+            data,
+            transfer,
+            rounds=ROUNDS,
+            deadline_s=DEADLINE_S,
+            workflow=WORKFLOW,
+        )
+        for a in AGENTS
+    }
+    logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
+    procs = {a: start_agent(configs[a], logs[a]) for a in AGENTS}
+    restarted_log = tmp_path / f"{VICTIM}-restarted.log"
+    try:
+        _wait_for(
+            lambda: _saved(logs[VICTIM], KILLED_AFTER) or procs[VICTIM].poll() is not None,
+            300,
+            f"{VICTIM}'s checkpoint of round {KILLED_AFTER}",
+        )
+        assert procs[VICTIM].poll() is None, logs[VICTIM].read_text()[-3000:]
+        procs[VICTIM].send_signal(signal.SIGKILL)
+        procs[VICTIM].wait(30)
+        assert procs[VICTIM].returncode == -signal.SIGKILL
+        # Micro rounds are short: the victim may have concluded a round or two more before
+        # the signal landed. The newest checkpoint it logged is the one to resume from.
+        killed_after = max(
+            e["round"] for e in _events(logs[VICTIM]) if e.get("event") == "checkpoint_saved"
+        )
+        assert KILLED_AFTER <= killed_after < ROUNDS, killed_after
+        procs[VICTIM] = start_agent(configs[VICTIM], restarted_log)
+        outs = {a: p.communicate(timeout=400)[0] for a, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        cpm.terminate()
+    victim_log = restarted_log
+    summaries = {}
+    for name, out in outs.items():
+        log = victim_log if name == VICTIM else logs[name]
+        assert procs[name].returncode == 0, log.read_text()[-3000:]
+        summaries[name] = json.loads(out.strip().splitlines()[-1])
+        assert not summaries[name]["errors"], summaries[name]["errors"]
+    reports = {name: s["fedwave"] for name, s in summaries.items()}
+    events = _events(victim_log)
+    restored = [e for e in events if e.get("event") == "fedwave_checkpoint_restored"]
+    assert [e["round"] for e in restored] == [killed_after], restored
+    rejoined = [e for e in events if e.get("event") == "fedwave_rejoined"]
+    assert len(rejoined) == 1 and rejoined[0]["next_round"] > killed_after, rejoined
+    played = [e["round"] for e in events if e.get("event") == "fedwave_round_done"]
+    # The restarted process plays from the workflow's round to the last, never round 1.
+    assert played == list(range(rejoined[0]["next_round"], ROUNDS + 1)), played
+    victim = reports[VICTIM]
+    assert victim["resumed_from"] == killed_after and victim["rounds"] == ROUNDS, victim
+    # The report goes on from the checkpoint: its rounds before the kill are in it.
+    assert len(victim["router_sha256"]) == ROUNDS - victim["rounds_skipped"], victim
+    for name in AGENTS:
+        assert reports[name]["rounds"] == ROUNDS, reports[name]
+        assert summaries[name]["bytes_sent"] > 0 and summaries[name]["bytes_received"] > 0
+    # The restarted process's byte counts go on from the checkpoint's: every agent pulled
+    # two routers (all of one size) in each round from 0, so the victim's router bytes
+    # match a0's; counting only the second process's would give about half.
+    received = {a: reports[a]["bytes_received"]["router"] for a in AGENTS}
+    assert received[VICTIM] >= 0.9 * received["a0"], received
+    last = {name: r["router_sha256"][-1] for name, r in reports.items()}
+    assert len(set(last.values())) == 1, last  # every agent ends with the same router bits
+    # And before the kill, too (those rounds were played by all three together).
+    early = {tuple(r["router_sha256"][:killed_after]) for r in reports.values()}
+    assert len(early) == 1, reports

@@ -1,0 +1,120 @@
+"""The norm bounds on a round's parts (agent/fedwave/part_admission.py): a finite router or
+VCLayer of 1e30 passes the codecs and is refused here (reason ``norm``), before Eq. 9 or the
+collaborative loss see it; honest parts pass; every agent refuses the same routers."""
+
+from __future__ import annotations
+
+import torch
+from peerlm.agent.fedwave.exchange import (
+    PartKind,
+    PullTarget,
+    RoundParts,
+    ShapeBounds,
+    accept_part,
+)
+from peerlm.agent.fedwave.part_admission import NORM_REASON, screen_round
+from peerlm.agent.fedwave.router import MoERouter
+from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
+from peerlm.agent.fedwave.vclayer import VCLayer, VCLayerSettings, encode_vclayer
+from peerlm.agent.fedwave.workflow import Workflow
+
+WORKFLOW = Workflow.model_validate(
+    {
+        "stages": [
+            {"name": "specify", "agents": ["a"]},
+            {"name": "implement", "agents": ["b"]},
+            {"name": "test", "agents": ["c", "h"]},
+        ]
+    }
+)
+WIDTH = 16
+SIZE = VCLayerSettings(d_vc=8, heads=2)
+
+
+def _router(seed: int) -> MoERouter:
+    return MoERouter(WIDTH, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def _nudged(router: MoERouter, by: float) -> MoERouter:
+    out = _router(0)
+    out.load_state_dict(router.state_dict())
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(by * torch.ones_like(p))
+    return out
+
+
+def _times(module: torch.nn.Module, factor: float) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(factor)
+
+
+def _parts(base: MoERouter, hostile_router: MoERouter, hostile_layer: VCLayer) -> RoundParts:
+    bounds = ShapeBounds(router_shapes(base), WIDTH, SIZE)
+    honest = _nudged(base, 1e-3)
+    parts = RoundParts(2)
+    blobs = {
+        ("a", PartKind.ROUTER): encode_router(honest, n_samples=4, round=2),
+        ("h", PartKind.ROUTER): encode_router(hostile_router, n_samples=4, round=2),
+        ("c", PartKind.VCLAYER): encode_vclayer(VCLayer(WIDTH, SIZE), stage="test"),
+        ("h", PartKind.VCLAYER): encode_vclayer(hostile_layer, stage="test"),
+    }
+    for (agent, kind), blob in blobs.items():
+        # Finite values of the right shape and size: the codecs take them all.
+        parts.add(accept_part(WORKFLOW, agent, kind, 2, blob, bounds))
+    return parts
+
+
+def test_huge_finite_parts_pass_the_codecs_and_are_refused_by_the_norm_bound() -> None:
+    base = _router(0)
+    huge_router, huge_layer = _router(1), VCLayer(WIDTH, SIZE)
+    _times(huge_router, 1e30)
+    _times(huge_layer, 1e30)
+    parts = _parts(base, huge_router, huge_layer)
+    assert set(parts.routers) == {"a", "h"} and set(parts.vclayers) == {"c", "h"}
+    refused = screen_round(
+        parts,
+        base_router=base.state_dict(),
+        own_vclayer=VCLayer(WIDTH, SIZE),
+        max_router_update_ratio=1.0,
+        max_vclayer_norm_ratio=10.0,
+    )
+    assert set(refused) == {PullTarget("h", PartKind.ROUTER), PullTarget("h", PartKind.VCLAYER)}
+    assert "fedwave.max_router_update_ratio" in refused[PullTarget("h", PartKind.ROUTER)]
+    assert set(parts.routers) == {"a"} and set(parts.vclayers) == {"c"}
+    assert parts.rejected == {t: NORM_REASON for t in refused}
+
+
+def test_without_a_bound_the_huge_parts_stay_and_a_moderate_change_is_judged_by_the_ratio() -> None:
+    base = _router(0)
+    twice = _nudged(base, 0.0)
+    _times(twice, 3.0)  # update = 2 x the base: over a ratio of 1, under one of 3
+    parts = _parts(base, twice, VCLayer(WIDTH, SIZE))
+    kwargs = {"base_router": base.state_dict(), "own_vclayer": VCLayer(WIDTH, SIZE)}
+    assert not screen_round(
+        parts, max_router_update_ratio=None, max_vclayer_norm_ratio=None, **kwargs
+    )
+    assert not screen_round(
+        parts, max_router_update_ratio=3.0, max_vclayer_norm_ratio=10.0, **kwargs
+    )
+    refused = screen_round(
+        parts, max_router_update_ratio=1.0, max_vclayer_norm_ratio=10.0, **kwargs
+    )
+    assert set(refused) == {PullTarget("h", PartKind.ROUTER)}
+    assert set(parts.routers) == {"a"}
+
+
+def test_a_nan_norm_is_refused() -> None:
+    """A NaN reference makes every norm comparison false: refused, not let through."""
+    base = _router(0)
+    parts = _parts(base, _router(1), VCLayer(WIDTH, SIZE))
+    nan_base = {k: torch.full_like(v, float("nan")) for k, v in base.state_dict().items()}
+    refused = screen_round(
+        parts,
+        base_router=nan_base,
+        own_vclayer=VCLayer(WIDTH, SIZE),
+        max_router_update_ratio=1.0,
+        max_vclayer_norm_ratio=None,
+    )
+    assert set(refused) == {PullTarget("a", PartKind.ROUTER), PullTarget("h", PartKind.ROUTER)}
