@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 from peerlm.agent.fedwave.errors import FedWaveError
+from peerlm.agent.fedwave.expert_step import router_features
 from peerlm.agent.fedwave.router import MoERouter, top_k_routing
-from peerlm.agent.fedwave.vclayer import VCCausalLM, masked_mean
+from peerlm.agent.fedwave.vclayer import VCCausalLM
 from peerlm.agent.training import eval_mode, split_prompt, token_ids
 from torch import nn
 
@@ -116,15 +117,10 @@ class AssembledModel(nn.Module):
     def route(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Routing:
         """Eq. 7 and top-k on the base model's hidden states of ``input_ids`` (the prompt:
         ``attention_mask`` marks the tokens to pool). No gradient reaches the router here."""
-        base = self.expert(0)
-        disable = getattr(base.lm, "disable_adapter", None)
         with torch.no_grad():
-            if callable(disable):
-                with disable():
-                    hidden = base.hidden_states(input_ids, attention_mask)
-            else:
-                hidden = base.hidden_states(input_ids, attention_mask)
-            alpha = torch.softmax(self.router(masked_mean(hidden, attention_mask)), dim=-1)
+            alpha = self.router.route_pooled(
+                router_features(self.expert(0), input_ids, attention_mask)
+            )
         experts, weights = top_k_routing(alpha, self.top_k)
         return Routing(alpha=alpha, experts=experts, weights=weights)
 

@@ -15,6 +15,15 @@ each agent's own adapter in front, the same prompt would reach each agent's copy
 router as different features, and their average would route none of them well. At
 inference the assembled model routes on the same base features.
 
+**Pooled over the prompt only.** Eq. 7's ``H̄`` is the mean over the *source* positions of
+a training example (:attr:`ExpertBatch.prompt_mask`), not over source and target: at
+inference the router sees only the prompt, and with causal attention the prompt
+positions' hidden states do not depend on the target, so training and the assembled model
+(:meth:`~peerlm.agent.fedwave.assembly.AssembledModel.route`, which calls the same
+:func:`router_features`) see the same features for the same prompt. Pooling over the
+whole example (as before issue 10) trained the router on features it never meets at
+inference.
+
 Examples are encoded with the agent's own encoding (:func:`peerlm.agent.training.
 encode_example`: prompt ids, then the target ids and EOS; only the target is scored).
 """
@@ -30,7 +39,7 @@ from peerlm.agent.fedwave.code_chain import StageExample
 from peerlm.agent.fedwave.collab_loss import CollabLossSettings, VCLossTerms, local_vc_loss
 from peerlm.agent.fedwave.router import MoERouter, RouterLossTerms, RouterSettings, router_losses
 from peerlm.agent.fedwave.sequence_losses import per_sample_sft_loss
-from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer
+from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer, masked_mean
 from peerlm.agent.training import IGNORE_INDEX, Encoded, collate, encode_example
 
 __all__ = ["ExpertBatch", "ExpertLoss", "encode_stage_examples", "expert_loss", "router_features"]
@@ -43,6 +52,12 @@ class ExpertBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     target_mask: torch.Tensor
+
+    @property
+    def prompt_mask(self) -> torch.Tensor:
+        """1 on the prompt (source) tokens: real tokens that are not scored targets. The
+        router pools over these, the tokens it sees at inference."""
+        return self.attention_mask * (1 - self.target_mask)
 
 
 @dataclass(frozen=True)
@@ -72,14 +87,25 @@ def encode_stage_examples(
     return ExpertBatch(ids, mask, (labels != IGNORE_INDEX).to(torch.long))
 
 
-def router_features(model: VCCausalLM, batch: ExpertBatch) -> torch.Tensor:
-    """The base LM's final hidden states for the batch (adapter disabled, no gradient)."""
+def router_features(
+    model: VCCausalLM, input_ids: torch.Tensor, prompt_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Eq. 7's ``H̄``, ``(B, d)``: the base LM's final hidden states (adapter disabled, no
+    gradient) mean-pooled over the tokens ``prompt_mask`` marks (all tokens if None).
+
+    ``prompt_mask`` is also the attention mask of the forward pass: the prompt's positions
+    then see exactly what they see at inference (under causal attention they never see
+    the target anyway). Training (:func:`expert_loss`) and the assembled model both route
+    on this function's output.
+    """
     disable = getattr(model.lm, "disable_adapter", None)
     with torch.no_grad():
         if callable(disable):
             with disable():
-                return model.hidden_states(batch.input_ids, batch.attention_mask)
-        return model.hidden_states(batch.input_ids, batch.attention_mask)
+                hidden = model.hidden_states(input_ids, prompt_mask)
+        else:
+            hidden = model.hidden_states(input_ids, prompt_mask)
+        return masked_mean(hidden, prompt_mask)
 
 
 def expert_loss(
@@ -107,6 +133,6 @@ def expert_loss(
     )
     if router is None:
         return ExpertLoss(sft.mean() + c.gamma * vc.total, sft.mean().detach(), vc, None, None)
-    alpha = router.route(router_features(model, batch), batch.attention_mask)
+    alpha = router.route_pooled(router_features(model, batch.input_ids, batch.prompt_mask))
     terms = router_losses(alpha, stage_index, sft, router_settings or router.settings)
     return ExpertLoss(terms.total + c.gamma * vc.total, sft.mean().detach(), vc, terms, alpha)

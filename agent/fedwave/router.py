@@ -97,7 +97,11 @@ class MoERouter(nn.Module):
         self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Eq. 7: ``α = softmax(G(H̄))`` for base hidden states ``(B, L, d)``: ``(B, N)``."""
-        return torch.softmax(self(masked_mean(hidden, attention_mask)), dim=-1)
+        return self.route_pooled(masked_mean(hidden, attention_mask))
+
+    def route_pooled(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Eq. 7 on already pooled features ``H̄`` ``(B, d)``: ``α``, ``(B, N)``."""
+        return torch.softmax(self(pooled), dim=-1)
 
 
 def balance_loss(alpha: torch.Tensor) -> torch.Tensor:

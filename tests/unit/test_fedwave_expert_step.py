@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peerlm.agent.fedwave.assembly import AssembledModel, prompt_ids
 from peerlm.agent.fedwave.code_chain import build_code_chain
 from peerlm.agent.fedwave.collab_loss import CollabLossSettings
 from peerlm.agent.fedwave.expert_step import (
@@ -13,7 +14,7 @@ from peerlm.agent.fedwave.expert_step import (
 )
 from peerlm.agent.fedwave.router import MoERouter, RouterSettings
 from peerlm.agent.fedwave.settings import FedWaveSettings
-from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer, VCLayerSettings
+from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer, VCLayerSettings, masked_mean
 from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.models.lora import LoraSettings, apply_lora
 from peerlm.agent.models.tiny import ARCHITECTURES, SHIPPED_DIR
@@ -83,10 +84,37 @@ def test_the_router_reads_the_base_model_not_the_adapter() -> None:
     with torch.no_grad():
         plain = base.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         adapted = model.hidden_states(batch.input_ids, batch.attention_mask)
-    features = router_features(model, batch)
-    torch.testing.assert_close(features, plain.last_hidden_state)
-    assert not torch.allclose(features, adapted)
+    mask = batch.attention_mask
+    features = router_features(model, batch.input_ids, mask)
+    torch.testing.assert_close(features, masked_mean(plain.last_hidden_state, mask))
+    assert not torch.allclose(features, masked_mean(adapted, mask))
     assert not features.requires_grad
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_training_routes_on_the_prompt_features_the_assembly_routes_on(arch: str) -> None:
+    """Issue 10: the router's training features for an example are the assembled model's
+    routing features for its prompt (pooled over the source tokens only)."""
+    model, tokenizer, width = expert(arch)
+    split = build_code_chain(CHAIN, per_stage=3, n_test=0, n_public=0, seed=0)
+    examples = split.private["test"]["test-1"]
+    batch = encode_stage_examples(tokenizer, examples, 256)
+    router = MoERouter(width, 3, generator=torch.Generator().manual_seed(0))
+    assembly = AssembledModel([model, model, model], router)
+    loss = expert_loss(model, batch, stage_index=2, predecessor=None, successor=None, router=router)
+    assert loss.alpha is not None
+    training = router_features(model, batch.input_ids, batch.prompt_mask)
+    whole = router_features(model, batch.input_ids, batch.attention_mask)
+    for row, example in enumerate(examples):
+        ids, _ = prompt_ids(tokenizer, example.source, 10_000)
+        prompt = batch.input_ids[row][batch.prompt_mask[row].bool()]
+        assert prompt.tolist() == ids  # the source tokens, as inference encodes them
+        at_inference = router_features(model, torch.tensor([ids]), None)[0]
+        torch.testing.assert_close(training[row], at_inference, rtol=1e-5, atol=1e-5)
+        routed = assembly.route(torch.tensor([ids])).alpha[0]
+        torch.testing.assert_close(loss.alpha[row].detach(), routed, rtol=1e-5, atol=1e-6)
+        # the features pooled over source and target (before the fix) are not these
+        assert not torch.allclose(whole[row], at_inference, rtol=1e-3, atol=1e-3)
 
 
 def test_without_a_router_it_is_eq2_and_steps_lower_it() -> None:
