@@ -27,10 +27,12 @@ agreeing clients, where Eq. 13 divides by the sum of their *weights* ``w_k``. Th
 baseline is peft's ``ties`` unchanged. The analysis (Eq. 5–7) has no library counterpart.
 
 Choices the paper leaves open (also in ``docs/fedproxy.md``): the cosine of a zero task
-vector is 0; with one client ``h = 0``; when every ``h_k`` is equal the normalised ``h`` is 0
-for all (so ``r_k = r0``); the sparsification is per tensor, not over the whole vector;
-``ε = 1e-12`` (compared in float64); non-floating tensors (none in the bundled models)
-must equal the base's and are kept. Every refusal is a
+vector is 0; with one client ``h = 0``; when every ``h_k`` is equal (within ``1e-9``: the
+rounding of sums taken in another client order must not decide) the normalised ``h`` is 0
+for all (so ``r_k = r0``), and rates are rounded to 9 decimals (float64 noise must not
+change how many entries a small tensor keeps); the sparsification is per tensor, not over
+the whole vector; ``ε = 1e-12`` (compared in float64); non-floating tensors (none in the
+bundled models) must equal the base's and are kept. Every refusal is a
 :class:`~peerlm.agent.proxy_model.ProxyError` with a metric label as ``reason``.
 """
 
@@ -151,6 +153,12 @@ def task_vectors(base: StateDict, clients: Sequence[StateDict]) -> list[dict[str
 # ----------------------------------------------------------------------------- Eq. 5–7
 
 
+#: Decimal digits kept of a retention rate (Eq. 10).
+_RATE_DIGITS = 9
+#: Heterogeneities whose spread is at most this are equal (they lie in [0, 1]).
+_EQUAL_HETEROGENEITY = 1e-9
+
+
 def _flat(tau: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([tau[key].reshape(-1) for key in sorted(tau)])
 
@@ -164,7 +172,8 @@ def analyse(taus: Sequence[Mapping[str, torch.Tensor]]) -> CohortAnalysis:
     norms = flat.norm(dim=1)
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     unit = flat / safe[:, None]
-    similarity = unit @ unit.T  # a zero vector's row and column are 0
+    # A zero vector's row and column are 0; rounding can put a cosine just past +-1.
+    similarity = (unit @ unit.T).clamp(-1.0, 1.0)
     off = ~torch.eye(count, dtype=torch.bool)
     if count == 1:
         hetero = torch.zeros(1, dtype=torch.float64)
@@ -172,7 +181,9 @@ def analyse(taus: Sequence[Mapping[str, torch.Tensor]]) -> CohortAnalysis:
         positive = torch.where(off, similarity.clamp(min=0.0), torch.zeros_like(similarity))
         hetero = 1.0 - positive.sum(dim=1) / (count - 1)
     spread = hetero.max() - hetero.min()
-    if float(spread) > 0:
+    # h lies in [0, 1]; equal heterogeneities computed in another order differ by float64
+    # rounding (~1e-16), which min-max normalisation would blow up to 0 versus 1.
+    if float(spread) > _EQUAL_HETEROGENEITY:
         hetero_norm = (hetero - hetero.min()) / spread
     else:
         hetero_norm = torch.zeros_like(hetero)
@@ -208,9 +219,16 @@ def _check_parameters(r0: float, delta: float, rho: float, epsilon: float) -> No
 def retention(
     heterogeneity_norm: Sequence[float], *, r0: float = DEFAULT_R0, delta: float = DEFAULT_DELTA
 ) -> tuple[float, ...]:
-    """Eq. 10: ``r_k = max(0, min(1, r0 − δ · h_k,norm))``."""
+    """Eq. 10: ``r_k = max(0, min(1, r0 − δ · h_k,norm))``, rounded to 1e-9.
+
+    The rounding keeps float64 noise out of the sparsification: a rate of 1 − 1e-16 (equal
+    heterogeneities summed in another client order) would otherwise keep one entry fewer
+    of a small tensor than a rate of 1 (peft's magnitude prune keeps ``int(r · n)``).
+    """
     _check_parameters(r0, delta, DEFAULT_RHO, DEFAULT_EPSILON)
-    return tuple(max(0.0, min(1.0, r0 - delta * float(h))) for h in heterogeneity_norm)
+    return tuple(
+        round(max(0.0, min(1.0, r0 - delta * float(h))), _RATE_DIGITS) for h in heterogeneity_norm
+    )
 
 
 def dominant_sign_merge(

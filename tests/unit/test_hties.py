@@ -288,3 +288,33 @@ def test_inputs_that_do_not_fit_are_refused() -> None:
     with pytest.raises(ProxyError) as err:
         task_vectors(ints, [{"n": T([1, 3])}])
     assert err.value.reason == "keys"
+
+
+def test_heterogeneities_equal_up_to_rounding_are_not_normalised_apart() -> None:
+    # Two parallel directions and a third at the same cosine to both: every h_k is
+    # 1 - (1 + 2/sqrt(7)) / 3 in exact arithmetic, computed in another order per client. The
+    # hypothesis search found this cohort giving r = 0.8 or 1.0 depending on client order.
+    rows = [[0.0, 0.0, 2.0, 1.0, 1.0, 1.0]] * 2 + [[0.0] * 5 + [1.0], [0.0] * 5 + [2.0]]
+    base = {"w": torch.zeros(4, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.float64)}
+    for order in ([0, 1, 2, 3], [2, 3, 0, 1], [3, 0, 2, 1]):
+        merged = h_ties(base, _states([rows[i] for i in order]))
+        assert merged.analysis.heterogeneity_norm == (0.0, 0.0, 0.0, 0.0)
+        assert merged.retention == (1.0, 1.0, 1.0, 1.0)
+
+
+def test_a_rate_one_rounding_step_below_one_keeps_every_entry() -> None:
+    # The second cohort hypothesis found: two clients' h differ only in the last bit, so
+    # one rate came out as 1 - 1e-16 and its 2-entry tensor lost an entry in one order.
+    rows = [
+        [0.0, 0.0, 0.0, 0.0, 0.0, 2.0],
+        [0.0, 0.0, 1.0, 1.0, 1.0, 1.0],
+        [0.0, 1.0, 0.0, 0.0, 0.0, 1.0],
+        [0.0, 1.0, 1.0, 1.0, 2.0, 1.0],
+    ]
+    base = {"w": torch.zeros(4, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.float64)}
+    first = h_ties(base, _states(rows))
+    for order in ([0, 1, 3, 2], [3, 2, 1, 0], [1, 3, 0, 2]):
+        other = h_ties(base, _states([rows[i] for i in order]))
+        assert other.retention == tuple(first.retention[i] for i in order)
+        for key in base:
+            assert torch.allclose(first.state[key], other.state[key], atol=1e-12)
