@@ -127,6 +127,15 @@ def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path:
     assert received[VICTIM] >= 0.9 * received["a0"], received
     last = {name: r["router_sha256"][-1] for name, r in reports.items()}
     assert len(set(last.values())) == 1, last  # every agent ends with the same router bits
-    # And before the kill, too (those rounds were played by all three together).
-    early = {tuple(r["router_sha256"][:killed_after]) for r in reports.values()}
+    # And before the kill, in every round all three averaged all three routers. A round in
+    # which one agent's part came too late for another (the kill can land between a part's
+    # publication and its pull; a loaded machine can pass the deadline) is averaged over
+    # fewer members there, and that agent's digest for it differs by design.
+    full = [
+        i
+        for i in range(killed_after)
+        if all(r["members"][i] == len(AGENTS) for r in reports.values())
+    ]
+    assert full, reports
+    early = {tuple(r["router_sha256"][i] for i in full) for r in reports.values()}
     assert len(early) == 1, reports
