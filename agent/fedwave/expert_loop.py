@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from peerlm.agent.fedwave.agent_node import FedWaveNode
-from peerlm.agent.fedwave.exchange import PartKind, plan_pulls
+from peerlm.agent.fedwave.exchange import PartKind, RoundParts, plan_pulls
 from peerlm.agent.fedwave.exchange_client import (
     newest_rounds,
     pull_round,
@@ -177,20 +177,26 @@ class ExpertLoop:
         wait at start for the whole workflow (up to the deadline) the same way, so that the
         agents enter round 1 together and a missing agent is missed by all alike."""
         base = self._router_state()
+        parts = await self._pull(0, base)
+        self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
+        self.predecessor, self.successor = adjacent_vclayers(
+            self.workflow, self.ctx.name, parts.vclayers
+        )
+
+    async def _pull(self, t: int, base: Mapping[str, Any]) -> RoundParts:
+        """Round ``t``'s parts of the other agents under the deadline, screened against
+        ``base`` (the round's starting router) by the norm bound."""
         parts = await pull_round(
             self.ctx,
             self.workflow,
             self.ctx.name,
-            0,
+            t,
             self.endpoints,
             self.node.bounds,
             deadline_s=self.settings.round_deadline_s,
         )
         self._screen(parts, base)
-        self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
-        self.predecessor, self.successor = adjacent_vclayers(
-            self.workflow, self.ctx.name, parts.vclayers
-        )
+        return parts
 
     async def play(self, t: int) -> RoundConclusion:
         """Round ``t``: train, publish, pull, conclude, adopt the aggregate."""
@@ -211,16 +217,7 @@ class ExpertLoop:
             },
         )
         trained_s = time.monotonic() - started
-        parts = await pull_round(
-            self.ctx,
-            self.workflow,
-            self.ctx.name,
-            t,
-            self.endpoints,
-            self.node.bounds,
-            deadline_s=self.settings.round_deadline_s,
-        )
-        self._screen(parts, base)
+        parts = await self._pull(t, base)
         conclusion = conclude_round(
             self.workflow,
             self.ctx.name,
