@@ -115,7 +115,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
-from peerlm.app.experiment_stats import paired_bootstrap
+from peerlm.app.experiment_stats import paired_bootstrap, paired_share
 
 if TYPE_CHECKING:
     from peerlm.agent import (
@@ -285,6 +285,10 @@ class ExperimentPlan:
     teach_scope: TeachScope = "competent"
     teach_min_pass: float = 0.2
     cpm_interaction_features: bool = True
+    # The profile entries the CPM's context sees (``CpmSettings.context_columns``; None:
+    # all 32) and its exploration weight (None: the service's default, 1.0).
+    cpm_context_columns: tuple[int, ...] | None = None
+    cpm_beta: float | None = None
     # One model family for every client (ARCHS' names); None: client i hosts ARCHS[i % 4].
     family: str | None = None
 
@@ -328,6 +332,9 @@ class ExperimentPlan:
             raise ValueError(f"teach_scope must be 'competent' or 'all', not {self.teach_scope!r}")
         if not (math.isfinite(self.teach_min_pass) and 0 <= self.teach_min_pass <= 1):
             raise ValueError("teach_min_pass must be in [0, 1]")
+        if self.cpm_beta is not None and not (math.isfinite(self.cpm_beta) and self.cpm_beta >= 0):
+            raise ValueError("cpm_beta must be a finite number >= 0")
+        self.cpm_settings()  # the CPM's own checks (context columns inside the profile)
         self.world_spec()  # the layout's own checks
 
     def world_spec(self) -> WorldSpec:
@@ -342,6 +349,22 @@ class ExperimentPlan:
             per_private_category=self.per_private_category,
             transfer_per_private=self.transfer_per_private,
         )
+
+    def cpm_settings(self, seed: int = 0, protocols: tuple[str, ...] = ("akd",)) -> Any:
+        """The CPM service's settings the plan's CPM strategies run with."""
+        from peerlm.services.cpm import CpmSettings
+
+        given: dict[str, Any] = {"seed": seed, "protocols": protocols}
+        if self.cpm_beta is not None:
+            given["beta"] = self.cpm_beta
+        try:
+            return CpmSettings(
+                **given,
+                interaction_features=self.cpm_interaction_features,
+                context_columns=self.cpm_context_columns,
+            )
+        except ValueError as exc:  # pydantic's ValidationError is one
+            raise ValueError(f"CPM settings: {exc}") from None
 
     @property
     def integration_steps(self) -> int:
@@ -628,7 +651,7 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
     if strategy == "heuristic":
         return HeteroGreedyMatchmaker()
     if strategy in CPM_PROTOCOLS:
-        s = CpmSettings(seed=seed, protocols=CPM_PROTOCOLS[strategy])
+        s: CpmSettings = plan.cpm_settings(seed, CPM_PROTOCOLS[strategy])
         return Matchmaker(
             profile_dim=s.profile_dim,
             beta=s.beta,
@@ -636,10 +659,11 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
             protocols=s.protocols,
             seed=s.seed,
             roles=s.roles,
-            interaction_features=plan.cpm_interaction_features,
+            interaction_features=s.interaction_features,
             trust_features=s.trust_features,
             matching=s.matching,
             ridge=s.ridge,
+            context_columns=s.context_columns,
         )
     return None
 
@@ -1177,6 +1201,8 @@ def _run_strategy(
                 "train_loss": {k: round(v, 5) for k, v in trained.items()},
                 "val_loss": {c.name: round(c.history[-1]["loss"], 5) for c in clients},
                 "val_pass@1": {c.name: c.history[-1]["pass1"] for c in clients},
+                # What a matchmaker saw (for analyses of what the CPM could learn).
+                "profiles": {k: [round(float(x), 6) for x in v] for k, v in profiles.items()},
                 "test_nll": nll,
                 "exchanges": exchanges,
                 **({"oracle_gains": gains} if gains is not None else {}),
@@ -1249,7 +1275,11 @@ def _strategy_job(
 
 
 def _run_parallel(
-    world: _World, starts: Mapping[str, _Start], jobs: int, emit: Event
+    world: _World,
+    starts: Mapping[str, _Start],
+    todo: Sequence[tuple[str, int]],
+    jobs: int,
+    emit: Event,
 ) -> dict[tuple[str, int], dict[str, Any]]:
     """(strategy, seed) runs in ``jobs`` worker processes (spawned: no forked torch state)."""
     import multiprocessing
@@ -1272,8 +1302,7 @@ def _run_parallel(
                 events,
                 torch.get_num_threads(),
             )
-            for seed in world.plan.seeds
-            for name in world.plan.strategies
+            for name, seed in todo
         }
         while not all(f.done() for f in futures.values()):
             try:
@@ -1290,6 +1319,67 @@ def _run_parallel(
         return {key: f.result() for key, f in futures.items()}
 
 
+#: Plan fields that only CPM strategies read: a run of another strategy is reusable
+#: whatever they say.
+_CPM_ONLY_FIELDS: tuple[str, ...] = ("cpm_interaction_features", "cpm_context_columns", "cpm_beta")
+
+
+def _reuse_key(plan: Mapping[str, Any], strategy: str) -> str:
+    """What must match for a stored (strategy, seed) run to stand in for a new one: the
+    whole plan but the strategy and seed lists (and the CPM's settings, for a strategy
+    that has no CPM). Fields an older plan lacks take today's defaults."""
+    full = {**asdict(ExperimentPlan()), **plan}
+    drop = {"strategies", "seeds"} | (set() if strategy in CPM_PROTOCOLS else set(_CPM_ONLY_FIELDS))
+    return json.dumps(
+        {k: v for k, v in full.items() if k not in drop}, sort_keys=True, default=list
+    )
+
+
+def reusable_runs(
+    plan: ExperimentPlan,
+    earlier: Sequence[Mapping[str, Any]],
+    initial_nll: Mapping[str, float],
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """The (strategy, seed) runs of ``plan`` that earlier results (``results.json``) hold,
+    run under the same plan on the same world and models.
+
+    The same world and models are checked by the round-0 test NLL per slice, which every
+    run measures on them (equal to the last bit, or the earlier result is not used); the
+    same plan by :func:`_reuse_key`. Raises ``ValueError`` for an earlier result that
+    does not match at all (another world, models or plan), so a wrong file is not
+    silently ignored.
+    """
+    mine = asdict(plan)
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    for k, old in enumerate(earlier):
+        try:
+            old_plan, old_runs, old_nll = old["plan"], old["runs"], old["initial_nll"]
+        except (KeyError, TypeError):
+            raise ValueError(f"reused result {k} is not a run-experiment results.json") from None
+        if old_nll != dict(initial_nll):
+            raise ValueError(
+                f"reused result {k} was measured on another world or other models "
+                f"(round-0 NLL {old_nll} against {dict(initial_nll)})"
+            )
+        matched = False
+        for strategy in plan.strategies:
+            if strategy not in old_runs:
+                continue
+            if _reuse_key(old_plan, strategy) != _reuse_key(mine, strategy):
+                continue
+            for seed in plan.seeds:
+                run = old_runs[strategy].get(str(seed))
+                if run is not None and (strategy, seed) not in out:
+                    out[(strategy, seed)] = run
+                    matched = True
+        if not matched:
+            raise ValueError(
+                f"reused result {k} holds no run of this plan's strategies and seeds under "
+                "the same settings"
+            )
+    return out
+
+
 def run_experiment(
     plan: ExperimentPlan,
     *,
@@ -1297,12 +1387,15 @@ def run_experiment(
     work: Path,
     event: Event | None = None,
     jobs: int = 1,
+    reuse: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Run every strategy of ``plan`` under every run seed; results as a JSON-ready dict
     with the bootstrap summary (:func:`summarise`) under ``"summary"``.
 
     ``jobs > 1`` runs (strategy, seed) pairs in that many worker processes; results are the
-    same (every run is seeded on its own), only the wall time changes.
+    same (every run is seeded on its own), only the wall time changes. ``reuse``: earlier
+    results (``results.json``) whose runs of the same plan, world and models stand in for
+    running them again (:func:`reusable_runs`); the result lists them under ``"reused"``.
     """
     emit = event or (lambda _kind, _data: None)
     started = time.perf_counter()
@@ -1312,22 +1405,24 @@ def run_experiment(
     # ones: the same for every strategy and seed; measured once. Round 1's local phase once
     # per seed. ffa_lora starts from its own warm-up (frozen shared A).
     common = _start(world)
-    emit("initial", _slice_means(world, dict(enumerate(common.initial.values()))))
+    initial_nll = _slice_means(world, dict(enumerate(common.initial.values())))
+    emit("initial", initial_nll)
     starts = dict.fromkeys(plan.strategies, common)
     ffa: _Start | None = None
     if "ffa_lora" in plan.strategies:
         world.ffa_warm = _warm_up(world, emit, ffa=True)
         ffa = starts["ffa_lora"] = _start(world, ffa=True)
-    if jobs > 1 and len(plan.strategies) * len(plan.seeds) > 1:
-        runs = _run_parallel(world, starts, jobs, emit)
+    runs = reusable_runs(plan, reuse, initial_nll)
+    for strategy, seed in runs:
+        emit("reused", {"strategy": strategy, "seed": seed})
+    todo = [(s, seed) for seed in plan.seeds for s in plan.strategies if (s, seed) not in runs]
+    if jobs > 1 and len(todo) > 1:
+        runs.update(_run_parallel(world, starts, todo, jobs, emit))
     else:
-        runs = {
-            (s, seed): _run_strategy(
+        for s, seed in todo:
+            runs[(s, seed)] = _run_strategy(
                 world, s, seed, starts[s].initial, starts[s].firsts[seed], emit
             )
-            for seed in plan.seeds
-            for s in plan.strategies
-        }
     result: dict[str, Any] = {
         "plan": {**asdict(plan), "strategies": list(plan.strategies), "seeds": list(plan.seeds)},
         "models": str(models),
@@ -1346,13 +1441,14 @@ def run_experiment(
         "probe_problems": len(world.probe),
         "test_problems": len(world.test),
         "units": {name: [list(u) for u in world.units(name)] for name in SLICES},
-        "initial_nll": _slice_means(world, dict(enumerate(common.initial.values()))),
+        "initial_nll": initial_nll,
         **(
             {"initial_nll_ffa_lora": _slice_means(world, dict(enumerate(ffa.initial.values())))}
             if ffa is not None
             else {}
         ),
         "runs": {s: {str(seed): runs[(s, seed)] for seed in plan.seeds} for s in plan.strategies},
+        "reused": sorted(f"{s}:{seed}" for s, seed in runs if (s, seed) not in todo),
         "seconds": round(time.perf_counter() - started, 1),
     }
     result["summary"] = summarise(result)
@@ -1461,11 +1557,23 @@ def summarise(result: Mapping[str, Any]) -> dict[str, Any]:
             entry["ci95"] = entry["pass@1"]["ci95"]
             comparisons[f"{a}_vs_{b}"] = entry
     oracle_share = None
+    shares: dict[str, Any] = {}
     if {"oracle", "cpm", "local_plus"} <= set(strategies) and target is not None:
-        base = per["local_plus"][target]["pass@1"]["mean"]
-        gain = per["oracle"][target]["pass@1"]["mean"] - base
-        if gain > 0:
-            oracle_share = (per["cpm"][target]["pass@1"]["mean"] - base) / gain
+        # The share of Oracle pairing's gain over LocalOnly+ that KNEXA-FL reaches, per
+        # metric where the oracle is the better one (NLL: lower), with its interval.
+        for metric in METRICS:
+            sign = -1.0 if metric == "nll" else 1.0
+            gain = per["oracle"][target][metric]["mean"] - per["local_plus"][target][metric]["mean"]
+            if sign * gain <= 0:
+                continue
+            values = {
+                s: _matrix(result, s, metric, target) for s in ("cpm", "local_plus", "oracle")
+            }
+            share = paired_share(values, "cpm", "local_plus", "oracle")
+            if share is not None:
+                shares[metric] = share.to_dict()
+        if "pass@1" in shares:
+            oracle_share = shares["pass@1"]["mean"]
     runs = result["runs"]
     seeds = [str(s) for s in result["plan"]["seeds"]]
     return {
@@ -1483,6 +1591,7 @@ def summarise(result: Mapping[str, Any]) -> dict[str, Any]:
         "best_collaborative": best,
         "comparisons": comparisons,
         "cpm_share_of_oracle_gain": oracle_share,
+        "cpm_share_of_oracle_gain_ci": shares,
         "cpm_learning": _cpm_learning(result),
         "bootstrap": "paired two-level percentile bootstrap (numpy), 2000 replicates",
     }
@@ -1532,17 +1641,26 @@ def render_table(result: Mapping[str, Any]) -> str:
             "| Comparison | slice | ΔPass@1 (pts) | ΔStruct (pts) | ΔNLL |",
             "|---|---|---|---|---|",
         ]
+        shown: set[tuple[str, str]] = set()
         for c in summary["comparisons"].values():
+            # "best" may be a strategy that has its own row (the same difference twice).
+            if (c["a"], c["b"]) in shown:
+                continue
+            shown.add((c["a"], c["b"]))
             lines.append(
                 f"| {LABELS[c['a']]} - {LABELS[c['b']]} | {c['slice']} | "
                 f"{_fmt(c['pass@1'], 100, 2)} | {_fmt(c['struct'], 100, 2)} | "
                 f"{_fmt(c['nll'], 1, 4)} |"
             )
         lines.append("")
-    share = summary["cpm_share_of_oracle_gain"]
-    if share is not None:
-        lines.append(f"KNEXA-FL reaches {100 * share:.0f}% of Oracle pairing's Pass@1 gain over")
-        lines.append("LocalOnly+ on the lacked slice.")
+    shares = summary.get("cpm_share_of_oracle_gain_ci") or {}
+    for metric, est in shares.items():
+        low, high = est["ci95"]
+        lines.append(
+            f"KNEXA-FL reaches {100 * est['mean']:.0f}% [{100 * low:.0f}, {100 * high:.0f}] of "
+            f"Oracle pairing's {metric} gain over LocalOnly+ on the lacked slice."
+        )
+    if shares:
         lines.append("")
     learning = summary["cpm_learning"]
     if learning:

@@ -110,6 +110,23 @@ def run_experiment_command(
     jobs: Annotated[
         int, typer.Option(min=1, help="(strategy, seed) runs in this many processes at once.")
     ] = 1,
+    cpm_columns: Annotated[
+        str | None,
+        typer.Option(
+            help="Profile entries the CPM's context sees: all (default), or a comma list of "
+            "groups (static, dynamic, distribution, performance) and indices."
+        ),
+    ] = None,
+    cpm_beta: Annotated[
+        float | None, typer.Option(min=0.0, help="The CPM's exploration weight (default 1.0).")
+    ] = None,
+    reuse: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="An earlier results.json whose (strategy, seed) runs of the same plan, "
+            "world and models are taken instead of run again (repeatable)."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
     """Run the paper's comparison (Table 4) with real tiny models, with intervals."""
@@ -123,6 +140,7 @@ def run_experiment_command(
         run_experiment,
         write_outputs,
     )
+    from peerlm.services.cpm import context_columns
 
     quiet_transformers()
     import torch
@@ -166,9 +184,19 @@ def run_experiment_command(
             raise typer.BadParameter("--cpm-features must be 'interaction' or 'plain'")
         overrides["cpm_interaction_features"] = cpm_features == "interaction"
     try:
+        if cpm_columns is not None:
+            overrides["cpm_context_columns"] = context_columns(cpm_columns)
+        if cpm_beta is not None:
+            overrides["cpm_beta"] = cpm_beta
         plan = quick_plan(**overrides) if quick else ExperimentPlan(**overrides)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    earlier: list[Any] = []
+    for path in reuse or []:
+        try:
+            earlier.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(f"--reuse {path}: {exc}") from None
     models = models_dir or models_cache_dir("micro" if micro else "tiny")
     err = Console(stderr=True)
     progress = Progress(
@@ -212,12 +240,22 @@ def run_experiment_command(
                 progress.update(overall, advance=1, status=status)
                 if not err.is_terminal:  # a pipe or log file: one line per step
                     err.print(f"{status}: test NLL per slice: {_slices(data['nll'])}")
+            elif kind == "reused":
+                progress.update(overall, advance=plan.rounds + 1)
+                err.print(f"{data['strategy']} seed {data['seed']}: reused")
             elif kind == "final":
                 progress.update(overall, advance=1)
                 if not err.is_terminal:
                     err.print(f"{data['strategy']} seed {data['seed']}: done")
 
-        result = run_experiment(plan, models=models, work=work_dir, event=on_event, jobs=jobs)
+        try:
+            result = run_experiment(
+                plan, models=models, work=work_dir, event=on_event, jobs=jobs, reuse=earlier
+            )
+        except ValueError as exc:
+            if "reused result" not in str(exc):
+                raise
+            raise typer.BadParameter(f"--reuse: {exc}") from None
     if out is not None:
         written = write_outputs(result, out)
         err.print("wrote " + ", ".join(str(p) for p in written))
@@ -248,11 +286,13 @@ def _json_view(result: Any) -> dict[str, Any]:
         "comparisons": summary["comparisons"],
         "best_collaborative": summary["best_collaborative"],
         "cpm_share_of_oracle_gain": summary["cpm_share_of_oracle_gain"],
+        "cpm_share_of_oracle_gain_ci": summary["cpm_share_of_oracle_gain_ci"],
         "cpm_learning": summary["cpm_learning"],
         "curves_nll": {
             name: {seed: run["curve_nll"] for seed, run in runs.items()}
             for name, runs in result["runs"].items()
         },
         "bootstrap": summary["bootstrap"],
+        "reused": result["reused"],
         "seconds": result["seconds"],
     }

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Estimate", "paired_bootstrap"]
+__all__ = ["Estimate", "paired_bootstrap", "paired_share"]
 
 Matrix = npt.NDArray[np.float64]
 
@@ -53,6 +53,32 @@ def _check(values: Mapping[str, Matrix]) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
+def _replicates(
+    values: Mapping[str, Matrix], replicates: int, seed: int
+) -> tuple[list[str], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """(names, point means, [replicates, names] bootstrap means) over crossed draws."""
+    if not values:
+        raise ValueError("no strategies to compare")
+    n_seeds, n_units = _check(values)
+    names = list(values)
+    stacked = np.stack([np.asarray(values[n], dtype=np.float64) for n in names])
+    if not np.all(np.isfinite(stacked)):
+        raise ValueError("values must be finite")
+    rng = np.random.default_rng(seed)
+    boots = np.empty((replicates, len(names)))
+    for r in range(replicates):
+        s = rng.integers(0, n_seeds, n_seeds)
+        u = rng.integers(0, n_units, n_units)
+        # Mean over the crossed selection: rows s, columns u of every strategy.
+        boots[r] = stacked[:, s][:, :, u].mean(axis=(1, 2))
+    return names, stacked.mean(axis=(1, 2)), boots
+
+
+def _estimate(center: float, dist: Matrix) -> Estimate:
+    low, high = np.percentile(dist, [2.5, 97.5])
+    return Estimate(float(center), float(low), float(high))
+
+
 def paired_bootstrap(
     values: Mapping[str, Matrix],
     pairs: list[tuple[str, str]],
@@ -65,32 +91,47 @@ def paired_bootstrap(
     ``values[name]`` is a ``[seeds, units]`` matrix (the same shape for every name);
     NaN cells are not allowed. Returns (per strategy, per pair).
     """
-    if not values:
-        raise ValueError("no strategies to compare")
-    n_seeds, n_units = _check(values)
-    names = list(values)
     for a, b in pairs:
         if a not in values or b not in values:
             raise ValueError(f"unknown strategy in pair ({a}, {b})")
-    stacked = np.stack([np.asarray(values[n], dtype=np.float64) for n in names])
-    if not np.all(np.isfinite(stacked)):
-        raise ValueError("values must be finite")
-    rng = np.random.default_rng(seed)
-    boots = np.empty((replicates, len(names)))
-    for r in range(replicates):
-        s = rng.integers(0, n_seeds, n_seeds)
-        u = rng.integers(0, n_units, n_units)
-        # Mean over the crossed selection: rows s, columns u of every strategy.
-        boots[r] = stacked[:, s][:, :, u].mean(axis=(1, 2))
-    point = stacked.mean(axis=(1, 2))
-
-    def estimate(center: float, dist: Matrix) -> Estimate:
-        low, high = np.percentile(dist, [2.5, 97.5])
-        return Estimate(float(center), float(low), float(high))
-
-    means = {n: estimate(point[i], boots[:, i]) for i, n in enumerate(names)}
+    names, point, boots = _replicates(values, replicates, seed)
+    means = {n: _estimate(point[i], boots[:, i]) for i, n in enumerate(names)}
     diffs: dict[tuple[str, str], Estimate] = {}
     for a, b in pairs:
         i, j = names.index(a), names.index(b)
-        diffs[(a, b)] = estimate(point[i] - point[j], boots[:, i] - boots[:, j])
+        diffs[(a, b)] = _estimate(point[i] - point[j], boots[:, i] - boots[:, j])
     return means, diffs
+
+
+def paired_share(
+    values: Mapping[str, Matrix],
+    a: str,
+    base: str,
+    top: str,
+    *,
+    replicates: int = 2000,
+    seed: int = 12345,
+) -> Estimate | None:
+    """``(mean_a - mean_base) / (mean_top - mean_base)``: the share of ``top``'s gain over
+    ``base`` that ``a`` reaches (the same for a metric where lower is better), with a 95%
+    percentile interval from the same crossed draws as :func:`paired_bootstrap`.
+
+    ``None`` when ``top`` equals ``base`` (the caller checks that ``top`` is the better
+    one, in its metric's direction). Replicates where the denominator is not of the point
+    estimate's sign are left out of the interval (a share of a gain that vanished is
+    undefined); if more than half are, ``None``.
+    """
+    for name in (a, base, top):
+        if name not in values:
+            raise ValueError(f"unknown strategy {name!r}")
+    names, point, boots = _replicates(values, replicates, seed)
+    i, b, t = names.index(a), names.index(base), names.index(top)
+    gain = point[t] - point[b]
+    if gain == 0:
+        return None
+    denom = boots[:, t] - boots[:, b]
+    keep = np.sign(denom) == np.sign(gain)
+    if keep.sum() * 2 < replicates:
+        return None
+    dist = (boots[keep, i] - boots[keep, b]) / denom[keep]
+    return _estimate(float((point[i] - point[b]) / gain), dist)

@@ -42,6 +42,7 @@ from .prefilter import (
     top_k_partners,
 )
 from .profile import (
+    COLUMN_GROUPS,
     DISTRIBUTION_SLICE,
     DYNAMIC_SLICE,
     MAX_ABS_PROFILE_VALUE,
@@ -50,6 +51,7 @@ from .profile import (
     PROFILE_LAYOUT,
     STATIC_SLICE,
     ProfileLayout,
+    context_columns,
     validate_profile,
     validate_profiles,
 )
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from .settings import CpmSettings
 
 __all__ = [
+    "COLUMN_GROUPS",
     "DISTRIBUTION_SLICE",
     "DYNAMIC_SLICE",
     "EPS",
@@ -92,6 +95,7 @@ __all__ = [
     "RewardNormaliser",
     "TrustLedger",
     "cheap_pair_scores",
+    "context_columns",
     "cpm_command",
     "exact_top_k",
     "greedy_disjoint",

@@ -43,6 +43,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from peerlm.services.cpm.matchmaker import Matchmaker, Pairing
@@ -210,17 +211,18 @@ def _check_range(name: str, value: int) -> None:
 
 def settings_fingerprint(settings: CpmSettings) -> str:
     """What must not change between restarts, or the stored bandit would be meaningless."""
-    return json.dumps(
-        {
-            "profile_dim": settings.profile_dim,
-            "protocols": list(settings.protocols),
-            "roles": list(settings.roles),
-            "interaction_features": settings.interaction_features,
-            "trust_features": settings.trust_features,
-            "ridge": settings.ridge,
-        },
-        sort_keys=True,
-    )
+    fields: dict[str, Any] = {
+        "profile_dim": settings.profile_dim,
+        "protocols": list(settings.protocols),
+        "roles": list(settings.roles),
+        "interaction_features": settings.interaction_features,
+        "trust_features": settings.trust_features,
+        "ridge": settings.ridge,
+    }
+    # Only when set: a database created before the setting existed keeps its fingerprint.
+    if settings.context_columns is not None:
+        fields["context_columns"] = list(settings.context_columns)
+    return json.dumps(fields, sort_keys=True)
 
 
 class CpmCore:
@@ -298,6 +300,7 @@ class CpmCore:
             prefilter_k=settings.prefilter_k,
             prefilter_min_agents=settings.prefilter_min_agents,
             ridge=settings.ridge,
+            context_columns=settings.context_columns,
         )
 
     # ------------------------------------------------------------ bandit state

@@ -61,7 +61,7 @@ from .prefilter import (
     PrefilterScratch,
     prefilter_pairs,
 )
-from .profile import validate_profiles
+from .profile import check_context_columns, validate_profiles
 from .trust import TrustLedger
 
 __all__ = ["Matchmaker", "MatchmakerState", "Pairing", "PairingPolicy"]
@@ -280,6 +280,10 @@ class Matchmaker:
         score_precision: arithmetic of the per-pair part of the exact UCB
             (:meth:`.LinUCB.score_pairs`): ``"float32"`` (default; ~2x faster, UCBs within
             ~1e-6 of float64) or ``"float64"``.
+        context_columns: the profile entries the context map sees (indices into a
+            ``profile_dim`` profile, in this order); ``None``: all of them. Profiles are
+            still validated whole. A context of few columns suits a federation that gives
+            the bandit few rewards (docs/matchmaker.md, "Context columns").
     """
 
     def __init__(
@@ -300,6 +304,7 @@ class Matchmaker:
         prefilter_random: int = DEFAULT_PREFILTER_RANDOM,
         prefilter_cluster_min_agents: int = DEFAULT_CLUSTER_MIN_AGENTS,
         score_precision: Literal["float32", "float64"] = "float32",
+        context_columns: Sequence[int] | None = None,
     ) -> None:
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError("beta must be a finite number >= 0")
@@ -317,8 +322,10 @@ class Matchmaker:
             raise ValueError(
                 f"score_precision must be 'float32' or 'float64', got {score_precision!r}"
             )
+        self._profile_dim = int(profile_dim)
+        self._columns = check_context_columns(context_columns, self._profile_dim)
         self._features = ContextFeatures(
-            profile_dim,
+            profile_dim if self._columns is None else len(self._columns),
             protocols,
             roles,
             interaction=interaction_features,
@@ -397,7 +404,9 @@ class Matchmaker:
         if any(not isinstance(a, str) for a in profiles):
             raise ValueError("agent ids must be strings")
         ids = sorted(profiles)
-        mat = validate_profiles(ids, [profiles[a] for a in ids], self._features.profile_dim)
+        mat = validate_profiles(ids, [profiles[a] for a in ids], self._profile_dim)
+        if self._columns is not None:
+            mat = np.ascontiguousarray(mat[:, self._columns])
         # Contexts are built from bounded profiles only (see .features: the norm cap).
         mat = self._features.bound_profiles(mat)
         n = len(ids)
@@ -699,7 +708,8 @@ class Matchmaker:
     def config(self) -> dict[str, Any]:
         """The hyper-parameters (for logs and for checking a stored state belongs here)."""
         return {
-            "profile_dim": self._features.profile_dim,
+            "profile_dim": self._profile_dim,
+            "context_columns": None if self._columns is None else self._columns.tolist(),
             "beta": self._beta,
             "ridge": self._ridge,
             "pair_budget": self._pair_budget,

@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 __all__ = [
+    "COLUMN_GROUPS",
     "DISTRIBUTION_SLICE",
     "DYNAMIC_SLICE",
     "MAX_ABS_PROFILE_VALUE",
@@ -35,6 +36,8 @@ __all__ = [
     "PROFILE_LAYOUT",
     "STATIC_SLICE",
     "ProfileLayout",
+    "check_context_columns",
+    "context_columns",
     "validate_profile",
     "validate_profiles",
 ]
@@ -136,3 +139,57 @@ def _check_values(arr: NDArray[np.float64]) -> None:
         raise ValueError("profile holds NaN or Inf")
     if arr.size and float(np.max(np.abs(arr))) > MAX_ABS_PROFILE_VALUE:
         raise ValueError(f"profile entry exceeds {MAX_ABS_PROFILE_VALUE:g} in magnitude")
+
+
+#: Named groups of profile entries, for choosing what the bandit's context sees
+#: (:func:`context_columns`): the layout's three slices, and ``performance``, the one
+#: entry Algorithm 4 reads (recent validation pass@1).
+COLUMN_GROUPS: dict[str, tuple[int, ...]] = {
+    "static": tuple(range(STATIC_SLICE.start, STATIC_SLICE.stop)),
+    "dynamic": tuple(range(DYNAMIC_SLICE.start, DYNAMIC_SLICE.stop)),
+    "distribution": tuple(range(DISTRIBUTION_SLICE.start, DISTRIBUTION_SLICE.stop)),
+    "performance": (PERFORMANCE_INDEX,),
+}
+
+
+def context_columns(spec: str) -> tuple[int, ...] | None:
+    """Profile indices named by ``spec``: ``"all"`` (``None``: every entry), or a
+    comma-separated list of :data:`COLUMN_GROUPS` names and indices, in that order
+    (``"performance,static"``, ``"8,20,21"``). Raises ``ValueError`` for an unknown
+    name, a repeat or an empty list."""
+    text = spec.strip()
+    if text == "all":
+        return None
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part in COLUMN_GROUPS:
+            out.extend(COLUMN_GROUPS[part])
+        elif part.isdigit():
+            out.append(int(part))
+        else:
+            raise ValueError(
+                f"unknown profile column {part!r}: use 'all', indices or "
+                f"{', '.join(sorted(COLUMN_GROUPS))}"
+            )
+    check_context_columns(out, PROFILE_DIM)
+    return tuple(out)
+
+
+def check_context_columns(
+    columns: Sequence[int] | None, profile_dim: int
+) -> NDArray[np.intp] | None:
+    """``columns`` as an index array after checking it (``None`` passes through): a
+    non-empty list of distinct integers in ``[0, profile_dim)``."""
+    if columns is None:
+        return None
+    cols = list(columns)
+    if not cols:
+        raise ValueError("context_columns must name at least one profile entry")
+    if any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) for c in cols):
+        raise ValueError(f"context_columns must be integers, got {cols}")
+    if len(set(cols)) != len(cols):
+        raise ValueError(f"context_columns has repeats: {cols}")
+    bad = [c for c in cols if not 0 <= c < profile_dim]
+    if bad:
+        raise ValueError(f"context_columns {bad} are outside a {profile_dim}-entry profile")
+    return np.asarray(cols, dtype=np.intp)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from peerlm.services.cpm.menu import MENU
+from peerlm.services.cpm.profile import check_context_columns
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -36,6 +37,10 @@ class CpmSettings(ServiceSettings):
     roles: tuple[str, ...] = ("one_way",)
     interaction_features: bool = True
     trust_features: bool = True
+    # The profile entries the context sees (indices; None: all). Fewer columns, a smaller
+    # context: what a federation with few rewards per round can learn (docs/matchmaker.md,
+    # "Context columns"). Part of the database's fingerprint when set.
+    context_columns: tuple[int, ...] | None = None
     matching: Literal["greedy", "blossom"] = "greedy"
     prefilter_k: int = Field(default=8, ge=1)
     prefilter_min_agents: int = Field(default=64, ge=2)
@@ -70,6 +75,11 @@ class CpmSettings(ServiceSettings):
                 f"refusal_reward {self.refusal_reward} exceeds max_reward_magnitude "
                 f"{self.max_reward_magnitude:g} (or is not finite)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _columns_in_profile(self) -> CpmSettings:
+        check_context_columns(self.context_columns, self.profile_dim)
         return self
 
     @field_validator("protocols", "roles")

@@ -309,3 +309,39 @@ def test_akd_steps_default_to_the_local_steps_and_must_be_positive() -> None:
     assert ExperimentPlan(local_steps=5, akd_steps=20).integration_steps == 20
     with pytest.raises(ValueError, match="akd_steps"):
         ExperimentPlan(akd_steps=0)
+
+
+@pytest.mark.timeout(900)
+def test_stored_runs_stand_in_for_the_same_plan_and_cpm_settings_rerun_the_cpm(
+    tmp_path: Path,
+) -> None:
+    """``--reuse``: a run of the same plan, world and models is taken as it was stored; a
+    CPM run under other CPM settings (here fewer context columns and less exploration) is
+    run again, and what the CPM saw each round is recorded."""
+    import json
+
+    from peerlm.app.experiment import ExperimentPlan, run_experiment
+
+    small = dict(
+        agents=4, rounds=2, seeds=(0,), size="micro", local_steps=1, transfer_limit=2,
+        val_limit=2, test_limit=3, samples=1, max_new_tokens=8, probe_per_category=1,
+        warmup_steps=0, akd_steps=None,
+    )  # fmt: skip
+    first = run_experiment(
+        ExperimentPlan(strategies=("local_plus", "cpm"), **small),  # type: ignore[arg-type]
+        models=tmp_path / "models",
+        work=tmp_path / "w",
+    )
+    stored = json.loads(json.dumps(first))  # as read back from results.json
+    plan = ExperimentPlan(
+        strategies=("local_plus", "cpm"),
+        cpm_context_columns=(8, 9),
+        cpm_beta=0.25,
+        **small,  # type: ignore[arg-type]
+    )
+    second = run_experiment(plan, models=tmp_path / "models", work=tmp_path / "w", reuse=[stored])
+    assert second["reused"] == ["local_plus:0"]
+    assert second["runs"]["local_plus"] == stored["runs"]["local_plus"]
+    cpm_rounds = second["runs"]["cpm"]["0"]["rounds"]
+    assert all(len(p) == 32 for r in cpm_rounds for p in r["profiles"].values())
+    assert second["plan"]["cpm_context_columns"] == (8, 9)

@@ -67,3 +67,29 @@ def test_slices_follow_the_world() -> None:
     assert slices_of_world(world, 1).lacked == {"dict", "loop"}
     with pytest.raises(ValueError, match="not in a world"):
         slices_of_world(world, 2)
+
+
+def test_share_of_a_gain_is_the_ratio_of_the_differences_with_an_interval_around_it() -> None:
+    from peerlm.app.experiment_stats import paired_share
+
+    rng = np.random.default_rng(2)
+    base = rng.uniform(1.0, 3.0, size=(3, 150))
+    top = base - 0.8 + rng.normal(0, 0.05, size=base.shape)  # NLL: lower is better
+    mid = base - 0.6 + rng.normal(0, 0.05, size=base.shape)
+    share = paired_share({"mid": mid, "base": base, "top": top}, "mid", "base", "top")
+    assert share is not None
+    expected = (mid.mean() - base.mean()) / (top.mean() - base.mean())
+    assert share.mean == pytest.approx(expected)
+    assert 0.7 < share.low <= share.mean <= share.high < 0.8
+    # The same ratio for a metric where higher is better.
+    up = paired_share({"mid": -mid, "base": -base, "top": -top}, "mid", "base", "top")
+    assert up is not None and up.mean == pytest.approx(expected)
+
+
+def test_share_of_no_gain_is_undefined_and_unknown_names_are_refused() -> None:
+    from peerlm.app.experiment_stats import paired_share
+
+    a = np.ones((2, 10))
+    assert paired_share({"a": a, "b": a, "c": a}, "a", "b", "c") is None
+    with pytest.raises(ValueError, match="unknown strategy"):
+        paired_share({"a": a, "b": a}, "a", "b", "top")

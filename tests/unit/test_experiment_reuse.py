@@ -1,0 +1,68 @@
+"""``run-experiment --reuse``: which stored (strategy, seed) runs may stand in for new ones."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+
+from peerlm.app.experiment import ExperimentPlan, reusable_runs
+
+NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
+
+
+def _stored(plan: ExperimentPlan, nll: dict[str, float] = NLL) -> dict[str, Any]:
+    return {
+        "plan": {**asdict(plan), "strategies": list(plan.strategies), "seeds": list(plan.seeds)},
+        "initial_nll": dict(nll),
+        "runs": {
+            s: {str(k): {"strategy": s, "seed": k} for k in plan.seeds} for s in plan.strategies
+        },
+    }
+
+
+def test_runs_of_the_same_plan_are_reused_per_strategy_and_seed() -> None:
+    old = _stored(ExperimentPlan(strategies=("oracle", "local_plus"), seeds=(0, 1)))
+    plan = ExperimentPlan(strategies=("local_plus", "random", "oracle"), seeds=(1, 2))
+    got = reusable_runs(plan, [old], NLL)
+    assert sorted(got) == [("local_plus", 1), ("oracle", 1)]
+    assert got[("oracle", 1)] == {"strategy": "oracle", "seed": 1}
+
+
+def test_cpm_settings_matter_only_to_cpm_runs() -> None:
+    old = _stored(ExperimentPlan(strategies=("local_plus", "cpm"), seeds=(0,)))
+    plan = ExperimentPlan(strategies=("local_plus", "cpm"), seeds=(0,), cpm_beta=0.25)
+    assert sorted(reusable_runs(plan, [old], NLL)) == [("local_plus", 0)]
+    same = ExperimentPlan(strategies=("cpm",), seeds=(0,))
+    assert sorted(reusable_runs(same, [old], NLL)) == [("cpm", 0)]
+
+
+def test_an_older_plan_without_a_new_field_reads_as_its_default() -> None:
+    old = _stored(ExperimentPlan(strategies=("cpm",), seeds=(0,)))
+    del old["plan"]["cpm_context_columns"], old["plan"]["cpm_beta"]
+    assert sorted(reusable_runs(ExperimentPlan(strategies=("cpm",), seeds=(0,)), [old], NLL)) == [
+        ("cpm", 0)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"nll": {**NLL, "lacked": 2.6100001}}, "another world or other models"),
+        ({"plan": {"rounds": 7}}, "no run of this plan"),
+        ({"plan": {"world_seed": 1}}, "no run of this plan"),
+        ({"broken": True}, "not a run-experiment results.json"),
+    ],
+)
+def test_a_stored_result_of_another_world_or_plan_is_refused(
+    change: dict[str, Any], message: str
+) -> None:
+    base = ExperimentPlan(strategies=("local_plus",), seeds=(0,))
+    old = _stored(
+        ExperimentPlan(**{**asdict(base), **change.get("plan", {})}), change.get("nll", NLL)
+    )
+    if change.get("broken"):
+        del old["runs"]
+    with pytest.raises(ValueError, match=message):
+        reusable_runs(base, [old], NLL)
