@@ -353,9 +353,8 @@ def simulate_strategy(
             params += list(router.parameters())
         optimisers.append(torch.optim.AdamW(params, lr=config.lr))
     sft_steps = config.rounds * config.local_steps + (0 if use_dpo else config.dpo_steps)
-    extra: dict[str, float] = {
-        "optimiser_steps_total": float(n * (sft_steps + (config.dpo_steps if use_dpo else 0)))
-    }
+    # SFT steps of all agents together (the centralised model alone makes as many).
+    extra: dict[str, float] = {"sft_steps_total": float(n * sft_steps)}
     if strategy == "centralised":
         _train_centralised(experts[0], optimisers[0], tokenizer, data, config, seed, n * sft_steps)
         say(f"centralised seed {seed}: {n * sft_steps} steps on the pooled data")
