@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
     from peerlm.agent.fedwave.settings import FedWaveSettings
     from peerlm.agent.fedwave.simulation import (
+        BASELINES as FEDWAVE_BASELINES,
+    )
+    from peerlm.agent.fedwave.simulation import (
+        DEFAULT_STRATEGIES as FEDWAVE_DEFAULT_STRATEGIES,
+    )
+    from peerlm.agent.fedwave.simulation import (
         STRATEGIES as FEDWAVE_STRATEGIES,
     )
     from peerlm.agent.fedwave.simulation import (
@@ -257,6 +263,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "build_preference_pairs": ("peerlm.agent.fedwave.dpo_phase", "build_preference_pairs"),
     "run_dpo_phase": ("peerlm.agent.fedwave.dpo_phase", "run_dpo_phase"),
     "FEDWAVE_STRATEGIES": ("peerlm.agent.fedwave.simulation", "STRATEGIES"),
+    "FEDWAVE_BASELINES": ("peerlm.agent.fedwave.simulation", "BASELINES"),
+    "FEDWAVE_DEFAULT_STRATEGIES": ("peerlm.agent.fedwave.simulation", "DEFAULT_STRATEGIES"),
     "FedWaveSimulationConfig": ("peerlm.agent.fedwave.simulation", "SimulationConfig"),
     "FedWaveStrategyResult": ("peerlm.agent.fedwave.simulation", "StrategyResult"),
     "score_fedwave_strategy": ("peerlm.agent.fedwave.simulation", "score_strategy"),
@@ -269,6 +277,8 @@ __all__ = [
     "CODE_CHAIN_STAGES",
     "DEFAULT_HIDDEN",
     "DEFAULT_PRIVATE_CATEGORIES",
+    "FEDWAVE_BASELINES",
+    "FEDWAVE_DEFAULT_STRATEGIES",
     "FEDWAVE_STRATEGIES",
     "SHIPPED_DIR",
     "AcceptanceGate",

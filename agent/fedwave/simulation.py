@@ -12,6 +12,20 @@ own copy of the shipped tiny model, and trained by one *strategy*:
 | ``wo_router`` | yes | yes | no (Eq. 2) | no | each stage's own expert |
 | ``wo_vclayer`` | yes | no | yes | yes | π (assembly) |
 | ``sft_only`` | yes, trained alone | no | no | no | each stage's own expert |
+| ``fedprox`` | no: one LoRA, + (μ/2)‖w − w_global‖² locally | no | no | no | the global model |
+| ``fedavgm``, ``fedadam``, ``fedyogi`` | no: one LoRA, server optimiser | no | no | no | x_T |
+| ``scaffold`` | no: one LoRA, option II control variates | no | no | no | the global model |
+| ``centralised`` | no: one LoRA on the pooled data of all stages | no | no | no | that model |
+
+The federated baselines (``fedavg`` and the next four rows) start every agent's round from
+the global LoRA ``x_t`` and end it with the ``n_i``-weighted average of the agents' LoRA
+factors; ``fedprox`` adds its proximal term to the local loss, ``scaffold`` corrects each
+gradient by ``c − c_i`` (:mod:`~peerlm.agent.fedwave.client_drift`), and the server
+optimisers take the average as the pseudo-gradient of Reddi et al.'s Algorithm 2, each agent
+applying it to its own replica (:mod:`~peerlm.agent.fedwave.server_optimiser`; the replicas
+are checked bit-identical every round). ``centralised`` is Table 2's reference, not a
+federated strategy: one model makes as many optimiser steps as all agents of a federated
+strategy together.
 
 **Compute matching.** Every agent makes ``rounds × local_steps`` SFT optimiser steps of
 ``batch`` examples. The strategies with DPO then make ``dpo_steps`` DPO steps on the
@@ -47,11 +61,24 @@ from typing import Any
 import torch
 from peerlm.agent.fedwave.assembly import AssembledModel, assembled_generate
 from peerlm.agent.fedwave.chain_tasks import score_chain_tasks
+from peerlm.agent.fedwave.client_drift import (
+    DEFAULT_PROX_MU,
+    GradientMean,
+    corrected_gradients,
+    proximal_term,
+    scaffold_server_controls,
+    state_bytes,
+)
 from peerlm.agent.fedwave.code_chain import CODE_CHAIN_STAGES, ChainItem, build_code_chain
 from peerlm.agent.fedwave.dpo_phase import build_preference_pairs, run_dpo_phase
 from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss
 from peerlm.agent.fedwave.generation import greedy_generate
 from peerlm.agent.fedwave.router import MoERouter, fedavg_routers
+from peerlm.agent.fedwave.server_optimiser import (
+    SERVER_OPTIMISERS,
+    ServerOptimiser,
+    ServerOptSettings,
+)
 from peerlm.agent.fedwave.text_metrics import METRIC_NAMES, sentence_scores
 from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer
 from peerlm.agent.fedwave.workflow import Workflow
@@ -60,6 +87,8 @@ from peerlm.agent.models.tiny import SHIPPED_DIR
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
 __all__ = [
+    "BASELINES",
+    "DEFAULT_STRATEGIES",
     "STRATEGIES",
     "SimulationConfig",
     "StrategyResult",
@@ -69,12 +98,25 @@ __all__ = [
     "test_chains",
 ]
 
-STRATEGIES: tuple[str, ...] = ("fedwave", "fedavg", "wo_dpo", "wo_router", "wo_vclayer", "sft_only")
+#: FedWave, FedAvg and Table 3's ablations: the experiment's default list.
+DEFAULT_STRATEGIES: tuple[str, ...] = (
+    "fedwave",
+    "fedavg",
+    "wo_dpo",
+    "wo_router",
+    "wo_vclayer",
+    "sft_only",
+)
+#: The federated baselines beyond FedAvg, and Table 2's centralised reference.
+BASELINES: tuple[str, ...] = ("fedprox", "fedavgm", "fedadam", "fedyogi", "scaffold", "centralised")
+STRATEGIES: tuple[str, ...] = DEFAULT_STRATEGIES + BASELINES
 
 # Which FedWave components each strategy keeps (see the module docstring's table).
 _VCLAYER = {"fedwave", "wo_dpo", "wo_router"}
 _ROUTER = {"fedwave", "wo_dpo", "wo_vclayer"}
 _DPO = {"fedwave", "wo_vclayer"}
+# The strategies that federate one global LoRA (evaluated as that one model).
+_GLOBAL_LORA = {"fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "scaffold"}
 
 Progress = Callable[[str], None]
 
@@ -97,6 +139,8 @@ class SimulationConfig:
     n_public: int = 6
     max_new_tokens: int = 64
     world_seed: int = 0
+    prox_mu: float = DEFAULT_PROX_MU
+    server_lr: float | None = None  # None: the kind's default (ServerOptSettings)
 
     def __post_init__(self) -> None:
         for name in ("rounds", "local_steps", "batch", "per_stage", "n_test", "n_public"):
@@ -104,6 +148,8 @@ class SimulationConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.dpo_steps < 0 or self.max_new_tokens < 1:
             raise ValueError("dpo_steps must be >= 0 and max_new_tokens >= 1")
+        if self.prox_mu < 0 or (self.server_lr is not None and not self.server_lr > 0):
+            raise ValueError("prox_mu must be >= 0 and server_lr > 0")
         if not (SHIPPED_DIR / "tiny" / self.arch).is_dir():
             raise ValueError(f"no shipped tiny model {self.arch!r}")
 
@@ -153,6 +199,119 @@ def _expert(config: SimulationConfig, seed: int, index: int, use_vclayer: bool) 
     return model
 
 
+def _train_centralised(
+    model: VCCausalLM,
+    optimiser: torch.optim.Optimizer,
+    tokenizer: Any,
+    data: Sequence[Sequence[Any]],
+    config: SimulationConfig,
+    seed: int,
+    steps: int,
+) -> None:
+    """Table 2's reference: one model, ``steps`` SFT steps on batches drawn from the pooled
+    examples of every stage (Eq. 2 without a VCLayer branch: the plain LM loss)."""
+    pooled = [example for stage_data in data for example in stage_data]
+    rng = random.Random(f"fedwave-sim/{seed}/centralised")
+    model.train()
+    for _ in range(steps):
+        batch = encode_stage_examples(tokenizer, rng.sample(pooled, config.batch), 256)
+        loss = expert_loss(
+            model, batch, stage_index=0, predecessor=None, successor=None, router=None
+        )
+        optimiser.zero_grad()
+        loss.total.backward()  # type: ignore[no-untyped-call]
+        optimiser.step()
+
+
+class _FederatedLora:
+    """The federated baselines' shared state in the simulation: the global LoRA ``x_t``,
+    FedProx's anchor, SCAFFOLD's control variates, and one server-optimiser replica per
+    agent (they are compared bit for bit after every round)."""
+
+    def __init__(self, strategy: str, experts: Sequence[VCCausalLM], config: SimulationConfig):
+        self.strategy = strategy
+        self.experts = experts
+        self.config = config
+        self.global_lora = get_peft_model_state_dict(experts[0].lm)
+        self.trainable = [
+            {k: p for k, p in e.named_parameters() if p.requires_grad} for e in experts
+        ]
+        self.replicas = (
+            [
+                ServerOptimiser(ServerOptSettings(strategy, lr=config.server_lr), self.global_lora)
+                for _ in experts
+            ]
+            if strategy in SERVER_OPTIMISERS
+            else []
+        )
+        zeros = {k: torch.zeros_like(p) for k, p in self.trainable[0].items()}
+        self.c_server = dict(zeros) if strategy == "scaffold" else {}
+        self.c_client = [dict(zeros) for _ in experts] if strategy == "scaffold" else []
+        self.anchor: dict[str, torch.Tensor] = {}
+        self.grads: list[GradientMean] = []
+
+    def start_round(self, i: int) -> None:
+        """Agent ``i`` starts its round from ``x_t``."""
+        set_peft_model_state_dict(self.experts[i].lm, self.global_lora)
+        if self.strategy == "fedprox":
+            self.anchor = {k: p.detach().clone() for k, p in self.trainable[i].items()}
+        if self.strategy == "scaffold":
+            shapes = {k: tuple(p.shape) for k, p in self.trainable[i].items()}
+            self.grads = [*self.grads[:i], GradientMean(shapes)]
+
+    def local_penalty(self, i: int) -> torch.Tensor:
+        """FedProx's proximal term (zero for the others)."""
+        if self.strategy != "fedprox":
+            return torch.zeros(())
+        return proximal_term(self.trainable[i], self.anchor, self.config.prox_mu)
+
+    def correct_gradients(self, i: int) -> None:
+        """SCAFFOLD: record the raw gradients, then ``grad ← grad − c_i + c``."""
+        if self.strategy == "scaffold":
+            named = list(self.trainable[i].items())
+            self.grads[i].add(named)
+            corrected_gradients(named, self.c_client[i], self.c_server)
+
+    def aggregate(self, sizes: Sequence[int]) -> None:
+        """The round's end: average the agents' LoRA factors, then the strategy's update."""
+        average = fedavg_routers(
+            {
+                CODE_CHAIN_STAGES[i]: (get_peft_model_state_dict(e.lm), sizes[i])
+                for i, e in enumerate(self.experts)
+            }
+        )
+        if self.replicas:
+            models = [replica.step(average) for replica in self.replicas]
+            for other in models[1:]:
+                if any(not torch.equal(other[k], models[0][k]) for k in models[0]):
+                    raise RuntimeError("server-optimiser replicas diverged")
+            self.global_lora = models[0]
+        else:
+            self.global_lora = average
+        if self.strategy == "scaffold":
+            # Option II, in its optimiser-independent form (client_drift module docstring).
+            fresh = [g.mean() for g in self.grads]
+            deltas = {
+                CODE_CHAIN_STAGES[i]: {k: fresh[i][k] - self.c_client[i][k] for k in fresh[i]}
+                for i in range(len(self.experts))
+            }
+            self.c_server = scaffold_server_controls(
+                self.c_server, deltas, total_clients=len(self.experts)
+            )
+            self.c_client = fresh
+
+    def finish(self) -> None:
+        """Load ``x_T`` into the evaluated model (agent 0's copy)."""
+        set_peft_model_state_dict(self.experts[0].lm, self.global_lora)
+
+    def bytes_per_round(self) -> dict[str, float]:
+        """What one agent sends a round: its LoRA factors, and SCAFFOLD's control delta."""
+        out = {"model_bytes_per_agent_round": float(state_bytes(self.global_lora))}
+        if self.strategy == "scaffold":
+            out["control_bytes_per_agent_round"] = float(state_bytes(self.c_server))
+        return out
+
+
 def simulate_strategy(
     strategy: str,
     config: SimulationConfig,
@@ -193,18 +352,23 @@ def simulate_strategy(
         if router is not None:
             params += list(router.parameters())
         optimisers.append(torch.optim.AdamW(params, lr=config.lr))
-    if strategy == "fedavg":  # one global LoRA: every agent starts each round from it
-        global_lora = get_peft_model_state_dict(experts[0].lm)
     sft_steps = config.rounds * config.local_steps + (0 if use_dpo else config.dpo_steps)
-    for r in range(config.rounds):
+    # SFT steps of all agents together (the centralised model alone makes as many).
+    extra: dict[str, float] = {"sft_steps_total": float(n * sft_steps)}
+    if strategy == "centralised":
+        _train_centralised(experts[0], optimisers[0], tokenizer, data, config, seed, n * sft_steps)
+        say(f"centralised seed {seed}: {n * sft_steps} steps on the pooled data")
+        sft_steps *= n
+    fed = _FederatedLora(strategy, experts, config) if strategy in _GLOBAL_LORA else None
+    for r in range(config.rounds if strategy != "centralised" else 0):
         steps = config.local_steps + (
             config.dpo_steps if not use_dpo and r == config.rounds - 1 else 0
         )
         # Neighbours' VCLayers as pulled at the round's start (fixed during the round).
         snapshot = [copy.deepcopy(e.vclayer) for e in experts] if use_vc else None
         for i in range(n):
-            if strategy == "fedavg":
-                set_peft_model_state_dict(experts[i].lm, global_lora)
+            if fed is not None:
+                fed.start_round(i)
             experts[i].train()
             for _ in range(steps):
                 batch = encode_stage_examples(tokenizer, rngs[i].sample(data[i], config.batch), 256)
@@ -216,28 +380,27 @@ def simulate_strategy(
                     successor=snapshot[i + 1] if snapshot is not None and i < n - 1 else None,
                     router=routers[i],
                 )
+                total = loss.total if fed is None else loss.total + fed.local_penalty(i)
                 optimisers[i].zero_grad()
-                loss.total.backward()  # type: ignore[no-untyped-call]
+                total.backward()  # type: ignore[no-untyped-call]
+                if fed is not None:
+                    fed.correct_gradients(i)
                 optimisers[i].step()
             say(
                 f"{strategy} seed {seed}: round {r + 1}, {CODE_CHAIN_STAGES[i]}: "
                 f"SFT loss {float(loss.sft):.3f}"
             )
-        if strategy == "fedavg":
-            global_lora = fedavg_routers(
-                {
-                    CODE_CHAIN_STAGES[i]: (get_peft_model_state_dict(experts[i].lm), len(data[i]))
-                    for i in range(n)
-                }
-            )
+        if fed is not None:
+            fed.aggregate([len(d) for d in data])
         if use_router:
             merged = fedavg_routers(
                 {CODE_CHAIN_STAGES[i]: (routers[i].state_dict(), len(data[i])) for i in range(n)}  # type: ignore[union-attr]
             )
             for router in routers:
                 router.load_state_dict(merged)  # type: ignore[union-attr]
-    if strategy == "fedavg":
-        set_peft_model_state_dict(experts[0].lm, global_lora)
+    if fed is not None:
+        fed.finish()
+        extra |= fed.bytes_per_round()
     assembled = AssembledModel(experts, routers[0]) if routers[0] is not None else None
     pairs_used = 0
     dpo_losses: tuple[float, ...] = ()
@@ -269,7 +432,8 @@ def simulate_strategy(
             )
             top[stage] = tuple(int(rt.experts[0, 0]) for rt in routings)
         else:
-            model = experts[0] if strategy == "fedavg" else experts[i]
+            one_model = strategy in _GLOBAL_LORA or strategy == "centralised"
+            model = experts[0] if one_model else experts[i]
             texts = greedy_generate(model, tokenizer, sources, max_new_tokens=config.max_new_tokens)
             top[stage] = tuple(-1 for _ in sources)
         outputs[stage] = tuple(texts)
@@ -284,6 +448,7 @@ def simulate_strategy(
         dpo_pairs=pairs_used,
         dpo_losses=tuple(dpo_losses),
         seconds=time.perf_counter() - started,
+        extra=extra,
     )
 
 

@@ -10,9 +10,12 @@ Means and differences get 95% intervals from the paired two-level bootstrap of t
 experiment (:func:`peerlm.app.experiment_stats.paired_bootstrap`: seeds and problems
 resampled, the same draws for every strategy).
 
-Comparisons: ``fedwave_vs_fedavg`` (the paper's claim), every ablation against FedWave
-(``<ablation>_vs_fedwave``: negative means the ablated component helped) and
-``wo_router_vs_wo_dpo`` (the router alone: neither has DPO).
+Comparisons: ``fedwave_vs_fedavg`` (the paper's claim), FedWave against every other
+baseline present (``fedwave_vs_<baseline>``: FedProx, FedAvgM, FedAdam, FedYogi, SCAFFOLD
+and the centralised reference), every federated baseline beyond FedAvg against FedAvg
+(``<baseline>_vs_fedavg``), every ablation against FedWave (``<ablation>_vs_fedwave``:
+negative means the ablated component helped) and ``wo_router_vs_wo_dpo`` (the router alone:
+neither has DPO).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import numpy as np
 
 from peerlm.agent import (
     CODE_CHAIN_STAGES,
+    FEDWAVE_BASELINES,
+    FEDWAVE_DEFAULT_STRATEGIES,
     FEDWAVE_STRATEGIES,
     FedWaveSimulationConfig,
     score_fedwave_strategy,
@@ -64,11 +69,14 @@ Progress = Callable[[str], None]
 
 
 def comparison_pairs(strategies: Sequence[str]) -> list[tuple[str, str]]:
-    """The (a, b) pairs compared as a − b, among those present."""
+    """The (a, b) pairs compared as a − b, among those present (module docstring)."""
     have = set(strategies)
-    pairs = [("fedwave", "fedavg")] if {"fedwave", "fedavg"} <= have else []
+    baselines = [s for s in strategies if s == "fedavg" or s in FEDWAVE_BASELINES]
+    pairs = [("fedwave", b) for b in baselines] if "fedwave" in have else []
+    if "fedavg" in have:
+        pairs += [(b, "fedavg") for b in baselines if b not in ("fedavg", "centralised")]
     if "fedwave" in have:
-        pairs += [(s, "fedwave") for s in strategies if s not in ("fedwave", "fedavg")]
+        pairs += [(s, "fedwave") for s in strategies if s not in ("fedwave", *baselines)]
     if {"wo_router", "wo_dpo"} <= have:
         pairs.append(("wo_router", "wo_dpo"))
     return pairs
@@ -95,7 +103,7 @@ def _matrices(
 def run_workflow_experiment(
     config: FedWaveSimulationConfig,
     seeds: Sequence[int],
-    strategies: Sequence[str] = FEDWAVE_STRATEGIES,
+    strategies: Sequence[str] = FEDWAVE_DEFAULT_STRATEGIES,
     *,
     progress: Progress | None = None,
     replicates: int = 2000,
@@ -133,6 +141,7 @@ def run_workflow_experiment(
                         [result.dpo_losses[0], result.dpo_losses[-1]] if result.dpo_losses else None
                     ),
                     "routing_accuracy": sum(routed) / len(routed) if routed else None,
+                    **dict(result.extra),
                 }
             )
             say(f"done {strategy} seed {seed} in {result.seconds:.0f} s")

@@ -27,8 +27,10 @@ def run_workflow_experiment_command(
     strategies: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated: fedwave, fedavg, wo_dpo, wo_router, wo_vclayer, sft_only "
-            "(default: all)."
+            help="Comma-separated, from: fedwave, fedavg, wo_dpo, wo_router, wo_vclayer, "
+            "sft_only (the default: these six); the baselines fedprox, fedavgm, fedadam, "
+            "fedyogi, scaffold and the centralised reference centralised are run only when "
+            "named."
         ),
     ] = None,
     seeds: Annotated[str, typer.Option(help="Run seeds, comma-separated.")] = "0,1,2",
@@ -41,11 +43,21 @@ def run_workflow_experiment_command(
     n_test: Annotated[int | None, typer.Option(min=1, help="Held-out test chains.")] = None,
     n_public: Annotated[int | None, typer.Option(min=1, help="Public prompts for DPO.")] = None,
     world_seed: Annotated[int, typer.Option(help="Seed of the data split.")] = 0,
+    prox_mu: Annotated[
+        float | None, typer.Option(min=0.0, help="FedProx's mu (default 0.01).")
+    ] = None,
+    server_lr: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0, help="Server lr of fedavgm/fedadam/fedyogi (default 1.0 / 1e-2 / 1e-2)."
+        ),
+    ] = None,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
     out: Annotated[Path | None, typer.Option(help="Write results.json and table.md here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
-    """FedWave vs FedAvg and the ablations on a simulated value-chain workflow (docs/fedwave.md)."""
+    """FedWave vs FedAvg, the ablations and (when named) the other federated baselines and the
+    centralised reference on a simulated value-chain workflow (docs/fedwave.md)."""
     if workflow != "code-chain":
         raise typer.BadParameter(f"unknown workflow {workflow!r}; only 'code-chain' exists")
     from peerlm.app.cli_models import quiet_transformers
@@ -64,6 +76,8 @@ def run_workflow_experiment_command(
         "n_test": n_test,
         "n_public": n_public,
         "world_seed": world_seed,
+        "prox_mu": prox_mu,
+        "server_lr": server_lr,
     }
     overrides = {k: v for k, v in given.items() if v is not None}
     try:
