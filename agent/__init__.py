@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from peerlm.agent.daemon import AgentDaemon, AgentSummary
     from peerlm.agent.directives import DirectiveBook
     from peerlm.agent.evaluation import evaluate, structural_match_rate
+    from peerlm.agent.fedproxy_codec import encode_proxy, encode_update
+    from peerlm.agent.fedproxy_member import text_trainer
     from peerlm.agent.fedwave.assembly import AssembledModel, assembled_generate
     from peerlm.agent.fedwave.chain_tasks import score_chain_tasks
     from peerlm.agent.fedwave.code_chain import CODE_CHAIN_STAGES, build_code_chain
@@ -94,6 +96,14 @@ if TYPE_CHECKING:
     )
     from peerlm.agent.peer_service import PeerExchangeService, serve_peer
     from peerlm.agent.profile import host_parameter_space
+    from peerlm.agent.proxy_cohort import (
+        PROXY_MERGES,
+        CompressedProxy,
+        ProxyMerge,
+        compress_by_influence,
+        merge_proxies,
+        uses_pcr,
+    )
     from peerlm.agent.proxy_compress import (
         block_influence,
         blocks_to_keep,
@@ -219,6 +229,15 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "OneShotResult": ("peerlm.agent.onepeft", "OneShotResult"),
     "ProxyError": ("peerlm.agent.proxy_model", "ProxyError"),
     "block_influence": ("peerlm.agent.proxy_compress", "block_influence"),
+    "PROXY_MERGES": ("peerlm.agent.proxy_cohort", "PROXY_MERGES"),
+    "encode_proxy": ("peerlm.agent.fedproxy_codec", "encode_proxy"),
+    "encode_update": ("peerlm.agent.fedproxy_codec", "encode_update"),
+    "text_trainer": ("peerlm.agent.fedproxy_member", "text_trainer"),
+    "CompressedProxy": ("peerlm.agent.proxy_cohort", "CompressedProxy"),
+    "ProxyMerge": ("peerlm.agent.proxy_cohort", "ProxyMerge"),
+    "compress_by_influence": ("peerlm.agent.proxy_cohort", "compress_by_influence"),
+    "merge_proxies": ("peerlm.agent.proxy_cohort", "merge_proxies"),
+    "uses_pcr": ("peerlm.agent.proxy_cohort", "uses_pcr"),
     "blocks_to_keep": ("peerlm.agent.proxy_compress", "blocks_to_keep"),
     "build_proxy": ("peerlm.agent.proxy_model", "build_proxy"),
     "fuse_into": ("peerlm.agent.proxy_model", "fuse_into"),
@@ -280,6 +299,7 @@ __all__ = [
     "FEDWAVE_BASELINES",
     "FEDWAVE_DEFAULT_STRATEGIES",
     "FEDWAVE_STRATEGIES",
+    "PROXY_MERGES",
     "SHIPPED_DIR",
     "AcceptanceGate",
     "AdapterSpec",
@@ -292,6 +312,7 @@ __all__ = [
     "ClientAdapter",
     "CohortAnalysis",
     "Competence",
+    "CompressedProxy",
     "ConflictRegulariser",
     "CpmClient",
     "DirectiveBook",
@@ -315,6 +336,7 @@ __all__ = [
     "Problem",
     "ProfileInputs",
     "ProxyError",
+    "ProxyMerge",
     "PullSettings",
     "RoundConfig",
     "ShapeBounds",
@@ -345,12 +367,15 @@ __all__ = [
     "category_histogram",
     "code_tokens",
     "competence_of",
+    "compress_by_influence",
     "corpus_scores",
     "decode_package",
     "delta_weights",
     "encode_adapter",
+    "encode_proxy",
     "encode_router",
     "encode_stage_examples",
+    "encode_update",
     "encode_vclayer",
     "evaluate",
     "evaluate_pass",
@@ -368,6 +393,7 @@ __all__ = [
     "integrate_package",
     "kept_count",
     "local_update",
+    "merge_proxies",
     "next_directive",
     "normalise_weights",
     "one_shot",
@@ -396,9 +422,11 @@ __all__ = [
     "structural_match_rate",
     "teachable_indices",
     "teacher_completions",
+    "text_trainer",
     "ties_merge",
     "token_batches",
     "transfer_set_sha256",
+    "uses_pcr",
     "write_jsonl",
 ]
 

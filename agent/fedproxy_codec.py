@@ -5,19 +5,32 @@ One payload format for both directions (``peerlm.v1.ProxyExchange``), never pick
 * the proxy's weights under their state-dict names (every tensor cloned, so tied weights,
   GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``, are two entries);
 * in the owner's proxy only, the conflict scores ``C_d`` (Eq. 7) of the merge that made it,
-  one float32 tensor per scored weight, under ``conflict/<name>`` (``/`` never occurs in a
+  one tensor per scored weight, under ``conflict/<name>`` (``/`` never occurs in a
   state-dict name); round 1 has none (Algorithm 1, line 3: ``C = 0``);
 * header metadata: ``peerlm.format`` (:data:`PROXY_FORMAT` or :data:`UPDATE_FORMAT`),
   ``peerlm.round``, ``peerlm.proxy`` (the :class:`~peerlm.agent.proxy_model.ProxyInfo`: which
   blocks of which model) and, in the owner's proxy, ``peerlm.config`` (the proxy's
-  configuration as JSON, so a member builds the model from it).
+  configuration as JSON, so a member builds the model from it) and ``peerlm.conflict``, how
+  the scores are encoded (:data:`CONFLICT_ENCODING_KEY`).
+
+The conflict scores in one byte (format ``/2``). ``C_d = 1 − |Σ_k sign(τ_k[d])| / K`` takes
+only ``K + 1`` values, so ``peerlm.conflict = "u8/K"`` carries each score as the uint8
+``v = K − |Σ_k sign(τ_k[d])|`` (``C_d = v / K``), rebuilt by the one Eq. 7 formula
+(:func:`~peerlm.agent.hties.conflict_scores`): bit for bit the owner's float32 scores, in a
+quarter of the bytes. The encoder takes the smallest ``K ≤ 255`` that reproduces every score
+exactly (any such ``K`` decodes to the same floats). Scores that no ``K ≤ 255`` reproduces (a
+cohort of more than 255 members, or scores not of Eq. 7) fall back to float32
+(``peerlm.conflict = "f32"``), refused outside [0, 1] as before. Format ``/1`` (float32
+scores, no ``peerlm.conflict``) is still decoded, so an owner's checkpoint written before
+``/2`` resumes.
 
 Decoding is for untrusted bytes and refuses, as :class:`~peerlm.agent.proxy_model.ProxyError`
 with a metric label as ``reason``, before any tensor is decoded where it can: ``too_large``,
 ``decode`` (not safetensors, bad header, bad metadata), ``format`` (the other kind), ``round``
 (not the round asked for), ``mismatch`` (another model type or block set), ``keys``,
-``shape``, ``dtype`` (another tensor table than expected), ``non_finite`` (NaN or inf
-weights, conflict scores outside [0, 1]). The tensor table checks are
+``shape``, ``dtype`` (another tensor table than expected, a score tensor not of the
+declared encoding), ``non_finite`` (NaN or inf weights, conflict scores outside [0, 1], a
+byte above ``K``). The tensor table checks are
 :mod:`peerlm.agent.adapter_codec`'s, shared with adapters.
 """
 
@@ -35,11 +48,14 @@ from peerlm.agent.adapter_codec import (
     load_finite_tensors,
     read_safetensors_header,
 )
+from peerlm.agent.hties import conflict_scores
 from peerlm.agent.proxy_model import PROXY_CONFIG_KEY, ProxyError, ProxyInfo
 from safetensors.torch import save as st_save
 
 __all__ = [
+    "CONFLICT_ENCODING_KEY",
     "CONFLICT_PREFIX",
+    "MAX_CONFLICT_LEVELS",
     "PROXY_CONTENT_TYPE",
     "PROXY_FORMAT",
     "UPDATE_CONTENT_TYPE",
@@ -55,7 +71,13 @@ __all__ = [
     "read_proxy_header",
 ]
 
-PROXY_FORMAT: Final = "peerlm-fedproxy-proxy/1"
+PROXY_FORMAT: Final = "peerlm-fedproxy-proxy/2"
+#: The proxy format before the one-byte scores (float32 scores); still decoded.
+_PROXY_FORMAT_V1: Final = "peerlm-fedproxy-proxy/1"
+#: Metadata key of the score encoding: ``"u8/K"`` (one byte a score, ``K`` levels) or ``"f32"``.
+CONFLICT_ENCODING_KEY: Final = "peerlm.conflict"
+#: The largest ``K`` a uint8 score carries (``v`` in [0, K]).
+MAX_CONFLICT_LEVELS: Final = 255
 UPDATE_FORMAT: Final = "peerlm-fedproxy-update/1"
 #: Media types of the two payloads; the sender appends ``; round=N``.
 PROXY_CONTENT_TYPE: Final = "application/vnd.peerlm.fedproxy-proxy+safetensors"
@@ -98,6 +120,32 @@ def _tensors(state: StateDict) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
 
 
+def _levels_of(conflict: Mapping[str, torch.Tensor]) -> int | None:
+    """The smallest ``K ≤ 255`` whose Eq. 7 levels reproduce every score exactly, or None."""
+    if not conflict:
+        return None
+    values = torch.unique(
+        torch.cat([c.detach().reshape(-1).float().cpu() for c in conflict.values()])
+    )
+    if bool(((values < 0) | (values > 1)).any()) or not bool(torch.isfinite(values).all()):
+        return None
+    for k in range(1, MAX_CONFLICT_LEVELS + 1):
+        agreement = torch.round((1.0 - values.to(torch.float64)) * k)
+        if torch.equal(conflict_scores(agreement, k), values):
+            return k
+    return None
+
+
+def _score_bytes(score: torch.Tensor, k: int) -> torch.Tensor:
+    """``v = K − |Σ sign|`` of each score, as uint8 (exact: ``k`` came from :func:`_levels_of`)."""
+    agreement = torch.round((1.0 - score.detach().to("cpu", torch.float64)) * k)
+    return (k - agreement).to(torch.uint8).contiguous()
+
+
+def _scores_from_bytes(levels: torch.Tensor, k: int) -> torch.Tensor:
+    return conflict_scores(k - levels.to(torch.float64), k)
+
+
 def encode_proxy(
     state: StateDict,
     config: Mapping[str, Any],
@@ -108,15 +156,22 @@ def encode_proxy(
     the conflict scores published with it (none in round 1)."""
     info = ProxyInfo.from_dict(config.get(PROXY_CONFIG_KEY))
     tensors = _tensors(state)
-    for key, score in (conflict or {}).items():
+    scores = dict(conflict or {})
+    levels = _levels_of(scores)
+    for key, score in scores.items():
         if key not in state:
             raise ProxyError(f"conflict score for {key}, not a proxy tensor", reason="keys")
-        tensors[CONFLICT_PREFIX + key] = score.detach().to("cpu", torch.float32).contiguous()
+        tensors[CONFLICT_PREFIX + key] = (
+            _score_bytes(score, levels)
+            if levels is not None
+            else score.detach().to("cpu", torch.float32).contiguous()
+        )
     meta = {
         "peerlm.format": PROXY_FORMAT,
         "peerlm.round": str(round_),
         "peerlm.proxy": json.dumps(info.to_dict(), sort_keys=True),
         "peerlm.config": json.dumps(dict(config), sort_keys=True),
+        CONFLICT_ENCODING_KEY: "f32" if levels is None else f"u8/{levels}",
     }
     return st_save(tensors, metadata=meta)
 
@@ -148,7 +203,8 @@ def read_proxy_header(data: bytes, *, kind: str, max_bytes: int) -> ProxyHeader:
     header = read_safetensors_header(data, what=what, max_bytes=max_bytes, error=ProxyError)
     meta = header.metadata
     wanted = PROXY_FORMAT if kind == "proxy" else UPDATE_FORMAT
-    if meta.get("peerlm.format") != wanted:
+    accepted = (PROXY_FORMAT, _PROXY_FORMAT_V1) if kind == "proxy" else (UPDATE_FORMAT,)
+    if meta.get("peerlm.format") not in accepted:
         raise ProxyError(
             f"{what}: format {meta.get('peerlm.format')!r}, expected {wanted}", reason="format"
         )
@@ -166,6 +222,36 @@ def read_proxy_header(data: bytes, *, kind: str, max_bytes: int) -> ProxyHeader:
         if ProxyInfo.from_dict(config.get(PROXY_CONFIG_KEY)) != info:
             raise ProxyError(f"{what}: configuration and blocks disagree", reason="mismatch")
     return ProxyHeader(int(raw_round), info, config, header)
+
+
+def _conflict_encoding(head: ProxyHeader) -> int | None:
+    """``K`` of a ``u8/K`` score encoding, None for float32 scores (``f32``, or format /1)."""
+    meta = head.header.metadata
+    raw = meta.get(CONFLICT_ENCODING_KEY)
+    if meta.get("peerlm.format") == _PROXY_FORMAT_V1:
+        if raw is not None:
+            raise ProxyError(f"proxy format /1 with {CONFLICT_ENCODING_KEY}", reason="decode")
+        return None
+    if raw == "f32":
+        return None
+    head_, _, count = (raw or "").partition("/")
+    if head_ != "u8" or not count.isdigit() or not 1 <= int(count) <= MAX_CONFLICT_LEVELS:
+        raise ProxyError(
+            f"proxy: {CONFLICT_ENCODING_KEY} {raw!r} is neither 'f32' nor 'u8/K' with "
+            f"1 <= K <= {MAX_CONFLICT_LEVELS}",
+            reason="decode",
+        )
+    return int(count)
+
+
+def _check_score_dtype(name: str, entry: object, levels: int | None) -> None:
+    """A score tensor's declared dtype is its encoding's (checked before any data is read)."""
+    wanted = "F32" if levels is None else "U8"
+    found = entry.get("dtype") if isinstance(entry, dict) else None
+    if found != wanted:
+        raise ProxyError(
+            f"proxy tensor {name} is {found}, the score encoding needs {wanted}", reason="dtype"
+        )
 
 
 def _check_round(what: str, got: int, round_: int | None) -> None:
@@ -193,17 +279,29 @@ def decode_proxy(
             reason="mismatch",
         )
     scored = sorted(k for k in head.header.tensors if k.startswith(CONFLICT_PREFIX))
+    levels = _conflict_encoding(head)
     table = dict(shapes)
     for name in scored:
         key = name[len(CONFLICT_PREFIX) :]
         if key not in shapes:
             raise ProxyError(f"conflict score for {key}, not a proxy tensor", reason="keys")
         table[name] = shapes[key]
-    check_tensor_table(head.header, table, dtypes=ADAPTER_DTYPES, what="proxy", error=ProxyError)
+        _check_score_dtype(name, head.header.tensors[name], levels)
+    for name, entry in head.header.tensors.items():
+        if name not in scored and isinstance(entry, dict) and entry.get("dtype") == "U8":
+            raise ProxyError(f"proxy tensor {name} is U8, not a float", reason="dtype")
+    dtypes = {**ADAPTER_DTYPES, "U8": 1} if levels is not None else ADAPTER_DTYPES
+    check_tensor_table(head.header, table, dtypes=dtypes, what="proxy", error=ProxyError)
     tensors = load_finite_tensors(data, what="proxy", error=ProxyError)
     conflict = {n[len(CONFLICT_PREFIX) :]: tensors.pop(n) for n in scored}
     for key, score in conflict.items():
-        if score.dtype != torch.float32 or bool(((score < 0) | (score > 1)).any()):
+        if levels is not None:
+            if score.dtype != torch.uint8 or bool((score > levels).any()):
+                raise ProxyError(
+                    f"conflict scores of {key}: a byte above K = {levels}", reason="non_finite"
+                )
+            conflict[key] = _scores_from_bytes(score, levels)
+        elif score.dtype != torch.float32 or bool(((score < 0) | (score > 1)).any()):
             raise ProxyError(f"conflict scores of {key} outside [0, 1]", reason="non_finite")
     assert head.config is not None  # read_proxy_header requires it of a proxy
     return ProxyPayload(head.round, tensors, head.info, head.config, conflict)

@@ -56,6 +56,7 @@ __all__ = [
     "CohortAnalysis",
     "HTiesResult",
     "analyse",
+    "conflict_scores",
     "dominant_sign_merge",
     "fedavg_proxies",
     "h_ties",
@@ -192,7 +193,7 @@ def analyse(taus: Sequence[Mapping[str, torch.Tensor]]) -> CohortAnalysis:
     conflict: dict[str, torch.Tensor] = {}
     for key in sorted(taus[0]):
         signs = torch.stack([t[key].sign() for t in taus]).sum(dim=0)
-        conflict[key] = (1.0 - signs.abs() / count).to(torch.float32)
+        conflict[key] = conflict_scores(signs.abs(), count)
     return CohortAnalysis(
         similarity=similarity,
         heterogeneity=tuple(float(v) for v in hetero),
@@ -214,6 +215,17 @@ def _check_parameters(r0: float, delta: float, rho: float, epsilon: float) -> No
         raise ProxyError(f"rho must be >= 1 (Eq. 13), got {rho}", reason="parameters")
     if not (math.isfinite(epsilon) and epsilon > 0.0):
         raise ProxyError(f"epsilon must be > 0, got {epsilon}", reason="parameters")
+
+
+def conflict_scores(agreement: torch.Tensor, count: int) -> torch.Tensor:
+    """Eq. 7, ``C_d = 1 − |Σ_k sign(τ_k[d])| / K``, from ``agreement = |Σ_k sign(τ_k[d])|``
+    (whole numbers in [0, K]) and ``count = K``, as float32.
+
+    The one formula for the scores: :func:`analyse` computes them with it, and the payload
+    codec (:mod:`peerlm.agent.fedproxy_codec`), which sends ``K − agreement`` in one byte,
+    rebuilds them with it, so a decoded score is bit for bit the one the owner computed.
+    """
+    return (1.0 - agreement.to(torch.float64) / count).to(torch.float32)
 
 
 def retention(

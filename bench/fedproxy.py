@@ -28,28 +28,26 @@ from typing import Any
 
 import torch
 from peerlm.agent import (
+    PROXY_MERGES,
     ConflictRegulariser,
     Problem,
     WorldSpec,
-    block_influence,
-    blocks_to_keep,
     build_federation_data,
     build_models,
-    build_proxy,
-    fedavg_proxies,
+    compress_by_influence,
     fuse_into,
-    h_ties,
+    merge_proxies,
     read_jsonl,
-    ties_merge,
-    token_batches,
+    uses_pcr,
 )
 from rich.console import Console
 from rich.table import Table
 
 __all__ = ["METHODS", "FedProxyBenchConfig", "render_report", "run_benchmark"]
 
-#: The merges compared; ``fedavg`` is the reference of the paired differences.
-METHODS = ("fedavg", "ties", "h_ties", "h_ties_pcr")
+#: The merges compared (:data:`peerlm.agent.PROXY_MERGES`); ``fedavg`` is the reference of
+#: the paired differences.
+METHODS = PROXY_MERGES
 
 
 @dataclass(frozen=True)
@@ -186,11 +184,13 @@ def _run(
         ]
         test = read_jsonl(data_dir / "test.jsonl")
         full = AutoModelForCausalLM.from_pretrained(info.path)
-        rows = [tokenizer(p.prompt)["input_ids"] for p in read_jsonl(data_dir / "transfer.jsonl")]
-        influence = block_influence(full, token_batches(rows, batch_size=8, pad_id=0))
-        kept = blocks_to_keep(influence, cfg.ratio)
-        proxy0 = build_proxy(full, kept, ratio=cfg.ratio, influence=influence)
-        compress_info = {"block_influence": influence, "kept_blocks": list(kept)}
+        prompts = [p.prompt for p in read_jsonl(data_dir / "transfer.jsonl")]
+        compressed = compress_by_influence(full, tokenizer, prompts, cfg.ratio)
+        proxy0 = compressed.proxy
+        compress_info = {
+            "block_influence": compressed.influence,
+            "kept_blocks": list(compressed.kept),
+        }
         start_state = {k: v.detach().clone() for k, v in proxy0.state_dict().items()}
         nll = {"base_full": reference_nll(full, tokenizer, test, cfg.max_length)}
         nll["base_proxy"] = reference_nll(proxy0, tokenizer, test, cfg.max_length)
@@ -202,7 +202,7 @@ def _run(
                 for k in range(cfg.clients):
                     proxy0.load_state_dict(global_state)
                     reg = None
-                    if method == "h_ties_pcr" and conflict is not None:
+                    if uses_pcr(method) and conflict is not None:
                         reg = ConflictRegulariser(global_state, conflict, cfg.lambda_reg)
                     _train(proxy0, tokenizer, train[k], cfg, seed * 1000 + rnd * 10 + k, reg)
                     client_states.append(
@@ -210,13 +210,8 @@ def _run(
                     )
                     done += 1
                     tick(f"seed {seed} {method} round {rnd + 1} client {k}", done, total)
-                if method == "fedavg":
-                    global_state = fedavg_proxies(global_state, client_states)
-                elif method == "ties":
-                    global_state = ties_merge(global_state, client_states)
-                else:
-                    result = h_ties(global_state, client_states)
-                    global_state, conflict = result.state, result.analysis.conflict
+                merged = merge_proxies(method, global_state, client_states)
+                global_state, conflict = merged.state, merged.conflict
             proxy0.load_state_dict(global_state)
             nll[f"{method}_proxy"] = reference_nll(proxy0, tokenizer, test, cfg.max_length)
             fused = AutoModelForCausalLM.from_pretrained(info.path)

@@ -56,6 +56,18 @@ cpm_pmix        issue asks for; ``cpm`` is akd forced). Across families no proto
 cpm_svd_hka     akd is admissible, so these pair only within a family.
 ==============  =========================================================================
 
+FedProxy strategies (issue 9 §2; not in the default list, with ``--family``): every client
+is a member of one owner's cohort; the owner compresses the family's model to a proxy, the
+members train the proxy, the owner merges and fuses it back (:mod:`peerlm.app.experiment_fedproxy`,
+where the evaluation and compute matching are written down):
+
+=====================  ==================================================================
+fedproxy_hties         H-TIES + PCR (the paper's method, Algorithm 1).
+fedproxy_hties_nopcr   H-TIES, members without PCR.
+fedproxy_fedavg        plain FedAvg of the proxies.
+fedproxy_ties          TIES without the heterogeneity terms (density 1).
+=====================  ==================================================================
+
 FFA-LoRA's start. The warm-up above trains A, and each client's A differs, so ffa_lora
 cannot start from it. Its clients run their own warm-up, once per world: the same steps,
 data and batch seeds, with the family's shared A frozen (every client loads its adapter
@@ -114,6 +126,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from peerlm.app.experiment_fedproxy import FEDPROXY_STRATEGIES, run_fedproxy
 from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap, paired_share
 
@@ -173,6 +186,10 @@ LABELS: Mapping[str, str] = {
     "cpm_akd_logits": "CPM, akd_logits forced",
     "cpm_pmix": "CPM, pmix forced",
     "cpm_svd_hka": "CPM, svd_hka forced",
+    "fedproxy_hties": "FedProxy (H-TIES+PCR)",
+    "fedproxy_hties_nopcr": "FedProxy H-TIES, no PCR",
+    "fedproxy_fedavg": "FedAvg of proxies",
+    "fedproxy_ties": "TIES of proxies",
 }
 #: Adapter-merge strategies of issue 9 (OnePeFT, FedAvg-LoRA, FFA-LoRA): known, not run
 #: by default.
@@ -198,7 +215,9 @@ CPM_PROTOCOLS: Mapping[str, tuple[str, ...]] = {
     "cpm_svd_hka": ("svd_hka",),
 }
 #: Every strategy ``--strategies`` accepts.
-KNOWN_STRATEGIES: tuple[str, ...] = STRATEGIES + MERGE_STRATEGIES + MENU_STRATEGIES
+KNOWN_STRATEGIES: tuple[str, ...] = (
+    STRATEGIES + MERGE_STRATEGIES + MENU_STRATEGIES + FEDPROXY_STRATEGIES
+)
 #: Strategies that exchange knowledge (candidates for "best collaborative").
 COLLABORATIVE: tuple[str, ...] = (
     "random",
@@ -229,6 +248,12 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("onepeft", "onepeft_fedavg"),
     ("onepeft_svd", "onepeft_fedavg"),
     ("onepeft_hka", "onepeft_fedavg"),
+    ("fedproxy_hties", "fedproxy_fedavg"),
+    ("fedproxy_hties_nopcr", "fedproxy_fedavg"),
+    ("fedproxy_hties", "fedproxy_hties_nopcr"),
+    ("fedproxy_ties", "fedproxy_fedavg"),
+    ("fedproxy_hties", "local_plus"),
+    ("fedproxy_fedavg", "fedavg_lora"),
 )
 #: Client i hosts ARCHS[i % 4] (as ``peerlm up``).
 ARCHS: tuple[str, ...] = ("gpt2", "gpt_neox", "bloom", "qwen2")
@@ -291,6 +316,12 @@ class ExperimentPlan:
     cpm_beta: float | None = None
     # One model family for every client (ARCHS' names); None: client i hosts ARCHS[i % 4].
     family: str | None = None
+    # FedProxy (peerlm.app.experiment_fedproxy): the compression ratio κ (share of blocks
+    # removed, Table 8's default), the members' full-parameter learning rate (the LoRA one
+    # diverges on full weights; bench fedproxy's), PCR's λ_reg (Appendix B.1).
+    proxy_ratio: float = 0.5
+    proxy_learning_rate: float = 1e-3
+    proxy_lambda_reg: float = 1e-5
 
     def arch(self, i: int) -> str:
         """The architecture client ``i`` hosts."""
@@ -304,6 +335,18 @@ class ExperimentPlan:
             )
         if self.family is not None and self.family not in ARCHS:
             raise ValueError(f"unknown family {self.family!r}; one of {', '.join(ARCHS)}")
+        proxied = [s for s in self.strategies if s in FEDPROXY_STRATEGIES]
+        if proxied and self.family is None:
+            raise ValueError(
+                f"{', '.join(proxied)} need one model family for every client (--family): "
+                "a FedProxy cohort trains one owner's proxy"
+            )
+        if not (0 <= self.proxy_ratio < 1):
+            raise ValueError("proxy_ratio must be in [0, 1)")
+        if not (math.isfinite(self.proxy_learning_rate) and 0 < self.proxy_learning_rate <= 1):
+            raise ValueError("proxy_learning_rate must be in (0, 1]")
+        if not (math.isfinite(self.proxy_lambda_reg) and self.proxy_lambda_reg >= 0):
+            raise ValueError("proxy_lambda_reg must be >= 0")
         if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= 1):
             raise ValueError("learning_rate must be in (0, 1]")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
@@ -1157,6 +1200,8 @@ def _run_strategy(
 ) -> dict[str, Any]:
     from peerlm.agent import ProfileInputs, category_counts, round_profile
 
+    if strategy in FEDPROXY_STRATEGIES:
+        return run_fedproxy(world, strategy, seed, event)
     plan = world.plan
     clients = _clients(world, seed, ffa=strategy == "ffa_lora")
     policy = _pairing_policy(strategy, plan, seed)
@@ -1400,14 +1445,21 @@ def run_experiment(
     emit = event or (lambda _kind, _data: None)
     started = time.perf_counter()
     world = _prepare(plan, models, work / "data", emit)
-    world.warm = _warm_up(world, emit)
     # Round 0: the pre-trained models with fresh adapters (LoRA B = 0), or the warmed-up
     # ones: the same for every strategy and seed; measured once. Round 1's local phase once
-    # per seed. ffa_lora starts from its own warm-up (frozen shared A).
-    common = _start(world)
-    initial_nll = _slice_means(world, dict(enumerate(common.initial.values())))
-    emit("initial", initial_nll)
-    starts = dict.fromkeys(plan.strategies, common)
+    # per seed. ffa_lora starts from its own warm-up (frozen shared A). The FedProxy
+    # strategies start from the owner's proxy (experiment_fedproxy) and need neither.
+    adapters = [s for s in plan.strategies if s not in FEDPROXY_STRATEGIES]
+    none = _Start({}, {seed: {} for seed in plan.seeds})
+    starts = dict.fromkeys(plan.strategies, none)
+    common = none
+    initial_nll: dict[str, float] = {}
+    if adapters:
+        world.warm = _warm_up(world, emit)
+        common = _start(world)
+        initial_nll = _slice_means(world, dict(enumerate(common.initial.values())))
+        emit("initial", initial_nll)
+        starts.update(dict.fromkeys(adapters, common))
     ffa: _Start | None = None
     if "ffa_lora" in plan.strategies:
         world.ffa_warm = _warm_up(world, emit, ffa=True)

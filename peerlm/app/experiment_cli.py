@@ -34,7 +34,8 @@ def run_experiment_command(
             "oracle, semantic_dfl (default: these); adapter merges (with --family): "
             "fedavg_lora, ffa_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg; the CPM "
             "over the whole protocol menu (with --family): cpm_menu, or one protocol forced: "
-            "cpm_akd_logits, cpm_pmix, cpm_svd_hka."
+            "cpm_akd_logits, cpm_pmix, cpm_svd_hka; FedProxy cohorts (with --family): "
+            "fedproxy_hties, fedproxy_hties_nopcr, fedproxy_fedavg, fedproxy_ties."
         ),
     ] = None,
     seeds: Annotated[

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,7 +132,8 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
     plan = ExperimentPlan(
         agents=3, rounds=2, seeds=(0,), size="micro", family="gpt2",
         strategies=("local_plus", "fedavg_lora", "ffa_lora", "onepeft", "onepeft_svd",
-                    "onepeft_hka", "onepeft_fedavg"),
+                    "onepeft_hka", "onepeft_fedavg", "fedproxy_hties", "fedproxy_hties_nopcr",
+                    "fedproxy_fedavg", "fedproxy_ties"),
         local_steps=1, transfer_limit=2, val_limit=2, test_limit=6, samples=1,
         max_new_tokens=8, probe_per_category=1, warmup_steps=0, akd_steps=None,
     )  # fmt: skip
@@ -156,6 +158,50 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
     assert "OnePeFT (SVD+HKA) - FFA-LoRA" in render_table(result)
     # No warm-up: ffa_lora's round 0 is the base model too (B = 0), as everyone's.
     assert result["initial_nll_ffa_lora"] == pytest.approx(result["initial_nll"])
+    _check_fedproxy_rows(result, runs)
+
+
+def _check_fedproxy_rows(result: dict[str, Any], runs: dict[str, Any]) -> None:
+    """The FedProxy strategies: each member pulls the proxy and sends its update every round
+    (bytes of the encoded payloads, the conflict scores only after an H-TIES round), the
+    fused model is the one every client is evaluated on, and without a warm-up round 0 is
+    the base model, as for the adapter strategies (B = 0)."""
+    from peerlm.app.experiment import render_table
+
+    proxied = ("fedproxy_hties", "fedproxy_hties_nopcr", "fedproxy_fedavg", "fedproxy_ties")
+    for name in proxied:
+        run = runs[name]
+        assert run["exchanges"] == 6, name
+        assert run["compress"]["kept_blocks"], name
+        for r in run["rounds"]:
+            for x in r["exchanges"]:
+                assert x["kilobytes"] == round((x["down_bytes"] + x["up_bytes"]) / 1024, 2)
+                assert x["steps"] == 1
+        nll = [c["nll"] for c in run["clients"].values()]
+        assert nll[0] == pytest.approx(nll[1]) and nll[1] == pytest.approx(nll[2]), name
+        assert run["curve_nll"]["public"][0] == pytest.approx(result["initial_nll"]["public"])
+    down = {n: [r["exchanges"][0]["down_bytes"] for r in runs[n]["rounds"]] for n in proxied}
+    # H-TIES publishes C_d with round 2's proxy, FedAvg and TIES publish none.
+    assert down["fedproxy_hties"][1] > down["fedproxy_hties"][0]
+    assert down["fedproxy_fedavg"][1] == down["fedproxy_fedavg"][0]
+    assert down["fedproxy_ties"][1] == down["fedproxy_ties"][0]
+    # The merges differ, so the fused models do.
+    hties = runs["fedproxy_hties_nopcr"]["clients"]["agent-0"]["nll"]
+    assert hties != runs["fedproxy_fedavg"]["clients"]["agent-0"]["nll"]
+    comparisons = result["summary"]["comparisons"]
+    assert {"fedproxy_hties_vs_fedproxy_fedavg", "fedproxy_fedavg_vs_fedavg_lora"} <= set(
+        comparisons
+    )
+    assert "FedProxy (H-TIES+PCR) - FedAvg of proxies" in render_table(result)
+
+
+def test_fedproxy_strategies_need_one_family() -> None:
+    from peerlm.app.experiment import ExperimentPlan
+
+    with pytest.raises(ValueError, match="--family"):
+        ExperimentPlan(strategies=("fedproxy_hties",))
+    with pytest.raises(ValueError, match="proxy_ratio"):
+        ExperimentPlan(strategies=("fedproxy_fedavg",), family="gpt2", proxy_ratio=1.0)
 
 
 @pytest.mark.timeout(900)

@@ -1,0 +1,211 @@
+"""The FedProxy strategies of ``peerlm run-experiment`` (issue 9 §2 and §4).
+
+Each client of the run is a member of one owner's cohort on the run's one family
+(``--family``): the owner holds the family's full model ``M`` (the built model every client's
+LoRA sits on in the other strategies), compresses it to a proxy by Block Influence on the
+public transfer prompts X_u (:func:`~peerlm.agent.compress_by_influence`, κ =
+``plan.proxy_ratio``), and runs the rounds of Algorithm 1:
+
+1. every member pulls the global proxy ``φ^(t−1)`` with the conflict scores ``C^(t−1)`` (none
+   in round 1), encoded as on the wire (:func:`~peerlm.agent.encode_proxy`: the bytes
+   counted are the payload's);
+2. trains it on its private training set (prompt + reference) with the member's own trainer
+   (:func:`~peerlm.agent.text_trainer`, full-parameter AdamW), plus PCR against the
+   published scores for ``fedproxy_hties`` (Eq. 8–9, ``plan.proxy_lambda_reg``);
+3. sends its trained proxy back (:func:`~peerlm.agent.encode_update`, counted);
+4. the owner merges by the strategy's method (:func:`~peerlm.agent.merge_proxies`) and
+   fuses the new global proxy into ``M`` (Section 4.3, :func:`~peerlm.agent.fuse_into`).
+
+What is evaluated per client is the fused ``M'``, the same model for every client: the
+owner's product (Section 4.3: the proxy's layers written back into the full model) is what
+the cohort's training is for, and it is a model of the same size as the other strategies'
+(the proxy has half the blocks). Every client samples its own completions of it (its own
+sampling seed, as in the other strategies), so the slices (own / lacked / public per
+client) and the paired bootstrap are the table's. The proxy's own test NLL per slice is in
+each round's record (``proxy_nll``).
+
+Compute (optimiser steps per client per round) is matched to the adapter-merge strategies
+(``fedavg_lora``): ``local_steps`` steps of ``grad_accumulation`` × 8 examples a round, and in
+round 1 also the ``warmup_steps`` the other strategies' clients spent before round 1 (a
+FedProxy member has no full model to warm up: it holds only the proxy, so its warm-up is
+spent on the proxy in the first round). Full-parameter training at the LoRA learning rate
+diverges on these models, so the proxy has its own (``plan.proxy_learning_rate``, 1e-3, the
+bench's). The merge itself costs no member any step. The start differs from the other
+strategies' (the base ``M``, not warmed-up adapters): comparisons *within* FedProxy are
+exactly matched; against the others they carry that difference.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from peerlm.app.experiment import Event, _World
+
+__all__ = ["FEDPROXY_MERGE", "FEDPROXY_STRATEGIES", "run_fedproxy"]
+
+#: The FedProxy strategies and the owner's merge each runs (:data:`peerlm.agent.PROXY_MERGES`).
+FEDPROXY_MERGE: Final[Mapping[str, str]] = {
+    "fedproxy_hties": "h_ties_pcr",
+    "fedproxy_hties_nopcr": "h_ties",
+    "fedproxy_fedavg": "fedavg",
+    "fedproxy_ties": "ties",
+}
+FEDPROXY_STRATEGIES: Final[tuple[str, ...]] = tuple(FEDPROXY_MERGE)
+#: Examples of one optimiser step of the other strategies (TrainSettings' batch size).
+_MICRO_BATCH: Final = 8
+
+
+def _host(model: Any, tokenizer: Any, rank: int, source: str) -> Any:
+    """``model`` as a :class:`~peerlm.agent.ModelHost` for the experiment's evaluation: a
+    fresh LoRA adapter (B = 0) leaves it computing exactly ``model``."""
+    import torch
+
+    from peerlm.agent import LoraSettings, ModelHost, apply_lora
+
+    settings = LoraSettings(r=rank)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        wrapped = apply_lora(model, settings)
+    return ModelHost(wrapped, tokenizer, settings, source=source)
+
+
+def run_fedproxy(
+    world: _World,
+    strategy: str,
+    seed: int,
+    event: Event,
+) -> dict[str, Any]:
+    """One FedProxy strategy under run seed ``seed``: a run record of the same shape as the
+    other strategies' (clients' final metrics, NLL curve, exchanges, kilobytes, rounds)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peerlm.agent import (
+        ConflictRegulariser,
+        compress_by_influence,
+        encode_proxy,
+        encode_update,
+        fuse_into,
+        merge_proxies,
+        proxy_info,
+        text_trainer,
+        uses_pcr,
+    )
+    from peerlm.app.experiment import _Client, _final_eval, _slice_means, _test_nll
+
+    plan = world.plan
+    method = FEDPROXY_MERGE[strategy]
+    family = plan.arch(0)
+    path = world.models / family
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    full = AutoModelForCausalLM.from_pretrained(path)
+    compressed = compress_by_influence(full, tokenizer, world.transfer, plan.proxy_ratio)
+    proxy = compressed.proxy
+    info = proxy_info(proxy)
+    assert info is not None  # build_proxy records it
+    config = proxy.config.to_dict()
+    global_state = {k: v.detach().clone() for k, v in proxy.state_dict().items()}
+    conflict: dict[str, torch.Tensor] | None = None
+    texts = [[p.prompt + p.reference for p in train] for train, _val in world.clients_data]
+    names = [f"agent-{i}" for i in range(plan.agents)]
+
+    def fused_host() -> Any:
+        fused = AutoModelForCausalLM.from_pretrained(path)
+        proxy.load_state_dict(global_state)
+        fuse_into(fused, proxy)
+        return _host(fused, tokenizer, plan.lora_rank, f"{path} fused")
+
+    def clients_of(host: Any) -> list[_Client]:
+        from peerlm.agent import Guardrail
+
+        return [
+            _Client(name, family, host, train, val, Guardrail([]))
+            for name, (train, val) in zip(names, world.clients_data, strict=True)
+        ]
+
+    def every_client(values: Sequence[float]) -> dict[int, Sequence[float]]:
+        return dict.fromkeys(range(plan.agents), values)
+
+    # Round 0: M itself (fusing the untrained proxy gives M back, tensor for tensor).
+    host = fused_host()
+    start = _slice_means(world, every_client(_test_nll(world, clients_of(host)[0])))
+    curve = {k: [v] for k, v in start.items()}
+    rounds: list[dict[str, Any]] = []
+    for t in range(1, plan.rounds + 1):
+        steps = plan.local_steps + (plan.warmup_steps if t == 1 else 0)
+        down = len(encode_proxy(global_state, config, t, conflict))
+        updates = []
+        exchanges = []
+        for k, name in enumerate(names):
+            proxy.load_state_dict(global_state)
+            regulariser = None
+            if uses_pcr(method) and conflict is not None:
+                regulariser = ConflictRegulariser(global_state, conflict, plan.proxy_lambda_reg)
+            train = text_trainer(
+                tokenizer,
+                texts[k],
+                steps=steps,
+                learning_rate=plan.proxy_learning_rate,
+                batch_size=_MICRO_BATCH * plan.grad_accumulation,
+                max_length=256,
+                seed=seed * 1_000 + t * 10 + k,
+            )
+            train(proxy, regulariser)
+            state = {n: v.detach().clone() for n, v in proxy.state_dict().items()}
+            up = len(encode_update(state, info, t))
+            updates.append(state)
+            exchanges.append(
+                {
+                    "teacher": "owner",
+                    "student": name,
+                    "mode": method,
+                    "steps": steps,
+                    "down_bytes": down,
+                    "up_bytes": up,
+                    "kilobytes": round((down + up) / 1024, 2),
+                }
+            )
+        merged = merge_proxies(method, global_state, updates)
+        global_state, conflict = merged.state, merged.conflict
+        host = fused_host()
+        nll = _slice_means(world, every_client(_test_nll(world, clients_of(host)[0])))
+        # The global proxy itself (a copy: the host's LoRA wraps the modules it is given).
+        proxy.load_state_dict(global_state)
+        proxy_host = _host(copy.deepcopy(proxy), tokenizer, plan.lora_rank, "proxy")
+        proxy_nll = _slice_means(world, every_client(_test_nll(world, clients_of(proxy_host)[0])))
+        for name in curve:
+            curve[name].append(nll[name])
+        rounds.append(
+            {
+                "round": t,
+                "test_nll": nll,
+                "proxy_nll": proxy_nll,
+                "exchanges": exchanges,
+            }
+        )
+        event("round", {"strategy": strategy, "seed": seed, "round": t, "nll": nll})
+    clients = clients_of(host)
+    final = {c.name: _final_eval(world, c, seed * 1_000 + i) for i, c in enumerate(clients)}
+    event("final", {"strategy": strategy, "seed": seed})
+    return {
+        "strategy": strategy,
+        "seed": seed,
+        "clients": final,
+        "curve_nll": curve,
+        "exchanges": sum(len(r["exchanges"]) for r in rounds),
+        "mean_reward": None,
+        "kilobytes": round(sum(x["kilobytes"] for r in rounds for x in r["exchanges"]), 2),
+        "rounds": rounds,
+        "compress": {
+            "kept_blocks": list(compressed.kept),
+            "block_influence": [round(v, 6) for v in compressed.influence],
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+    }
