@@ -5,7 +5,9 @@
 simulator (:mod:`peerlm.bench.overlay`); ``peerlm bench transfer`` adapter pulls beside a raw
 TLS socket and plain gRPC streaming (:mod:`peerlm.bench.transfer`); ``peerlm bench lora-merge``
 OnePeFT's SVD aggregation beside peft's merge (:mod:`peerlm.bench.lora_merge`); ``peerlm bench
-fedproxy`` H-TIES against FedAvg of proxies on a tiny model (:mod:`peerlm.bench.fedproxy`).
+fedproxy`` H-TIES against FedAvg of proxies on a tiny model (:mod:`peerlm.bench.fedproxy`);
+``peerlm bench cpm-replay`` the CPM on an experiment's measured pair gains
+(:mod:`peerlm.bench.cpm_replay`).
 All: progress on stderr, rich tables (or one JSON object with ``--json``) on stdout, optional
 PNG plots with ``--plots DIR`` (cpm, overlay).
 """
@@ -349,3 +351,55 @@ def fedproxy_command(
         "bench fedproxy", lambda progress: run_benchmark(cfg, progress), lambda r, p: [],
         render_report, None, as_json, {},
     )  # fmt: skip
+
+
+@app.command("cpm-replay")
+def cpm_replay_command(
+    results: Annotated[
+        Path, typer.Argument(help="results.json of a run-experiment run with oracle in it.")
+    ],
+    settings: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--setting",
+            help="COLUMNS/interaction|plain/BETA/greedy|blossom (repeatable); default: a grid.",
+        ),
+    ] = None,
+    bandit_seeds: Annotated[int, typer.Option(min=1, help="Bandit seeds per setting.")] = 24,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """The CPM replayed on an experiment's measured pair gains (settings compared)."""
+    from peerlm.bench.cpm_replay import ReplaySetting, default_settings, render_report, replay
+
+    try:
+        data = json.loads(results.read_text())
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"{results}: {exc}") from None
+    chosen = default_settings()
+    if settings:
+        chosen = []
+        for text in settings:
+            parts = text.split("/")
+            if (
+                len(parts) != 4
+                or parts[1] not in ("interaction", "plain")
+                or parts[3] not in ("greedy", "blossom")
+            ):
+                raise typer.BadParameter(f"--setting {text!r}: COLUMNS/KIND/BETA/MATCHING")
+            try:
+                beta = float(parts[2])
+            except ValueError:
+                raise typer.BadParameter(f"--setting {text!r}: beta is not a number") from None
+            chosen.append(ReplaySetting(parts[0], parts[1] == "interaction", beta, parts[3]))  # type: ignore[arg-type]
+    try:
+        _run_and_report(
+            "bench cpm-replay",
+            lambda progress: replay(data, chosen, bandit_seeds=bandit_seeds, progress=progress),
+            lambda r, p: [],
+            render_report,
+            None,
+            as_json,
+            {},
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
