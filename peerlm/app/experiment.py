@@ -1614,9 +1614,11 @@ def summarise(result: Mapping[str, Any]) -> dict[str, Any]:
         # The share of Oracle pairing's gain over LocalOnly+ that KNEXA-FL reaches, per
         # metric where the oracle is the better one (NLL: lower), with its interval.
         for metric in METRICS:
+            # Only a resolved gain has a share: the oracle's interval against LocalOnly+
+            # must lie on the better side of zero (NLL: below).
             sign = -1.0 if metric == "nll" else 1.0
-            gain = per["oracle"][target][metric]["mean"] - per["local_plus"][target][metric]["mean"]
-            if sign * gain <= 0:
+            gain = estimates[(f"{target}:{metric}", "oracle_vs_local_plus")]
+            if not min(sign * gain.low, sign * gain.high) > 0:
                 continue
             values = {
                 s: _matrix(result, s, metric, target) for s in ("cpm", "local_plus", "oracle")
