@@ -8,10 +8,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
-
 from peerlm.bench.cli import app
 from peerlm.bench.cpm_replay import ReplaySetting, replay
+from typer.testing import CliRunner
 
 NAMES = ("agent-0", "agent-1", "agent-2", "agent-3")
 QUALITY = {"agent-0": 0.4, "agent-1": 0.05, "agent-2": 0.6, "agent-3": 0.05}
