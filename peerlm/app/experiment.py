@@ -1272,6 +1272,21 @@ def _run_strategy(
                 ),
             },
         )
+    return _finish_run(world, clients, strategy, seed, rounds, curve, started, event)
+
+
+def _finish_run(
+    world: _World,
+    clients: Sequence[_Client],
+    strategy: str,
+    seed: int,
+    rounds: list[dict[str, Any]],
+    curve: Mapping[str, list[float]],
+    started: float,
+    event: Event,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The final evaluation of every client and the run's record (every strategy's)."""
     final = {c.name: _final_eval(world, c, seed * 1_000 + i) for i, c in enumerate(clients)}
     event("final", {"strategy": strategy, "seed": seed})
     rewards = [x["reward"] for r in rounds for x in r["exchanges"] if "reward" in x]
@@ -1284,6 +1299,7 @@ def _run_strategy(
         "mean_reward": sum(rewards) / len(rewards) if rewards else None,
         "kilobytes": round(sum(x["kilobytes"] for r in rounds for x in r["exchanges"]), 2),
         "rounds": rounds,
+        **extra,
         "seconds": round(time.perf_counter() - started, 1),
     }
 

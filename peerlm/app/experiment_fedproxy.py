@@ -95,7 +95,7 @@ def run_fedproxy(
         text_trainer,
         uses_pcr,
     )
-    from peerlm.app.experiment import _Client, _final_eval, _slice_means, _test_nll
+    from peerlm.app.experiment import _Client, _finish_run, _slice_means, _test_nll
 
     plan = world.plan
     method = FEDPROXY_MERGE[strategy]
@@ -191,21 +191,18 @@ def run_fedproxy(
             }
         )
         event("round", {"strategy": strategy, "seed": seed, "round": t, "nll": nll})
-    clients = clients_of(host)
-    final = {c.name: _final_eval(world, c, seed * 1_000 + i) for i, c in enumerate(clients)}
-    event("final", {"strategy": strategy, "seed": seed})
-    return {
-        "strategy": strategy,
-        "seed": seed,
-        "clients": final,
-        "curve_nll": curve,
-        "exchanges": sum(len(r["exchanges"]) for r in rounds),
-        "mean_reward": None,
-        "kilobytes": round(sum(x["kilobytes"] for r in rounds for x in r["exchanges"]), 2),
-        "rounds": rounds,
-        "compress": {
+    # No exchange of this strategy carries an Eq. 3 reward: its mean_reward is None.
+    return _finish_run(
+        world,
+        clients_of(host),
+        strategy,
+        seed,
+        rounds,
+        curve,
+        started,
+        event,
+        compress={
             "kept_blocks": list(compressed.kept),
             "block_influence": [round(v, 6) for v in compressed.influence],
         },
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    )
