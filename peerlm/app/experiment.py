@@ -260,6 +260,7 @@ ARCHS: tuple[str, ...] = ("gpt2", "gpt_neox", "bloom", "qwen2")
 
 Event = Callable[[str, Mapping[str, Any]], None]
 RewardMode = Literal["val", "probe"]
+ProbeScope = Literal["all", "lacked"]
 
 
 @dataclass(frozen=True)
@@ -302,6 +303,10 @@ class ExperimentPlan:
     sample_temperature: float = 0.8
     max_new_tokens: int = 64
     reward: RewardMode = "probe"
+    # Which probe problems a student's reward is measured on (``reward="probe"``): "all",
+    # or "lacked", those of the categories it holds no data of and that are not public
+    # (what only a teacher can bring it; module docstring).
+    probe_scope: ProbeScope = "all"
     probe_per_category: int = 2
     reward_delta: float = 0.001
     # What a teacher answers (peerlm.agent.teaching): "competent", the prompts of categories
@@ -369,6 +374,10 @@ class ExperimentPlan:
             raise ValueError("probe_per_category must be positive")
         if self.reward not in ("val", "probe"):
             raise ValueError(f"reward must be 'val' or 'probe', not {self.reward!r}")
+        if self.probe_scope not in ("all", "lacked"):
+            raise ValueError(f"probe_scope must be 'all' or 'lacked', not {self.probe_scope!r}")
+        if self.probe_scope == "lacked" and self.reward != "probe":
+            raise ValueError("probe_scope 'lacked' needs reward 'probe'")
         if not self.sample_temperature > 0:
             raise ValueError("sample_temperature must be > 0")
         if self.teach_scope not in ("competent", "all"):
@@ -755,10 +764,20 @@ def _final_eval(world: _World, client: _Client, seed: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------ one round
 
 
-def _reward_examples(world: _World, student: _Client) -> list[tuple[str, str]]:
-    """Where the student measures L_pre and L_post: its validation data (Eq. 3 as in the
-    paper) or the public probe set (our choice, module docstring)."""
-    return world.probe_examples if world.plan.reward == "probe" else student.val_examples
+def _reward_examples(world: _World, student: _Client, i: int) -> list[tuple[str, str]]:
+    """Where student ``i`` measures L_pre and L_post: its validation data (Eq. 3 as in the
+    paper), the public probe set, or the probe problems of its lacked categories
+    (``probe_scope``; our choices, module docstring)."""
+    if world.plan.reward != "probe":
+        return student.val_examples
+    if world.plan.probe_scope == "all":
+        return world.probe_examples
+    lacked = world.slices[i].lacked
+    # A client that lacks nothing (every private skill its own) has no such probe: the
+    # whole probe then, so that it still measures what an exchange did.
+    return [(p.prompt, p.reference) for p in world.probe if p.category in lacked] or (
+        world.probe_examples
+    )
 
 
 def _integrate(
@@ -777,7 +796,7 @@ def _integrate(
         package,
         kilobytes=kilobytes,
         local_examples=student.train_examples,
-        val_examples=_reward_examples(world, student),
+        val_examples=_reward_examples(world, student, i),
         transfer_prompts=world.transfer,
         config=_round_config(world.plan, seed, i, integration=True),
         t=t,
@@ -1091,7 +1110,7 @@ def _menu_exchange(
             settings = PullSettings.model_validate(
                 {"method": pairing.protocol, "hka_steps": plan.integration_steps}
             )
-            gate = AcceptanceGate(_reward_examples(world, student), None)
+            gate = AcceptanceGate(_reward_examples(world, student, i), None)
             _report, verdict, pre = integrate_adapters(
                 student.host,
                 {teacher.name: state},
@@ -1382,7 +1401,14 @@ def _run_parallel(
 
 #: Plan fields that only CPM strategies read: a run of another strategy is reusable
 #: whatever they say.
-_CPM_ONLY_FIELDS: tuple[str, ...] = ("cpm_interaction_features", "cpm_context_columns", "cpm_beta")
+_CPM_ONLY_FIELDS: tuple[str, ...] = (
+    "cpm_interaction_features",
+    "cpm_context_columns",
+    "cpm_beta",
+    # Where rewards are measured steers only a bandit: a stored run of another strategy
+    # keeps the rewards it measured under its own scope (reported, never acted on).
+    "probe_scope",
+)
 
 
 def _reuse_key(plan: Mapping[str, Any], strategy: str) -> str:

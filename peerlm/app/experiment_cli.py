@@ -49,6 +49,13 @@ def run_experiment_command(
     reward: Annotated[
         str | None, typer.Option(help="Where L_pre/L_post are measured: probe or val.")
     ] = None,
+    probe_scope: Annotated[
+        str | None,
+        typer.Option(
+            help="With --reward probe: measure on the whole probe (all) or on the student's "
+            "lacked categories only (lacked)."
+        ),
+    ] = None,
     probe_per_category: Annotated[int | None, typer.Option(min=1, help=_DEFAULTS_HELP)] = None,
     cpm_features: Annotated[
         str | None, typer.Option(help="CPM context: interaction (default) or plain.")
@@ -171,6 +178,7 @@ def run_experiment_command(
         "max_new_tokens": max_new_tokens,
         "reward": reward,
         "probe_per_category": probe_per_category,
+        "probe_scope": probe_scope,
         "family": family,
     }
     overrides = {k: v for k, v in given.items() if v is not None}

@@ -66,3 +66,11 @@ def test_a_stored_result_of_another_world_or_plan_is_refused(
         del old["runs"]
     with pytest.raises(ValueError, match=message):
         reusable_runs(base, [old], NLL)
+
+
+def test_the_probe_scope_matters_only_to_cpm_runs() -> None:
+    old = _stored(ExperimentPlan(strategies=("local_plus", "oracle", "cpm"), seeds=(0,)))
+    plan = ExperimentPlan(
+        strategies=("local_plus", "oracle", "cpm"), seeds=(0,), probe_scope="lacked"
+    )
+    assert sorted(reusable_runs(plan, [old], NLL)) == [("local_plus", 0), ("oracle", 0)]

@@ -1,0 +1,84 @@
+"""``probe_scope``: where a student of ``run-experiment`` measures its Eq. 3 reward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from peerlm.agent import Problem
+
+from peerlm.app.experiment import ExperimentPlan, _reward_examples, _World
+from peerlm.app.experiment_slices import ClientSlices
+
+CATEGORIES = ("dict", "format", "boolean", "string")
+
+
+def _problem(category: str, k: int) -> Problem:
+    return Problem(
+        task_id=f"{category}-{k}",
+        category=category,
+        prompt=f"def {category}_{k}():\n    ",
+        reference=f"return {k}\n",
+        tests=f"assert {category}_{k}() == {k}\n",
+        entry_point=f"{category}_{k}",
+    )
+
+
+def _world(plan: ExperimentPlan, slices: list[ClientSlices]) -> _World:
+    probe = [_problem(c, k) for c in CATEGORIES for k in range(2)]
+    return _World(
+        plan=plan,
+        models=Path("unused"),
+        clients_data=[],
+        transfer=[],
+        transfer_sha256="",
+        test=[],
+        probe=probe,
+        slices=slices,
+        public=("string",),
+    )
+
+
+def _slices(own: str, lacked: tuple[str, ...]) -> ClientSlices:
+    return ClientSlices(frozenset({own}), frozenset(lacked), frozenset({"string"}))
+
+
+STUDENT: Any = SimpleNamespace(val_examples=[("def v():\n    ", "return 0\n")])
+
+
+def test_the_lacked_scope_keeps_only_the_students_lacked_categories() -> None:
+    slices = [_slices("dict", ("format", "boolean")), _slices("format", ("dict", "boolean"))]
+    world = _world(ExperimentPlan(probe_scope="lacked"), slices)
+    for i, sl in enumerate(slices):
+        got = _reward_examples(world, STUDENT, i)
+        want = [(p.prompt, p.reference) for p in world.probe if p.category in sl.lacked]
+        assert got == want and len(got) == 4
+        # Neither its own skill nor a public category is in its reward.
+        assert not any(sl.own & {p.category} for p in world.probe if (p.prompt, p.reference) in got)
+
+
+def test_all_scope_is_the_whole_probe_and_val_is_the_students_own_data() -> None:
+    slices = [_slices("dict", ("format", "boolean"))]
+    world = _world(ExperimentPlan(), slices)
+    assert _reward_examples(world, STUDENT, 0) == world.probe_examples
+    val = _world(ExperimentPlan(reward="val"), slices)
+    assert _reward_examples(val, STUDENT, 0) == STUDENT.val_examples
+
+
+def test_a_student_lacking_nothing_measures_on_the_whole_probe() -> None:
+    world = _world(ExperimentPlan(probe_scope="lacked"), [_slices("dict", ())])
+    assert _reward_examples(world, STUDENT, 0) == world.probe_examples
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"probe_scope": "own"}, "probe_scope must be"),
+        ({"probe_scope": "lacked", "reward": "val"}, "needs reward 'probe'"),
+    ],
+)
+def test_bad_scopes_are_refused(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ExperimentPlan(**fields)
