@@ -129,7 +129,13 @@ if TYPE_CHECKING:
         teacher_completions,
     )
     from peerlm.agent.settings import AgentOverlaySettings, AgentSettings
-    from peerlm.agent.tasks.bank import CATEGORIES, function_key, generate_bank, public_problems
+    from peerlm.agent.tasks.bank import (
+        CATEGORIES,
+        function_key,
+        generate_bank,
+        probe_problems,
+        public_problems,
+    )
     from peerlm.agent.tasks.copy_drills import held_out_drills
     from peerlm.agent.tasks.dataset import (
         Manifest,
@@ -194,6 +200,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "integrate_package": ("peerlm.agent.rounds", "integrate_package"),
     "local_update": ("peerlm.agent.rounds", "local_update"),
     "next_directive": ("peerlm.agent.cpm_client", "next_directive"),
+    "probe_problems": ("peerlm.agent.tasks.bank", "probe_problems"),
     "public_problems": ("peerlm.agent.tasks.bank", "public_problems"),
     "pull_adapter": ("peerlm.agent.peer_client", "pull_adapter"),
     "read_jsonl": ("peerlm.agent.tasks.dataset", "read_jsonl"),
@@ -398,6 +405,7 @@ __all__ = [
     "normalise_weights",
     "one_shot",
     "pcr_penalty",
+    "probe_problems",
     "proxy_info",
     "public_problems",
     "pull_adapter",

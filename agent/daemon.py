@@ -218,6 +218,12 @@ class AgentDaemon:
         # tokenised apart from the prompt exactly as generation sees it at evaluation time.
         self.train_examples = [(p.prompt, p.reference) for p in self.train]
         self.val_examples = [(p.prompt, p.reference) for p in self.val]
+        # Where Eq. 3's losses are measured when not on val (``reward_file``): public pairs.
+        self.reward_examples = (
+            [(p.prompt, p.reference) for p in read_jsonl(s.reward_file)] if s.reward_file else None
+        )
+        if s.reward_file and not self.reward_examples:
+            raise ValueError(f"reward_file {s.reward_file} holds no problem to measure on")
         # D_pub of OnePeFT's HKA (overlay.aggregation = "svd_hka"): public pairs only.
         self.public_pairs = (
             [(p.prompt, p.reference) for p in read_jsonl(s.public_file)] if s.public_file else []
@@ -1108,6 +1114,7 @@ class AgentDaemon:
                 config=self.config,
                 t=t,
                 guardrail=self.guardrail,
+                reward_examples=self.reward_examples,
             )
         except (PackageError, TokenizerMismatchError) as exc:
             reason = "package" if isinstance(exc, PackageError) else "tokenizer_mismatch"
@@ -1181,6 +1188,7 @@ class AgentDaemon:
                 if self.public_pairs
                 else None,
                 round_=t,
+                reward_examples=self.reward_examples,
             )
         except MergeRefused as exc:
             self._exchange_failed(d, "adapter_refused", exc)

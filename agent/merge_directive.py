@@ -13,6 +13,10 @@ The reward is Eq. 3 measured as AKD measures it: the validation loss right befor
 right after the merge (the gate's two measurements, the post-merge one bounded as
 :func:`~peerlm.agent.acceptance.judge` reports it), minus ``delta`` times the kilobytes
 pulled. A merge the gate rolls back still reports its (negative) reward, as AKD does.
+With ``reward_examples`` (the agent's ``reward_file``: a labelled public probe) the losses
+of a merge that stands are measured on them, right before the pull and right after the
+merge, exactly as :func:`~peerlm.agent.rounds.integrate_package` does for AKD, so rewards
+stay comparable across protocols.
 
 Choices made here:
 
@@ -36,7 +40,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from peerlm.agent.acceptance import AcceptanceGate
+from peerlm.agent.acceptance import AcceptanceGate, judge
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.pull_aggregate import (
     Candidate,
@@ -92,6 +96,7 @@ async def merge_from_teacher(
     run_model: ModelRunner | None = None,
     hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
     round_: int = 0,
+    reward_examples: Sequence[tuple[str, str]] | None = None,
 ) -> MergeOutcome:
     """Pull ``teacher``'s adapter from ``endpoint`` and merge it by ``protocol``.
 
@@ -107,6 +112,15 @@ async def merge_from_teacher(
         raise ValueError("svd_hka needs public (prompt, completion) pairs for HKA")
     settings = pull.model_copy(update={"method": protocol, "max_peers": 1})
     gate = AcceptanceGate(val_examples, margin, max_length)
+    probe = list(reward_examples or ())
+
+    async def probe_loss() -> float:
+        def measure() -> float:
+            return host.eval_loss(probe, max_length=max_length)[0]
+
+        return await run_model(measure) if run_model is not None else measure()
+
+    probe_pre = await probe_loss() if probe else None
     report = await pull_and_aggregate(
         ctx,
         host,
@@ -125,6 +139,8 @@ async def merge_from_teacher(
         raise MergeRefused(refusal.reason, refusal.detail)
     kilobytes = report.bytes_received / 1024.0
     pre, post = report.loss_pre, report.loss_post
+    if probe_pre is not None and not report.rolled_back:
+        pre, post = probe_pre, judge(probe_pre, await probe_loss(), None).loss_post
     reward = reward_eq3(pre, post, kilobytes, reward_gamma, reward_delta)
     if not math.isfinite(reward):
         raise MergeRefused("non_finite", f"reward not finite (L_pre={pre}, L_post={post})")

@@ -411,6 +411,7 @@ def integrate_package(
     config: RoundConfig,
     t: int,
     guardrail: Guardrail | None = None,
+    reward_examples: Sequence[tuple[str, str]] | None = None,
 ) -> Integration:
     """Integrate a decoded package by AKD (Eq. 2) and compute the reward of Eq. 3.
 
@@ -425,6 +426,12 @@ def integrate_package(
     (:meth:`ModelHost.train_akd_logits`), which raises
     :class:`~peerlm.agent.modelhost.TokenizerMismatchError` for another tokenizer.
 
+    With ``reward_examples`` (a labelled public probe: the agent's ``reward_file``), L_pre
+    and L_post of the reward are measured on them instead, while the gate still judges on
+    ``val_examples`` (it protects what the student has); an update the gate rolled back
+    reports the gate's own measurement (a negative reward: the bandit learns the pairing
+    hurt), whatever the probe says.
+
     With ``guardrail``, incoming items are vetted first
     (:meth:`~peerlm.agent.guardrail.Guardrail.vet_incoming`): one holding a secret or
     personal data, or code importing networking, process, file-system or introspection
@@ -438,6 +445,11 @@ def integrate_package(
     alpha = config.alpha_kd(t)
     settings = config.train_settings(t)
     pre, _ = host.eval_loss(val_examples, max_length=config.train.max_length)
+    probe_pre = (
+        host.eval_loss(reward_examples, max_length=config.train.max_length)[0]
+        if reward_examples
+        else None
+    )
     before = host.adapter_state() if config.acceptance_margin is not None else None
     temperature: float | None = None
     if isinstance(package, TextPackage):
@@ -495,6 +507,9 @@ def integrate_package(
         post, _ = host.eval_loss(val_examples, max_length=config.train.max_length)
         verdict = judge(pre, post, None)
     post = verdict.loss_post
+    if probe_pre is not None and reward_examples and not verdict.rolled_back:
+        probe_post = host.eval_loss(reward_examples, max_length=config.train.max_length)[0]
+        pre, post = probe_pre, judge(probe_pre, probe_post, None).loss_post
     reward = reward_eq3(pre, post, kilobytes, config.reward_gamma, config.reward_delta)
     if not math.isfinite(reward):
         raise ValueError(f"reward is not finite (L_pre={pre}, L_post={post})")

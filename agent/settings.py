@@ -250,7 +250,12 @@ class AgentSettings(ServiceSettings):
     teach_min_pass: float = Field(default=0.2, ge=0, le=1)
     transfer_limit: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=96, ge=1, le=4096)
-    # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB.
+    # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB, with L_pre and L_post measured
+    # on reward_file when set: a labelled public probe (JSONL problems with prompt and
+    # reference; our choice beyond the paper, docs/experiment.md "The reward"), so a
+    # teacher's gain on a skill this agent lacks shows in the reward; None: on val_file
+    # (the paper). The acceptance gate judges on val_file either way.
+    reward_file: Path | None = None
     reward_gamma: float = Field(default=1.0, ge=0)
     reward_delta: float = Field(default=0.001, ge=0)
     # Evaluation (pass@k in the sandbox) and profile privacy.

@@ -15,7 +15,7 @@ reference against its tests in the sandbox, which keeps the two in agreement.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, TypeVar
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CATEGORIES",
+    "PROBE_SEED_OFFSET",
     "PUBLIC_PER_CATEGORY",
     "PUBLIC_SEED",
     "TEMPLATES",
@@ -33,6 +34,7 @@ __all__ = [
     "choose_inputs",
     "function_key",
     "generate_bank",
+    "probe_problems",
     "public_problems",
     "render",
     "render_function",
@@ -211,6 +213,22 @@ def generate_bank(
     for category in CATEGORIES:
         problems.extend(_generate_category(category, counts[category], seed, excluded))
     return problems
+
+
+#: Added to a world's seed for its probe set, so the probe does not replay the data's draws.
+PROBE_SEED_OFFSET = 7_777_777
+
+
+def probe_problems(
+    per_category: int, seed: int, taken: Iterable[Problem], categories: Collection[str]
+) -> list[Problem]:
+    """A labelled public *probe set*: ``per_category`` fresh problems of each of
+    ``categories``, none of whose functions is in ``taken`` (a federation's data) or in the
+    pre-training corpus. Where a student measures Eq. 3's losses when its reward is the
+    probe's (docs/experiment.md, "The reward"); deterministic for a world ``seed``."""
+    exclude = {function_key(p) for p in public_problems()} | {function_key(p) for p in taken}
+    problems = generate_bank(per_category, seed + PROBE_SEED_OFFSET, exclude=exclude)
+    return [p for p in problems if p.category in categories]
 
 
 def public_problems(

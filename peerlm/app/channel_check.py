@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from peerlm.agent import TrainSettings, read_jsonl, teacher_completions
+    from peerlm.agent import TrainSettings, probe_problems, read_jsonl, teacher_completions
     from peerlm.app import experiment as ex
     from peerlm.app.cli_models import models_cache_dir
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     transfer = read_jsonl(args.work_dir / "data" / "transfer.jsonl")
     if args.prompts:
         taken = [*world.test, *transfer, *(p for tr, va in world.clients_data for p in (*tr, *va))]
-        fresh = ex._probe_set(args.prompts, args.world_seed + 4_242, taken, [category])
+        fresh = probe_problems(args.prompts, args.world_seed + 4_242, taken, [category])
         prompts = [p.prompt for p in fresh][: args.prompts]
     else:
         prompts = [p.prompt for p in transfer if p.category == category]

@@ -333,6 +333,11 @@ class RealPlan:
     family: str | None = None
     # What overlay pulls become: "pmix" (SemanticDFL) or "svd_hka" (OnePeFT, issue 9).
     aggregation: str = "pmix"
+    # Where a student measures Eq. 3's losses: "val" (its validation data, the paper),
+    # "probe" (the public probe set, every category) or "lacked" (the probe's problems of
+    # the categories it lacks): the experiment's ``reward``/``probe_scope``.
+    reward: str = "probe"
+    probe_per_category: int = 2
     # Below _stop's 10 s before SIGKILL: Ctrl-C lets each agent cut its round and checkpoint.
     stop_grace_s: float = 5.0
 
@@ -394,6 +399,33 @@ def _write_slice_files(
     return files
 
 
+def _write_reward_files(
+    out: Path, data_dir: Path, world: Any, agents: list[str], plan: RealPlan, seed: int
+) -> list[Path | None]:
+    """Per agent, the problems its reward is measured on (``plan.reward``): None for its
+    validation data, else the public probe set (as ``run-experiment`` draws it for the
+    same world seed), whole or of the agent's lacked categories, under ``out/<agent>/``."""
+    from peerlm.agent import CATEGORIES, probe_problems, read_jsonl, write_jsonl
+
+    if plan.reward == "val":
+        return [None] * len(agents)
+    data = [data_dir / "test.jsonl", data_dir / "transfer.jsonl"]
+    data += sorted((data_dir / "clients").glob("*/*.jsonl"))
+    taken = [problem for path in data for problem in read_jsonl(path)]
+    probe = probe_problems(plan.probe_per_category, seed, taken, CATEGORIES)
+    files: list[Path | None] = []
+    for i, name in enumerate(agents):
+        mine = [
+            p for p in probe if plan.reward == "probe" or world.slice_of(i, p.category) == "lacked"
+        ]
+        path = out / name / "reward_probe.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # An agent that lacks nothing measures on the whole probe (as in the experiment).
+        write_jsonl(path, mine or probe)
+        files.append(path)
+    return files
+
+
 def _prepare_real(
     fed: DevFederation,
     agents: list[str],
@@ -418,6 +450,9 @@ def _prepare_real(
     manifest = build_federation_data(data_dir, len(agents), alpha=plan.alpha, seed=seed)
     slice_files = _write_slice_files(fed.root / "eval", data_dir, manifest.world, agents)
     public_file = _write_public_pairs(data_dir, manifest.world)
+    reward_files = _write_reward_files(
+        fed.root / "eval", data_dir, manifest.world, agents, plan, seed
+    )
     configs = fed.root / "agents"
     configs.mkdir(parents=True, exist_ok=True)
     # With the overlay every agent serves on a known port, and all bootstrap through agent-0.
@@ -437,6 +472,7 @@ def _prepare_real(
             "transfer_file": str(data_dir / "transfer.jsonl"),
             "transfer_sha256": manifest.transfer_sha256,
             "public_file": str(public_file),
+            "reward_file": None if reward_files[i] is None else str(reward_files[i]),
             "rounds": rounds,
             "round_timeout_s": plan.round_timeout_s,
             "local_steps": plan.local_steps,
@@ -604,6 +640,14 @@ def up_command(
             "of one parameter space: combine with --family."
         ),
     ] = "akd",
+    reward: Annotated[
+        str,
+        typer.Option(
+            help="Where a student measures its Eq. 3 reward: val (its validation data, the "
+            "paper), probe (a labelled public probe of every category) or lacked (the "
+            "probe's problems of the categories it lacks); docs/experiment.md."
+        ),
+    ] = RealPlan.reward,
     workflow: Annotated[
         bool,
         typer.Option(
@@ -626,6 +670,10 @@ def up_command(
         raise typer.BadParameter("--overlay and --family need model-hosting agents")
     if aggregation not in ("pmix", "svd_hka"):
         raise typer.BadParameter(f"unknown aggregation {aggregation!r}; pmix or svd_hka")
+    if reward not in ("val", "probe", "lacked"):
+        raise typer.BadParameter(f"unknown reward {reward!r}; val, probe or lacked")
+    if simulated and reward != RealPlan.reward:
+        raise typer.BadParameter("simulated agents measure no reward: leave --reward out")
     if aggregation != "pmix" and not overlay:
         raise typer.BadParameter("--aggregation applies to overlay pulls: add --overlay")
     menu = tuple(p.strip() for p in protocols.split(",") if p.strip())
@@ -639,10 +687,10 @@ def up_command(
     if workflow:
         from peerlm.app.devfed_workflow import WORKFLOW_AGENTS
 
-        if simulated or overlay or menu != ("akd",) or resume:
+        if simulated or overlay or menu != ("akd",) or resume or reward != RealPlan.reward:
             raise typer.BadParameter(
                 "--workflow runs model-hosting FedWave experts: leave out --simulated, "
-                "--overlay, --protocols and --resume"
+                "--overlay, --protocols, --reward and --resume"
             )
         if agents is not None and agents != len(WORKFLOW_AGENTS):
             raise typer.BadParameter(
@@ -688,6 +736,7 @@ def up_command(
                 overlay=overlay,
                 family=family,
                 aggregation=aggregation,
+                reward=reward,
             )
             argv = _prepare_real(fed, names, rounds, seed, plan, console)
         round_of = None

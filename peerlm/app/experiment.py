@@ -542,24 +542,12 @@ def consensus_texts(
 # ------------------------------------------------------------------------- set-up
 
 
-def _probe_set(
-    per_category: int, seed: int, taken: Sequence[Problem], categories: Sequence[str]
-) -> list[Problem]:
-    """The labelled public probe set: ``per_category`` fresh bank problems of every category,
-    none of whose functions is in the federation data or the pre-training corpus."""
-    from peerlm.agent import function_key, generate_bank, public_problems
-
-    exclude = {function_key(p) for p in public_problems()} | {function_key(p) for p in taken}
-    # A seed of its own (any large offset): the probe must not replay the data's draws.
-    problems = generate_bank(per_category, seed + 7_777_777, exclude=exclude)
-    return [p for p in problems if p.category in categories]
-
-
 def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _World:
     from peerlm.agent import (
         CATEGORIES,
         build_federation_data,
         build_models,
+        probe_problems,
         read_jsonl,
         read_manifest,
         transfer_set_sha256,
@@ -600,7 +588,7 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
     public = world.public_categories
     slices = [slices_of_world(world, i) for i in range(plan.agents)]
     taken = [*all_test, *transfer_problems, *(p for tr, va in clients for p in (*tr, *va))]
-    probe = _probe_set(plan.probe_per_category, plan.world_seed, taken, categories)
+    probe = probe_problems(plan.probe_per_category, plan.world_seed, taken, categories)
     return _World(
         plan,
         models,

@@ -556,6 +556,30 @@ async def test_a_pmix_directive_merges_the_teacher_and_measures_eq3(
     assert _metric(t1.registry, "peerlm_agent_adapter_bytes_sent_total") >= len(t1.payload or b"")
 
 
+async def test_a_merge_with_a_probe_reward_measures_it_on_the_probe(
+    world: World, pki: Path
+) -> None:
+    """With ``reward_examples`` (the agent's ``reward_file``) the merge's reward is Eq. 3 on
+    the probe, right before the pull and right after the merge, as AKD's is."""
+    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.rounds import reward_eq3
+
+    probe = [("def twice(x):\n", "    return 2 * x\n"), ("def first(xs):\n", "    return xs[0]\n")]
+    student = world.student
+    probe_pre = student.eval_loss(probe, max_length=64)[0]
+    val_pre = student.eval_loss(VAL, max_length=64)[0]
+    t1 = world.teachers["t1"]
+    out = await merge_from_teacher(
+        _student(pki, new_registry()),
+        student,
+        **_directive("t1", t1.target, margin=None, reward_examples=probe),
+    )
+    assert out.report.applied and not out.rolled_back
+    assert out.loss_pre == pytest.approx(probe_pre) != pytest.approx(val_pre)
+    assert out.loss_post == pytest.approx(student.eval_loss(probe, max_length=64)[0])
+    assert out.reward == reward_eq3(out.loss_pre, out.loss_post, out.kilobytes, 1.0, 0.001)
+
+
 @pytest.mark.parametrize(
     ("teacher", "reason"),
     [

@@ -65,6 +65,9 @@ def test_up_with_model_hosting_agents(tmp_path: Path) -> None:
     # Every agent checkpointed every round.
     for a in agents:
         assert (state / "agents" / a["name"] / "checkpoints").exists()
+        # Its rewards were measured on the public probe (`--reward probe`, the default).
+        config = json.loads((state / "agents" / f"{a['name']}.yaml").read_text())
+        assert len(Path(config["reward_file"]).read_text().splitlines()) == 24
 
 
 def test_up_with_a_merge_menu_on_one_family(tmp_path: Path) -> None:

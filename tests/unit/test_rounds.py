@@ -112,6 +112,7 @@ def integrate(
     round_config: RoundConfig | None = None,
     t: int = 1,
     guardrail: Guardrail | None = None,
+    reward_examples: list[tuple[str, str]] | None = None,
 ) -> Integration:
     """:func:`integrate_package` of ``package`` in round ``t`` with the local set
     :data:`LOCAL` (also the validation set) and the transfer set :data:`PROMPTS`."""
@@ -125,6 +126,7 @@ def integrate(
         config=round_config or config(),
         t=t,
         guardrail=guardrail,
+        reward_examples=reward_examples,
     )
 
 
@@ -377,3 +379,55 @@ def test_reference_nll_is_per_byte_and_falls_when_the_reference_is_learnt(
     student.train_local(list(zip(PROMPTS, TEXTS, strict=True)), FAST, steps=8)
     after = reference_nll(student, problems)
     assert sum(after) < sum(before)
+
+
+# ------------------------------------------------------------ the probe reward (issue 12)
+
+#: A labelled public probe: the teacher's answers to :data:`PROMPTS` (what it brings).
+PROBE = list(zip(PROMPTS, TEXTS, strict=True))
+
+
+def test_a_probe_reward_is_measured_on_the_probe_and_the_gate_on_val(
+    models: dict[str, Path],
+) -> None:
+    """With ``reward_examples`` the reward's L_pre and L_post are the probe's (where the
+    teacher's skill shows), not the validation data's."""
+    student = host(models, "gpt2", seed=4)
+    probe_pre = student.eval_loss(PROBE)[0]
+    result = integrate(student, text_package(TEXTS), reward_examples=PROBE)
+    assert result.loss_pre == pytest.approx(probe_pre)
+    assert result.loss_post == pytest.approx(student.eval_loss(PROBE)[0])
+    assert result.loss_post < result.loss_pre  # the package taught exactly the probe
+    assert result.reward == reward_eq3(result.loss_pre, result.loss_post, 1.0, 1.0, 0.001)
+    # The same exchange measured on val (the paper's Eq. 3) reports other losses.
+    same = host(models, "gpt2", seed=4)
+    val_pre = same.eval_loss(LOCAL)[0]
+    on_val = integrate(same, text_package(TEXTS))
+    assert on_val.loss_pre == pytest.approx(val_pre)
+    assert val_pre != pytest.approx(probe_pre)
+
+
+def test_a_rolled_back_update_reports_the_gates_loss_whatever_the_probe(
+    models: dict[str, Path],
+) -> None:
+    """A poisoned package is judged and undone on val; the CPM still hears a negative
+    reward from the gate's measurement, not the probe's (which the rollback restored)."""
+    student = host(models, "gpt2", seed=3)
+    student.train_local(LOCAL, FAST, steps=8)
+    val_pre = student.eval_loss(LOCAL)[0]
+    hard = TrainSettings(learning_rate=1e-1, batch_size=4, grad_accumulation=1, seed=0)
+    result = integrate(
+        student,
+        _poisoned_package(),
+        round_config=RoundConfig(
+            total_rounds=1,
+            train=hard,
+            local_steps=16,
+            alpha_kd_start=1.0,
+            alpha_kd_end=1.0,
+            acceptance_margin=0.05,
+        ),
+        reward_examples=PROBE,
+    )
+    assert result.rolled_back and result.reward < 0
+    assert result.loss_pre == pytest.approx(val_pre)

@@ -28,6 +28,9 @@ from peerlm.app.cli import app
         ["--workflow", "--resume"],  # the expert loop does not checkpoint
         ["--workflow", "-n", "4"],  # one agent per stage of the code chain: 3
         ["--workflow", "--family", "gtp2"],
+        ["--reward", "oracle"],
+        ["--simulated", "--reward", "lacked"],  # simulated agents measure no reward
+        ["--workflow", "--reward", "val"],
     ],
 )
 def test_a_bad_flag_leaves_the_last_run_untouched(tmp_path: Path, flags: list[str]) -> None:
@@ -42,3 +45,39 @@ def test_a_bad_flag_leaves_the_last_run_untouched(tmp_path: Path, flags: list[st
     assert db.read_bytes() == b"bandit"
     assert checkpoint.read_bytes() == b"weights"
     assert not (state / "pki").exists()  # nothing provisioned either
+
+
+@pytest.mark.parametrize("reward", ["val", "probe", "lacked"])
+def test_the_reward_files_hold_what_each_agent_measures_on(tmp_path: Path, reward: str) -> None:
+    """`--reward probe` gives every agent the whole public probe (2 per category, fresh
+    functions), `lacked` only its lacked categories' problems, `val` no file at all."""
+    from peerlm.agent import (
+        CATEGORIES,
+        build_federation_data,
+        function_key,
+        public_problems,
+        read_jsonl,
+    )
+
+    from peerlm.app.devfed import RealPlan, _write_reward_files
+
+    data = tmp_path / "data"
+    manifest = build_federation_data(data, 4, alpha=0.1, seed=0)
+    agents = [f"agent-{i}" for i in range(4)]
+    plan = RealPlan(reward=reward)
+    files = _write_reward_files(tmp_path / "eval", data, manifest.world, agents, plan, 0)
+    if reward == "val":
+        assert files == [None] * 4
+        return
+    taken = {function_key(p) for p in public_problems()}
+    taken |= {function_key(p) for f in data.rglob("*.jsonl") for p in read_jsonl(f)}
+    for i, path in enumerate(files):
+        assert path is not None
+        probe = read_jsonl(path)
+        assert not {function_key(p) for p in probe} & taken  # never seen anywhere
+        categories = sorted({p.category for p in probe})
+        if reward == "probe":
+            assert len(probe) == 2 * len(CATEGORIES) and categories == sorted(CATEGORIES)
+        else:
+            lacked = sorted(c for c in CATEGORIES if manifest.world.slice_of(i, c) == "lacked")
+            assert lacked and categories == lacked and len(probe) == 2 * len(lacked)
