@@ -393,6 +393,24 @@ def test_agent_refuses_a_different_transfer_set(world: World) -> None:
     assert "transfer set" in proc.stderr
 
 
+def test_agent_refuses_an_empty_reward_file(world: World) -> None:
+    """A probe with nothing to measure on is a configuration error at start, not a round
+    that silently measures nothing."""
+    empty = world.tmp / "reward" / "probe.jsonl"
+    empty.parent.mkdir(parents=True, exist_ok=True)
+    empty.write_text("")
+    config = _config(world, "a0", world.tmp / "reward" / "state", reward_file=str(empty))
+    proc = subprocess.run(
+        [sys.executable, "-m", "peerlm", "agent", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **AGENT_ENV},
+    )
+    assert proc.returncode == 2
+    assert "reward_file" in proc.stderr
+
+
 def test_package_request_without_directive_is_refused(world: World) -> None:
     """A peer asking an agent for a package it was never directed to give gets refused."""
     state = world.tmp / "refuse" / "state"
