@@ -54,7 +54,7 @@ from __future__ import annotations
 import copy
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,23 +207,26 @@ def _expert(config: SimulationConfig, seed: int, index: int, use_vclayer: bool) 
 
 
 def expert_optimiser(
-    expert: VCCausalLM, router: MoERouter | None, config: SimulationConfig
+    expert_params: Iterable[torch.nn.Parameter],
+    router: MoERouter | None,
+    *,
+    lr: float,
+    router_lr: float,
 ) -> torch.optim.AdamW:
     """One agent's AdamW: the expert's trainable parameters (LoRA, VCLayer) at ``lr``, the
-    router's (when there is one) in their own group at ``router_lr``.
+    router's (when there is one) in a group of their own at ``router_lr``.
 
-    Why a group of its own: the router reads frozen base features and, at agent i, learns
-    only "stage i" (every private example is stage i); FedAvg over the agents (Eq. 9) is
-    what teaches it the other stages. At the experts' lr of 2e-3 the aggregated router is
-    still near uniform after 12-24 steps (mean α of the right expert 0.38-0.48 on held-out
-    prompts), so top-2 mixes two experts almost equally (docs/fedwave.md, section 6).
+    Why a group of its own (issue 10): the router reads frozen base features and, at agent
+    i, learns only "stage i" (every private example is stage i); FedAvg over the agents
+    (Eq. 9) is what teaches it the other stages. At the experts' lr of 2e-3 the aggregated
+    router is still near uniform after 12-24 steps (mean α of the right expert 0.38-0.48
+    on held-out prompts), so top-2 mixes two experts almost equally (docs/fedwave.md,
+    section 6, "Measured after the router diagnosis").
     """
-    groups: list[dict[str, Any]] = [
-        {"params": [p for p in expert.parameters() if p.requires_grad], "lr": config.lr}
-    ]
+    groups: list[dict[str, Any]] = [{"params": list(expert_params), "lr": lr}]
     if router is not None:
-        groups.append({"params": list(router.parameters()), "lr": config.router_lr})
-    return torch.optim.AdamW(groups, lr=config.lr)
+        groups.append({"params": list(router.parameters()), "lr": router_lr})
+    return torch.optim.AdamW(groups, lr=lr)
 
 
 def _train_centralised(
@@ -372,7 +375,15 @@ def simulate_strategy(
     ]
     data = [list(split.private[stage][stage]) for stage in CODE_CHAIN_STAGES]
     rngs = [random.Random(f"fedwave-sim/{seed}/{i}") for i in range(n)]
-    optimisers = [expert_optimiser(experts[i], routers[i], config) for i in range(n)]
+    optimisers = [
+        expert_optimiser(
+            (p for p in experts[i].parameters() if p.requires_grad),
+            routers[i],
+            lr=config.lr,
+            router_lr=config.router_lr,
+        )
+        for i in range(n)
+    ]
     sft_steps = config.rounds * config.local_steps + (0 if use_dpo else config.dpo_steps)
     # SFT steps of all agents together (the centralised model alone makes as many).
     extra: dict[str, float] = {"sft_steps_total": float(n * sft_steps)}
