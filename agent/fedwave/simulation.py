@@ -155,8 +155,10 @@ class SimulationConfig:
             raise ValueError("dpo_steps must be >= 0 and max_new_tokens >= 1")
         if self.prox_mu < 0 or (self.server_lr is not None and not self.server_lr > 0):
             raise ValueError("prox_mu must be >= 0 and server_lr > 0")
-        if not self.router_lr > 0:
-            raise ValueError(f"router_lr must be > 0, got {self.router_lr}")
+        if not (self.router_lr > 0 and self.dpo_lr > 0):
+            raise ValueError(
+                f"router_lr and dpo_lr must be > 0, got {self.router_lr} and {self.dpo_lr}"
+            )
         if not (SHIPPED_DIR / "tiny" / self.arch).is_dir():
             raise ValueError(f"no shipped tiny model {self.arch!r}")
 

@@ -52,6 +52,9 @@ def run_workflow_experiment_command(
             min=0.0, help="Server lr of fedavgm/fedadam/fedyogi (default 1.0 / 1e-2 / 1e-2)."
         ),
     ] = None,
+    dpo_lr: Annotated[
+        float | None, typer.Option(help="The DPO phase's AdamW lr (default 1e-3).")
+    ] = None,
     router_lr: Annotated[
         float | None,
         typer.Option(help="The router's own AdamW lr (default 1e-2; the experts' is 2e-3)."),
@@ -83,6 +86,7 @@ def run_workflow_experiment_command(
         "prox_mu": prox_mu,
         "server_lr": server_lr,
         "router_lr": router_lr,
+        "dpo_lr": dpo_lr,
     }
     overrides = {k: v for k, v in given.items() if v is not None}
     try:
