@@ -53,7 +53,7 @@ def run_workflow_experiment_command(
         ),
     ] = None,
     dpo_lr: Annotated[
-        float | None, typer.Option(help="The DPO phase's AdamW lr (default 1e-3).")
+        float | None, typer.Option(help="The DPO phase's AdamW lr (default 1e-4).")
     ] = None,
     router_lr: Annotated[
         float | None,
