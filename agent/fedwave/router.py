@@ -110,9 +110,16 @@ def balance_loss(alpha: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_loss(alpha: torch.Tensor) -> torch.Tensor:
-    """Batch mean of the routing entropy ``−Σ_j α_j log α_j`` (nats; 0·log 0 = 0)."""
-    plogp: torch.Tensor = torch.special.xlogy(alpha, alpha)
-    return -plogp.sum(dim=-1).mean()
+    """Batch mean of the routing entropy ``−Σ_j α_j log α_j`` (nats; 0·log 0 = 0).
+
+    ``log α`` is taken of α clamped at the dtype's smallest normal number: the value is the
+    same (an α that underflowed to 0 contributes 0), and the gradient stays finite. With
+    ``xlogy(α, α)`` (before issue 10) a confident router whose softmax underflowed to an
+    exact 0 got ``d/dα = log 0 = −inf``, and the softmax's backward turned it into NaN in
+    every router parameter (Eq. 9 then refused the router as non-finite).
+    """
+    log_alpha = torch.log(alpha.clamp_min(torch.finfo(alpha.dtype).tiny))
+    return -(alpha * log_alpha).sum(dim=-1).mean()
 
 
 @dataclass(frozen=True)

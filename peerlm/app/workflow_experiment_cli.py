@@ -52,6 +52,13 @@ def run_workflow_experiment_command(
             min=0.0, help="Server lr of fedavgm/fedadam/fedyogi (default 1.0 / 1e-2 / 1e-2)."
         ),
     ] = None,
+    dpo_lr: Annotated[
+        float | None, typer.Option(help="The DPO phase's AdamW lr (default 1e-4).")
+    ] = None,
+    router_lr: Annotated[
+        float | None,
+        typer.Option(help="The router's own AdamW lr (default 1e-2; the experts' is 2e-3)."),
+    ] = None,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
     out: Annotated[Path | None, typer.Option(help="Write results.json and table.md here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
@@ -78,6 +85,8 @@ def run_workflow_experiment_command(
         "world_seed": world_seed,
         "prox_mu": prox_mu,
         "server_lr": server_lr,
+        "router_lr": router_lr,
+        "dpo_lr": dpo_lr,
     }
     overrides = {k: v for k, v in given.items() if v is not None}
     try:

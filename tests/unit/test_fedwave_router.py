@@ -50,6 +50,27 @@ def test_balance_and_entropy_by_hand() -> None:
     assert entropy_loss(alpha).item() == pytest.approx(math.log(2) / 2)
 
 
+def test_entropy_gradient_is_finite_when_the_softmax_underflows() -> None:
+    # A confident router: softmax of (0, -200, 200) underflows to exact zeros in float32.
+    # Before issue 10 entropy_loss used xlogy(α, α), whose gradient at α = 0 is log 0 = -inf;
+    # the softmax's backward then gave NaN in every logit (and router parameter).
+    logits = torch.tensor([[0.0, -200.0, 200.0], [1.0, 2.0, 3.0]], requires_grad=True)
+    alpha = torch.softmax(logits, dim=-1)
+    assert (alpha[0, :2] == 0).all()
+    loss = entropy_loss(alpha)
+    loss.backward()  # type: ignore[no-untyped-call]
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    # the saturated row's entropy is 0 and its gradient 0; the other row's by hand
+    p = [math.exp(v) / sum(math.exp(u) for u in (1, 2, 3)) for v in (1, 2, 3)]
+    row_entropy = -sum(q * math.log(q) for q in p)
+    assert loss.item() == pytest.approx(row_entropy / 2, rel=1e-6)
+    assert logits.grad[0].abs().max().item() == 0.0
+    # d/dz_j of H/2 = -(1/2) α_j (log α_j + H)
+    for j in range(3):
+        expected = -0.5 * p[j] * (math.log(p[j]) + row_entropy)
+        assert logits.grad[1, j].item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
 def test_router_losses_by_hand() -> None:
     alpha = torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.5, 0.25]], requires_grad=True)
     sft = torch.tensor([2.0, 4.0])

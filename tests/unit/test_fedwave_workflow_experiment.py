@@ -56,6 +56,9 @@ def test_bad_inputs_are_refused() -> None:
     runner = CliRunner()
     wrong = runner.invoke(app, ["run-workflow-experiment", "--workflow", "pharma", "--quick"])
     assert wrong.exit_code == 2 and "only 'code-chain' exists" in wrong.output
+    for flag in ("--router-lr", "--dpo-lr"):
+        bad = runner.invoke(app, ["run-workflow-experiment", "--quick", flag, "0"])
+        assert bad.exit_code == 2 and "router_lr and dpo_lr must be > 0" in bad.output
 
 
 STRATEGIES = (
