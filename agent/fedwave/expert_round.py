@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ __all__ = [
     "RoundConclusion",
     "adjacent_vclayers",
     "conclude_round",
+    "expert_optimiser",
     "mean_vclayer",
     "router_digest",
 ]
@@ -147,6 +148,29 @@ def adjacent_vclayers(
     return stage_layer(before, predecessor), stage_layer(after, successor)
 
 
+def expert_optimiser(
+    expert_params: Iterable[torch.nn.Parameter],
+    router: MoERouter | None,
+    *,
+    lr: float,
+    router_lr: float,
+) -> torch.optim.AdamW:
+    """One agent's AdamW: the expert's trainable parameters (LoRA, VCLayer) at ``lr``, the
+    router's (when there is one) in a group of their own at ``router_lr``.
+
+    Why a group of its own (issue 10): the router reads frozen base features and, at agent
+    i, learns only "stage i" (every private example is stage i); FedAvg over the agents
+    (Eq. 9) is what teaches it the other stages. At the experts' lr of 2e-3 the aggregated
+    router is still near uniform after 12-24 steps (mean α of the right expert 0.38-0.48
+    on held-out prompts), so top-2 mixes two experts almost equally (docs/fedwave.md,
+    section 6, "Measured after the router diagnosis").
+    """
+    groups: list[dict[str, Any]] = [{"params": list(expert_params), "lr": lr}]
+    if router is not None:
+        groups.append({"params": list(router.parameters()), "lr": router_lr})
+    return torch.optim.AdamW(groups, lr=lr)
+
+
 class ExpertTrainer:
     """Agent i's expert (its LM with LoRA, wrapped with its VCLayer) and its router copy,
     trained on its stage's private examples. Blocking: the daemon runs it on its model
@@ -163,6 +187,7 @@ class ExpertTrainer:
         examples: Sequence[StageExample],
         collab: CollabLossSettings | None = None,
         learning_rate: float = 1e-3,
+        router_lr: float = 1e-2,
         batch_size: int = 8,
         max_length: int = 256,
         seed: int = 0,
@@ -177,6 +202,7 @@ class ExpertTrainer:
         self.examples = list(examples)
         self.collab = collab or CollabLossSettings()
         self.learning_rate = learning_rate
+        self.router_lr = router_lr
         self.batch_size = batch_size
         self.max_length = max_length
         self._rng = random.Random(f"peerlm-fedwave-expert/{seed}")
@@ -194,11 +220,9 @@ class ExpertTrainer:
         return self.model.vclayer
 
     def _parameters(self) -> list[torch.nn.Parameter]:
+        """The expert's trainable parameters (LoRA, VCLayer); the router's are apart."""
         params = [p for p in self.model.lm.parameters() if p.requires_grad]
-        params += list(self.vclayer.parameters())
-        if self.router is not None:
-            params += list(self.router.parameters())
-        return params
+        return params + list(self.vclayer.parameters())
 
     def train(
         self, steps: int, *, predecessor: VCLayer | None, successor: VCLayer | None
@@ -208,7 +232,9 @@ class ExpertTrainer:
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}")
         self.model.train()
-        optimizer = torch.optim.AdamW(self._parameters(), lr=self.learning_rate)
+        optimizer = expert_optimiser(
+            self._parameters(), self.router, lr=self.learning_rate, router_lr=self.router_lr
+        )
         losses: list[float] = []
         for _ in range(steps):
             if self._interrupt is not None and self._interrupt.is_set():

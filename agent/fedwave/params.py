@@ -66,6 +66,9 @@ class RouterSettings(BaseModel):
     delta_entropy: float = Field(default=0.01, ge=0)
     objective: Literal["stage_label", "paper"] = "stage_label"
     init_std: float = Field(default=0.02, gt=0, le=1)
+    # The router's own AdamW learning rate, apart from the expert's (issue 10: at the
+    # experts' rate the aggregated router stays near uniform; docs/fedwave.md section 6).
+    learning_rate: float = Field(default=1e-2, gt=0, le=10)
 
 
 class DPOSettings(BaseModel):

@@ -54,7 +54,7 @@ from __future__ import annotations
 import copy
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,7 @@ from peerlm.agent.fedwave.client_drift import (
 )
 from peerlm.agent.fedwave.code_chain import CODE_CHAIN_STAGES, ChainItem, build_code_chain
 from peerlm.agent.fedwave.dpo_phase import build_preference_pairs, run_dpo_phase
+from peerlm.agent.fedwave.expert_round import expert_optimiser
 from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss
 from peerlm.agent.fedwave.generation import greedy_generate
 from peerlm.agent.fedwave.router import MoERouter, fedavg_routers
@@ -93,7 +94,6 @@ __all__ = [
     "SimulationConfig",
     "StrategyResult",
     "chain_workflow",
-    "expert_optimiser",
     "score_strategy",
     "simulate_strategy",
     "test_chains",
@@ -208,29 +208,6 @@ def _expert(config: SimulationConfig, seed: int, index: int, use_vclayer: bool) 
     if not use_vclayer:
         _zero_vclayer(model)
     return model
-
-
-def expert_optimiser(
-    expert_params: Iterable[torch.nn.Parameter],
-    router: MoERouter | None,
-    *,
-    lr: float,
-    router_lr: float,
-) -> torch.optim.AdamW:
-    """One agent's AdamW: the expert's trainable parameters (LoRA, VCLayer) at ``lr``, the
-    router's (when there is one) in a group of their own at ``router_lr``.
-
-    Why a group of its own (issue 10): the router reads frozen base features and, at agent
-    i, learns only "stage i" (every private example is stage i); FedAvg over the agents
-    (Eq. 9) is what teaches it the other stages. At the experts' lr of 2e-3 the aggregated
-    router is still near uniform after 12-24 steps (mean α of the right expert 0.38-0.48
-    on held-out prompts), so top-2 mixes two experts almost equally (docs/fedwave.md,
-    section 6, "Measured after the router diagnosis").
-    """
-    groups: list[dict[str, Any]] = [{"params": list(expert_params), "lr": lr}]
-    if router is not None:
-        groups.append({"params": list(router.parameters()), "lr": router_lr})
-    return torch.optim.AdamW(groups, lr=lr)
 
 
 def _train_centralised(

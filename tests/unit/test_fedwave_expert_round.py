@@ -167,3 +167,34 @@ def test_the_trainer_lowers_its_loss_and_trains_its_router(offline_hub: None) ->
         interrupt=stop,
     )  # fmt: skip
     assert stopped.train(5, predecessor=pred, successor=succ) == []
+
+
+def test_the_agents_router_steps_at_its_own_learning_rate(offline_hub: None) -> None:
+    """Issue 10: the daemon's trainer gives the router its own AdamW group. Adam's first
+    step moves every parameter with a gradient by about its group's lr, so one step shows
+    the two rates apart (the router's 1e-2 against the expert's 1e-4)."""
+    path = SHIPPED_DIR / "tiny" / "gpt2"
+    torch.manual_seed(0)
+    lm = apply_lora(AutoModelForCausalLM.from_pretrained(path), LoraSettings(r=4, dropout=0.0))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    width = int(lm.config.hidden_size)
+    chain = Workflow.model_validate(
+        {"stages": [{"name": n, "agents": [n]} for n in ("specify", "implement", "test")]}
+    )
+    settings = FedWaveSettings(workflow=chain, vclayer=SIZE)
+    assert settings.router.learning_rate == 1e-2  # the default the experiment measured
+    split = build_code_chain(chain, per_stage=8, n_test=2, n_public=0, seed=0)
+    router = settings.initial_router(width)
+    vclayer = settings.initial_vclayer(width, 1)
+    trainer = ExpertTrainer(
+        lm, tokenizer, vclayer, router, stage_index=1, examples=split.of_agent("implement"),
+        learning_rate=1e-4, router_lr=settings.router.learning_rate, batch_size=4,
+        max_length=64,
+    )  # fmt: skip
+    r0 = {k: v.clone() for k, v in router.state_dict().items()}
+    v0 = {k: v.clone() for k, v in vclayer.state_dict().items()}
+    trainer.train(1, predecessor=None, successor=None)
+    router_step = max(float((router.state_dict()[k] - r0[k]).abs().max()) for k in r0)
+    vclayer_step = max(float((vclayer.state_dict()[k] - v0[k]).abs().max()) for k in v0)
+    assert router_step == pytest.approx(1e-2, rel=0.05)
+    assert vclayer_step == pytest.approx(1e-4, rel=0.05)

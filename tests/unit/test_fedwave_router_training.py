@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peerlm.agent.fedwave.expert_round import expert_optimiser
 from peerlm.agent.fedwave.router import MoERouter, fedavg_routers, router_losses
-from peerlm.agent.fedwave.simulation import SimulationConfig, expert_optimiser
+from peerlm.agent.fedwave.simulation import SimulationConfig
 
 WIDTH, STAGES = 128, 3
 
