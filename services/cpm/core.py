@@ -301,6 +301,7 @@ class CpmCore:
             prefilter_min_agents=settings.prefilter_min_agents,
             ridge=settings.ridge,
             context_columns=settings.context_columns,
+            merge_senders=settings.merge_senders,
         )
 
     # ------------------------------------------------------------ bandit state
