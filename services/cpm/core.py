@@ -539,6 +539,7 @@ class CpmCore:
             ucb=float(pairing.ucb),
             issued_at=now,
             expires_at=now + self._s.directive_ttl_s,
+            co_senders=tuple((c, self._profiles[c].endpoint) for c in pairing.co_senders),
         )
 
     def open_directives_for(self, agent: str) -> list[DirectiveRecord]:

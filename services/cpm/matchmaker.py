@@ -339,7 +339,8 @@ class Matchmaker:
             )
         if not isinstance(merge_senders, int) or not 1 <= merge_senders <= MAX_MERGE_SENDERS:
             raise ValueError(
-                f"merge_senders must be an integer in [1, {MAX_MERGE_SENDERS}], got {merge_senders!r}"
+                f"merge_senders must be an integer in [1, {MAX_MERGE_SENDERS}], "
+                f"got {merge_senders!r}"
             )
         self._merge_senders = merge_senders
         self._profile_dim = int(profile_dim)
