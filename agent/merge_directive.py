@@ -32,7 +32,7 @@ Choices made here:
   Unreachable, refused, of another shape or backbone, non-finite, too large, over the norm
   bound (a poisoned adapter): that sender is left out of the merge, listed in
   :attr:`MergeOutcome.skipped` and counted in
-  ``peerlm_agent_merge_senders_skipped_total{reason}`` (its pull's reason). When no
+  ``peerlm_agent_directive_senders_skipped_total{reason}`` (its pull's reason). When no
   sender's adapter is usable: :class:`MergeRefused` with the teacher's reason (else the
   first sender's); the student's adapter is untouched. The daemon counts it as a failed
   exchange (``peerlm_agent_exchange_failures_total{reason="adapter_refused"}``), like an
@@ -155,7 +155,7 @@ async def merge_from_teacher(
         r for r in (*report.refused, *beyond) if r.reason not in _NOT_SKIPS and r.peer in names
     )
     counter = ctx.counter(
-        "peerlm_agent_merge_senders_skipped_total",
+        "peerlm_agent_directive_senders_skipped_total",
         "Senders of a CPM merge directive whose adapter was not merged (unreachable, "
         "refused, another parameter space, non-finite, over the norm bound, ...), by reason",
         ("reason",),
@@ -166,7 +166,7 @@ async def merge_from_teacher(
         merged = tuple(p.peer for p in report.pulled)
         if merged:
             ctx.counter(
-                "peerlm_agent_merge_senders_merged_total",
+                "peerlm_agent_directive_senders_merged_total",
                 "Senders' adapters merged by CPM merge directives",
             ).inc(len(merged))
     if not report.applied and not report.rolled_back:

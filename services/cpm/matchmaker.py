@@ -467,9 +467,14 @@ class Matchmaker:
         tables = self._bandit.pair_tables(
             self._features.layout, mat, trust, dtype=self._score_dtype
         )
+        # The candidate pairs every pass scored: a merge student's co-senders are chosen
+        # among its candidate partners (all agents below the prefilter's threshold).
+        seen: list[tuple[NDArray[np.intp], NDArray[np.intp]]] | None = (
+            [] if self._merge_senders > 1 else None
+        )
         for _ in range(_MAX_PASSES):
             picked = self._select_pass(
-                free, mat, trust, tables, budget - n_chosen, rng, cluster_min, admissible
+                free, mat, trust, tables, budget - n_chosen, rng, cluster_min, admissible, seen
             )
             if not len(picked.senders):
                 break
@@ -509,8 +514,8 @@ class Matchmaker:
                 strict=True,
             )
         )
-        if self._merge_senders > 1:
-            co = self._co_senders(ids, tables, senders, receivers, combo, admissible)
+        if seen is not None:
+            co = self._co_senders(ids, tables, senders, receivers, combo, admissible, seen)
             pairings = [
                 replace(p, co_senders=c) if c else p for p, c in zip(pairings, co, strict=True)
             ]
@@ -524,9 +529,13 @@ class Matchmaker:
         receivers: NDArray[np.intp],
         combo: NDArray[np.intp],
         admissible: AdmissibilityMask | None,
+        seen: Sequence[tuple[NDArray[np.intp], NDArray[np.intp]]],
     ) -> list[tuple[str, ...]]:
         """Up to ``merge_senders - 1`` co-senders for each merge pairing (``()`` for the
-        others): every agent of the round but the pairing's two, admissible for
+        others): the receiver's candidate partners of this round's passes (``seen``: every
+        other agent below the prefilter's threshold; its prefiltered top-k and random
+        partners above, so a round costs O(N (k + r)) more scores, not O(N^2)) but the
+        pairing's sender, admissible for
         (co-sender -> receiver, the pairing's protocol and role) under the same mask as
         the walk (same parameter space, executes the protocol, on the receiver's overlay
         list when it reported one), ranked by that tuple's UCB, best first; exact ties to
@@ -542,11 +551,19 @@ class Matchmaker:
         ]
         if not merge or n < 3:
             return out
-        everyone = np.arange(n, dtype=np.intp)
+        # Both directions of every candidate pair: partner -> agent.
+        src = np.concatenate([a for pair in seen for a in (pair[0], pair[1])])
+        dst = np.concatenate([a for pair in seen for a in (pair[1], pair[0])])
+        # Sorted by receiver, then partner: one slice per receiver, partners ascending
+        # (exact UCB ties then fall to the lower index), duplicates of passes dropped.
+        key = np.unique(dst.astype(np.int64) * n + src)
+        dst, src = (key // n).astype(np.intp), (key % n).astype(np.intp)
         lefts, rights, spans = [], [], []
         for k in merge:
             s, r = int(senders[k]), int(receivers[k])
-            cand = everyone[(everyone != s) & (everyone != r)]
+            lo, hi = np.searchsorted(dst, [r, r + 1])
+            cand = src[lo:hi]
+            cand = cand[cand != s]
             lefts.append(cand)
             rights.append(np.full(len(cand), r, dtype=np.intp))
             spans.append(len(cand))
@@ -577,15 +594,18 @@ class Matchmaker:
         rng: np.random.Generator,
         cluster_min: int,
         admissible: AdmissibilityMask | None = None,
+        seen: list[tuple[NDArray[np.intp], NDArray[np.intp]]] | None = None,
     ) -> _Picked:
         """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat`` and
         ``tables`` (the bandit's pair tables of all of ``mat``). The prefilter's top-k
         search is clustered from ``cluster_min`` agents on. With ``admissible``, only its
-        admissible tuples can be picked."""
+        admissible tuples can be picked. ``seen`` collects the pass's candidate pairs."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
         left, right = self._candidate_pairs(sub, sub_trust, rng, cluster_min)
+        if seen is not None:
+            seen.append((agents[left], agents[right]))
         ok2: NDArray[np.bool_] | None = None
         if admissible is not None:
             ok2 = admissible.pairs(agents[left], agents[right])

@@ -726,8 +726,8 @@ async def test_an_svd_hka_directive_merges_every_usable_sender_and_skips_poisone
     for name in expected:
         torch.testing.assert_close(after[name], expected[name], rtol=1e-4, atol=1e-5)
     for reason in ("non_finite", "norm", "shape", "unavailable"):
-        assert _metric(registry, "peerlm_agent_merge_senders_skipped_total", reason=reason) == 1
-    assert _metric(registry, "peerlm_agent_merge_senders_merged_total") == 2
+        assert _metric(registry, "peerlm_agent_directive_senders_skipped_total", reason=reason) == 1
+    assert _metric(registry, "peerlm_agent_directive_senders_merged_total") == 2
     # Every completed pull counts in Eq. 3's kilobytes, merged or not.
     completed = ("t1", "t2", "nan", "huge", "narrow")
     assert out.kilobytes == pytest.approx(sum(len(t[n].payload or b"") for n in completed) / 1024)
@@ -785,8 +785,8 @@ async def test_a_merge_directive_whose_senders_all_fail_is_refused(world: World,
     after = student.adapter_state()
     assert all(torch.equal(after[k], before[k]) for k in before)
     for reason in ("model_type", "non_finite", "unavailable"):
-        assert _metric(registry, "peerlm_agent_merge_senders_skipped_total", reason=reason) == 1
-    assert _metric(registry, "peerlm_agent_merge_senders_merged_total") == 0
+        assert _metric(registry, "peerlm_agent_directive_senders_skipped_total", reason=reason) == 1
+    assert _metric(registry, "peerlm_agent_directive_senders_merged_total") == 0
 
 
 async def test_co_senders_beyond_the_fan_out_are_skipped(world: World, pki: Path) -> None:

@@ -284,3 +284,31 @@ def test_an_agent_refuses_co_senders_on_a_protocol_that_is_not_a_merge(
     assert directive_action(protocol, role, MENU, MERGE_PROTOCOLS, co_senders=1) == "refuse"
     assert directive_action(protocol, role, MENU, MERGE_PROTOCOLS, co_senders=0) != "refuse"
     assert directive_action("svd_hka", role, MENU, MERGE_PROTOCOLS, co_senders=3) != "refuse"
+
+
+def test_large_rounds_choose_co_senders_among_the_prefiltered_partners() -> None:
+    """From prefilter_min_agents on, a student's co-senders come from its candidate
+    partners of the round (top-k by the cheap score plus random ones), still admissible,
+    distinct and at most k - 1; the overlay lists still narrow them."""
+    rng = np.random.default_rng(11)
+    names = [f"a{k:03d}" for k in range(150)]
+    caps = {
+        n: Capabilities(
+            "ps-a" if k % 5 else "ps-b",
+            ("akd", "svd_hka"),
+            frozenset(names[(k + 1) % 150 : (k + 1) % 150 + 6]) if k % 3 == 0 else None,
+        )
+        for k, n in enumerate(names)
+    }
+    m = Matchmaker(32, seed=3, protocols=("akd", "svd_hka"), merge_senders=4, beta=0.1)
+    filled = 0
+    for _ in range(3):
+        for p in m.select({n: rng.uniform(-1, 1, 32) for n in names}, caps):
+            co = p.co_senders
+            assert len(co) <= 3 and len(set(co)) == len(co)
+            assert p.sender not in co and p.receiver not in co
+            for c in co:
+                assert p.protocol == "svd_hka" and _admissible(c, p.receiver, p.protocol, caps)
+            filled += len(co) == 3
+            m.observe(p, 1.0 if p.protocol == "svd_hka" else -1.0)
+    assert filled > 0
