@@ -35,6 +35,10 @@ Choices the paper leaves open (see also ``docs/matchmaker.md``):
   (:mod:`.prefilter`). The sparse candidate graph can strand agents, so leftovers get
   further passes among themselves until ``K_p`` is met or nobody is left, as Algorithm 2
   would; pairings are best-first within a pass. ``last_candidates`` counts all passes.
+* **Several senders per merge** (``merge_senders`` > 1): after the walk, each merge
+  pairing's receiver gets co-senders, its admissible candidate partners ranked by the UCB
+  of (co-sender, receiver, protocol, role); the walk and the primary pairings are those of
+  ``merge_senders=1``, and :meth:`observe` still updates once, on the primary's context.
 """
 
 from __future__ import annotations
@@ -295,9 +299,9 @@ class Matchmaker:
             the bandit few rewards (docs/matchmaker.md, "Context columns").
         merge_senders: most senders one merge directive (``pmix``, ``svd_hka``) names:
             after the walk, a receiver of a merge pairing gets up to ``merge_senders - 1``
-            co-senders, the admissible agents of the round with the best UCB for
-            (co-sender, receiver, protocol, role); 1 (default): none, selection exactly
-            as without the setting.
+            co-senders, its admissible candidate partners of the round with the best UCB
+            for (co-sender, receiver, protocol, role); 1 (default): none, selection
+            exactly as without the setting.
     """
 
     def __init__(
