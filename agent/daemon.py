@@ -887,8 +887,24 @@ class AgentDaemon:
         from peerlm.services.cpm import MERGE_PROTOCOLS
 
         action = directive_action(
-            directive.protocol, directive.role, self.protocols, MERGE_PROTOCOLS
+            directive.protocol,
+            directive.role,
+            self.protocols,
+            MERGE_PROTOCOLS,
+            len(directive.co_senders),
         )
+        if action == "refuse" and directive.protocol in self.protocols:
+            # Co-senders on a protocol that is not a merge: a directive no CPM sends. Not
+            # reported (it says nothing about the tuple); the directive expires unrewarded.
+            self._exchange_failed(
+                directive,
+                "malformed_directive",
+                ValueError(
+                    f"{len(directive.co_senders)} co-senders on protocol "
+                    f"{directive.protocol[:32]!r}, which is not a merge"
+                ),
+            )
+            return False
         if action == "refuse":
             self._exchange_failed(
                 directive,
@@ -1165,8 +1181,8 @@ class AgentDaemon:
 
     async def _merge_from(self, d: cpm_pb2.Directive, t: int) -> None:
         """Student side of a merge directive (``pmix``/``svd_hka``): pull the teacher's
-        adapter, merge it by the directive's protocol, report Eq. 3
-        (:mod:`peerlm.agent.merge_directive`)."""
+        adapter and each co-sender's, merge the usable ones by the directive's protocol,
+        report Eq. 3 once (:mod:`peerlm.agent.merge_directive`)."""
         from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
         from peerlm.agent.overlay_step import pull_settings
 
@@ -1190,6 +1206,7 @@ class AgentDaemon:
                 else None,
                 round_=t,
                 reward_examples=self.reward_examples,
+                co_senders=[(c.name, c.endpoint) for c in d.co_senders],
             )
         except MergeRefused as exc:
             self._exchange_failed(d, "adapter_refused", exc)
@@ -1221,6 +1238,8 @@ class AgentDaemon:
             *outcome,
             kilobytes=round(result.kilobytes, 1),
             normalised=round(ack.normalised_reward, 4),
+            merged=list(result.merged),
+            skipped={r.peer: r.reason for r in result.skipped},
         )
 
     @staticmethod

@@ -59,6 +59,7 @@ def directive_action(
     role: cpm_pb2.ExchangeRole.ValueType,
     executed: Collection[str],
     merges: Collection[str],
+    co_senders: int = 0,
 ) -> DirectiveAction:
     """The round loop's move for a directive of ``protocol`` addressed to us as ``role``,
     given the protocols this agent ``executed`` (advertised in its profile) and the merge
@@ -66,8 +67,11 @@ def directive_action(
     server, which imports this module, does not load the CPM library): ``refuse`` a
     protocol it does not execute (whatever the CPM sent); as student ``merge`` the
     teacher's adapter or ``learn`` its package by AKD; as teacher ``serve_adapter`` (a
-    merge: nothing to build) or ``teach`` (build the package)."""
-    if protocol not in executed:
+    merge: nothing to build) or ``teach`` (build the package). A directive naming
+    ``co_senders`` (further senders, ``Directive.co_senders``) on a protocol that is not a
+    merge is refused whatever the role: the CPM never sends one, and AKD has no way to use
+    several teachers' packages in one exchange."""
+    if protocol not in executed or (co_senders and protocol not in merges):
         return "refuse"
     merge = protocol in merges
     if role == cpm_pb2.EXCHANGE_ROLE_STUDENT:

@@ -1,37 +1,47 @@
-"""A CPM merge directive, student side: pull the teacher's adapter, merge it, measure Eq. 3.
+"""A CPM merge directive, student side: pull the senders' adapters, merge them, measure Eq. 3.
 
 A directive of protocol ``pmix`` or ``svd_hka`` (the CPM's menu, ``docs/matchmaker.md``)
-names a teacher whose adapter the student merges with its own. This is the overlay's
-pull-and-aggregate step (:func:`~peerlm.agent.pull_aggregate.pull_and_aggregate`) with one
-candidate, the teacher, at the address and under the name the directive gives: the same
-pull (``PeerExchange.PullAdapter`` over mTLS, the teacher's sender proof required), the
-same adapter checks (base model type, tokenizer, LoRA ``r``/``alpha``, tensor names and
-shapes, finite values, norm bound), the same aggregation code (PDFL step, or OnePeFT's SVD
-+ HKA on the student's public pairs) and the same acceptance gate.
+names a teacher, and with the CPM's ``merge_senders`` > 1 up to ``merge_senders - 1``
+co-senders (``Directive.co_senders``), whose adapters the student merges with its own.
+This is the overlay's pull-and-aggregate step
+(:func:`~peerlm.agent.pull_aggregate.pull_and_aggregate`) with the directive's senders as
+the candidates, at the addresses and under the names the directive gives: the same pull
+(``PeerExchange.PullAdapter`` over mTLS, each sender's proof required), the same adapter
+checks (base model type, tokenizer, LoRA ``r``/``alpha``, tensor names and shapes, finite
+values, norm bound), the same aggregation code (PDFL step, or OnePeFT's SVD + HKA on the
+student's public pairs, Eq. 3 over its own and every usable sender's adapter) and the same
+acceptance gate.
 
 The reward is Eq. 3 measured as AKD measures it: the validation loss right before and
 right after the merge (the gate's two measurements, the post-merge one bounded as
 :func:`~peerlm.agent.acceptance.judge` reports it), minus ``delta`` times the kilobytes
-pulled. A merge the gate rolls back still reports its (negative) reward, as AKD does.
-With ``reward_examples`` (the agent's ``reward_file``: a labelled public probe) the losses
-of a merge that stands are measured on them, right before the pull and right after the
-merge, exactly as :func:`~peerlm.agent.rounds.integrate_package` does for AKD, so rewards
-stay comparable across protocols.
+pulled (every sender's). A merge the gate rolls back still reports its (negative) reward,
+as AKD does. One reward per directive, however many senders it names. With
+``reward_examples`` (the agent's ``reward_file``: a labelled public probe) the losses of a
+merge that stands are measured on them, right before the pull and right after the merge,
+exactly as :func:`~peerlm.agent.rounds.integrate_package` does for AKD, so rewards stay
+comparable across protocols.
 
 Choices made here:
 
-* **The teacher counts like one overlay neighbour of similarity 1.** PDFL's weights are a
+* **Every sender counts like one overlay neighbour of similarity 1.** PDFL's weights are a
   softmax over similarities with our own entry included (``kappa``); a directive carries
-  no similarity, so the teacher gets the value of a perfect match and the mix is the
-  PDFL step's for one neighbour. SVD+HKA weights the two adapters the same way.
+  no similarity, so each sender gets the value of a perfect match. SVD+HKA weights the
+  adapters the same way: lambda_i of OnePeFT's Eq. 3 is uniform over our own adapter and
+  the usable senders' (the paper's default, data share, needs each client's data size,
+  which peers do not disclose).
 * **No gate configured still measures.** With ``acceptance_margin`` unset the gate runs
   with no margin: it measures both losses (the reward needs them) and never rolls back.
-* **A teacher whose adapter cannot be merged fails the directive.** Unreachable, refused,
-  of another shape or backbone, non-finite, too large: :class:`MergeRefused` with the
-  pull's reason; the student's adapter is untouched. The daemon counts it as a failed
+* **A sender that fails is skipped; the directive fails only when none is usable.**
+  Unreachable, refused, of another shape or backbone, non-finite, too large, over the norm
+  bound (a poisoned adapter): that sender is left out of the merge, listed in
+  :attr:`MergeOutcome.skipped` and counted in
+  ``peerlm_agent_directive_senders_skipped_total{reason}`` (its pull's reason). When no
+  sender's adapter is usable: :class:`MergeRefused` with the teacher's reason (else the
+  first sender's); the student's adapter is untouched. The daemon counts it as a failed
   exchange (``peerlm_agent_exchange_failures_total{reason="adapter_refused"}``), like an
-  AKD package that cannot be used, and reports the refusal to the CPM by the pull's
-  reason (:func:`peerlm.agent.directives.refusal_failure`), so its bandit learns it.
+  AKD package that cannot be used, and reports the refusal to the CPM by that reason
+  (:func:`peerlm.agent.directives.refusal_failure`), so its bandit learns it.
 """
 
 from __future__ import annotations
@@ -51,11 +61,15 @@ from peerlm.agent.pull_aggregate import (
 )
 from peerlm.agent.rounds import reward_eq3
 from peerlm.agent.training import TrainSettings
+from peerlm.overlay import Refusal
 from peerlm.services.cpm import MERGE_PROTOCOLS, PMIX, SVD_HKA
 
 from peerlm.node import NodeContext
 
 __all__ = ["MergeOutcome", "MergeRefused", "merge_from_teacher"]
+
+#: Refusal reasons that are an outcome of the whole merge, not a sender's fault.
+_NOT_SKIPS = frozenset({"rolled_back"})
 
 
 class MergeRefused(Exception):
@@ -69,7 +83,10 @@ class MergeRefused(Exception):
 
 @dataclass(frozen=True)
 class MergeOutcome:
-    """What merging the teacher's adapter did, and Eq. 3's reward for it."""
+    """What merging the senders' adapters did, and Eq. 3's reward for it.
+
+    ``merged``: the senders whose adapters went into the merge (empty when the gate rolled
+    it back); ``skipped``: the senders left out, with their reasons."""
 
     protocol: str
     loss_pre: float
@@ -78,6 +95,8 @@ class MergeOutcome:
     reward: float
     rolled_back: bool
     report: PullReport
+    merged: tuple[str, ...] = ()
+    skipped: tuple[Refusal, ...] = ()
 
 
 async def merge_from_teacher(
@@ -97,20 +116,26 @@ async def merge_from_teacher(
     hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
     round_: int = 0,
     reward_examples: Sequence[tuple[str, str]] | None = None,
+    co_senders: Sequence[tuple[str, str]] = (),
 ) -> MergeOutcome:
-    """Pull ``teacher``'s adapter from ``endpoint`` and merge it by ``protocol``.
+    """Pull ``teacher``'s adapter from ``endpoint`` (and each of ``co_senders``, ``(name,
+    endpoint)``) and merge them by ``protocol``.
 
     ``pull`` supplies the limits and coefficients (the agent's overlay settings); its
-    ``method`` is replaced by ``protocol`` and its fan-out by 1. ``svd_hka`` needs ``hka``
-    (public pairs and training settings): ``ValueError`` before anything is pulled
-    otherwise, as for a protocol that is not a merge. Raises :class:`MergeRefused` when the
-    adapter is not merged (the host unchanged).
+    ``method`` is replaced by ``protocol`` and its fan-out by the number of senders (at
+    most ``pull.max_peers``: further co-senders are skipped, reason ``over_limit``).
+    ``svd_hka`` needs ``hka`` (public pairs and training settings): ``ValueError`` before
+    anything is pulled otherwise, as for a protocol that is not a merge. A sender whose
+    adapter cannot be used is skipped and counted (module docstring); raises
+    :class:`MergeRefused` when no sender's adapter was merged (the host unchanged).
     """
     if protocol not in MERGE_PROTOCOLS:
         raise ValueError(f"{protocol!r} is not a merge protocol ({PMIX}, {SVD_HKA})")
     if protocol == SVD_HKA and (hka is None or not hka[0]):
         raise ValueError("svd_hka needs public (prompt, completion) pairs for HKA")
-    settings = pull.model_copy(update={"method": protocol, "max_peers": 1})
+    senders = [(teacher, endpoint), *co_senders]
+    fan_out = min(len(senders), pull.max_peers)
+    settings = pull.model_copy(update={"method": protocol, "max_peers": fan_out})
     gate = AcceptanceGate(val_examples, margin, max_length)
     probe = list(reward_examples or ())
 
@@ -121,10 +146,17 @@ async def merge_from_teacher(
         return await run_model(measure) if run_model is not None else measure()
 
     probe_pre = await probe_loss() if probe else None
+    # The fan-out is cut here, in the directive's order (teacher first, then co-senders
+    # best UCB first): with equal similarities the pull's own cut would go by name.
+    ranked = [Candidate(name, address, 1.0) for name, address in senders[:fan_out]]
+    beyond = [
+        Refusal(name, "over_limit", f"beyond the {fan_out} senders this agent pulls")
+        for name, _ in senders[fan_out:]
+    ]
     report = await pull_and_aggregate(
         ctx,
         host,
-        [Candidate(teacher, endpoint, 1.0)],
+        ranked,
         settings=settings,
         run_model=run_model,
         round_=round_,
@@ -132,10 +164,31 @@ async def merge_from_teacher(
         hka=hka,
         kind="merge",
     )
+    names = {name for name, _ in senders}
+    skipped = tuple(
+        r for r in (*report.refused, *beyond) if r.reason not in _NOT_SKIPS and r.peer in names
+    )
+    counter = ctx.counter(
+        "peerlm_agent_directive_senders_skipped_total",
+        "Senders of a CPM merge directive whose adapter was not merged (unreachable, "
+        "refused, another parameter space, non-finite, over the norm bound, ...), by reason",
+        ("reason",),
+    )
+    for refusal in skipped:
+        counter.labels(refusal.reason).inc()
+    if report.applied or report.rolled_back:
+        merged = tuple(p.peer for p in report.pulled)
+        if merged:
+            ctx.counter(
+                "peerlm_agent_directive_senders_merged_total",
+                "Senders' adapters merged by CPM merge directives",
+            ).inc(len(merged))
     if not report.applied and not report.rolled_back:
-        refusal = next((r for r in report.refused if r.peer == teacher), None)
-        if refusal is None:
+        # The teacher's reason when it failed, else the first skipped sender's.
+        first = [r for r in skipped if r.peer == teacher] + list(skipped)
+        if not first:
             raise MergeRefused("not_integrated", "the aggregation left the adapter unchanged")
+        refusal = first[0]
         raise MergeRefused(refusal.reason, refusal.detail)
     kilobytes = report.bytes_received / 1024.0
     pre, post = report.loss_pre, report.loss_post
@@ -144,4 +197,14 @@ async def merge_from_teacher(
     reward = reward_eq3(pre, post, kilobytes, reward_gamma, reward_delta)
     if not math.isfinite(reward):
         raise MergeRefused("non_finite", f"reward not finite (L_pre={pre}, L_post={post})")
-    return MergeOutcome(protocol, pre, post, kilobytes, reward, report.rolled_back, report)
+    return MergeOutcome(
+        protocol,
+        pre,
+        post,
+        kilobytes,
+        reward,
+        report.rolled_back,
+        report,
+        merged=tuple(p.peer for p in report.pulled),
+        skipped=skipped,
+    )

@@ -136,6 +136,7 @@ async def _run(
     console: Console | None,
     protocols: tuple[str, ...] = ("akd",),
     round_of: Callable[[str], int] | None = None,
+    merge_senders: int = 1,
 ) -> dict[str, Any]:
     # Imported here: the CPM package loads the matchmaking library (scikit-learn, SciPy),
     # seconds that every `peerlm` process would pay when the CLI mounts `up`.
@@ -154,6 +155,8 @@ async def _run(
     # Dev pace: the timer matches whoever is waiting after 15 s (30 s in production) when an
     # agent is missing; shorter fragments rounds when agents of different speeds finish apart.
     dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "15", "PEERLM_CPM_PROTOCOLS": json.dumps(protocols)}
+    if merge_senders != 1:
+        dev_env["PEERLM_CPM_MERGE_SENDERS"] = str(merge_senders)
     started = time.monotonic()
     cpm = _spawn(cpm_args, fed.logs / "cpm.log", subprocess.DEVNULL, dev_env)
     procs: list[subprocess.Popen[bytes]] = []
@@ -648,6 +651,15 @@ def up_command(
             "probe's problems of the categories it lacks); docs/experiment.md."
         ),
     ] = RealPlan.reward,
+    merge_senders: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=16,
+            help="Most senders one CPM merge directive (pmix, svd_hka) names: the teacher "
+            "and up to this many minus one co-senders (docs/matchmaker.md).",
+        ),
+    ] = 1,
     workflow: Annotated[
         bool,
         typer.Option(
@@ -684,6 +696,8 @@ def up_command(
         )
     if simulated and menu != ("akd",):
         raise typer.BadParameter("simulated agents execute akd only: leave --protocols out")
+    if merge_senders != 1 and not set(menu) & {"pmix", "svd_hka"}:
+        raise typer.BadParameter("--merge-senders applies to merge protocols: add pmix or svd_hka")
     if workflow:
         from peerlm.app.devfed_workflow import WORKFLOW_AGENTS
 
@@ -745,7 +759,17 @@ def up_command(
 
             round_of = LogRounds(fed.logs, "fedwave_round_done")
         result = asyncio.run(
-            _run(fed, names, rounds, argv, metrics_port, console, menu, round_of=round_of)
+            _run(
+                fed,
+                names,
+                rounds,
+                argv,
+                metrics_port,
+                console,
+                menu,
+                round_of=round_of,
+                merge_senders=merge_senders,
+            )
         )
     except KeyboardInterrupt:
         if console:

@@ -319,6 +319,9 @@ class ExperimentPlan:
     # all 32) and its exploration weight (None: the service's default, 1.0).
     cpm_context_columns: tuple[int, ...] | None = None
     cpm_beta: float | None = None
+    # Most senders of one merge directive (``CpmSettings.merge_senders``): the CPM's
+    # merge pairings name up to this many senders whose adapters the student merges.
+    cpm_merge_senders: int = 1
     # One model family for every client (ARCHS' names); None: client i hosts ARCHS[i % 4].
     family: str | None = None
     # FedProxy (peerlm.app.experiment_fedproxy): the compression ratio κ (share of blocks
@@ -409,6 +412,8 @@ class ExperimentPlan:
         given: dict[str, Any] = {"seed": seed, "protocols": protocols}
         if self.cpm_beta is not None:
             given["beta"] = self.cpm_beta
+        if self.cpm_merge_senders != 1:
+            given["merge_senders"] = self.cpm_merge_senders
         try:
             return CpmSettings(
                 **given,
@@ -704,6 +709,7 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
             matching=s.matching,
             ridge=s.ridge,
             context_columns=s.context_columns,
+            merge_senders=s.merge_senders,
         )
     return None
 
@@ -1093,16 +1099,29 @@ def _menu_exchange(
             reward = result.reward
             record = _record(teacher.name, student.name, result, None)
         else:
-            state = {k: v.clone() for k, v in teacher.host.adapter_state().items()}
-            kb = sum(v.numel() * v.element_size() for v in state.values()) / 1024
+            # The teacher and the pairing's co-senders (merge_senders > 1): every adapter
+            # the directive names, each counted like one neighbour of similarity 1, as the
+            # agent does (agent/merge_directive.py).
+            senders = [teacher, *(by_name[c] for c in pairing.co_senders)]
+            states = {
+                c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in senders
+            }
+            kb = (
+                sum(
+                    v.numel() * v.element_size()
+                    for state in states.values()
+                    for v in state.values()
+                )
+                / 1024
+            )
             settings = PullSettings.model_validate(
                 {"method": pairing.protocol, "hka_steps": plan.integration_steps}
             )
             gate = AcceptanceGate(_reward_examples(world, student, i), None)
             _report, verdict, pre = integrate_adapters(
                 student.host,
-                {teacher.name: state},
-                {teacher.name: 1.0},
+                states,
+                dict.fromkeys(states, 1.0),
                 settings,
                 student.name,
                 gate,
@@ -1115,6 +1134,7 @@ def _menu_exchange(
             )
             record = {
                 "teacher": teacher.name,
+                "co_senders": list(pairing.co_senders),
                 "student": student.name,
                 "mode": pairing.protocol,
                 "loss_pre": round(pre, 5),
@@ -1396,6 +1416,7 @@ _CPM_ONLY_FIELDS: tuple[str, ...] = (
     # Where rewards are measured steers only a bandit: a stored run of another strategy
     # keeps the rewards it measured under its own scope (reported, never acted on).
     "probe_scope",
+    "cpm_merge_senders",
 )
 
 

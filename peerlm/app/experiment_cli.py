@@ -128,6 +128,14 @@ def run_experiment_command(
     cpm_beta: Annotated[
         float | None, typer.Option(min=0.0, help="The CPM's exploration weight (default 1.0).")
     ] = None,
+    merge_senders: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Most senders of one CPM merge directive (pmix, svd_hka): the CPM "
+            "strategies' merges name up to this many senders (default 1).",
+        ),
+    ] = None,
     reuse: Annotated[
         list[Path] | None,
         typer.Option(
@@ -197,6 +205,8 @@ def run_experiment_command(
             overrides["cpm_context_columns"] = context_columns(cpm_columns)
         if cpm_beta is not None:
             overrides["cpm_beta"] = cpm_beta
+        if merge_senders is not None:
+            overrides["cpm_merge_senders"] = merge_senders
         plan = quick_plan(**overrides) if quick else ExperimentPlan(**overrides)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

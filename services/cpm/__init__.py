@@ -23,7 +23,7 @@ from .baselines import (
 from .features import ContextFeatures, FeatureLayout
 from .linucb import LinUCB
 from .matching import greedy_disjoint, max_weight_disjoint
-from .matchmaker import Matchmaker, MatchmakerState, Pairing, PairingPolicy
+from .matchmaker import MAX_MERGE_SENDERS, Matchmaker, MatchmakerState, Pairing, PairingPolicy
 from .menu import (
     MAX_OVERLAY_PEERS,
     MENU,
@@ -68,6 +68,7 @@ __all__ = [
     "DYNAMIC_SLICE",
     "EPS",
     "MAX_ABS_PROFILE_VALUE",
+    "MAX_MERGE_SENDERS",
     "MAX_OVERLAY_PEERS",
     "MENU",
     "MERGE_PROTOCOLS",

@@ -301,6 +301,7 @@ class CpmCore:
             prefilter_min_agents=settings.prefilter_min_agents,
             ridge=settings.ridge,
             context_columns=settings.context_columns,
+            merge_senders=settings.merge_senders,
         )
 
     # ------------------------------------------------------------ bandit state
@@ -538,6 +539,7 @@ class CpmCore:
             ucb=float(pairing.ucb),
             issued_at=now,
             expires_at=now + self._s.directive_ttl_s,
+            co_senders=tuple((c, self._profiles[c].endpoint) for c in pairing.co_senders),
         )
 
     def open_directives_for(self, agent: str) -> list[DirectiveRecord]:

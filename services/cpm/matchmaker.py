@@ -35,6 +35,10 @@ Choices the paper leaves open (see also ``docs/matchmaker.md``):
   (:mod:`.prefilter`). The sparse candidate graph can strand agents, so leftovers get
   further passes among themselves until ``K_p`` is met or nobody is left, as Algorithm 2
   would; pairings are best-first within a pass. ``last_candidates`` counts all passes.
+* **Several senders per merge** (``merge_senders`` > 1): after the walk, each merge
+  pairing's receiver gets co-senders, its admissible candidate partners ranked by the UCB
+  of (co-sender, receiver, protocol, role); the walk and the primary pairings are those of
+  ``merge_senders=1``, and :meth:`observe` still updates once, on the primary's context.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import gc
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -52,7 +56,7 @@ from numpy.typing import ArrayLike, NDArray
 from .features import ContextFeatures
 from .linucb import LinUCB, PairTables
 from .matching import greedy_disjoint, max_weight_disjoint
-from .menu import AdmissibilityMask, Capabilities
+from .menu import MERGE_PROTOCOLS, AdmissibilityMask, Capabilities
 from .normalise import RewardNormaliser, check_reward
 from .prefilter import (
     DEFAULT_CLUSTER_MIN_AGENTS,
@@ -64,8 +68,11 @@ from .prefilter import (
 from .profile import check_context_columns, validate_profiles
 from .trust import TrustLedger
 
-__all__ = ["Matchmaker", "MatchmakerState", "Pairing", "PairingPolicy"]
+__all__ = ["MAX_MERGE_SENDERS", "Matchmaker", "MatchmakerState", "Pairing", "PairingPolicy"]
 
+#: Most senders one merge directive may name (the primary and its co-senders): the
+#: student pulls each adapter, so this bounds one directive's fan-out.
+MAX_MERGE_SENDERS = 16
 #: Seeded random partners per agent added by the prefilter (exploration beyond top-k).
 DEFAULT_PREFILTER_RANDOM = 2
 # Refill passes per select (each pairs leftovers of the previous; two or three suffice).
@@ -94,7 +101,10 @@ class Pairing:
     ``context`` is the x that was scored (stored read-only: :meth:`Matchmaker.observe`
     updates with exactly this vector); ``ucb`` and ``mean`` are ``theta^T x + beta *
     sqrt(x^T A^-1 x)`` and ``theta^T x`` at selection time. Baselines fill ``context``
-    and the scores as their docstrings say.
+    and the scores as their docstrings say. ``co_senders``: further senders of a merge
+    protocol whose adapters the receiver merges with the sender's (``merge_senders``,
+    best UCB first; ``()`` for every other pairing). ``context`` and the reward stay the
+    primary ``sender``'s (docs/matchmaker.md, "Several senders per merge directive").
     """
 
     sender: str
@@ -104,6 +114,7 @@ class Pairing:
     context: NDArray[np.float64] = field(repr=False)
     ucb: float
     mean: float
+    co_senders: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         arr = np.asarray(self.context, dtype=np.float64)
@@ -140,6 +151,7 @@ class Pairing:
                         "context": context,
                         "ucb": ucb,
                         "mean": mean,
+                        "co_senders": (),
                     },
                 )
                 append(obj)
@@ -151,6 +163,7 @@ class Pairing:
         return (
             (self.sender, self.receiver, self.protocol, self.role, self.ucb, self.mean)
             == (other.sender, other.receiver, other.protocol, other.role, other.ucb, other.mean)
+            and self.co_senders == other.co_senders
             and self.context.shape == other.context.shape
             and bool(np.array_equal(self.context, other.context))
         )
@@ -284,6 +297,11 @@ class Matchmaker:
             ``profile_dim`` profile, in this order); ``None``: all of them. Profiles are
             still validated whole. A context of few columns suits a federation that gives
             the bandit few rewards (docs/matchmaker.md, "Context columns").
+        merge_senders: most senders one merge directive (``pmix``, ``svd_hka``) names:
+            after the walk, a receiver of a merge pairing gets up to ``merge_senders - 1``
+            co-senders, its admissible candidate partners of the round with the best UCB
+            for (co-sender, receiver, protocol, role); 1 (default): none, selection
+            exactly as without the setting.
     """
 
     def __init__(
@@ -305,6 +323,7 @@ class Matchmaker:
         prefilter_cluster_min_agents: int = DEFAULT_CLUSTER_MIN_AGENTS,
         score_precision: Literal["float32", "float64"] = "float32",
         context_columns: Sequence[int] | None = None,
+        merge_senders: int = 1,
     ) -> None:
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError("beta must be a finite number >= 0")
@@ -322,6 +341,12 @@ class Matchmaker:
             raise ValueError(
                 f"score_precision must be 'float32' or 'float64', got {score_precision!r}"
             )
+        if not isinstance(merge_senders, int) or not 1 <= merge_senders <= MAX_MERGE_SENDERS:
+            raise ValueError(
+                f"merge_senders must be an integer in [1, {MAX_MERGE_SENDERS}], "
+                f"got {merge_senders!r}"
+            )
+        self._merge_senders = merge_senders
         self._profile_dim = int(profile_dim)
         self._columns = check_context_columns(context_columns, self._profile_dim)
         self._features = ContextFeatures(
@@ -446,9 +471,14 @@ class Matchmaker:
         tables = self._bandit.pair_tables(
             self._features.layout, mat, trust, dtype=self._score_dtype
         )
+        # The candidate pairs every pass scored: a merge student's co-senders are chosen
+        # among its candidate partners (all agents below the prefilter's threshold).
+        seen: list[tuple[NDArray[np.intp], NDArray[np.intp]]] | None = (
+            [] if self._merge_senders > 1 else None
+        )
         for _ in range(_MAX_PASSES):
             picked = self._select_pass(
-                free, mat, trust, tables, budget - n_chosen, rng, cluster_min, admissible
+                free, mat, trust, tables, budget - n_chosen, rng, cluster_min, admissible, seen
             )
             if not len(picked.senders):
                 break
@@ -476,7 +506,7 @@ class Matchmaker:
         # Read-only, so each Pairing can hold a row view instead of a copy.
         contexts.flags.writeable = False
         names = [(p, r) for p in self._features.protocols for r in self._features.roles]
-        return Pairing._trusted_batch(
+        pairings = Pairing._trusted_batch(
             (ids[s], ids[r], *names[c], row, u, mu)
             for s, r, c, row, u, mu in zip(
                 senders.tolist(),
@@ -488,6 +518,75 @@ class Matchmaker:
                 strict=True,
             )
         )
+        if seen is not None:
+            co = self._co_senders(ids, tables, senders, receivers, combo, admissible, seen)
+            pairings = [
+                replace(p, co_senders=c) if c else p for p, c in zip(pairings, co, strict=True)
+            ]
+        return pairings
+
+    def _co_senders(
+        self,
+        ids: Sequence[str],
+        tables: PairTables,
+        senders: NDArray[np.intp],
+        receivers: NDArray[np.intp],
+        combo: NDArray[np.intp],
+        admissible: AdmissibilityMask | None,
+        seen: Sequence[tuple[NDArray[np.intp], NDArray[np.intp]]],
+    ) -> list[tuple[str, ...]]:
+        """Up to ``merge_senders - 1`` co-senders for each merge pairing (``()`` for the
+        others): the receiver's candidate partners of this round's passes (``seen``: every
+        other agent below the prefilter's threshold; its prefiltered top-k and random
+        partners above, so a round costs O(N (k + r)) more scores, not O(N^2)) but the
+        pairing's sender, admissible for
+        (co-sender -> receiver, the pairing's protocol and role) under the same mask as
+        the walk (same parameter space, executes the protocol, on the receiver's overlay
+        list when it reported one), ranked by that tuple's UCB, best first; exact ties to
+        the lower index (sorted name). Co-senders need not be otherwise unmatched: they
+        only serve their adapter (an open ``PullAdapter``), so serving one more student
+        costs them no round and takes no pairing from anyone."""
+        n, n_roles = len(ids), len(self._features.roles)
+        out: list[tuple[str, ...]] = [()] * len(senders)
+        merge = [
+            k
+            for k, c in enumerate(combo.tolist())
+            if self._features.protocols[c // n_roles] in MERGE_PROTOCOLS
+        ]
+        if not merge or n < 3:
+            return out
+        # Both directions of every candidate pair: partner -> agent.
+        src = np.concatenate([a for pair in seen for a in (pair[0], pair[1])])
+        dst = np.concatenate([a for pair in seen for a in (pair[1], pair[0])])
+        # Sorted by receiver, then partner: one slice per receiver, partners ascending
+        # (exact UCB ties then fall to the lower index), duplicates of passes dropped.
+        key = np.unique(dst.astype(np.int64) * n + src)
+        dst, src = (key // n).astype(np.intp), (key % n).astype(np.intp)
+        lefts, rights, spans = [], [], []
+        for k in merge:
+            s, r = int(senders[k]), int(receivers[k])
+            lo, hi = np.searchsorted(dst, [r, r + 1])
+            cand = src[lo:hi]
+            cand = cand[cand != s]
+            lefts.append(cand)
+            rights.append(np.full(len(cand), r, dtype=np.intp))
+            spans.append(len(cand))
+        left, right = np.concatenate(lefts), np.concatenate(rights)
+        ucb2, _ = self._bandit.score_pair_tables(tables, left, right, self._beta)
+        # Forward columns (left -> right: the candidate sends to the receiver).
+        cols = np.repeat(combo[merge], spans)
+        rows = np.arange(len(left))
+        ucb = ucb2[rows, cols]
+        if admissible is not None:
+            ucb = np.where(admissible.pairs(left, right)[rows, cols], ucb, -np.inf)
+        start = 0
+        for k, span in zip(merge, spans, strict=True):
+            cand, u = left[start : start + span], ucb[start : start + span]
+            start += span
+            order = np.argsort(-u, kind="stable")
+            order = order[np.isfinite(u[order])][: self._merge_senders - 1]
+            out[k] = tuple(ids[int(i)] for i in cand[order])
+        return out
 
     def _select_pass(
         self,
@@ -499,15 +598,18 @@ class Matchmaker:
         rng: np.random.Generator,
         cluster_min: int,
         admissible: AdmissibilityMask | None = None,
+        seen: list[tuple[NDArray[np.intp], NDArray[np.intp]]] | None = None,
     ) -> _Picked:
         """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat`` and
         ``tables`` (the bandit's pair tables of all of ``mat``). The prefilter's top-k
         search is clustered from ``cluster_min`` agents on. With ``admissible``, only its
-        admissible tuples can be picked."""
+        admissible tuples can be picked. ``seen`` collects the pass's candidate pairs."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
         left, right = self._candidate_pairs(sub, sub_trust, rng, cluster_min)
+        if seen is not None:
+            seen.append((agents[left], agents[right]))
         ok2: NDArray[np.bool_] | None = None
         if admissible is not None:
             ok2 = admissible.pairs(agents[left], agents[right])
@@ -725,4 +827,5 @@ class Matchmaker:
             "prefilter_cluster_min_agents": self._prefilter_cluster_min_agents,
             "score_precision": self._score_precision,
             "context_dim": self.context_dim,
+            "merge_senders": self._merge_senders,
         }

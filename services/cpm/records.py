@@ -67,6 +67,10 @@ class DirectiveRecord:
     expires_at: float
     status: DirectiveStatus = DirectiveStatus.OPEN
     reward: RewardRecord | None = None
+    #: Further senders of a merge directive, ``(name, endpoint)``, best UCB first
+    #: (``merge_senders``); ``()`` for a one-sender directive. The reward and ``context``
+    #: stay the teacher's.
+    co_senders: tuple[tuple[str, str], ...] = ()
 
     def with_status(
         self, status: DirectiveStatus, reward: RewardRecord | None = None

@@ -173,6 +173,7 @@ def directive_message(d: DirectiveRecord, recipient: str) -> cpm_pb2.Directive:
         peer=common_pb2.PeerAddress(name=peer_name, endpoint=peer_endpoint),
         issued_at=_timestamp(d.issued_at),
         expires_at=_timestamp(d.expires_at),
+        co_senders=[common_pb2.PeerAddress(name=n, endpoint=e) for n, e in d.co_senders],
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS
 from peerlm.services.cpm.menu import MENU
 from peerlm.services.cpm.profile import check_context_columns
 from pydantic import Field, field_validator, model_validator
@@ -42,6 +43,11 @@ class CpmSettings(ServiceSettings):
     # "Context columns"). Part of the database's fingerprint when set.
     context_columns: tuple[int, ...] | None = None
     matching: Literal["greedy", "blossom"] = "greedy"
+    # Most senders one merge directive (pmix, svd_hka) names: the pairing's teacher and up
+    # to merge_senders - 1 co-senders ranked by UCB (docs/matchmaker.md, "Several senders
+    # per merge directive"). 1: one sender, as before. Not part of the database's
+    # fingerprint: the bandit learns from the primary sender's context either way.
+    merge_senders: int = Field(default=1, ge=1, le=MAX_MERGE_SENDERS)
     prefilter_k: int = Field(default=8, ge=1)
     prefilter_min_agents: int = Field(default=64, ge=2)
     seed: int = 0

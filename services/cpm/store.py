@@ -18,6 +18,7 @@ Arrays are stored as raw little-endian float64 bytes, never pickled.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
@@ -226,7 +227,8 @@ CREATE TABLE IF NOT EXISTS directives (
     status TEXT NOT NULL,
     reward REAL, normalised_reward REAL, loss_pre REAL, loss_post REAL,
     kilobytes INTEGER, rewarded_at REAL, reward_seq INTEGER,
-    failure TEXT NOT NULL DEFAULT ''
+    failure TEXT NOT NULL DEFAULT '',
+    co_senders TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS directives_open ON directives(status) WHERE status = 'open';
 """
@@ -252,6 +254,12 @@ _MIGRATIONS = (
     ),
     # Refused exchanges (services/cpm/refusals.py): the reason, "" for a reward.
     ("directives", "failure", "ALTER TABLE directives ADD COLUMN failure TEXT NOT NULL DEFAULT ''"),
+    # Several senders per merge directive: JSON [[name, endpoint], ...], "" for none.
+    (
+        "directives",
+        "co_senders",
+        "ALTER TABLE directives ADD COLUMN co_senders TEXT NOT NULL DEFAULT ''",
+    ),
 )
 _LEDGER_INDEX = (
     "CREATE UNIQUE INDEX IF NOT EXISTS directives_reward_seq ON directives(reward_seq)"
@@ -266,6 +274,13 @@ def _blob(a: NDArray[np.float64]) -> bytes:
 def _array(blob: bytes, shape: tuple[int, ...]) -> NDArray[np.float64]:
     arr = np.frombuffer(blob, dtype="<f8").astype(np.float64)
     return arr.reshape(shape)
+
+
+def _co_senders(text: str) -> tuple[tuple[str, str], ...]:
+    """The stored co-senders column (JSON ``[[name, endpoint], ...]``; "" for none)."""
+    if not text:
+        return ()
+    return tuple((str(name), str(endpoint)) for name, endpoint in json.loads(text))
 
 
 class SqliteCpmStore(CpmStore):
@@ -422,6 +437,7 @@ class SqliteCpmStore(CpmStore):
                 d.issued_at,
                 d.expires_at,
                 d.status.value,
+                json.dumps([list(c) for c in d.co_senders]) if d.co_senders else "",
             )
             for d in directives
         ]
@@ -430,7 +446,8 @@ class SqliteCpmStore(CpmStore):
                 db.executemany(
                     "INSERT INTO directives(directive_id, matchmaking_round, protocol, role,"
                     " teacher, student, teacher_endpoint, student_endpoint, context, ucb,"
-                    " issued_at, expires_at, status) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " issued_at, expires_at, status, co_senders)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     rows,
                 )
             except sqlite3.IntegrityError as exc:
@@ -443,7 +460,7 @@ class SqliteCpmStore(CpmStore):
     _DIRECTIVE_COLUMNS = (
         "directive_id, matchmaking_round, protocol, role, teacher, student, teacher_endpoint,"
         " student_endpoint, context, ucb, issued_at, expires_at, status, reward,"
-        " normalised_reward, loss_pre, loss_post, kilobytes, rewarded_at, failure"
+        " normalised_reward, loss_pre, loss_post, kilobytes, rewarded_at, failure, co_senders"
     )
 
     @staticmethod
@@ -477,6 +494,7 @@ class SqliteCpmStore(CpmStore):
             expires_at=float(row[11]),  # type: ignore[arg-type]
             status=status,
             reward=reward,
+            co_senders=_co_senders(str(row[20])),
         )
 
     def get_directive(self, directive_id: str) -> DirectiveRecord | None:

@@ -571,3 +571,49 @@ def test_a_teacher_without_shown_skill_answers_no_prompt(scope_world: World) -> 
     built = [e for e in events if e.get("event") == "package_built"]
     assert built and all(e["prompts"] == 0 for e in built)
     assert [e for e in events if e.get("event") == "exchange_integrated"]
+
+
+@pytest.fixture(scope="module")
+def multi_merge_world(world: World) -> Iterator[World]:
+    """Merges only, and a merge directive names up to three senders (merge_senders=3)."""
+    tmp = world.tmp / "multi"
+    pki = Pki.create(tmp, agents=4)
+    cpm = CpmProcess(
+        pki,
+        tmp / "cpm.db",
+        tmp,
+        {
+            "PEERLM_CPM_ROUND_INTERVAL_S": "3600",
+            "PEERLM_CPM_PROTOCOLS": json.dumps(["pmix", "svd_hka"]),
+            "PEERLM_CPM_MERGE_SENDERS": "3",
+        },
+    ).start()
+    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
+    cpm.terminate()
+
+
+def test_a_merge_directive_with_co_senders_pulls_each_sender(multi_merge_world: World) -> None:
+    """Three gpt2 agents of one space: the CPM pairs two of them and names the third as a
+    co-sender of the merge (it is otherwise unmatched); the student pulls the teacher's and
+    the co-sender's adapters, merges what it can use and reports one reward per directive."""
+    w = multi_merge_world
+    summaries, events = _run_together(
+        w, "three", ("a0", "a1", "a2"), rounds=2, round_timeout_s=120, local_steps=2,
+        public_file=str(w.data / "transfer.jsonl"), overlay={"hka_steps": 1},
+    )  # fmt: skip
+    merged = sum(sum(s["merges_by_protocol"].values()) for s in summaries)
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    assert merged >= 1 and len(integrated) == merged
+    for e in integrated:
+        senders = [*e["merged"], *e["skipped"]]  # type: ignore[misc]
+        assert len(senders) == 2 and len(set(senders)) == 2 and e["teacher"] in senders
+        assert e["teacher"] in e["merged"]  # type: ignore[operator]
+    # Both adapters of a directive were pulled (the co-sender serves without a directive).
+    assert any(len(e["merged"]) == 2 for e in integrated)  # type: ignore[arg-type]
+    committed = [
+        r
+        for e in _events(w.tmp / "cpm.log")
+        if e.get("event") == "rewards_committed"
+        for r in e["rewards"]  # type: ignore[attr-defined]
+    ]
+    assert len(committed) == merged

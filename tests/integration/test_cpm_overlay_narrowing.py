@@ -167,3 +167,61 @@ async def test_the_agent_client_drops_a_refused_overlay_list(cpm: CpmProcess) ->
     )
     assert dropped == 1
     await client.close()
+
+
+@pytest.fixture(scope="module")
+def cpm_multi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpmProcess]:
+    """A CPM whose merge directives name up to three senders (``merge_senders``)."""
+    tmp = tmp_path_factory.mktemp("cpm-multi")
+    env = {
+        "PEERLM_CPM_MIN_QUORUM": "1000",
+        "PEERLM_CPM_ROUND_INTERVAL_S": "3600",
+        "PEERLM_CPM_PROTOCOLS": json.dumps(["pmix", "svd_hka"]),
+        "PEERLM_CPM_MERGE_SENDERS": "3",
+    }
+    proc = CpmProcess(
+        Pki.create(tmp, agents=N), tmp / "cpm.db", tmp, env, metrics_port=_free_port()
+    )
+    proc.start()
+    yield proc
+    assert proc.terminate() == 0, proc.log()[-3000:]
+
+
+async def test_merge_directives_name_co_senders_from_the_overlay(cpm_multi: CpmProcess) -> None:
+    """On the wire: a student's merge directive names its teacher and up to two
+    co-senders (with their endpoints), all from the student's overlay list, none repeated,
+    none the student; one reward per directive is accepted as before."""
+    cpm = cpm_multi
+    stubs = {n: cpm.pki.stub(cpm.target, n) for n in NAMES}
+    for k, n in enumerate(NAMES):
+        await stubs[n][1].SubmitProfile(_request(k, 1, []))
+    overlay = {n: [NAMES[(k + j) % N] for j in (1, 2, 3)] for k, n in enumerate(NAMES)}
+    endpoints: dict[str, str] = {}
+    for k, n in enumerate(NAMES):
+        req = _request(k, 2, overlay[n])
+        req.peer_endpoint = endpoints.setdefault(n, f"127.0.0.1:{7100 + k}")
+        await stubs[n][1].SubmitProfile(req)
+    calls = {n: stubs[n][1].StreamDirectives(cpm_pb2.StreamDirectivesRequest()) for n in NAMES}
+    await asyncio.sleep(1.0)
+    ch, admin = cpm.pki.stub(cpm.target, "admin")
+    out = await admin.TriggerMatchmaking(cpm_pb2.TriggerMatchmakingRequest())
+    await ch.close()
+    students = 0
+    for n, call in calls.items():
+        d = await asyncio.wait_for(call.read(), 10)
+        call.cancel()
+        if d.role != cpm_pb2.EXCHANGE_ROLE_STUDENT:
+            continue
+        students += 1
+        senders = [d.teacher, *(c.name for c in d.co_senders)]
+        assert len(d.co_senders) == 2, d  # three listed, all of one space: the list fills
+        assert len(set(senders)) == 3 and d.student not in senders
+        assert set(senders) <= set(overlay[d.student])
+        assert all(c.endpoint == endpoints[c.name] for c in d.co_senders)
+        ack = await stubs[n][1].ReportReward(
+            cpm_pb2.ReportRewardRequest(directive_id=d.directive_id, reward=0.5)
+        )
+        assert ack.bandit_updates >= 1
+    assert students == out.pairs >= 1
+    for c, _ in stubs.values():
+        await c.close()

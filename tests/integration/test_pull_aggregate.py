@@ -695,3 +695,140 @@ async def test_equal_fingerprints_are_exactly_the_mergeable_adapters(
         ModelHost.load(Path(qwen.path), LoraSettings(r=8), device="cpu", seed=0),
     ]
     assert len({same, *(fingerprint(h) for h in others)}) == 4
+
+
+# -- several senders per merge directive (Directive.co_senders, CPM merge_senders > 1) --
+
+
+async def test_an_svd_hka_directive_merges_every_usable_sender_and_skips_poisoned_ones(
+    world: World, pki: Path, gpt2: Path
+) -> None:
+    """The teacher and its co-senders are pulled; OnePeFT's Eq. 3 aggregates the student's
+    own adapter and every usable sender's with uniform lambda (no data shares are known),
+    exactly as one_shot on those adapters. A poisoned co-sender (NaN, 1e30 norm, another
+    shape) and an unreachable one are refused by the codec or the pull, skipped, never
+    merged, and counted by reason."""
+    from peerlm.agent.lora_merge import ClientAdapter
+    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.onepeft import one_shot
+    from peerlm.agent.training import TrainSettings
+
+    student = world.student
+    before = student.adapter_state()
+    twin = ModelHost.load(gpt2, LoraSettings(r=8), device="cpu", seed=0)
+    twin.load_adapter_state(before)
+    t = world.teachers
+    co = [("t2", t["t2"].target), ("nan", t["nan"].target), ("huge", t["huge"].target)]
+    co += [("narrow", t["narrow"].target), ("gone", world.dead_address)]
+    train = TrainSettings(learning_rate=1e-2, batch_size=2, grad_accumulation=1, seed=5)
+    registry = new_registry()
+    out = await merge_from_teacher(
+        _student(pki, registry),
+        student,
+        **_directive(
+            "t1",
+            t["t1"].target,
+            protocol="svd_hka",
+            pull=PullSettings(timeout_s=20.0, hka_steps=2),
+            margin=None,
+            hka=(PUBLIC, train),
+            co_senders=co,
+        ),
+    )
+    assert out.merged == ("t1", "t2") and out.report.applied
+    assert {r.peer: r.reason for r in out.skipped} == {
+        "nan": "non_finite",
+        "huge": "norm",
+        "narrow": "shape",
+        "gone": "unavailable",
+    }
+    assert out.report.weights == pytest.approx({"student": 1 / 3, "t1": 1 / 3, "t2": 1 / 3})
+    states = {"student": before, **{n: world.hosts[n].adapter_state() for n in ("t1", "t2")}}
+    clients = [ClientAdapter(states[n], r=8, alpha=16.0, name=n) for n in states]
+    one_shot(twin, clients, PUBLIC, train, weights=[1 / 3] * 3, steps=2)
+    expected, after = twin.adapter_state(), student.adapter_state()
+    for name in expected:
+        torch.testing.assert_close(after[name], expected[name], rtol=1e-4, atol=1e-5)
+    for reason in ("non_finite", "norm", "shape", "unavailable"):
+        assert _metric(registry, "peerlm_agent_directive_senders_skipped_total", reason=reason) == 1
+    assert _metric(registry, "peerlm_agent_directive_senders_merged_total") == 2
+    # Every completed pull counts in Eq. 3's kilobytes, merged or not.
+    completed = ("t1", "t2", "nan", "huge", "narrow")
+    assert out.kilobytes == pytest.approx(sum(len(t[n].payload or b"") for n in completed) / 1024)
+
+
+async def test_a_pmix_directive_mixes_the_teacher_and_its_co_senders(
+    world: World, pki: Path
+) -> None:
+    """pmix with co-senders is the PDFL step over all of them, each of similarity 1."""
+    from peerlm.agent.merge_directive import merge_from_teacher
+
+    student = world.student
+    before = student.adapter_state()
+    t = world.teachers
+    settings = PullSettings(timeout_s=20.0)
+    out = await merge_from_teacher(
+        _student(pki),
+        student,
+        **_directive(
+            "t1", t["t1"].target, pull=settings, margin=None, co_senders=[("t2", t["t2"].target)]
+        ),
+    )
+    assert out.merged == ("t1", "t2") and out.skipped == ()
+    weights = neighbour_weights({"t1": 1.0, "t2": 1.0}, self_id="student", kappa=settings.kappa)
+    alpha = proximal_alpha(settings.eta, settings.psi)
+    w1, w2 = world.hosts["t1"].adapter_state(), world.hosts["t2"].adapter_state()
+    after = student.adapter_state()
+    for name, own in before.items():
+        anchor = weights["student"] * own + weights["t1"] * w1[name] + weights["t2"] * w2[name]
+        torch.testing.assert_close(
+            after[name], (1 - alpha) * own + alpha * anchor, rtol=1e-5, atol=1e-6
+        )
+
+
+async def test_a_merge_directive_whose_senders_all_fail_is_refused(world: World, pki: Path) -> None:
+    """No usable adapter: MergeRefused with the teacher's reason, the adapter untouched,
+    every sender counted as skipped."""
+    from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
+
+    student = world.student
+    before = student.adapter_state()
+    t = world.teachers
+    registry = new_registry()
+    with pytest.raises(MergeRefused) as err:
+        await merge_from_teacher(
+            _student(pki, registry),
+            student,
+            **_directive(
+                "alien",
+                t["alien"].target,
+                co_senders=[("nan", t["nan"].target), ("gone", world.dead_address)],
+            ),
+        )
+    assert err.value.reason == "model_type"
+    after = student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    for reason in ("model_type", "non_finite", "unavailable"):
+        assert _metric(registry, "peerlm_agent_directive_senders_skipped_total", reason=reason) == 1
+    assert _metric(registry, "peerlm_agent_directive_senders_merged_total") == 0
+
+
+async def test_co_senders_beyond_the_fan_out_are_skipped(world: World, pki: Path) -> None:
+    """The pull's max_peers bounds a directive's senders: the teacher first, then the
+    co-senders in the directive's order; the rest are skipped as over_limit."""
+    from peerlm.agent.merge_directive import merge_from_teacher
+
+    t = world.teachers
+    out = await merge_from_teacher(
+        _student(pki),
+        world.student,
+        **_directive(
+            "t1",
+            t["t1"].target,
+            pull=PullSettings(timeout_s=20.0, max_peers=2),
+            margin=None,
+            co_senders=[("t2", t["t2"].target), ("narrow", t["narrow"].target)],
+        ),
+    )
+    assert out.merged == ("t1", "t2")
+    assert [(r.peer, r.reason) for r in out.skipped] == [("narrow", "over_limit")]

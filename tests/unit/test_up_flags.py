@@ -22,6 +22,9 @@ from peerlm.app.cli import app
         ["--protocols", "pmix,pmix"],
         ["--protocols", ","],
         ["--simulated", "--protocols", "pmix"],  # simulated agents execute akd only
+        ["--merge-senders", "3"],  # co-senders are for merge protocols: akd has none
+        ["--protocols", "pmix", "--merge-senders", "0"],
+        ["--protocols", "pmix", "--merge-senders", "17"],
         ["--workflow", "--simulated"],  # FedWave experts host models
         ["--workflow", "--overlay"],
         ["--workflow", "--protocols", "pmix"],

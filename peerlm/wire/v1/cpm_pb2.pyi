@@ -210,6 +210,7 @@ class Directive(_message.Message):
     PEER_FIELD_NUMBER: _builtins.int
     ISSUED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    CO_SENDERS_FIELD_NUMBER: _builtins.int
     directive_id: _builtins.str
     """Single-use id (128-bit random, hex). The reward for it is accepted once."""
     matchmaking_round: _builtins.int
@@ -232,6 +233,17 @@ class Directive(_message.Message):
     def expires_at(self) -> _timestamp_pb2.Timestamp:
         """After this time the CPM no longer accepts a reward for the directive."""
 
+    @_builtins.property
+    def co_senders(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PeerAddress]:
+        """Further senders of a merge protocol ("pmix", "svd_hka"; docs/matchmaker.md, "Several
+        senders per merge directive"): the student pulls and merges each one's adapter with
+        the teacher's and its own, and reports one reward for the directive. Empty: the
+        teacher is the only sender (every directive before the setting, and every directive
+        of another protocol: an agent refuses co-senders on a non-merge protocol). At most
+        15 (the CPM's merge_senders - 1), none the student, the teacher or repeated. Never
+        an authorisation: any agent may pull an adapter; co-senders get no directive.
+        """
+
     def __init__(
         self,
         *,
@@ -244,10 +256,11 @@ class Directive(_message.Message):
         peer: _common_pb2.PeerAddress | None = ...,
         issued_at: _timestamp_pb2.Timestamp | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
+        co_senders: _abc.Iterable[_common_pb2.PeerAddress] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "issued_at", b"issued_at", "peer", b"peer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["directive_id", b"directive_id", "expires_at", b"expires_at", "issued_at", b"issued_at", "matchmaking_round", b"matchmaking_round", "peer", b"peer", "protocol", b"protocol", "role", b"role", "student", b"student", "teacher", b"teacher"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["co_senders", b"co_senders", "directive_id", b"directive_id", "expires_at", b"expires_at", "issued_at", b"issued_at", "matchmaking_round", b"matchmaking_round", "peer", b"peer", "protocol", b"protocol", "role", b"role", "student", b"student", "teacher", b"teacher"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
