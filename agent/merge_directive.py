@@ -123,7 +123,8 @@ async def merge_from_teacher(
 
     ``pull`` supplies the limits and coefficients (the agent's overlay settings); its
     ``method`` is replaced by ``protocol`` and its fan-out by the number of senders (at
-    most ``pull.max_peers``: further co-senders are skipped, reason ``over_limit``).
+    most ``pull.max_peers``: further co-senders are skipped, reason ``over_limit``; a
+    sender named twice, or this agent itself, reason ``duplicate`` or ``self``).
     ``svd_hka`` needs ``hka`` (public pairs and training settings): ``ValueError`` before
     anything is pulled otherwise, as for a protocol that is not a merge. A sender whose
     adapter cannot be used is skipped and counted (module docstring); raises
@@ -133,7 +134,18 @@ async def merge_from_teacher(
         raise ValueError(f"{protocol!r} is not a merge protocol ({PMIX}, {SVD_HKA})")
     if protocol == SVD_HKA and (hka is None or not hka[0]):
         raise ValueError("svd_hka needs public (prompt, completion) pairs for HKA")
-    senders = [(teacher, endpoint), *co_senders]
+    # A sender named twice (or this agent itself) would take a fan-out slot twice: the
+    # directive is deduplicated here, in its order, before the cut, with the reasons the
+    # pull's own selection gives (``duplicate``, ``self``); a directive no honest CPM sends.
+    senders: list[tuple[str, str]] = []
+    repeated: list[Refusal] = []
+    for name, address in [(teacher, endpoint), *co_senders]:
+        if name == ctx.name:
+            repeated.append(Refusal(name, "self", "the directive names this agent itself"))
+        elif any(name == n for n, _ in senders):
+            repeated.append(Refusal(name, "duplicate", "named again in the directive"))
+        else:
+            senders.append((name, address))
     fan_out = min(len(senders), pull.max_peers)
     settings = pull.model_copy(update={"method": protocol, "max_peers": fan_out})
     gate = AcceptanceGate(val_examples, margin, max_length)
@@ -149,7 +161,7 @@ async def merge_from_teacher(
     # The fan-out is cut here, in the directive's order (teacher first, then co-senders
     # best UCB first): with equal similarities the pull's own cut would go by name.
     ranked = [Candidate(name, address, 1.0) for name, address in senders[:fan_out]]
-    beyond = [
+    beyond = repeated + [
         Refusal(name, "over_limit", f"beyond the {fan_out} senders this agent pulls")
         for name, _ in senders[fan_out:]
     ]
@@ -164,7 +176,7 @@ async def merge_from_teacher(
         hka=hka,
         kind="merge",
     )
-    names = {name for name, _ in senders}
+    names = {teacher, *(name for name, _ in co_senders)}
     skipped = tuple(
         r for r in (*report.refused, *beyond) if r.reason not in _NOT_SKIPS and r.peer in names
     )

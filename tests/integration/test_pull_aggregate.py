@@ -832,3 +832,41 @@ async def test_co_senders_beyond_the_fan_out_are_skipped(world: World, pki: Path
     )
     assert out.merged == ("t1", "t2")
     assert [(r.peer, r.reason) for r in out.skipped] == [("narrow", "over_limit")]
+
+
+async def test_a_sender_named_twice_or_the_student_itself_is_merged_at_most_once(
+    world: World, pki: Path
+) -> None:
+    """A directive naming the teacher again, a co-sender twice, or the student itself
+    (none of which an honest CPM sends) must not weigh one adapter twice or merge the
+    student with itself: each sender is pulled once, the rest skipped (``duplicate``,
+    ``self``) and counted."""
+    from peerlm.agent.merge_directive import merge_from_teacher
+
+    t = world.teachers
+    registry = new_registry()
+    out = await merge_from_teacher(
+        _student(pki, registry),
+        world.student,
+        **_directive(
+            "t1",
+            t["t1"].target,
+            margin=None,
+            co_senders=[
+                ("t2", t["t2"].target),
+                ("t1", t["t1"].target),
+                ("t2", t["t2"].target),
+                ("student", t["t2"].target),
+            ],
+        ),
+    )
+    assert out.merged == ("t1", "t2")
+    assert sorted((r.peer, r.reason) for r in out.skipped) == [
+        ("student", "self"),
+        ("t1", "duplicate"),
+        ("t2", "duplicate"),
+    ]
+    skipped = "peerlm_agent_directive_senders_skipped_total"
+    assert _metric(registry, skipped, reason="duplicate") == 2
+    assert _metric(registry, skipped, reason="self") == 1
+    assert set(out.report.weights) == {"student", "t1", "t2"}  # each adapter once
