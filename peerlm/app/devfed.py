@@ -406,8 +406,16 @@ def _write_reward_files(
     out: Path, data_dir: Path, world: Any, agents: list[str], plan: RealPlan, seed: int
 ) -> list[Path | None]:
     """Per agent, the problems its reward is measured on (``plan.reward``): None for its
-    validation data, else the public probe set (as ``run-experiment`` draws it for the
-    same world seed), whole or of the agent's lacked categories, under ``out/<agent>/``."""
+    validation data, else a probe set of fresh bank problems (``probe_problems``), whole or
+    of the agent's lacked categories, under ``out/<agent>/``.
+
+    Each agent's probe is drawn from a seed of its own (the world seed and its name): a
+    teacher that knew a student's probe problems could tune its answers to them and
+    inflate the reward the CPM learns from (docs/experiment.md, "The reward"); with
+    private draws it can only teach the skill. ``run-experiment`` shares one probe among
+    its clients, as its Oracle pairing measures everyone's gain on it."""
+    import hashlib
+
     from peerlm.agent import CATEGORIES, probe_problems, read_jsonl, write_jsonl
 
     if plan.reward == "val":
@@ -415,9 +423,10 @@ def _write_reward_files(
     data = [data_dir / "test.jsonl", data_dir / "transfer.jsonl"]
     data += sorted((data_dir / "clients").glob("*/*.jsonl"))
     taken = [problem for path in data for problem in read_jsonl(path)]
-    probe = probe_problems(plan.probe_per_category, seed, taken, CATEGORIES)
     files: list[Path | None] = []
     for i, name in enumerate(agents):
+        own_seed = int(hashlib.sha256(f"peerlm-probe/{seed}/{name}".encode()).hexdigest()[:12], 16)
+        probe = probe_problems(plan.probe_per_category, own_seed, taken, CATEGORIES)
         mine = [
             p for p in probe if plan.reward == "probe" or world.slice_of(i, p.category) == "lacked"
         ]

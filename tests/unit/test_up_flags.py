@@ -52,8 +52,8 @@ def test_a_bad_flag_leaves_the_last_run_untouched(tmp_path: Path, flags: list[st
 
 @pytest.mark.parametrize("reward", ["val", "probe", "lacked"])
 def test_the_reward_files_hold_what_each_agent_measures_on(tmp_path: Path, reward: str) -> None:
-    """`--reward probe` gives every agent the whole public probe (2 per category, fresh
-    functions), `lacked` only its lacked categories' problems, `val` no file at all."""
+    """`--reward probe` gives every agent a whole probe (2 per category, fresh functions,
+    drawn for that agent), `lacked` only its lacked categories' problems, `val` no file."""
     from peerlm.agent import (
         CATEGORIES,
         build_federation_data,
@@ -74,6 +74,11 @@ def test_the_reward_files_hold_what_each_agent_measures_on(tmp_path: Path, rewar
         return
     taken = {function_key(p) for p in public_problems()}
     taken |= {function_key(p) for f in data.rglob("*.jsonl") for p in read_jsonl(f)}
+    # Each agent's probe is its own draw: no teacher can tune its answers to it.
+    drawn = [{function_key(p) for p in read_jsonl(path)} for path in files if path]
+    assert all(a != b for k, a in enumerate(drawn) for b in drawn[k + 1 :])
+    again = _write_reward_files(tmp_path / "again", data, manifest.world, agents, plan, 0)
+    assert [p.read_bytes() for p in again if p] == [p.read_bytes() for p in files if p]
     for i, path in enumerate(files):
         assert path is not None
         probe = read_jsonl(path)
