@@ -476,7 +476,7 @@ class AgentDaemon:
             examples=as_examples,
             collab=s.fedwave.collab,
             learning_rate=s.learning_rate,
-            router_lr=s.fedwave.router.learning_rate,
+            router_lr=s.fedwave.router.learning_rate or s.learning_rate,
             batch_size=s.batch_size,
             max_length=s.max_length,
             seed=s.seed,

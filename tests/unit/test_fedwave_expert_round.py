@@ -16,6 +16,7 @@ from peerlm.agent.fedwave.expert_round import (
     mean_vclayer,
     router_digest,
 )
+from peerlm.agent.fedwave.params import RouterSettings
 from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.router_codec import DecodedRouter, router_shapes
 from peerlm.agent.fedwave.settings import FedWaveSettings
@@ -181,8 +182,9 @@ def test_the_agents_router_steps_at_its_own_learning_rate(offline_hub: None) -> 
     chain = Workflow.model_validate(
         {"stages": [{"name": n, "agents": [n]} for n in ("specify", "implement", "test")]}
     )
-    settings = FedWaveSettings(workflow=chain, vclayer=SIZE)
-    assert settings.router.learning_rate == 1e-2  # the default the experiment measured
+    settings = FedWaveSettings(
+        workflow=chain, vclayer=SIZE, router=RouterSettings(learning_rate=1e-2)
+    )
     split = build_code_chain(chain, per_stage=8, n_test=2, n_public=0, seed=0)
     router = settings.initial_router(width)
     vclayer = settings.initial_vclayer(width, 1)
