@@ -382,15 +382,20 @@ async def _probe_health(world: World, endpoint: str, seconds: float) -> list[flo
 def test_agent_refuses_a_different_transfer_set(world: World) -> None:
     state = world.tmp / "hash" / "state"
     config = _config(world, "a0", state, transfer_sha256="0" * 64)
-    proc = subprocess.run(
+    proc = _run_to_exit(config)
+    assert proc.returncode == 2
+    assert "transfer set" in proc.stderr
+
+
+def _run_to_exit(config: Path) -> subprocess.CompletedProcess[str]:
+    """An agent process that is expected to stop at start (a refused configuration)."""
+    return subprocess.run(
         [sys.executable, "-m", "peerlm", "agent", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, **AGENT_ENV},
     )
-    assert proc.returncode == 2
-    assert "transfer set" in proc.stderr
 
 
 def test_agent_refuses_an_empty_reward_file(world: World) -> None:
@@ -400,13 +405,7 @@ def test_agent_refuses_an_empty_reward_file(world: World) -> None:
     empty.parent.mkdir(parents=True, exist_ok=True)
     empty.write_text("")
     config = _config(world, "a0", world.tmp / "reward" / "state", reward_file=str(empty))
-    proc = subprocess.run(
-        [sys.executable, "-m", "peerlm", "agent", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **AGENT_ENV},
-    )
+    proc = _run_to_exit(config)
     assert proc.returncode == 2
     assert "reward_file" in proc.stderr
 

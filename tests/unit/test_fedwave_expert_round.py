@@ -4,6 +4,7 @@ by n_i); a missing agent is left out and said; the trainer trains on the shipped
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -126,15 +127,19 @@ def test_the_neighbours_vclayers_are_the_stage_mean_or_the_kept_one() -> None:
         mean_vclayer([])
 
 
-def test_the_trainer_lowers_its_loss_and_trains_its_router(offline_hub: None) -> None:
+def _tiny_gpt2_chain() -> tuple[Any, Any, int, Workflow]:
+    """The shipped tiny gpt2 with LoRA (seeded), its tokenizer, its width and the code chain."""
     path = SHIPPED_DIR / "tiny" / "gpt2"
     torch.manual_seed(0)
     lm = apply_lora(AutoModelForCausalLM.from_pretrained(path), LoraSettings(r=4, dropout=0.0))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    width = int(lm.config.hidden_size)
     chain = Workflow.model_validate(
         {"stages": [{"name": n, "agents": [n]} for n in ("specify", "implement", "test")]}
     )
+    return lm, AutoTokenizer.from_pretrained(path), int(lm.config.hidden_size), chain
+
+
+def test_the_trainer_lowers_its_loss_and_trains_its_router(offline_hub: None) -> None:
+    lm, tokenizer, width, chain = _tiny_gpt2_chain()
     settings = FedWaveSettings(workflow=chain, vclayer=SIZE)
     split = build_code_chain(chain, per_stage=8, n_test=4, n_public=0, seed=0)
     router = settings.initial_router(width)
@@ -174,14 +179,7 @@ def test_the_agents_router_steps_at_its_own_learning_rate(offline_hub: None) -> 
     """Issue 10: the daemon's trainer gives the router its own AdamW group. Adam's first
     step moves every parameter with a gradient by about its group's lr, so one step shows
     the two rates apart (the router's 1e-2 against the expert's 1e-4)."""
-    path = SHIPPED_DIR / "tiny" / "gpt2"
-    torch.manual_seed(0)
-    lm = apply_lora(AutoModelForCausalLM.from_pretrained(path), LoraSettings(r=4, dropout=0.0))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    width = int(lm.config.hidden_size)
-    chain = Workflow.model_validate(
-        {"stages": [{"name": n, "agents": [n]} for n in ("specify", "implement", "test")]}
-    )
+    lm, tokenizer, width, chain = _tiny_gpt2_chain()
     settings = FedWaveSettings(
         workflow=chain, vclayer=SIZE, router=RouterSettings(learning_rate=1e-2)
     )

@@ -318,7 +318,11 @@ def _poisoned_package() -> TextPackage:
     )
 
 
-def _poison(student: ModelHost, margin: float | None) -> Integration:
+def _poison(
+    student: ModelHost,
+    margin: float | None,
+    reward_examples: list[tuple[str, str]] | None = None,
+) -> Integration:
     hard = TrainSettings(learning_rate=1e-1, batch_size=4, grad_accumulation=1, seed=0)
     return integrate(
         student,
@@ -331,6 +335,7 @@ def _poison(student: ModelHost, margin: float | None) -> Integration:
             alpha_kd_end=1.0,
             acceptance_margin=margin,
         ),
+        reward_examples=reward_examples,
     )
 
 
@@ -415,19 +420,6 @@ def test_a_rolled_back_update_reports_the_gates_loss_whatever_the_probe(
     student = host(models, "gpt2", seed=3)
     student.train_local(LOCAL, FAST, steps=8)
     val_pre = student.eval_loss(LOCAL)[0]
-    hard = TrainSettings(learning_rate=1e-1, batch_size=4, grad_accumulation=1, seed=0)
-    result = integrate(
-        student,
-        _poisoned_package(),
-        round_config=RoundConfig(
-            total_rounds=1,
-            train=hard,
-            local_steps=16,
-            alpha_kd_start=1.0,
-            alpha_kd_end=1.0,
-            acceptance_margin=0.05,
-        ),
-        reward_examples=PROBE,
-    )
+    result = _poison(student, 0.05, reward_examples=PROBE)
     assert result.rolled_back and result.reward < 0
     assert result.loss_pre == pytest.approx(val_pre)
