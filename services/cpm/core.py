@@ -222,6 +222,11 @@ def settings_fingerprint(settings: CpmSettings) -> str:
     # Only when set: a database created before the setting existed keeps its fingerprint.
     if settings.context_columns is not None:
         fields["context_columns"] = list(settings.context_columns)
+    # Under K > 1 every merge reward is a group reward (the teacher and its co-senders), so
+    # the merge arms learn another quantity than under one sender: mixing the two regimes in
+    # one database would average them.
+    if settings.merge_senders != 1:
+        fields["merge_senders"] = settings.merge_senders
     return json.dumps(fields, sort_keys=True)
 
 

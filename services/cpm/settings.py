@@ -45,8 +45,8 @@ class CpmSettings(ServiceSettings):
     matching: Literal["greedy", "blossom"] = "greedy"
     # Most senders one merge directive (pmix, svd_hka) names: the pairing's teacher and up
     # to merge_senders - 1 co-senders ranked by UCB (docs/matchmaker.md, "Several senders
-    # per merge directive"). 1: one sender, as before. Not part of the database's
-    # fingerprint: the bandit learns from the primary sender's context either way.
+    # per merge directive"). 1: one sender, as before. Part of the database's fingerprint
+    # when not 1: a K-sender merge reward is a group reward, another quantity for the arms.
     merge_senders: int = Field(default=1, ge=1, le=MAX_MERGE_SENDERS)
     prefilter_k: int = Field(default=8, ge=1)
     prefilter_min_agents: int = Field(default=64, ge=2)

@@ -312,3 +312,26 @@ def test_large_rounds_choose_co_senders_among_the_prefiltered_partners() -> None
             filled += len(co) == 3
             m.observe(p, 1.0 if p.protocol == "svd_hka" else -1.0)
     assert filled > 0
+
+
+def test_a_database_made_under_one_k_is_refused_under_another(tmp_path: Path) -> None:
+    """K > 1 merge rewards are group rewards: a database keeps the K it was made under,
+    and one made under a single sender keeps the fingerprint it had before K existed."""
+    from peerlm.services.cpm.core import settings_fingerprint
+
+    db = tmp_path / "cpm.db"
+    one = CpmSettings(db=db, protocols=("svd_hka",))
+    assert "merge_senders" not in settings_fingerprint(one)
+    three = CpmSettings(init=True, db=db, protocols=("svd_hka",), merge_senders=3)
+    assert '"merge_senders": 3' in settings_fingerprint(three)
+    store = SqliteCpmStore(db)
+    CpmCore(three, store, Clock())
+    store.close()
+    for other in (1, 2):
+        store = SqliteCpmStore(db)
+        with pytest.raises(ValueError, match="different bandit settings"):
+            CpmCore(CpmSettings(db=db, protocols=("svd_hka",), merge_senders=other), store, Clock())
+        store.close()
+    store = SqliteCpmStore(db)
+    CpmCore(CpmSettings(db=db, protocols=("svd_hka",), merge_senders=3), store, Clock())
+    store.close()
