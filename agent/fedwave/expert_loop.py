@@ -368,6 +368,7 @@ class ExpertLoop:
             base_router=base,
             own_vclayer=self.trainer.vclayer,
             max_router_update_ratio=self.settings.max_router_update_ratio,
+            max_router_update_rms=self.settings.max_router_update_rms,
             max_vclayer_norm_ratio=self.settings.max_vclayer_norm_ratio,
         )
         for target, why in sorted(refused.items()):

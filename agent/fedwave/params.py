@@ -68,10 +68,9 @@ class RouterSettings(BaseModel):
     init_std: float = Field(default=0.02, gt=0, le=1)
     # The router's own AdamW learning rate, apart from the expert's (issue 10: at the
     # experts' rate the aggregated router stays near uniform; docs/fedwave.md section 6).
-    # None: the agent's learning_rate. Not 1e-2 by default in the daemon: routers that
-    # move that fast exceed the part admission's max_router_update_ratio (1.0) and are
-    # refused by the other agents, who then aggregate different sets.
-    learning_rate: float | None = Field(default=None, gt=0, le=10)
+    # 1e-2 as the workflow experiment chose it on routing accuracy; None: the agent's
+    # learning_rate. The part admission's max_router_update_rms lets such routers in.
+    learning_rate: float | None = Field(default=1e-2, gt=0, le=10)
 
 
 class DPOSettings(BaseModel):

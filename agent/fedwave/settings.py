@@ -60,6 +60,10 @@ class FedWaveSettings(Section):
     # router's change against the round's starting router at most this times that router's
     # norm; a neighbour's VCLayer's norm at most this times this agent's own VCLayer's.
     max_router_update_ratio: float | None = Field(default=1.0, gt=0, le=1e6)
+    # ...or, if larger, this root-mean-square change per router entry times the root of
+    # the router's entry count: AdamW moves an entry by about its lr a step whatever the
+    # entry's size, so a small-initialised router outgrows any ratio of its own norm.
+    max_router_update_rms: float = Field(default=0.25, ge=0, le=1e6)
     max_vclayer_norm_ratio: float | None = Field(default=10.0, gt=0, le=1e6)
     vclayer: VCLayerSettings = VCLayerSettings()
     collab: CollabLossSettings = CollabLossSettings()

@@ -198,3 +198,34 @@ def test_the_agents_router_steps_at_its_own_learning_rate(offline_hub: None) -> 
     vclayer_step = max(float((vclayer.state_dict()[k] - v0[k]).abs().max()) for k in v0)
     assert router_step == pytest.approx(1e-2, rel=0.05)
     assert vclayer_step == pytest.approx(1e-4, rel=0.05)
+
+
+def test_an_honest_router_of_a_round_passes_the_default_norm_bound(offline_hub: None) -> None:
+    """Issue 10: 12 AdamW steps at the default router lr (1e-2) move the small-initialised
+    router by more than its own norm (ratio 1 alone would refuse it, as it split the
+    workflow's routers in CI); the default root-mean-square floor admits it."""
+    from peerlm.agent.fedwave.part_admission import router_norm_refusal
+
+    lm, tokenizer, width, chain = _tiny_gpt2_chain()
+    settings = FedWaveSettings(workflow=chain, vclayer=SIZE)
+    assert settings.router.learning_rate == 1e-2
+    split = build_code_chain(chain, per_stage=48, n_test=2, n_public=0, seed=0)
+    router = settings.initial_router(width)
+    trainer = ExpertTrainer(
+        lm, tokenizer, settings.initial_vclayer(width, 1), router, stage_index=1,
+        examples=split.of_agent("implement"), learning_rate=5e-3,
+        router_lr=settings.router.learning_rate, batch_size=4, max_length=64,
+    )  # fmt: skip
+    base = {k: v.clone() for k, v in router.state_dict().items()}
+    trainer.train(12, predecessor=None, successor=None)
+    trained = router.state_dict()
+    assert router_norm_refusal(base, trained, max_ratio=1.0) is not None
+    assert (
+        router_norm_refusal(
+            base,
+            trained,
+            max_ratio=settings.max_router_update_ratio or 0.0,
+            max_rms=settings.max_router_update_rms,
+        )
+        is None
+    )

@@ -5,6 +5,7 @@ collaborative loss see it; honest parts pass; every agent refuses the same route
 from __future__ import annotations
 
 import torch
+from peerlm.agent.fedproxy_admission import state_norm
 from peerlm.agent.fedwave.exchange import (
     PartKind,
     PullTarget,
@@ -118,3 +119,27 @@ def test_a_nan_norm_is_refused() -> None:
         max_vclayer_norm_ratio=None,
     )
     assert set(refused) == {PullTarget("a", PartKind.ROUTER), PullTarget("h", PartKind.ROUTER)}
+
+
+def test_the_rms_floor_admits_an_adam_sized_change_of_a_small_router_and_no_more() -> None:
+    """A router that starts small leaves a ratio of its own norm within a few AdamW steps
+    (each entry moves by about the lr a step): the root-mean-square floor lets a change of
+    0.1 per entry in, refuses one of 0.3, and only widens the ratio's bound."""
+    base = _router(0)
+    entries = sum(p.numel() for p in base.parameters())
+    for by, rms, refused_h in ((0.1, 0.25, False), (0.1, 0.0, True), (0.3, 0.25, True)):
+        moved = _nudged(base, by)  # every entry moved by ``by``: root-mean-square ``by``
+        assert state_norm(base.state_dict()) < 0.1 * entries**0.5  # over the ratio of 1
+        parts = _parts(base, moved, VCLayer(WIDTH, SIZE))
+        refused = screen_round(
+            parts,
+            base_router=base.state_dict(),
+            own_vclayer=VCLayer(WIDTH, SIZE),
+            max_router_update_ratio=1.0,
+            max_vclayer_norm_ratio=None,
+            max_router_update_rms=rms,
+        )
+        assert (PullTarget("h", PartKind.ROUTER) in refused) is refused_h, (by, rms)
+        assert "a" in parts.routers
+        if refused_h:
+            assert "fedwave.max_router_update_rms" in refused[PullTarget("h", PartKind.ROUTER)]
