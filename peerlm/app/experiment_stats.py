@@ -19,13 +19,13 @@ table is reproducible.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Estimate", "paired_bootstrap", "paired_share"]
+__all__ = ["Estimate", "paired_bootstrap", "paired_share", "stratified_bootstrap"]
 
 Matrix = npt.NDArray[np.float64]
 
@@ -135,3 +135,60 @@ def paired_share(
         return None
     dist = (boots[keep, i] - boots[keep, b]) / denom[keep]
     return _estimate(float((point[i] - point[b]) / gain), dist)
+
+
+def stratified_bootstrap(
+    strata: Sequence[Mapping[str, Matrix]],
+    pairs: list[tuple[str, str]],
+    *,
+    shares: Sequence[tuple[str, str, str]] = (),
+    replicates: int = 2000,
+    seed: int = 12345,
+) -> tuple[
+    dict[str, Estimate], dict[tuple[str, str], Estimate], dict[tuple[str, str, str], Estimate]
+]:
+    """:func:`paired_bootstrap` pooled over independent strata (worlds): each stratum is a
+    ``{strategy: [seeds, units]}`` mapping of its own shape; every replicate draws seeds and
+    units within each stratum independently (a stratum's crossed draw), and the pooled value
+    is the *unweighted* mean of the strata's means, so each world counts once whatever its
+    number of seeds or units. Returns (per strategy, per pair ``a - b``, per share
+    ``(a, base, top)`` as :func:`paired_share` defines it; a share whose pooled gain
+    vanishes in more than half the replicates is left out).
+    """
+    if not strata:
+        raise ValueError("no strata to pool")
+    names = list(strata[0])
+    for k, stratum in enumerate(strata):
+        if list(stratum) != names:
+            raise ValueError(f"stratum {k} has strategies {list(stratum)}, stratum 0 has {names}")
+    for a, b in pairs:
+        if a not in names or b not in names:
+            raise ValueError(f"unknown strategy in pair ({a}, {b})")
+    for triple in shares:
+        if any(n not in names for n in triple):
+            raise ValueError(f"unknown strategy in share {triple}")
+    point = np.zeros(len(names))
+    boots = np.zeros((replicates, len(names)))
+    for k, stratum in enumerate(strata):
+        _, stratum_point, stratum_boots = _replicates(stratum, replicates, seed + k)
+        point += stratum_point / len(strata)
+        boots += stratum_boots / len(strata)
+    means = {n: _estimate(point[i], boots[:, i]) for i, n in enumerate(names)}
+    diffs = {
+        (a, b): _estimate(
+            point[names.index(a)] - point[names.index(b)],
+            boots[:, names.index(a)] - boots[:, names.index(b)],
+        )
+        for a, b in pairs
+    }
+    out_shares: dict[tuple[str, str, str], Estimate] = {}
+    for a, base, top in shares:
+        i, j, t = names.index(a), names.index(base), names.index(top)
+        gain = point[t] - point[j]
+        denom = boots[:, t] - boots[:, j]
+        keep = np.sign(denom) == np.sign(gain)
+        if gain == 0 or keep.sum() * 2 < replicates:
+            continue
+        dist = (boots[keep, i] - boots[keep, j]) / denom[keep]
+        out_shares[(a, base, top)] = _estimate(float((point[i] - point[j]) / gain), dist)
+    return means, diffs, out_shares

@@ -1,0 +1,124 @@
+"""Key differences pooled over worlds: several ``run-experiment`` results, one per world.
+
+Issue 12 asks that a result hold on a second world seed. Per world, the table's paired
+bootstrap answers it world by world; this command adds the pooled answer. Each results file
+is one stratum (one world seed, its own run seeds and units; runs of one world are first
+combined with ``run-experiment --reuse``), and
+:func:`~peerlm.app.experiment_stats.stratified_bootstrap` resamples seeds and units within
+each world and averages the worlds with equal weight.
+
+``python -m peerlm.app.experiment_pool W0/results.json W1/results.json
+--pair cpm:random --pair cpm:local_plus --share cpm:local_plus:oracle [--slice lacked]``
+prints, per slice and metric, each world's difference and the pooled one, or ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from peerlm.app.experiment import METRICS, _matrix
+from peerlm.app.experiment_slices import SLICES
+from peerlm.app.experiment_stats import stratified_bootstrap
+
+__all__ = ["main", "pool_results"]
+
+
+def _names(text: str, parts: int, what: str) -> tuple[str, ...]:
+    names = tuple(text.split(":"))
+    if len(names) != parts or not all(names):
+        raise ValueError(f"{what} must be {':'.join(['NAME'] * parts)}, got {text!r}")
+    return names
+
+
+def pool_results(
+    results: Sequence[Mapping[str, Any]],
+    pairs: Sequence[tuple[str, str]],
+    shares: Sequence[tuple[str, str, str]] = (),
+    slices: Sequence[str] = SLICES,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{slice: {metric: {"worlds": [...], "pooled": {...}}}}``: each world's and the
+    pooled estimates of every pair ``a - b`` (``"<a>_vs_<b>"``: ``delta``, ``ci95``) and
+    every share. Raises ``ValueError`` when two results are of one world, or a strategy
+    is missing from one of them."""
+    if len(results) < 2:
+        raise ValueError("pooling needs the results of at least two worlds")
+    worlds = [r["plan"]["world_seed"] for r in results]
+    if len(set(worlds)) != len(worlds):
+        raise ValueError(
+            f"two results are of one world (world seeds {worlds}); combine runs of one world "
+            "with run-experiment --reuse first"
+        )
+    needed = sorted({n for p in pairs for n in p} | {n for s in shares for n in s})
+    for r, w in zip(results, worlds, strict=True):
+        missing = [n for n in needed if n not in r["runs"]]
+        if missing:
+            raise ValueError(f"world {w} has no run of {missing}")
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for slice_name in slices:
+        if not all(r["units"].get(slice_name) for r in results):
+            continue
+        for metric in METRICS:
+            strata = [{n: _matrix(r, n, metric, slice_name) for n in needed} for r in results]
+            rows: dict[str, Any] = {"worlds": []}
+            for w, stratum in zip(worlds, strata, strict=True):
+                _, d, sh = stratified_bootstrap([stratum], list(pairs), shares=shares)
+                rows["worlds"].append({"world_seed": w, **_flat(d, sh)})
+            _, d, sh = stratified_bootstrap(strata, list(pairs), shares=shares)
+            rows["pooled"] = _flat(d, sh)
+            out.setdefault(slice_name, {})[metric] = rows
+    return out
+
+
+def _flat(diffs: Mapping[Any, Any], shares: Mapping[Any, Any]) -> dict[str, Any]:
+    flat = {
+        f"{a}_vs_{b}": {"delta": e.mean, "ci95": [e.low, e.high]} for (a, b), e in diffs.items()
+    }
+    for (a, base, top), e in shares.items():
+        flat[f"share_{a}_{base}_{top}"] = {"share": e.mean, "ci95": [e.low, e.high]}
+    return flat
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--pair", action="append", default=[], help="A:B for A - B")
+    parser.add_argument("--share", action="append", default=[], help="A:BASE:TOP")
+    parser.add_argument("--slice", action="append", dest="slices", choices=SLICES)
+    parser.add_argument("--json", action="store_true", dest="as_json")
+    args = parser.parse_args(argv)
+    try:
+        pairs = [_names(p, 2, "--pair") for p in args.pair]
+        shares = [_names(s, 3, "--share") for s in args.share]
+        if not pairs and not shares:
+            raise ValueError("name at least one --pair or --share")
+        results = [json.loads(p.read_text()) for p in args.results]
+        table = pool_results(results, pairs, shares, args.slices or SLICES)  # type: ignore[arg-type]
+    except (ValueError, OSError, KeyError) as exc:
+        parser.error(str(exc))
+    if args.as_json:
+        print(json.dumps(table, indent=2, sort_keys=True))
+        return 0
+    for slice_name, metrics in table.items():
+        for metric, rows in metrics.items():
+            for key in rows["pooled"]:
+                cells = []
+                for w in rows["worlds"]:
+                    cells.append(f"world {w['world_seed']} {_cell(w[key])}")
+                cells.append(f"pooled {_cell(rows['pooled'][key])}")
+                print(f"{slice_name:7} {metric:7} {key:32} " + " | ".join(cells))
+    return 0
+
+
+def _cell(row: Mapping[str, Any]) -> str:
+    value = row.get("delta", row.get("share"))
+    low, high = row["ci95"]
+    return f"{value:+.4f} [{low:+.4f}, {high:+.4f}]"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""Key differences pooled over worlds (stratified bootstrap, experiment_pool)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peerlm.app.experiment_pool import main, pool_results
+from peerlm.app.experiment_stats import paired_bootstrap, paired_share, stratified_bootstrap
+
+
+def _world(world_seed: int, per_strategy: dict[str, float], seeds: int = 2) -> dict[str, Any]:
+    """A minimal results.json of one world: two clients, ``lacked`` = two problems each;
+    strategy s has NLL ``offset + seed + problem index`` (so strategies differ by a constant)."""
+    units = {"own": [], "lacked": [[0, 0], [0, 1], [1, 0], [1, 1]], "public": []}
+    runs: dict[str, Any] = {}
+    for name, offset in per_strategy.items():
+        runs[name] = {
+            str(s): {
+                "clients": {
+                    c: {
+                        "nll": [offset + s + 2 * i, offset + s + 2 * i + 1],
+                        "pass@1": [0.0, 0.5],
+                        "struct": [0.0, 0.0],
+                    }
+                    for i, c in enumerate(("c0", "c1"))
+                }
+            }
+            for s in range(seeds)
+        }
+    return {
+        "plan": {"seeds": list(range(seeds)), "world_seed": world_seed},
+        "units": units,
+        "clients": [{"name": "c0"}, {"name": "c1"}],
+        "runs": runs,
+    }
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seeds=st.integers(1, 4),
+    units=st.integers(1, 6),
+    data=st.data(),
+)
+def test_one_stratum_is_the_tables_paired_bootstrap(seeds: int, units: int, data: Any) -> None:
+    """With one world the pooled estimates are the per-world table's, to the bit."""
+    cells = st.floats(-5, 5, allow_nan=False)
+    values = {
+        n: np.asarray(data.draw(st.lists(st.lists(cells, min_size=units, max_size=units),
+                                         min_size=seeds, max_size=seeds)))
+        for n in ("a", "b", "top")
+    }  # fmt: skip
+    means, diffs, shares = stratified_bootstrap(
+        [values], [("a", "b")], shares=[("a", "b", "top")], replicates=200
+    )
+    ref_means, ref_diffs = paired_bootstrap(values, [("a", "b")], replicates=200)
+    assert means == ref_means and diffs == ref_diffs
+    ref_share = paired_share(values, "a", "b", "top", replicates=200)
+    assert shares.get(("a", "b", "top")) == ref_share
+
+
+def test_worlds_count_once_whatever_their_seeds() -> None:
+    """World 0 (2 seeds) has a - b = -1 in every cell, world 1 (5 seeds) -3: pooled -2,
+    with no width (every cell's difference is fixed within its world)."""
+    w0 = _world(0, {"a": 0.0, "b": 1.0}, seeds=2)
+    w1 = _world(1, {"a": 0.0, "b": 3.0}, seeds=5)
+    out = pool_results([w0, w1], [("a", "b")])
+    nll = out["lacked"]["nll"]
+    assert [w["a_vs_b"]["delta"] for w in nll["worlds"]] == pytest.approx([-1.0, -3.0])
+    assert nll["pooled"]["a_vs_b"]["delta"] == pytest.approx(-2.0)
+    assert nll["pooled"]["a_vs_b"]["ci95"] == pytest.approx([-2.0, -2.0])
+    assert set(out) == {"lacked"}
+
+
+def test_the_share_pools_gains_not_ratios() -> None:
+    """Share of top's gain over base reached by a: world 0's gain is 1 (a's 0.5), world
+    1's is 3 (a's 0.5): pooled, a's mean gain 0.5 over top's mean gain 2 = 0.25 (not the
+    mean of the two worlds' ratios, 0.33)."""
+    w0 = _world(0, {"a": 0.5, "base": 1.0, "top": 0.0})
+    w1 = _world(1, {"a": 2.5, "base": 3.0, "top": 0.0})
+    out = pool_results([w0, w1], [], shares=[("a", "base", "top")])
+    row = out["lacked"]["nll"]["pooled"]["share_a_base_top"]
+    assert row["share"] == pytest.approx(0.25)
+
+
+def test_bad_pools_are_refused() -> None:
+    w0 = _world(0, {"a": 0.0, "b": 1.0})
+    with pytest.raises(ValueError, match="at least two worlds"):
+        pool_results([w0], [("a", "b")])
+    with pytest.raises(ValueError, match="one world"):
+        pool_results([w0, _world(0, {"a": 0.0, "b": 1.0})], [("a", "b")])
+    with pytest.raises(ValueError, match="no run of"):
+        pool_results([w0, _world(1, {"a": 0.0})], [("a", "b")])
+    with pytest.raises(ValueError, match="strategies"):
+        stratified_bootstrap(
+            [{"a": np.zeros((1, 1)), "b": np.zeros((1, 1))}, {"a": np.zeros((1, 1))}],
+            [("a", "b")],
+        )
+    with pytest.raises(ValueError, match="no strata"):
+        stratified_bootstrap([], [])
+
+
+def test_the_command_line_refuses_a_malformed_pair(tmp_path: Any, capsys: Any) -> None:
+    import json
+
+    paths = []
+    for w in (0, 1):
+        p = tmp_path / f"w{w}.json"
+        p.write_text(json.dumps(_world(w, {"a": 0.0, "b": 1.0})))
+        paths.append(str(p))
+    with pytest.raises(SystemExit) as exc:
+        main([*paths, "--pair", "a-b"])
+    assert exc.value.code == 2 and "--pair" in capsys.readouterr().err
+    assert main([*paths, "--pair", "a:b", "--slice", "lacked", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lacked"]["nll"]["pooled"]["a_vs_b"]["delta"] == pytest.approx(-1.0)
