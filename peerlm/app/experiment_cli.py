@@ -282,7 +282,7 @@ def run_experiment_command(
         typer.echo(json.dumps(_json_view(result)))
     else:
         Console().print(Markdown(render_table(result)))
-        Console().print(f"{result['seconds']:.0f} s")
+        Console().print(f"{result['seconds']:.0f} s ({result['cpu_seconds']:.0f} CPU s)")
 
 
 def _slices(data: Any) -> str:
@@ -314,4 +314,5 @@ def _json_view(result: Any) -> dict[str, Any]:
         "bootstrap": summary["bootstrap"],
         "reused": result["reused"],
         "seconds": result["seconds"],
+        "cpu_seconds": result["cpu_seconds"],
     }

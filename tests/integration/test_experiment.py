@@ -116,9 +116,14 @@ def test_parallel_strategies_give_the_same_results(tmp_path: Path) -> None:
         for jobs in (1, 2)
     ]
     for run in runs:
+        cpu = [seeded["cpu_seconds"] for r in run["runs"].values() for seeded in r.values()]
+        # The CPU time of each run (measured in its own process) and the whole command's,
+        # which counts the workers' runs too.
+        assert all(c > 0 for c in cpu) and run["cpu_seconds"] >= sum(cpu)
         for r in run["runs"].values():
             for seeded in r.values():
                 seeded.pop("seconds")
+                seeded.pop("cpu_seconds")
     assert runs[0]["runs"] == runs[1]["runs"]
     assert runs[0]["summary"] == runs[1]["summary"]
 
