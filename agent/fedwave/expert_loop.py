@@ -369,6 +369,7 @@ class ExpertLoop:
             own_vclayer=self.trainer.vclayer,
             max_router_update_ratio=self.settings.max_router_update_ratio,
             max_router_update_rms=self.settings.max_router_update_rms,
+            max_router_update_abs=self.settings.max_router_update_abs,
             max_vclayer_norm_ratio=self.settings.max_vclayer_norm_ratio,
         )
         for target, why in sorted(refused.items()):

@@ -24,6 +24,12 @@ from pydantic import Field, model_validator
 
 from peerlm.config import MiB, Section, parse_host_port
 
+#: Default of ``FedWaveSettings.max_router_update_abs``: about four times the largest
+#: per-entry change of an honest round (AdamW: at most about lr x steps, 0.24 after 24
+#: steps at the router's lr of 1e-2), as ``max_router_update_rms`` is to the measured
+#: root-mean-square change.
+DEFAULT_MAX_ROUTER_UPDATE_ABS = 1.0
+
 if TYPE_CHECKING:
     from peerlm.agent.fedwave.router import MoERouter
     from peerlm.agent.fedwave.vclayer import VCLayer
@@ -64,6 +70,10 @@ class FedWaveSettings(Section):
     # the router's entry count: AdamW moves an entry by about its lr a step whatever the
     # entry's size, so a small-initialised router outgrows any ratio of its own norm.
     max_router_update_rms: float = Field(default=0.25, ge=0, le=1e6)
+    # ...and, with the ratio set, no router entry moved by more than this: the same AdamW
+    # bound per entry (at most about lr x steps), so a hostile member cannot spend the
+    # whole L2 budget on one output bias and turn every agent's routing to its expert.
+    max_router_update_abs: float | None = Field(default=DEFAULT_MAX_ROUTER_UPDATE_ABS, gt=0, le=1e6)
     max_vclayer_norm_ratio: float | None = Field(default=10.0, gt=0, le=1e6)
     vclayer: VCLayerSettings = VCLayerSettings()
     collab: CollabLossSettings = CollabLossSettings()

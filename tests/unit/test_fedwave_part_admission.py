@@ -143,3 +143,48 @@ def test_the_rms_floor_admits_an_adam_sized_change_of_a_small_router_and_no_more
         assert "a" in parts.routers
         if refused_h:
             assert "fedwave.max_router_update_rms" in refused[PullTarget("h", PartKind.ROUTER)]
+
+
+def test_a_router_at_the_rms_floor_with_its_budget_in_one_bias_is_refused() -> None:
+    """Hostile member: the root-mean-square floor bounds the change's L2 norm only, so a
+    router that spends the whole budget (0.25 x sqrt(n)) on one output bias passes the
+    ratio-and-floor bound, though no AdamW round moves one entry by more than about
+    lr x steps. Unscreened, it turns the Eq. 9 mean of four equal-weight routers to its
+    expert for every input; the default per-entry bound refuses it (reason ``norm``)."""
+    from peerlm.agent.fedwave.router import fedavg_routers
+    from peerlm.agent.fedwave.settings import FedWaveSettings
+
+    defaults = FedWaveSettings.model_fields
+    ratio = defaults["max_router_update_ratio"].default
+    rms = defaults["max_router_update_rms"].default
+    base = _router(0)
+    entries = sum(p.numel() for p in base.parameters())
+    crafted = _nudged(base, 0.0)
+    with torch.no_grad():
+        crafted.fc2.bias[0] += 0.999 * rms * entries**0.5  # inside the floor's L2 bound
+    honest = [_nudged(base, by) for by in (1e-3, -1e-3, 2e-3)]
+    pooled = torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(7))
+
+    def top1(members: list[MoERouter]) -> torch.Tensor:
+        mean = fedavg_routers({str(i): (m.state_dict(), 4) for i, m in enumerate(members)})
+        router = _router(0)
+        router.load_state_dict(mean)
+        with torch.no_grad():
+            return router.route_pooled(pooled).argmax(dim=-1)
+
+    # The attack is real: the honest mean spreads the inputs, the crafted one takes them.
+    assert len(set(top1(honest).tolist())) > 1
+    assert set(top1([*honest, crafted]).tolist()) == {0}
+    parts = _parts(base, crafted, VCLayer(WIDTH, SIZE))
+    refused = screen_round(
+        parts,
+        base_router=base.state_dict(),
+        own_vclayer=VCLayer(WIDTH, SIZE),
+        max_router_update_ratio=ratio,
+        max_vclayer_norm_ratio=None,
+        max_router_update_rms=rms,
+    )
+    assert set(refused) == {PullTarget("h", PartKind.ROUTER)}
+    assert "fedwave.max_router_update_abs" in refused[PullTarget("h", PartKind.ROUTER)]
+    assert set(parts.routers) == {"a"}
+    assert parts.rejected == {PullTarget("h", PartKind.ROUTER): NORM_REASON}
