@@ -29,6 +29,10 @@ from peerlm.config import MiB, Section, parse_host_port
 #: steps at the router's lr of 1e-2), as ``max_router_update_rms`` is to the measured
 #: root-mean-square change.
 DEFAULT_MAX_ROUTER_UPDATE_ABS = 1.0
+#: Default of ``FedWaveSettings.max_router_weight_ratio``: an honest member with up to four
+#: times the median member's data keeps the paper's weight; a claim of 1e9 weighs like four
+#: medians (with three honest members of equal data: 4/7 of the mean instead of all of it).
+DEFAULT_MAX_ROUTER_WEIGHT_RATIO = 4.0
 
 if TYPE_CHECKING:
     from peerlm.agent.fedwave.router import MoERouter
@@ -74,6 +78,12 @@ class FedWaveSettings(Section):
     # bound per entry (at most about lr x steps), so a hostile member cannot spend the
     # whole L2 budget on one output bias and turn every agent's routing to its expert.
     max_router_update_abs: float | None = Field(default=DEFAULT_MAX_ROUTER_UPDATE_ABS, gt=0, le=1e6)
+    # Eq. 9's n_i is the sender's own claim: each is capped at this times the members'
+    # lower median claim, so one member claiming 1e9 samples cannot be the whole mean
+    # (agent/fedwave/exchange.py router_weights); null: the claims as they are.
+    max_router_weight_ratio: float | None = Field(
+        default=DEFAULT_MAX_ROUTER_WEIGHT_RATIO, ge=1, le=1e6
+    )
     max_vclayer_norm_ratio: float | None = Field(default=10.0, gt=0, le=1e6)
     vclayer: VCLayerSettings = VCLayerSettings()
     collab: CollabLossSettings = CollabLossSettings()
