@@ -335,3 +335,21 @@ def test_a_database_made_under_one_k_is_refused_under_another(tmp_path: Path) ->
     store = SqliteCpmStore(db)
     CpmCore(CpmSettings(db=db, protocols=("svd_hka",), merge_senders=3), store, Clock())
     store.close()
+
+
+@pytest.mark.parametrize("role", [cpm_pb2.EXCHANGE_ROLE_STUDENT, cpm_pb2.EXCHANGE_ROLE_TEACHER])
+def test_an_agent_refuses_more_co_senders_than_any_cpm_sends(
+    role: cpm_pb2.ExchangeRole.ValueType,
+) -> None:
+    """A merge directive may name at most MAX_MERGE_SENDERS - 1 co-senders (the CPM's
+    bound, the proto's "at most 15"). One naming more (a compromised or buggy control
+    plane: tens of thousands fit one message) is refused whole, before the student walks
+    the list, instead of being deduplicated name by name on its event loop."""
+    from peerlm.agent.directives import MAX_CO_SENDERS
+    from peerlm.services.cpm import MAX_MERGE_SENDERS
+
+    most = MAX_MERGE_SENDERS - 1
+    assert most == MAX_CO_SENDERS
+    assert directive_action("svd_hka", role, MENU, MERGE_PROTOCOLS, co_senders=most) != "refuse"
+    assert directive_action("pmix", role, MENU, MERGE_PROTOCOLS, co_senders=most + 1) == "refuse"
+    assert directive_action("svd_hka", role, MENU, MERGE_PROTOCOLS, co_senders=50_000) == "refuse"
