@@ -24,10 +24,9 @@ from pydantic import Field, model_validator
 
 from peerlm.config import MiB, Section, parse_host_port
 
-#: Default of ``FedWaveSettings.max_router_update_abs``: about four times the largest
-#: per-entry change of an honest round (AdamW: at most about lr x steps, 0.24 after 24
-#: steps at the router's lr of 1e-2), as ``max_router_update_rms`` is to the measured
-#: root-mean-square change.
+#: Default of ``FedWaveSettings.max_router_update_abs``: the largest per-entry change of an
+#: honest round measured 0.152 (tiny gpt2 chain, router lr 1e-2, 24 or 48 steps; AdamW moves
+#: an entry by at most about lr x steps), so 1 is 6.5 times that (docs/fedwave.md, section 5).
 DEFAULT_MAX_ROUTER_UPDATE_ABS = 1.0
 #: Default of ``FedWaveSettings.max_router_weight_ratio``: an honest member with up to four
 #: times the median member's data keeps the paper's weight; a claim of 1e9 weighs like four
