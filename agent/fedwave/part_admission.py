@@ -28,11 +28,14 @@ rejected ones (reason ``norm``) before the round is concluded, with no I/O:
   largest honest change measured (0.062 after 24 steps at lr 1e-2); a hostile member at the
   bound moves the Eq. 9 mean by at most its weight ``n_i / Σ n`` times that.
   With the ratio set, no entry may move by more than ``max_router_update_abs`` (default 1;
-  the largest honest entry change measured 0.152 after 24 or 48 steps at 1e-2): an L2 bound alone let a
-  hostile member spend the floor's whole budget (0.25 × √n, 23 on the tiny gpt2 chain) on
-  one output bias, which turns the Eq. 9 mean of four equal-weight routers to its expert
-  for every input (``tests/unit/test_fedwave_part_admission.py``); per entry, a crafted
-  change is no larger than an honest round's can be.
+  the largest honest entry change measured 0.152 after 24 or 48 steps at 1e-2): an L2
+  bound alone let a hostile member spend the floor's whole budget (0.25 × √n, 23 on the
+  tiny gpt2 chain) on one output bias, which turns the Eq. 9 mean of four equal-weight
+  routers to its expert for every input (``tests/unit/test_fedwave_part_admission.py``);
+  per entry, a crafted change is now at most 6.5 times the largest honest one measured.
+  Also, Eq. 9's weight ``n_i`` is the sender's claim: it is capped
+  (:func:`~peerlm.agent.fedwave.exchange.router_weights`), else "its weight" above would
+  be whatever the attacker claims.
 * **a VCLayer**: its L2 norm may be at most ``max_vclayer_norm_ratio ×`` this agent's own
   VCLayer's (every stage's starts from the same distribution, :meth:`FedWaveSettings.
   initial_vclayer`; stages drift apart in training, so the default is a loose 10). A
