@@ -883,7 +883,7 @@ class AgentDaemon:
     async def _act_on(self, directive: cpm_pb2.Directive, t: int) -> bool:
         """Do what the directive names (:func:`~peerlm.agent.directives.directive_action`);
         True when this agent integrated (or tried to) as the student."""
-        from peerlm.agent.directives import directive_action
+        from peerlm.agent.directives import MAX_CO_SENDERS, directive_action
         from peerlm.services.cpm import MERGE_PROTOCOLS
 
         action = directive_action(
@@ -894,14 +894,16 @@ class AgentDaemon:
             len(directive.co_senders),
         )
         if action == "refuse" and directive.protocol in self.protocols:
-            # Co-senders on a protocol that is not a merge: a directive no CPM sends. Not
-            # reported (it says nothing about the tuple); the directive expires unrewarded.
+            # Co-senders on a protocol that is not a merge, or more than any merge names: a
+            # directive no CPM sends. Not reported (it says nothing about the tuple); the
+            # directive expires unrewarded.
             self._exchange_failed(
                 directive,
                 "malformed_directive",
                 ValueError(
                     f"{len(directive.co_senders)} co-senders on protocol "
-                    f"{directive.protocol[:32]!r}, which is not a merge"
+                    f"{directive.protocol[:32]!r} (a merge names at most "
+                    f"{MAX_CO_SENDERS}; any other protocol none)"
                 ),
             )
             return False

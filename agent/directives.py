@@ -50,6 +50,10 @@ __all__ = [
     "refusal_failure",
 ]
 
+#: Most co-senders a merge directive may name: the CPM's ``MAX_MERGE_SENDERS`` - 1 (not
+#: imported: this module must not load the CPM library; a test checks the two agree).
+MAX_CO_SENDERS = 15
+
 #: What the round loop does with its directive (:func:`directive_action`).
 DirectiveAction = Literal["refuse", "learn", "merge", "teach", "serve_adapter"]
 
@@ -70,8 +74,11 @@ def directive_action(
     merge: nothing to build) or ``teach`` (build the package). A directive naming
     ``co_senders`` (further senders, ``Directive.co_senders``) on a protocol that is not a
     merge is refused whatever the role: the CPM never sends one, and AKD has no way to use
-    several teachers' packages in one exchange."""
+    several teachers' packages in one exchange; so is one naming more than
+    ``MAX_CO_SENDERS`` (no CPM sends one either), before anything walks the list."""
     if protocol not in executed or (co_senders and protocol not in merges):
+        return "refuse"
+    if co_senders > MAX_CO_SENDERS:
         return "refuse"
     merge = protocol in merges
     if role == cpm_pb2.EXCHANGE_ROLE_STUDENT:

@@ -139,12 +139,14 @@ async def merge_from_teacher(
     # pull's own selection gives (``duplicate``, ``self``); a directive no honest CPM sends.
     senders: list[tuple[str, str]] = []
     repeated: list[Refusal] = []
+    named: set[str] = set()
     for name, address in [(teacher, endpoint), *co_senders]:
         if name == ctx.name:
             repeated.append(Refusal(name, "self", "the directive names this agent itself"))
-        elif any(name == n for n, _ in senders):
+        elif name in named:
             repeated.append(Refusal(name, "duplicate", "named again in the directive"))
         else:
+            named.add(name)
             senders.append((name, address))
     fan_out = min(len(senders), pull.max_peers)
     settings = pull.model_copy(update={"method": protocol, "max_peers": fan_out})

@@ -25,12 +25,14 @@ workflow pulls this agent's router; the agents of the adjacent stages pull its V
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from peerlm.agent.fedwave.errors import FedWaveError
 from peerlm.agent.fedwave.params import VCLayerSettings
+from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO
 from peerlm.agent.fedwave.workflow import Workflow
 
 from peerlm.chunks import HashedPayload
@@ -55,6 +57,7 @@ __all__ = [
     "parse_part_content_type",
     "part_content_type",
     "plan_pulls",
+    "router_weights",
 ]
 
 
@@ -310,27 +313,50 @@ class RoundParts:
             self.vclayers[part.agent] = part.vclayer
 
 
+def router_weights(claims: Mapping[str, int], max_ratio: float | None) -> dict[str, int]:
+    """Each member's ``n_i`` in Eq. 9: its claimed sample count, capped at ``max_ratio``
+    times the members' lower median claim (``fedwave.max_router_weight_ratio``; None: the
+    claims as they are, the paper's weights).
+
+    Why: ``n_i`` travels in the sender's own router (up to ``MAX_SAMPLES``) and nobody can
+    check it, so one member claiming 1e9 samples would be all of the mean at every agent,
+    whatever the norm bounds admit. The median of the claims is an honest member's while
+    most members are honest, and the cap depends on the set of claims only, so every agent
+    that averages the same routers computes the same weights (their aggregates stay equal).
+    Honest members within ``max_ratio`` of the median keep the paper's weights."""
+    if max_ratio is None or len(claims) < 2:
+        return dict(claims)
+    ordered = sorted(claims.values())
+    cap = max(1, math.floor(max_ratio * ordered[(len(ordered) - 1) // 2]))
+    return {name: min(n, cap) for name, n in claims.items()}
+
+
 def aggregate_routers(
     me: str,
     own: Mapping[str, torch.Tensor],
     own_samples: int,
     pulled: Mapping[str, DecodedRouter],
     shapes: Mapping[str, tuple[int, ...]],
+    *,
+    max_weight_ratio: float | None = DEFAULT_MAX_ROUTER_WEIGHT_RATIO,
 ) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
     """Eq. 9 over this agent's router and the routers that arrived: (the aggregate, the
-    agents it averages, sorted). ``FedWaveError`` if ``pulled`` holds this agent itself."""
+    agents it averages, sorted), each ``n_i`` capped by :func:`router_weights`.
+    ``FedWaveError`` if ``pulled`` holds this agent itself."""
     import torch
     from peerlm.agent.fedwave.router import fedavg_routers
 
     if me in pulled:
         raise FedWaveError(f"a pulled router is attributed to this agent ({me!r})", reason="keys")
+    claims = {name: router.n_samples for name, router in pulled.items()}
+    weights = router_weights({**claims, me: own_samples}, max_weight_ratio)
     members: dict[str, tuple[Mapping[str, torch.Tensor], int]] = {
-        name: (router.state, router.n_samples) for name, router in pulled.items()
+        name: (router.state, weights[name]) for name, router in pulled.items()
     }
     # Our own router as the others see it (float32 on the CPU), so every agent sums the
     # same values.
     members[me] = (
         {k: v.detach().to(device="cpu", dtype=torch.float32) for k, v in own.items()},
-        own_samples,
+        weights[me],
     )
     return fedavg_routers(members, shapes=shapes), tuple(sorted(members))

@@ -41,6 +41,7 @@ from peerlm.agent.fedwave.exchange import (
     plan_pulls,
 )
 from peerlm.agent.fedwave.exchange_service import proof_kind
+from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO
 from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.peer_client import PeerExchangeError, receive_chunks
 from prometheus_client import Gauge
@@ -285,12 +286,17 @@ def aggregate_round_routers(
     own_samples: int,
     parts: RoundParts,
     shapes: Mapping[str, tuple[int, ...]],
+    *,
+    max_weight_ratio: float | None = DEFAULT_MAX_ROUTER_WEIGHT_RATIO,
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """Eq. 9 over this agent's router and the routers ``parts`` brought: (the aggregate,
     the agents averaged). Counted in ``peerlm_agent_fedwave_router_aggregations_total``
     (``complete``: every agent of the workflow; ``partial``: some missing) and
-    ``peerlm_agent_fedwave_router_members_count`` (agents in the last aggregate)."""
-    merged, members = aggregate_routers(ctx.name, own, own_samples, parts.routers, shapes)
+    ``peerlm_agent_fedwave_router_members_count`` (agents in the last aggregate). Each
+    claimed ``n_i`` is capped (:func:`~peerlm.agent.fedwave.exchange.router_weights`)."""
+    merged, members = aggregate_routers(
+        ctx.name, own, own_samples, parts.routers, shapes, max_weight_ratio=max_weight_ratio
+    )
     record_router_aggregate(ctx, workflow, members, parts.round)
     return merged, members
 

@@ -227,7 +227,21 @@ class ExpertLoop:
             self.shapes,
             predecessor=self.predecessor,
             successor=self.successor,
+            max_weight_ratio=self.settings.max_router_weight_ratio,
         )
+        for agent in conclusion.capped:
+            # A claimed n_i over the cap: averaged, at the capped weight (exchange.py).
+            self.ctx.counter(
+                "peerlm_agent_fedwave_router_weights_capped_total",
+                "Routers averaged by Eq. 9 whose claimed sample count n_i was over "
+                "fedwave.max_router_weight_ratio x the members' median claim (capped)",
+            ).inc()
+            self.ctx.log.warning(
+                "fedwave_router_weight_capped",
+                round=t,
+                agent=agent,
+                claimed=parts.routers[agent].n_samples,
+            )
         await self._run(lambda: self.trainer.load_router(conclusion.router))
         self.predecessor, self.successor = conclusion.predecessor, conclusion.successor
         self.next_round = t + 1
@@ -369,6 +383,7 @@ class ExpertLoop:
             own_vclayer=self.trainer.vclayer,
             max_router_update_ratio=self.settings.max_router_update_ratio,
             max_router_update_rms=self.settings.max_router_update_rms,
+            max_router_update_abs=self.settings.max_router_update_abs,
             max_vclayer_norm_ratio=self.settings.max_vclayer_norm_ratio,
         )
         for target, why in sorted(refused.items()):

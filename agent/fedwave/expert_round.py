@@ -35,10 +35,11 @@ from typing import Any
 import torch
 from peerlm.agent.fedwave.code_chain import StageExample
 from peerlm.agent.fedwave.collab_loss import CollabLossSettings
-from peerlm.agent.fedwave.exchange import RoundParts, aggregate_routers
+from peerlm.agent.fedwave.exchange import RoundParts, aggregate_routers, router_weights
 from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss
 from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.sequence_losses import per_sample_sft_loss
+from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO
 from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer
 from peerlm.agent.fedwave.workflow import Workflow
 
@@ -94,6 +95,8 @@ class RoundConclusion:
     successor: VCLayer | None
     missing: dict[str, str] = field(default_factory=dict)  # "agent/kind" -> reason
     rejected: dict[str, str] = field(default_factory=dict)
+    #: agents whose claimed n_i was over the cap (fedwave.max_router_weight_ratio)
+    capped: tuple[str, ...] = ()
 
 
 def conclude_round(
@@ -106,13 +109,18 @@ def conclude_round(
     *,
     predecessor: VCLayer | None = None,
     successor: VCLayer | None = None,
+    max_weight_ratio: float | None = DEFAULT_MAX_ROUTER_WEIGHT_RATIO,
 ) -> RoundConclusion:
     """The round's end at agent ``me``: Eq. 9 over its router and ``parts.routers``, and the
     adjacent stages' VCLayers from ``parts.vclayers`` (``predecessor``/``successor``: the
     previous round's, kept where none of the stage's agents' arrived). Pure: the same
     arguments give the same bits. ``FedWaveError`` from the aggregate (a router that does
     not fit: the transport has already refused those)."""
-    merged, members = aggregate_routers(me, own_router, own_samples, parts.routers, shapes)
+    merged, members = aggregate_routers(
+        me, own_router, own_samples, parts.routers, shapes, max_weight_ratio=max_weight_ratio
+    )
+    claims = {name: router.n_samples for name, router in parts.routers.items()}
+    weights = router_weights({**claims, me: own_samples}, max_weight_ratio)
     before, after = adjacent_vclayers(workflow, me, parts.vclayers, predecessor, successor)
     return RoundConclusion(
         round=parts.round,
@@ -124,6 +132,7 @@ def conclude_round(
         successor=after,
         missing={f"{t.agent}/{t.kind}": r for t, r in sorted(parts.missing.items())},
         rejected={f"{t.agent}/{t.kind}": r for t, r in sorted(parts.rejected.items())},
+        capped=tuple(sorted(a for a, n in claims.items() if weights[a] < n)),
     )
 
 

@@ -27,6 +27,15 @@ rejected ones (reason ``norm``) before the round is concluded, with no I/O:
   ``max_update_norm_ratio``) and root-mean-square 0.25 per entry, about four times the
   largest honest change measured (0.062 after 24 steps at lr 1e-2); a hostile member at the
   bound moves the Eq. 9 mean by at most its weight ``n_i / Σ n`` times that.
+  With the ratio set, no entry may move by more than ``max_router_update_abs`` (default 1;
+  the largest honest entry change measured 0.152 after 24 or 48 steps at 1e-2): an L2
+  bound alone let a hostile member spend the floor's whole budget (0.25 × √n, 23 on the
+  tiny gpt2 chain) on one output bias, which turns the Eq. 9 mean of four equal-weight
+  routers to its expert for every input (``tests/unit/test_fedwave_part_admission.py``);
+  per entry, a crafted change is now at most 6.5 times the largest honest one measured.
+  Also, Eq. 9's weight ``n_i`` is the sender's claim: it is capped
+  (:func:`~peerlm.agent.fedwave.exchange.router_weights`), else "its weight" above would
+  be whatever the attacker claims.
 * **a VCLayer**: its L2 norm may be at most ``max_vclayer_norm_ratio ×`` this agent's own
   VCLayer's (every stage's starts from the same distribution, :meth:`FedWaveSettings.
   initial_vclayer`; stages drift apart in training, so the default is a loose 10). A
@@ -51,6 +60,7 @@ from collections.abc import Mapping
 import torch
 from peerlm.agent.fedproxy_admission import state_norm, update_norm
 from peerlm.agent.fedwave.exchange import PartKind, PullTarget, RoundParts
+from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_UPDATE_ABS
 from peerlm.agent.fedwave.vclayer import VCLayer
 
 __all__ = ["NORM_REASON", "router_norm_refusal", "screen_round", "vclayer_norm_refusal"]
@@ -59,21 +69,48 @@ __all__ = ["NORM_REASON", "router_norm_refusal", "screen_round", "vclayer_norm_r
 NORM_REASON = "norm"
 
 
+def _largest_entry_change(
+    base: Mapping[str, torch.Tensor], router: Mapping[str, torch.Tensor]
+) -> float:
+    """``max |router − base|`` over every floating entry (float64; NaN if any is NaN)."""
+    largest = 0.0
+    for key, ref in base.items():
+        if not ref.is_floating_point():
+            continue
+        diff = router[key].detach().to("cpu", torch.float64) - ref.detach().to("cpu", torch.float64)
+        if diff.numel():
+            change = float(diff.abs().max())
+            if not change <= largest:  # a NaN change stays NaN
+                largest = change
+    return largest
+
+
 def router_norm_refusal(
     base: Mapping[str, torch.Tensor],
     router: Mapping[str, torch.Tensor],
     *,
     max_ratio: float,
     max_rms: float = 0.0,
+    max_abs: float | None = DEFAULT_MAX_ROUTER_UPDATE_ABS,
 ) -> str | None:
     """Why ``router`` is over the bound against the round's starting router ``base`` (a
-    message), or None if within it: ``max(max_ratio × ‖base‖, max_rms × √n)``."""
+    message), or None if within it: an L2 norm of at most ``max(max_ratio × ‖base‖,
+    max_rms × √n)`` and, unless ``max_abs`` is None, no entry moved by more than
+    ``max_abs``."""
     reference = state_norm(base)
     entries = sum(v.numel() for v in base.values() if v.is_floating_point())
     bound = max(max_ratio * reference, max_rms * math.sqrt(entries))
     norm = update_norm(base, router)
     if norm <= bound:  # not ``>``: a NaN norm is refused too
-        return None
+        if max_abs is None:
+            return None
+        largest = _largest_entry_change(base, router)
+        if largest <= max_abs:
+            return None
+        return (
+            f"router entry moved by {largest:.4g}, more than {max_abs:g} "
+            f"(fedwave.max_router_update_abs), within the norm bound {bound:.4g}"
+        )
     return (
         f"router update norm {norm:.4g} exceeds {bound:.4g}, the larger of {max_ratio:g} x "
         f"the round's starting router norm {reference:.4g} (fedwave.max_router_update_ratio) "
@@ -102,11 +139,13 @@ def screen_round(
     max_router_update_ratio: float | None,
     max_vclayer_norm_ratio: float | None,
     max_router_update_rms: float = 0.0,
+    max_router_update_abs: float | None = DEFAULT_MAX_ROUTER_UPDATE_ABS,
 ) -> dict[PullTarget, str]:
     """Move the parts of ``parts`` over their norm bound (module docstring) from its
     accepted routers / VCLayers to ``parts.rejected`` (reason ``norm``); what was moved,
     with each refusal's message. A ratio of None: no bound for that kind (the router's
-    root-mean-square floor only widens a ratio's bound)."""
+    root-mean-square floor only widens a ratio's bound, and its per-entry bound
+    ``max_router_update_abs`` applies with the ratio)."""
     refused: dict[PullTarget, str] = {}
     if max_router_update_ratio is not None:
         for agent in sorted(parts.routers):
@@ -115,6 +154,7 @@ def screen_round(
                 parts.routers[agent].state,
                 max_ratio=max_router_update_ratio,
                 max_rms=max_router_update_rms,
+                max_abs=max_router_update_abs,
             )
             if why is not None:
                 refused[PullTarget(agent, PartKind.ROUTER)] = why

@@ -24,6 +24,15 @@ from pydantic import Field, model_validator
 
 from peerlm.config import MiB, Section, parse_host_port
 
+#: Default of ``FedWaveSettings.max_router_update_abs``: the largest per-entry change of an
+#: honest round measured 0.152 (tiny gpt2 chain, router lr 1e-2, 24 or 48 steps; AdamW moves
+#: an entry by at most about lr x steps), so 1 is 6.5 times that (docs/fedwave.md, section 5).
+DEFAULT_MAX_ROUTER_UPDATE_ABS = 1.0
+#: Default of ``FedWaveSettings.max_router_weight_ratio``: an honest member with up to four
+#: times the median member's data keeps the paper's weight; a claim of 1e9 weighs like four
+#: medians (with three honest members of equal data: 4/7 of the mean instead of all of it).
+DEFAULT_MAX_ROUTER_WEIGHT_RATIO = 4.0
+
 if TYPE_CHECKING:
     from peerlm.agent.fedwave.router import MoERouter
     from peerlm.agent.fedwave.vclayer import VCLayer
@@ -64,6 +73,16 @@ class FedWaveSettings(Section):
     # the router's entry count: AdamW moves an entry by about its lr a step whatever the
     # entry's size, so a small-initialised router outgrows any ratio of its own norm.
     max_router_update_rms: float = Field(default=0.25, ge=0, le=1e6)
+    # ...and, with the ratio set, no router entry moved by more than this: the same AdamW
+    # bound per entry (at most about lr x steps), so a hostile member cannot spend the
+    # whole L2 budget on one output bias and turn every agent's routing to its expert.
+    max_router_update_abs: float | None = Field(default=DEFAULT_MAX_ROUTER_UPDATE_ABS, gt=0, le=1e6)
+    # Eq. 9's n_i is the sender's own claim: each is capped at this times the members'
+    # lower median claim, so one member claiming 1e9 samples cannot be the whole mean
+    # (agent/fedwave/exchange.py router_weights); null: the claims as they are.
+    max_router_weight_ratio: float | None = Field(
+        default=DEFAULT_MAX_ROUTER_WEIGHT_RATIO, ge=1, le=1e6
+    )
     max_vclayer_norm_ratio: float | None = Field(default=10.0, gt=0, le=1e6)
     vclayer: VCLayerSettings = VCLayerSettings()
     collab: CollabLossSettings = CollabLossSettings()

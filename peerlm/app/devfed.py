@@ -412,8 +412,10 @@ def _write_reward_files(
     Each agent's probe is drawn from a seed of its own (the world seed and its name): a
     teacher that knew a student's probe problems could tune its answers to them and
     inflate the reward the CPM learns from (docs/experiment.md, "The reward"); with
-    private draws it can only teach the skill. ``run-experiment`` shares one probe among
-    its clients, as its Oracle pairing measures everyone's gain on it."""
+    draws of its own it can only teach the skill. Private only while the world seed is:
+    the draw is a public function of (seed, name), reproducible on purpose.
+    ``run-experiment`` shares one probe among its clients, as its Oracle pairing measures
+    everyone's gain on it."""
     import hashlib
 
     from peerlm.agent import CATEGORIES, probe_problems, read_jsonl, write_jsonl

@@ -398,16 +398,30 @@ def _run_to_exit(config: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_agent_refuses_an_empty_reward_file(world: World) -> None:
-    """A probe with nothing to measure on is a configuration error at start, not a round
-    that silently measures nothing."""
-    empty = world.tmp / "reward" / "probe.jsonl"
-    empty.parent.mkdir(parents=True, exist_ok=True)
-    empty.write_text("")
-    config = _config(world, "a0", world.tmp / "reward" / "state", reward_file=str(empty))
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        ("", "reward_file"),
+        # Malformed: not JSON, a problem without its reference, a line over the reader's bound.
+        ("{not json\n", "probe.jsonl:1"),
+        ('{"prompt": "def f():"}\n', "probe.jsonl:1"),
+        ('{"prompt": "' + "x" * 2_000_000 + '"}\n', "probe.jsonl:1"),
+    ],
+    ids=["empty", "not_json", "missing_field", "huge_line"],
+)
+def test_agent_refuses_an_empty_or_malformed_reward_file(
+    world: World, content: str, named: str
+) -> None:
+    """A probe with nothing to measure on, or one that cannot be read, is a configuration
+    error at start (exit 2, the file and line named), not a round that silently measures
+    nothing or a crash mid-run."""
+    probe = world.tmp / "reward" / "probe.jsonl"
+    probe.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_text(content)
+    config = _config(world, "a0", world.tmp / "reward" / "state", reward_file=str(probe))
     proc = _run_to_exit(config)
     assert proc.returncode == 2
-    assert "reward_file" in proc.stderr
+    assert named in proc.stderr
 
 
 def test_package_request_without_directive_is_refused(world: World) -> None:

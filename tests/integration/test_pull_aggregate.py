@@ -643,6 +643,38 @@ async def test_a_harmful_merge_is_rolled_back_and_still_rewarded(world: World, p
     assert _metric(registry, "peerlm_agent_integrations_rolled_back_total", kind="merge") == 1
 
 
+async def test_a_rolled_back_merge_reports_the_gates_loss_whatever_the_probe(
+    world: World, pki: Path
+) -> None:
+    """Hostile teacher under a probe reward: its merged adapter wrecks the student's val
+    loss, so the gate rolls the merge back; the reward is then the gate's (val losses,
+    bounded, negative), never the probe's, so an adapter tuned to the probe cannot buy a
+    good reward with a merge the student did not keep (as AKD: test_rounds.py)."""
+    from peerlm.agent.acceptance import LOSS_PENALTY_NATS
+    from peerlm.agent.merge_directive import merge_from_teacher
+
+    probe = [("def twice(x):\n", "    return 2 * x\n"), ("def first(xs):\n", "    return xs[0]\n")]
+    student = world.student
+    before = student.adapter_state()
+    val_pre = student.eval_loss(VAL, max_length=64)[0]
+    probe_pre = student.eval_loss(probe, max_length=64)[0]
+    out = await merge_from_teacher(
+        _student(pki, new_registry()),
+        student,
+        **_directive(
+            "huge",
+            world.teachers["huge"].target,
+            pull=PullSettings(timeout_s=20.0, max_norm_ratio=None),
+            reward_examples=probe,
+        ),
+    )
+    assert out.rolled_back and out.merged == () and out.reward < 0
+    assert out.loss_pre == pytest.approx(val_pre) != pytest.approx(probe_pre)
+    assert out.loss_post <= out.loss_pre + LOSS_PENALTY_NATS
+    after = student.adapter_state()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
 async def test_a_merge_directive_checks_its_protocol_first(world: World, pki: Path) -> None:
     from peerlm.agent.merge_directive import merge_from_teacher
 

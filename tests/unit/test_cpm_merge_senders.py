@@ -19,7 +19,7 @@ from peerlm.services.cpm import (
     Matchmaker,
     Pairing,
 )
-from peerlm.services.cpm.core import CpmCore
+from peerlm.services.cpm.core import CpmCore, CpmError
 from peerlm.services.cpm.menu import SAME_SPACE_PROTOCOLS
 from peerlm.services.cpm.service import directive_message
 from peerlm.services.cpm.store import MemoryCpmStore, SqliteCpmStore
@@ -335,3 +335,48 @@ def test_a_database_made_under_one_k_is_refused_under_another(tmp_path: Path) ->
     store = SqliteCpmStore(db)
     CpmCore(CpmSettings(db=db, protocols=("svd_hka",), merge_senders=3), store, Clock())
     store.close()
+
+
+@pytest.mark.parametrize("role", [cpm_pb2.EXCHANGE_ROLE_STUDENT, cpm_pb2.EXCHANGE_ROLE_TEACHER])
+def test_an_agent_refuses_more_co_senders_than_any_cpm_sends(
+    role: cpm_pb2.ExchangeRole.ValueType,
+) -> None:
+    """A merge directive may name at most MAX_MERGE_SENDERS - 1 co-senders (the CPM's
+    bound, the proto's "at most 15"). One naming more (a compromised or buggy control
+    plane: tens of thousands fit one message) is refused whole, before the student walks
+    the list, instead of being deduplicated name by name on its event loop."""
+    from peerlm.agent.directives import MAX_CO_SENDERS
+    from peerlm.services.cpm import MAX_MERGE_SENDERS
+
+    most = MAX_MERGE_SENDERS - 1
+    assert most == MAX_CO_SENDERS
+    assert directive_action("svd_hka", role, MENU, MERGE_PROTOCOLS, co_senders=most) != "refuse"
+    assert directive_action("pmix", role, MENU, MERGE_PROTOCOLS, co_senders=most + 1) == "refuse"
+    assert directive_action("svd_hka", role, MENU, MERGE_PROTOCOLS, co_senders=50_000) == "refuse"
+
+
+def test_only_the_student_rewards_a_k_sender_directive_and_only_once() -> None:
+    """Hostile members around a directive with co-senders: a co-sender (named in it, but
+    not its receiver) or the teacher reporting its reward is PERMISSION_DENIED, a replay of
+    the student's report is ALREADY_EXISTS; the bandit moves once, on the student's report."""
+    c = CpmCore(
+        CpmSettings(init=True, protocols=("svd_hka",), merge_senders=3, directive_ttl_s=60),
+        MemoryCpmStore(),
+        Clock(),
+    )
+    _submit(c, ["a", "b", "c", "d", "e", "f"])
+    d = c.matchmake().directives[0]
+    assert len(d.co_senders) == 2
+    before = c.matchmaker.snapshot()
+    for intruder in (*(n for n, _ in d.co_senders), d.teacher):
+        with pytest.raises(CpmError) as err:
+            c.report_reward(intruder, d.directive_id, 1e6)
+        assert err.value.code == "PERMISSION_DENIED"
+    assert c.matchmaker.snapshot() == before
+    c.report_reward(d.student, d.directive_id, 0.3)
+    after = c.matchmaker.snapshot()
+    assert after.n_updates == before.n_updates + 1
+    with pytest.raises(CpmError) as err:
+        c.report_reward(d.student, d.directive_id, 0.3)
+    assert err.value.code == "ALREADY_EXISTS"
+    assert c.matchmaker.snapshot() == after

@@ -177,22 +177,25 @@ def test_agents_that_aggregate_the_same_routers_get_the_same_bits() -> None:
     samples = {"a1": 10, "a2": 30, "a3": 7, "a4": 53}
     shapes = router_shapes(routers["a1"])
     blobs = {n: encode_router(r, n_samples=samples[n], round=2) for n, r in routers.items()}
-    results = []
-    for me in reversed(sorted(routers)):
-        pulled = {}
-        for other in sorted(routers, reverse=me == "a2"):  # arrival order must not matter
-            if other != me:
-                part = accept_part(WORKFLOW, other, PartKind.ROUTER, 2, blobs[other], _bounds())
-                assert part.router is not None
-                pulled[other] = part.router
-        merged, members = aggregate_routers(
-            me, routers[me].state_dict(), samples[me], pulled, shapes
-        )
-        assert members == ("a1", "a2", "a3", "a4")
-        results.append(merged)
-    for other in results[1:]:
-        assert all(torch.equal(results[0][k], other[k]) for k in results[0])
-    # Eq. 9 by hand for one entry.
+    # The paper's weights (no cap), and a cap on the claims (2 x the lower median 10: a2's
+    # and a4's weights are 20): equal bits at every agent either way.
+    for ratio in (2.0, None):
+        results = []
+        for me in reversed(sorted(routers)):
+            pulled = {}
+            for other in sorted(routers, reverse=me == "a2"):  # arrival order must not matter
+                if other != me:
+                    part = accept_part(WORKFLOW, other, PartKind.ROUTER, 2, blobs[other], _bounds())
+                    assert part.router is not None
+                    pulled[other] = part.router
+            merged, members = aggregate_routers(
+                me, routers[me].state_dict(), samples[me], pulled, shapes, max_weight_ratio=ratio
+            )
+            assert members == ("a1", "a2", "a3", "a4")
+            results.append(merged)
+        for other in results[1:]:
+            assert all(torch.equal(results[0][k], other[k]) for k in results[0])
+    # Eq. 9 by hand for one entry (uncapped).
     expected = sum(
         samples[n] / 100 * routers[n].state_dict()["fc1.weight"][0, 0].double() for n in routers
     )

@@ -143,3 +143,94 @@ def test_the_rms_floor_admits_an_adam_sized_change_of_a_small_router_and_no_more
         assert "a" in parts.routers
         if refused_h:
             assert "fedwave.max_router_update_rms" in refused[PullTarget("h", PartKind.ROUTER)]
+
+
+def test_a_router_at_the_rms_floor_with_its_budget_in_one_bias_is_refused() -> None:
+    """Hostile member: the root-mean-square floor bounds the change's L2 norm only, so a
+    router that spends the whole budget (0.25 x sqrt(n)) on one output bias passes the
+    ratio-and-floor bound, though no AdamW round moves one entry by more than about
+    lr x steps. Unscreened, it turns the Eq. 9 mean of four equal-weight routers to its
+    expert for every input; the default per-entry bound refuses it (reason ``norm``)."""
+    from peerlm.agent.fedwave.router import fedavg_routers
+    from peerlm.agent.fedwave.settings import FedWaveSettings
+
+    defaults = FedWaveSettings.model_fields
+    ratio = defaults["max_router_update_ratio"].default
+    rms = defaults["max_router_update_rms"].default
+    base = _router(0)
+    entries = sum(p.numel() for p in base.parameters())
+    crafted = _nudged(base, 0.0)
+    with torch.no_grad():
+        crafted.fc2.bias[0] += 0.999 * rms * entries**0.5  # inside the floor's L2 bound
+    honest = [_nudged(base, by) for by in (1e-3, -1e-3, 2e-3)]
+    pooled = torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(7))
+
+    def top1(members: list[MoERouter]) -> torch.Tensor:
+        mean = fedavg_routers({str(i): (m.state_dict(), 4) for i, m in enumerate(members)})
+        router = _router(0)
+        router.load_state_dict(mean)
+        with torch.no_grad():
+            return router.route_pooled(pooled).argmax(dim=-1)
+
+    # The attack is real: the honest mean spreads the inputs, the crafted one takes them.
+    assert len(set(top1(honest).tolist())) > 1
+    assert set(top1([*honest, crafted]).tolist()) == {0}
+    parts = _parts(base, crafted, VCLayer(WIDTH, SIZE))
+    refused = screen_round(
+        parts,
+        base_router=base.state_dict(),
+        own_vclayer=VCLayer(WIDTH, SIZE),
+        max_router_update_ratio=ratio,
+        max_vclayer_norm_ratio=None,
+        max_router_update_rms=rms,
+    )
+    assert set(refused) == {PullTarget("h", PartKind.ROUTER)}
+    assert "fedwave.max_router_update_abs" in refused[PullTarget("h", PartKind.ROUTER)]
+    assert set(parts.routers) == {"a"}
+    assert parts.rejected == {PullTarget("h", PartKind.ROUTER): NORM_REASON}
+
+
+def test_a_router_claiming_the_largest_sample_count_does_not_take_over_eq9() -> None:
+    """Hostile member: ``n_i`` is the sender's own claim (up to ``MAX_SAMPLES``, 1e9), so a
+    router inside every norm bound that claims 1e9 samples would be nearly all of the
+    Eq. 9 mean at every agent, the honest members' routers nearly nothing. The aggregate
+    caps each claim at ``max_router_weight_ratio`` (default 4) x the members' (lower)
+    median claim: the claim weighs like four honest members', no more."""
+    from peerlm.agent.fedwave.exchange import aggregate_routers
+    from peerlm.agent.fedwave.router import fedavg_routers
+    from peerlm.agent.fedwave.router_codec import MAX_SAMPLES, decode_router
+    from peerlm.agent.fedwave.settings import FedWaveSettings
+
+    defaults = FedWaveSettings.model_fields
+    base = _router(0)
+    shapes = router_shapes(base)
+    crafted = _nudged(base, 0.05)  # within the ratio, floor and per-entry bounds
+    parts = RoundParts(2)
+    routers = {"a": _nudged(base, 1e-3), "b": _nudged(base, -1e-3), "h": crafted}
+    for agent, router in routers.items():
+        claim = MAX_SAMPLES if agent == "h" else 64
+        parts.routers[agent] = decode_router(
+            encode_router(router, n_samples=claim, round=2), shapes=shapes
+        )
+    refused = screen_round(
+        parts,
+        base_router=base.state_dict(),
+        own_vclayer=VCLayer(WIDTH, SIZE),
+        max_router_update_ratio=defaults["max_router_update_ratio"].default,
+        max_vclayer_norm_ratio=None,
+        max_router_update_rms=defaults["max_router_update_rms"].default,
+    )
+    assert not refused  # every norm bound admits it: only its weight is out of line
+    own = _nudged(base, 2e-3).state_dict()
+    merged, members = aggregate_routers("c", own, 64, parts.routers, shapes)
+    assert members == ("a", "b", "c", "h")
+    capped = {k: (r.state, 4 * 64 if k == "h" else 64) for k, r in parts.routers.items()}
+    expected = fedavg_routers({**capped, "c": (own, 64)}, shapes=shapes)
+    for key in expected:
+        torch.testing.assert_close(merged[key], expected[key])
+    # The round's conclusion names the capped member (the expert loop counts and logs it).
+    from peerlm.agent.fedwave.expert_round import conclude_round
+
+    conclusion = conclude_round(WORKFLOW, "c", own, 64, parts, shapes)
+    assert conclusion.capped == ("h",)
+    assert all(torch.equal(conclusion.router[k], merged[k]) for k in merged)
