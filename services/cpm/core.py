@@ -53,6 +53,7 @@ from peerlm.services.cpm.menu import (
     check_param_space,
     check_protocols,
 )
+from peerlm.services.cpm.normalise import DEFAULT_REWARD_CLIP_SIGMAS
 from peerlm.services.cpm.profile import validate_profile
 from peerlm.services.cpm.records import (
     DirectiveRecord,
@@ -227,6 +228,10 @@ def settings_fingerprint(settings: CpmSettings) -> str:
     # one database would average them.
     if settings.merge_senders != 1:
         fields["merge_senders"] = settings.merge_senders
+    # Only when not the default: databases made before winsorising keep their fingerprint
+    # (their replay winsorises from the tenth reward on, like a new one).
+    if settings.reward_clip_sigmas != DEFAULT_REWARD_CLIP_SIGMAS:
+        fields["reward_clip_sigmas"] = settings.reward_clip_sigmas
     return json.dumps(fields, sort_keys=True)
 
 
@@ -307,6 +312,7 @@ class CpmCore:
             ridge=settings.ridge,
             context_columns=settings.context_columns,
             merge_senders=settings.merge_senders,
+            reward_clip_sigmas=settings.reward_clip_sigmas,
         )
 
     # ------------------------------------------------------------ bandit state

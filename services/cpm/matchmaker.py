@@ -57,7 +57,7 @@ from .features import ContextFeatures
 from .linucb import LinUCB, PairTables
 from .matching import greedy_disjoint, max_weight_disjoint
 from .menu import MERGE_PROTOCOLS, AdmissibilityMask, Capabilities
-from .normalise import RewardNormaliser, check_reward
+from .normalise import DEFAULT_REWARD_CLIP_SIGMAS, RewardNormaliser, check_reward
 from .prefilter import (
     DEFAULT_CLUSTER_MIN_AGENTS,
     DEFAULT_SHORTLIST,
@@ -302,6 +302,9 @@ class Matchmaker:
             co-senders, its admissible candidate partners of the round with the best UCB
             for (co-sender, receiver, protocol, role); 1 (default): none, selection
             exactly as without the setting.
+        reward_clip_sigmas: rewards are winsorised to this many running standard
+            deviations before the z-score (our guard against a hostile student's report;
+            :mod:`.normalise`); None: the paper's plain running z-score.
     """
 
     def __init__(
@@ -324,6 +327,7 @@ class Matchmaker:
         score_precision: Literal["float32", "float64"] = "float32",
         context_columns: Sequence[int] | None = None,
         merge_senders: int = 1,
+        reward_clip_sigmas: float | None = DEFAULT_REWARD_CLIP_SIGMAS,
     ) -> None:
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError("beta must be a finite number >= 0")
@@ -357,7 +361,8 @@ class Matchmaker:
             trust=trust_features,
         )
         self._bandit = LinUCB(self._features.dim, ridge)
-        self._normaliser = RewardNormaliser()
+        self._reward_clip_sigmas = reward_clip_sigmas
+        self._normaliser = self._new_normaliser()  # validates reward_clip_sigmas
         self._trust = TrustLedger()
         self._beta = float(beta)
         self._ridge = float(ridge)
@@ -377,6 +382,11 @@ class Matchmaker:
         # Column layout of LinUCB.score_pairs per pair: C forward combos, then C reverse.
         n_p, n_r = len(self._features.protocols), len(self._features.roles)
         self._combo_forward = np.arange(2 * n_p * n_r) < n_p * n_r
+
+    def _new_normaliser(
+        self, count: int = 0, mean: float = 0.0, m2: float = 0.0
+    ) -> RewardNormaliser:
+        return RewardNormaliser(count, mean, m2, clip_sigmas=self._reward_clip_sigmas)
 
     # -- read-only views -------------------------------------------------------------
 
@@ -743,7 +753,7 @@ class Matchmaker:
         try:
             self._bandit.update_block(xs, np.asarray(r_norm, dtype=np.float64))
         except BaseException:
-            self._normaliser = RewardNormaliser(count, mean, m2)
+            self._normaliser = self._new_normaliser(count, mean, m2)
             raise
         for pairing, value in zip(pairings, values, strict=True):
             self._trust.record(pairing.sender, value > 0.0)
@@ -783,7 +793,7 @@ class Matchmaker:
         )
         if bandit.dim != self.context_dim:
             raise ValueError(f"a_inv is {bandit.dim}-dimensional, expected {self.context_dim}")
-        normaliser = RewardNormaliser(state.reward_count, state.reward_mean, state.reward_m2)
+        normaliser = self._new_normaliser(state.reward_count, state.reward_mean, state.reward_m2)
         trust = TrustLedger(state.trust)
         self._bandit, self._normaliser, self._trust = bandit, normaliser, trust
         self._selects_since_update = 0
@@ -828,4 +838,5 @@ class Matchmaker:
             "score_precision": self._score_precision,
             "context_dim": self.context_dim,
             "merge_senders": self._merge_senders,
+            "reward_clip_sigmas": self._reward_clip_sigmas,
         }

@@ -16,13 +16,32 @@ Choices the paper leaves open:
 * Non-finite rewards are rejected with ``ValueError`` and leave the state unchanged, as
   do rewards beyond :data:`MAX_ABS_REWARD` (whose squares could overflow the running sum
   of squares and poison every later normalisation).
+* **Winsorised against hostile reports (our choice beyond the paper; ``clip_sigmas``).**
+  The reward is reported by the student, an authenticated member that may be hostile. One
+  report at the service's magnitude bound (accepted: finite, in bounds) would inflate
+  ``sigma_r`` for good, and every later honest reward would z-score to about the same
+  value: the bandit would stop telling pairings apart (the audit's test: the spread of
+  later z-scores falls from 1.2 to 0.002). So once ``clip_after`` rewards are in, a reward
+  is clipped to ``mu_r +- clip_sigmas * sigma_r`` *before* it is folded in and normalised:
+  a report moves the statistics by at most as much as an extreme honest one would. The
+  first ``clip_after`` rewards cannot be judged (there is no spread yet); the service's
+  ``max_reward_magnitude`` bounds them. ``clip_sigmas = None`` is the paper's plain
+  running z-score. Honest rewards beyond 3 sigma are rare (and are clipped too, which
+  costs the bandit little: their sign and rank survive).
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["EPS", "MAX_ABS_REWARD", "RewardNormaliser", "check_reward"]
+__all__ = [
+    "DEFAULT_CLIP_AFTER",
+    "DEFAULT_REWARD_CLIP_SIGMAS",
+    "EPS",
+    "MAX_ABS_REWARD",
+    "RewardNormaliser",
+    "check_reward",
+]
 
 EPS = 1e-6
 #: A guard against overflow, far above any loss reduction or KB penalty (the CPM service
@@ -40,12 +59,33 @@ def check_reward(reward: float) -> float:
     return value
 
 
+#: The CPM's default winsorising bound, in running standard deviations.
+DEFAULT_REWARD_CLIP_SIGMAS = 3.0
+#: Rewards folded in before winsorising starts (a spread needs a few rewards to mean much).
+DEFAULT_CLIP_AFTER = 10
+
+
 class RewardNormaliser:
-    """Welford running mean/variance; :meth:`update` returns the z-scored reward."""
+    """Welford running mean/variance; :meth:`update` returns the z-scored reward, after
+    winsorising it to ``clip_sigmas`` running standard deviations (module docstring)."""
 
-    __slots__ = ("_count", "_m2", "_mean")
+    __slots__ = ("_clip_after", "_clip_sigmas", "_count", "_m2", "_mean")
 
-    def __init__(self, count: int = 0, mean: float = 0.0, m2: float = 0.0) -> None:
+    def __init__(
+        self,
+        count: int = 0,
+        mean: float = 0.0,
+        m2: float = 0.0,
+        *,
+        clip_sigmas: float | None = None,
+        clip_after: int = DEFAULT_CLIP_AFTER,
+    ) -> None:
+        if clip_sigmas is not None and not (math.isfinite(clip_sigmas) and clip_sigmas > 0):
+            raise ValueError(f"clip_sigmas must be a finite number > 0 or None, got {clip_sigmas}")
+        if clip_after < 2:
+            raise ValueError("clip_after must be >= 2")
+        self._clip_sigmas = clip_sigmas
+        self._clip_after = int(clip_after)
         if count < 0:
             raise ValueError("count must be >= 0")
         if not (math.isfinite(mean) and math.isfinite(m2)) or m2 < 0:
@@ -80,9 +120,19 @@ class RewardNormaliser:
         """Z-score ``reward`` with the current statistics, without folding it in."""
         return (check_reward(reward) - self._mean) / (self.std + EPS)
 
-    def update(self, reward: float) -> float:
-        """Fold ``reward`` into the statistics, then return its z-score under them."""
+    def clip(self, reward: float) -> float:
+        """``reward`` winsorised to ``mean +- clip_sigmas * std`` (unchanged before
+        ``clip_after`` rewards, or with ``clip_sigmas`` None)."""
         value = check_reward(reward)
+        if self._clip_sigmas is None or self._count < self._clip_after:
+            return value
+        spread = self._clip_sigmas * self.std
+        return min(max(value, self._mean - spread), self._mean + spread)
+
+    def update(self, reward: float) -> float:
+        """Fold ``reward`` (winsorised, :meth:`clip`) into the statistics, then return its
+        z-score under them."""
+        value = self.clip(reward)
         count = self._count + 1
         delta = value - self._mean
         mean = self._mean + delta / count

@@ -7,6 +7,7 @@ from typing import Literal
 
 from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS
 from peerlm.services.cpm.menu import MENU
+from peerlm.services.cpm.normalise import DEFAULT_REWARD_CLIP_SIGMAS
 from peerlm.services.cpm.profile import check_context_columns
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -48,6 +49,11 @@ class CpmSettings(ServiceSettings):
     # per merge directive"). 1: one sender, as before. Part of the database's fingerprint
     # when not 1: a K-sender merge reward is a group reward, another quantity for the arms.
     merge_senders: int = Field(default=1, ge=1, le=MAX_MERGE_SENDERS)
+    # Rewards winsorised to this many running standard deviations before the z-score (a
+    # hostile student's extreme report must not flatten every later reward; null: the
+    # paper's plain running z-score; services/cpm/normalise.py). Part of the database's
+    # fingerprint when not the default.
+    reward_clip_sigmas: float | None = Field(default=DEFAULT_REWARD_CLIP_SIGMAS, gt=0, le=1e6)
     prefilter_k: int = Field(default=8, ge=1)
     prefilter_min_agents: int = Field(default=64, ge=2)
     seed: int = 0
