@@ -227,6 +227,10 @@ def settings_fingerprint(settings: CpmSettings) -> str:
     # one database would average them.
     if settings.merge_senders != 1:
         fields["merge_senders"] = settings.merge_senders
+    # Under "group" a merge reward is learnt on the group's mean-profile context, under
+    # "pair" on the teacher's: the same arms would learn two different regressions.
+    if settings.co_sender_scoring != "pair":
+        fields["co_sender_scoring"] = settings.co_sender_scoring
     return json.dumps(fields, sort_keys=True)
 
 
@@ -307,6 +311,7 @@ class CpmCore:
             ridge=settings.ridge,
             context_columns=settings.context_columns,
             merge_senders=settings.merge_senders,
+            co_sender_scoring=settings.co_sender_scoring,
         )
 
     # ------------------------------------------------------------ bandit state

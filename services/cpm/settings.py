@@ -48,6 +48,12 @@ class CpmSettings(ServiceSettings):
     # per merge directive"). 1: one sender, as before. Part of the database's fingerprint
     # when not 1: a K-sender merge reward is a group reward, another quantity for the arms.
     merge_senders: int = Field(default=1, ge=1, le=MAX_MERGE_SENDERS)
+    # How a merge directive's co-senders are chosen and what its reward teaches the bandit
+    # (docs/matchmaker.md, "Group scoring"): "pair", each co-sender ranked by its own pair
+    # UCB and the reward learnt on the teacher's context; "group", the group built greedily
+    # by the UCB of its mean-profile context, which the reward then updates. Only matters
+    # with merge_senders > 1. Part of the database's fingerprint when "group".
+    co_sender_scoring: Literal["pair", "group"] = "pair"
     prefilter_k: int = Field(default=8, ge=1)
     prefilter_min_agents: int = Field(default=64, ge=2)
     seed: int = 0
