@@ -26,6 +26,10 @@ Other choices:
   change a ranking; the per-agent part of the network state that does matter is the
   CPM-maintained trust, which is included (see :mod:`.trust`).
 * Trust enters as the Beta(1, 1)-smoothed success rate, in [0, 1].
+* **Groups of senders** (a merge directive with co-senders, ``co_sender_scoring="group"``)
+  use the same layout: :meth:`ContextFeatures.build_groups` puts the members' mean
+  profile and mean trust where one sender's would be, so singles and groups share one
+  bandit (docs/matchmaker.md, "Group scoring", says what the mean cannot express).
 
 **Bounded contexts.** Every entry of an agent profile is in [-1, 1] by design (one-hot,
 rates, deltas of rates, squashed losses, a histogram; see

@@ -39,6 +39,11 @@ Choices the paper leaves open (see also ``docs/matchmaker.md``):
   pairing's receiver gets co-senders, its admissible candidate partners ranked by the UCB
   of (co-sender, receiver, protocol, role); the walk and the primary pairings are those of
   ``merge_senders=1``, and :meth:`observe` still updates once, on the primary's context.
+  With ``co_sender_scoring="group"`` the group is one arm instead: co-senders are added
+  greedily by the UCB of the group's context (the members' mean profile as one sender,
+  :meth:`.ContextFeatures.build_groups`), and the pairing's context, ``ucb`` and
+  ``mean`` are the group's, so :meth:`observe` learns the group (docs/matchmaker.md,
+  "Group scoring"). Trust is still credited to the teacher only.
 """
 
 from __future__ import annotations
@@ -107,8 +112,10 @@ class Pairing:
     sqrt(x^T A^-1 x)`` and ``theta^T x`` at selection time. Baselines fill ``context``
     and the scores as their docstrings say. ``co_senders``: further senders of a merge
     protocol whose adapters the receiver merges with the sender's (``merge_senders``,
-    best UCB first; ``()`` for every other pairing). ``context`` and the reward stay the
-    primary ``sender``'s (docs/matchmaker.md, "Several senders per merge directive").
+    best UCB first; ``()`` for every other pairing). Under ``co_sender_scoring="pair"``
+    ``context`` and the reward stay the primary ``sender``'s (docs/matchmaker.md,
+    "Several senders per merge directive"); under ``"group"`` co-senders are in the order
+    the greedy added them and ``context``, ``ucb`` and ``mean`` are the group's.
     """
 
     sender: str
@@ -306,6 +313,10 @@ class Matchmaker:
             co-senders, its admissible candidate partners of the round with the best UCB
             for (co-sender, receiver, protocol, role); 1 (default): none, selection
             exactly as without the setting.
+        co_sender_scoring: ``"pair"`` (default): co-senders ranked by their own pair UCB,
+            the reward learnt on the teacher's context, exactly as without the setting;
+            ``"group"``: the group is grown greedily by its group UCB and its context is
+            the one learnt (:meth:`_group_co_senders`). No effect with one sender.
     """
 
     def __init__(
