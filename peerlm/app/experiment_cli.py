@@ -218,6 +218,8 @@ def run_experiment_command(
         if co_sender_scoring is not None:
             if co_sender_scoring not in ("pair", "group"):
                 raise typer.BadParameter("--co-sender-scoring must be 'pair' or 'group'")
+            if co_sender_scoring == "group" and (merge_senders or 1) == 1:
+                raise typer.BadParameter("--co-sender-scoring group needs --merge-senders > 1")
             overrides["cpm_co_sender_scoring"] = co_sender_scoring
         plan = quick_plan(**overrides) if quick else ExperimentPlan(**overrides)
     except ValueError as exc:

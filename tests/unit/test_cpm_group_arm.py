@@ -344,3 +344,24 @@ def test_the_bench_command_reports_both_scorings_per_scenario() -> None:
         assert all(len(v) == 2 for v in values["per_seed"].values())
         low, high = values["group_minus_pair"]["ci95"]
         assert low <= values["group_minus_pair"]["mean"] <= high
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--co-sender-scoring", "best"],
+        ["--co-sender-scoring", "group"],  # no co-senders to score without --merge-senders
+        ["--merge-senders", "1", "--co-sender-scoring", "group"],
+    ],
+)
+def test_run_experiment_refuses_a_bad_co_sender_scoring(tmp_path: Path, flags: list[str]) -> None:
+    """Refused before anything runs (exit 2, nothing written)."""
+    from typer.testing import CliRunner
+
+    from peerlm.app.cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["run-experiment", "--out", str(out), *flags])
+    assert result.exit_code == 2, result.output
+    assert "co-sender-scoring" in result.output
+    assert not out.exists()
