@@ -365,3 +365,43 @@ def test_run_experiment_refuses_a_bad_co_sender_scoring(tmp_path: Path, flags: l
     assert result.exit_code == 2, result.output
     assert "co-sender-scoring" in result.output
     assert not out.exists()
+
+
+def test_large_rounds_grow_groups_among_the_prefiltered_partners() -> None:
+    """From prefilter_min_agents on (N = 150) the group greedy runs over each student's
+    candidate partners of the round: still admissible, distinct, at most K - 1, the stored
+    context the group's, and K - 1 reached where the candidates allow it."""
+    rng = np.random.default_rng(11)
+    names = [f"a{k:03d}" for k in range(150)]
+    caps = {
+        n: Capabilities(
+            "ps-a" if k % 5 else "ps-b",
+            ("akd", "svd_hka"),
+            frozenset(names[(k + 1) % 150 : (k + 1) % 150 + 6]) if k % 3 == 0 else None,
+        )
+        for k, n in enumerate(names)
+    }
+    m = Matchmaker(
+        32,
+        seed=3,
+        protocols=("akd", "svd_hka"),
+        merge_senders=4,
+        beta=0.1,
+        co_sender_scoring="group",
+    )
+    filled = 0
+    for _ in range(3):
+        profiles = {n: rng.uniform(-1, 1, 32) for n in names}
+        pairings = m.select(profiles, caps)
+        for p in pairings:
+            co = p.co_senders
+            assert len(co) <= 3 and len(set(co)) == len(co)
+            assert p.sender not in co and p.receiver not in co
+            for c in co:
+                assert p.protocol == "svd_hka" and _admissible(c, p.receiver, p.protocol, caps)
+            if co:
+                assert np.array_equal(p.context, _group(m, profiles, p))
+            filled += len(co) == 3
+        for p in pairings:
+            m.observe(p, 1.0 if p.protocol == "svd_hka" else -1.0)
+    assert filled > 0
