@@ -195,7 +195,7 @@ def _estimate(values: NDArray[np.float64]) -> dict[str, Any]:
 def render_report(result: dict[str, Any], console: Any) -> None:
     """The comparison as plain lines on ``console`` (a rich ``Console``)."""
     for line in report_lines(result):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
