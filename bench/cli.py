@@ -403,3 +403,28 @@ def cpm_replay_command(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+@app.command("cpm-group-arm")
+def cpm_group_arm_command(
+    seeds: Annotated[int, typer.Option(min=1, help="Bandit seeds per scoring.")] = 10,
+    rounds: Annotated[int, typer.Option(min=2, help="Matchmaking rounds per run.")] = 60,
+    merge_senders: Annotated[
+        int, typer.Option(min=2, max=16, help="Senders per merge directive.")
+    ] = 2,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """Pair vs group co-sender scoring on a synthetic federation (seconds)."""
+    from peerlm.bench.cpm_group_arm import compare, render_report
+
+    _run_and_report(
+        "bench cpm-group-arm",
+        lambda progress: compare(
+            seeds=seeds, rounds=rounds, progress=progress, merge_senders=merge_senders
+        ),
+        lambda r, p: [],
+        render_report,
+        None,
+        as_json,
+        {},
+    )

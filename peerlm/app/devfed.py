@@ -137,6 +137,7 @@ async def _run(
     protocols: tuple[str, ...] = ("akd",),
     round_of: Callable[[str], int] | None = None,
     merge_senders: int = 1,
+    co_sender_scoring: str = "pair",
 ) -> dict[str, Any]:
     # Imported here: the CPM package loads the matchmaking library (scikit-learn, SciPy),
     # seconds that every `peerlm` process would pay when the CLI mounts `up`.
@@ -157,6 +158,8 @@ async def _run(
     dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "15", "PEERLM_CPM_PROTOCOLS": json.dumps(protocols)}
     if merge_senders != 1:
         dev_env["PEERLM_CPM_MERGE_SENDERS"] = str(merge_senders)
+    if co_sender_scoring != "pair":
+        dev_env["PEERLM_CPM_CO_SENDER_SCORING"] = co_sender_scoring
     started = time.monotonic()
     cpm = _spawn(cpm_args, fed.logs / "cpm.log", subprocess.DEVNULL, dev_env)
     procs: list[subprocess.Popen[bytes]] = []
@@ -671,6 +674,13 @@ def up_command(
             "and up to this many minus one co-senders (docs/matchmaker.md).",
         ),
     ] = 1,
+    co_sender_scoring: Annotated[
+        str,
+        typer.Option(
+            help="How the CPM picks a merge directive's co-senders (with --merge-senders > "
+            "1): pair (each by its own pair UCB) or group (the group as one arm).",
+        ),
+    ] = "pair",
     workflow: Annotated[
         bool,
         typer.Option(
@@ -709,6 +719,10 @@ def up_command(
         raise typer.BadParameter("simulated agents execute akd only: leave --protocols out")
     if merge_senders != 1 and not set(menu) & {"pmix", "svd_hka"}:
         raise typer.BadParameter("--merge-senders applies to merge protocols: add pmix or svd_hka")
+    if co_sender_scoring not in ("pair", "group"):
+        raise typer.BadParameter("--co-sender-scoring must be 'pair' or 'group'")
+    if co_sender_scoring != "pair" and merge_senders == 1:
+        raise typer.BadParameter("--co-sender-scoring group needs --merge-senders > 1")
     if workflow:
         from peerlm.app.devfed_workflow import WORKFLOW_AGENTS
 
@@ -780,6 +794,7 @@ def up_command(
                 menu,
                 round_of=round_of,
                 merge_senders=merge_senders,
+                co_sender_scoring=co_sender_scoring,
             )
         )
     except KeyboardInterrupt:

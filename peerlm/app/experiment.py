@@ -322,6 +322,9 @@ class ExperimentPlan:
     # Most senders of one merge directive (``CpmSettings.merge_senders``): the CPM's
     # merge pairings name up to this many senders whose adapters the student merges.
     cpm_merge_senders: int = 1
+    # How the CPM scores a merge directive's co-senders (``CpmSettings.co_sender_scoring``):
+    # "pair" (each by its own pair UCB) or "group" (the group as one arm).
+    cpm_co_sender_scoring: Literal["pair", "group"] = "pair"
     # One model family for every client (ARCHS' names); None: client i hosts ARCHS[i % 4].
     family: str | None = None
     # FedProxy (peerlm.app.experiment_fedproxy): the compression ratio κ (share of blocks
@@ -414,6 +417,8 @@ class ExperimentPlan:
             given["beta"] = self.cpm_beta
         if self.cpm_merge_senders != 1:
             given["merge_senders"] = self.cpm_merge_senders
+        if self.cpm_co_sender_scoring != "pair":
+            given["co_sender_scoring"] = self.cpm_co_sender_scoring
         try:
             return CpmSettings(
                 **given,
@@ -710,6 +715,7 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
             ridge=s.ridge,
             context_columns=s.context_columns,
             merge_senders=s.merge_senders,
+            co_sender_scoring=s.co_sender_scoring,
         )
     return None
 
@@ -1434,6 +1440,7 @@ _CPM_ONLY_FIELDS: tuple[str, ...] = (
     # keeps the rewards it measured under its own scope (reported, never acted on).
     "probe_scope",
     "cpm_merge_senders",
+    "cpm_co_sender_scoring",
 )
 
 

@@ -136,6 +136,14 @@ def run_experiment_command(
             "strategies' merges name up to this many senders (default 1).",
         ),
     ] = None,
+    co_sender_scoring: Annotated[
+        str | None,
+        typer.Option(
+            help="How the CPM picks a merge directive's co-senders (with --merge-senders > "
+            "1): pair (each by its own pair UCB, the reward learnt on the teacher's context; "
+            "default) or group (the group scored as one arm; docs/matchmaker.md).",
+        ),
+    ] = None,
     reuse: Annotated[
         list[Path] | None,
         typer.Option(
@@ -207,6 +215,12 @@ def run_experiment_command(
             overrides["cpm_beta"] = cpm_beta
         if merge_senders is not None:
             overrides["cpm_merge_senders"] = merge_senders
+        if co_sender_scoring is not None:
+            if co_sender_scoring not in ("pair", "group"):
+                raise typer.BadParameter("--co-sender-scoring must be 'pair' or 'group'")
+            if co_sender_scoring == "group" and (merge_senders or 1) == 1:
+                raise typer.BadParameter("--co-sender-scoring group needs --merge-senders > 1")
+            overrides["cpm_co_sender_scoring"] = co_sender_scoring
         plan = quick_plan(**overrides) if quick else ExperimentPlan(**overrides)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

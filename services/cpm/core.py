@@ -232,6 +232,10 @@ def settings_fingerprint(settings: CpmSettings) -> str:
     # (their replay winsorises from the tenth reward on, like a new one).
     if settings.reward_clip_sigmas != DEFAULT_REWARD_CLIP_SIGMAS:
         fields["reward_clip_sigmas"] = settings.reward_clip_sigmas
+    # Under "group" a merge reward is learnt on the group's mean-profile context, under
+    # "pair" on the teacher's: the same arms would learn two different regressions.
+    if settings.co_sender_scoring != "pair":
+        fields["co_sender_scoring"] = settings.co_sender_scoring
     return json.dumps(fields, sort_keys=True)
 
 
@@ -313,6 +317,7 @@ class CpmCore:
             context_columns=settings.context_columns,
             merge_senders=settings.merge_senders,
             reward_clip_sigmas=settings.reward_clip_sigmas,
+            co_sender_scoring=settings.co_sender_scoring,
         )
 
     # ------------------------------------------------------------ bandit state

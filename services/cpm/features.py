@@ -26,6 +26,10 @@ Other choices:
   change a ranking; the per-agent part of the network state that does matter is the
   CPM-maintained trust, which is included (see :mod:`.trust`).
 * Trust enters as the Beta(1, 1)-smoothed success rate, in [0, 1].
+* **Groups of senders** (a merge directive with co-senders, ``co_sender_scoring="group"``)
+  use the same layout: :meth:`ContextFeatures.build_groups` puts the members' mean
+  profile and mean trust where one sender's would be, so singles and groups share one
+  bandit (docs/matchmaker.md, "Group scoring", says what the mean cannot express).
 
 **Bounded contexts.** Every entry of an agent profile is in [-1, 1] by design (one-hot,
 rates, deltas of rates, squashed losses, a histogram; see
@@ -215,12 +219,76 @@ class ContextFeatures:
         when trust features are off); the four index arrays have length M and index into
         ``profiles`` / :attr:`protocols` / :attr:`roles`.
         """
+        self._check_inputs(profiles, trust)
+        ps = profiles[senders]
+        ts = None if trust is None or self.layout.trust_sender is None else trust[senders]
+        return self._assemble(profiles, trust, ps, ts, receivers, protocol_idx, role_idx)
+
+    def build_groups(
+        self,
+        profiles: NDArray[np.float64],
+        trust: NDArray[np.float64] | None,
+        members: NDArray[np.intp],
+        receivers: NDArray[np.intp],
+        protocol_idx: NDArray[np.intp],
+        role_idx: NDArray[np.intp],
+    ) -> NDArray[np.float64]:
+        """Contexts of M *groups* of senders: an ``(M, dim)`` float64 matrix.
+
+        ``members`` is ``(M, g)``: row ``m`` names the g senders (indices into
+        ``profiles``) whose adapters ``receivers[m]`` merges. The group is scored as one
+        virtual sender whose profile is the members' mean profile and whose trust is their
+        mean trust: the sender block, ``|p_G - p_r|``, ``p_G * p_r`` and ``trust_s`` are
+        those of ``p_G = mean(p_s for s in G)`` (docs/matchmaker.md, "Group scoring").
+        The context has :attr:`dim` entries like a pair's, so singles and groups share
+        one bandit. Each row's members are summed in ascending index order, so a context
+        depends on the set of members only (bitwise), never on their order; a group of
+        one is exactly :meth:`build`'s pair context. The mean of bounded profiles is
+        inside the same ball (convexity), so :attr:`max_context_norm` still holds.
+        """
+        self._check_inputs(profiles, trust)
+        if members.ndim != 2 or members.shape[0] != len(receivers) or members.shape[1] < 1:
+            raise ValueError(f"members must be (M, g >= 1) with M = {len(receivers)}")
+        ordered = np.sort(members, axis=1)
+        g = ordered.shape[1]
+        ps = profiles[ordered[:, 0]]  # a fresh copy (fancy indexing): summed into in place
+        for j in range(1, g):
+            ps += profiles[ordered[:, j]]
+        ts: NDArray[np.float64] | None = None
+        if trust is not None and self.layout.trust_sender is not None:
+            ts = trust[ordered[:, 0]]
+            for j in range(1, g):
+                ts += trust[ordered[:, j]]
+        if g > 1:
+            ps /= g
+            if ts is not None:
+                ts /= g
+        return self._assemble(profiles, trust, ps, ts, receivers, protocol_idx, role_idx)
+
+    def _check_inputs(
+        self, profiles: NDArray[np.float64], trust: NDArray[np.float64] | None
+    ) -> None:
         lay = self.layout
         if profiles.ndim != 2 or profiles.shape[1] != lay.profile_dim:
             raise ValueError(f"profiles must be (N, {lay.profile_dim}), got {profiles.shape}")
-        m = len(senders)
+        if lay.trust_sender is not None and (trust is None or trust.shape != (len(profiles),)):
+            raise ValueError("trust features are on: trust must have shape (N,)")
+
+    def _assemble(
+        self,
+        profiles: NDArray[np.float64],
+        trust: NDArray[np.float64] | None,
+        ps: NDArray[np.float64],
+        ts: NDArray[np.float64] | None,
+        receivers: NDArray[np.intp],
+        protocol_idx: NDArray[np.intp],
+        role_idx: NDArray[np.intp],
+    ) -> NDArray[np.float64]:
+        """Contexts from the sender side given as values (``ps``: (M, d_p) profiles,
+        ``ts``: (M,) trust) and the receivers as indices."""
+        lay = self.layout
+        m = len(receivers)
         out = np.empty((m, lay.dim), dtype=np.float64)
-        ps = profiles[senders]
         pr = profiles[receivers]
         out[:, lay.sender] = ps
         out[:, lay.receiver] = pr
@@ -233,9 +301,9 @@ class ContextFeatures:
         onehot.fill(0.0)
         onehot[np.arange(m), protocol_idx * len(self.roles) + role_idx] = 1.0
         if lay.trust_sender is not None and lay.trust_receiver is not None:
-            if trust is None or trust.shape != (profiles.shape[0],):
+            if trust is None or ts is None:  # _check_inputs has refused this already
                 raise ValueError("trust features are on: trust must have shape (N,)")
-            out[:, lay.trust_sender] = trust[senders]
+            out[:, lay.trust_sender] = ts
             out[:, lay.trust_receiver] = trust[receivers]
         out[:, lay.bias] = 1.0
         return out

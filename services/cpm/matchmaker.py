@@ -39,6 +39,11 @@ Choices the paper leaves open (see also ``docs/matchmaker.md``):
   pairing's receiver gets co-senders, its admissible candidate partners ranked by the UCB
   of (co-sender, receiver, protocol, role); the walk and the primary pairings are those of
   ``merge_senders=1``, and :meth:`observe` still updates once, on the primary's context.
+  With ``co_sender_scoring="group"`` the group is one arm instead: co-senders are added
+  greedily by the UCB of the group's context (the members' mean profile as one sender,
+  :meth:`.ContextFeatures.build_groups`), and the pairing's context, ``ucb`` and
+  ``mean`` are the group's, so :meth:`observe` learns the group (docs/matchmaker.md,
+  "Group scoring"). Trust is still credited to the teacher only.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -80,6 +86,9 @@ _MAX_PASSES = 8
 # In a round that uses the clustered top-k search, refill passes use it from this many
 # leftovers on (2 x the shortlist: below that the exact search scores fewer pairs).
 _REFILL_CLUSTER_MIN_AGENTS = 2 * DEFAULT_SHORTLIST + 1
+# Group co-sender scoring builds contexts for at most about this many (pairing, candidate)
+# rows at once (~8 MiB at d = 132), whatever the number of merge pairings.
+_GROUP_BLOCK_ROWS = 8192
 
 
 @contextmanager
@@ -103,8 +112,10 @@ class Pairing:
     sqrt(x^T A^-1 x)`` and ``theta^T x`` at selection time. Baselines fill ``context``
     and the scores as their docstrings say. ``co_senders``: further senders of a merge
     protocol whose adapters the receiver merges with the sender's (``merge_senders``,
-    best UCB first; ``()`` for every other pairing). ``context`` and the reward stay the
-    primary ``sender``'s (docs/matchmaker.md, "Several senders per merge directive").
+    best UCB first; ``()`` for every other pairing). Under ``co_sender_scoring="pair"``
+    ``context`` and the reward stay the primary ``sender``'s (docs/matchmaker.md,
+    "Several senders per merge directive"); under ``"group"`` co-senders are in the order
+    the greedy added them and ``context``, ``ucb`` and ``mean`` are the group's.
     """
 
     sender: str
@@ -305,6 +316,10 @@ class Matchmaker:
         reward_clip_sigmas: rewards are winsorised to this many running standard
             deviations before the z-score (our guard against a hostile student's report;
             :mod:`.normalise`); None: the paper's plain running z-score.
+        co_sender_scoring: ``"pair"`` (default): co-senders ranked by their own pair UCB,
+            the reward learnt on the teacher's context, exactly as without the setting;
+            ``"group"``: the group is grown greedily by its group UCB and its context is
+            the one learnt (:meth:`_group_co_senders`). No effect with one sender.
     """
 
     def __init__(
@@ -328,6 +343,7 @@ class Matchmaker:
         context_columns: Sequence[int] | None = None,
         merge_senders: int = 1,
         reward_clip_sigmas: float | None = DEFAULT_REWARD_CLIP_SIGMAS,
+        co_sender_scoring: Literal["pair", "group"] = "pair",
     ) -> None:
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError("beta must be a finite number >= 0")
@@ -350,7 +366,12 @@ class Matchmaker:
                 f"merge_senders must be an integer in [1, {MAX_MERGE_SENDERS}], "
                 f"got {merge_senders!r}"
             )
+        if co_sender_scoring not in ("pair", "group"):
+            raise ValueError(
+                f"co_sender_scoring must be 'pair' or 'group', got {co_sender_scoring!r}"
+            )
         self._merge_senders = merge_senders
+        self._co_sender_scoring = co_sender_scoring
         self._profile_dim = int(profile_dim)
         self._columns = check_context_columns(context_columns, self._profile_dim)
         self._features = ContextFeatures(
@@ -528,12 +549,64 @@ class Matchmaker:
                 strict=True,
             )
         )
-        if seen is not None:
+        if seen is not None and self._co_sender_scoring == "group":
+            groups = self._group_co_senders(
+                ids, mat, trust, senders, receivers, combo, admissible, seen
+            )
+            pairings = [
+                p if g is None else replace(p, co_senders=g[0], context=g[1], ucb=g[2], mean=g[3])
+                for p, g in zip(pairings, groups, strict=True)
+            ]
+        elif seen is not None:
             co = self._co_senders(ids, tables, senders, receivers, combo, admissible, seen)
             pairings = [
                 replace(p, co_senders=c) if c else p for p, c in zip(pairings, co, strict=True)
             ]
         return pairings
+
+    def _co_sender_candidates(
+        self,
+        n: int,
+        senders: NDArray[np.intp],
+        receivers: NDArray[np.intp],
+        combo: NDArray[np.intp],
+        admissible: AdmissibilityMask | None,
+        seen: Sequence[tuple[NDArray[np.intp], NDArray[np.intp]]],
+    ) -> tuple[list[int], list[NDArray[np.intp]], list[NDArray[np.bool_]]]:
+        """The merge pairings (positions into ``senders``) and, for each, the receiver's
+        candidate partners of the round's passes but the pairing's sender (ascending
+        index) with a flag per candidate: admissible for (candidate -> receiver, the
+        pairing's protocol and role) under the walk's mask. See :meth:`_co_senders`."""
+        n_roles = len(self._features.roles)
+        merge = [
+            k
+            for k, c in enumerate(combo.tolist())
+            if self._features.protocols[c // n_roles] in MERGE_PROTOCOLS
+        ]
+        if not merge or n < 3:
+            return [], [], []
+        # Both directions of every candidate pair: partner -> agent.
+        src = np.concatenate([a for pair in seen for a in (pair[0], pair[1])])
+        dst = np.concatenate([a for pair in seen for a in (pair[1], pair[0])])
+        # Sorted by receiver, then partner: one slice per receiver, partners ascending
+        # (exact UCB ties then fall to the lower index), duplicates of passes dropped.
+        key = np.unique(dst.astype(np.int64) * n + src)
+        dst, src = (key // n).astype(np.intp), (key % n).astype(np.intp)
+        cands: list[NDArray[np.intp]] = []
+        for k in merge:
+            s, r = int(senders[k]), int(receivers[k])
+            lo, hi = np.searchsorted(dst, [r, r + 1])
+            cand = src[lo:hi]
+            cands.append(cand[cand != s])
+        if admissible is None:
+            return merge, cands, [np.ones(len(c), dtype=bool) for c in cands]
+        left = np.concatenate(cands)
+        right = np.repeat(receivers[merge], [len(c) for c in cands])
+        # Forward columns (left -> right: the candidate sends to the receiver).
+        cols = np.repeat(combo[merge], [len(c) for c in cands])
+        ok = admissible.pairs(left, right)[np.arange(len(left)), cols]
+        bounds = np.cumsum([0, *(len(c) for c in cands)]).tolist()
+        return merge, cands, [ok[a:b] for a, b in pairwise(bounds)]
 
     def _co_senders(
         self,
@@ -556,39 +629,20 @@ class Matchmaker:
         the lower index (sorted name). Co-senders need not be otherwise unmatched: they
         only serve their adapter (an open ``PullAdapter``), so serving one more student
         costs them no round and takes no pairing from anyone."""
-        n, n_roles = len(ids), len(self._features.roles)
         out: list[tuple[str, ...]] = [()] * len(senders)
-        merge = [
-            k
-            for k, c in enumerate(combo.tolist())
-            if self._features.protocols[c // n_roles] in MERGE_PROTOCOLS
-        ]
-        if not merge or n < 3:
+        merge, cands, oks = self._co_sender_candidates(
+            len(ids), senders, receivers, combo, admissible, seen
+        )
+        if not merge:
             return out
-        # Both directions of every candidate pair: partner -> agent.
-        src = np.concatenate([a for pair in seen for a in (pair[0], pair[1])])
-        dst = np.concatenate([a for pair in seen for a in (pair[1], pair[0])])
-        # Sorted by receiver, then partner: one slice per receiver, partners ascending
-        # (exact UCB ties then fall to the lower index), duplicates of passes dropped.
-        key = np.unique(dst.astype(np.int64) * n + src)
-        dst, src = (key // n).astype(np.intp), (key % n).astype(np.intp)
-        lefts, rights, spans = [], [], []
-        for k in merge:
-            s, r = int(senders[k]), int(receivers[k])
-            lo, hi = np.searchsorted(dst, [r, r + 1])
-            cand = src[lo:hi]
-            cand = cand[cand != s]
-            lefts.append(cand)
-            rights.append(np.full(len(cand), r, dtype=np.intp))
-            spans.append(len(cand))
-        left, right = np.concatenate(lefts), np.concatenate(rights)
+        spans = [len(c) for c in cands]
+        left = np.concatenate(cands)
+        right = np.repeat(receivers[merge], spans)
         ucb2, _ = self._bandit.score_pair_tables(tables, left, right, self._beta)
         # Forward columns (left -> right: the candidate sends to the receiver).
-        cols = np.repeat(combo[merge], spans)
-        rows = np.arange(len(left))
-        ucb = ucb2[rows, cols]
+        ucb = ucb2[np.arange(len(left)), np.repeat(combo[merge], spans)]
         if admissible is not None:
-            ucb = np.where(admissible.pairs(left, right)[rows, cols], ucb, -np.inf)
+            ucb = np.where(np.concatenate(oks), ucb, -np.inf)
         start = 0
         for k, span in zip(merge, spans, strict=True):
             cand, u = left[start : start + span], ucb[start : start + span]
@@ -597,6 +651,105 @@ class Matchmaker:
             order = order[np.isfinite(u[order])][: self._merge_senders - 1]
             out[k] = tuple(ids[int(i)] for i in cand[order])
         return out
+
+    def _group_co_senders(
+        self,
+        ids: Sequence[str],
+        mat: NDArray[np.float64],
+        trust: NDArray[np.float64] | None,
+        senders: NDArray[np.intp],
+        receivers: NDArray[np.intp],
+        combo: NDArray[np.intp],
+        admissible: AdmissibilityMask | None,
+        seen: Sequence[tuple[NDArray[np.intp], NDArray[np.intp]]],
+    ) -> list[tuple[tuple[str, ...], NDArray[np.float64], float, float] | None]:
+        """``co_sender_scoring="group"``: for each merge pairing with an admissible
+        candidate, ``(co_senders, group context, group UCB, group mean)``; ``None`` for
+        the others (their pairing is left as the walk made it).
+
+        Greedy over the same candidates as :meth:`_co_senders` (the receiver's candidate
+        partners of the round, admissible, not the student or the sender): starting from
+        the primary ``{sender}``, each step adds the candidate whose addition gives the
+        group context (:meth:`.ContextFeatures.build_groups`: the members' mean profile
+        and trust) the highest UCB, exact ties to the lower index, until
+        ``merge_senders - 1`` co-senders or no candidate is left. It does not stop when
+        the best addition lowers the group's UCB (docs/matchmaker.md, "Group scoring":
+        averaging shortens the context, so a fresh bandit's bonus would never let a group
+        form). Co-senders are listed in the order they were added. The returned context
+        is the row that was scored, read-only; ``observe`` learns exactly it. Scored in
+        float64 on built contexts (:meth:`.LinUCB.score`), in blocks of pairings so that
+        no step builds more than ~``_GROUP_BLOCK_ROWS`` contexts at once.
+        """
+        out: list[tuple[tuple[str, ...], NDArray[np.float64], float, float] | None]
+        out = [None] * len(senders)
+        merge, cands, oks = self._co_sender_candidates(
+            len(ids), senders, receivers, combo, admissible, seen
+        )
+        n_roles = len(self._features.roles)
+        todo = [(k, c[ok]) for k, c, ok in zip(merge, cands, oks, strict=True) if ok.any()]
+        block: list[tuple[int, NDArray[np.intp]]] = []
+        rows = 0
+        for item in [*todo, None]:
+            if item is not None and (not block or rows + len(item[1]) <= _GROUP_BLOCK_ROWS):
+                block.append(item)
+                rows += len(item[1])
+                continue
+            if block:
+                for k, members, x, u, mu in self._grow_groups(
+                    mat, trust, senders, receivers, combo // n_roles, combo % n_roles, block
+                ):
+                    co = tuple(ids[int(i)] for i in members[1:])
+                    out[k] = (co, x, u, mu)
+            block = [] if item is None else [item]
+            rows = 0 if item is None else len(item[1])
+        return out
+
+    def _grow_groups(
+        self,
+        mat: NDArray[np.float64],
+        trust: NDArray[np.float64] | None,
+        senders: NDArray[np.intp],
+        receivers: NDArray[np.intp],
+        protocol_idx: NDArray[np.intp],
+        role_idx: NDArray[np.intp],
+        block: Sequence[tuple[int, NDArray[np.intp]]],
+    ) -> Iterator[tuple[int, list[int], NDArray[np.float64], float, float]]:
+        """The greedy of :meth:`_group_co_senders` for a block of merge pairings, given
+        as ``(position, admissible candidates ascending)``; yields ``(position, members
+        in order of addition, context, ucb, mean)``. All groups of a step have the same
+        size, so each step is one :meth:`.ContextFeatures.build_groups` and one
+        :meth:`.LinUCB.score` call over every (pairing, candidate) of the block."""
+        members = [[int(senders[k])] for k, _ in block]
+        pools = [c for _, c in block]
+        best: list[tuple[NDArray[np.float64], float, float] | None] = [None] * len(block)
+        for _ in range(self._merge_senders - 1):
+            active = [j for j, pool in enumerate(pools) if len(pool)]
+            if not active:
+                break
+            spans = [len(pools[j]) for j in active]
+            size = len(members[active[0]]) + 1
+            grid = np.empty((sum(spans), size), dtype=np.intp)
+            grid[:, : size - 1] = np.repeat([members[j] for j in active], spans, axis=0)
+            grid[:, size - 1] = np.concatenate([pools[j] for j in active])
+            pos = np.repeat([block[j][0] for j in active], spans)
+            x = self._features.build_groups(
+                mat, trust, grid, receivers[pos], protocol_idx[pos], role_idx[pos]
+            )
+            ucb, mean = self._bandit.score(x, self._beta)
+            start = 0
+            for j, span in zip(active, spans, strict=True):
+                # argmax: the first of equal UCBs, i.e. the lowest index (pools ascend).
+                pick = start + int(np.argmax(ucb[start : start + span]))
+                start += span
+                members[j].append(int(grid[pick, size - 1]))
+                pools[j] = pools[j][pools[j] != members[j][-1]]
+                row = x[pick].copy()
+                row.flags.writeable = False
+                best[j] = (row, float(ucb[pick]), float(mean[pick]))
+        for j, (k, _) in enumerate(block):
+            found = best[j]
+            if found is not None:
+                yield k, members[j], found[0], found[1], found[2]
 
     def _select_pass(
         self,
@@ -839,4 +992,5 @@ class Matchmaker:
             "context_dim": self.context_dim,
             "merge_senders": self._merge_senders,
             "reward_clip_sigmas": self._reward_clip_sigmas,
+            "co_sender_scoring": self._co_sender_scoring,
         }

@@ -69,7 +69,7 @@ class DirectiveRecord:
     reward: RewardRecord | None = None
     #: Further senders of a merge directive, ``(name, endpoint)``, best UCB first
     #: (``merge_senders``); ``()`` for a one-sender directive. The reward and ``context``
-    #: stay the teacher's.
+    #: stay the teacher's, or are the group's under ``co_sender_scoring="group"``.
     co_senders: tuple[tuple[str, str], ...] = ()
 
     def with_status(

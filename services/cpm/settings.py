@@ -54,6 +54,12 @@ class CpmSettings(ServiceSettings):
     # paper's plain running z-score; services/cpm/normalise.py). Part of the database's
     # fingerprint when not the default.
     reward_clip_sigmas: float | None = Field(default=DEFAULT_REWARD_CLIP_SIGMAS, gt=0, le=1e6)
+    # How a merge directive's co-senders are chosen and what its reward teaches the bandit
+    # (docs/matchmaker.md, "Group scoring"): "pair", each co-sender ranked by its own pair
+    # UCB and the reward learnt on the teacher's context; "group", the group built greedily
+    # by the UCB of its mean-profile context, which the reward then updates. Only matters
+    # with merge_senders > 1. Part of the database's fingerprint when "group".
+    co_sender_scoring: Literal["pair", "group"] = "pair"
     prefilter_k: int = Field(default=8, ge=1)
     prefilter_min_agents: int = Field(default=64, ge=2)
     seed: int = 0

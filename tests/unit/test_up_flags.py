@@ -25,6 +25,8 @@ from peerlm.app.cli import app
         ["--merge-senders", "3"],  # co-senders are for merge protocols: akd has none
         ["--protocols", "pmix", "--merge-senders", "0"],
         ["--protocols", "pmix", "--merge-senders", "17"],
+        ["--protocols", "pmix", "--co-sender-scoring", "group"],  # needs --merge-senders > 1
+        ["--protocols", "pmix", "--merge-senders", "3", "--co-sender-scoring", "best"],
         ["--workflow", "--simulated"],  # FedWave experts host models
         ["--workflow", "--overlay"],
         ["--workflow", "--protocols", "pmix"],
