@@ -42,8 +42,9 @@ def pool_results(
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """``{slice: {metric: {"worlds": [...], "pooled": {...}}}}``: each world's and the
     pooled estimates of every pair ``a - b`` (``"<a>_vs_<b>"``: ``delta``, ``ci95``) and
-    every share. Raises ``ValueError`` when two results are of one world, or a strategy
-    is missing from one of them."""
+    every share (``"share_<a>_<base>_<top>"``, only where ``top - base`` is resolved).
+    Raises ``ValueError`` when two results are of one world, or a strategy is missing
+    from one of them."""
     if len(results) < 2:
         raise ValueError("pooling needs the results of at least two worlds")
     worlds = [r["plan"]["world_seed"] for r in results]
@@ -65,12 +66,28 @@ def pool_results(
             strata = [{n: _matrix(r, n, metric, slice_name) for n in needed} for r in results]
             rows: dict[str, Any] = {"worlds": []}
             for w, stratum in zip(worlds, strata, strict=True):
-                _, d, sh = stratified_bootstrap([stratum], list(pairs), shares=shares)
-                rows["worlds"].append({"world_seed": w, **_flat(d, sh)})
-            _, d, sh = stratified_bootstrap(strata, list(pairs), shares=shares)
-            rows["pooled"] = _flat(d, sh)
+                rows["worlds"].append({"world_seed": w, **_estimates([stratum], pairs, shares)})
+            rows["pooled"] = _estimates(strata, pairs, shares)
             out.setdefault(slice_name, {})[metric] = rows
     return out
+
+
+def _estimates(
+    strata: Sequence[Mapping[str, Any]],
+    pairs: Sequence[tuple[str, str]],
+    shares: Sequence[tuple[str, str, str]],
+) -> dict[str, Any]:
+    """Pairs and shares of ``strata``; a share only where ``top - base`` is resolved (its
+    interval excludes 0), as the experiment's table reports one: the share of a gain that
+    may be nothing is no figure."""
+    tops = [(top, base) for _, base, top in shares]
+    _, diffs, got = stratified_bootstrap(strata, [*pairs, *tops], shares=shares)
+    kept = {
+        t: e
+        for t, e in got.items()
+        if not diffs[(t[2], t[1])].low <= 0.0 <= diffs[(t[2], t[1])].high
+    }
+    return _flat({p: diffs[p] for p in pairs}, kept)
 
 
 def _flat(diffs: Mapping[Any, Any], shares: Mapping[Any, Any]) -> dict[str, Any]:
@@ -105,16 +122,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     for slice_name, metrics in table.items():
         for metric, rows in metrics.items():
-            for key in rows["pooled"]:
+            keys = {k for w in (*rows["worlds"], rows["pooled"]) for k in w if k != "world_seed"}
+            for key in sorted(keys):
                 cells = []
                 for w in rows["worlds"]:
-                    cells.append(f"world {w['world_seed']} {_cell(w[key])}")
-                cells.append(f"pooled {_cell(rows['pooled'][key])}")
+                    cells.append(f"world {w['world_seed']} {_cell(w.get(key))}")
+                cells.append(f"pooled {_cell(rows['pooled'].get(key))}")
                 print(f"{slice_name:7} {metric:7} {key:32} " + " | ".join(cells))
     return 0
 
 
-def _cell(row: Mapping[str, Any]) -> str:
+def _cell(row: Mapping[str, Any] | None) -> str:
+    if row is None:
+        return "- (gain not resolved)"
     value = row.get("delta", row.get("share"))
     low, high = row["ci95"]
     return f"{value:+.4f} [{low:+.4f}, {high:+.4f}]"

@@ -118,3 +118,14 @@ def test_the_command_line_refuses_a_malformed_pair(tmp_path: Any, capsys: Any) -
     assert main([*paths, "--pair", "a:b", "--slice", "lacked", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["lacked"]["nll"]["pooled"]["a_vs_b"]["delta"] == pytest.approx(-1.0)
+
+
+def test_a_share_of_an_unresolved_gain_is_not_reported() -> None:
+    """top equals base in every cell of world 1 and gains 1 in world 0: world 1 has no
+    share, world 0 and the pooled estimate (mean gain 0.5, resolved) have one."""
+    w0 = _world(0, {"a": 0.5, "base": 1.0, "top": 0.0})
+    w1 = _world(1, {"a": 1.0, "base": 1.0, "top": 1.0})
+    out = pool_results([w0, w1], [], shares=[("a", "base", "top")])["lacked"]["nll"]
+    key = "share_a_base_top"
+    assert key in out["worlds"][0] and key not in out["worlds"][1]
+    assert out["pooled"][key]["share"] == pytest.approx(0.5)
