@@ -1231,13 +1231,21 @@ def _run_strategy(
     first: Mapping[str, _LocalPhase],
     event: Event,
 ) -> dict[str, Any]:
-    """One (strategy, seed) run, with the CPU seconds its process spent on it (every
-    thread): on a loaded machine the wall time says little about the budget on idle
-    cores, the CPU time does."""
-    cpu = time.process_time()
+    """One (strategy, seed) run, with the CPU seconds its process and its finished child
+    processes (the sandbox runs of the tests) spent on it, every thread: on a loaded
+    machine the wall time says little about the budget on idle cores, the CPU time does."""
+    cpu = _cpu_seconds()
     out = _run_strategy_rounds(world, strategy, seed, initial, first, event)
-    out["cpu_seconds"] = round(time.process_time() - cpu, 1)
+    out["cpu_seconds"] = round(_cpu_seconds() - cpu, 1)
     return out
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time (all threads) and its waited-for children's."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _run_strategy_rounds(
@@ -1518,7 +1526,7 @@ def run_experiment(
     running them again (:func:`reusable_runs`); the result lists them under ``"reused"``.
     """
     emit = event or (lambda _kind, _data: None)
-    started, cpu_started = time.perf_counter(), time.process_time()
+    started, cpu_started = time.perf_counter(), _cpu_seconds()
     world = _prepare(plan, models, work / "data", emit)
     # Round 0: the pre-trained models with fresh adapters (LoRA B = 0), or the warmed-up
     # ones: the same for every strategy and seed; measured once. Round 1's local phase once
@@ -1543,13 +1551,8 @@ def run_experiment(
     for strategy, seed in runs:
         emit("reused", {"strategy": strategy, "seed": seed})
     todo = [(s, seed) for seed in plan.seeds for s in plan.strategies if (s, seed) not in runs]
-    # CPU seconds of the runs made in worker processes (the main process's own, warm-up and
-    # sequential runs included, come from its process time).
-    worker_cpu = 0.0
     if jobs > 1 and len(todo) > 1:
-        made = _run_parallel(world, starts, todo, jobs, emit)
-        worker_cpu = sum(float(r.get("cpu_seconds", 0.0)) for r in made.values())
-        runs.update(made)
+        runs.update(_run_parallel(world, starts, todo, jobs, emit))
     else:
         for s, seed in todo:
             runs[(s, seed)] = _run_strategy(
@@ -1582,9 +1585,10 @@ def run_experiment(
         "runs": {s: {str(seed): runs[(s, seed)] for seed in plan.seeds} for s in plan.strategies},
         "reused": sorted(f"{s}:{seed}" for s, seed in runs if (s, seed) not in todo),
         "seconds": round(time.perf_counter() - started, 1),
-        # What this command computed (reused runs not included): the budget on idle cores
-        # is about cpu_seconds / cores when the runs keep every core busy.
-        "cpu_seconds": round(time.process_time() - cpu_started + worker_cpu, 1),
+        # What this command computed (reused runs not included; the worker processes are
+        # joined by now, so their time is among this process's children's): the budget on
+        # idle cores is about cpu_seconds / cores when the runs keep every core busy.
+        "cpu_seconds": round(_cpu_seconds() - cpu_started, 1),
     }
     result["summary"] = summarise(result)
     return result
