@@ -157,8 +157,26 @@ async def test_stream_refuses_bad_rewards_as_results_and_stays_open(cpm: CpmProc
 
 async def test_stream_is_refused_to_a_non_agent_and_to_malformed_bytes(cpm: CpmProcess) -> None:
     directives = await _issue_directives(cpm, rounds=1)
-    _, code = await _stream(cpm, "admin", [_req(directives[0].directive_id)])
-    assert code == grpc.StatusCode.PERMISSION_DENIED
+    # The refusal comes before the server reads a message. A request written after the
+    # server closed the stream makes grpc.aio's client report INTERNAL instead of the
+    # server's status (grpc/grpc#36066, a client-side race seen once under load in CI), so
+    # the request here is held back until the status has arrived.
+    ch, stub = cpm.pki.stub(cpm.target, "admin")
+    held = asyncio.Event()
+
+    async def requests() -> Any:
+        await held.wait()
+        yield _req(directives[0].directive_id)
+
+    try:
+        call: Any = stub.ReportRewards(requests(), timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call:
+                pass
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        held.set()
+        await ch.close()
     # Bytes that do not parse end the stream with INVALID_ARGUMENT; nothing was applied.
     ch = cpm.pki.channel(cpm.target, directives[0].student)
     try:
