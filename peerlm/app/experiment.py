@@ -116,13 +116,14 @@ and one set of models, so no model is rebuilt, and every strategy sees the same 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec
 
 import numpy as np
 
@@ -1223,21 +1224,7 @@ def _start(world: _World, *, ffa: bool = False) -> _Start:
     return _Start(initial, firsts)
 
 
-def _run_strategy(
-    world: _World,
-    strategy: str,
-    seed: int,
-    initial: Mapping[str, Sequence[float]],
-    first: Mapping[str, _LocalPhase],
-    event: Event,
-) -> dict[str, Any]:
-    """One (strategy, seed) run, with the CPU seconds its process and its finished child
-    processes (the sandbox runs of the tests) spent on it, every thread: on a loaded
-    machine the wall time says little about the budget on idle cores, the CPU time does."""
-    cpu = _cpu_seconds()
-    out = _run_strategy_rounds(world, strategy, seed, initial, first, event)
-    out["cpu_seconds"] = round(_cpu_seconds() - cpu, 1)
-    return out
+_P = ParamSpec("_P")
 
 
 def _cpu_seconds() -> float:
@@ -1248,7 +1235,25 @@ def _cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def _run_strategy_rounds(
+def _with_cpu_seconds(
+    run: Callable[_P, dict[str, Any]],
+) -> Callable[_P, dict[str, Any]]:
+    """A run's result with the CPU seconds its process and its finished child processes
+    (the sandbox runs of the tests) spent on it, every thread: on a loaded machine the wall
+    time says little about the budget on idle cores, the CPU time does."""
+
+    @functools.wraps(run)
+    def timed(*args: _P.args, **kwargs: _P.kwargs) -> dict[str, Any]:
+        cpu = _cpu_seconds()
+        out = run(*args, **kwargs)
+        out["cpu_seconds"] = round(_cpu_seconds() - cpu, 1)
+        return out
+
+    return timed
+
+
+@_with_cpu_seconds
+def _run_strategy(
     world: _World,
     strategy: str,
     seed: int,
