@@ -27,6 +27,7 @@ from peerlm.agent.fedwave.expert_assembly import (
     choose_stage_experts,
     expert_copy,
 )
+from peerlm.agent.fedwave.generation import greedy_generate
 from peerlm.agent.fedwave.params import AssemblySettings, DPOSettings, VCLayerSettings
 from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.router_codec import router_shapes
@@ -101,9 +102,7 @@ def _adapter(model: VCCausalLM) -> dict[str, torch.Tensor]:
 
 def test_an_agent_pulls_the_adapter_and_vclayer_of_every_agent_of_the_other_stages() -> None:
     assert plan_expert_pulls(WORKFLOW, "i1") == sorted(
-        PullTarget(a, k)
-        for a in ("s1", "s2", "t1")
-        for k in (PartKind.ADAPTER, PartKind.VCLAYER)
+        PullTarget(a, k) for a in ("s1", "s2", "t1") for k in (PartKind.ADAPTER, PartKind.VCLAYER)
     )
     # Its own stage's agents are not pulled: their stage's expert is the agent itself.
     assert {t.agent for t in plan_expert_pulls(WORKFLOW, "s1")} == {"i1", "t1"}
@@ -129,7 +128,8 @@ def test_an_arriving_adapter_must_fit_this_host_or_is_refused_with_its_reason() 
     poisoned[first].view(-1)[0] = float("nan")
     assert refused(encode_adapter(poisoned, spec)) == "non_finite"
     wrong = {k: torch.zeros(v.shape[0], v.shape[1] + 1) for k, v in state.items()}
-    assert refused(encode_adapter(wrong, _spec(model, shapes={k: tuple(v.shape) for k, v in wrong.items()}))) == "shape"  # fmt: skip
+    wrong_spec = _spec(model, shapes={k: tuple(v.shape) for k, v in wrong.items()})
+    assert refused(encode_adapter(wrong, wrong_spec)) == "shape"
     # Another backbone: the same shapes, another base model.
     assert refused(encode_adapter(state, _spec(model, model_type="qwen2"))) == "model_type"
     assert refused(encode_adapter(state, spec) + b"\0" * spec.max_encoded_bytes()) == "too_large"
@@ -169,6 +169,7 @@ def test_a_missing_expert_is_never_routed_to(tokenizer) -> None:  # type: ignore
     alone = AssembledModel([None, None, experts[2]], router)
     texts, routings = assembled_generate(alone, tokenizer, ["def f(x):"], max_new_tokens=3)
     assert routings[0].experts.tolist() == [[2]]
+    assert texts == greedy_generate(experts[2], tokenizer, ["def f(x):"], max_new_tokens=3)
     with pytest.raises(FedWaveError) as err:
         AssembledModel([None, None, None], router)
     assert err.value.reason == "config"
@@ -220,5 +221,6 @@ def test_an_expert_copy_holds_the_pulled_adapter_and_vclayer() -> None:
     copy = expert_copy(own, _adapter(other), other.vclayer)
     theirs = get_peft_model_state_dict(other.lm)
     assert all(torch.equal(get_peft_model_state_dict(copy.lm)[k], v) for k, v in theirs.items())
-    assert all(torch.equal(copy.vclayer.state_dict()[k], v) for k, v in other.vclayer.state_dict().items())  # fmt: skip
+    layer = copy.vclayer.state_dict()
+    assert all(torch.equal(layer[k], v) for k, v in other.vclayer.state_dict().items())
     assert copy.lm is not own.lm and copy.vclayer is not other.vclayer
