@@ -167,6 +167,20 @@ async def _round(
     return dict(zip(names, results, strict=True))
 
 
+async def _refused_pull(
+    ctx: NodeContext, target: str, round_: int, kind: int
+) -> grpc.aio.AioRpcError:
+    """The error of a ``PullPart`` that ``ctx``'s identity makes and the server refuses."""
+    async with ctx.dial(target) as peer:
+        stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.PullPart(
+                fedwave_pb2.PullPartRequest(round=round_, kind=kind), timeout=10
+            ):
+                pass
+        return err.value
+
+
 def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
         torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a
@@ -277,16 +291,9 @@ async def test_parts_are_served_only_to_the_workflows_agents(
 ) -> None:
     agents["a1"].publish(3)
     mallory = kit_context(pki, "mallory")
-    async with mallory.dial(agents["a1"].target) as peer:
-        stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
-        call = stub.PullPart(
-            fedwave_pb2.PullPartRequest(round=3, kind=fedwave_pb2.PART_KIND_ROUTER), timeout=10
-        )
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in call:
-                pass
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "not an agent of this workflow" in (err.value.details() or "")
+    err = await _refused_pull(mallory, agents["a1"].target, 3, fedwave_pb2.PART_KIND_ROUTER)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "not an agent of this workflow" in (err.details() or "")
     refusals = agents["a1"].registry
     assert (
         _count(
@@ -298,14 +305,7 @@ async def test_parts_are_served_only_to_the_workflows_agents(
     )
 
     async def pull(round_: int, kind: int) -> grpc.aio.AioRpcError:
-        async with agents["a2"].ctx.dial(agents["a1"].target) as peer:
-            stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for _ in stub.PullPart(
-                    fedwave_pb2.PullPartRequest(round=round_, kind=kind), timeout=10
-                ):
-                    pass
-            return err.value
+        return await _refused_pull(agents["a2"].ctx, agents["a1"].target, round_, kind)
 
     not_yet = await pull(9, fedwave_pb2.PART_KIND_ROUTER)
     assert not_yet.code() == grpc.StatusCode.UNAVAILABLE and "not published yet" in (
@@ -397,15 +397,8 @@ async def test_experts_go_to_members_only_and_a_stage_that_never_answers_is_left
     assert _count(registry, "peerlm_agent_fedwave_missing_parts_total", late) == 1
 
     mallory = kit_context(pki, "mallory")
-    async with mallory.dial(agents["a1"].target) as peer:
-        stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
-        call = stub.PullPart(
-            fedwave_pb2.PullPartRequest(round=6, kind=fedwave_pb2.PART_KIND_ADAPTER), timeout=10
-        )
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in call:
-                pass
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    err = await _refused_pull(mallory, agents["a1"].target, 6, fedwave_pb2.PART_KIND_ADAPTER)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     refused = {"rpc": "PullPart", "reason": "not_in_workflow"}
     assert _count(agents["a1"].registry, "peerlm_agent_fedwave_refusals_total", refused) == 1
 
