@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from peerlm.agent.fedproxy_admission import state_norm
 from peerlm.agent.fedwave.agent_node import FedWaveNode
 from peerlm.agent.fedwave.exchange import PartKind, RoundParts, plan_expert_pulls, plan_pulls
 from peerlm.agent.fedwave.exchange_client import (
@@ -444,7 +445,12 @@ class ExpertLoop:
             deadline_s=settings.deadline_s or self.settings.round_deadline_s,
             targets=plan_expert_pulls(self.workflow, self.ctx.name),
         )
-        self._screen(parts, self._router_state())  # the VCLayers' norm bound
+        own_norm = None
+        if self._adapter_state is not None:
+            read = self._adapter_state
+            own_norm = await self._run(lambda: state_norm(read()))
+        # The VCLayers' and adapters' norm bounds (part_admission).
+        self._screen(parts, self._router_state(), own_adapter_norm=own_norm)
         self._count_parts(parts)
         pulled_s = time.monotonic() - started
         try:
@@ -513,7 +519,9 @@ class ExpertLoop:
     def _router_state(self) -> dict[str, Any]:
         return {k: v.detach().clone() for k, v in self.node.router.state_dict().items()}
 
-    def _screen(self, parts: Any, base: Mapping[str, Any]) -> None:
+    def _screen(
+        self, parts: Any, base: Mapping[str, Any], *, own_adapter_norm: float | None = None
+    ) -> None:
         """The norm bounds (:mod:`part_admission`): parts over them move to the rejected
         ones (reason ``norm``), counted like the transport's refusals and logged."""
         refused = screen_round(
@@ -524,6 +532,8 @@ class ExpertLoop:
             max_router_update_rms=self.settings.max_router_update_rms,
             max_router_update_abs=self.settings.max_router_update_abs,
             max_vclayer_norm_ratio=self.settings.max_vclayer_norm_ratio,
+            own_adapter_norm=own_adapter_norm,
+            max_adapter_norm_ratio=self.settings.assembly.max_adapter_norm_ratio,
         )
         for target, why in sorted(refused.items()):
             self.ctx.counter(

@@ -256,7 +256,8 @@ def workflow_rows(result: Mapping[str, Any]) -> list[dict[str, str]]:
                 f"{sum(fw.get('bytes_received', {}).values()) / 1024:.0f}",
                 "held-out loss": f"{_loss(fw.get('heldout_before'))}→"
                 f"{_loss(fw.get('heldout_after'))}",
-                "METEOR expert": f"{_score(scores, 'expert_before')}→{_score(scores, 'expert_after')}",
+                "METEOR expert": f"{_score(scores, 'expert_before')}→"
+                f"{_score(scores, 'expert_after')}",
                 "METEOR π_SFT": _score(scores, "pi_sft"),
                 "METEOR +DPO": _score(scores, "pi_sft_dpo"),
                 "no expert": ",".join(fw.get("assembly", {}).get("missing_stages") or []) or "-",

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter
+from peerlm.agent.fedproxy_admission import state_norm
 from peerlm.agent.fedwave.assembly import AssembledModel, assembled_generate
 from peerlm.agent.fedwave.code_chain import StageExample
 from peerlm.agent.fedwave.dpo_phase import build_preference_pairs
@@ -29,6 +30,7 @@ from peerlm.agent.fedwave.expert_assembly import (
 )
 from peerlm.agent.fedwave.generation import greedy_generate
 from peerlm.agent.fedwave.params import AssemblySettings, DPOSettings, VCLayerSettings
+from peerlm.agent.fedwave.part_admission import screen_round
 from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.router_codec import router_shapes
 from peerlm.agent.fedwave.text_metrics import METRIC_NAMES
@@ -224,3 +226,27 @@ def test_an_expert_copy_holds_the_pulled_adapter_and_vclayer() -> None:
     layer = copy.vclayer.state_dict()
     assert all(torch.equal(layer[k], v) for k, v in other.vclayer.state_dict().items())
     assert copy.lm is not own.lm and copy.vclayer is not other.vclayer
+
+
+def test_a_finite_but_huge_adapter_passes_the_codec_and_is_refused_by_the_norm_bound() -> None:
+    model = _expert(1)
+    spec = _spec(model)
+    own = _adapter(model)
+    huge = {k: torch.full_like(v, 1e30) for k, v in own.items()}
+    parts = RoundParts(2)
+    for agent, state in (("s1", own), ("t1", huge)):
+        blob = encode_adapter(state, spec)
+        parts.add(accept_part(WORKFLOW, agent, PartKind.ADAPTER, 2, blob, _bounds(model, spec)))
+    refused = screen_round(
+        parts,
+        base_router=MoERouter(model.vclayer.hidden_size, 3).state_dict(),
+        own_vclayer=model.vclayer,
+        max_router_update_ratio=None,
+        max_vclayer_norm_ratio=None,
+        own_adapter_norm=state_norm(own),
+        max_adapter_norm_ratio=10.0,
+    )
+    assert list(refused) == [PullTarget("t1", PartKind.ADAPTER)]
+    assert "fedwave.assembly.max_adapter_norm_ratio" in refused[PullTarget("t1", PartKind.ADAPTER)]
+    assert parts.rejected == {PullTarget("t1", PartKind.ADAPTER): "norm"}
+    assert sorted(parts.adapters) == ["s1"]
