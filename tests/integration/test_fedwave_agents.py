@@ -301,3 +301,87 @@ def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
     assert summary["interrupted"] and summary["fedwave"]["rounds"] == 0
     assert any(e.get("event") == "fedwave_round_cut" for e in _events(log))
     assert took < 60, took  # the grace (1 s) plus the shutdown, not the round's 600 s
+
+
+def test_an_expert_whose_other_stages_never_answer_assembles_from_what_arrived(
+    tmp_path: Path,
+) -> None:
+    """π_SFT in the daemon with the other stages down (``fedwave.assembly``): the expert's
+    pulls of their adapters and VCLayers run out at the assembly's deadline, π_SFT is
+    assembled from its own expert alone (both other stages missing, counted and in the
+    report), no DPO step is taken (one expert makes no preference), the scores are reported
+    and the agent ends cleanly."""
+    models = tmp_path / "models"
+    build_models(models, ("gpt2",), size="micro")
+    pki = Pki.create(tmp_path, agents=4)
+    cpm = CpmProcess(pki, tmp_path / "cpm.db", tmp_path, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"})
+    cpm.start()
+    workflow = Workflow.model_validate(WORKFLOW)
+    chain = build_code_chain(workflow, per_stage=8, n_test=2, n_public=1, seed=0)
+    data = tmp_path / "data"
+    transfer = [Problem("public/0", "public", chain.public[0], "", "", "stage_output")]
+    write_jsonl(data / "transfer.jsonl", transfer)
+    write_jsonl(data / "train.jsonl", _stage_problems(chain.of_agent("a1"), "implement"))
+    held_out = [item.example(1, "implement") for item in chain.test]
+    write_jsonl(data / "val.jsonl", _stage_problems(held_out, "implement"))
+    peers = {a: f"127.0.0.1:{_free_port()}" for a in workflow.agents}  # only a1 will listen
+    t = pki.tls("a1")
+    config = {
+        "federation": FEDERATION,
+        "listen": peers["a1"],
+        "cpm": cpm.target,
+        "state_dir": str(tmp_path / "state"),
+        "model": str(models / "gpt2"),
+        "device": "cpu",
+        "train_file": str(data / "train.jsonl"),
+        "val_file": str(data / "val.jsonl"),
+        "transfer_file": str(data / "transfer.jsonl"),
+        "rounds": 1,
+        "local_steps": 1,
+        "batch_size": 4,
+        "max_length": 128,
+        "log_format": "json",
+        "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
+        "fedwave": {
+            "workflow": WORKFLOW,
+            "peers": peers,
+            "round_deadline_s": 2,
+            "assembly": {"enabled": True, "deadline_s": 2, "max_new_tokens": 8},
+        },
+    }
+    path = tmp_path / "a1.yaml"
+    path.write_text(json.dumps(config))
+    log = tmp_path / "a1.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "peerlm", "agent", "--config", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=log.open("a"),
+        text=True,
+        env={**os.environ, **AGENT_ENV},
+    )
+    try:
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cpm.terminate()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert not summary["errors"], summary["errors"]
+    report = summary["fedwave"]
+    assembly = report["assembly"]
+    assert assembly["outcome"] == "partial"
+    assert assembly["missing_stages"] == ["specify", "test"]
+    assert assembly["experts"] == {"implement": "a1"}
+    # Every other agent's adapter and VCLayer: late at the assembly's deadline.
+    assert "adapter" not in report["parts_pulled"]
+    assert assembly["dpo_informative"] == 0 and assembly["dpo_losses"] == []
+    assert set(report["scores"]) == {"expert_before", "expert_after", "pi_sft"}
+    # π_SFT of one expert is that expert: the same greedy outputs, the same scores.
+    assert report["scores"]["pi_sft"] == report["scores"]["expert_after"]
+    partial = [e for e in _events(log) if e.get("event") == "fedwave_assembly_partial"]
+    assert len(partial) == 1
+    assert partial[0]["missing"] == {
+        f"{a}/{k}": "late" for a in ("a0", "a2", "a3") for k in ("adapter", "vclayer")
+    }
