@@ -146,8 +146,11 @@ class AssembledModel(nn.Module):
             if len(self._slot) < self._n:
                 mask = torch.zeros(self._n, dtype=alpha.dtype)
                 mask[list(self.available)] = 1.0
-                alpha = alpha * mask
-                alpha = alpha / alpha.sum(dim=-1, keepdim=True)
+                kept = alpha * mask
+                total = kept.sum(dim=-1, keepdim=True)
+                # A router sure of a missing expert can leave the others at an exact 0:
+                # then the experts present share the weight evenly.
+                alpha = torch.where(total > 0, kept / total.clamp_min(1e-38), mask / mask.sum())
         experts, weights = top_k_routing(alpha, min(self.top_k, len(self._slot)))
         return Routing(alpha=alpha, experts=experts, weights=weights)
 

@@ -250,3 +250,15 @@ def test_a_finite_but_huge_adapter_passes_the_codec_and_is_refused_by_the_norm_b
     assert "fedwave.assembly.max_adapter_norm_ratio" in refused[PullTarget("t1", PartKind.ADAPTER)]
     assert parts.rejected == {PullTarget("t1", PartKind.ADAPTER): "norm"}
     assert sorted(parts.adapters) == ["s1"]
+
+
+def test_a_router_sure_of_a_missing_expert_leaves_the_present_ones_an_even_share() -> None:
+    experts = [_expert(1), None, _expert(3)]
+    router = MoERouter(experts[0].vclayer.hidden_size, 3)  # type: ignore[union-attr]
+    with torch.no_grad():  # softmax of (−1e4, 1e4, −1e4): exact zeros but the missing one
+        router.fc1.weight.zero_()
+        router.fc2.weight.zero_()
+        router.fc2.bias.copy_(torch.tensor([-1e4, 1e4, -1e4]))
+    routing = AssembledModel(experts, router).route(torch.tensor([[1, 2, 3]]))
+    assert routing.alpha[0].tolist() == [0.5, 0.0, 0.5]
+    assert torch.isfinite(routing.weights).all()
