@@ -230,12 +230,12 @@ def test_experts_end_every_round_with_the_same_router_without_the_late_agent(
     assert len(set(next(iter(digests)))) == ROUNDS  # and the router changes each round
 
 
-def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
-    """SIGTERM while the expert waits out a round's pulls (its peers never come): the round
-    is cut when the stop grace runs out, not at the round's deadline, and the agent exits
-    0 with a summary that says it was interrupted."""
-    import signal
-
+def _lone_expert(
+    tmp_path: Path, config: dict[str, Any], fedwave: dict[str, Any]
+) -> tuple[subprocess.Popen[str], Path, CpmProcess]:
+    """Agent a1 (implement) of the workflow started alone (its peers never listen): micro
+    gpt2, its stage's examples, ``config`` and ``fedwave`` over the defaults here; the
+    process, its log and the CPM (the caller terminates both)."""
     models = tmp_path / "models"
     build_models(models, ("gpt2",), size="micro")
     pki = Pki.create(tmp_path, agents=4)
@@ -247,9 +247,11 @@ def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
     transfer = [Problem("public/0", "public", chain.public[0], "", "", "stage_output")]
     write_jsonl(data / "transfer.jsonl", transfer)
     write_jsonl(data / "train.jsonl", _stage_problems(chain.of_agent("a1"), "implement"))
+    held_out = [item.example(1, "implement") for item in chain.test]
+    write_jsonl(data / "val.jsonl", _stage_problems(held_out, "implement"))
     peers = {a: f"127.0.0.1:{_free_port()}" for a in workflow.agents}  # only a1 will listen
     t = pki.tls("a1")
-    config = {
+    full = {
         "federation": FEDERATION,
         "listen": peers["a1"],
         "cpm": cpm.target,
@@ -257,17 +259,16 @@ def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
         "model": str(models / "gpt2"),
         "device": "cpu",
         "train_file": str(data / "train.jsonl"),
-        "val_file": str(data / "train.jsonl"),
+        "val_file": str(data / "val.jsonl"),
         "transfer_file": str(data / "transfer.jsonl"),
-        "rounds": 3,
         "local_steps": 1,
-        "stop_grace_s": 1,
         "log_format": "json",
         "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
-        "fedwave": {"workflow": WORKFLOW, "peers": peers, "round_deadline_s": 600},
+        **config,
+        "fedwave": {"workflow": WORKFLOW, "peers": peers, **fedwave},
     }
     path = tmp_path / "a1.yaml"
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(full))
     log = tmp_path / "a1.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "peerlm", "agent", "--config", str(path)],
@@ -275,6 +276,18 @@ def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
         stderr=log.open("a"),
         text=True,
         env={**os.environ, **AGENT_ENV},
+    )
+    return proc, log, cpm
+
+
+def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
+    """SIGTERM while the expert waits out a round's pulls (its peers never come): the round
+    is cut when the stop grace runs out, not at the round's deadline, and the agent exits
+    0 with a summary that says it was interrupted."""
+    import signal
+
+    proc, log, cpm = _lone_expert(
+        tmp_path, {"rounds": 3, "stop_grace_s": 1}, {"round_deadline_s": 600}
     )
     try:
         _wait_for(
@@ -311,53 +324,13 @@ def test_an_expert_whose_other_stages_never_answer_assembles_from_what_arrived(
     assembled from its own expert alone (both other stages missing, counted and in the
     report), no DPO step is taken (one expert makes no preference), the scores are reported
     and the agent ends cleanly."""
-    models = tmp_path / "models"
-    build_models(models, ("gpt2",), size="micro")
-    pki = Pki.create(tmp_path, agents=4)
-    cpm = CpmProcess(pki, tmp_path / "cpm.db", tmp_path, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"})
-    cpm.start()
-    workflow = Workflow.model_validate(WORKFLOW)
-    chain = build_code_chain(workflow, per_stage=8, n_test=2, n_public=1, seed=0)
-    data = tmp_path / "data"
-    transfer = [Problem("public/0", "public", chain.public[0], "", "", "stage_output")]
-    write_jsonl(data / "transfer.jsonl", transfer)
-    write_jsonl(data / "train.jsonl", _stage_problems(chain.of_agent("a1"), "implement"))
-    held_out = [item.example(1, "implement") for item in chain.test]
-    write_jsonl(data / "val.jsonl", _stage_problems(held_out, "implement"))
-    peers = {a: f"127.0.0.1:{_free_port()}" for a in workflow.agents}  # only a1 will listen
-    t = pki.tls("a1")
-    config = {
-        "federation": FEDERATION,
-        "listen": peers["a1"],
-        "cpm": cpm.target,
-        "state_dir": str(tmp_path / "state"),
-        "model": str(models / "gpt2"),
-        "device": "cpu",
-        "train_file": str(data / "train.jsonl"),
-        "val_file": str(data / "val.jsonl"),
-        "transfer_file": str(data / "transfer.jsonl"),
-        "rounds": 1,
-        "local_steps": 1,
-        "batch_size": 4,
-        "max_length": 128,
-        "log_format": "json",
-        "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
-        "fedwave": {
-            "workflow": WORKFLOW,
-            "peers": peers,
+    proc, log, cpm = _lone_expert(
+        tmp_path,
+        {"rounds": 1, "batch_size": 4, "max_length": 128},
+        {
             "round_deadline_s": 2,
             "assembly": {"enabled": True, "deadline_s": 2, "max_new_tokens": 8},
         },
-    }
-    path = tmp_path / "a1.yaml"
-    path.write_text(json.dumps(config))
-    log = tmp_path / "a1.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "peerlm", "agent", "--config", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=log.open("a"),
-        text=True,
-        env={**os.environ, **AGENT_ENV},
     )
     try:
         out = proc.communicate(timeout=300)[0]
