@@ -334,6 +334,8 @@ class AgentDaemon:
                 chunk_bytes=s.limits.chunk_bytes,
                 log=self.log,
                 streamer=streamer,
+                # π_SFT's assembly: the other stages' adapters must fit this host's.
+                adapter=self.host.adapter_spec() if s.fedwave.assembly.enabled else None,
             )
             extra.append((fedwave_service(self.fedwave.service), FEDWAVE_POLICY))
         if s.overlay.enabled:
@@ -455,7 +457,9 @@ class AgentDaemon:
         """The expert round loop (docs/fedwave.md, "The expert round loop"): ``rounds``
         FedWave rounds (0: until stopped) on this stage's private examples, the held-out
         loss on the validation examples before and after; then serve until the others have
-        the last round's parts. A failure ends the loop (logged, in the summary's errors)."""
+        the last round's parts. With ``fedwave.assembly`` π_SFT is assembled and aligned by
+        DPO after the last round (docs/fedwave.md, section 5). A failure ends the loop
+        (logged, in the summary's errors)."""
         from peerlm.agent.checkpoint import CheckpointStore
         from peerlm.agent.fedwave.code_chain import StageExample
         from peerlm.agent.fedwave.expert_loop import ExpertLoop
@@ -495,6 +499,7 @@ class AgentDaemon:
             checkpoints=CheckpointStore(s.state_dir / "fedwave" / "checkpoints", log=self.log),
             adapter_state=self.host.adapter_state,
             load_adapter=self.host.load_adapter_state,
+            encoded_adapter=lambda: self.host.encoded_adapter().data,
         )
         self._expert_loop = loop
         t = 0
@@ -511,6 +516,9 @@ class AgentDaemon:
                         break
             if not self._stop.is_set():
                 await loop.measure(held_out, after=True)
+                if t and s.fedwave.assembly.enabled:
+                    # π_SFT from the stages' experts, DPO on the public prompts (X_u).
+                    await self._unless_aborted(loop.assemble(t, held_out, self.transfer_prompts))
                 if t:
                     await loop.linger(t, self._stop)
         except asyncio.CancelledError:

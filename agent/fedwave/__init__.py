@@ -19,4 +19,6 @@ The foundations, as sans-IO library code (docs/fedwave.md maps each equation to 
   (:mod:`~peerlm.agent.fedwave.exchange_client`);
 * :mod:`~peerlm.agent.fedwave.expert_round` — one expert round without I/O (training, the
   round's router aggregate), driven by :mod:`~peerlm.agent.fedwave.expert_loop` in the agent.
+* :mod:`~peerlm.agent.fedwave.expert_assembly` — π_SFT in the agent after the last round
+  (the stages' experts pulled, assembled, aligned by DPO, scored), driven by the same loop.
 """

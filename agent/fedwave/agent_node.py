@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from peerlm.agent.adapter_codec import AdapterSpec
 from peerlm.agent.fedwave.exchange import PartKind, PartStore, ShapeBounds
 from peerlm.agent.fedwave.exchange_service import FedWaveExchangeService
 from peerlm.agent.fedwave.router import MoERouter
@@ -51,10 +52,13 @@ def start_fedwave(
     chunk_bytes: int,
     log: Any = None,
     streamer: PeerStreamer | None = None,
+    adapter: AdapterSpec | None = None,
 ) -> FedWaveNode:
     """This agent's FedWave node with round 0 published; ``ValueError`` (with the fix) if
     FedWave is off, the agent is not in the workflow or in another stage than configured,
-    or it holds no training example (``n_i`` must be positive)."""
+    or it holds no training example (``n_i`` must be positive). ``adapter``: what the other
+    stages' LoRA adapters must fit (this host's spec) when the agent assembles π_SFT; None:
+    it takes none."""
     index = settings.member_stage(ctx.name)
     assert settings.workflow is not None  # member_stage refuses without one
     if n_samples < 1:
@@ -68,6 +72,7 @@ def start_fedwave(
         vclayer=settings.vclayer,
         max_router_bytes=settings.max_router_bytes,
         max_vclayer_bytes=settings.max_vclayer_bytes,
+        adapter=adapter,
     )
     store = PartStore()
     store.publish(

@@ -30,10 +30,15 @@ Choices the paper leaves open (docs/fedwave.md, section 3):
   one base model family with frozen base weights (checked: equal widths), so any expert's
   base gives the same features.
 
+* **A missing expert** (``None`` in its stage's place: an agent daemon whose pull of that
+  stage's expert did not arrive by the deadline, docs/fedwave.md section 5) gets α = 0:
+  α is renormalised over the experts present and top-k keeps at most as many as there
+  are. With every expert present this is exactly the paper's routing.
+
 Bad input is refused with :class:`~peerlm.agent.fedwave.errors.FedWaveError`: a router for
 another number of experts (``reason="shape"``), experts of different widths, a ``top_k``
-outside 1..N (``"config"``), a NaN or infinite weight in an expert or the router
-(``"non_finite"``, naming it).
+outside 1..N (``"config"``), no expert at all (``"config"``), a NaN or infinite weight in an
+expert or the router (``"non_finite"``, naming it).
 """
 
 from __future__ import annotations
@@ -77,9 +82,15 @@ def _check_finite(module: nn.Module, what: str) -> None:
 
 
 class AssembledModel(nn.Module):
-    """π_SFT: the stage experts mixed by the aggregated router's top-k routing."""
+    """π_SFT: the stage experts mixed by the aggregated router's top-k routing.
 
-    def __init__(self, experts: Sequence[VCCausalLM], router: MoERouter, *, top_k: int = 2) -> None:
+    ``experts`` holds one expert per stage in stage order; ``None`` marks a stage whose
+    expert is missing (module docstring): it is never routed to.
+    """
+
+    def __init__(
+        self, experts: Sequence[VCCausalLM | None], router: MoERouter, *, top_k: int = 2
+    ) -> None:
         super().__init__()
         if len(experts) != router.n_experts:
             raise FedWaveError(
@@ -89,28 +100,39 @@ class AssembledModel(nn.Module):
             )
         if not 1 <= top_k <= len(experts):
             raise FedWaveError(f"top_k must be in 1..{len(experts)}, got {top_k}", reason="config")
-        widths = {e.vclayer.hidden_size for e in experts}
+        present = [(i, e) for i, e in enumerate(experts) if e is not None]
+        if not present:
+            raise FedWaveError("no expert to assemble", reason="config")
+        widths = {e.vclayer.hidden_size for _, e in present}
         if len(widths) != 1 or router.fc1.in_features not in widths:
             raise FedWaveError(
                 f"experts and router must share one width, got experts {sorted(widths)} and "
                 f"router {router.fc1.in_features}",
                 reason="shape",
             )
-        for index, expert in enumerate(experts):
+        for index, expert in present:
             _check_finite(expert, f"expert {index}")
         _check_finite(router, "router")
-        self.experts = nn.ModuleList(experts)
+        # Only the experts present are modules (their parameters are what DPO trains).
+        self.experts = nn.ModuleList([e for _, e in present])
+        self._slot = {index: slot for slot, (index, _) in enumerate(present)}
+        self._n = len(experts)
         self.router = router
         self.top_k = top_k
 
     @property
     def n_experts(self) -> int:
-        """N, the number of experts (stages)."""
-        return len(self.experts)
+        """N, the number of experts (stages), the missing ones included."""
+        return self._n
+
+    @property
+    def available(self) -> tuple[int, ...]:
+        """The stages whose expert is present, ascending."""
+        return tuple(sorted(self._slot))
 
     def expert(self, index: int) -> VCCausalLM:
-        """Expert ``index`` (its LM, adapter and VCLayer)."""
-        module = self.experts[index]
+        """Expert ``index`` (its LM, adapter and VCLayer); ``KeyError`` if it is missing."""
+        module = self.experts[self._slot[index]]
         assert isinstance(module, VCCausalLM)
         return module
 
@@ -119,9 +141,17 @@ class AssembledModel(nn.Module):
         ``attention_mask`` marks the tokens to pool). No gradient reaches the router here."""
         with torch.no_grad():
             alpha = self.router.route_pooled(
-                router_features(self.expert(0), input_ids, attention_mask)
+                router_features(self.expert(self.available[0]), input_ids, attention_mask)
             )
-        experts, weights = top_k_routing(alpha, self.top_k)
+            if len(self._slot) < self._n:
+                mask = torch.zeros(self._n, dtype=alpha.dtype)
+                mask[list(self.available)] = 1.0
+                kept = alpha * mask
+                total = kept.sum(dim=-1, keepdim=True)
+                # A router sure of a missing expert can leave the others at an exact 0:
+                # then the experts present share the weight evenly.
+                alpha = torch.where(total > 0, kept / total.clamp_min(1e-38), mask / mask.sum())
+        experts, weights = top_k_routing(alpha, min(self.top_k, len(self._slot)))
         return Routing(alpha=alpha, experts=experts, weights=weights)
 
     def forward(

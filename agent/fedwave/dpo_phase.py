@@ -34,15 +34,23 @@ import torch
 from peerlm.agent.fedwave.assembly import AssembledModel, prompt_ids
 from peerlm.agent.fedwave.dpo import dpo_loss
 from peerlm.agent.fedwave.generation import greedy_generate
-from peerlm.agent.fedwave.params import DEFAULT_BETA
+from peerlm.agent.fedwave.params import (
+    DEFAULT_BETA,
+    DEFAULT_DPO_BATCH,
+    DEFAULT_DPO_LR,
+    DEFAULT_MAX_NEW_TOKENS,
+)
 from peerlm.agent.fedwave.sequence_losses import response_logprobs
 from peerlm.agent.training import IGNORE_INDEX, collate, encode_example, eval_mode
 
 __all__ = [
+    "DPOOutcome",
     "DPOPhaseReport",
     "PairBatch",
     "PreferencePair",
     "build_preference_pairs",
+    "chained_preference_pairs",
+    "dpo_on_public_prompts",
     "encode_pairs",
     "pair_logprobs",
     "run_dpo_phase",
@@ -99,7 +107,9 @@ def build_preference_pairs(
         ids, _ = prompt_ids(tokenizer, prompt, max_length)
         alpha = model.route(torch.tensor([ids])).alpha[0]
         order = torch.sort(alpha, descending=True, stable=True).indices
-        best, worst = int(order[0]), int(order[-1])
+        # A missing expert (assembly.py) is never a candidate.
+        ranked = [int(i) for i in order if int(i) in model.available]
+        best, worst = ranked[0], ranked[-1]
         chosen = greedy_generate(
             model.expert(best), tokenizer, [prompt], max_new_tokens=max_new_tokens
         )
@@ -200,3 +210,76 @@ def _rows(batch: PairBatch, idx: torch.Tensor) -> PairBatch:
         batch.target_mask[idx],
         batch.prompt_mask[idx],
     )
+
+
+def chained_preference_pairs(
+    model: AssembledModel,
+    tokenizer: Any,
+    requirements: Sequence[str],
+    *,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+) -> list[PreferencePair]:
+    """Preference pairs on the public requirements and on the chain they start, as the code
+    chain's stages take their inputs (docs/fedwave.md, section 1): stage 1's prompt is the
+    chosen answer (signature) to the requirement, stage 2's that signature followed by the
+    chosen body. No reference answer is used anywhere. A model of fewer stages stops
+    earlier; the code chain has three."""
+    pairs = build_preference_pairs(model, tokenizer, requirements, max_new_tokens=max_new_tokens)
+    out = list(pairs)
+    if model.n_experts >= 2:
+        signatures = [p.chosen + "\n" for p in pairs]
+        stage1 = build_preference_pairs(model, tokenizer, signatures, max_new_tokens=max_new_tokens)
+        out += stage1
+        if model.n_experts >= 3:
+            functions = [s + p.chosen + "\n" for s, p in zip(signatures, stage1, strict=True)]
+            out += build_preference_pairs(
+                model, tokenizer, functions, max_new_tokens=max_new_tokens
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class DPOOutcome:
+    """The pairs built (informative or not) and the phase's report (None: no informative
+    pair, so no DPO step was taken and the model is unchanged)."""
+
+    pairs: tuple[PreferencePair, ...]
+    report: DPOPhaseReport | None
+
+    @property
+    def informative(self) -> int:
+        """How many pairs carry a preference."""
+        return sum(1 for p in self.pairs if p.informative)
+
+
+def dpo_on_public_prompts(
+    model: AssembledModel,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    steps: int,
+    batch_size: int = DEFAULT_DPO_BATCH,
+    lr: float = DEFAULT_DPO_LR,
+    beta: float = DEFAULT_BETA,
+    seed: int = 0,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+) -> DPOOutcome:
+    """FedWave's DPO phase on π_SFT (``model``, trained in place): router-made pairs on the
+    public ``prompts`` and the chain they start (:func:`chained_preference_pairs`), then
+    ``steps`` steps of Eq. 10 on the informative ones against a frozen reference. What both
+    the workflow experiment and the agent daemon run."""
+    pairs = chained_preference_pairs(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+    informative = [p for p in pairs if p.informative]
+    report = None
+    if informative and steps > 0:
+        report = run_dpo_phase(
+            model,
+            tokenizer,
+            informative,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            beta=beta,
+            seed=seed,
+        )
+    return DPOOutcome(tuple(pairs), report)

@@ -7,7 +7,10 @@ and the aggregate are imported by the functions that use them.
 Each round an agent *publishes* its parts (:class:`PartStore`): its MoE router (with its
 sample count ``n_i``) and its VCLayer (with its stage embedding). Every other agent of the
 workflow pulls this agent's router; the agents of the adjacent stages pull its VCLayer
-(Eq. 5-6 need only the neighbours' pieces). Nothing else travels: no data, no adapter.
+(Eq. 5-6 need only the neighbours' pieces). An agent that assembles π_SFT after its last
+round (``fedwave.assembly``) also publishes its LoRA adapter, and every other agent pulls
+its adapter and VCLayer once, after the last round (:func:`plan_expert_pulls`). No data
+travels, ever.
 
 * Serving: :func:`decide_pull` admits a caller only if its certificate name is an agent of
   the workflow, and answers the exact round asked for, or says why not (not published yet:
@@ -39,6 +42,7 @@ from peerlm.chunks import HashedPayload
 
 if TYPE_CHECKING:
     import torch
+    from peerlm.agent.adapter_codec import AdapterSpec
     from peerlm.agent.fedwave.router_codec import DecodedRouter
     from peerlm.agent.fedwave.vclayer import VCLayer
 
@@ -56,6 +60,7 @@ __all__ = [
     "decide_pull",
     "parse_part_content_type",
     "part_content_type",
+    "plan_expert_pulls",
     "plan_pulls",
     "router_weights",
 ]
@@ -66,12 +71,14 @@ class PartKind(enum.StrEnum):
 
     ROUTER = "router"
     VCLAYER = "vclayer"
+    ADAPTER = "adapter"
 
 
 #: Media type of each part; the server appends ``; round=N``.
 PART_CONTENT_TYPES: Final = {
     PartKind.ROUTER: "application/vnd.peerlm.fedwave-router+safetensors",
     PartKind.VCLAYER: "application/vnd.peerlm.fedwave-vclayer+safetensors",
+    PartKind.ADAPTER: "application/vnd.peerlm.fedwave-adapter+safetensors",
 }
 
 
@@ -183,7 +190,9 @@ def decide_pull(
             f"{', '.join(workflow.agents)}",
         )
     if kind is None:
-        return PullRefusal("INVALID_ARGUMENT", "bad_kind", "kind must be ROUTER or VCLAYER")
+        return PullRefusal(
+            "INVALID_ARGUMENT", "bad_kind", "kind must be ROUTER, VCLAYER or ADAPTER"
+        )
     return store.get(round_, kind)
 
 
@@ -212,16 +221,32 @@ def plan_pulls(workflow: Workflow, me: str) -> list[PullTarget]:
     return sorted(targets)
 
 
+def plan_expert_pulls(workflow: Workflow, me: str) -> list[PullTarget]:
+    """What agent ``me`` pulls after the last round to assemble π_SFT: the LoRA adapter and
+    the VCLayer of every agent of the *other* stages (its own stage's expert is itself);
+    sorted. ``KeyError`` if ``me`` is not in the workflow."""
+    own = workflow.stage_of(me).name
+    return sorted(
+        PullTarget(agent, kind)
+        for stage in workflow.stages
+        if stage.name != own
+        for agent in stage.agents
+        for kind in (PartKind.ADAPTER, PartKind.VCLAYER)
+    )
+
+
 @dataclass(frozen=True)
 class ShapeBounds:
     """What a received part must fit: this agent's router shapes, its width and VCLayer
-    settings, and the size bounds (unset: the largest blob of these shapes)."""
+    settings, its adapter's spec (None: adapters are not taken), and the size bounds
+    (unset: the largest blob of these shapes)."""
 
     router_shapes: Mapping[str, tuple[int, ...]]
     hidden_size: int
     vclayer: VCLayerSettings
     max_router_bytes: int | None = None
     max_vclayer_bytes: int | None = None
+    adapter: AdapterSpec | None = None
 
     def max_bytes(self, kind: PartKind) -> int:
         """The largest blob of ``kind`` accepted (announced size refused above it)."""
@@ -231,18 +256,23 @@ class ShapeBounds:
         if kind is PartKind.ROUTER:
             own = max_router_bytes(dict(self.router_shapes))
             return own if self.max_router_bytes is None else min(own, self.max_router_bytes)
+        if kind is PartKind.ADAPTER:
+            # Every tensor in float32 plus the bounded header: the adapter codec's own rule.
+            return 0 if self.adapter is None else self.adapter.max_encoded_bytes()
         own = vclayer_max_bytes(self.hidden_size, self.vclayer)
         return own if self.max_vclayer_bytes is None else min(own, self.max_vclayer_bytes)
 
 
 @dataclass(frozen=True)
 class AcceptedPart:
-    """A checked part: a router (with ``n_i``) or a VCLayer (with its stage)."""
+    """A checked part: a router (with ``n_i``), a VCLayer (with its stage) or a LoRA
+    adapter's state."""
 
     agent: str
     kind: PartKind
     router: DecodedRouter | None = None
     vclayer: VCLayer | None = None
+    adapter: dict[str, torch.Tensor] | None = None
 
 
 def accept_part(
@@ -258,13 +288,27 @@ def accept_part(
 
     Beyond the decoders' checks (size, format, names, dtypes, shapes, finite values): the
     sender is an agent of the workflow (``not_in_workflow``), a router is of the round
-    asked for (``round``), a VCLayer names the sender's stage (``stage``).
+    asked for (``round``), a VCLayer names the sender's stage (``stage``). An adapter goes
+    through the adapter codec (:func:`~peerlm.agent.adapter_codec.decode_adapter`: this
+    agent's base model, tokenizer, LoRA settings, tensor names and shapes, finite values);
+    its refusal keeps the codec's reason.
     """
+    from peerlm.agent.adapter_codec import AdapterError, decode_adapter
     from peerlm.agent.fedwave.router_codec import decode_router
     from peerlm.agent.fedwave.vclayer import decode_vclayer
 
     if agent not in workflow.agents:
         raise FedWaveError(f"{agent!r} is not an agent of the workflow", reason="not_in_workflow")
+    if kind is PartKind.ADAPTER:
+        if bounds.adapter is None:
+            raise FedWaveError("this agent takes no adapters", reason="bad_kind")
+        try:
+            state = decode_adapter(data, bounds.adapter, max_bytes=bounds.max_bytes(kind))
+        except AdapterError as err:
+            raise FedWaveError(
+                f"adapter from {agent!r} refused: {err}", reason=err.reason
+            ) from None
+        return AcceptedPart(agent, kind, adapter=state)
     if kind is PartKind.ROUTER:
         if len(data) > bounds.max_bytes(kind):
             raise FedWaveError(
@@ -302,6 +346,7 @@ class RoundParts:
     round: int
     routers: dict[str, DecodedRouter] = field(default_factory=dict)
     vclayers: dict[str, VCLayer] = field(default_factory=dict)
+    adapters: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     missing: dict[PullTarget, str] = field(default_factory=dict)
     rejected: dict[PullTarget, str] = field(default_factory=dict)
 
@@ -311,6 +356,8 @@ class RoundParts:
             self.routers[part.agent] = part.router
         if part.vclayer is not None:
             self.vclayers[part.agent] = part.vclayer
+        if part.adapter is not None:
+            self.adapters[part.agent] = part.adapter
 
 
 def router_weights(claims: Mapping[str, int], max_ratio: float | None) -> dict[str, int]:

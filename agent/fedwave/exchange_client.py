@@ -62,6 +62,7 @@ __all__ = [
 _WIRE_KINDS = {
     PartKind.ROUTER: fedwave_pb2.PART_KIND_ROUTER,
     PartKind.VCLAYER: fedwave_pb2.PART_KIND_VCLAYER,
+    PartKind.ADAPTER: fedwave_pb2.PART_KIND_ADAPTER,
 }
 #: Pause between tries while a peer has not published the round (or is not up yet).
 DEFAULT_RETRY_S = 0.2

@@ -10,8 +10,8 @@ the decision's status with its message and counts in
 retries until its deadline), ``gone`` / ``no_part`` (NOT_FOUND), ``bad_kind``
 (INVALID_ARGUMENT), ``too_large`` (RESOURCE_EXHAUSTED: a part over this agent's own bound).
 A served part is streamed in chunks (:func:`~peerlm.chunks.iter_chunks`) after a sender
-proof in the initial metadata (kind ``fedwave-router`` or ``fedwave-vclayer``, reference
-the round, as the peer service's adapters); bytes count in
+proof in the initial metadata (kind ``fedwave-router``, ``fedwave-vclayer`` or
+``fedwave-adapter``, reference the round, as the peer service's adapters); bytes count in
 ``peerlm_agent_fedwave_bytes_sent_total{kind}``.
 
 The parts are small (a router is tens of KiB, a VCLayer on the tiny models 130-200 KiB,
@@ -71,6 +71,7 @@ FEDWAVE_POLICY: dict[str, frozenset[Role]] = {
 _WIRE_KINDS: Final = {
     fedwave_pb2.PART_KIND_ROUTER: PartKind.ROUTER,
     fedwave_pb2.PART_KIND_VCLAYER: PartKind.VCLAYER,
+    fedwave_pb2.PART_KIND_ADAPTER: PartKind.ADAPTER,
 }
 
 

@@ -15,22 +15,41 @@ Metrics (beside the exchange's own): ``peerlm_agent_fedwave_rounds_total{outcome
 ``peerlm_agent_fedwave_parts_pulled_total{kind}`` (parts accepted and used),
 ``peerlm_agent_fedwave_train_loss`` (the last round's final step loss) and
 ``peerlm_agent_fedwave_heldout_loss`` (the expert's held-out SFT loss when measured).
+
+With ``fedwave.assembly.enabled`` each round's parts include the expert's LoRA adapter,
+and after the last round :meth:`ExpertLoop.assemble` pulls the other stages' experts
+(adapter and VCLayer, under ``fedwave.assembly.deadline_s``), assembles π_SFT behind the
+aggregated router, runs the DPO phase and scores the models
+(:mod:`~peerlm.agent.fedwave.expert_assembly`). Its metrics:
+``peerlm_agent_fedwave_assemblies_total{outcome}`` (``complete``: every stage's expert;
+``partial``: some stage missing; ``failed``),
+``peerlm_agent_fedwave_assembly_missing_stages_total``,
+``peerlm_agent_fedwave_assembly_seconds`` (the experts' pulls and π_SFT's assembly) and
+``peerlm_agent_fedwave_dpo_seconds`` (preference pairs and DPO steps); the experts pulled
+and refused count in the exchange's ``..._parts_pulled_total{kind="adapter"|"vclayer"}``
+and ``..._rejected_parts_total{kind, reason}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from peerlm.agent.fedproxy_admission import state_norm
 from peerlm.agent.fedwave.agent_node import FedWaveNode
-from peerlm.agent.fedwave.exchange import PartKind, RoundParts, plan_pulls
+from peerlm.agent.fedwave.exchange import PartKind, RoundParts, plan_expert_pulls, plan_pulls
 from peerlm.agent.fedwave.exchange_client import (
     newest_rounds,
     pull_round,
     record_router_aggregate,
+)
+from peerlm.agent.fedwave.expert_assembly import (
+    AssemblyOutcome,
+    assemble_and_align,
+    score_expert,
 )
 from peerlm.agent.fedwave.expert_checkpoint import pack_expert_state, unpack_expert_state
 from peerlm.agent.fedwave.expert_round import (
@@ -50,6 +69,7 @@ from peerlm.node import NodeContext
 
 if TYPE_CHECKING:
     from peerlm.agent.checkpoint import CheckpointStore
+    from peerlm.agent.fedwave.code_chain import StageExample
 
 __all__ = ["ExpertLoop", "FedWaveReport"]
 
@@ -80,6 +100,17 @@ class FedWaveReport:
     # from them (pulled, refused parts included); across restarts.
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
+    # With fedwave.assembly: the mean sentence scores (metric -> 0-100) of the expert alone
+    # on the held-out examples before the first round and after the last ("expert_before",
+    # "expert_after"), of π_SFT ("pi_sft") and of π_SFT after DPO ("pi_sft_dpo").
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The assembly's figures (expert_assembly.AssemblyOutcome without the scores), or its
+    # error; empty when it did not run.
+    assembly: dict[str, Any] = field(default_factory=dict)
+
+
+def _rounded(scores: Mapping[str, float]) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in scores.items()}
 
 
 class ExpertLoop:
@@ -98,6 +129,7 @@ class ExpertLoop:
         checkpoints: CheckpointStore | None = None,
         adapter_state: Callable[[], dict[str, Any]] | None = None,
         load_adapter: Callable[[dict[str, Any]], None] | None = None,
+        encoded_adapter: Callable[[], bytes] | None = None,
     ) -> None:
         if settings.workflow is None:
             raise ValueError("fedwave.workflow is not configured")
@@ -114,6 +146,9 @@ class ExpertLoop:
         self.checkpoints = checkpoints
         self._adapter_state = adapter_state
         self._load_adapter = load_adapter
+        # The expert's adapter as the adapter codec encodes it (model thread): published with
+        # each round's parts when fedwave.assembly is on (the others pull it after the last).
+        self._encoded_adapter = encoded_adapter if settings.assembly.enabled else None
         self.next_round = 1  # the round play() is to be called with next
         # The report's byte counts when this process started (restored from a checkpoint):
         # the process's counters start at 0.
@@ -142,6 +177,16 @@ class ExpertLoop:
         self._train_loss = self._gauge(
             "peerlm_agent_fedwave_train_loss", "The last FedWave round's final local step loss"
         )
+        self._assemblies = ctx.counter(
+            "peerlm_agent_fedwave_assemblies_total",
+            "Assemblies of pi_SFT after the last round: complete (every stage's expert), "
+            "partial (some stage's expert missing at the deadline or refused) or failed",
+            ("outcome",),
+        )
+        self._missing_stages = ctx.counter(
+            "peerlm_agent_fedwave_assembly_missing_stages_total",
+            "Stages left out of an assembly of pi_SFT (no expert of theirs arrived and fit)",
+        )
         self._heldout = self._gauge(
             "peerlm_agent_fedwave_heldout_loss",
             "The expert's mean SFT loss on its stage's held-out examples (last measured)",
@@ -160,7 +205,7 @@ class ExpertLoop:
 
     async def measure(self, examples: Any, *, after: bool) -> float | None:
         """The expert's held-out SFT loss on ``examples`` (before the first or after the
-        last round)."""
+        last round); with ``fedwave.assembly`` also its greedy outputs' scores."""
         loss: float | None = await self._run(lambda: self.trainer.heldout_loss(examples))
         if loss is not None:
             self._heldout.set(loss)
@@ -168,6 +213,12 @@ class ExpertLoop:
             self.report.heldout_after = loss
         else:
             self.report.heldout_before = loss
+        if self.settings.assembly.enabled and examples:
+            tokens = self.settings.assembly.max_new_tokens
+            scores = await self._run(
+                lambda: score_expert(self.trainer.model, self.trainer.tokenizer, examples, tokens)
+            )
+            self.report.scores["expert_after" if after else "expert_before"] = _rounded(scores)
         return loss
 
     async def start(self) -> None:
@@ -178,7 +229,7 @@ class ExpertLoop:
         agents enter round 1 together and a missing agent is missed by all alike."""
         base = self._router_state()
         parts = await self._pull(0, base)
-        self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
+        self._count_parts(parts)
         self.predecessor, self.successor = adjacent_vclayers(
             self.workflow, self.ctx.name, parts.vclayers
         )
@@ -209,21 +260,21 @@ class ExpertLoop:
             lambda: self.trainer.train(self.local_steps, predecessor=before, successor=after)
         )
         trained = self._router_state()
-        self.node.store.publish(
-            t,
-            {
-                PartKind.ROUTER: encode_router(self.node.router, n_samples=self.n_samples, round=t),
-                PartKind.VCLAYER: encode_vclayer(self.trainer.vclayer, stage=self.node.stage),
-            },
-        )
+        parts = {
+            PartKind.ROUTER: encode_router(self.node.router, n_samples=self.n_samples, round=t),
+            PartKind.VCLAYER: encode_vclayer(self.trainer.vclayer, stage=self.node.stage),
+        }
+        if self._encoded_adapter is not None:
+            parts[PartKind.ADAPTER] = await self._run(self._encoded_adapter)
+        self.node.store.publish(t, parts)
         trained_s = time.monotonic() - started
-        parts = await self._pull(t, base)
+        pulled = await self._pull(t, base)
         conclusion = conclude_round(
             self.workflow,
             self.ctx.name,
             trained,
             self.n_samples,
-            parts,
+            pulled,
             self.shapes,
             predecessor=self.predecessor,
             successor=self.successor,
@@ -240,7 +291,7 @@ class ExpertLoop:
                 "fedwave_router_weight_capped",
                 round=t,
                 agent=agent,
-                claimed=parts.routers[agent].n_samples,
+                claimed=pulled.routers[agent].n_samples,
             )
         await self._run(lambda: self.trainer.load_router(conclusion.router))
         self.predecessor, self.successor = conclusion.predecessor, conclusion.successor
@@ -250,7 +301,7 @@ class ExpertLoop:
         self._round_gauge.set(t)
         if losses:
             self._train_loss.set(losses[-1])
-        self._count_parts(parts.vclayers, parts.routers, parts.missing, parts.rejected)
+        self._count_parts(pulled)
         r = self.report
         r.rounds = t
         r.router_sha256.append(conclusion.digest)
@@ -371,10 +422,106 @@ class ExpertLoop:
         )
         return self.next_round
 
+    # ------------------------------------------------------------------ assembly
+
+    async def assemble(
+        self, t: int, held_out: Sequence[StageExample], public: Sequence[str]
+    ) -> AssemblyOutcome | None:
+        """After the last round ``t``: pull the other stages' round-``t`` experts (adapter
+        and VCLayer) under ``fedwave.assembly.deadline_s``, then on the model thread
+        assemble π_SFT behind the aggregated router, run the DPO phase on ``public`` and
+        score on ``held_out`` (:func:`assemble_and_align`). A stage whose expert did not
+        arrive (late, refused, unfit) is left out: counted, logged and in the report. A
+        failure is logged and reported (``assembly.error``); the agent goes on."""
+        settings = self.settings.assembly
+        started = time.monotonic()
+        parts = await pull_round(
+            self.ctx,
+            self.workflow,
+            self.ctx.name,
+            t,
+            self.endpoints,
+            self.node.bounds,
+            deadline_s=settings.deadline_s or self.settings.round_deadline_s,
+            targets=plan_expert_pulls(self.workflow, self.ctx.name),
+        )
+        own_norm = None
+        if self._adapter_state is not None:
+            read = self._adapter_state
+            own_norm = await self._run(lambda: state_norm(read()))
+        # The VCLayers' and adapters' norm bounds (part_admission).
+        self._screen(parts, self._router_state(), own_adapter_norm=own_norm)
+        self._count_parts(parts)
+        pulled_s = time.monotonic() - started
+        try:
+            outcome: AssemblyOutcome = await self._run(
+                lambda: assemble_and_align(
+                    self.workflow,
+                    self.ctx.name,
+                    self.trainer.model,
+                    self.node.router,
+                    parts,
+                    self.trainer.tokenizer,
+                    held_out,
+                    public,
+                    settings=settings,
+                    dpo=self.settings.dpo,
+                    top_k=self.settings.router.top_k,
+                    seed=self.settings.seed,
+                )
+            )
+        except Exception as err:  # reported; the agent goes on serving and stops cleanly
+            self._assemblies.labels("failed").inc()
+            self.report.assembly = {"error": repr(err)}
+            self.ctx.log.error("fedwave_assembly_failed", round=t, error=repr(err))
+            return None
+        outcome.assemble_s = round(outcome.assemble_s + pulled_s, 3)
+        outcome_label = "partial" if outcome.missing_stages else "complete"
+        self._assemblies.labels(outcome_label).inc()
+        if outcome.missing_stages:
+            self._missing_stages.inc(len(outcome.missing_stages))
+            self.ctx.log.warning(
+                "fedwave_assembly_partial",
+                round=t,
+                missing_stages=outcome.missing_stages,
+                missing={f"{x.agent}/{x.kind}": r for x, r in sorted(parts.missing.items())},
+                rejected={f"{x.agent}/{x.kind}": r for x, r in sorted(parts.rejected.items())},
+            )
+        self._gauge(
+            "peerlm_agent_fedwave_assembly_seconds",
+            "Seconds the last assembly of pi_SFT took: the experts' pulls and building the model",
+        ).set(outcome.assemble_s)
+        self._gauge(
+            "peerlm_agent_fedwave_dpo_seconds",
+            "Seconds the last DPO phase took: the preference pairs and the DPO steps",
+        ).set(outcome.dpo_s)
+        self.report.scores["pi_sft"] = _rounded(outcome.pi_sft)
+        if outcome.pi_sft_dpo is not None:
+            self.report.scores["pi_sft_dpo"] = _rounded(outcome.pi_sft_dpo)
+        figures = asdict(outcome)
+        for key in ("pi_sft", "pi_sft_dpo"):
+            figures.pop(key)
+        figures["outcome"] = outcome_label
+        self.report.assembly = figures
+        self.ctx.log.info(
+            "fedwave_assembled",
+            round=t,
+            outcome=outcome_label,
+            experts=outcome.experts,
+            missing_stages=outcome.missing_stages,
+            dpo_pairs=outcome.dpo_pairs,
+            dpo_informative=outcome.dpo_informative,
+            assemble_s=outcome.assemble_s,
+            dpo_s=outcome.dpo_s,
+        )
+        return outcome
+
     def _router_state(self) -> dict[str, Any]:
         return {k: v.detach().clone() for k, v in self.node.router.state_dict().items()}
 
-    def _screen(self, parts: Any, base: Mapping[str, Any]) -> None:
+    def _screen(
+        self, parts: Any, base: Mapping[str, Any], *, own_adapter_norm: float | None = None
+    ) -> None:
         """The norm bounds (:mod:`part_admission`): parts over them move to the rejected
         ones (reason ``norm``), counted like the transport's refusals and logged."""
         refused = screen_round(
@@ -385,6 +532,8 @@ class ExpertLoop:
             max_router_update_rms=self.settings.max_router_update_rms,
             max_router_update_abs=self.settings.max_router_update_abs,
             max_vclayer_norm_ratio=self.settings.max_vclayer_norm_ratio,
+            own_adapter_norm=own_adapter_norm,
+            max_adapter_norm_ratio=self.settings.assembly.max_adapter_norm_ratio,
         )
         for target, why in sorted(refused.items()):
             self.ctx.counter(
@@ -403,21 +552,19 @@ class ExpertLoop:
                 detail=why,
             )
 
-    def _count_parts(
-        self,
-        vclayers: Mapping[str, Any],
-        routers: Mapping[str, Any],
-        missing: Mapping[Any, str],
-        rejected: Mapping[Any, str],
-    ) -> None:
+    def _count_parts(self, parts: RoundParts) -> None:
         r = self.report
-        for kind, got in ((PartKind.VCLAYER, vclayers), (PartKind.ROUTER, routers)):
+        for kind, got in (
+            (PartKind.VCLAYER, parts.vclayers),
+            (PartKind.ROUTER, parts.routers),
+            (PartKind.ADAPTER, parts.adapters),
+        ):
             if got:
                 self._pulled.labels(kind.value).inc(len(got))
                 r.parts_pulled[kind.value] = r.parts_pulled.get(kind.value, 0) + len(got)
-        for reason in missing.values():
+        for reason in parts.missing.values():
             r.parts_missing[reason] = r.parts_missing.get(reason, 0) + 1
-        for reason in rejected.values():
+        for reason in parts.rejected.values():
             r.parts_rejected[reason] = r.parts_rejected.get(reason, 0) + 1
 
     async def linger(self, t: int, stop: asyncio.Event) -> bool:
@@ -434,11 +581,20 @@ class ExpertLoop:
                 p.agent == me for p in plan_pulls(self.workflow, a) if p.kind is PartKind.VCLAYER
             )
         }
+        # With the assembly, every agent of another stage pulls our adapter and VCLayer.
+        assemblers = (
+            {a for a in others if any(p.agent == me for p in plan_expert_pulls(self.workflow, a))}
+            if self._encoded_adapter is not None
+            else set()
+        )
+        neighbours |= assemblers
         service = self.node.service
         deadline = time.monotonic() + self.settings.round_deadline_s
         while not stop.is_set() and time.monotonic() < deadline:
-            if others <= service.served(t, PartKind.ROUTER) and neighbours <= service.served(
-                t, PartKind.VCLAYER
+            if (
+                others <= service.served(t, PartKind.ROUTER)
+                and neighbours <= service.served(t, PartKind.VCLAYER)
+                and assemblers <= service.served(t, PartKind.ADAPTER)
             ):
                 return True
             await asyncio.sleep(0.1)

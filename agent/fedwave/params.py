@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "DEFAULT_BETA",
+    "DEFAULT_DPO_BATCH",
+    "DEFAULT_DPO_LR",
+    "DEFAULT_DPO_STEPS",
+    "DEFAULT_MAX_NEW_TOKENS",
+    "AssemblySettings",
     "CollabLossSettings",
     "DPOSettings",
     "RouterSettings",
@@ -23,6 +28,15 @@ __all__ = [
 
 #: The paper's β (Section 4.4, Figure 3d).
 DEFAULT_BETA = 0.1
+#: The DPO phase's steps, batch of pairs and AdamW lr, and the new tokens a stage output
+#: may have: the workflow experiment's defaults (``SimulationConfig``), which the agent
+#: daemon's assembly (``fedwave.assembly``) shares. 1e-4: before issue 10 the lr was 1e-3,
+#: which raised the held-out NLL of the references at every stage (docs/fedwave.md,
+#: section 6, "Measured after the router diagnosis").
+DEFAULT_DPO_STEPS = 8
+DEFAULT_DPO_BATCH = 4
+DEFAULT_DPO_LR = 1e-4
+DEFAULT_MAX_NEW_TOKENS = 64
 
 
 class VCLayerSettings(BaseModel):
@@ -79,3 +93,29 @@ class DPOSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     beta: float = Field(default=DEFAULT_BETA, gt=0)
+
+
+class AssemblySettings(BaseModel):
+    """π_SFT's assembly and the DPO phase in the agent daemon, after the last round
+    (docs/fedwave.md, section 5, "Assembly and DPO in the daemon").
+
+    ``enabled``: the agent publishes its LoRA adapter with each round's parts and, after
+    its last round, pulls the other stages' experts (adapter and VCLayer), assembles π_SFT
+    behind the aggregated router, runs the DPO phase on the public prompts and scores each
+    model on its held-out examples. ``deadline_s``: how long the experts' pulls may take
+    (unset: ``fedwave.round_deadline_s``); a stage whose expert is not there by then is
+    assembled without. The DPO knobs are the workflow experiment's defaults; ``dpo_steps``
+    0 assembles and scores π_SFT without DPO.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = False
+    deadline_s: float | None = Field(default=None, gt=0, le=3600)
+    dpo_steps: int = Field(default=DEFAULT_DPO_STEPS, ge=0, le=100_000)
+    dpo_batch: int = Field(default=DEFAULT_DPO_BATCH, ge=1, le=4096)
+    dpo_lr: float = Field(default=DEFAULT_DPO_LR, gt=0, le=1)
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=4096)
+    # A pulled adapter's L2 norm at most this x our own (null: no bound): the overlay
+    # pull's rule and default (agent/pull_aggregate.py); finite-but-huge is refused `norm`.
+    max_adapter_norm_ratio: float | None = Field(default=10.0, gt=0, le=1e6)

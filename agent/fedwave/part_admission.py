@@ -41,6 +41,11 @@ rejected ones (reason ``norm``) before the round is concluded, with no I/O:
   initial_vclayer`; stages drift apart in training, so the default is a loose 10). A
   neighbour's VCLayer only enters this agent's loss, never a shared aggregate, so an
   agent-local reference splits nothing.
+* **an expert's LoRA adapter** (π_SFT's assembly after the last round, docs/fedwave.md
+  section 5): its L2 norm may be at most ``fedwave.assembly.max_adapter_norm_ratio ×``
+  this agent's own adapter's (floored at 1e-3: peft starts B at zero), the overlay pull's
+  rule and default (10; :mod:`~peerlm.agent.pull_aggregate`). Like a neighbour's VCLayer
+  it enters only this agent's π_SFT.
 
 Norms are float64 over every floating tensor (:func:`~peerlm.agent.fedproxy_admission.
 state_norm`), so 1e30 entries do not overflow to inf; a NaN norm is refused too.
@@ -63,7 +68,13 @@ from peerlm.agent.fedwave.exchange import PartKind, PullTarget, RoundParts
 from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_UPDATE_ABS
 from peerlm.agent.fedwave.vclayer import VCLayer
 
-__all__ = ["NORM_REASON", "router_norm_refusal", "screen_round", "vclayer_norm_refusal"]
+__all__ = [
+    "NORM_REASON",
+    "adapter_norm_refusal",
+    "router_norm_refusal",
+    "screen_round",
+    "vclayer_norm_refusal",
+]
 
 #: The refusal reason (metric label) of a part over its norm bound.
 NORM_REASON = "norm"
@@ -131,6 +142,21 @@ def vclayer_norm_refusal(own: VCLayer, layer: VCLayer, *, max_ratio: float) -> s
     )
 
 
+def adapter_norm_refusal(
+    own_norm: float, state: Mapping[str, torch.Tensor], *, max_ratio: float
+) -> str | None:
+    """Why the adapter ``state`` is over the bound against this agent's own adapter norm
+    ``own_norm`` (a message), or None if within it."""
+    reference = max(own_norm, 1e-3)
+    norm = state_norm(state)
+    if norm <= max_ratio * reference:
+        return None
+    return (
+        f"adapter norm {norm:.4g} exceeds {max_ratio:g} x this agent's own adapter norm "
+        f"{reference:.4g} (fedwave.assembly.max_adapter_norm_ratio)"
+    )
+
+
 def screen_round(
     parts: RoundParts,
     *,
@@ -140,12 +166,15 @@ def screen_round(
     max_vclayer_norm_ratio: float | None,
     max_router_update_rms: float = 0.0,
     max_router_update_abs: float | None = DEFAULT_MAX_ROUTER_UPDATE_ABS,
+    own_adapter_norm: float | None = None,
+    max_adapter_norm_ratio: float | None = None,
 ) -> dict[PullTarget, str]:
     """Move the parts of ``parts`` over their norm bound (module docstring) from its
     accepted routers / VCLayers to ``parts.rejected`` (reason ``norm``); what was moved,
     with each refusal's message. A ratio of None: no bound for that kind (the router's
     root-mean-square floor only widens a ratio's bound, and its per-entry bound
-    ``max_router_update_abs`` applies with the ratio)."""
+    ``max_router_update_abs`` applies with the ratio); adapters are bounded when both
+    ``own_adapter_norm`` and ``max_adapter_norm_ratio`` are given."""
     refused: dict[PullTarget, str] = {}
     if max_router_update_ratio is not None:
         for agent in sorted(parts.routers):
@@ -167,6 +196,14 @@ def screen_round(
             if why is not None:
                 refused[PullTarget(agent, PartKind.VCLAYER)] = why
                 del parts.vclayers[agent]
+    if own_adapter_norm is not None and max_adapter_norm_ratio is not None:
+        for agent in sorted(parts.adapters):
+            why = adapter_norm_refusal(
+                own_adapter_norm, parts.adapters[agent], max_ratio=max_adapter_norm_ratio
+            )
+            if why is not None:
+                refused[PullTarget(agent, PartKind.ADAPTER)] = why
+                del parts.adapters[agent]
     for target in refused:
         parts.rejected[target] = NORM_REASON
     return refused

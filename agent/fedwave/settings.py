@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from peerlm.agent.fedwave.params import (
+    AssemblySettings,
     CollabLossSettings,
     DPOSettings,
     RouterSettings,
@@ -88,6 +89,9 @@ class FedWaveSettings(Section):
     collab: CollabLossSettings = CollabLossSettings()
     router: RouterSettings = RouterSettings()
     dpo: DPOSettings = DPOSettings()
+    # π_SFT's assembly and DPO after the last round (off by default; on in
+    # `peerlm up --workflow`).
+    assembly: AssemblySettings = AssemblySettings()
     # Seeds every agent's initial router (all start equal) and each stage's VCLayer
     # (stage i from seed + 1 + i, so adjacent stages do not start identical).
     seed: int = Field(default=0, ge=0, le=2**63 - 1)

@@ -70,17 +70,23 @@ from peerlm.agent.fedwave.client_drift import (
     state_bytes,
 )
 from peerlm.agent.fedwave.code_chain import CODE_CHAIN_STAGES, ChainItem, build_code_chain
-from peerlm.agent.fedwave.dpo_phase import build_preference_pairs, run_dpo_phase
+from peerlm.agent.fedwave.dpo_phase import dpo_on_public_prompts
 from peerlm.agent.fedwave.expert_round import expert_optimiser
 from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss
 from peerlm.agent.fedwave.generation import greedy_generate
+from peerlm.agent.fedwave.params import (
+    DEFAULT_DPO_BATCH,
+    DEFAULT_DPO_LR,
+    DEFAULT_DPO_STEPS,
+    DEFAULT_MAX_NEW_TOKENS,
+)
 from peerlm.agent.fedwave.router import MoERouter, fedavg_routers
 from peerlm.agent.fedwave.server_optimiser import (
     SERVER_OPTIMISERS,
     ServerOptimiser,
     ServerOptSettings,
 )
-from peerlm.agent.fedwave.text_metrics import METRIC_NAMES, sentence_scores
+from peerlm.agent.fedwave.text_metrics import sentence_score_columns
 from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer
 from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.models.lora import LoraSettings, apply_lora
@@ -130,7 +136,7 @@ class SimulationConfig:
     arch: str = "gpt2"
     rounds: int = 3
     local_steps: int = 8
-    dpo_steps: int = 8
+    dpo_steps: int = DEFAULT_DPO_STEPS
     batch: int = 8
     lr: float = 2e-3
     # The router's own AdamW learning rate (its parameter group; issue 10): chosen on the
@@ -139,12 +145,12 @@ class SimulationConfig:
     router_lr: float = 1e-2
     # 1e-3 before issue 10: it raised the held-out NLL of the references at every stage
     # (docs/fedwave.md, section 6, "Measured after the router diagnosis", point 6).
-    dpo_lr: float = 1e-4
-    dpo_batch: int = 4
+    dpo_lr: float = DEFAULT_DPO_LR
+    dpo_batch: int = DEFAULT_DPO_BATCH
     per_stage: int = 64
     n_test: int = 8
     n_public: int = 6
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     world_seed: int = 0
     prox_mu: float = DEFAULT_PROX_MU
     server_lr: float | None = None  # None: the kind's default (ServerOptSettings)
@@ -418,23 +424,22 @@ def simulate_strategy(
     pairs_used = 0
     dpo_losses: tuple[float, ...] = ()
     if use_dpo and assembled is not None and config.dpo_steps > 0:
-        pairs = _chained_pairs(assembled, tokenizer, split.public, config.max_new_tokens)
-        informative = [p for p in pairs if p.informative]
+        dpo = dpo_on_public_prompts(
+            assembled,
+            tokenizer,
+            split.public,
+            steps=config.dpo_steps,
+            batch_size=config.dpo_batch,
+            lr=config.dpo_lr,
+            seed=seed,
+            max_new_tokens=config.max_new_tokens,
+        )
         say(
-            f"{strategy} seed {seed}: {len(informative)} of {len(pairs)} preference pairs "
+            f"{strategy} seed {seed}: {dpo.informative} of {len(dpo.pairs)} preference pairs "
             "informative"
         )
-        if informative:
-            report = run_dpo_phase(
-                assembled,
-                tokenizer,
-                informative,
-                steps=config.dpo_steps,
-                batch_size=config.dpo_batch,
-                lr=config.dpo_lr,
-                seed=seed,
-            )
-            pairs_used, dpo_losses = report.pairs, report.losses
+        if dpo.report is not None:
+            pairs_used, dpo_losses = dpo.report.pairs, dpo.report.losses
     outputs: dict[str, tuple[str, ...]] = {}
     top: dict[str, tuple[int, ...]] = {}
     for i, stage in enumerate(CODE_CHAIN_STAGES):
@@ -465,20 +470,6 @@ def simulate_strategy(
     )
 
 
-def _chained_pairs(
-    model: AssembledModel, tokenizer: Any, requirements: Sequence[str], max_new_tokens: int
-) -> list[Any]:
-    """Preference pairs on the public requirements and on the chain they start: stage 1's
-    prompt is the chosen answer to the requirement, stage 2's that signature followed by
-    the chosen body (no reference answer is used anywhere)."""
-    stage0 = build_preference_pairs(model, tokenizer, requirements, max_new_tokens=max_new_tokens)
-    signatures = [p.chosen + "\n" for p in stage0]
-    stage1 = build_preference_pairs(model, tokenizer, signatures, max_new_tokens=max_new_tokens)
-    functions = [s + p.chosen + "\n" for s, p in zip(signatures, stage1, strict=True)]
-    stage2 = build_preference_pairs(model, tokenizer, functions, max_new_tokens=max_new_tokens)
-    return [*stage0, *stage1, *stage2]
-
-
 def test_chains(config: SimulationConfig) -> tuple[ChainItem, ...]:
     """The held-out test chains of ``config``'s data split (the same for every run seed)."""
     split = build_code_chain(
@@ -505,8 +496,7 @@ def score_strategy(
     for i, stage in enumerate(CODE_CHAIN_STAGES):
         outputs = result.outputs[stage]
         refs = [item.example(i).target for item in test]
-        rows = [sentence_scores(h, r).as_dict() for h, r in zip(outputs, refs, strict=True)]
-        scores[stage] = {m: [row[m] for row in rows] for m in METRIC_NAMES}
+        scores[stage] = sentence_score_columns(outputs, refs)
     bodies = result.outputs[CODE_CHAIN_STAGES[1]]
     generated = result.outputs[CODE_CHAIN_STAGES[2]]
     tasks = score_chain_tasks(test, bodies, [""] * len(test))

@@ -39,7 +39,15 @@ from rouge_score.rouge_scorer import RougeScorer
 from sacrebleu.metrics.bleu import BLEU
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
-__all__ = ["METRIC_NAMES", "NoSynonyms", "TextScores", "corpus_scores", "sentence_scores"]
+__all__ = [
+    "METRIC_NAMES",
+    "NoSynonyms",
+    "TextScores",
+    "corpus_scores",
+    "mean_sentence_scores",
+    "sentence_score_columns",
+    "sentence_scores",
+]
 
 _ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
@@ -98,6 +106,24 @@ def sentence_scores(hypothesis: str, reference: str) -> TextScores:
     bleu = BLEU(effective_order=True).sentence_score(hypothesis.strip(), [reference.strip()])
     gleu = 100.0 * float(sentence_gleu([ref], hyp)) if hyp and ref else 0.0
     return TextScores(r1, r2, rl, float(bleu.score), gleu, _meteor(hyp, ref))
+
+
+def sentence_score_columns(
+    hypotheses: Sequence[str], references: Sequence[str]
+) -> dict[str, list[float]]:
+    """Per metric (:data:`METRIC_NAMES`), the sentence score of each output against its
+    reference: the units the workflow experiment's paired statistics run over."""
+    rows = [sentence_scores(h, r).as_dict() for h, r in zip(hypotheses, references, strict=True)]
+    return {m: [row[m] for row in rows] for m in METRIC_NAMES}
+
+
+def mean_sentence_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+    """Per metric, the mean sentence score over the outputs (the workflow experiment's
+    per-strategy figure); ``ValueError`` when there is none."""
+    if not hypotheses:
+        raise ValueError("no texts to score")
+    columns = sentence_score_columns(hypotheses, references)
+    return {m: sum(v) / len(v) for m, v in columns.items()}
 
 
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str]) -> TextScores:

@@ -805,10 +805,18 @@ def up_command(
         Console(stderr=True).print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(code=1) from None
     if workflow:
-        from peerlm.app.devfed_workflow import print_workflow_report, router_agreement
+        from peerlm.app.devfed_workflow import (
+            print_workflow_report,
+            router_agreement,
+            stage_scores,
+        )
 
         agreed, played = router_agreement(result["agents"])
-        result["fedwave"] = {"rounds_same_router": agreed, "rounds_played": played}
+        result["fedwave"] = {
+            "rounds_same_router": agreed,
+            "rounds_played": played,
+            "stages": stage_scores(result["agents"]),
+        }
     if as_json:
         typer.echo(json.dumps(result))
     elif workflow:

@@ -7,8 +7,11 @@ file and the held-out chains' stage examples as its validation file. Every agent
 configuration holds the ``fedwave:`` section: the workflow, its stage and every agent's
 endpoint (``fedwave.peers``; the ports are chosen here, before the agents start, so each
 configuration can name the others). The agents run ``rounds`` FedWave rounds (train, publish,
-pull the routers and adjacent VCLayers over mTLS, aggregate the router by n_i) and report;
-:func:`workflow_rows` turns the reports into the final table, one row per stage.
+pull the routers and adjacent VCLayers over mTLS, aggregate the router by n_i), then each
+pulls the other stages' experts, assembles π_SFT behind the aggregated router, runs the DPO
+phase on the public requirements and scores every model on its held-out examples
+(``fedwave.assembly``); :func:`workflow_rows` turns the reports into the final table, one
+row per stage, and :func:`stage_scores` gives the scores for ``--json``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "prepare_workflow",
     "print_workflow_report",
     "router_agreement",
+    "stage_scores",
     "workflow_rows",
 ]
 
@@ -171,6 +175,8 @@ def prepare_workflow(
                 "peers": peers,
                 "round_deadline_s": ROUND_DEADLINE_S,
                 "seed": seed,
+                # After the last round: pull the other stages' experts, assemble π_SFT, DPO.
+                "assembly": {"enabled": True},
             },
         }
         (configs / f"{agent}.yaml").write_text(json.dumps(config, indent=2))
@@ -196,28 +202,65 @@ def _loss(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, int | float) else "-"
 
 
+#: The metric the final table shows (all of them are in ``--json``).
+TABLE_METRIC = "meteor"
+#: The models scored per stage, in the table's order.
+SCORED = ("expert_before", "expert_after", "pi_sft", "pi_sft_dpo")
+
+
+def stage_scores(reports: list[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per stage: the mean held-out scores (metric → 0-100) of the expert before and after
+    the rounds, of π_SFT and of π_SFT after DPO, and the stages π_SFT was assembled
+    without (for ``--json``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in reports:
+        fw = r.get("fedwave", {})
+        scores = fw.get("scores", {})
+        assembly = fw.get("assembly", {})
+        out[str(fw.get("stage", r.get("name", "?")))] = {
+            **{model: scores.get(model) for model in SCORED},
+            "missing_stages": assembly.get("missing_stages"),
+            "dpo_pairs": assembly.get("dpo_informative"),
+        }
+    return out
+
+
+def _score(scores: Mapping[str, Any], model: str) -> str:
+    value = (scores.get(model) or {}).get(TABLE_METRIC)
+    return f"{value:.1f}" if isinstance(value, int | float) else "-"
+
+
 def workflow_rows(result: Mapping[str, Any]) -> list[dict[str, str]]:
     """One row per stage: agent, rounds, router agreement, parts pulled / missing /
-    rejected, part KiB served / pulled, the held-out SFT loss before → after, errors."""
+    rejected, part KiB served / pulled, the held-out SFT loss before → after, METEOR of
+    the expert before → after the rounds, of π_SFT and of π_SFT after DPO, the stages
+    π_SFT lacked, errors."""
     reports = list(result.get("agents", []))
     agreed, played = router_agreement(reports)
     rows = []
     for r in reports:
         fw = r.get("fedwave", {})
         pulled = fw.get("parts_pulled", {})
+        scores = fw.get("scores", {})
         rows.append(
             {
                 "stage": str(fw.get("stage", "?")),
                 "agent": str(r.get("name", "?")),
                 "rounds": str(fw.get("rounds", 0)),
                 "same router": f"{agreed}/{played} rounds",
-                "pulled r/vc": f"{pulled.get('router', 0)}/{pulled.get('vclayer', 0)}",
+                "pulled r/vc/a": f"{pulled.get('router', 0)}/{pulled.get('vclayer', 0)}/"
+                f"{pulled.get('adapter', 0)}",
                 "missing": str(sum(fw.get("parts_missing", {}).values())),
                 "refused": str(sum(fw.get("parts_rejected", {}).values())),
                 "KiB out/in": f"{sum(fw.get('bytes_sent', {}).values()) / 1024:.0f}/"
                 f"{sum(fw.get('bytes_received', {}).values()) / 1024:.0f}",
                 "held-out loss": f"{_loss(fw.get('heldout_before'))}→"
                 f"{_loss(fw.get('heldout_after'))}",
+                "METEOR expert": f"{_score(scores, 'expert_before')}→"
+                f"{_score(scores, 'expert_after')}",
+                "METEOR π_SFT": _score(scores, "pi_sft"),
+                "METEOR +DPO": _score(scores, "pi_sft_dpo"),
+                "no expert": ",".join(fw.get("assembly", {}).get("missing_stages") or []) or "-",
                 "errors": "; ".join(r.get("errors", [])) or "-",
             }
         )
@@ -245,6 +288,8 @@ def print_workflow_report(console: Console, result: Mapping[str, Any], logs: Pat
         console.print("\n".join(lines), highlight=False, soft_wrap=True)
     agreed, played = router_agreement(list(result.get("agents", [])))
     console.print(
-        f"router: every agent ended {agreed} of {played} rounds with the same bits; logs in {logs}",
+        f"router: every agent ended {agreed} of {played} rounds with the same bits; "
+        f"METEOR (0-100) of the greedy outputs on each stage's held-out examples "
+        f"(all metrics in --json); logs in {logs}",
         highlight=False,
     )

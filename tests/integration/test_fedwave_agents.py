@@ -230,12 +230,12 @@ def test_experts_end_every_round_with_the_same_router_without_the_late_agent(
     assert len(set(next(iter(digests)))) == ROUNDS  # and the router changes each round
 
 
-def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
-    """SIGTERM while the expert waits out a round's pulls (its peers never come): the round
-    is cut when the stop grace runs out, not at the round's deadline, and the agent exits
-    0 with a summary that says it was interrupted."""
-    import signal
-
+def _lone_expert(
+    tmp_path: Path, config: dict[str, Any], fedwave: dict[str, Any]
+) -> tuple[subprocess.Popen[str], Path, CpmProcess]:
+    """Agent a1 (implement) of the workflow started alone (its peers never listen): micro
+    gpt2, its stage's examples, ``config`` and ``fedwave`` over the defaults here; the
+    process, its log and the CPM (the caller terminates both)."""
     models = tmp_path / "models"
     build_models(models, ("gpt2",), size="micro")
     pki = Pki.create(tmp_path, agents=4)
@@ -247,9 +247,11 @@ def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
     transfer = [Problem("public/0", "public", chain.public[0], "", "", "stage_output")]
     write_jsonl(data / "transfer.jsonl", transfer)
     write_jsonl(data / "train.jsonl", _stage_problems(chain.of_agent("a1"), "implement"))
+    held_out = [item.example(1, "implement") for item in chain.test]
+    write_jsonl(data / "val.jsonl", _stage_problems(held_out, "implement"))
     peers = {a: f"127.0.0.1:{_free_port()}" for a in workflow.agents}  # only a1 will listen
     t = pki.tls("a1")
-    config = {
+    full = {
         "federation": FEDERATION,
         "listen": peers["a1"],
         "cpm": cpm.target,
@@ -257,17 +259,16 @@ def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
         "model": str(models / "gpt2"),
         "device": "cpu",
         "train_file": str(data / "train.jsonl"),
-        "val_file": str(data / "train.jsonl"),
+        "val_file": str(data / "val.jsonl"),
         "transfer_file": str(data / "transfer.jsonl"),
-        "rounds": 3,
         "local_steps": 1,
-        "stop_grace_s": 1,
         "log_format": "json",
         "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
-        "fedwave": {"workflow": WORKFLOW, "peers": peers, "round_deadline_s": 600},
+        **config,
+        "fedwave": {"workflow": WORKFLOW, "peers": peers, **fedwave},
     }
     path = tmp_path / "a1.yaml"
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(full))
     log = tmp_path / "a1.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "peerlm", "agent", "--config", str(path)],
@@ -275,6 +276,18 @@ def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
         stderr=log.open("a"),
         text=True,
         env={**os.environ, **AGENT_ENV},
+    )
+    return proc, log, cpm
+
+
+def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
+    """SIGTERM while the expert waits out a round's pulls (its peers never come): the round
+    is cut when the stop grace runs out, not at the round's deadline, and the agent exits
+    0 with a summary that says it was interrupted."""
+    import signal
+
+    proc, log, cpm = _lone_expert(
+        tmp_path, {"rounds": 3, "stop_grace_s": 1}, {"round_deadline_s": 600}
     )
     try:
         _wait_for(
@@ -301,3 +314,47 @@ def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
     assert summary["interrupted"] and summary["fedwave"]["rounds"] == 0
     assert any(e.get("event") == "fedwave_round_cut" for e in _events(log))
     assert took < 60, took  # the grace (1 s) plus the shutdown, not the round's 600 s
+
+
+def test_an_expert_whose_other_stages_never_answer_assembles_from_what_arrived(
+    tmp_path: Path,
+) -> None:
+    """π_SFT in the daemon with the other stages down (``fedwave.assembly``): the expert's
+    pulls of their adapters and VCLayers run out at the assembly's deadline, π_SFT is
+    assembled from its own expert alone (both other stages missing, counted and in the
+    report), no DPO step is taken (one expert makes no preference), the scores are reported
+    and the agent ends cleanly."""
+    proc, log, cpm = _lone_expert(
+        tmp_path,
+        {"rounds": 1, "batch_size": 4, "max_length": 128},
+        {
+            "round_deadline_s": 2,
+            "assembly": {"enabled": True, "deadline_s": 2, "max_new_tokens": 8},
+        },
+    )
+    try:
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cpm.terminate()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert not summary["errors"], summary["errors"]
+    report = summary["fedwave"]
+    assembly = report["assembly"]
+    assert assembly["outcome"] == "partial"
+    assert assembly["missing_stages"] == ["specify", "test"]
+    assert assembly["experts"] == {"implement": "a1"}
+    # Every other agent's adapter and VCLayer: late at the assembly's deadline.
+    assert "adapter" not in report["parts_pulled"]
+    assert assembly["dpo_informative"] == 0 and assembly["dpo_losses"] == []
+    assert set(report["scores"]) == {"expert_before", "expert_after", "pi_sft"}
+    # π_SFT of one expert is that expert: the same greedy outputs, the same scores.
+    assert report["scores"]["pi_sft"] == report["scores"]["expert_after"]
+    partial = [e for e in _events(log) if e.get("event") == "fedwave_assembly_partial"]
+    assert len(partial) == 1
+    assert partial[0]["missing"] == {
+        f"{a}/{k}": "late" for a in ("a0", "a2", "a3") for k in ("adapter", "vclayer")
+    }

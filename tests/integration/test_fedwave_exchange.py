@@ -5,6 +5,7 @@ refusal by identity, and parts that do not fit."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,15 +13,18 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter
 from peerlm.agent.fedwave.exchange import (
     PartKind,
     PartStore,
     PullTarget,
     RoundParts,
     ShapeBounds,
+    plan_expert_pulls,
 )
 from peerlm.agent.fedwave.exchange_client import aggregate_round_routers, pull_round
 from peerlm.agent.fedwave.exchange_service import FedWaveExchangeService, serve_fedwave
+from peerlm.agent.fedwave.expert_assembly import choose_stage_experts
 from peerlm.agent.fedwave.params import RouterSettings, VCLayerSettings
 from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
@@ -163,6 +167,20 @@ async def _round(
     return dict(zip(names, results, strict=True))
 
 
+async def _refused_pull(
+    ctx: NodeContext, target: str, round_: int, kind: int
+) -> grpc.aio.AioRpcError:
+    """The error of a ``PullPart`` that ``ctx``'s identity makes and the server refuses."""
+    async with ctx.dial(target) as peer:
+        stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.PullPart(
+                fedwave_pb2.PullPartRequest(round=round_, kind=kind), timeout=10
+            ):
+                pass
+        return err.value
+
+
 def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
         torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a
@@ -273,16 +291,9 @@ async def test_parts_are_served_only_to_the_workflows_agents(
 ) -> None:
     agents["a1"].publish(3)
     mallory = kit_context(pki, "mallory")
-    async with mallory.dial(agents["a1"].target) as peer:
-        stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
-        call = stub.PullPart(
-            fedwave_pb2.PullPartRequest(round=3, kind=fedwave_pb2.PART_KIND_ROUTER), timeout=10
-        )
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in call:
-                pass
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "not an agent of this workflow" in (err.value.details() or "")
+    err = await _refused_pull(mallory, agents["a1"].target, 3, fedwave_pb2.PART_KIND_ROUTER)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "not an agent of this workflow" in (err.details() or "")
     refusals = agents["a1"].registry
     assert (
         _count(
@@ -294,14 +305,7 @@ async def test_parts_are_served_only_to_the_workflows_agents(
     )
 
     async def pull(round_: int, kind: int) -> grpc.aio.AioRpcError:
-        async with agents["a2"].ctx.dial(agents["a1"].target) as peer:
-            stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for _ in stub.PullPart(
-                    fedwave_pb2.PullPartRequest(round=round_, kind=kind), timeout=10
-                ):
-                    pass
-            return err.value
+        return await _refused_pull(agents["a2"].ctx, agents["a1"].target, round_, kind)
 
     not_yet = await pull(9, fedwave_pb2.PART_KIND_ROUTER)
     assert not_yet.code() == grpc.StatusCode.UNAVAILABLE and "not published yet" in (
@@ -328,6 +332,75 @@ async def test_parts_are_served_only_to_the_workflows_agents(
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.DescribeWorkflow(fedwave_pb2.DescribeWorkflowRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+ADAPTER_SPEC = AdapterSpec(
+    shapes={"m.q.lora_A.weight": (4, D), "m.q.lora_B.weight": (D, 4)},
+    model_type="gpt2",
+    tokenizer_hash="t" * 64,
+    lora_r=4,
+    lora_alpha=8.0,
+    lora_json=json.dumps({"r": 4, "alpha": 8.0}),
+)
+
+
+def _lora(scale: float) -> dict[str, torch.Tensor]:
+    return {k: torch.full(shape, scale) for k, shape in ADAPTER_SPEC.shapes.items()}
+
+
+async def test_experts_go_to_members_only_and_a_stage_that_never_answers_is_left_out(
+    pki: Path, agents: dict[str, Agent]
+) -> None:
+    """π_SFT's pulls (docs/fedwave.md, section 5): a3 (implement) pulls the adapter and
+    VCLayer of every agent of the other stages. a1's expert arrives; a2's adapter holds a
+    NaN (refused, counted, never used); a4 never publishes the round (late at the
+    deadline). The specify stage is a1's expert, the test stage is missing. An agent
+    outside the workflow asking for an adapter is refused by its certificate."""
+    for name, scale in (("a1", 0.5), ("a2", float("nan"))):
+        agent = agents[name]
+        agent.publish(6)
+        agent.service.store.publish(
+            6, {PartKind.ADAPTER: encode_adapter(_lora(scale), ADAPTER_SPEC)}
+        )
+    agents["a3"].publish(6)
+    bounds = ShapeBounds(
+        router_shapes=router_shapes(MoERouter(D, 3, RS)),
+        hidden_size=D,
+        vclayer=VS,
+        adapter=ADAPTER_SPEC,
+    )
+    a3 = agents["a3"]
+    parts = await pull_round(
+        a3.ctx,
+        WORKFLOW,
+        "a3",
+        6,
+        {n: a.target for n, a in agents.items()},
+        bounds,
+        deadline_s=3.0,
+        targets=plan_expert_pulls(WORKFLOW, "a3"),
+    )
+    assert sorted(parts.adapters) == ["a1"] and sorted(parts.vclayers) == ["a1", "a2"]
+    assert torch.equal(parts.adapters["a1"]["m.q.lora_A.weight"], _lora(0.5)["m.q.lora_A.weight"])
+    assert parts.rejected == {PullTarget("a2", PartKind.ADAPTER): "non_finite"}
+    assert parts.missing == {
+        PullTarget("a4", PartKind.ADAPTER): "late",
+        PullTarget("a4", PartKind.VCLAYER): "late",
+    }
+    assert not parts.routers  # only the experts are pulled
+    choice = choose_stage_experts(WORKFLOW, "a3", parts)
+    assert choice.experts == {0: "a1", 1: "a3"} and choice.missing == ("test",)
+    registry = a3.registry
+    rejected = {"kind": "adapter", "reason": "non_finite"}
+    assert _count(registry, "peerlm_agent_fedwave_rejected_parts_total", rejected) == 1
+    late = {"kind": "adapter", "reason": "late"}
+    assert _count(registry, "peerlm_agent_fedwave_missing_parts_total", late) == 1
+
+    mallory = kit_context(pki, "mallory")
+    err = await _refused_pull(mallory, agents["a1"].target, 6, fedwave_pb2.PART_KIND_ADAPTER)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    refused = {"rpc": "PullPart", "reason": "not_in_workflow"}
+    assert _count(agents["a1"].registry, "peerlm_agent_fedwave_refusals_total", refused) == 1
 
 
 async def test_parts_that_do_not_fit_are_refused_and_leave_the_router_unchanged(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from peerlm.app.devfed_workflow import LogRounds, router_agreement, workflow_rows
+from peerlm.app.devfed_workflow import LogRounds, router_agreement, stage_scores, workflow_rows
 
 
 def report(name: str, stage: str, digests: list[str], **extra: object) -> dict[str, object]:
@@ -14,13 +14,20 @@ def report(name: str, stage: str, digests: list[str], **extra: object) -> dict[s
         "stage": stage,
         "rounds": len(digests),
         "router_sha256": digests,
-        "parts_pulled": {"router": 4, "vclayer": 2},
+        "parts_pulled": {"router": 4, "vclayer": 2, "adapter": 2},
         "parts_missing": {"late": 1},
         "parts_rejected": {},
         "heldout_before": 2.5,
         "heldout_after": 1.25,
         "bytes_sent": {"router": 3072, "vclayer": 2048},
         "bytes_received": {"router": 10240},
+        "scores": {
+            "expert_before": {"meteor": 1.0, "rougeL": 2.0},
+            "expert_after": {"meteor": 10.25, "rougeL": 12.0},
+            "pi_sft": {"meteor": 8.0, "rougeL": 9.0},
+            "pi_sft_dpo": {"meteor": 7.5, "rougeL": 9.5},
+        },
+        "assembly": {"missing_stages": ["implement"], "dpo_informative": 5},
     }
     return {"name": name, "errors": [], "fedwave": {**fedwave, **extra}}
 
@@ -37,11 +44,25 @@ def test_one_row_per_stage_with_pulls_and_losses() -> None:
     rows = workflow_rows({"agents": [report("a", "specify", ["x"]), report("b", "test", ["x"])]})
     assert [r["stage"] for r in rows] == ["specify", "test"]
     assert rows[0]["same router"] == "1/1 rounds"
-    assert rows[0]["pulled r/vc"] == "4/2" and rows[0]["missing"] == "1"
+    assert rows[0]["pulled r/vc/a"] == "4/2/2" and rows[0]["missing"] == "1"
     assert rows[0]["held-out loss"] == "2.500→1.250"
     assert rows[0]["KiB out/in"] == "5/10"
-    no_loss = workflow_rows({"agents": [report("a", "s", [], heldout_after=None)]})
+    assert rows[0]["METEOR expert"] == "1.0→10.2"
+    assert (rows[0]["METEOR π_SFT"], rows[0]["METEOR +DPO"]) == ("8.0", "7.5")
+    assert rows[0]["no expert"] == "implement"
+    no_loss = workflow_rows(
+        {"agents": [report("a", "s", [], heldout_after=None, scores={}, assembly={})]}
+    )
     assert no_loss[0]["held-out loss"] == "2.500→-"
+    assert no_loss[0]["METEOR π_SFT"] == "-" and no_loss[0]["no expert"] == "-"
+
+
+def test_json_carries_every_models_scores_per_stage() -> None:
+    stages = stage_scores([report("a", "specify", ["x"]), report("b", "test", ["x"], scores={})])
+    assert stages["specify"]["pi_sft_dpo"] == {"meteor": 7.5, "rougeL": 9.5}
+    assert stages["specify"]["missing_stages"] == ["implement"]
+    assert stages["specify"]["dpo_pairs"] == 5
+    assert stages["test"]["pi_sft"] is None
 
 
 def test_log_rounds_reads_new_complete_lines_only(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 isort:skip_file
 FedWave's exchange among the agents of one value-chain workflow, over mTLS: each agent
 serves its parts of a round (its MoE router for Eq. 9, its VCLayer with its stage
-embedding for Eq. 4-6) to the other agents of its workflow. Never data, never adapters.
+embedding for Eq. 4-6) to the other agents of its workflow and, for the assembly of
+pi_SFT after the last round, its expert's LoRA adapter. Never data.
 """
 
 from collections import abc as _abc
@@ -33,6 +34,10 @@ class _PartKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PartKind.Val
     """The MoE router (format peerlm-router/1), with the sender's sample count n_i."""
     PART_KIND_VCLAYER: _PartKind.ValueType  # 2
     """The VCLayer: W_q, W_k, W_v, W_o and the stage embedding (format peerlm-vclayer/1)."""
+    PART_KIND_ADAPTER: _PartKind.ValueType  # 3
+    """The expert's LoRA adapter (format peerlm-lora/1), published with each round's parts
+    when the agent assembles pi_SFT after its last round (fedwave.assembly.enabled).
+    """
 
 class PartKind(_PartKind, metaclass=_PartKindEnumTypeWrapper): ...
 
@@ -41,6 +46,10 @@ PART_KIND_ROUTER: PartKind.ValueType  # 1
 """The MoE router (format peerlm-router/1), with the sender's sample count n_i."""
 PART_KIND_VCLAYER: PartKind.ValueType  # 2
 """The VCLayer: W_q, W_k, W_v, W_o and the stage embedding (format peerlm-vclayer/1)."""
+PART_KIND_ADAPTER: PartKind.ValueType  # 3
+"""The expert's LoRA adapter (format peerlm-lora/1), published with each round's parts
+when the agent assembles pi_SFT after its last round (fedwave.assembly.enabled).
+"""
 Global___PartKind: _TypeAlias = PartKind  # noqa: Y015
 
 @_typing.final

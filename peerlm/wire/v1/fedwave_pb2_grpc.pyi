@@ -3,7 +3,8 @@
 isort:skip_file
 FedWave's exchange among the agents of one value-chain workflow, over mTLS: each agent
 serves its parts of a round (its MoE router for Eq. 9, its VCLayer with its stage
-embedding for Eq. 4-6) to the other agents of its workflow. Never data, never adapters.
+embedding for Eq. 4-6) to the other agents of its workflow and, for the assembly of
+pi_SFT after the last round, its expert's LoRA adapter. Never data.
 """
 
 from collections import abc as _abc
