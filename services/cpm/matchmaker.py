@@ -465,6 +465,13 @@ class Matchmaker:
     # -- read-only views -------------------------------------------------------------
 
     @property
+    def reward_statistics(self) -> tuple[float, float]:
+        """The centre and spread the reward normaliser z-scores by: the running mean and
+        standard deviation (``"zscore"``), the window's median and 1.4826 * MAD
+        (``"robust"``)."""
+        return self._normaliser.statistics()
+
+    @property
     def context_dim(self) -> int:
         """Dimension d of the context vectors (132 with every default)."""
         return self._features.dim

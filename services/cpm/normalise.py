@@ -83,6 +83,10 @@ class Normaliser(Protocol):
         """An independent copy (to roll back to)."""
         ...
 
+    def statistics(self) -> tuple[float, float]:
+        """The centre and spread rewards are z-scored by (for reports)."""
+        ...
+
 
 #: The CPM's default winsorising bound, in running standard deviations.
 DEFAULT_REWARD_CLIP_SIGMAS = 3.0
@@ -166,6 +170,10 @@ class RewardNormaliser:
         m2 = max(self._m2 + delta * (value - mean), 0.0)
         self._count, self._mean, self._m2 = count, mean, m2
         return (value - mean) / (math.sqrt(m2 / count) + EPS)
+
+    def statistics(self) -> tuple[float, float]:
+        """``(mean, std)``."""
+        return self._mean, self.std
 
     def copy(self) -> RewardNormaliser:
         """An independent copy (to roll back to)."""

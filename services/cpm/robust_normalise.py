@@ -167,6 +167,14 @@ class RobustRewardNormaliser:
         values = self._values()
         return robust_scale(values, float(np.median(values)))
 
+    def statistics(self) -> tuple[float, float]:
+        """``(centre, scale)``: the window's median and robust spread (0, 0 while empty)."""
+        if not self._window:
+            return 0.0, 0.0
+        values = self._values()
+        centre = float(np.median(values))
+        return centre, robust_scale(values, centre)
+
     def _z(self, value: float, values: NDArray[np.float64]) -> float:
         n = len(values)
         if n == 0:

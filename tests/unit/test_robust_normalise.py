@@ -28,6 +28,25 @@ def test_median_and_mad_of_a_known_sample() -> None:
     assert n.normalise(4.0) == pytest.approx(1 / 1.4826, rel=1e-5)
     assert n.normalise(1.0) == pytest.approx(-2 / 1.4826, rel=1e-5)
     assert n.normalise(-50.0) == -2.0  # bounded by sqrt(n - 1) too
+    assert n.statistics() == (3.0, pytest.approx(1.4826))
+
+
+def test_the_matchmaker_reports_its_normalisers_centre_and_spread() -> None:
+    """What GetStats reports as reward_mean/reward_std: the statistics rewards are z-scored
+    by, under either normaliser (the robust snapshot holds no moments)."""
+    rewards = [0.1, -0.2, 0.4, 0.0, 9.0]
+    for kind in ("zscore", "robust"):
+        m = Matchmaker(seed=0, reward_normaliser=kind)  # type: ignore[arg-type]
+        assert m.reward_statistics == (0.0, 0.0)
+        profiles = {"a": np.full(32, 0.1), "b": np.full(32, 0.2)}
+        for r in rewards:
+            m.observe(m.select(profiles)[0], r)
+        centre, spread = m.reward_statistics
+        if kind == "zscore":
+            assert centre == pytest.approx(np.mean(rewards))
+            assert spread == pytest.approx(np.std(rewards))
+        else:  # median 0.1, |r - 0.1| = [0, .3, .3, .1, 8.9]: MAD 0.3
+            assert centre == pytest.approx(0.1) and spread == pytest.approx(1.4826 * 0.3)
 
 
 def test_first_rewards_zero_then_bounded_like_the_running_z_score() -> None:
