@@ -75,3 +75,16 @@ def test_run_experiment_refuses_an_unknown_normaliser(tmp_path: Path) -> None:
     assert result.exit_code == 2, result.output
     assert "reward-normaliser" in result.output
     assert not out.exists()
+
+
+def test_the_synthetic_bench_runs_the_robust_normaliser() -> None:
+    """``linucb-robust`` in bench/cpm.py: the same LinUCB with the robust normaliser, for
+    comparisons on the synthetic federation (run_one only, not in the report's tables)."""
+    from peerlm.bench.cpm import METHODS, RunSpec, make_policy, run_one
+    from peerlm.bench.synthetic import SyntheticFederation
+
+    policy, _ = make_policy("linucb-robust", 0, SyntheticFederation(8, "high", 0))
+    assert policy.config()["reward_normaliser"] == "robust"  # type: ignore[attr-defined]
+    assert "linucb-robust" not in METHODS
+    run = run_one(RunSpec(8, "high", 0, "linucb-robust", 4))
+    assert len(run.regret_curve) == 4 and run.observe_calls > 0
