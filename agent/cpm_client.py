@@ -11,6 +11,18 @@ Two recoveries live here (issue 11):
   committed before the connection broke, the retry is answered ALREADY_EXISTS, which here
   means "acknowledged". A refusal comes back as a result on the stream and is raised as
   the same ``AioRpcError`` the unary ReportReward would have ended with.
+* **A stream the CPM ends early is judged by its status, not by the failed write.** When
+  the CPM refuses the stream as it opens (PERMISSION_DENIED for a non-agent,
+  UNAVAILABLE while it shuts down, RESOURCE_EXHAUSTED past the per-identity call limit)
+  or ends it, a write that races its status fails in grpc.aio with INTERNAL ("Internal
+  error from Core") instead of the server's code, and the call's own status is then
+  overwritten with that INTERNAL too (grpc/grpc#36066; 11 of 100 refused reports here).
+  Acting on it would raise a refusal under the wrong code and, worse, give up at once on
+  a CPM that is only restarting. A write that failed sent nothing, so the reward is then
+  sent once with the unary ReportReward, whose status is the server's own, and that
+  answer (acknowledgement, refusal, UNAVAILABLE to retry) is acted on. A write refused
+  because the call had already ended is judged by the call's final status (which no
+  write overwrote).
 * **Rounds resynchronise after a restart.** An agent that restarts with fresh state or
   falls back to an older checkpoint numbers its rounds from there, and the CPM refuses a
   profile older than one it already holds (``stale_round``), telling the last round it
@@ -90,8 +102,9 @@ class CpmClient:
             ctx.registry,
             "peerlm_agent_cpm_recoveries_total",
             "CPM calls recovered by the client: reward retries after UNAVAILABLE or a "
-            "deadline, round resynchronisations after stale_round, overlay lists the CPM "
-            "refused dropped from a profile.",
+            "deadline, rewards re-sent by the unary call after a stream write failed "
+            "(reward_unary), round resynchronisations after stale_round, overlay lists the "
+            "CPM refused dropped from a profile.",
             ("kind",),
         )
         self._stub = cpm_pb2_grpc.MatchmakerStub(self._channel)  # type: ignore[no-untyped-call]
@@ -223,8 +236,10 @@ class CpmClient:
         self, req: cpm_pb2.ReportRewardRequest
     ) -> cpm_pb2.ReportRewardResult:
         """Send one reward on the reward stream and read its result. A broken stream is
-        dropped (the next reward opens a new one) and raised as an ``AioRpcError``:
-        UNAVAILABLE when it ended, DEADLINE_EXCEEDED when no result came in time."""
+        dropped (the next reward opens a new one) and raised as an ``AioRpcError``: the
+        server's status when it ended the stream with one, UNAVAILABLE when it ended it
+        cleanly, DEADLINE_EXCEEDED when no result came in time. A write that failed as
+        INTERNAL is answered by the unary call instead (module docstring)."""
         timeout = self._limits.rpc_timeout_s
         async with self._reward_lock:
             call = self._reward_call
@@ -235,6 +250,24 @@ class CpmClient:
                 self._reward_call = call
             try:
                 await asyncio.wait_for(call.write(req), timeout)
+            except grpc.aio.AioRpcError as err:
+                self._tls_failures.observe(err)
+                self._drop_reward_call(call)
+                if err.code() != grpc.StatusCode.INTERNAL:
+                    raise  # the server's status, read before the write was attempted
+                # Perhaps grpc/grpc#36066's race, perhaps a real INTERNAL: the write sent
+                # nothing, and the unary call's status is the server's either way.
+                self._retries.labels("reward_unary").inc()
+                return await self._report_unary(req, timeout)
+            except TimeoutError:
+                self._drop_reward_call(call)
+                raise _rpc_error(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "no reward result in time"
+                ) from None
+            except asyncio.InvalidStateError:  # the stream ended between done() and write()
+                self._drop_reward_call(call)
+                raise await _final_status(call) from None
+            try:
                 result = await asyncio.wait_for(call.read(), timeout)
             except grpc.aio.AioRpcError as err:
                 # A stream's handshake failure surfaces here (unary calls: the channel counts).
@@ -246,14 +279,19 @@ class CpmClient:
                 raise _rpc_error(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "no reward result in time"
                 ) from None
-            except asyncio.InvalidStateError:  # the stream ended between done() and write()
-                self._drop_reward_call(call)
-                raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the reward stream ended") from None
             if result is grpc.aio.EOF:  # type: ignore[attr-defined]  # the CPM closed it (shutting down)
                 self._drop_reward_call(call)
                 raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the reward stream ended")
             assert isinstance(result, cpm_pb2.ReportRewardResult)
             return result
+
+    async def _report_unary(
+        self, req: cpm_pb2.ReportRewardRequest, timeout: float
+    ) -> cpm_pb2.ReportRewardResult:
+        """``req`` by the unary ReportReward, its answer as the stream would give it (a
+        refusal is raised, with the server's code, as the stream's would be)."""
+        ack = await self._stub.ReportReward(req, metadata=self._metadata, timeout=timeout)
+        return cpm_pb2.ReportRewardResult(directive_id=ack.directive_id, ack=ack)
 
     def _drop_reward_call(self, call: Any) -> None:
         call.cancel()
@@ -373,6 +411,21 @@ async def next_directive(
             return await asyncio.wait_for(inbox.get(), min(remaining, 0.5))
         except TimeoutError:
             continue
+
+
+async def _final_status(call: Any) -> grpc.aio.AioRpcError:
+    """The error a reward stream that has ended stands for: its status (UNAVAILABLE, to be
+    retried, when the CPM ended it cleanly, e.g. as it shut down)."""
+    code = await call.code()
+    if code == grpc.StatusCode.OK:
+        return _rpc_error(grpc.StatusCode.UNAVAILABLE, "the reward stream ended")
+    return grpc.aio.AioRpcError(
+        code,
+        await call.initial_metadata(),
+        await call.trailing_metadata(),
+        details=await call.details(),
+        debug_error_string=await call.debug_error_string(),
+    )
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

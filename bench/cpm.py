@@ -108,8 +108,11 @@ METHOD_LABELS: Mapping[str, str] = {
     "oracle": "Oracle",
     "linucb-notrust": "LinUCB (+interactions, no trust)",
     "mabwiser-linucb": "mabwiser LinUCB (same context)",
+    "linucb-robust": "LinUCB (+interactions, robust reward normaliser)",
 }
-_LEARNING = frozenset({"linucb-paper", "linucb", "linucb-blossom", *EXTRA_METHODS})
+#: Methods that only :func:`run_one` runs (a comparison outside the tables).
+OTHER_METHODS: tuple[str, ...] = ("linucb-robust",)
+_LEARNING = frozenset({"linucb-paper", "linucb", "linucb-blossom", *EXTRA_METHODS, *OTHER_METHODS})
 #: Keys of every row of ``report["results"]``.
 METRIC_KEYS: tuple[str, ...] = (
     "n",
@@ -325,6 +328,8 @@ def make_policy(method: str, seed: int, env: SyntheticFederation) -> tuple[Polic
         return Matchmaker(seed=seed, matching="blossom"), None
     if method == "linucb-notrust":
         return Matchmaker(seed=seed, trust_features=False), None
+    if method == "linucb-robust":
+        return Matchmaker(seed=seed, reward_normaliser="robust"), None
     if method == "mabwiser-linucb":
         return _MabwiserPolicy(seed), None
     if method == "random":

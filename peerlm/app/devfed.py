@@ -138,6 +138,7 @@ async def _run(
     round_of: Callable[[str], int] | None = None,
     merge_senders: int = 1,
     co_sender_scoring: str = "pair",
+    reward_normaliser: str = "zscore",
 ) -> dict[str, Any]:
     # Imported here: the CPM package loads the matchmaking library (scikit-learn, SciPy),
     # seconds that every `peerlm` process would pay when the CLI mounts `up`.
@@ -160,6 +161,8 @@ async def _run(
         dev_env["PEERLM_CPM_MERGE_SENDERS"] = str(merge_senders)
     if co_sender_scoring != "pair":
         dev_env["PEERLM_CPM_CO_SENDER_SCORING"] = co_sender_scoring
+    if reward_normaliser != "zscore":
+        dev_env["PEERLM_CPM_REWARD_NORMALISER"] = reward_normaliser
     started = time.monotonic()
     cpm = _spawn(cpm_args, fed.logs / "cpm.log", subprocess.DEVNULL, dev_env)
     procs: list[subprocess.Popen[bytes]] = []
@@ -681,6 +684,14 @@ def up_command(
             "1): pair (each by its own pair UCB) or group (the group as one arm).",
         ),
     ] = "pair",
+    reward_normaliser: Annotated[
+        str,
+        typer.Option(
+            help="How the CPM normalises rewards before the bandit learns them: zscore (the "
+            "paper's running z-score, winsorised) or robust (median/MAD over the last 256 "
+            "rewards; docs/security.md).",
+        ),
+    ] = "zscore",
     workflow: Annotated[
         bool,
         typer.Option(
@@ -723,6 +734,8 @@ def up_command(
         raise typer.BadParameter("--co-sender-scoring must be 'pair' or 'group'")
     if co_sender_scoring != "pair" and merge_senders == 1:
         raise typer.BadParameter("--co-sender-scoring group needs --merge-senders > 1")
+    if reward_normaliser not in ("zscore", "robust"):
+        raise typer.BadParameter("--reward-normaliser must be 'zscore' or 'robust'")
     if workflow:
         from peerlm.app.devfed_workflow import WORKFLOW_AGENTS
 
@@ -795,6 +808,7 @@ def up_command(
                 round_of=round_of,
                 merge_senders=merge_senders,
                 co_sender_scoring=co_sender_scoring,
+                reward_normaliser=reward_normaliser,
             )
         )
     except KeyboardInterrupt:

@@ -326,6 +326,9 @@ class ExperimentPlan:
     # How the CPM scores a merge directive's co-senders (``CpmSettings.co_sender_scoring``):
     # "pair" (each by its own pair UCB) or "group" (the group as one arm).
     cpm_co_sender_scoring: Literal["pair", "group"] = "pair"
+    # How the CPM normalises rewards (``CpmSettings.reward_normaliser``): "zscore", the
+    # paper's running z-score, or "robust", median/MAD over a window (docs/security.md).
+    cpm_reward_normaliser: Literal["zscore", "robust"] = "zscore"
     # One model family for every client (ARCHS' names); None: client i hosts ARCHS[i % 4].
     family: str | None = None
     # FedProxy (peerlm.app.experiment_fedproxy): the compression ratio κ (share of blocks
@@ -420,6 +423,8 @@ class ExperimentPlan:
             given["merge_senders"] = self.cpm_merge_senders
         if self.cpm_co_sender_scoring != "pair":
             given["co_sender_scoring"] = self.cpm_co_sender_scoring
+        if self.cpm_reward_normaliser != "zscore":
+            given["reward_normaliser"] = self.cpm_reward_normaliser
         try:
             return CpmSettings(
                 **given,
@@ -717,6 +722,9 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
             context_columns=s.context_columns,
             merge_senders=s.merge_senders,
             co_sender_scoring=s.co_sender_scoring,
+            reward_clip_sigmas=s.reward_clip_sigmas,
+            reward_normaliser=s.reward_normaliser,
+            reward_window=s.reward_window,
         )
     return None
 
@@ -1454,6 +1462,7 @@ _CPM_ONLY_FIELDS: tuple[str, ...] = (
     "probe_scope",
     "cpm_merge_senders",
     "cpm_co_sender_scoring",
+    "cpm_reward_normaliser",
 )
 
 

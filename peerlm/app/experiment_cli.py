@@ -144,6 +144,14 @@ def run_experiment_command(
             "default) or group (the group scored as one arm; docs/matchmaker.md).",
         ),
     ] = None,
+    reward_normaliser: Annotated[
+        str | None,
+        typer.Option(
+            help="How the CPM normalises rewards before its bandit learns them: zscore (the "
+            "paper's running z-score, winsorised; default) or robust (median/MAD over the "
+            "last 256 rewards; docs/security.md).",
+        ),
+    ] = None,
     reuse: Annotated[
         list[Path] | None,
         typer.Option(
@@ -221,6 +229,10 @@ def run_experiment_command(
             if co_sender_scoring == "group" and (merge_senders or 1) == 1:
                 raise typer.BadParameter("--co-sender-scoring group needs --merge-senders > 1")
             overrides["cpm_co_sender_scoring"] = co_sender_scoring
+        if reward_normaliser is not None:
+            if reward_normaliser not in ("zscore", "robust"):
+                raise typer.BadParameter("--reward-normaliser must be 'zscore' or 'robust'")
+            overrides["cpm_reward_normaliser"] = reward_normaliser
         plan = quick_plan(**overrides) if quick else ExperimentPlan(**overrides)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -55,6 +55,7 @@ from .profile import (
     validate_profile,
     validate_profiles,
 )
+from .robust_normalise import RobustRewardNormaliser
 from .trust import TrustLedger
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ __all__ = [
     "ProfileLayout",
     "RandomMatchmaker",
     "RewardNormaliser",
+    "RobustRewardNormaliser",
     "TrustLedger",
     "cheap_pair_scores",
     "context_columns",

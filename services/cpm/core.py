@@ -236,6 +236,13 @@ def settings_fingerprint(settings: CpmSettings) -> str:
     # "pair" on the teacher's: the same arms would learn two different regressions.
     if settings.co_sender_scoring != "pair":
         fields["co_sender_scoring"] = settings.co_sender_scoring
+    # The snapshot holds a reward window under "robust", running moments under "zscore":
+    # neither can continue the other. The window is pinned whatever its value (no database
+    # predates it), so a later change of its default cannot silently resize a stored one;
+    # under "zscore" it is unused and left out.
+    if settings.reward_normaliser != "zscore":
+        fields["reward_normaliser"] = settings.reward_normaliser
+        fields["reward_window"] = settings.reward_window
     return json.dumps(fields, sort_keys=True)
 
 
@@ -318,6 +325,8 @@ class CpmCore:
             merge_senders=settings.merge_senders,
             reward_clip_sigmas=settings.reward_clip_sigmas,
             co_sender_scoring=settings.co_sender_scoring,
+            reward_normaliser=settings.reward_normaliser,
+            reward_window=settings.reward_window,
         )
 
     # ------------------------------------------------------------ bandit state

@@ -63,7 +63,7 @@ from .features import ContextFeatures
 from .linucb import LinUCB, PairTables
 from .matching import greedy_disjoint, max_weight_disjoint
 from .menu import MERGE_PROTOCOLS, AdmissibilityMask, Capabilities
-from .normalise import DEFAULT_REWARD_CLIP_SIGMAS, RewardNormaliser, check_reward
+from .normalise import DEFAULT_REWARD_CLIP_SIGMAS, Normaliser, RewardNormaliser, check_reward
 from .prefilter import (
     DEFAULT_CLUSTER_MIN_AGENTS,
     DEFAULT_SHORTLIST,
@@ -72,6 +72,7 @@ from .prefilter import (
     prefilter_pairs,
 )
 from .profile import check_context_columns, validate_profiles
+from .robust_normalise import DEFAULT_REWARD_WINDOW, RobustRewardNormaliser
 from .trust import TrustLedger
 
 __all__ = ["MAX_MERGE_SENDERS", "Matchmaker", "MatchmakerState", "Pairing", "PairingPolicy"]
@@ -201,6 +202,9 @@ class MatchmakerState:
     trust: dict[str, tuple[int, int]]
     #: ``A`` itself (d, d); ``None`` in a state stored before ``A`` was kept.
     a: NDArray[np.float64] | None = None
+    #: The robust normaliser's window (raw rewards, oldest first; ``reward_count`` is then
+    #: its count and ``reward_mean``/``reward_m2`` are 0); ``None`` for the running z-score.
+    reward_window: NDArray[np.float64] | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MatchmakerState):
@@ -212,9 +216,16 @@ class MatchmakerState:
             and self.trust == other.trust
             and bool(np.array_equal(self.a_inv, other.a_inv))
             and bool(np.array_equal(self.b, other.b))
+            and _same_window(self.reward_window, other.reward_window)
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable
+
+
+def _same_window(a: NDArray[np.float64] | None, b: NDArray[np.float64] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(np.array_equal(a, b))
 
 
 @dataclass(frozen=True)
@@ -315,11 +326,17 @@ class Matchmaker:
             exactly as without the setting.
         reward_clip_sigmas: rewards are winsorised to this many running standard
             deviations before the z-score (our guard against a hostile student's report;
-            :mod:`.normalise`); None: the paper's plain running z-score.
+            :mod:`.normalise`); None: the paper's plain running z-score. Under
+            ``reward_normaliser="robust"`` the bound on each z-score.
         co_sender_scoring: ``"pair"`` (default): co-senders ranked by their own pair UCB,
             the reward learnt on the teacher's context, exactly as without the setting;
             ``"group"``: the group is grown greedily by its group UCB and its context is
             the one learnt (:meth:`_group_co_senders`). No effect with one sender.
+        reward_normaliser: ``"zscore"`` (default): the paper's running z-score,
+            winsorised (:mod:`.normalise`); ``"robust"``: median/MAD over the last
+            ``reward_window`` rewards (:mod:`.robust_normalise`), which a hostile member
+            filing fewer than half of them cannot flatten.
+        reward_window: rewards the robust normaliser keeps (unused under ``"zscore"``).
     """
 
     def __init__(
@@ -344,6 +361,8 @@ class Matchmaker:
         merge_senders: int = 1,
         reward_clip_sigmas: float | None = DEFAULT_REWARD_CLIP_SIGMAS,
         co_sender_scoring: Literal["pair", "group"] = "pair",
+        reward_normaliser: Literal["zscore", "robust"] = "zscore",
+        reward_window: int = DEFAULT_REWARD_WINDOW,
     ) -> None:
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError("beta must be a finite number >= 0")
@@ -370,6 +389,10 @@ class Matchmaker:
             raise ValueError(
                 f"co_sender_scoring must be 'pair' or 'group', got {co_sender_scoring!r}"
             )
+        if reward_normaliser not in ("zscore", "robust"):
+            raise ValueError(
+                f"reward_normaliser must be 'zscore' or 'robust', got {reward_normaliser!r}"
+            )
         self._merge_senders = merge_senders
         self._co_sender_scoring = co_sender_scoring
         self._profile_dim = int(profile_dim)
@@ -383,7 +406,10 @@ class Matchmaker:
         )
         self._bandit = LinUCB(self._features.dim, ridge)
         self._reward_clip_sigmas = reward_clip_sigmas
-        self._normaliser = self._new_normaliser()  # validates reward_clip_sigmas
+        self._reward_normaliser = reward_normaliser
+        self._reward_window = reward_window
+        # Validates reward_clip_sigmas and reward_window.
+        self._normaliser: Normaliser = self._new_normaliser()
         self._trust = TrustLedger()
         self._beta = float(beta)
         self._ridge = float(ridge)
@@ -404,12 +430,46 @@ class Matchmaker:
         n_p, n_r = len(self._features.protocols), len(self._features.roles)
         self._combo_forward = np.arange(2 * n_p * n_r) < n_p * n_r
 
-    def _new_normaliser(
-        self, count: int = 0, mean: float = 0.0, m2: float = 0.0
-    ) -> RewardNormaliser:
-        return RewardNormaliser(count, mean, m2, clip_sigmas=self._reward_clip_sigmas)
+    def _new_normaliser(self, state: MatchmakerState | None = None) -> Normaliser:
+        """A fresh normaliser of the configured kind, or one rebuilt from ``state``;
+        ``ValueError`` when ``state`` holds the other kind's statistics."""
+        clip = self._reward_clip_sigmas
+        if self._reward_normaliser == "robust":
+            if state is None:
+                return RobustRewardNormaliser(self._reward_window, clip_sigmas=clip)
+            if state.reward_window is None:
+                raise ValueError(
+                    "the stored state holds running z-score statistics (no reward window); "
+                    "this matchmaker uses reward_normaliser='robust'"
+                )
+            window = np.asarray(state.reward_window, dtype=np.float64)
+            if window.ndim != 1:
+                raise ValueError("the stored reward window must be one-dimensional")
+            return RobustRewardNormaliser(
+                self._reward_window,
+                (float(v) for v in window),
+                state.reward_count,
+                clip_sigmas=clip,
+            )
+        if state is None:
+            return RewardNormaliser(clip_sigmas=clip)
+        if state.reward_window is not None:
+            raise ValueError(
+                "the stored state holds a robust normaliser's reward window; this matchmaker "
+                "uses reward_normaliser='zscore'"
+            )
+        return RewardNormaliser(
+            state.reward_count, state.reward_mean, state.reward_m2, clip_sigmas=clip
+        )
 
     # -- read-only views -------------------------------------------------------------
+
+    @property
+    def reward_statistics(self) -> tuple[float, float]:
+        """The centre and spread the reward normaliser z-scores by: the running mean and
+        standard deviation (``"zscore"``), the window's median and 1.4826 * MAD
+        (``"robust"``)."""
+        return self._normaliser.statistics()
 
     @property
     def context_dim(self) -> int:
@@ -901,12 +961,12 @@ class Matchmaker:
         )
         if xs.shape[1] != self.context_dim or not np.all(np.isfinite(xs)):
             raise ValueError("contexts must be finite and of the bandit's dimension")
-        count, mean, m2 = self._normaliser.state()
+        saved = self._normaliser.copy()
         r_norm = [self._normaliser.update(v) for v in values]
         try:
             self._bandit.update_block(xs, np.asarray(r_norm, dtype=np.float64))
         except BaseException:
-            self._normaliser = self._new_normaliser(count, mean, m2)
+            self._normaliser = saved
             raise
         for pairing, value in zip(pairings, values, strict=True):
             self._trust.record(pairing.sender, value > 0.0)
@@ -917,7 +977,15 @@ class Matchmaker:
 
     def snapshot(self) -> MatchmakerState:
         """A copy of the learnt state (A^-1, b, normaliser, trust)."""
-        count, mean, m2 = self._normaliser.state()
+        normaliser = self._normaliser
+        window: NDArray[np.float64] | None = None
+        if isinstance(normaliser, RobustRewardNormaliser):
+            count, rewards = normaliser.state()
+            mean, m2 = 0.0, 0.0
+            window = np.array(rewards, dtype=np.float64)
+        else:
+            assert isinstance(normaliser, RewardNormaliser)
+            count, mean, m2 = normaliser.state()
         return MatchmakerState(
             context_dim=self.context_dim,
             a_inv=np.array(self._bandit.a_inv, dtype=np.float64),
@@ -928,6 +996,7 @@ class Matchmaker:
             reward_mean=mean,
             reward_m2=m2,
             trust=self._trust.state(),
+            reward_window=window,
         )
 
     def restore(self, state: MatchmakerState) -> None:
@@ -935,7 +1004,9 @@ class Matchmaker:
 
         Raises ``ValueError`` (leaving this matchmaker unchanged) if ``state`` does not
         fit this configuration or is inconsistent (shapes, non-finite values, asymmetric
-        ``A^-1``, negative counts, successes > exchanges).
+        ``A^-1``, negative counts, successes > exchanges) or holds the other reward
+        normaliser's statistics (a z-score state under ``"robust"``, a window under
+        ``"zscore"``).
         """
         if state.context_dim != self.context_dim:
             raise ValueError(
@@ -946,7 +1017,7 @@ class Matchmaker:
         )
         if bandit.dim != self.context_dim:
             raise ValueError(f"a_inv is {bandit.dim}-dimensional, expected {self.context_dim}")
-        normaliser = self._new_normaliser(state.reward_count, state.reward_mean, state.reward_m2)
+        normaliser = self._new_normaliser(state)
         trust = TrustLedger(state.trust)
         self._bandit, self._normaliser, self._trust = bandit, normaliser, trust
         self._selects_since_update = 0
@@ -993,4 +1064,6 @@ class Matchmaker:
             "merge_senders": self._merge_senders,
             "reward_clip_sigmas": self._reward_clip_sigmas,
             "co_sender_scoring": self._co_sender_scoring,
+            "reward_normaliser": self._reward_normaliser,
+            "reward_window": self._reward_window,
         }

@@ -57,7 +57,7 @@ class CpmMetrics:
         )
         self.normalised_reward = Histogram(
             "peerlm_cpm_reward_normalised_zscore",
-            "Rewards after running z-score normalisation, as fed to the bandit.",
+            "Rewards after normalisation (running or robust z-score), as fed to the bandit.",
             registry=registry,
             buckets=(-3, -2, -1, -0.5, 0, 0.5, 1, 2, 3),
         )

@@ -33,12 +33,14 @@ Choices the paper leaves open:
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 __all__ = [
     "DEFAULT_CLIP_AFTER",
     "DEFAULT_REWARD_CLIP_SIGMAS",
     "EPS",
     "MAX_ABS_REWARD",
+    "Normaliser",
     "RewardNormaliser",
     "check_reward",
 ]
@@ -57,6 +59,33 @@ def check_reward(reward: float) -> float:
     if abs(value) > MAX_ABS_REWARD:
         raise ValueError(f"reward magnitude exceeds {MAX_ABS_REWARD:g}: {value!r}")
     return value
+
+
+class Normaliser(Protocol):
+    """What the matchmaker needs of a reward normaliser: this module's running z-score or
+    the windowed median/MAD one (:mod:`.robust_normalise`)."""
+
+    @property
+    def count(self) -> int:
+        """Rewards folded in so far."""
+        ...
+
+    def normalise(self, reward: float) -> float:
+        """The z-score of ``reward`` under the current statistics, without folding it in."""
+        ...
+
+    def update(self, reward: float) -> float:
+        """Fold ``reward`` in, then return its z-score; ``ValueError`` and no change for a
+        non-finite or absurd reward."""
+        ...
+
+    def copy(self) -> Normaliser:
+        """An independent copy (to roll back to)."""
+        ...
+
+    def statistics(self) -> tuple[float, float]:
+        """The centre and spread rewards are z-scored by (for reports)."""
+        ...
 
 
 #: The CPM's default winsorising bound, in running standard deviations.
@@ -141,6 +170,20 @@ class RewardNormaliser:
         m2 = max(self._m2 + delta * (value - mean), 0.0)
         self._count, self._mean, self._m2 = count, mean, m2
         return (value - mean) / (math.sqrt(m2 / count) + EPS)
+
+    def statistics(self) -> tuple[float, float]:
+        """``(mean, std)``."""
+        return self._mean, self.std
+
+    def copy(self) -> RewardNormaliser:
+        """An independent copy (to roll back to)."""
+        return RewardNormaliser(
+            self._count,
+            self._mean,
+            self._m2,
+            clip_sigmas=self._clip_sigmas,
+            clip_after=self._clip_after,
+        )
 
     def state(self) -> tuple[int, float, float]:
         """``(count, mean, m2)``: everything needed to rebuild this normaliser exactly."""

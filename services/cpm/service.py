@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import math
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -609,7 +608,9 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         core = self._core
         state = core.matchmaker.snapshot()
         counts = core.directive_counts()
-        std = math.sqrt(state.reward_m2 / state.reward_count) if state.reward_count else 0.0
+        # The normaliser's centre and spread: mean and s.d. under "zscore", median and
+        # 1.4826 * MAD under "robust" (the snapshot holds no moments then).
+        centre, spread = core.matchmaker.reward_statistics
         agents = [
             cpm_pb2.AgentStats(
                 name=p.agent,
@@ -629,8 +630,8 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
             rewards_observed=state.n_updates,
             bandit_updates=state.n_updates,
             theta_norm=float(np.linalg.norm(core.matchmaker.theta)),
-            reward_mean=state.reward_mean,
-            reward_std=std,
+            reward_mean=centre,
+            reward_std=spread,
             context_dim=state.context_dim,
             agents=agents,
         )

@@ -9,6 +9,11 @@ from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS
 from peerlm.services.cpm.menu import MENU
 from peerlm.services.cpm.normalise import DEFAULT_REWARD_CLIP_SIGMAS
 from peerlm.services.cpm.profile import check_context_columns
+from peerlm.services.cpm.robust_normalise import (
+    DEFAULT_REWARD_WINDOW,
+    MAX_REWARD_WINDOW,
+    MIN_REWARD_WINDOW,
+)
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -54,6 +59,16 @@ class CpmSettings(ServiceSettings):
     # paper's plain running z-score; services/cpm/normalise.py). Part of the database's
     # fingerprint when not the default.
     reward_clip_sigmas: float | None = Field(default=DEFAULT_REWARD_CLIP_SIGMAS, gt=0, le=1e6)
+    # How rewards are normalised before the bandit learns them: "zscore", the paper's
+    # running z-score (winsorised as above); "robust", median and 1.4826 * MAD over the
+    # last reward_window rewards, which a member filing fewer than half of them cannot
+    # flatten (services/cpm/robust_normalise.py; docs/security.md). Under "robust" each
+    # z-score is bounded by reward_clip_sigmas. Part of the database's fingerprint (with
+    # reward_window) when "robust".
+    reward_normaliser: Literal["zscore", "robust"] = "zscore"
+    reward_window: int = Field(
+        default=DEFAULT_REWARD_WINDOW, ge=MIN_REWARD_WINDOW, le=MAX_REWARD_WINDOW
+    )
     # How a merge directive's co-senders are chosen and what its reward teaches the bandit
     # (docs/matchmaker.md, "Group scoring"): "pair", each co-sender ranked by its own pair
     # UCB and the reward learnt on the teacher's context; "group", the group built greedily

@@ -112,6 +112,7 @@ def _copy_state(state: MatchmakerState) -> MatchmakerState:
         b=state.b.copy(),
         trust=dict(state.trust),
         a=None if state.a is None else state.a.copy(),
+        reward_window=None if state.reward_window is None else state.reward_window.copy(),
     )
 
 
@@ -205,7 +206,8 @@ CREATE TABLE IF NOT EXISTS bandit (
     reward_mean REAL NOT NULL,
     reward_m2 REAL NOT NULL,
     a BLOB,
-    reward_seq INTEGER
+    reward_seq INTEGER,
+    reward_window BLOB
 );
 CREATE TABLE IF NOT EXISTS trust (
     agent TEXT PRIMARY KEY, exchanges INTEGER NOT NULL, successes INTEGER NOT NULL
@@ -240,6 +242,8 @@ _MIGRATIONS = (
     ("bandit", "a", "ALTER TABLE bandit ADD COLUMN a BLOB"),
     ("bandit", "reward_seq", "ALTER TABLE bandit ADD COLUMN reward_seq INTEGER"),
     ("directives", "reward_seq", "ALTER TABLE directives ADD COLUMN reward_seq INTEGER"),
+    # The robust normaliser's window (services/cpm/robust_normalise.py); NULL: z-score.
+    ("bandit", "reward_window", "ALTER TABLE bandit ADD COLUMN reward_window BLOB"),
     # The protocol menu: what each agent declared (services/cpm/menu.py).
     (
         "profiles",
@@ -274,6 +278,13 @@ def _blob(a: NDArray[np.float64]) -> bytes:
 def _array(blob: bytes, shape: tuple[int, ...]) -> NDArray[np.float64]:
     arr = np.frombuffer(blob, dtype="<f8").astype(np.float64)
     return arr.reshape(shape)
+
+
+def _window(blob: bytes) -> NDArray[np.float64]:
+    """A stored reward window: float64 values, oldest first (an empty blob: no reward yet)."""
+    if len(blob) % 8:
+        raise ValueError(f"a reward window of {len(blob)} bytes is not float64 values")
+    return _array(blob, (len(blob) // 8,))
 
 
 def _co_senders(text: str) -> tuple[tuple[str, str], ...]:
@@ -337,7 +348,7 @@ class SqliteCpmStore(CpmStore):
         with self._lock:
             row = self._db.execute(
                 "SELECT context_dim, a_inv, b, n_updates, reward_count, reward_mean, reward_m2,"
-                " a, reward_seq FROM bandit WHERE id=1"
+                " a, reward_seq, reward_window FROM bandit WHERE id=1"
             ).fetchone()
             trust_rows = self._db.execute(
                 "SELECT agent, exchanges, successes FROM trust"
@@ -355,6 +366,7 @@ class SqliteCpmStore(CpmStore):
             reward_m2=float(row[6]),
             trust={str(a): (int(e), int(s)) for a, e, s in trust_rows},
             a=None if row[7] is None else _array(row[7], (d, d)),
+            reward_window=None if row[9] is None else _window(row[9]),
         )
         return state, int(row[8] or 0)
 
@@ -362,8 +374,8 @@ class SqliteCpmStore(CpmStore):
         with self._tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO bandit(id, context_dim, a_inv, b, n_updates,"
-                " reward_count, reward_mean, reward_m2, a, reward_seq)"
-                " VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " reward_count, reward_mean, reward_m2, a, reward_seq, reward_window)"
+                " VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     state.context_dim,
                     _blob(state.a_inv),
@@ -374,6 +386,7 @@ class SqliteCpmStore(CpmStore):
                     state.reward_m2,
                     None if state.a is None else _blob(state.a),
                     reward_seq,
+                    None if state.reward_window is None else _blob(state.reward_window),
                 ),
             )
             db.execute("DELETE FROM trust")

@@ -129,3 +129,40 @@ async def test_sigterm_drains_feeds_and_exits_cleanly(tmp_path: Path) -> None:
     assert await call.code() == grpc.StatusCode.OK
     await ch.close()
     assert "cpm_stopped" in cpm.log()
+
+
+async def test_the_robust_normaliser_survives_a_sigkill_exactly(tmp_path: Path) -> None:
+    """``PEERLM_CPM_REWARD_NORMALISER=robust`` with a window of 16 and a snapshot every 7
+    rewards: 15 rewards, SIGKILL (one reward only in the ledger), restart, 15 more. Every
+    normalised reward in the ledger is what one normaliser fed the 30 raw rewards in
+    ledger order gives, bit for bit: the window came back exactly."""
+    from peerlm.services.cpm import RobustRewardNormaliser
+
+    env = {
+        **MANUAL,
+        "PEERLM_CPM_REWARD_NORMALISER": "robust",
+        "PEERLM_CPM_REWARD_WINDOW": "16",
+        "PEERLM_CPM_SNAPSHOT_EVERY": "7",
+    }
+    cpm = CpmProcess(Pki.create(tmp_path), tmp_path / "cpm.db", tmp_path, env).start()
+    directives = await _issue_directives(cpm, rounds=10)
+    rng = np.random.default_rng(3)
+    rewards = {d.directive_id: float(rng.normal(0.0, 0.2)) for d in directives}
+    for d in directives[:15]:
+        assert await _report(cpm, d, rewards[d.directive_id]) == "OK"
+    cpm.kill()
+    cpm.start()
+    for d in directives[15:]:
+        assert await _report(cpm, d, rewards[d.directive_id]) == "OK"
+    assert cpm.terminate() == 0
+    con = sqlite3.connect(tmp_path / "cpm.db")
+    rows = con.execute(
+        "SELECT reward, normalised_reward FROM directives WHERE status='rewarded'"
+        " ORDER BY reward_seq"
+    ).fetchall()
+    window = con.execute("SELECT reward_window FROM bandit").fetchone()[0]
+    con.close()
+    assert len(rows) == 30
+    fresh = RobustRewardNormaliser(16, clip_sigmas=3.0)
+    assert [z for _, z in rows] == [fresh.update(r) for r, _ in rows]
+    assert np.frombuffer(window, "<f8").tolist() == [r for r, _ in rows[-16:]]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peerlm.services.cpm import MENU, CpmSettings
+from peerlm.services.cpm import MENU, CpmSettings, Pairing
 from peerlm.services.cpm.core import CpmCore, CpmError, RewardReport
 from peerlm.services.cpm.records import DirectiveStatus
 from peerlm.services.cpm.store import MemoryCpmStore, SqliteCpmStore
@@ -489,3 +489,109 @@ def test_the_cpm_menu_is_checked_at_start(protocols: tuple[str, ...]) -> None:
 
 def test_the_default_menu_is_akd_only() -> None:
     assert CpmSettings().protocols == ("akd",)
+
+
+# -- the robust reward normaliser across restarts (services/cpm/robust_normalise.py) -------
+
+
+def _robust_settings(**kw: object) -> CpmSettings:
+    given: dict[str, object] = {
+        "directive_ttl_s": 60,
+        "round_interval_s": 30,
+        "snapshot_every": 7,
+        "reward_normaliser": "robust",
+        "reward_window": 16,
+    }
+    return CpmSettings(**(given | kw))  # type: ignore[arg-type]
+
+
+def _pairing_of(d: object) -> Pairing:
+    return Pairing(
+        sender=d.teacher,  # type: ignore[attr-defined]
+        receiver=d.student,  # type: ignore[attr-defined]
+        protocol=d.protocol,  # type: ignore[attr-defined]
+        role=d.role,  # type: ignore[attr-defined]
+        context=d.context,  # type: ignore[attr-defined]
+        ucb=d.ucb,  # type: ignore[attr-defined]
+        mean=float("nan"),
+    )
+
+
+def test_sqlite_restart_keeps_the_robust_window_exactly(tmp_path: Path) -> None:
+    """Same z-scores after a kill, a restart and the ledger's replay as without the restart:
+    30 rewards (the window of 16 has wrapped), snapshots after 7, 14, 21 and 28, two
+    rewards only in the ledger; then 20 more rewards on both."""
+    clock = Clock()
+    agents = ["a", "b", "c", "d"]
+    rng = np.random.default_rng(7)
+    store = SqliteCpmStore(tmp_path / "cpm.db")
+    c = CpmCore(_robust_settings(init=True), store, clock)
+    for r in range(1, 16):
+        _submit_all(c, agents, r)
+        for d in c.matchmake().directives:
+            c.report_reward(d.student, d.directive_id, float(rng.normal(0, 0.2)))
+    expected = c.matchmaker.snapshot()
+    assert expected.reward_window is not None and len(expected.reward_window) == 16
+    assert expected.reward_count == 30
+    loaded = store.load_snapshot()
+    assert loaded is not None and loaded[1] == 28
+    unrestarted = c.matchmaker  # goes on in memory, as if the CPM had never stopped
+    store.close()  # like a SIGKILL: no final snapshot
+    store = SqliteCpmStore(tmp_path / "cpm.db")
+    c2 = CpmCore(_robust_settings(), store, clock)
+    assert c2.bandit_recovery == "snapshot" and c2.rewards_replayed == 2
+    assert c2.matchmaker.snapshot() == expected  # window, count and bandit: bitwise
+    for r in range(16, 26):
+        _submit_all(c2, agents, r)
+        for d in c2.matchmake().directives:
+            reward = float(rng.normal(0, 0.2))
+            out = c2.report_reward(d.student, d.directive_id, reward)
+            assert out.normalised == unrestarted.observe(_pairing_of(d), reward)
+    assert c2.matchmaker.snapshot() == unrestarted.snapshot()
+    store.close()
+
+
+def test_normaliser_mismatch_is_refused_not_reset(tmp_path: Path) -> None:
+    """A z-score database is not silently restarted as a robust one (or the reverse, or
+    with another window): the fingerprint names both settings."""
+    clock = Clock()
+    db = tmp_path / "cpm.db"
+    store = SqliteCpmStore(db)
+    _rewarded(CpmCore(CpmSettings(directive_ttl_s=60, init=True), store, clock), 2)
+    with pytest.raises(ValueError, match=r"different bandit settings.*reward_normaliser"):
+        CpmCore(_robust_settings(), store, clock)
+    store.close()
+    store = SqliteCpmStore(tmp_path / "robust.db")
+    CpmCore(_robust_settings(init=True), store, clock)
+    with pytest.raises(ValueError, match="different bandit settings"):
+        CpmCore(CpmSettings(directive_ttl_s=60), store, clock)
+    with pytest.raises(ValueError, match='"reward_window": 16'):
+        CpmCore(_robust_settings(reward_window=32), store, clock)
+    store.close()
+    # A matchmaker asked to restore the other kind's state says so (all-or-nothing).
+    robust = CpmCore(_robust_settings(init=True), MemoryCpmStore(), clock).matchmaker
+    zscore = CpmCore(CpmSettings(init=True), MemoryCpmStore(), clock).matchmaker
+    with pytest.raises(ValueError, match="running z-score statistics"):
+        robust.restore(zscore.snapshot())
+    with pytest.raises(ValueError, match="reward window"):
+        zscore.restore(robust.snapshot())
+
+
+def test_a_z_score_snapshot_from_before_the_window_column_loads(tmp_path: Path) -> None:
+    clock = Clock()
+    db = tmp_path / "cpm.db"
+    store = SqliteCpmStore(db)
+    c = CpmCore(CpmSettings(directive_ttl_s=60, init=True), store, clock)
+    _rewarded(c, 3)
+    assert c.write_snapshot()
+    expected = c.matchmaker.snapshot()
+    store.close()
+    old = sqlite3.connect(db)  # the bandit table as databases before the window have it
+    old.execute("ALTER TABLE bandit DROP COLUMN reward_window")
+    old.commit()
+    old.close()
+    store = SqliteCpmStore(db)
+    c2 = CpmCore(CpmSettings(directive_ttl_s=60), store, clock)
+    assert c2.bandit_recovery == "snapshot" and c2.rewards_replayed == 0
+    assert c2.matchmaker.snapshot() == expected and expected.reward_window is None
+    store.close()

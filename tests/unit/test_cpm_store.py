@@ -76,6 +76,23 @@ class StoreContract:
         assert got.trust == s.trust
         assert store.get_meta("k") == "v"
 
+    @pytest.mark.parametrize("window", [None, [], [0.5, -1.25, 3.0]])
+    def test_reward_window_round_trip(self, tmp_path: Path, window: list[float] | None) -> None:
+        """The robust normaliser's window (None under the z-score; empty before a reward)."""
+        store = self.make(tmp_path)
+        s = _state(n=3)
+        s.reward_window = None if window is None else np.array(window, dtype=np.float64)
+        store.save_snapshot(s, 3)
+        store = self.reopen(store, tmp_path)
+        loaded = store.load_snapshot()
+        assert loaded is not None
+        got = loaded[0].reward_window
+        if window is None:
+            assert got is None
+        else:
+            assert got is not None and got.tolist() == window
+        assert loaded[0] == s
+
     def test_profiles_upsert(self, tmp_path: Path) -> None:
         store = self.make(tmp_path)
         store.upsert_profile(ProfileRecord("a", 1, np.ones(3), "h:1", 5.0))

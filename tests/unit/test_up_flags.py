@@ -27,6 +27,7 @@ from peerlm.app.cli import app
         ["--protocols", "pmix", "--merge-senders", "17"],
         ["--protocols", "pmix", "--co-sender-scoring", "group"],  # needs --merge-senders > 1
         ["--protocols", "pmix", "--merge-senders", "3", "--co-sender-scoring", "best"],
+        ["--reward-normaliser", "median"],
         ["--workflow", "--simulated"],  # FedWave experts host models
         ["--workflow", "--overlay"],
         ["--workflow", "--protocols", "pmix"],

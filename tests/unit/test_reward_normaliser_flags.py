@@ -1,0 +1,90 @@
+"""The reward normaliser reaches the CPM from every way of starting one: the service's
+settings (env), ``peerlm run-experiment --reward-normaliser`` (recorded in results.json's
+plan, part of the reuse key of CPM runs only) and ``peerlm up --reward-normaliser``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from peerlm.services.cpm import CpmSettings
+from typer.testing import CliRunner
+
+from peerlm.app.cli import app
+from peerlm.app.experiment import ExperimentPlan, _pairing_policy, reusable_runs
+
+NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
+
+
+def test_the_env_selects_the_normaliser(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PEERLM_CPM_REWARD_NORMALISER", "robust")
+    monkeypatch.setenv("PEERLM_CPM_REWARD_WINDOW", "128")
+    s = CpmSettings()
+    assert (s.reward_normaliser, s.reward_window) == ("robust", 128)
+
+
+def test_the_experiment_plan_carries_the_normaliser_to_its_cpm() -> None:
+    plan = ExperimentPlan(cpm_reward_normaliser="robust")
+    assert plan.cpm_settings().reward_normaliser == "robust"
+    config = _pairing_policy("cpm", plan, 0).config()
+    assert (config["reward_normaliser"], config["reward_window"]) == ("robust", 256)
+    assert _pairing_policy("cpm", ExperimentPlan(), 0).config()["reward_normaliser"] == "zscore"
+
+
+def _stored(plan: ExperimentPlan) -> dict[str, Any]:
+    # What run_experiment writes to results.json (its "plan" is asdict(plan)).
+    return {
+        "plan": {**asdict(plan), "strategies": list(plan.strategies), "seeds": list(plan.seeds)},
+        "initial_nll": dict(NLL),
+        "runs": {
+            s: {str(k): {"strategy": s, "seed": k} for k in plan.seeds} for s in plan.strategies
+        },
+    }
+
+
+def test_results_record_the_normaliser_and_reuse_only_matching_cpm_runs() -> None:
+    robust = ExperimentPlan(
+        strategies=("local_plus", "cpm"), seeds=(0,), cpm_reward_normaliser="robust"
+    )
+    stored = _stored(robust)
+    assert stored["plan"]["cpm_reward_normaliser"] == "robust"
+    zscore = ExperimentPlan(strategies=("local_plus", "cpm"), seeds=(0,))
+    assert sorted(reusable_runs(zscore, [stored], NLL)) == [("local_plus", 0)]
+    assert sorted(reusable_runs(robust, [stored], NLL)) == [("cpm", 0), ("local_plus", 0)]
+    # A results.json from before the setting reads as the default, "zscore".
+    old = _stored(zscore)
+    del old["plan"]["cpm_reward_normaliser"]
+    assert sorted(reusable_runs(zscore, [old], NLL)) == [("cpm", 0), ("local_plus", 0)]
+    assert sorted(reusable_runs(robust, [old], NLL)) == [("local_plus", 0)]
+
+
+def test_run_experiment_refuses_an_unknown_normaliser(tmp_path: Path) -> None:
+    """Refused before anything runs (exit 2, nothing written)."""
+    import structlog
+
+    out = tmp_path / "out"
+    saved = structlog.get_config()  # the command repoints structlog at CliRunner's stderr
+    try:
+        result = CliRunner().invoke(
+            app, ["run-experiment", "--out", str(out), "--reward-normaliser", "median"]
+        )
+    finally:
+        structlog.configure(**saved)
+    assert result.exit_code == 2, result.output
+    assert "reward-normaliser" in result.output
+    assert not out.exists()
+
+
+def test_the_synthetic_bench_runs_the_robust_normaliser() -> None:
+    """``linucb-robust`` in bench/cpm.py: the same LinUCB with the robust normaliser, for
+    comparisons on the synthetic federation (run_one only, not in the report's tables)."""
+    from peerlm.bench.cpm import METHODS, RunSpec, make_policy, run_one
+    from peerlm.bench.synthetic import SyntheticFederation
+
+    policy, _ = make_policy("linucb-robust", 0, SyntheticFederation(8, "high", 0))
+    assert policy.config()["reward_normaliser"] == "robust"  # type: ignore[attr-defined]
+    assert "linucb-robust" not in METHODS
+    run = run_one(RunSpec(8, "high", 0, "linucb-robust", 4))
+    assert len(run.regret_curve) == 4 and run.observe_calls > 0
