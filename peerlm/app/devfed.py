@@ -190,7 +190,9 @@ async def _run(
         for name, p in zip(agents, procs, strict=True):
             out = p.stdout.read().decode() if p.stdout else ""
             p.wait()
-            line = out.strip().splitlines()[-1] if out.strip() else "{}"
+            # An agent that printed nothing (killed) gave no report: an error, not an empty
+            # report that would pass for a quiet success.
+            line = out.strip().splitlines()[-1] if out.strip() else ""
             try:
                 reports.append(json.loads(line))
             except json.JSONDecodeError:
@@ -724,6 +726,14 @@ def up_command(
             "removed, in [0, 1) (default 0.5).",
         ),
     ] = None,
+    round_deadline: Annotated[
+        float | None,
+        typer.Option(
+            "--round-deadline",
+            help="With --fedproxy, seconds the owner collects a round's updates before it "
+            "merges what arrived (default 180; round 1 also waits for the members to start).",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
@@ -761,6 +771,10 @@ def up_command(
         raise typer.BadParameter("--proxy-ratio is the FedProxy owner's κ: add --fedproxy")
     if proxy_ratio is not None and not 0 <= proxy_ratio < 1:
         raise typer.BadParameter(f"--proxy-ratio {proxy_ratio}: κ must lie in [0, 1)")
+    if round_deadline is not None and not fedproxy:
+        raise typer.BadParameter("--round-deadline is the FedProxy owner's: add --fedproxy")
+    if round_deadline is not None and not round_deadline > 0:
+        raise typer.BadParameter(f"--round-deadline {round_deadline}: must be positive seconds")
     if fedproxy:
         from peerlm.app.devfed_fedproxy import cohort_names
 
@@ -819,6 +833,7 @@ def up_command(
                 size="micro" if micro else "tiny",
                 family=family or "gpt2",
                 ratio=0.5 if proxy_ratio is None else proxy_ratio,
+                round_deadline_s=round_deadline,
                 console=console,
                 free_port=_free_port,
                 stop_grace_s=RealPlan.stop_grace_s,

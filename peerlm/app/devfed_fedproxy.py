@@ -57,6 +57,7 @@ def prepare_cohort(
     size: str,
     family: str,
     ratio: float,
+    round_deadline_s: float | None = None,
     console: Console | None,
     free_port: Callable[[], int],
     stop_grace_s: float,
@@ -100,7 +101,7 @@ def prepare_cohort(
             "enabled": True,
             "cohort_only": True,
             "rounds": rounds,
-            "round_deadline_s": ROUND_DEADLINE_S,
+            "round_deadline_s": round_deadline_s or ROUND_DEADLINE_S,
             "gate_examples": texts,
             "proxy_path": str(state / "proxy"),
         }
