@@ -271,7 +271,8 @@ def print_cohort_report(console: Console, result: Mapping[str, Any], logs: Path)
         f"KiB sent/received {cohort['owner_bytes_sent'] / 1024:.0f}/"
         f"{cohort['owner_bytes_received'] / 1024:.0f}",
         highlight=False,
+        soft_wrap=True,
     )
     for m in cohort["merges"]:
-        console.print("  " + _merge_line(m), highlight=False)
+        console.print("  " + _merge_line(m), highlight=False, soft_wrap=True)
     console.print(f"logs in {logs}", highlight=False)
