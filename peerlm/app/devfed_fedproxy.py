@@ -91,6 +91,8 @@ def prepare_cohort(
     )
     steps, texts = _PLAN[model_size]
     at = {name: f"127.0.0.1:{free_port()}" for name in names}
+    # Each agent's Prometheus endpoint, to watch the peerlm_agent_fedproxy_* series live.
+    metrics = {name: free_port() for name in names}
     configs = fed.root / "agents"
     configs.mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(names):
@@ -130,10 +132,17 @@ def prepare_cohort(
             "stop_grace_s": stop_grace_s,
             "seed": seed + i,
             "log_format": "json",
+            "metrics_port": metrics[name],
             "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
             "fedproxy": cohort,
         }
         (configs / f"{name}.yaml").write_text(json.dumps(config, indent=2))
+    if console:
+        console.print(
+            "metrics (peerlm_agent_fedproxy_*): "
+            + ", ".join(f"{n} http://127.0.0.1:{port}/metrics" for n, port in metrics.items()),
+            highlight=False,
+        )
 
     def argv(i: int, name: str, target: str) -> list[str]:
         return [

@@ -71,6 +71,8 @@ def test_up_fedproxy_runs_two_cohort_rounds_and_members_pull_the_owners_merges(
     assert owner["fedproxy"]["cohort"] == {n: c["listen"] for n, c in configs.items()}
     assert owner["fedproxy"]["compress_ratio"] == 0.5
     assert all(c["fedproxy"]["owner_address"] == owner["listen"] for c in configs.values())
+    ports = {c["metrics_port"] for c in (owner, *configs.values())}
+    assert len(ports) == 3 and all(isinstance(p, int) and p > 0 for p in ports)
     assert (state / "agents" / "owner" / "fused" / "config.json").is_file()
 
 
