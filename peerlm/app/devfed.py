@@ -625,7 +625,7 @@ def up_command(
             "-n",
             min=2,
             help="Number of agents (default 4; --workflow: one per stage; --fedproxy: the "
-            "owner and its members).",
+            "owner and its members, default 3).",
         ),
     ] = None,
     rounds: Annotated[int, typer.Option("--rounds", "-r", min=1, help="Rounds per agent.")] = 5,
