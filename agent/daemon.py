@@ -536,8 +536,8 @@ class AgentDaemon:
         self.summary.fedproxy = asdict(report)
 
     def _fedproxy_measure_owner(self, fused: Any) -> tuple[float, float]:
-        """The owner's held-out losses (on its model thread's caller, a worker thread):
-        the full model (``fused``, else ``model`` as loaded) and the current global proxy."""
+        """The owner's held-out losses (called on a worker thread, off the event loop): the
+        full model (``fused``, else ``model`` as loaded) and the current global proxy."""
         from transformers import AutoModelForCausalLM
 
         assert self._cohort_loss is not None
