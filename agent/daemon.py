@@ -112,8 +112,10 @@ class AgentSummary:
     # Adapter bytes pulled and served: overlay pulls and CPM merge directives alike.
     overlay_bytes_received: int = 0
     overlay_bytes_sent: int = 0
-    # FedProxy (fedproxy.enabled): cohort rounds this agent completed as owner or member.
+    # FedProxy (fedproxy.enabled): cohort rounds this agent completed as owner or member,
+    # and the cohort report (CohortReport as a dict: bytes, held-out losses, digests, merges).
     fedproxy_rounds: int = 0
+    fedproxy: dict[str, Any] = field(default_factory=dict)
     # Per evaluation slice (eval_slice_files): {"pass1", "struct", "nll", "n"}.
     slices_before: dict[str, dict[str, float]] = field(default_factory=dict)
     slices_after: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -141,6 +143,9 @@ class AgentDaemon:
         self._awaited_round = 0
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
         self.cohort: Any = None  # ProxyOwner or ProxyMember when fedproxy.enabled
+        # The cohort report's held-out loss and how many texts it measures on.
+        self._cohort_loss: Evaluator | None = None
+        self._cohort_texts = 0
         self.fedwave: Any = None  # FedWaveNode when fedwave.workflow is set
         self._expert_loop: Any = None  # its ExpertLoop once the rounds started
 
@@ -371,7 +376,10 @@ class AgentDaemon:
         from peerlm.agent.fedproxy_service import FEDPROXY_POLICY, fedproxy_service
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self._cohort_loss = await self._fedproxy_evaluator()
         if fp.owner:
+            if fp.compress_ratio is not None and not (fp.proxy_path / "config.json").is_file():
+                await self._fedproxy_compress(fp.compress_ratio)
             proxy = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, fp.proxy_path)
             checkpoint = self.s.state_dir / "fedproxy" / "owner-proxy.safetensors"
             self.cohort = ProxyOwner(
@@ -390,7 +398,7 @@ class AgentDaemon:
                 max_length=self.s.max_length,
                 seed=self.s.seed,
             )
-            self.cohort = ProxyMember(self.ctx, fp, trainer)
+            self.cohort = ProxyMember(self.ctx, fp, trainer, evaluate=self._cohort_loss)
         service = self.cohort.service(
             chunk_bytes=self.s.limits.chunk_bytes,
             max_wait_s=fp.round_deadline_s,
@@ -404,6 +412,48 @@ class AgentDaemon:
             rounds=fp.rounds,
         )
         return [(fedproxy_service(service), dict(FEDPROXY_POLICY))]
+
+    async def _fedproxy_compress(self, ratio: float) -> None:
+        """The owner's proxy made at start (``fedproxy.compress_ratio``): its model by Block
+        Influence on the public transfer set, written to ``fedproxy.proxy_path``."""
+        from peerlm.agent.fedproxy_agent import make_owner_proxy
+        from peerlm.agent.tasks.dataset import read_jsonl
+
+        texts = [p.prompt + p.reference for p in read_jsonl(self.s.transfer_file)]
+        kept, influence = await asyncio.to_thread(
+            make_owner_proxy,
+            self.s.model,
+            texts,
+            self.s.fedproxy.proxy_path,
+            ratio,
+            max_length=self.s.max_length,
+        )
+        self.log.info(
+            "fedproxy_compressed",
+            ratio=ratio,
+            kept_blocks=kept,
+            block_influence=[round(v, 6) for v in influence],
+            texts=len(texts),
+            path=str(self.s.fedproxy.proxy_path),
+        )
+
+    async def _fedproxy_evaluator(self) -> Evaluator | None:
+        """The cohort report's held-out loss (owner and member): mean token cross-entropy
+        on the first ``fedproxy.gate_examples`` validation texts, tokenised as the members
+        train; None without validation texts."""
+        from peerlm.agent.fedproxy_member import text_loss
+        from transformers import AutoTokenizer
+
+        texts = [p.prompt + p.reference for p in self.val[: self.s.fedproxy.gate_examples]]
+        self._cohort_texts = len(texts)
+        if not texts:
+            return None
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return text_loss(
+            tokenizer, texts, batch_size=self.s.batch_size, max_length=self.s.max_length
+        )
 
     async def _fedproxy_gate(self) -> Evaluator | None:
         """The owner's acceptance gate: a merged proxy's loss on the first
@@ -431,15 +481,25 @@ class AgentDaemon:
         """Run ``fedproxy.rounds`` cohort rounds beside the agent's own rounds. A member
         ends by keeping the owner's final merge. A failure ends the cohort's part (logged,
         in the summary's errors), not the agent."""
+        from peerlm.agent.fedproxy_agent import CohortReport
+
         fp, cohort = self.s.fedproxy, self.cohort
+        report = CohortReport(
+            role="owner" if fp.owner else "member", heldout_texts=self._cohort_texts
+        )
         try:
             if fp.owner:
+                if self._cohort_loss is not None and cohort.round == 0:
+                    report.heldout_before, report.proxy_before = await asyncio.to_thread(
+                        self._fedproxy_measure_owner, None
+                    )
                 await cohort.start()  # resumes at the checkpointed round
                 while cohort.round <= fp.rounds:
                     await cohort.run_round()
                     self.summary.fedproxy_rounds += 1
-                if fp.fused_path is not None:
-                    await asyncio.to_thread(self._fedproxy_fuse, fp.fused_path)
+                report.heldout_after, report.proxy_after = await asyncio.to_thread(
+                    self._fedproxy_fuse, fp.fused_path
+                )
                 await cohort.linger(fp.round_deadline_s)
             else:
                 t = 0
@@ -452,6 +512,40 @@ class AgentDaemon:
         except Exception as err:  # the cohort's failure is logged, the agent goes on
             self.summary.errors.append(f"fedproxy: {err}")
             self.log.error("fedproxy_failed", error=repr(err))
+        finally:
+            self._fedproxy_report(report)
+
+    def _fedproxy_report(self, report: Any) -> None:
+        """Complete ``report`` from the cohort's records and counters into the summary."""
+        from peerlm.agent.fedproxy_agent import fedproxy_bytes
+
+        cohort = self.cohort
+        report.rounds = self.summary.fedproxy_rounds
+        report.bytes_sent, report.bytes_received = fedproxy_bytes(self.registry)
+        if self.s.fedproxy.owner:
+            report.proxy_sha256 = {str(k): v for k, v in sorted(cohort.published.items())}
+            report.merges = list(cohort.history)
+        else:
+            report.proxy_sha256 = {str(k): v for k, v in sorted(cohort.pulled.items())}
+            report.losses = {str(k): v for k, v in sorted(cohort.losses.items())}
+            if cohort.losses:
+                first, last = min(cohort.losses), max(cohort.losses)
+                report.heldout_before = cohort.losses[first]
+                report.heldout_after = cohort.losses[last] if last > first else None
+        if cohort.info is not None:
+            report.kept_blocks = list(cohort.info.kept_blocks)
+            report.source_layers = int(cohort.info.source_layers)
+        self.summary.fedproxy = asdict(report)
+
+    def _fedproxy_measure_owner(self, fused: Any) -> tuple[float, float]:
+        """The owner's held-out losses (called on a worker thread, off the event loop): the
+        full model (``fused``, else ``model`` as loaded) and the current global proxy."""
+        from transformers import AutoModelForCausalLM
+
+        assert self._cohort_loss is not None
+        full = fused if fused is not None else AutoModelForCausalLM.from_pretrained(self.s.model)
+        proxy = self.cohort.global_proxy()
+        return self._cohort_loss(full), self._cohort_loss(proxy)
 
     async def _fedwave_rounds(self) -> None:
         """The expert round loop (docs/fedwave.md, "The expert round loop"): ``rounds``
@@ -546,17 +640,24 @@ class AgentDaemon:
         self.log.warning("fedwave_round_cut", reason="stop_grace_over")
         return False
 
-    def _fedproxy_fuse(self, out: Path) -> None:
+    def _fedproxy_fuse(self, out: Path | None) -> tuple[float | None, float | None]:
         """The owner's final proxy fused into a fresh copy of its full model, written to
-        ``out`` with the tokenizer (loadable with ``from_pretrained``)."""
+        ``out`` with the tokenizer (loadable with ``from_pretrained``) when set; the fused
+        model's and the final proxy's held-out losses (None without validation texts)."""
         from peerlm.agent.fedproxy_member import save_model_atomic
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if out is None and self._cohort_loss is None:
+            return None, None
         full = AutoModelForCausalLM.from_pretrained(self.s.model)
         changed = self.cohort.fuse(full)
-        save_model_atomic(full, out)
-        AutoTokenizer.from_pretrained(self.s.model).save_pretrained(out)
-        self.log.info("fedproxy_fused", path=str(out), changed_tensors=len(changed))
+        if out is not None:
+            save_model_atomic(full, out)
+            AutoTokenizer.from_pretrained(self.s.model).save_pretrained(out)
+            self.log.info("fedproxy_fused", path=str(out), changed_tensors=len(changed))
+        if self._cohort_loss is None:
+            return None, None
+        return self._fedproxy_measure_owner(full)
 
     # ------------------------------------------------------------ teacher side
 
@@ -735,6 +836,12 @@ class AgentDaemon:
                 # would train the same adapter.
                 await self._fedwave_rounds()
                 return self.summary
+            if cohort is not None and s.fedproxy.cohort_only:
+                # The cohort's rounds only (fedproxy.cohort_only): no CPM-directed rounds,
+                # no evaluation of the adapter those would train.
+                await self._until_stopped(cohort)
+                self.summary.rounds_completed = self.summary.fedproxy_rounds
+                return self.summary
             if self.state["round"] == 0 and not self._stop.is_set():
                 loss, pass1 = await self._evaluate(with_pass=True)
                 self.summary.loss_before, self.summary.pass_at_1_before = loss, pass1
@@ -749,9 +856,7 @@ class AgentDaemon:
             if not self._stop.is_set():
                 self.summary.slices_after = await self._evaluate_slices()
             if cohort is not None:  # the cohort's rounds are bounded by their deadlines
-                stopped = asyncio.ensure_future(self._stop.wait())
-                await asyncio.wait({cohort, stopped}, return_when=asyncio.FIRST_COMPLETED)
-                stopped.cancel()
+                await self._until_stopped(cohort)
         except grpc.aio.AioRpcError as err:
             self.summary.errors.append(f"{err.code().name}: {err.details()}")
             self.log.error("cpm_error", code=err.code().name, detail=err.details())
@@ -763,6 +868,12 @@ class AgentDaemon:
             await self._linger()
         self._count_sent()
         return self.summary
+
+    async def _until_stopped(self, task: asyncio.Task[Any]) -> None:
+        """Wait for ``task`` or :meth:`stop`, whichever comes first."""
+        stopped = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
 
     def _count_sent(self) -> None:
         if self._expert_loop is not None:

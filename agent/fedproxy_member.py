@@ -18,6 +18,7 @@ data; :func:`text_trainer` is full-parameter AdamW on a list of texts.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import time
@@ -172,7 +173,11 @@ def text_loss(
 
 
 class ProxyMember:
-    """A member's rounds: pull from the owner of ``settings``, train with ``trainer``."""
+    """A member's rounds: pull from the owner of ``settings``, train with ``trainer``.
+
+    ``evaluate``: the held-out loss of a proxy on the member's own validation texts
+    (:func:`text_loss`), measured on every pulled proxy before it is trained (``losses``);
+    None: not measured."""
 
     def __init__(
         self,
@@ -181,6 +186,7 @@ class ProxyMember:
         trainer: Trainer,
         *,
         clock: Callable[[], float] = time.monotonic,
+        evaluate: Evaluator | None = None,
     ) -> None:
         if settings.owner or not settings.owner_name or not settings.owner_address:
             raise ValueError("a member needs fedproxy.owner_name and fedproxy.owner_address")
@@ -189,6 +195,13 @@ class ProxyMember:
         self.board = RoundBoard(horizon=None)
         self.info: ProxyInfo | None = None
         self.model: PreTrainedModel | None = None
+        self._evaluate = evaluate
+        #: SHA-256 of every proxy payload pulled (and checked), by round: equal to the
+        #: owner's ``published`` digest of that round.
+        self.pulled: dict[int, str] = {}
+        #: With ``evaluate``: the held-out loss of every pulled proxy, before training, by
+        #: round (the member's own validation texts; what it can see of the merges).
+        self.losses: dict[int, float] = {}
         self._trained = ctx.counter(
             "peerlm_agent_fedproxy_updates_trained_total",
             "Rounds a member trained the proxy in and offered the update to its owner",
@@ -254,6 +267,7 @@ class ProxyMember:
                 "fedproxy_proxy_refused", round=got, reason=err.reason, detail=str(err)
             )
             raise
+        self.pulled[payload.round] = hashlib.sha256(data).hexdigest()
         return payload
 
     async def _take(
@@ -267,6 +281,8 @@ class ProxyMember:
         model = await asyncio.to_thread(build_proxy_model, payload)
         await asyncio.to_thread(save_model_atomic, model, s.proxy_path)
         self.info = payload.info
+        if self._evaluate is not None:
+            self.losses[payload.round] = await asyncio.to_thread(self._evaluate, model)
         return payload, model
 
     async def keep(self, wanted: int, *, wait_s: float | None = None) -> int:

@@ -32,6 +32,7 @@ acceptance gate: a merge that raises the proxy's held-out loss by more than
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -106,6 +107,11 @@ class ProxyOwner:
         self.conflict: dict[str, torch.Tensor] = {}
         self.board = RoundBoard(horizon=1)
         self._opened_at = 0.0
+        #: SHA-256 of every payload this process published, by round: what a member that
+        #: pulled that round holds (the payload travels byte for byte).
+        self.published: dict[int, str] = {}
+        #: One record per round this process closed (``fedproxy_round_merged``'s fields).
+        self.history: list[dict[str, Any]] = []
         reg = ctx.registry
         self._rounds = ctx.counter(
             "peerlm_agent_fedproxy_rounds_total",
@@ -166,6 +172,7 @@ class ProxyOwner:
             shapes = {k: tuple(v.shape) for k, v in self.state.items()}
             saved = decode_proxy(data, shapes, max_bytes=len(data), expected_info=self.info)
             self.state, self.conflict = saved.state, saved.conflict
+            self.published[saved.round] = hashlib.sha256(data).hexdigest()
             await self.board.publish(saved.round, data)
             self._opened_at = self._clock()
             self._ctx.log.info(
@@ -184,6 +191,7 @@ class ProxyOwner:
             )
         if self._checkpoint is not None:  # durable before anyone can pull it
             await asyncio.to_thread(write_atomic, self._checkpoint, payload)
+        self.published[round_] = hashlib.sha256(payload).hexdigest()
         await self.board.publish(round_, payload)
         self._opened_at = self._clock()
         self._ctx.log.info(
@@ -241,18 +249,19 @@ class ProxyOwner:
         kind = "complete" if outcome.complete else ("partial" if outcome.arrived else "empty")
         kind = "rejected" if rejected else kind
         self._rounds.labels(kind).inc()
+        record: dict[str, Any] = {
+            "round": t,
+            "outcome": kind,
+            "merged": list(outcome.arrived),
+            "missing": list(outcome.missing),
+            "refused": dict(outcome.refused),
+            "deadline_passed": outcome.deadline_passed,
+            "weights": weights,
+            "heterogeneity": heterogeneity,
+        }
+        self.history.append(record)
         log = self._ctx.log.info if outcome.complete else self._ctx.log.warning
-        log(
-            "fedproxy_round_merged",
-            round=t,
-            outcome=kind,
-            merged=list(outcome.arrived),
-            missing=list(outcome.missing),
-            refused=outcome.refused,
-            deadline_passed=outcome.deadline_passed,
-            weights=weights,
-            heterogeneity=heterogeneity,
-        )
+        log("fedproxy_round_merged", **record)
         await self._publish(t + 1)
         return outcome
 
@@ -329,6 +338,9 @@ class ProxyOwner:
                 return
             updates[name] = update.state
             self._ctx.log.info("fedproxy_update_received", round=t, peer=name, bytes=len(data))
+            # Delivered: done with this member for the round (without this return the loop
+            # pulled and decoded its update again while another member was still pending).
+            return
 
     def _over_norm(self, update: dict[str, torch.Tensor]) -> str | None:
         """Why ``update`` is over the norm bound, or None (on a worker thread). The current
@@ -364,6 +376,10 @@ class ProxyOwner:
         """Write the current global proxy into ``full``, the model it was compressed from,
         in place (plug-in fusion, Section 4.3); the keys of ``full`` that changed."""
         return fuse_into(full, proxy_from(self._config, self.state))
+
+    def global_proxy(self) -> PreTrainedModel:
+        """The current global proxy ``φ`` as a model (a fresh copy, in eval mode)."""
+        return proxy_from(self._config, self.state)
 
     def global_state(self) -> Mapping[str, torch.Tensor]:
         """The current global proxy ``φ`` (what the last round published)."""

@@ -120,6 +120,16 @@ class FedProxySettings(Section):
     owner_address: str | None = None
     # Owner: the proxy directory (from_pretrained). Members: where the pulled proxy is kept.
     proxy_path: Path = Path("state/proxy")
+    # Owner: when set and ``proxy_path`` holds no model yet, the owner makes its proxy at
+    # start: its ``model`` compressed by Block Influence on the public transfer set
+    # (``transfer_file``, prompt + reference) at this ratio κ, the share of blocks removed
+    # (what ``peerlm models compress --ratio`` does), written to ``proxy_path``. None: the
+    # proxy must be there.
+    compress_ratio: float | None = Field(default=None, ge=0, lt=1)
+    # The agent plays only the cohort's rounds, none directed by the CPM (``rounds`` is not
+    # played), as a FedWave expert plays only FedWave rounds; what ``peerlm up --fedproxy``
+    # writes. False: the cohort's rounds run beside the agent's own.
+    cohort_only: bool = False
     # Owner: where the final global proxy, fused into the full model (Section 4.3), is
     # written after the last round (a model folder); None: not written.
     fused_path: Path | None = None
@@ -179,9 +189,10 @@ class FedProxySettings(Section):
                 raise ValueError(
                     "fedproxy.owner_name/owner_address are a member's settings; an owner has none"
                 )
-        elif self.fused_path is not None:
+        elif self.fused_path is not None or self.compress_ratio is not None:
             raise ValueError(
-                "fedproxy.fused_path is an owner's setting (members hold no full model)"
+                "fedproxy.fused_path and fedproxy.compress_ratio are an owner's settings "
+                "(members hold no full model)"
             )
         elif self.owner_name is None or self.owner_address is None:
             raise ValueError(

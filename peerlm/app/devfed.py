@@ -193,7 +193,9 @@ async def _run(
         for name, p in zip(agents, procs, strict=True):
             out = p.stdout.read().decode() if p.stdout else ""
             p.wait()
-            line = out.strip().splitlines()[-1] if out.strip() else "{}"
+            # An agent that printed nothing (killed) gave no report: an error, not an empty
+            # report that would pass for a quiet success.
+            line = out.strip().splitlines()[-1] if out.strip() else ""
             try:
                 reports.append(json.loads(line))
             except json.JSONDecodeError:
@@ -606,11 +608,27 @@ def _print_report(console: Console, result: dict[str, Any]) -> None:
         console.print(_vertical(result), highlight=False, soft_wrap=True)
 
 
+def _refuse_with_fedproxy(**given: bool) -> None:
+    """--fedproxy runs model-hosting cohort agents that play only the cohort's rounds: the
+    options of the CPM-directed, overlay, FedWave and simulated federations mean nothing
+    there, and --resume is not offered (each run starts a new cohort)."""
+    wrong = [f"--{name.replace('_', '-')}" for name, set_ in given.items() if set_]
+    if wrong:
+        raise typer.BadParameter(
+            f"--fedproxy runs a FedProxy cohort (an owner and its members, cohort rounds "
+            f"only): leave out {', '.join(wrong)}"
+        )
+
+
 def up_command(
     agents: Annotated[
         int | None,
         typer.Option(
-            "--agents", "-n", min=2, help="Number of agents (default 4; --workflow: one per stage)."
+            "--agents",
+            "-n",
+            min=2,
+            help="Number of agents (default 4; --workflow: one per stage; --fedproxy: the "
+            "owner and its members, default 3).",
         ),
     ] = None,
     rounds: Annotated[int, typer.Option("--rounds", "-r", min=1, help="Rounds per agent.")] = 5,
@@ -701,6 +719,32 @@ def up_command(
             "mTLS and aggregating the router each round (docs/fedwave.md).",
         ),
     ] = False,
+    fedproxy: Annotated[
+        bool,
+        typer.Option(
+            "--fedproxy",
+            help="A FedProxy cohort instead: agent 'owner' holds the full model (--family, "
+            "default gpt2), compresses it to a proxy by Block Influence and runs --rounds "
+            "cohort rounds with the other agents as its members (pull the proxy, train it "
+            "with PCR, the owner merges by H-TIES) over mTLS (docs/fedproxy.md).",
+        ),
+    ] = False,
+    proxy_ratio: Annotated[
+        float | None,
+        typer.Option(
+            "--proxy-ratio",
+            help="With --fedproxy, the compression ratio κ: the share of the owner's blocks "
+            "removed, in [0, 1) (default 0.5).",
+        ),
+    ] = None,
+    round_deadline: Annotated[
+        float | None,
+        typer.Option(
+            "--round-deadline",
+            help="With --fedproxy, seconds the owner collects a round's updates before it "
+            "merges what arrived (default 180; round 1 also waits for the members to start).",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
@@ -736,7 +780,30 @@ def up_command(
         raise typer.BadParameter("--co-sender-scoring group needs --merge-senders > 1")
     if reward_normaliser not in ("zscore", "robust"):
         raise typer.BadParameter("--reward-normaliser must be 'zscore' or 'robust'")
-    if workflow:
+    if proxy_ratio is not None and not fedproxy:
+        raise typer.BadParameter("--proxy-ratio is the FedProxy owner's κ: add --fedproxy")
+    if proxy_ratio is not None and not 0 <= proxy_ratio < 1:
+        raise typer.BadParameter(f"--proxy-ratio {proxy_ratio}: κ must lie in [0, 1)")
+    if round_deadline is not None and not fedproxy:
+        raise typer.BadParameter("--round-deadline is the FedProxy owner's: add --fedproxy")
+    if round_deadline is not None and not round_deadline > 0:
+        raise typer.BadParameter(f"--round-deadline {round_deadline}: must be positive seconds")
+    if fedproxy:
+        from peerlm.app.devfed_fedproxy import cohort_names
+
+        _refuse_with_fedproxy(
+            simulated=simulated,
+            overlay=overlay,
+            workflow=workflow,
+            resume=resume,
+            protocols=menu != ("akd",),
+            reward=reward != RealPlan.reward,
+            aggregation=aggregation != "pmix",
+            merge_senders=merge_senders != 1,
+            heterogeneity=heterogeneity != "high",
+        )
+        names = cohort_names(agents if agents is not None else 3)
+    elif workflow:
         from peerlm.app.devfed_workflow import WORKFLOW_AGENTS
 
         if simulated or overlay or menu != ("akd",) or resume or reward != RealPlan.reward:
@@ -765,9 +832,26 @@ def up_command(
         console.print(
             f"[bold]peerlm up[/]: {len(names)} agents, {rounds} rounds, state in {state_dir}"
             + (" (FedWave workflow: " + " → ".join(names) + ")" if workflow else "")
+            + (f" (FedProxy cohort: {names[0]} and {len(names) - 1} members)" if fedproxy else "")
         )
     try:
-        if workflow:
+        if fedproxy:
+            from peerlm.app.devfed_fedproxy import prepare_cohort
+
+            argv = prepare_cohort(
+                fed,
+                names,
+                rounds,
+                seed,
+                size="micro" if micro else "tiny",
+                family=family or "gpt2",
+                ratio=0.5 if proxy_ratio is None else proxy_ratio,
+                round_deadline_s=round_deadline,
+                console=console,
+                free_port=_free_port,
+                stop_grace_s=RealPlan.stop_grace_s,
+            )
+        elif workflow:
             from peerlm.app.devfed_workflow import prepare_workflow
 
             argv = prepare_workflow(
@@ -792,10 +876,12 @@ def up_command(
             )
             argv = _prepare_real(fed, names, rounds, seed, plan, console)
         round_of = None
-        if workflow:
+        if workflow or fedproxy:
             from peerlm.app.devfed_workflow import LogRounds
 
-            round_of = LogRounds(fed.logs, "fedwave_round_done")
+            # The owner's rounds closed, the members' rounds trained; FedWave's rounds done.
+            events = ("fedproxy_round_merged", "fedproxy_update_ready")
+            round_of = LogRounds(fed.logs, events if fedproxy else "fedwave_round_done")
         result = asyncio.run(
             _run(
                 fed,
@@ -831,8 +917,17 @@ def up_command(
             "rounds_played": played,
             "stages": stage_scores(result["agents"]),
         }
+        result["fedwave"] = {"rounds_same_router": agreed, "rounds_played": played}
+    if fedproxy:
+        from peerlm.app.devfed_fedproxy import cohort_summary
+
+        result["fedproxy"] = cohort_summary(result["agents"])
     if as_json:
         typer.echo(json.dumps(result))
+    elif fedproxy:
+        from peerlm.app.devfed_fedproxy import print_cohort_report
+
+        print_cohort_report(Console(), result, fed.logs)
     elif workflow:
         print_workflow_report(Console(), result, fed.logs)
     else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,11 +45,12 @@ ROUND_DEADLINE_S = 180.0
 
 class LogRounds:
     """An agent's last round from its JSON log (``<logs>/<agent>.log``): the highest
-    ``round`` of the ``event`` lines read so far; each call reads only the new lines."""
+    ``round`` of the lines of ``events`` (one event name or several) read so far; each call
+    reads only the new lines."""
 
-    def __init__(self, logs: Path, event: str) -> None:
+    def __init__(self, logs: Path, events: str | Collection[str]) -> None:
         self._logs = logs
-        self._event = event
+        self._events = frozenset({events} if isinstance(events, str) else events)
         self._offsets: dict[str, int] = {}
         self._rounds: dict[str, int] = {}
 
@@ -68,7 +69,7 @@ class LogRounds:
                 entry = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(entry, dict) and entry.get("event") == self._event:
+            if isinstance(entry, dict) and entry.get("event") in self._events:
                 found = entry.get("round")
                 if isinstance(found, int):
                     self._rounds[agent] = max(self._rounds.get(agent, 0), found)

@@ -80,3 +80,16 @@ def test_log_rounds_reads_new_complete_lines_only(tmp_path: Path) -> None:
     with log.open("a") as handle:
         handle.write("\n")
     assert rounds("a") == 2
+
+
+def test_log_rounds_follows_several_events(tmp_path: Path) -> None:
+    """`up --fedproxy` reads the owner's merged rounds and the members' trained ones."""
+    rounds = LogRounds(tmp_path, ("fedproxy_round_merged", "fedproxy_update_ready"))
+    (tmp_path / "owner.log").write_text(
+        json.dumps({"event": "fedproxy_round_merged", "round": 2}) + "\n"
+        + json.dumps({"event": "fedproxy_round_published", "round": 3}) + "\n"
+    )  # fmt: skip
+    (tmp_path / "m.log").write_text(
+        json.dumps({"event": "fedproxy_update_ready", "round": 1}) + "\n"
+    )
+    assert (rounds("owner"), rounds("m")) == (2, 1)
