@@ -441,13 +441,20 @@ class AgentDaemon:
         """The cohort report's held-out loss (owner and member): mean token cross-entropy
         on the first ``fedproxy.gate_examples`` validation texts, tokenised as the members
         train; None without validation texts."""
+        texts = self._gate_texts()
+        self._cohort_texts = len(texts)
+        return await self._text_loss(texts) if texts else None
+
+    def _gate_texts(self) -> list[str]:
+        """The first ``fedproxy.gate_examples`` validation texts (prompt + reference)."""
+        return [p.prompt + p.reference for p in self.val[: self.s.fedproxy.gate_examples]]
+
+    async def _text_loss(self, texts: list[str]) -> Evaluator:
+        """Mean token cross-entropy on ``texts`` under the model's tokenizer (which a proxy
+        shares), batched and truncated as the agent trains."""
         from peerlm.agent.fedproxy_member import text_loss
         from transformers import AutoTokenizer
 
-        texts = [p.prompt + p.reference for p in self.val[: self.s.fedproxy.gate_examples]]
-        self._cohort_texts = len(texts)
-        if not texts:
-            return None
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -460,22 +467,14 @@ class AgentDaemon:
         ``fedproxy.gate_examples`` validation texts (prompt + reference, tokenised with the
         model's tokenizer, which the proxy shares); None when the gate is off or there is no
         validation text (logged: merges then pass on the norm bound alone)."""
-        from peerlm.agent.fedproxy_member import text_loss
-        from transformers import AutoTokenizer
-
         fp = self.s.fedproxy
-        texts = [p.prompt + p.reference for p in self.val[: fp.gate_examples]]
+        texts = self._gate_texts()
         if fp.acceptance_margin is None or not texts:
             self.log.warning(
                 "fedproxy_gate_off", margin=fp.acceptance_margin, validation_texts=len(texts)
             )
             return None
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return text_loss(
-            tokenizer, texts, batch_size=self.s.batch_size, max_length=self.s.max_length
-        )
+        return await self._text_loss(texts)
 
     async def _fedproxy_rounds(self) -> None:
         """Run ``fedproxy.rounds`` cohort rounds beside the agent's own rounds. A member

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from peerlm.app.agent_launch import agent_argv
 from peerlm.node import NodeContext
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
@@ -520,13 +521,7 @@ def _prepare_real(
             }
         (configs / f"{name}.yaml").write_text(json.dumps(config, indent=2))
 
-    def argv(i: int, name: str, target: str) -> list[str]:
-        return [
-            sys.executable, "-m", "peerlm", "agent", "--config", str(configs / f"{name}.yaml"),
-            "--cpm", target,
-        ]  # fmt: skip
-
-    return argv
+    return agent_argv(configs)
 
 
 def _write_public_pairs(data_dir: Path, world: Any) -> Path:

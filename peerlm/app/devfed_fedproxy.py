@@ -19,12 +19,14 @@ on held-out problems of the world's *public* categories, nobody's private data.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from rich.console import Console
+
+from peerlm.app.agent_launch import agent_argv
+from peerlm.app.report_rows import print_rows
 
 __all__ = [
     "OWNER",
@@ -144,13 +146,7 @@ def prepare_cohort(
             highlight=False,
         )
 
-    def argv(i: int, name: str, target: str) -> list[str]:
-        return [
-            sys.executable, "-m", "peerlm", "agent", "--config", str(configs / f"{name}.yaml"),
-            "--cpm", target,
-        ]  # fmt: skip
-
-    return argv
+    return agent_argv(configs)
 
 
 def _absences(merges: list[Mapping[str, Any]], member: str) -> list[str]:
@@ -250,8 +246,6 @@ def _merge_line(m: Mapping[str, Any]) -> str:
 def print_cohort_report(console: Console, result: Mapping[str, Any], logs: Path) -> None:
     """The final report: one row per member (a block per member on narrow consoles), then
     the owner's losses and merges."""
-    from rich.table import Table
-
     cohort = result["fedproxy"]
     rows = _member_rows(cohort)
     title = (
@@ -259,19 +253,7 @@ def print_cohort_report(console: Console, result: Mapping[str, Any], logs: Path)
         f"{result.get('seconds')} s; proxy = blocks {cohort['kept_blocks']} of "
         f"{cohort['source_layers']}"
     )
-    if console.is_terminal and console.width >= 120 and rows:
-        table = Table(title=title)
-        for label in rows[0]:
-            table.add_column(label, justify="left" if label in ("member", "errors") else "right")
-        for row in rows:
-            table.add_row(*row.values())
-        console.print(table)
-    else:
-        lines = [title]
-        for row in rows:
-            lines.append(f"{row['member']}:")
-            lines += [f"  {k:<16} {v}" for k, v in row.items() if k != "member"]
-        console.print("\n".join(lines), highlight=False, soft_wrap=True)
+    print_rows(console, title, rows, "member", left=("errors",), label_width=16)
     n = cohort["owner_heldout_texts"]
     console.print(
         f"owner: on {n} public held-out texts, full model "

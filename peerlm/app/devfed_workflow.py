@@ -17,12 +17,14 @@ row per stage, and :func:`stage_scores` gives the scores for ``--json``.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from rich.console import Console
+
+from peerlm.app.agent_launch import agent_argv
+from peerlm.app.report_rows import print_rows
 
 __all__ = [
     "WORKFLOW_AGENTS",
@@ -182,13 +184,7 @@ def prepare_workflow(
         }
         (configs / f"{agent}.yaml").write_text(json.dumps(config, indent=2))
 
-    def argv(i: int, name: str, target: str) -> list[str]:
-        return [
-            sys.executable, "-m", "peerlm", "agent", "--config", str(configs / f"{name}.yaml"),
-            "--cpm", target,
-        ]  # fmt: skip
-
-    return argv
+    return agent_argv(configs)
 
 
 def router_agreement(reports: list[Mapping[str, Any]]) -> tuple[int, int]:
@@ -270,23 +266,9 @@ def workflow_rows(result: Mapping[str, Any]) -> list[dict[str, str]]:
 
 def print_workflow_report(console: Console, result: Mapping[str, Any], logs: Path) -> None:
     """The final per-stage table (a vertical block per stage on narrow consoles)."""
-    from rich.table import Table
-
     rows = workflow_rows(result)
     title = f"peerlm FedWave workflow: {result.get('rounds')} rounds in {result.get('seconds')} s"
-    if console.is_terminal and console.width >= 120 and rows:
-        table = Table(title=title)
-        for label in rows[0]:
-            table.add_column(label, justify="left" if label in ("stage", "agent") else "right")
-        for row in rows:
-            table.add_row(*row.values())
-        console.print(table)
-    else:
-        lines = [title]
-        for row in rows:
-            lines.append(f"{row['stage']}:")
-            lines += [f"  {k:<14} {v}" for k, v in row.items() if k != "stage"]
-        console.print("\n".join(lines), highlight=False, soft_wrap=True)
+    print_rows(console, title, rows, "stage", left=("agent",))
     agreed, played = router_agreement(list(result.get("agents", [])))
     console.print(
         f"router: every agent ended {agreed} of {played} rounds with the same bits; "
