@@ -1,0 +1,91 @@
+"""A FedWave expert's adapter leaves it only over the FedWave exchange (hostile-member audit).
+
+The expert's LoRA adapter is trained on its stage's private examples. The FedWave exchange
+serves it only to the agents of the workflow's other stages (``decide_pull``), but the same
+peer port also serves ``PeerExchange.PullAdapter``, which answers *any* authenticated agent
+with the host's current adapter (the overlay's and the merge directives' pulls need that). A
+FedWave expert takes part in neither, so without a gate any member of the federation, inside
+the workflow or not, could pull the expert's adapter round by round there.
+
+A real ``peerlm agent`` process (micro gpt2, agent a1 of the workflow, its peers never
+listen) and real mTLS callers: an outsider (a federation member outside the workflow) and a2
+(an agent of another stage of the workflow) both ask ``PullAdapter``; both are refused
+PERMISSION_DENIED, counted in ``peerlm_agent_peer_refusals_total{rpc="PullAdapter",
+reason="fedwave_expert"}``, and no adapter byte is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+from peerlm.wire.v1 import peer_pb2, peer_pb2_grpc
+
+from peerlm.pki.ca import issue_certificate
+from peerlm.pki.identity import Role
+from tests.integration.test_fedwave_agents import _events, _lone_expert, _wait_for
+from tests.node_contexts import kit_context
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _pull_adapter(pki: Path, name: str, endpoint: str) -> tuple[grpc.StatusCode, int]:
+    """``name``'s PullAdapter at ``endpoint``: (status code, adapter bytes received)."""
+
+    async def pull() -> tuple[grpc.StatusCode, int]:
+        received = 0
+        async with kit_context(pki, name).dial(endpoint) as peer:
+            stub = peer_pb2_grpc.PeerExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
+            try:
+                async for chunk in stub.PullAdapter(
+                    peer_pb2.PullAdapterRequest(round=0), timeout=20
+                ):
+                    received += len(chunk.data)
+            except grpc.aio.AioRpcError as err:
+                return err.code(), received
+        return grpc.StatusCode.OK, received
+
+    return asyncio.run(pull())
+
+
+def test_a_fedwave_experts_adapter_is_not_served_by_pull_adapter(tmp_path: Path) -> None:
+    proc, log, cpm = _lone_expert(
+        tmp_path, {"rounds": 3, "stop_grace_s": 1}, {"round_deadline_s": 600}
+    )
+    pki = tmp_path / "pki"
+    issue_certificate(pki, Role.AGENT, "outsider", sans=["127.0.0.1"])
+    endpoint = json.loads((tmp_path / "a1.yaml").read_text())["listen"]
+    try:
+        _wait_for(
+            lambda: (
+                any(e.get("event") == "agent_ready" for e in _events(log))
+                or proc.poll() is not None
+            ),
+            180,
+            "agent ready",
+        )
+        assert proc.poll() is None, log.read_text()[-3000:]
+        results = {name: _pull_adapter(pki, name, endpoint) for name in ("outsider", "a2")}
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cpm.terminate()
+    assert results == {
+        "outsider": (grpc.StatusCode.PERMISSION_DENIED, 0),
+        "a2": (grpc.StatusCode.PERMISSION_DENIED, 0),
+    }
+    refused = [
+        e
+        for e in _events(log)
+        if e.get("event") == "peer_request_refused" and e.get("rpc") == "PullAdapter"
+    ]
+    assert sorted(e["peer"] for e in refused) == ["a2", "outsider"]
+    assert {e["reason"] for e in refused} == {"fedwave_expert"}
+    assert not any(e.get("event") == "adapter_sent" for e in _events(log))
