@@ -606,6 +606,8 @@ class AgentDaemon:
             adapter_state=self.host.adapter_state,
             load_adapter=self.host.load_adapter_state,
             encoded_adapter=lambda: self.host.encoded_adapter().data,
+            # Only the last round's parts carry the adapter (the assembly's); 0: no last.
+            final_round=s.rounds or None,
         )
         self._expert_loop = loop
         t = 0

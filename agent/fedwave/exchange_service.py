@@ -148,9 +148,7 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
         rpc, caller = "PullPart", current_identity().name
         round_ = int(request.round)
         kind = _WIRE_KINDS.get(request.kind)
-        decision = decide_pull(
-            self._workflow, caller, self._store, round_, kind, me=self._me
-        )
+        decision = decide_pull(self._workflow, caller, self._store, round_, kind, me=self._me)
         if isinstance(decision, PullRefusal):
             await self._refuse(context, rpc, decision, caller, round_)
         assert kind is not None  # decide_pull refuses an unknown kind

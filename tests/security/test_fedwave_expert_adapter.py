@@ -89,3 +89,65 @@ def test_a_fedwave_experts_adapter_is_not_served_by_pull_adapter(tmp_path: Path)
     assert sorted(e["peer"] for e in refused) == ["a2", "outsider"]
     assert {e["reason"] for e in refused} == {"fedwave_expert"}
     assert not any(e.get("event") == "adapter_sent" for e in _events(log))
+
+
+def _pull_part(pki: Path, name: str, endpoint: str, round_: int) -> tuple[grpc.StatusCode, int]:
+    """``name``'s FedWave PullPart of the adapter of ``round_``: (status code, bytes)."""
+    from peerlm.wire.v1 import fedwave_pb2, fedwave_pb2_grpc
+
+    async def pull() -> tuple[grpc.StatusCode, int]:
+        received = 0
+        async with kit_context(pki, name).dial(endpoint) as peer:
+            stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
+            request = fedwave_pb2.PullPartRequest(round=round_, kind=fedwave_pb2.PART_KIND_ADAPTER)
+            try:
+                async for chunk in stub.PullPart(request, timeout=20):
+                    received += len(chunk.data)
+            except grpc.aio.AioRpcError as err:
+                return err.code(), received
+        return grpc.StatusCode.OK, received
+
+    return asyncio.run(pull())
+
+
+def test_only_the_last_rounds_adapter_is_published(tmp_path: Path) -> None:
+    """The other stages assemble π_SFT from the expert's *last* adapter; the adapters of
+    the rounds before would give them its training step by step (one round's update is a
+    round's gradients on the stage's private examples). a1 plays 2 rounds with the
+    assembly on; once round 2 is done, a2 (another stage, entitled to the expert) asks
+    for the adapter of round 1 (still kept: the newest 2 rounds are) and of round 2:
+    round 1 has none (NOT_FOUND, ``no_part``), round 2's is served."""
+    proc, log, cpm = _lone_expert(
+        tmp_path,
+        {"rounds": 2, "batch_size": 4, "max_length": 128, "stop_grace_s": 1},
+        {
+            "round_deadline_s": 2,
+            "assembly": {"enabled": True, "deadline_s": 60, "dpo_steps": 0, "max_new_tokens": 4},
+        },
+    )
+    pki = tmp_path / "pki"
+    endpoint = json.loads((tmp_path / "a1.yaml").read_text())["listen"]
+    try:
+        _wait_for(
+            lambda: (
+                any(
+                    e.get("event") == "fedwave_round_done" and e.get("round") == 2
+                    for e in _events(log)
+                )
+                or proc.poll() is not None
+            ),
+            240,
+            "round 2 done",
+        )
+        assert proc.poll() is None, log.read_text()[-3000:]
+        # The assembly's pulls now wait up to 60 s for the (absent) other stages.
+        results = {t: _pull_part(pki, "a2", endpoint, t) for t in (1, 2)}
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cpm.terminate()
+    assert results[1] == (grpc.StatusCode.NOT_FOUND, 0)
+    assert results[2][0] == grpc.StatusCode.OK and results[2][1] > 0
