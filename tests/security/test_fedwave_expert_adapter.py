@@ -23,10 +23,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from peerlm.wire.v1 import peer_pb2, peer_pb2_grpc
 
 from peerlm.pki.ca import issue_certificate
 from peerlm.pki.identity import Role
+from peerlm.wire.v1 import peer_pb2, peer_pb2_grpc
 from tests.integration.test_fedwave_agents import _events, _lone_expert, _wait_for
 from tests.node_contexts import kit_context
 

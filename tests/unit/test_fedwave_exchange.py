@@ -102,9 +102,7 @@ def test_an_adapter_is_served_only_to_the_other_stages() -> None:
     same = decide_pull(WORKFLOW, "a2", store, 5, PartKind.ADAPTER, me="a1")
     assert isinstance(same, PullRefusal)
     assert (same.status, same.reason) == ("PERMISSION_DENIED", "same_stage")
-    assert decide_pull(WORKFLOW, "a2", store, 5, PartKind.ROUTER, me="a1") == HashedPayload.of(
-        b"r"
-    )
+    assert decide_pull(WORKFLOW, "a2", store, 5, PartKind.ROUTER, me="a1") == HashedPayload.of(b"r")
     for other in ("a3", "a4"):
         got = decide_pull(WORKFLOW, other, store, 5, PartKind.ADAPTER, me="a1")
         assert got == HashedPayload.of(b"lora")
