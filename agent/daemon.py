@@ -323,6 +323,18 @@ class AgentDaemon:
             log=self.log,
             signer=self.ctx.signer,
             streamer=streamer,
+            # A FedWave expert's adapter (trained on its stage's private examples) leaves
+            # only over the FedWave exchange, to the agents of the workflow's other stages
+            # (decide_pull); PullAdapter would hand it to any member of the federation.
+            adapter_closed=(
+                (
+                    "fedwave_expert",
+                    "this agent is a FedWave expert: its adapter is served only over "
+                    "FedWaveExchange, to the agents of its workflow's other stages",
+                )
+                if s.fedwave.enabled
+                else None
+            ),
         )
         extra = await self._fedproxy_services(streamer)
         if s.fedwave.enabled:
@@ -593,6 +605,8 @@ class AgentDaemon:
             adapter_state=self.host.adapter_state,
             load_adapter=self.host.load_adapter_state,
             encoded_adapter=lambda: self.host.encoded_adapter().data,
+            # Only the last round's parts carry the adapter (the assembly's); 0: no last.
+            final_round=s.rounds or None,
         )
         self._expert_loop = loop
         t = 0

@@ -10,7 +10,10 @@ share one build), streamed with :func:`~peerlm.chunks.iter_chunks`.
 
 ``PullAdapter``: any authenticated agent may pull this agent's current adapter (round 0 =
 latest, else exactly that round) as safetensors; ``NOT_FOUND`` when there is none. The
-first chunk's content type names the round sent (``...; round=N``).
+first chunk's content type names the round sent (``...; round=N``). An agent whose adapter
+must not leave by this method (``adapter_closed``: a FedWave expert, whose adapter is served
+only over the FedWave exchange to the workflow's other stages) refuses every pull with
+PERMISSION_DENIED, counted under the given reason, before anything is encoded or sent.
 
 Both methods stream through the peer port's :class:`~peerlm.agent.peer_stream.PeerStreamer`
 (the send budget shared with FedProxy's and FedWave's services on the same port,
@@ -127,6 +130,8 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
     Up to ``cache_entries`` built packages are kept (least recently used evicted first).
     ``streamer`` streams under the peer port's send budget (module docstring); None: one of
     this service's own with the default :class:`~peerlm.agent.settings.PeerSendSettings`.
+    ``adapter_closed``: ``(reason, message)`` to refuse every ``PullAdapter`` with
+    (PERMISSION_DENIED, counted under ``reason``); None: the adapter is served.
     """
 
     def __init__(
@@ -143,6 +148,7 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         cache_entries: int = 4,
         signer: ProofSigner | None = None,
         streamer: PeerStreamer | None = None,
+        adapter_closed: tuple[str, str] | None = None,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -154,6 +160,8 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         self._chunk_bytes = chunk_bytes
         self._max_package = max_package_bytes
         self._max_adapter = max_adapter_bytes
+        # (reason, message): every PullAdapter refused (module docstring); None: served.
+        self._adapter_closed = adapter_closed
         self._cache_entries = cache_entries
         self._signer = signer
         self._builds: collections.OrderedDict[str, asyncio.Future[HashedPayload]] = (
@@ -264,6 +272,11 @@ class PeerExchangeService(peer_pb2_grpc.PeerExchangeServicer):
         self, request: peer_pb2.PullAdapterRequest, context: ServicerContext
     ) -> None:
         rpc, caller = "PullAdapter", current_identity().name
+        if self._adapter_closed is not None:
+            reason, message = self._adapter_closed
+            await self._refuse(
+                context, rpc, grpc.StatusCode.PERMISSION_DENIED, reason, message, caller
+            )
         wanted = int(request.round)
         found = await self._adapter_provider(wanted)
         if found is None or (wanted and found[0] != wanted):

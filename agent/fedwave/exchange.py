@@ -175,12 +175,23 @@ class PartStore:
 
 
 def decide_pull(
-    workflow: Workflow, caller: str, store: PartStore, round_: int, kind: PartKind | None
+    workflow: Workflow,
+    caller: str,
+    store: PartStore,
+    round_: int,
+    kind: PartKind | None,
+    *,
+    me: str,
 ) -> HashedPayload | PullRefusal:
     """Admission and lookup of one pull: the payload to stream, or the refusal.
 
-    ``caller`` is the certificate name of the caller (never a message field); ``kind`` None
-    is an unknown or unspecified wire value.
+    ``caller`` is the certificate name of the caller (never a message field); ``me`` the
+    serving agent; ``kind`` None is an unknown or unspecified wire value. An adapter is
+    served only to the agents of the *other* stages (``same_stage``): they are the ones
+    that assemble π_SFT with it (:func:`plan_expert_pulls`), and an agent of our own stage
+    stands for that stage with its own expert, so it has no use for ours (a same-stage
+    member is the likeliest competitor for the same data, and would otherwise get our
+    adapter round by round).
     """
     if caller not in workflow.agents:
         return PullRefusal(
@@ -193,6 +204,15 @@ def decide_pull(
         return PullRefusal(
             "INVALID_ARGUMENT", "bad_kind", "kind must be ROUTER, VCLAYER or ADAPTER"
         )
+    if kind is PartKind.ADAPTER and caller != me:
+        own = workflow.stage_of(me).name
+        if workflow.stage_of(caller).name == own:
+            return PullRefusal(
+                "PERMISSION_DENIED",
+                "same_stage",
+                f"{caller!r} is of this agent's own stage ({own}); an expert's adapter is "
+                "served only to the agents of the other stages, for their assembly of pi_SFT",
+            )
     return store.get(round_, kind)
 
 

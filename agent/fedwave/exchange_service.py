@@ -7,7 +7,8 @@ its certificate (``current_identity()``, set by
 the decision's status with its message and counts in
 ``peerlm_agent_fedwave_refusals_total{rpc, reason}``: ``not_in_workflow``
 (PERMISSION_DENIED), ``not_yet`` (UNAVAILABLE: the round is not published; the client
-retries until its deadline), ``gone`` / ``no_part`` (NOT_FOUND), ``bad_kind``
+retries until its deadline), ``gone`` / ``no_part`` (NOT_FOUND), ``same_stage``
+(PERMISSION_DENIED: an adapter asked for by an agent of our own stage), ``bad_kind``
 (INVALID_ARGUMENT), ``too_large`` (RESOURCE_EXHAUSTED: a part over this agent's own bound).
 A served part is streamed in chunks (:func:`~peerlm.chunks.iter_chunks`) after a sender
 proof in the initial metadata (kind ``fedwave-router``, ``fedwave-vclayer`` or
@@ -147,7 +148,7 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
         rpc, caller = "PullPart", current_identity().name
         round_ = int(request.round)
         kind = _WIRE_KINDS.get(request.kind)
-        decision = decide_pull(self._workflow, caller, self._store, round_, kind)
+        decision = decide_pull(self._workflow, caller, self._store, round_, kind, me=self._me)
         if isinstance(decision, PullRefusal):
             await self._refuse(context, rpc, decision, caller, round_)
         assert kind is not None  # decide_pull refuses an unknown kind

@@ -16,8 +16,10 @@ Metrics (beside the exchange's own): ``peerlm_agent_fedwave_rounds_total{outcome
 ``peerlm_agent_fedwave_train_loss`` (the last round's final step loss) and
 ``peerlm_agent_fedwave_heldout_loss`` (the expert's held-out SFT loss when measured).
 
-With ``fedwave.assembly.enabled`` each round's parts include the expert's LoRA adapter,
-and after the last round :meth:`ExpertLoop.assemble` pulls the other stages' experts
+With ``fedwave.assembly.enabled`` the last round's parts (``final_round``) include the
+expert's LoRA adapter (only the last's: the others assemble from it, and the adapters of
+earlier rounds would hand them the expert's training round by round), and after the last
+round :meth:`ExpertLoop.assemble` pulls the other stages' experts
 (adapter and VCLayer, under ``fedwave.assembly.deadline_s``), assembles π_SFT behind the
 aggregated router, runs the DPO phase and scores the models
 (:mod:`~peerlm.agent.fedwave.expert_assembly`). Its metrics:
@@ -130,7 +132,11 @@ class ExpertLoop:
         adapter_state: Callable[[], dict[str, Any]] | None = None,
         load_adapter: Callable[[dict[str, Any]], None] | None = None,
         encoded_adapter: Callable[[], bytes] | None = None,
+        final_round: int | None = None,
     ) -> None:
+        """``final_round``: the last round the agent plays (the daemon's ``rounds``), the
+        only one whose parts include the adapter; None (rounds without end, hence no
+        assembly): the adapter is never published."""
         if settings.workflow is None:
             raise ValueError("fedwave.workflow is not configured")
         self.ctx = ctx
@@ -147,8 +153,9 @@ class ExpertLoop:
         self._adapter_state = adapter_state
         self._load_adapter = load_adapter
         # The expert's adapter as the adapter codec encodes it (model thread): published with
-        # each round's parts when fedwave.assembly is on (the others pull it after the last).
+        # the last round's parts when fedwave.assembly is on (the others pull it after that).
         self._encoded_adapter = encoded_adapter if settings.assembly.enabled else None
+        self.final_round = final_round
         self.next_round = 1  # the round play() is to be called with next
         # The report's byte counts when this process started (restored from a checkpoint):
         # the process's counters start at 0.
@@ -264,7 +271,7 @@ class ExpertLoop:
             PartKind.ROUTER: encode_router(self.node.router, n_samples=self.n_samples, round=t),
             PartKind.VCLAYER: encode_vclayer(self.trainer.vclayer, stage=self.node.stage),
         }
-        if self._encoded_adapter is not None:
+        if self._encoded_adapter is not None and t == self.final_round:
             parts[PartKind.ADAPTER] = await self._run(self._encoded_adapter)
         self.node.store.publish(t, parts)
         trained_s = time.monotonic() - started
@@ -584,7 +591,7 @@ class ExpertLoop:
         # With the assembly, every agent of another stage pulls our adapter and VCLayer.
         assemblers = (
             {a for a in others if any(p.agent == me for p in plan_expert_pulls(self.workflow, a))}
-            if self._encoded_adapter is not None
+            if self._encoded_adapter is not None and t == self.final_round
             else set()
         )
         neighbours |= assemblers

@@ -99,7 +99,7 @@ class AssemblySettings(BaseModel):
     """π_SFT's assembly and the DPO phase in the agent daemon, after the last round
     (docs/fedwave.md, section 5, "Assembly and DPO in the daemon").
 
-    ``enabled``: the agent publishes its LoRA adapter with each round's parts and, after
+    ``enabled``: the agent publishes its LoRA adapter with its last round's parts and, after
     its last round, pulls the other stages' experts (adapter and VCLayer), assembles π_SFT
     behind the aggregated router, runs the DPO phase on the public prompts and scores each
     model on its held-out examples. ``deadline_s``: how long the experts' pulls may take

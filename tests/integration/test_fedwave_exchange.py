@@ -552,3 +552,48 @@ async def test_a_part_waits_for_the_ports_send_budget_and_is_refused_when_none_c
         assert streamer.budget.ledger.in_flight == 0
     finally:
         await a1.server.stop(0)
+
+
+async def test_an_expert_adapter_is_refused_to_an_agent_of_its_own_stage(
+    agents: dict[str, Agent],
+) -> None:
+    """Hostile-member audit: an agent's adapter is for the *other* stages' assemblies of
+    π_SFT (plan_expert_pulls: an agent's own stage's expert is itself). a2, of a1's stage
+    (specify), asking for a1's adapter is refused PERMISSION_DENIED (``same_stage``),
+    counted, and not recorded as served; a3 (implement) gets it, and a2 still gets a1's
+    router and VCLayer (the rounds need those)."""
+    a1 = agents["a1"]
+    a1.publish(4)
+    a1.service.store.publish(4, {PartKind.ADAPTER: encode_adapter(_lora(0.25), ADAPTER_SPEC)})
+    held = a1.service.store.rounds
+    err = await _refused_pull(agents["a2"].ctx, a1.target, 4, fedwave_pb2.PART_KIND_ADAPTER)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "own stage" in (err.details() or "")
+    refused = {"rpc": "PullPart", "reason": "same_stage"}
+    assert _count(a1.registry, "peerlm_agent_fedwave_refusals_total", refused) == 1
+    assert a1.service.served(4, PartKind.ADAPTER) == frozenset()
+    assert a1.service.store.rounds == held
+
+    bounds = ShapeBounds(
+        router_shapes=router_shapes(MoERouter(D, 3, RS)),
+        hidden_size=D,
+        vclayer=VS,
+        adapter=ADAPTER_SPEC,
+    )
+    endpoints = {"a1": a1.target}
+    for name, kinds in (
+        ("a3", (PartKind.ADAPTER,)),
+        ("a2", (PartKind.ROUTER, PartKind.VCLAYER)),
+    ):
+        parts = await pull_round(
+            agents[name].ctx,
+            WORKFLOW,
+            name,
+            4,
+            endpoints,
+            bounds,
+            deadline_s=10.0,
+            targets=[PullTarget("a1", kind) for kind in kinds],
+        )
+        assert not parts.rejected and not parts.missing, (name, parts)
+    assert a1.service.served(4, PartKind.ADAPTER) == frozenset({"a3"})

@@ -84,12 +84,28 @@ def test_the_store_serves_exact_rounds_and_says_why_not() -> None:
 def test_only_the_workflows_agents_are_served() -> None:
     store = PartStore()
     store.publish(5, {PartKind.ROUTER: b"blob"})
-    denied = decide_pull(WORKFLOW, "mallory", store, 5, PartKind.ROUTER)
+    denied = decide_pull(WORKFLOW, "mallory", store, 5, PartKind.ROUTER, me="a1")
     assert isinstance(denied, PullRefusal)
     assert (denied.status, denied.reason) == ("PERMISSION_DENIED", "not_in_workflow")
-    bad = decide_pull(WORKFLOW, "a4", store, 5, None)
+    bad = decide_pull(WORKFLOW, "a4", store, 5, None, me="a1")
     assert isinstance(bad, PullRefusal) and bad.status == "INVALID_ARGUMENT"
-    assert decide_pull(WORKFLOW, "a4", store, 5, PartKind.ROUTER) == HashedPayload.of(b"blob")
+    assert decide_pull(WORKFLOW, "a4", store, 5, PartKind.ROUTER, me="a1") == HashedPayload.of(
+        b"blob"
+    )
+
+
+def test_an_adapter_is_served_only_to_the_other_stages() -> None:
+    """Hostile-member audit: a1's adapter goes to a3 and a4 (other stages), never to a2
+    (a1's own stage, ``same_stage``), whose routers and VCLayers it still gets."""
+    store = PartStore()
+    store.publish(5, {PartKind.ROUTER: b"r", PartKind.ADAPTER: b"lora"})
+    same = decide_pull(WORKFLOW, "a2", store, 5, PartKind.ADAPTER, me="a1")
+    assert isinstance(same, PullRefusal)
+    assert (same.status, same.reason) == ("PERMISSION_DENIED", "same_stage")
+    assert decide_pull(WORKFLOW, "a2", store, 5, PartKind.ROUTER, me="a1") == HashedPayload.of(b"r")
+    for other in ("a3", "a4"):
+        got = decide_pull(WORKFLOW, other, store, 5, PartKind.ADAPTER, me="a1")
+        assert got == HashedPayload.of(b"lora")
 
 
 def test_each_agent_pulls_every_router_and_its_neighbours_vclayers() -> None:

@@ -35,8 +35,9 @@ class _PartKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PartKind.Val
     PART_KIND_VCLAYER: _PartKind.ValueType  # 2
     """The VCLayer: W_q, W_k, W_v, W_o and the stage embedding (format peerlm-vclayer/1)."""
     PART_KIND_ADAPTER: _PartKind.ValueType  # 3
-    """The expert's LoRA adapter (format peerlm-lora/1), published with each round's parts
-    when the agent assembles pi_SFT after its last round (fedwave.assembly.enabled).
+    """The expert's LoRA adapter (format peerlm-lora/1), published with its last round's parts
+    when the agent assembles pi_SFT after that round (fedwave.assembly.enabled); served
+    only to the agents of the other stages.
     """
 
 class PartKind(_PartKind, metaclass=_PartKindEnumTypeWrapper): ...
@@ -47,8 +48,9 @@ PART_KIND_ROUTER: PartKind.ValueType  # 1
 PART_KIND_VCLAYER: PartKind.ValueType  # 2
 """The VCLayer: W_q, W_k, W_v, W_o and the stage embedding (format peerlm-vclayer/1)."""
 PART_KIND_ADAPTER: PartKind.ValueType  # 3
-"""The expert's LoRA adapter (format peerlm-lora/1), published with each round's parts
-when the agent assembles pi_SFT after its last round (fedwave.assembly.enabled).
+"""The expert's LoRA adapter (format peerlm-lora/1), published with its last round's parts
+when the agent assembles pi_SFT after that round (fedwave.assembly.enabled); served
+only to the agents of the other stages.
 """
 Global___PartKind: _TypeAlias = PartKind  # noqa: Y015
 
