@@ -139,7 +139,7 @@ async def _run(
     round_of: Callable[[str], int] | None = None,
     merge_senders: int = 1,
     co_sender_scoring: str = "pair",
-    reward_normaliser: str = "zscore",
+    reward_normaliser: str = "robust",
 ) -> dict[str, Any]:
     # Imported here: the CPM package loads the matchmaking library (scikit-learn, SciPy),
     # seconds that every `peerlm` process would pay when the CLI mounts `up`.
@@ -162,8 +162,7 @@ async def _run(
         dev_env["PEERLM_CPM_MERGE_SENDERS"] = str(merge_senders)
     if co_sender_scoring != "pair":
         dev_env["PEERLM_CPM_CO_SENDER_SCORING"] = co_sender_scoring
-    if reward_normaliser != "zscore":
-        dev_env["PEERLM_CPM_REWARD_NORMALISER"] = reward_normaliser
+    dev_env["PEERLM_CPM_REWARD_NORMALISER"] = reward_normaliser
     started = time.monotonic()
     cpm = _spawn(cpm_args, fed.logs / "cpm.log", subprocess.DEVNULL, dev_env)
     procs: list[subprocess.Popen[bytes]] = []
@@ -700,11 +699,11 @@ def up_command(
     reward_normaliser: Annotated[
         str,
         typer.Option(
-            help="How the CPM normalises rewards before the bandit learns them: zscore (the "
-            "paper's running z-score, winsorised) or robust (median/MAD over the last 256 "
-            "rewards; docs/security.md).",
+            help="How the CPM normalises rewards before the bandit learns them: robust "
+            "(median/MAD over the last 256 rewards; docs/security.md) or zscore (the paper's "
+            "running z-score, winsorised).",
         ),
-    ] = "zscore",
+    ] = "robust",
     workflow: Annotated[
         bool,
         typer.Option(

@@ -123,6 +123,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec
 
 import numpy as np
@@ -326,9 +327,10 @@ class ExperimentPlan:
     # How the CPM scores a merge directive's co-senders (``CpmSettings.co_sender_scoring``):
     # "pair" (each by its own pair UCB) or "group" (the group as one arm).
     cpm_co_sender_scoring: Literal["pair", "group"] = "pair"
-    # How the CPM normalises rewards (``CpmSettings.reward_normaliser``): "zscore", the
-    # paper's running z-score, or "robust", median/MAD over a window (docs/security.md).
-    cpm_reward_normaliser: Literal["zscore", "robust"] = "zscore"
+    # How the CPM normalises rewards (``CpmSettings.reward_normaliser``): "robust" (the
+    # service's default), median/MAD over a window (docs/security.md), or "zscore", the
+    # paper's running z-score.
+    cpm_reward_normaliser: Literal["zscore", "robust"] = "robust"
     # One model family for every client (ARCHS' names); None: client i hosts ARCHS[i % 4].
     family: str | None = None
     # FedProxy (peerlm.app.experiment_fedproxy): the compression ratio κ (share of blocks
@@ -423,8 +425,7 @@ class ExperimentPlan:
             given["merge_senders"] = self.cpm_merge_senders
         if self.cpm_co_sender_scoring != "pair":
             given["co_sender_scoring"] = self.cpm_co_sender_scoring
-        if self.cpm_reward_normaliser != "zscore":
-            given["reward_normaliser"] = self.cpm_reward_normaliser
+        given["reward_normaliser"] = self.cpm_reward_normaliser
         try:
             return CpmSettings(
                 **given,
@@ -1466,11 +1467,17 @@ _CPM_ONLY_FIELDS: tuple[str, ...] = (
 )
 
 
+#: What a plan that predates a field was run with, where that differs from today's default:
+#: every results.json written before ``cpm_reward_normaliser`` existed ran the z-score.
+_PREDATED: Mapping[str, Any] = MappingProxyType({"cpm_reward_normaliser": "zscore"})
+
+
 def _reuse_key(plan: Mapping[str, Any], strategy: str) -> str:
     """What must match for a stored (strategy, seed) run to stand in for a new one: the
     whole plan but the strategy and seed lists (and the CPM's settings, for a strategy
-    that has no CPM). Fields an older plan lacks take today's defaults."""
-    full = {**asdict(ExperimentPlan()), **plan}
+    that has no CPM). Fields an older plan lacks take what it ran with: today's defaults,
+    or :data:`_PREDATED`'s value where the default changed since."""
+    full = {**asdict(ExperimentPlan()), **_PREDATED, **plan}
     drop = {"strategies", "seeds"} | (set() if strategy in CPM_PROTOCOLS else set(_CPM_ONLY_FIELDS))
     return json.dumps(
         {k: v for k, v in full.items() if k not in drop}, sort_keys=True, default=list

@@ -147,9 +147,9 @@ def run_experiment_command(
     reward_normaliser: Annotated[
         str | None,
         typer.Option(
-            help="How the CPM normalises rewards before its bandit learns them: zscore (the "
-            "paper's running z-score, winsorised; default) or robust (median/MAD over the "
-            "last 256 rewards; docs/security.md).",
+            help="How the CPM normalises rewards before its bandit learns them: robust "
+            "(median/MAD over the last 256 rewards, docs/security.md; default) or zscore "
+            "(the paper's running z-score, winsorised).",
         ),
     ] = None,
     reuse: Annotated[

@@ -59,13 +59,16 @@ class CpmSettings(ServiceSettings):
     # paper's plain running z-score; services/cpm/normalise.py). Part of the database's
     # fingerprint when not the default.
     reward_clip_sigmas: float | None = Field(default=DEFAULT_REWARD_CLIP_SIGMAS, gt=0, le=1e6)
-    # How rewards are normalised before the bandit learns them: "zscore", the paper's
-    # running z-score (winsorised as above); "robust", median and 1.4826 * MAD over the
-    # last reward_window rewards, which a member filing fewer than half of them cannot
-    # flatten (services/cpm/robust_normalise.py; docs/security.md). Under "robust" each
-    # z-score is bounded by reward_clip_sigmas. Part of the database's fingerprint (with
-    # reward_window) when "robust".
-    reward_normaliser: Literal["zscore", "robust"] = "zscore"
+    # How rewards are normalised before the bandit learns them: "robust" (the default, our
+    # choice beyond the paper), median and 1.4826 * MAD over the last reward_window
+    # rewards, which a member filing fewer than half of them cannot flatten
+    # (services/cpm/robust_normalise.py; docs/security.md), each z-score bounded by
+    # reward_clip_sigmas; "zscore", the paper's running z-score (winsorised as above).
+    # Chosen by measurement (docs/matchmaker.md, "Reward normalisation"): on the learning
+    # ground the two are indistinguishable in what the CPM learns. Part of the database's
+    # fingerprint (with reward_window) when "robust": a database made under "zscore" (every
+    # one made before this default) is refused until reward_normaliser: zscore is set.
+    reward_normaliser: Literal["zscore", "robust"] = "robust"
     reward_window: int = Field(
         default=DEFAULT_REWARD_WINDOW, ge=MIN_REWARD_WINDOW, le=MAX_REWARD_WINDOW
     )

@@ -557,20 +557,27 @@ def test_normaliser_mismatch_is_refused_not_reset(tmp_path: Path) -> None:
     clock = Clock()
     db = tmp_path / "cpm.db"
     store = SqliteCpmStore(db)
-    _rewarded(CpmCore(CpmSettings(directive_ttl_s=60, init=True), store, clock), 2)
+    _rewarded(
+        CpmCore(
+            CpmSettings(directive_ttl_s=60, init=True, reward_normaliser="zscore"), store, clock
+        ),
+        2,
+    )
     with pytest.raises(ValueError, match=r"different bandit settings.*reward_normaliser"):
         CpmCore(_robust_settings(), store, clock)
     store.close()
     store = SqliteCpmStore(tmp_path / "robust.db")
     CpmCore(_robust_settings(init=True), store, clock)
     with pytest.raises(ValueError, match="different bandit settings"):
-        CpmCore(CpmSettings(directive_ttl_s=60), store, clock)
+        CpmCore(CpmSettings(directive_ttl_s=60, reward_normaliser="zscore"), store, clock)
     with pytest.raises(ValueError, match='"reward_window": 16'):
         CpmCore(_robust_settings(reward_window=32), store, clock)
     store.close()
     # A matchmaker asked to restore the other kind's state says so (all-or-nothing).
     robust = CpmCore(_robust_settings(init=True), MemoryCpmStore(), clock).matchmaker
-    zscore = CpmCore(CpmSettings(init=True), MemoryCpmStore(), clock).matchmaker
+    zscore = CpmCore(
+        CpmSettings(init=True, reward_normaliser="zscore"), MemoryCpmStore(), clock
+    ).matchmaker
     with pytest.raises(ValueError, match="running z-score statistics"):
         robust.restore(zscore.snapshot())
     with pytest.raises(ValueError, match="reward window"):
@@ -581,7 +588,9 @@ def test_a_z_score_snapshot_from_before_the_window_column_loads(tmp_path: Path) 
     clock = Clock()
     db = tmp_path / "cpm.db"
     store = SqliteCpmStore(db)
-    c = CpmCore(CpmSettings(directive_ttl_s=60, init=True), store, clock)
+    c = CpmCore(
+        CpmSettings(directive_ttl_s=60, init=True, reward_normaliser="zscore"), store, clock
+    )
     _rewarded(c, 3)
     assert c.write_snapshot()
     expected = c.matchmaker.snapshot()
@@ -591,7 +600,7 @@ def test_a_z_score_snapshot_from_before_the_window_column_loads(tmp_path: Path) 
     old.commit()
     old.close()
     store = SqliteCpmStore(db)
-    c2 = CpmCore(CpmSettings(directive_ttl_s=60), store, clock)
+    c2 = CpmCore(CpmSettings(directive_ttl_s=60, reward_normaliser="zscore"), store, clock)
     assert c2.bandit_recovery == "snapshot" and c2.rewards_replayed == 0
     assert c2.matchmaker.snapshot() == expected and expected.reward_window is None
     store.close()

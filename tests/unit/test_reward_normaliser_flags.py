@@ -30,7 +30,11 @@ def test_the_experiment_plan_carries_the_normaliser_to_its_cpm() -> None:
     assert plan.cpm_settings().reward_normaliser == "robust"
     config = _pairing_policy("cpm", plan, 0).config()
     assert (config["reward_normaliser"], config["reward_window"]) == ("robust", 256)
-    assert _pairing_policy("cpm", ExperimentPlan(), 0).config()["reward_normaliser"] == "zscore"
+    assert _pairing_policy("cpm", ExperimentPlan(), 0).config()["reward_normaliser"] == "robust"
+    # A plan asking for the paper's z-score gets it, though it is no longer the default.
+    zscore = ExperimentPlan(cpm_reward_normaliser="zscore")
+    assert zscore.cpm_settings().reward_normaliser == "zscore"
+    assert _pairing_policy("cpm", zscore, 0).config()["reward_normaliser"] == "zscore"
 
 
 def _stored(plan: ExperimentPlan) -> dict[str, Any]:
@@ -50,14 +54,21 @@ def test_results_record_the_normaliser_and_reuse_only_matching_cpm_runs() -> Non
     )
     stored = _stored(robust)
     assert stored["plan"]["cpm_reward_normaliser"] == "robust"
-    zscore = ExperimentPlan(strategies=("local_plus", "cpm"), seeds=(0,))
+    zscore = ExperimentPlan(
+        strategies=("local_plus", "cpm"), seeds=(0,), cpm_reward_normaliser="zscore"
+    )
     assert sorted(reusable_runs(zscore, [stored], NLL)) == [("local_plus", 0)]
     assert sorted(reusable_runs(robust, [stored], NLL)) == [("cpm", 0), ("local_plus", 0)]
-    # A results.json from before the setting reads as the default, "zscore".
+    # The default is "robust" now, and a default plan reuses the robust runs.
+    default = ExperimentPlan(strategies=("local_plus", "cpm"), seeds=(0,))
+    assert sorted(reusable_runs(default, [stored], NLL)) == [("cpm", 0), ("local_plus", 0)]
+    # A results.json from before the setting ran the z-score (the default of its day), so
+    # its CPM runs stand in for a z-score plan only, never for today's default.
     old = _stored(zscore)
     del old["plan"]["cpm_reward_normaliser"]
     assert sorted(reusable_runs(zscore, [old], NLL)) == [("cpm", 0), ("local_plus", 0)]
     assert sorted(reusable_runs(robust, [old], NLL)) == [("local_plus", 0)]
+    assert sorted(reusable_runs(default, [old], NLL)) == [("local_plus", 0)]
 
 
 def test_run_experiment_refuses_an_unknown_normaliser(tmp_path: Path) -> None:

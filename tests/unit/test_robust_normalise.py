@@ -163,7 +163,8 @@ def test_bad_settings_are_refused() -> None:
         Matchmaker(reward_normaliser="median")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="window"):
         Matchmaker(reward_normaliser="robust", reward_window=4)
-    assert CpmSettings().reward_normaliser == "zscore"  # the default is unchanged
+    # The service defaults to the robust normaliser (docs/matchmaker.md, "Reward normalisation").
+    assert CpmSettings().reward_normaliser == "robust"
 
 
 def test_honest_rewards_z_score_close_to_the_running_z_score() -> None:
