@@ -1545,7 +1545,25 @@ def run_experiment(
     same (every run is seeded on its own), only the wall time changes. ``reuse``: earlier
     results (``results.json``) whose runs of the same plan, world and models stand in for
     running them again (:func:`reusable_runs`); the result lists them under ``"reused"``.
+
+    ``work`` is held for the whole run (:func:`~peerlm.app.work_lock.work_dir_lock`): a
+    second run in the same directory raises ``WorkDirBusy`` at once rather than rebuild the
+    first one's world under it.
     """
+    from peerlm.app.work_lock import work_dir_lock
+
+    with work_dir_lock(work):
+        return _run_experiment(plan, models, work, event, jobs, reuse)
+
+
+def _run_experiment(
+    plan: ExperimentPlan,
+    models: Path,
+    work: Path,
+    event: Event | None,
+    jobs: int,
+    reuse: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
     emit = event or (lambda _kind, _data: None)
     started, cpu_started = time.perf_counter(), _cpu_seconds()
     world = _prepare(plan, models, work / "data", emit)

@@ -172,6 +172,7 @@ def run_experiment_command(
         run_experiment,
         write_outputs,
     )
+    from peerlm.app.work_lock import WorkDirBusy
     from peerlm.services.cpm import context_columns
 
     quiet_transformers()
@@ -297,6 +298,8 @@ def run_experiment_command(
             result = run_experiment(
                 plan, models=models, work=work_dir, event=on_event, jobs=jobs, reuse=earlier
             )
+        except WorkDirBusy as exc:
+            raise typer.BadParameter(f"--work-dir: {exc}") from None
         except ValueError as exc:
             if "reused result" not in str(exc):
                 raise
