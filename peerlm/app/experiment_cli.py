@@ -70,7 +70,9 @@ def run_experiment_command(
             "state/models[-micro]."
         ),
     ] = None,
-    work_dir: Annotated[Path, typer.Option(help="Federation data.")] = Path("state/experiment"),
+    work_dir: Annotated[
+        Path, typer.Option(help="Federation data, rebuilt at start; one run at a time holds it.")
+    ] = Path("state/experiment"),
     local_steps: Annotated[int | None, typer.Option(min=1, help="Optimiser steps a round.")] = None,
     akd_steps: Annotated[
         int | None,
