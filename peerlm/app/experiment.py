@@ -41,6 +41,12 @@ onepeft         OnePeFT one-shot: local rounds only, then in the last round each
 onepeft_svd     the same, SVD without HKA (Table 5).
 onepeft_hka     the same, HKA from the FedAvg of factors (Table 5).
 onepeft_fedavg  the same, FedAvg of factors once, no HKA (Table 5's "neither").
+onepeft_multi   OnePeFT multi-round: every round each client pulls its family's adapters,
+                aggregates them by SVD and refines by HKA (``local_steps`` HKA steps a
+                round), as ``onepeft`` does once; the multi-round row of Table 4.
+fedavg_lora_plus  FedAvg-LoRA, then ``local_steps`` more steps on the client's own data
+                each round: the compute-matched baseline of ``onepeft_multi`` (the steps
+                OnePeFT spends on HKA, spent as LocalOnly+ spends them).
 ffa_lora        FFA-LoRA (Sun et al. 2024): every client of a family initialises LoRA A
                 from one shared seed and never trains it (warm-up, local steps); every
                 round each client pulls its family's adapters and loads the data-weighted
@@ -66,6 +72,8 @@ fedproxy_hties         H-TIES + PCR (the paper's method, Algorithm 1).
 fedproxy_hties_nopcr   H-TIES, members without PCR.
 fedproxy_fedavg        plain FedAvg of the proxies.
 fedproxy_ties          TIES without the heterogeneity terms (density 1).
+fedproxy_centsft       CentSFT: the full model fine-tuned on the members' data pooled, the
+                       cohort's optimiser steps (the paper's upper bound; a reference).
 =====================  ==================================================================
 
 FFA-LoRA's start. The warm-up above trains A, and each client's A differs, so ffa_lora
@@ -183,6 +191,8 @@ LABELS: Mapping[str, str] = {
     "onepeft_svd": "OnePeFT SVD only",
     "onepeft_hka": "OnePeFT HKA only",
     "onepeft_fedavg": "One-shot FedAvg of factors",
+    "onepeft_multi": "OnePeFT multi-round (SVD+HKA)",
+    "fedavg_lora_plus": "FedAvg-LoRA+ (compute-matched)",
     "ffa_lora": "FFA-LoRA",
     "cpm_menu": "KNEXA-FL (CPM, full menu)",
     "cpm_akd_logits": "CPM, akd_logits forced",
@@ -192,6 +202,7 @@ LABELS: Mapping[str, str] = {
     "fedproxy_hties_nopcr": "FedProxy H-TIES, no PCR",
     "fedproxy_fedavg": "FedAvg of proxies",
     "fedproxy_ties": "TIES of proxies",
+    "fedproxy_centsft": "CentSFT (pooled data, full model)",
 }
 #: Adapter-merge strategies of issue 9 (OnePeFT, FedAvg-LoRA, FFA-LoRA): known, not run
 #: by default.
@@ -202,6 +213,8 @@ MERGE_STRATEGIES: tuple[str, ...] = (
     "onepeft_svd",
     "onepeft_hka",
     "onepeft_fedavg",
+    "onepeft_multi",
+    "fedavg_lora_plus",
 )
 #: The CPM recommending among the whole menu (akd, akd_logits, pmix, svd_hka; issue 9
 #: section 3): known, not run by default; meant for clients of one family (``--family``),
@@ -250,12 +263,18 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("onepeft", "onepeft_fedavg"),
     ("onepeft_svd", "onepeft_fedavg"),
     ("onepeft_hka", "onepeft_fedavg"),
+    ("onepeft_multi", "fedavg_lora_plus"),
+    ("onepeft_multi", "fedavg_lora"),
+    ("onepeft_multi", "onepeft"),
+    ("fedavg_lora_plus", "fedavg_lora"),
     ("fedproxy_hties", "fedproxy_fedavg"),
     ("fedproxy_hties_nopcr", "fedproxy_fedavg"),
     ("fedproxy_hties", "fedproxy_hties_nopcr"),
     ("fedproxy_ties", "fedproxy_fedavg"),
     ("fedproxy_hties", "local_plus"),
     ("fedproxy_fedavg", "fedavg_lora"),
+    ("fedproxy_centsft", "fedproxy_hties"),
+    ("fedproxy_centsft", "local_plus"),
 )
 #: Client i hosts ARCHS[i % 4] (as ``peerlm up``).
 ARCHS: tuple[str, ...] = ("gpt2", "gpt_neox", "bloom", "qwen2")
@@ -962,7 +981,10 @@ def _semantic_dfl(clients: list[_Client]) -> list[dict[str, Any]]:
 
 
 #: Merge strategies that aggregate every round (the others, OnePeFT's, once at the end).
-_EVERY_ROUND: tuple[str, ...] = ("fedavg_lora", "ffa_lora")
+_EVERY_ROUND: tuple[str, ...] = ("fedavg_lora", "ffa_lora", "onepeft_multi", "fedavg_lora_plus")
+#: The OnePeFT variants and the parts of Eq. 3-6 each runs (Table 5's rows).
+_SVD: tuple[str, ...] = ("onepeft", "onepeft_svd", "onepeft_multi")
+_HKA: tuple[str, ...] = ("onepeft", "onepeft_hka", "onepeft_multi")
 
 
 def _families(clients: list[_Client]) -> list[list[_Client]]:
@@ -975,10 +997,10 @@ def _families(clients: list[_Client]) -> list[list[_Client]]:
 def _merge_exchange(
     world: _World, strategy: str, clients: list[_Client], seed: int, t: int
 ) -> list[dict[str, Any]]:
-    """FedAvg-LoRA or FFA-LoRA every round, or a OnePeFT variant once in the last round,
-    within each model family (a client alone in its family trains locally). Each client
-    pulls the other members' adapters (counted in KB) and builds the aggregate itself, as a
-    peer would."""
+    """FedAvg-LoRA (with or without own steps after it), FFA-LoRA or multi-round OnePeFT
+    every round, or a OnePeFT variant once in the last round, within each model family (a
+    client alone in its family trains locally). Each client pulls the other members'
+    adapters (counted in KB) and builds the aggregate itself, as a peer would."""
     from peerlm.agent import ClientAdapter, aggregate_fedavg_factors, aggregate_ffa, one_shot
 
     plan = world.plan
@@ -998,20 +1020,22 @@ def _merge_exchange(
         ]
         sizes = [sum(x.numel() * x.element_size() for x in a.state.values()) for a in adapters]
         for k, c in enumerate(group):
-            if strategy == "fedavg_lora":
+            settings = _round_config(plan, seed, clients.index(c)).train_settings(t)
+            if strategy in ("fedavg_lora", "fedavg_lora_plus"):
                 c.host.load_adapter_state(aggregate_fedavg_factors(adapters).state)
+                if strategy == "fedavg_lora_plus":
+                    c.host.train_local(c.train_examples, settings, steps=plan.local_steps)
             elif strategy == "ffa_lora":
                 # Refuses (AdapterError "frozen_a") if a client's A had moved.
                 c.host.load_adapter_state(aggregate_ffa(adapters).state)
             else:
-                settings = _round_config(plan, seed, clients.index(c)).train_settings(t)
                 one_shot(
                     c.host,
                     adapters,
                     world.public_pairs,
                     settings,
-                    svd=strategy in ("onepeft", "onepeft_svd"),
-                    hka=strategy in ("onepeft", "onepeft_hka"),
+                    svd=strategy in _SVD,
+                    hka=strategy in _HKA,
                     steps=plan.local_steps,
                 )
             c.exchanges += 1

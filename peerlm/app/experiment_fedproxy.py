@@ -33,6 +33,14 @@ diverges on these models, so the proxy has its own (``plan.proxy_learning_rate``
 bench's). The merge itself costs no member any step. The start differs from the other
 strategies' (the base ``M``, not warmed-up adapters): comparisons *within* FedProxy are
 exactly matched; against the others they carry that difference.
+
+``fedproxy_centsft`` is the paper's CentSFT reference (Table 2's upper bound): no proxy, no
+cohort. The owner's full ``M`` is fine-tuned on every member's private texts pooled in one
+place, which FedProxy exists to avoid, so it is a reference, not a protocol. Its compute is
+the cohort's: each round as many optimiser steps as all members together spend on their
+proxies (N × the steps above, the same batch size and learning rate), each on the full
+model rather than on half of its blocks; nothing is exchanged (no bytes). Its per-round
+records carry the same ``test_nll`` as the cohort's.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from peerlm.app.experiment import Event, _World
 
-__all__ = ["FEDPROXY_MERGE", "FEDPROXY_STRATEGIES", "run_fedproxy"]
+__all__ = ["CENTSFT", "FEDPROXY_MERGE", "FEDPROXY_STRATEGIES", "run_fedproxy"]
 
 #: The FedProxy strategies and the owner's merge each runs (:data:`peerlm.agent.PROXY_MERGES`).
 FEDPROXY_MERGE: Final[Mapping[str, str]] = {
@@ -54,7 +62,9 @@ FEDPROXY_MERGE: Final[Mapping[str, str]] = {
     "fedproxy_fedavg": "fedavg",
     "fedproxy_ties": "ties",
 }
-FEDPROXY_STRATEGIES: Final[tuple[str, ...]] = tuple(FEDPROXY_MERGE)
+#: The CentSFT reference: the full model fine-tuned on the pooled data (no proxy, no merge).
+CENTSFT: Final = "fedproxy_centsft"
+FEDPROXY_STRATEGIES: Final[tuple[str, ...]] = (*FEDPROXY_MERGE, CENTSFT)
 #: Examples of one optimiser step of the other strategies (TrainSettings' batch size).
 _MICRO_BATCH: Final = 8
 
@@ -97,6 +107,8 @@ def run_fedproxy(
     )
     from peerlm.app.experiment import _Client, _finish_run, _slice_means, _test_nll
 
+    if strategy == CENTSFT:
+        return _run_centsft(world, seed, event)
     plan = world.plan
     method = FEDPROXY_MERGE[strategy]
     family = plan.arch(0)
@@ -206,3 +218,55 @@ def run_fedproxy(
             "block_influence": [round(v, 6) for v in compressed.influence],
         },
     )
+
+
+def _run_centsft(world: _World, seed: int, event: Event) -> dict[str, Any]:
+    """CentSFT under run seed ``seed`` (see the module): ``M`` trained on the pooled texts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peerlm.agent import Guardrail, text_trainer
+    from peerlm.app.experiment import _Client, _finish_run, _slice_means, _test_nll
+
+    plan = world.plan
+    family = plan.arch(0)
+    path = world.models / family
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path)
+    pooled = [p.prompt + p.reference for train, _val in world.clients_data for p in train]
+    names = [f"agent-{i}" for i in range(plan.agents)]
+
+    def clients_now() -> list[_Client]:
+        # A copy: the host's LoRA wraps the modules it is given, and M trains on.
+        host = _host(copy.deepcopy(model), tokenizer, plan.lora_rank, f"{path} centsft")
+        return [
+            _Client(name, family, host, train, val, Guardrail([]))
+            for name, (train, val) in zip(names, world.clients_data, strict=True)
+        ]
+
+    def nll_now() -> dict[str, float]:
+        values = _test_nll(world, clients_now()[0])
+        return _slice_means(world, dict.fromkeys(range(plan.agents), values))
+
+    curve = {k: [v] for k, v in nll_now().items()}
+    rounds: list[dict[str, Any]] = []
+    for t in range(1, plan.rounds + 1):
+        steps = plan.agents * (plan.local_steps + (plan.warmup_steps if t == 1 else 0))
+        train = text_trainer(
+            tokenizer,
+            pooled,
+            steps=steps,
+            learning_rate=plan.proxy_learning_rate,
+            batch_size=_MICRO_BATCH * plan.grad_accumulation,
+            max_length=256,
+            seed=seed * 1_000 + t * 10,
+        )
+        train(model, None)
+        nll = nll_now()
+        for name in curve:
+            curve[name].append(nll[name])
+        rounds.append({"round": t, "steps": steps, "test_nll": nll, "exchanges": []})
+        event("round", {"strategy": CENTSFT, "seed": seed, "round": t, "nll": nll})
+    return _finish_run(world, clients_now(), CENTSFT, seed, rounds, curve, started, event)

@@ -137,8 +137,9 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
     plan = ExperimentPlan(
         agents=3, rounds=2, seeds=(0,), size="micro", family="gpt2",
         strategies=("local_plus", "fedavg_lora", "ffa_lora", "onepeft", "onepeft_svd",
-                    "onepeft_hka", "onepeft_fedavg", "fedproxy_hties", "fedproxy_hties_nopcr",
-                    "fedproxy_fedavg", "fedproxy_ties"),
+                    "onepeft_hka", "onepeft_fedavg", "onepeft_multi", "fedavg_lora_plus",
+                    "fedproxy_hties", "fedproxy_hties_nopcr", "fedproxy_fedavg", "fedproxy_ties",
+                    "fedproxy_centsft"),
         local_steps=1, transfer_limit=2, val_limit=2, test_limit=6, samples=1,
         max_new_tokens=8, probe_per_category=1, warmup_steps=0, akd_steps=None,
     )  # fmt: skip
@@ -151,8 +152,16 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
         assert runs[name]["exchanges"] == 3, name
         assert [len(r["exchanges"]) for r in runs[name]["rounds"]] == [0, 3]
         assert runs[name]["kilobytes"] == pytest.approx(runs["fedavg_lora"]["kilobytes"] / 2)
-    assert runs["ffa_lora"]["exchanges"] == 6
-    assert runs["ffa_lora"]["kilobytes"] == pytest.approx(runs["fedavg_lora"]["kilobytes"])
+    # Multi-round OnePeFT and the compute-matched FedAvg-LoRA pull what FedAvg-LoRA pulls.
+    for name in ("ffa_lora", "onepeft_multi", "fedavg_lora_plus"):
+        assert runs[name]["exchanges"] == 6, name
+        assert [len(r["exchanges"]) for r in runs[name]["rounds"]] == [3, 3], name
+        assert runs[name]["kilobytes"] == pytest.approx(runs["fedavg_lora"]["kilobytes"])
+    # Each client's own steps after the average (or HKA after SVD) personalise its adapter.
+    for name in ("onepeft_multi", "fedavg_lora_plus"):
+        assert len({tuple(c["nll"]) for c in runs[name]["clients"].values()}) > 1, name
+    for a, b in (("onepeft_multi", "fedavg_lora_plus"), ("onepeft_multi", "onepeft")):
+        assert f"{a}_vs_{b}" in result["summary"]["comparisons"]
     # FedAvg-LoRA and FFA-LoRA leave every client with the same adapter: the same test NLL.
     for name in ("fedavg_lora", "ffa_lora"):
         nll = [c["nll"] for c in runs[name]["clients"].values()]
@@ -164,6 +173,20 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
     # No warm-up: ffa_lora's round 0 is the base model too (B = 0), as everyone's.
     assert result["initial_nll_ffa_lora"] == pytest.approx(result["initial_nll"])
     _check_fedproxy_rows(result, runs)
+    _check_centsft(result, runs["fedproxy_centsft"])
+
+
+def _check_centsft(result: dict[str, Any], run: dict[str, Any]) -> None:
+    """CentSFT: no exchange and no byte, the cohort's steps (3 members x 1 step) on the full
+    model each round, one model for every client, starting from the base (round 0)."""
+    assert run["exchanges"] == 0 and run["kilobytes"] == 0
+    assert [r["steps"] for r in run["rounds"]] == [3, 3]
+    nll = [c["nll"] for c in run["clients"].values()]
+    assert nll[0] == pytest.approx(nll[1]) and nll[1] == pytest.approx(nll[2])
+    assert run["curve_nll"]["public"][0] == pytest.approx(result["initial_nll"]["public"])
+    # Training on the pooled texts moved the model.
+    assert run["curve_nll"]["own"][-1] != pytest.approx(run["curve_nll"]["own"][0])
+    assert "fedproxy_centsft_vs_fedproxy_hties" in result["summary"]["comparisons"]
 
 
 def _check_fedproxy_rows(result: dict[str, Any], runs: dict[str, Any]) -> None:
