@@ -109,6 +109,8 @@ class AgentSummary:
     adapters_pulled: int = 0
     overlay_refusals: dict[str, int] = field(default_factory=dict)
     overlay_steps: dict[str, int] = field(default_factory=dict)
+    # overlay.aggregate_once: the round whose overlay step aggregated (None: not yet).
+    one_shot_round: int | None = None
     # Adapter bytes pulled and served: overlay pulls and CPM merge directives alike.
     overlay_bytes_received: int = 0
     overlay_bytes_sent: int = 0
@@ -296,6 +298,8 @@ class AgentDaemon:
             saved = self.state.get("summary")
             if isinstance(saved, dict):
                 self.summary = AgentSummary(**saved)
+                # A restart re-joins the overlay: OnePeFT's one shot is taken again.
+                self.summary.one_shot_round = None
             self.log.info("checkpoint_restored", round=self.state["round"])
 
     async def _serve(self) -> None:
@@ -1127,7 +1131,11 @@ class AgentDaemon:
             run_model=self._model,
             gate=self._gate(),
             hka=(self.public_pairs, self.config.train_settings(t)) if self.public_pairs else None,
+            pull=not (self.s.overlay.aggregate_once and self.summary.one_shot_round is not None),
         )
+        if self.s.overlay.aggregate_once and result.outcome == "aggregated":
+            self.summary.one_shot_round = t
+            self.log.info("overlay_one_shot_done", round=t, pulled=result.pulled)
         self._count_overlay(result.outcome, result)
         if result.neighbours:
             # The CPM narrows the senders of our merge directives to these (menu.py).

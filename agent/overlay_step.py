@@ -146,12 +146,16 @@ async def overlay_round_step(
     run_model: ModelRunner,
     gate: AcceptanceGate | None = None,
     hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
+    pull: bool = True,
 ) -> OverlayStepResult:
     """Publish this round's signature, search the ``k`` nearest peers, pull and aggregate.
 
     Never raises for an overlay or peer failure (see the module docstring); the result says
     what happened. ``ctx`` (the agent's node context) makes the pulls and counts the steps.
     ``hka`` (public pairs, training settings) is what ``aggregation = "svd_hka"`` distils on.
+    ``pull`` False (an agent whose one-shot aggregation is done, ``aggregate_once``) only
+    publishes the signature, so the others still find this agent's current adapter: outcome
+    ``published``, nothing searched or pulled.
     """
     log = ctx.log
     steps = ctx.counter(
@@ -162,7 +166,7 @@ async def overlay_round_step(
 
     def done(result: OverlayStepResult) -> OverlayStepResult:
         steps.labels(result.outcome).inc()
-        level = "info" if result.outcome in ("aggregated", "identity") else "warning"
+        level = "info" if result.outcome in ("aggregated", "identity", "published") else "warning"
         getattr(log, level)(
             "overlay_step",
             round=round_,
@@ -179,6 +183,8 @@ async def overlay_round_step(
         p, p_min = await publish_signature(overlay_host, model, tracker, settings, run_model)
     except (SignatureError, ValueError) as err:
         return done(OverlayStepResult("signature_error", detail=str(err)))
+    if not pull:
+        return done(OverlayStepResult("published", p, p_min))
     timeout = min(settings.query_timeout_s or round_timeout_s, round_timeout_s)
     try:
         found = await overlay_host.query(settings.k + 1, timeout=timeout)

@@ -96,6 +96,11 @@ class AgentOverlaySettings(Section):
     # step), or "svd_hka", OnePeFT's SVD aggregation refined by HKA on the agent's public
     # pairs (``public_file``), hka_steps optimiser steps at Eq. 6's hka_alpha.
     aggregation: Literal["pmix", "svd_hka"] = "pmix"
+    # OnePeFT's one-shot mode: after joining, the agent pulls and aggregates until one step
+    # has aggregated (outcome ``aggregated``), then only publishes its signature each round
+    # (outcome ``published``). A restart is a re-join: it aggregates once again. False:
+    # every round pulls and aggregates (SemanticDFL's schedule).
+    aggregate_once: bool = False
     hka_alpha: float = Field(default=0.5, ge=0, le=1)
     hka_steps: int = Field(default=8, ge=1, le=10_000)
 

@@ -344,6 +344,8 @@ class RealPlan:
     family: str | None = None
     # What overlay pulls become: "pmix" (SemanticDFL) or "svd_hka" (OnePeFT, issue 9).
     aggregation: str = "pmix"
+    # OnePeFT's one-shot mode: each agent aggregates once after joining (overlay.aggregate_once).
+    one_shot: bool = False
     # Where a student measures Eq. 3's losses: "val" (its validation data, the paper),
     # "probe" (the public probe set, every category) or "lacked" (the probe's problems of
     # the categories it lacks): the experiment's ``reward``/``probe_scope``.
@@ -517,6 +519,7 @@ def _prepare_real(
                 # short micro-model rounds cannot all pass before there is anyone to pull.
                 "placement_wait_s": OVERLAY_STARTUP_S + OVERLAY_PLACEMENT_SLACK_S,
                 "aggregation": plan.aggregation,
+                "aggregate_once": plan.one_shot,
             }
         (configs / f"{name}.yaml").write_text(json.dumps(config, indent=2))
 
@@ -664,6 +667,15 @@ def up_command(
             "personalised mixing) or svd_hka (OnePeFT: SVD aggregation + HKA on public pairs)."
         ),
     ] = "pmix",
+    one_shot: Annotated[
+        bool,
+        typer.Option(
+            "--one-shot",
+            help="With --overlay, OnePeFT's one-shot mode: each agent pulls and aggregates its "
+            "neighbours' adapters once after joining, then only trains locally and publishes "
+            "its signature.",
+        ),
+    ] = False,
     protocols: Annotated[
         str,
         typer.Option(
@@ -758,6 +770,8 @@ def up_command(
         raise typer.BadParameter("simulated agents measure no reward: leave --reward out")
     if aggregation != "pmix" and not overlay:
         raise typer.BadParameter("--aggregation applies to overlay pulls: add --overlay")
+    if one_shot and not overlay:
+        raise typer.BadParameter("--one-shot applies to overlay pulls: add --overlay")
     menu = tuple(p.strip() for p in protocols.split(",") if p.strip())
     unknown = [p for p in menu if p not in MENU]
     if not menu or unknown or len(set(menu)) != len(menu):
@@ -866,6 +880,7 @@ def up_command(
                 overlay=overlay,
                 family=family,
                 aggregation=aggregation,
+                one_shot=one_shot,
                 reward=reward,
             )
             argv = _prepare_real(fed, names, rounds, seed, plan, console)

@@ -47,3 +47,39 @@ def test_up_overlay_agents_pull_same_family_adapters(tmp_path: Path, aggregation
     assert config["overlay"]["aggregation"] == aggregation
     public = (state / "data" / "public_pairs.jsonl").read_text().splitlines()
     assert public and config["public_file"].endswith("public_pairs.jsonl")
+    assert config["overlay"]["aggregate_once"] is False
+    assert all(a["one_shot_round"] is None for a in agents)
+
+
+@pytest.mark.timeout(900)
+def test_up_overlay_one_shot_agents_aggregate_once_then_only_publish(tmp_path: Path) -> None:
+    """OnePeFT's one-shot mode (``--one-shot``, overlay.aggregate_once): an agent pulls and
+    aggregates by SVD + HKA until one step has aggregated; after it, every step only
+    publishes its signature (``published``), so it pulls from at most one step's k peers."""
+    state = tmp_path / "fed"
+    out = subprocess.run(
+        [sys.executable, "-m", "peerlm", "up", "--json", "--state-dir", str(state),
+         "--micro", "--overlay", "--family", "gpt2", "-n", "4", "-r", "3",
+         "--aggregation", "svd_hka", "--one-shot"],
+        capture_output=True, text=True, timeout=850,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    agents = result["agents"]
+    assert result["cpm_exit_code"] == 0 and result["rounds_completed"] == 3
+    config = json.loads((state / "agents" / "agent-1.yaml").read_text())
+    assert config["overlay"]["aggregate_once"] is True
+    shot = [a for a in agents if a["one_shot_round"] is not None]
+    assert shot, [a["overlay_steps"] for a in agents]
+    for a in agents:
+        assert not a["errors"], a["errors"]
+        steps = a["overlay_steps"]
+        assert sum(steps.values()) == 3
+        assert steps.get("aggregated", 0) <= 1, steps
+        if a["one_shot_round"] is None:
+            assert not steps.get("published"), steps
+            continue
+        # After its shot an agent only publishes: one per remaining round.
+        assert steps.get("published", 0) == 3 - a["one_shot_round"], steps
+        assert steps["aggregated"] == 1
+        assert a["adapters_pulled"] <= config["overlay"]["k"] * a["one_shot_round"]

@@ -55,7 +55,9 @@ def _lone_host(name: str) -> OverlayHost:
     return OverlayHost(node, pool, metrics, log)
 
 
-async def _step(host: OverlayHost, model: ModelHost, registry: object, **kw: object) -> object:
+async def _step(
+    host: OverlayHost, model: ModelHost, registry: object, pull: bool = True, **kw: object
+) -> object:
     async def run(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
         return fn(*args, **kwargs)
 
@@ -68,6 +70,7 @@ async def _step(host: OverlayHost, model: ModelHost, registry: object, **kw: obj
         round_=1,
         round_timeout_s=2.0,
         run_model=run,
+        pull=pull,
     )
 
 
@@ -92,6 +95,40 @@ def test_lone_node_search_leaves_the_adapter_unchanged(model: ModelHost) -> None
     counted = registry.get_sample_value(  # type: ignore[attr-defined]
         "peerlm_agent_overlay_steps_total",
         {"outcome": result.outcome},  # type: ignore[attr-defined]
+    )
+    assert counted == 1.0
+
+
+def test_a_step_after_the_one_shot_only_publishes_the_signature(model: ModelHost) -> None:
+    """``aggregate_once`` done: the step publishes this round's signature (others still find
+    the agent) and neither searches nor pulls; the outcome ``published`` is counted."""
+    before = {k: v.clone() for k, v in model.adapter_state().items()}
+    registry = new_registry()
+    host = _lone_host("once")
+    searched: list[int] = []
+
+    async def no_search(k: int, timeout: float | None = None) -> object:
+        searched.append(k)
+        raise AssertionError("a one-shot agent searched after its shot")
+
+    host.query = no_search  # type: ignore[method-assign]
+
+    async def go() -> object:
+        await host.start()
+        try:
+            host.join([])
+            return await _step(host, model, registry, pull=False)
+        finally:
+            await host.stop(0)
+
+    result = asyncio.run(go())
+    assert result.outcome == "published" and result.p >= 1  # type: ignore[attr-defined]
+    assert result.pulled == [] and result.neighbours == [] and not searched  # type: ignore[attr-defined]
+    assert host._has_signature
+    after = model.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    counted = registry.get_sample_value(  # type: ignore[attr-defined]
+        "peerlm_agent_overlay_steps_total", {"outcome": "published"}
     )
     assert counted == 1.0
 

@@ -18,6 +18,8 @@ from peerlm.app.cli import app
         ["--simulated", "--family", "gpt2"],
         ["--overlay", "--aggregation", "fedavg"],
         ["--aggregation", "svd_hka"],  # aggregation is of overlay pulls
+        ["--aggregation", "svd_hka", "--one-shot"],  # the one shot is an overlay pull's
+        ["--fedproxy", "--one-shot"],
         ["--protocols", "akd,h_ties"],  # not on the CPM's menu
         ["--protocols", "pmix,pmix"],
         ["--protocols", ","],
