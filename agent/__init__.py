@@ -111,6 +111,7 @@ if TYPE_CHECKING:
         token_batches,
     )
     from peerlm.agent.proxy_model import ProxyError, build_proxy, fuse_into, proxy_info
+    from peerlm.agent.proxy_tuning import ProxyTunedHost
     from peerlm.agent.pull_aggregate import PullSettings, integrate_adapters
     from peerlm.agent.rounds import (
         Integration,
@@ -235,6 +236,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "one_shot": ("peerlm.agent.onepeft", "one_shot"),
     "OneShotResult": ("peerlm.agent.onepeft", "OneShotResult"),
     "ProxyError": ("peerlm.agent.proxy_model", "ProxyError"),
+    "ProxyTunedHost": ("peerlm.agent.proxy_tuning", "ProxyTunedHost"),
     "block_influence": ("peerlm.agent.proxy_compress", "block_influence"),
     "PROXY_MERGES": ("peerlm.agent.proxy_cohort", "PROXY_MERGES"),
     "encode_proxy": ("peerlm.agent.fedproxy_codec", "encode_proxy"),
@@ -344,6 +346,7 @@ __all__ = [
     "ProfileInputs",
     "ProxyError",
     "ProxyMerge",
+    "ProxyTunedHost",
     "PullSettings",
     "RoundConfig",
     "ShapeBounds",

@@ -72,7 +72,15 @@ from peerlm.agent.training import (
     token_loss_sum,
 )
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TopPLogitsWarper,
+)
 
 from peerlm.atomic_file import write_atomic
 
@@ -656,13 +664,29 @@ class ModelHost:
         for lo in range(0, len(items), batch_size):
             chunk = items[lo : lo + batch_size]
             ids, mask, labels = collate(chunk, self._pad_id, device)
-            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            logits = self._scoring_logits(ids, mask)
             logp = torch.log_softmax(logits[:, :-1].float(), -1)
             target = labels[:, 1:]
             picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
             picked = picked.masked_fill(target < 0, 0.0)
             out.extend(float(v) for v in picked.sum(-1).cpu())
         return [v if e is not None else float("-inf") for v, e in zip(out, encoded, strict=True)]
+
+    def _scoring_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next-token logits :meth:`sequence_logprobs` scores with; a host that decodes
+        from combined logits (:class:`~peerlm.agent.proxy_tuning.ProxyTunedHost`) overrides
+        this and :meth:`_logit_offset` together."""
+        logits: torch.Tensor = self.model(
+            input_ids=ids, attention_mask=mask, use_cache=False
+        ).logits
+        return logits
+
+    def _logit_offset(
+        self, mask: torch.Tensor, copies: int, scale: float
+    ) -> LogitsProcessor | None:
+        """A processor adding ``scale`` × an offset to the next-token logits during
+        :meth:`generate` (rows: ``copies`` per prompt of ``mask``'s batch); None here."""
+        return None
 
     # --------------------------------------------------------------------------- generation
 
@@ -735,6 +759,18 @@ class ModelHost:
                     # Explicit neutral values: a checkpoint's generation_config may carry
                     # sampling defaults that would otherwise trigger warnings.
                     kwargs.update(temperature=None, top_p=None, top_k=None)
+                offset = self._logit_offset(
+                    mask.to(device), n if sample else 1, 1.0 / temperature if sample else 1.0
+                )
+                if offset is not None:
+                    # generate() runs a caller's processors after its own warpers: the offset
+                    # comes after the temperature (hence its scale), and the nucleus must be
+                    # taken after the offset, so ours replaces generate()'s top-p.
+                    custom: list[LogitsProcessor] = [offset]
+                    if sample:
+                        kwargs["top_p"] = 1.0
+                        custom.append(TopPLogitsWarper(top_p))
+                    kwargs["logits_processor"] = LogitsProcessorList(custom)
                 out = self.model.generate(  # type: ignore[no-untyped-call]
                     input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs
                 )

@@ -72,6 +72,8 @@ fedproxy_hties         H-TIES + PCR (the paper's method, Algorithm 1).
 fedproxy_hties_nopcr   H-TIES, members without PCR.
 fedproxy_fedavg        plain FedAvg of the proxies.
 fedproxy_ties          TIES without the heterogeneity terms (density 1).
+fedproxy_proxytuning   the H-TIES + PCR cohort, M decoded by ProxyTuning (Table 9) instead
+                       of fused.
 fedproxy_centsft       CentSFT: the full model fine-tuned on the members' data pooled, the
                        cohort's optimiser steps (the paper's upper bound; a reference).
 =====================  ==================================================================
@@ -203,6 +205,7 @@ LABELS: Mapping[str, str] = {
     "fedproxy_fedavg": "FedAvg of proxies",
     "fedproxy_ties": "TIES of proxies",
     "fedproxy_centsft": "CentSFT (pooled data, full model)",
+    "fedproxy_proxytuning": "FedProxy, ProxyTuning plug-in",
 }
 #: Adapter-merge strategies of issue 9 (OnePeFT, FedAvg-LoRA, FFA-LoRA): known, not run
 #: by default.
@@ -274,6 +277,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("fedproxy_hties", "local_plus"),
     ("fedproxy_fedavg", "fedavg_lora"),
     ("fedproxy_centsft", "fedproxy_hties"),
+    ("fedproxy_proxytuning", "fedproxy_hties"),
     ("fedproxy_centsft", "local_plus"),
 )
 #: Client i hosts ARCHS[i % 4] (as ``peerlm up``).

@@ -36,7 +36,8 @@ def run_experiment_command(
             "onepeft_multi, fedavg_lora_plus; the CPM "
             "over the whole protocol menu (with --family): cpm_menu, or one protocol forced: "
             "cpm_akd_logits, cpm_pmix, cpm_svd_hka; FedProxy cohorts (with --family): "
-            "fedproxy_hties, fedproxy_hties_nopcr, fedproxy_fedavg, fedproxy_ties, and the "
+            "fedproxy_hties, fedproxy_hties_nopcr, fedproxy_fedavg, fedproxy_ties, "
+            "fedproxy_proxytuning (ProxyTuning instead of fusion), and the "
             "CentSFT reference fedproxy_centsft."
         ),
     ] = None,

@@ -34,6 +34,13 @@ bench's). The merge itself costs no member any step. The start differs from the 
 strategies' (the base ``M``, not warmed-up adapters): comparisons *within* FedProxy are
 exactly matched; against the others they carry that difference.
 
+``fedproxy_proxytuning`` is Table 9's alternative to fusion: the same cohort as
+``fedproxy_hties`` (H-TIES + PCR, the same seeds, so the same proxies round by round), but
+what is evaluated is ``M`` itself, untouched, decoded by ProxyTuning from the logits
+``s_M + s_φ(t) − s_φ(0)`` (:class:`~peerlm.agent.proxy_tuning.ProxyTunedHost`; the
+anti-expert ``φ(0)`` is the proxy as compressed). Its difference with ``fedproxy_hties`` is
+the plug-in alone.
+
 ``fedproxy_centsft`` is the paper's CentSFT reference (Table 2's upper bound): no proxy, no
 cohort. The owner's full ``M`` is fine-tuned on every member's private texts pooled in one
 place, which FedProxy exists to avoid, so it is a reference, not a protocol. Its compute is
@@ -53,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from peerlm.app.experiment import Event, _World
 
-__all__ = ["CENTSFT", "FEDPROXY_MERGE", "FEDPROXY_STRATEGIES", "run_fedproxy"]
+__all__ = ["CENTSFT", "FEDPROXY_MERGE", "FEDPROXY_STRATEGIES", "PROXY_TUNED", "run_fedproxy"]
 
 #: The FedProxy strategies and the owner's merge each runs (:data:`peerlm.agent.PROXY_MERGES`).
 FEDPROXY_MERGE: Final[Mapping[str, str]] = {
@@ -61,7 +68,10 @@ FEDPROXY_MERGE: Final[Mapping[str, str]] = {
     "fedproxy_hties_nopcr": "h_ties",
     "fedproxy_fedavg": "fedavg",
     "fedproxy_ties": "ties",
+    "fedproxy_proxytuning": "h_ties_pcr",
 }
+#: Strategies whose owner decodes with ProxyTuning (M + φ_T − φ_0 logits) instead of fusing.
+PROXY_TUNED: Final[frozenset[str]] = frozenset({"fedproxy_proxytuning"})
 #: The CentSFT reference: the full model fine-tuned on the pooled data (no proxy, no merge).
 CENTSFT: Final = "fedproxy_centsft"
 FEDPROXY_STRATEGIES: Final[tuple[str, ...]] = (*FEDPROXY_MERGE, CENTSFT)
@@ -96,6 +106,7 @@ def run_fedproxy(
 
     from peerlm.agent import (
         ConflictRegulariser,
+        ProxyTunedHost,
         compress_by_influence,
         encode_proxy,
         encode_update,
@@ -120,6 +131,8 @@ def run_fedproxy(
     full = AutoModelForCausalLM.from_pretrained(path)
     compressed = compress_by_influence(full, tokenizer, world.transfer, plan.proxy_ratio)
     proxy = compressed.proxy
+    # ProxyTuning's anti-expert: the proxy before any member trained it.
+    anti_expert = copy.deepcopy(proxy) if strategy in PROXY_TUNED else None
     info = proxy_info(proxy)
     assert info is not None  # build_proxy records it
     config = proxy.config.to_dict()
@@ -131,6 +144,10 @@ def run_fedproxy(
     def fused_host() -> Any:
         fused = AutoModelForCausalLM.from_pretrained(path)
         proxy.load_state_dict(global_state)
+        if anti_expert is not None:
+            # M untouched, decoded with the offset of the global proxy (a copy: it trains on).
+            base = _host(fused, tokenizer, plan.lora_rank, f"{path} proxy-tuned")
+            return ProxyTunedHost(base, copy.deepcopy(proxy), anti_expert)
         fuse_into(fused, proxy)
         return _host(fused, tokenizer, plan.lora_rank, f"{path} fused")
 

@@ -139,7 +139,7 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
         strategies=("local_plus", "fedavg_lora", "ffa_lora", "onepeft", "onepeft_svd",
                     "onepeft_hka", "onepeft_fedavg", "onepeft_multi", "fedavg_lora_plus",
                     "fedproxy_hties", "fedproxy_hties_nopcr", "fedproxy_fedavg", "fedproxy_ties",
-                    "fedproxy_centsft"),
+                    "fedproxy_centsft", "fedproxy_proxytuning"),
         local_steps=1, transfer_limit=2, val_limit=2, test_limit=6, samples=1,
         max_new_tokens=8, probe_per_category=1, warmup_steps=0, akd_steps=None,
     )  # fmt: skip
@@ -174,6 +174,23 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
     assert result["initial_nll_ffa_lora"] == pytest.approx(result["initial_nll"])
     _check_fedproxy_rows(result, runs)
     _check_centsft(result, runs["fedproxy_centsft"])
+    _check_proxytuning(result, runs)
+
+
+def _check_proxytuning(result: dict[str, Any], runs: dict[str, Any]) -> None:
+    """ProxyTuning: the H-TIES + PCR cohort round for round (same proxies: same proxy NLL,
+    same bytes), only the plug-in differs; round 0 is M. The micro model has one block, so
+    κ = 0.5 keeps it and the proxy is M itself: then s_M + s_φT − s_φ0 = s_φT, the fused
+    model's logits, and the two plug-ins must score every problem alike (a check of the
+    arithmetic end to end; tests/unit/test_proxy_tuning.py covers a proxy unlike M)."""
+    tuned, fused = runs["fedproxy_proxytuning"], runs["fedproxy_hties"]
+    assert tuned["kilobytes"] == fused["kilobytes"]
+    for a, b in zip(tuned["rounds"], fused["rounds"], strict=True):
+        assert a["proxy_nll"] == pytest.approx(b["proxy_nll"])
+    assert tuned["curve_nll"]["public"][0] == pytest.approx(result["initial_nll"]["public"])
+    for name, client in tuned["clients"].items():
+        assert client["nll"] == pytest.approx(fused["clients"][name]["nll"], abs=1e-4)
+    assert "fedproxy_proxytuning_vs_fedproxy_hties" in result["summary"]["comparisons"]
 
 
 def _check_centsft(result: dict[str, Any], run: dict[str, Any]) -> None:
