@@ -55,6 +55,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def run_fedproxy(
     """One FedProxy strategy under run seed ``seed``: a run record of the same shape as the
     other strategies' (clients' final metrics, NLL curve, exchanges, kilobytes, rounds)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from peerlm.agent import (
         ConflictRegulariser,
@@ -123,12 +124,8 @@ def run_fedproxy(
     plan = world.plan
     method = FEDPROXY_MERGE[strategy]
     family = plan.arch(0)
-    path = world.models / family
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    full = AutoModelForCausalLM.from_pretrained(path)
+    path, tokenizer, full = _owner_model(world)
     compressed = compress_by_influence(full, tokenizer, world.transfer, plan.proxy_ratio)
     proxy = compressed.proxy
     # ProxyTuning's anti-expert: the proxy before any member trained it.
@@ -237,21 +234,26 @@ def run_fedproxy(
     )
 
 
-def _run_centsft(world: _World, seed: int, event: Event) -> dict[str, Any]:
-    """CentSFT under run seed ``seed`` (see the module): ``M`` trained on the pooled texts."""
+def _owner_model(world: _World) -> tuple[Path, Any, Any]:
+    """The owner's full model ``M`` (the run's family as built), its path and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = world.models / world.plan.arch(0)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return path, tokenizer, AutoModelForCausalLM.from_pretrained(path)
+
+
+def _run_centsft(world: _World, seed: int, event: Event) -> dict[str, Any]:
+    """CentSFT under run seed ``seed`` (see the module): ``M`` trained on the pooled texts."""
     from peerlm.agent import Guardrail, text_trainer
     from peerlm.app.experiment import _Client, _finish_run, _slice_means, _test_nll
 
     plan = world.plan
     family = plan.arch(0)
-    path = world.models / family
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path)
+    path, tokenizer, model = _owner_model(world)
     pooled = [p.prompt + p.reference for train, _val in world.clients_data for p in train]
     names = [f"agent-{i}" for i in range(plan.agents)]
 

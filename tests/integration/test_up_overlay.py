@@ -6,10 +6,25 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _up_overlay(state: Path, *flags: str) -> dict[str, Any]:
+    """``peerlm up --overlay`` of four micro gpt2 agents for three rounds; its JSON report,
+    after checking that it succeeded and the CPM ran every round."""
+    out = subprocess.run(
+        [sys.executable, "-m", "peerlm", "up", "--json", "--state-dir", str(state),
+         "--micro", "--overlay", "--family", "gpt2", "-n", "4", "-r", "3", *flags],
+        capture_output=True, text=True, timeout=850,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout)
+    assert result["cpm_exit_code"] == 0 and result["rounds_completed"] == 3
+    return result
 
 
 # Three rounds of four micro agents after a 60 s genesis wait: about 2 minutes idle, more
@@ -19,16 +34,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_up_overlay_agents_pull_same_family_adapters(tmp_path: Path, aggregation: str) -> None:
     """SemanticDFL's personalised mixing, and OnePeFT's SVD + HKA (issue 9) on the same pulls."""
     state = tmp_path / "fed"
-    out = subprocess.run(
-        [sys.executable, "-m", "peerlm", "up", "--json", "--state-dir", str(state),
-         "--micro", "--overlay", "--family", "gpt2", "-n", "4", "-r", "3",
-         "--aggregation", aggregation],
-        capture_output=True, text=True, timeout=850,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
+    result = _up_overlay(state, "--aggregation", aggregation)
     agents = result["agents"]
-    assert result["cpm_exit_code"] == 0 and result["rounds_completed"] == 3
     assert {Path(a["model"]).name for a in agents} == {"gpt2"}
     names = {a["name"] for a in agents}
     for a in agents:
@@ -57,16 +64,7 @@ def test_up_overlay_one_shot_agents_aggregate_once_then_only_publish(tmp_path: P
     aggregates by SVD + HKA until one step has aggregated; after it, every step only
     publishes its signature (``published``), so it pulls from at most one step's k peers."""
     state = tmp_path / "fed"
-    out = subprocess.run(
-        [sys.executable, "-m", "peerlm", "up", "--json", "--state-dir", str(state),
-         "--micro", "--overlay", "--family", "gpt2", "-n", "4", "-r", "3",
-         "--aggregation", "svd_hka", "--one-shot"],
-        capture_output=True, text=True, timeout=850,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
-    agents = result["agents"]
-    assert result["cpm_exit_code"] == 0 and result["rounds_completed"] == 3
+    agents = _up_overlay(state, "--aggregation", "svd_hka", "--one-shot")["agents"]
     config = json.loads((state / "agents" / "agent-1.yaml").read_text())
     assert config["overlay"]["aggregate_once"] is True
     shot = [a for a in agents if a["one_shot_round"] is not None]
