@@ -926,7 +926,6 @@ def up_command(
             "rounds_played": played,
             "stages": stage_scores(result["agents"]),
         }
-        result["fedwave"] = {"rounds_same_router": agreed, "rounds_played": played}
     if fedproxy:
         from peerlm.app.devfed_fedproxy import cohort_summary
 
