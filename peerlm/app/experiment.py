@@ -44,6 +44,9 @@ onepeft_fedavg  the same, FedAvg of factors once, no HKA (Table 5's "neither").
 onepeft_multi   OnePeFT multi-round: every round each client pulls its family's adapters,
                 aggregates them by SVD and refines by HKA (``local_steps`` HKA steps a
                 round), as ``onepeft`` does once; the multi-round row of Table 4.
+onepeft_multi_ce  the same with HKA at alpha = 1: CE on the public pairs only, no KL to
+                the teachers' mixture (separates what the public references teach from
+                what the teachers do).
 fedavg_lora_plus  FedAvg-LoRA, then ``local_steps`` more steps on the client's own data
                 each round: the compute-matched baseline of ``onepeft_multi`` (the steps
                 OnePeFT spends on HKA, spent as LocalOnly+ spends them).
@@ -194,6 +197,7 @@ LABELS: Mapping[str, str] = {
     "onepeft_hka": "OnePeFT HKA only",
     "onepeft_fedavg": "One-shot FedAvg of factors",
     "onepeft_multi": "OnePeFT multi-round (SVD+HKA)",
+    "onepeft_multi_ce": "OnePeFT multi-round, CE only (HKA alpha 1)",
     "fedavg_lora_plus": "FedAvg-LoRA+ (compute-matched)",
     "ffa_lora": "FFA-LoRA",
     "cpm_menu": "KNEXA-FL (CPM, full menu)",
@@ -217,6 +221,7 @@ MERGE_STRATEGIES: tuple[str, ...] = (
     "onepeft_hka",
     "onepeft_fedavg",
     "onepeft_multi",
+    "onepeft_multi_ce",
     "fedavg_lora_plus",
 )
 #: The CPM recommending among the whole menu (akd, akd_logits, pmix, svd_hka; issue 9
@@ -269,6 +274,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("onepeft_multi", "fedavg_lora_plus"),
     ("onepeft_multi", "fedavg_lora"),
     ("onepeft_multi", "onepeft"),
+    ("onepeft_multi", "onepeft_multi_ce"),
     ("fedavg_lora_plus", "fedavg_lora"),
     ("fedproxy_hties", "fedproxy_fedavg"),
     ("fedproxy_hties_nopcr", "fedproxy_fedavg"),
@@ -985,10 +991,18 @@ def _semantic_dfl(clients: list[_Client]) -> list[dict[str, Any]]:
 
 
 #: Merge strategies that aggregate every round (the others, OnePeFT's, once at the end).
-_EVERY_ROUND: tuple[str, ...] = ("fedavg_lora", "ffa_lora", "onepeft_multi", "fedavg_lora_plus")
+_EVERY_ROUND: tuple[str, ...] = (
+    "fedavg_lora",
+    "ffa_lora",
+    "onepeft_multi",
+    "onepeft_multi_ce",
+    "fedavg_lora_plus",
+)
 #: The OnePeFT variants and the parts of Eq. 3-6 each runs (Table 5's rows).
-_SVD: tuple[str, ...] = ("onepeft", "onepeft_svd", "onepeft_multi")
-_HKA: tuple[str, ...] = ("onepeft", "onepeft_hka", "onepeft_multi")
+_SVD: tuple[str, ...] = ("onepeft", "onepeft_svd", "onepeft_multi", "onepeft_multi_ce")
+_HKA: tuple[str, ...] = ("onepeft", "onepeft_hka", "onepeft_multi", "onepeft_multi_ce")
+#: HKA's Eq. 6 alpha (the CE share): the paper's 0.5, or CE only for the control.
+_HKA_ALPHA: Mapping[str, float] = {"onepeft_multi_ce": 1.0}
 
 
 def _families(clients: list[_Client]) -> list[list[_Client]]:
@@ -1040,6 +1054,7 @@ def _merge_exchange(
                     settings,
                     svd=strategy in _SVD,
                     hka=strategy in _HKA,
+                    alpha=_HKA_ALPHA.get(strategy, 0.5),
                     steps=plan.local_steps,
                 )
             c.exchanges += 1

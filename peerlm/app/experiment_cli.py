@@ -33,7 +33,7 @@ def run_experiment_command(
             help="Comma-separated: local, local_plus, random, heuristic, central_kd, cpm, "
             "oracle, semantic_dfl (default: these); adapter merges (with --family): "
             "fedavg_lora, ffa_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg, "
-            "onepeft_multi, fedavg_lora_plus; the CPM "
+            "onepeft_multi, onepeft_multi_ce, fedavg_lora_plus; the CPM "
             "over the whole protocol menu (with --family): cpm_menu, or one protocol forced: "
             "cpm_akd_logits, cpm_pmix, cpm_svd_hka; FedProxy cohorts (with --family): "
             "fedproxy_hties, fedproxy_hties_nopcr, fedproxy_fedavg, fedproxy_ties, "

@@ -137,7 +137,8 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
     plan = ExperimentPlan(
         agents=3, rounds=2, seeds=(0,), size="micro", family="gpt2",
         strategies=("local_plus", "fedavg_lora", "ffa_lora", "onepeft", "onepeft_svd",
-                    "onepeft_hka", "onepeft_fedavg", "onepeft_multi", "fedavg_lora_plus",
+                    "onepeft_hka", "onepeft_fedavg", "onepeft_multi", "onepeft_multi_ce",
+                    "fedavg_lora_plus",
                     "fedproxy_hties", "fedproxy_hties_nopcr", "fedproxy_fedavg", "fedproxy_ties",
                     "fedproxy_centsft", "fedproxy_proxytuning"),
         local_steps=1, transfer_limit=2, val_limit=2, test_limit=6, samples=1,
@@ -153,7 +154,7 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
         assert [len(r["exchanges"]) for r in runs[name]["rounds"]] == [0, 3]
         assert runs[name]["kilobytes"] == pytest.approx(runs["fedavg_lora"]["kilobytes"] / 2)
     # Multi-round OnePeFT and the compute-matched FedAvg-LoRA pull what FedAvg-LoRA pulls.
-    for name in ("ffa_lora", "onepeft_multi", "fedavg_lora_plus"):
+    for name in ("ffa_lora", "onepeft_multi", "onepeft_multi_ce", "fedavg_lora_plus"):
         assert runs[name]["exchanges"] == 6, name
         assert [len(r["exchanges"]) for r in runs[name]["rounds"]] == [3, 3], name
         assert runs[name]["kilobytes"] == pytest.approx(runs["fedavg_lora"]["kilobytes"])
@@ -162,6 +163,10 @@ def test_adapter_merge_strategies_on_one_family(tmp_path: Path) -> None:
         assert len({tuple(c["nll"]) for c in runs[name]["clients"].values()}) > 1, name
     for a, b in (("onepeft_multi", "fedavg_lora_plus"), ("onepeft_multi", "onepeft")):
         assert f"{a}_vs_{b}" in result["summary"]["comparisons"]
+    # HKA at alpha 1 drops the teachers' KL: another adapter than the paper's alpha 0.5.
+    assert runs["onepeft_multi_ce"]["clients"]["agent-0"]["nll"] != pytest.approx(
+        runs["onepeft_multi"]["clients"]["agent-0"]["nll"]
+    )
     # FedAvg-LoRA and FFA-LoRA leave every client with the same adapter: the same test NLL.
     for name in ("fedavg_lora", "ffa_lora"):
         nll = [c["nll"] for c in runs[name]["clients"].values()]
