@@ -242,6 +242,20 @@ class CheckpointStore:
             raise CheckpointError(f"no checkpoint for round {round_} in {self.directory}")
         return self._verify(path, round_)
 
+    def roll_back(self, round_: int) -> Checkpoint:
+        """Make checkpoint ``round_`` the newest: verify it, discard every newer one, point
+        ``latest`` at it; the checkpoint. Raises :class:`CheckpointError` (nothing changed)
+        if it is missing or does not verify. A crash part-way leaves the newer ones either
+        still there (the roll-back did not happen) or gone (it did)."""
+        with self._lock:
+            checkpoint = self.load(round_)
+            newer = [path for r, path in self._complete() if r > round_]
+            for path in sorted(newer, reverse=True):
+                self._discard(path)
+            self._write_latest(_round_name(round_))
+        self._log.info("checkpoint_rolled_back", round=round_, discarded=len(newer))
+        return checkpoint
+
     def load_latest(self) -> Checkpoint | None:
         """The newest checkpoint that verifies, or None; repairs what a crash left behind."""
         if not self.directory.is_dir():

@@ -41,6 +41,7 @@ from peerlm.agent.fedwave.exchange import (
     plan_pulls,
 )
 from peerlm.agent.fedwave.exchange_service import proof_kind
+from peerlm.agent.fedwave.resume import PeerPosition
 from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO
 from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.peer_client import PeerExchangeError, receive_chunks
@@ -53,10 +54,10 @@ from peerlm.wire.v1 import fedwave_pb2, fedwave_pb2_grpc
 
 __all__ = [
     "aggregate_round_routers",
-    "newest_rounds",
     "pull_part",
     "pull_round",
     "record_router_aggregate",
+    "workflow_positions",
 ]
 
 _WIRE_KINDS = {
@@ -251,15 +252,22 @@ async def pull_round(
     return parts
 
 
-async def newest_rounds(
-    ctx: NodeContext, endpoints: Mapping[str, str], *, timeout_s: float
-) -> dict[str, int]:
-    """The newest round each agent at ``endpoints`` (agent name → HOST:PORT) has published
-    (``DescribeWorkflow``, the channel proving it is that agent), asked concurrently for at
-    most ``timeout_s``; an agent that does not answer, or has published nothing, is left
-    out. A restarted expert uses it to find the round the workflow is in."""
+async def workflow_positions(
+    ctx: NodeContext,
+    endpoints: Mapping[str, str],
+    *,
+    wait_s: float,
+    poll_s: float = 0.5,
+    ask_timeout_s: float = 10.0,
+) -> dict[str, PeerPosition]:
+    """Each agent's position at ``endpoints`` (agent name → HOST:PORT): its newest published
+    round and its last concluded round (``DescribeWorkflow``, the channel proving it is that
+    agent). Asked concurrently and again every ``poll_s`` until every agent's answer is
+    settled (running, or its checkpoint loaded) or ``wait_s`` has passed; an agent that never
+    answered is left out, one that answered keeps its last answer. A restarted expert uses
+    it to find the round to resume at (:mod:`~peerlm.agent.fedwave.resume`)."""
 
-    async def ask(agent: str, target: str) -> int | None:
+    async def ask(agent: str, target: str, timeout_s: float) -> PeerPosition | None:
         async with ctx.dial(target, expect=agent) as peer:
             stub = fedwave_pb2_grpc.FedWaveExchangeStub(peer.channel)  # type: ignore[no-untyped-call]
             reply = await stub.DescribeWorkflow(
@@ -267,17 +275,30 @@ async def newest_rounds(
             )
         if reply.agent != agent:
             return None  # the certificate proved it; a reply naming another is not used
-        return max(reply.rounds) if reply.rounds else None
+        return PeerPosition(
+            published=max(reply.rounds) if reply.rounds else None,
+            concluded=reply.concluded_round if reply.HasField("concluded_round") else None,
+        )
 
-    names = sorted(endpoints)
-    answers = await asyncio.gather(*(ask(a, endpoints[a]) for a in names), return_exceptions=True)
-    out: dict[str, int] = {}
-    for agent, answer in zip(names, answers, strict=True):
-        if isinstance(answer, int):
-            out[agent] = answer
-        elif isinstance(answer, BaseException) and not isinstance(answer, Exception):
-            raise answer  # cancellation
-    return out
+    out: dict[str, PeerPosition] = {}
+    deadline = time.monotonic() + wait_s
+    while True:
+        pending = sorted(a for a in endpoints if a not in out or not out[a].settled)
+        if not pending:
+            return out
+        left = deadline - time.monotonic()
+        timeout_s = max(0.1, min(ask_timeout_s, left))
+        answers = await asyncio.gather(
+            *(ask(a, endpoints[a], timeout_s) for a in pending), return_exceptions=True
+        )
+        for agent, answer in zip(pending, answers, strict=True):
+            if isinstance(answer, PeerPosition):
+                out[agent] = answer
+            elif isinstance(answer, BaseException) and not isinstance(answer, Exception):
+                raise answer  # cancellation
+        if time.monotonic() + poll_s >= deadline:
+            return out
+        await asyncio.sleep(poll_s)
 
 
 def aggregate_round_routers(

@@ -121,6 +121,8 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
             "published or no longer kept, bad request, part over the bound)",
             ("rpc", "reason"),
         )
+        # The last round this agent concluded; None until its checkpoint (if any) is loaded.
+        self._concluded: int | None = None
         # Distinct callers served each (round, kind): the agent lingers after its last round
         # until its neighbours have their parts (bounded by the round's deadline).
         self._served: dict[tuple[int, PartKind], set[str]] = {}
@@ -134,6 +136,13 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
     def served(self, round_: int, kind: PartKind) -> frozenset[str]:
         """The callers that were streamed this agent's ``kind`` of ``round_``."""
         return frozenset(self._served.get((round_, kind), ()))
+
+    def set_concluded(self, round_: int) -> None:
+        """Say (in ``DescribeWorkflow``) that this agent's state is that of the end of
+        ``round_`` (0: a fresh start); until it is said, agents restarted together wait."""
+        if round_ < 0:
+            raise ValueError(f"round must be >= 0, got {round_}")
+        self._concluded = round_
 
     @property
     def store(self) -> PartStore:
@@ -207,6 +216,7 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
             agent=self._me,
             stage=self._stage,
             rounds=list(self._store.rounds),
+            concluded_round=self._concluded,
         )
 
     async def _refuse(

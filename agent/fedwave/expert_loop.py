@@ -40,13 +40,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from peerlm.agent.checkpoint import CheckpointError
 from peerlm.agent.fedproxy_admission import state_norm
 from peerlm.agent.fedwave.agent_node import FedWaveNode
 from peerlm.agent.fedwave.exchange import PartKind, RoundParts, plan_expert_pulls, plan_pulls
 from peerlm.agent.fedwave.exchange_client import (
-    newest_rounds,
     pull_round,
     record_router_aggregate,
+    workflow_positions,
 )
 from peerlm.agent.fedwave.expert_assembly import (
     AssemblyOutcome,
@@ -61,6 +62,7 @@ from peerlm.agent.fedwave.expert_round import (
     conclude_round,
 )
 from peerlm.agent.fedwave.part_admission import screen_round
+from peerlm.agent.fedwave.resume import plan_resume
 from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
 from peerlm.agent.fedwave.settings import FedWaveSettings
 from peerlm.agent.fedwave.vclayer import VCLayer, encode_vclayer
@@ -70,7 +72,7 @@ from peerlm.metrics import get_collector
 from peerlm.node import NodeContext
 
 if TYPE_CHECKING:
-    from peerlm.agent.checkpoint import CheckpointStore
+    from peerlm.agent.checkpoint import Checkpoint, CheckpointStore
     from peerlm.agent.fedwave.code_chain import StageExample
 
 __all__ = ["ExpertLoop", "FedWaveReport"]
@@ -98,6 +100,9 @@ class FedWaveReport:
     # workflow played while this agent was down (it rejoined at the workflow's round).
     resumed_from: int | None = None
     rounds_skipped: int = 0
+    # Restarted ahead of the others (restarted together, or after them): the round of the
+    # checkpoint it had restored before it rolled back to theirs (``resumed_from``).
+    rolled_back_from: int | None = None
     # Part bytes by kind: streamed to the workflow's agents (served) and taken off the wire
     # from them (pulled, refused parts included); across restarts.
     bytes_sent: dict[str, int] = field(default_factory=dict)
@@ -303,6 +308,7 @@ class ExpertLoop:
         await self._run(lambda: self.trainer.load_router(conclusion.router))
         self.predecessor, self.successor = conclusion.predecessor, conclusion.successor
         self.next_round = t + 1
+        self.node.service.set_concluded(t)
         outcome = record_router_aggregate(self.ctx, self.workflow, conclusion.members, t)
         self._rounds.labels(outcome).inc()
         self._round_gauge.set(t)
@@ -371,12 +377,16 @@ class ExpertLoop:
         """Load the newest checkpoint, if any: the expert's adapter, router, VCLayer, the
         neighbours' VCLayers, the report and RNG as they were at the end of its round;
         that round (0: none, a fresh start). ``ValueError`` if it does not fit this agent
-        (nothing loaded then)."""
-        if self.checkpoints is None:
-            return 0
-        checkpoint = await self._run(self.checkpoints.load_latest)
+        (nothing loaded then). From here on ``DescribeWorkflow`` says the round."""
+        checkpoint = None
+        if self.checkpoints is not None:
+            checkpoint = await self._run(self.checkpoints.load_latest)
         if checkpoint is None:
+            self.node.service.set_concluded(0)
             return 0
+        return await self._load(checkpoint)
+
+    async def _load(self, checkpoint: Checkpoint) -> int:
         bounds = self.node.bounds
         saved = unpack_expert_state(
             checkpoint.tensors,
@@ -400,32 +410,50 @@ class ExpertLoop:
         self._bytes_before = (dict(self.report.bytes_sent), dict(self.report.bytes_received))
         self.next_round = saved.round + 1
         self._round_gauge.set(saved.round)
+        self.node.service.set_concluded(saved.round)
         self.ctx.log.info("fedwave_checkpoint_restored", round=saved.round, stage=self.node.stage)
         return saved.round
 
     async def rejoin(self, t: int) -> int:
-        """After :meth:`restore` of round ``t``: the round to play next, the workflow's.
-        The other agents went on while this one was down; their newest published round
-        ``R`` (``DescribeWorkflow``, asked for at most the round's deadline) is the round
-        they are in or have just concluded. The agent plays ``max(t + 1, R)``: it trains
-        from its checkpointed router and pulls that round's parts (the others keep the
-        last two rounds), so it joins the round they wait on, or the next one's set. The
-        rounds in between are skipped (counted in the report): its router joins the
-        others' at the first round they all conclude over the same set (Eq. 9 over the same
-        trained routers gives the same bits, whatever each started from)."""
-        newest = await newest_rounds(
-            self.ctx, self.endpoints, timeout_s=min(self.settings.round_deadline_s, 10.0)
+        """After :meth:`restore` of round ``t``: the round to play next (docs/fedwave.md,
+        section 5; :mod:`~peerlm.agent.fedwave.resume`). It asks every workflow agent where
+        it is (``DescribeWorkflow``), waiting up to ``fedwave.round_deadline_s`` for agents
+        still loading their checkpoints: if the others are running it joins their round
+        (skipping the ones it missed); if they restarted too, all agree on the smallest
+        round concluded among them. An agent ahead rolls back to its checkpoint of that
+        round first (the newer checkpoints are discarded)."""
+        positions = await workflow_positions(
+            self.ctx, self.endpoints, wait_s=self.settings.round_deadline_s
         )
-        workflow_round = max(newest.values(), default=0)
-        self.next_round = max(t + 1, workflow_round)
-        skipped = self.next_round - (t + 1)
-        self.report.rounds_skipped += skipped
+        kept = await self._run(self.checkpoints.rounds) if self.checkpoints is not None else []
+        plan = plan_resume(t, positions, kept)
+        rollback_unavailable = plan.rollback_unavailable
+        next_round = plan.next_round
+        if plan.rollback_to is not None:
+            assert self.checkpoints is not None  # kept is empty otherwise
+            store, target = self.checkpoints, plan.rollback_to
+            try:
+                checkpoint = await self._run(lambda: store.roll_back(target))
+            except CheckpointError as err:
+                self.ctx.log.warning("fedwave_rollback_failed", round=target, error=str(err))
+                rollback_unavailable, next_round = True, t + 1
+            else:
+                moved = self._bytes_before  # bytes that did move, whatever is rolled back
+                await self._load(checkpoint)
+                self._bytes_before = moved
+                self.report.bytes_sent, self.report.bytes_received = dict(moved[0]), dict(moved[1])
+                self.report.rolled_back_from = t
+        self.next_round = next_round
+        self.report.rounds_skipped += plan.skipped
         self.ctx.log.info(
             "fedwave_rejoined",
             checkpoint_round=t,
             next_round=self.next_round,
-            skipped=skipped,
-            peers_newest=newest,
+            skipped=plan.skipped,
+            mode=plan.mode,
+            rolled_back_to=None if rollback_unavailable else plan.rollback_to,
+            rollback_unavailable=rollback_unavailable,
+            peers={a: [p.published, p.concluded] for a, p in sorted(positions.items())},
         )
         return self.next_round
 

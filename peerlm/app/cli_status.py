@@ -204,6 +204,8 @@ def workflow_to_dict(desc: Any) -> dict[str, Any]:
         "agent": desc.agent,
         "stage": desc.stage,
         "rounds": list(desc.rounds),
+        # None while a restarted agent loads its checkpoint (or from an older release).
+        "concluded_round": desc.concluded_round if desc.HasField("concluded_round") else None,
         "stages": [{"name": s.name, "agents": list(s.agents)} for s in desc.stages],
     }
 
@@ -245,14 +247,21 @@ def _render_fedwave(rows: list[dict[str, Any]], console: Console) -> None:
             workflow.add_row(str(index), stage["name"], ", ".join(stage["agents"]))
         console.print(workflow)
     agents = Table(title="FedWave agents")
-    for column in ("target", "agent", "stage", "rounds held"):
+    for column in ("target", "agent", "stage", "rounds held", "concluded"):
         agents.add_column(column)
     for r in rows:
         if "error" in r:
-            agents.add_row(r["target"], f"[red]{r['error']}[/red]", "-", "-")
+            agents.add_row(r["target"], f"[red]{r['error']}[/red]", "-", "-", "-")
             continue
         held = ", ".join(str(x) for x in r["rounds"]) or "none yet"
-        agents.add_row(r["target"], r["agent"], r["stage"], held)
+        concluded = r.get("concluded_round")
+        agents.add_row(
+            r["target"],
+            r["agent"],
+            r["stage"],
+            held,
+            "loading" if concluded is None else str(concluded),
+        )
     console.print(agents)
 
 

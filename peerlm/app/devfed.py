@@ -814,10 +814,10 @@ def up_command(
     elif workflow:
         from peerlm.app.devfed_workflow import WORKFLOW_AGENTS
 
-        if simulated or overlay or menu != ("akd",) or resume or reward != RealPlan.reward:
+        if simulated or overlay or menu != ("akd",) or reward != RealPlan.reward:
             raise typer.BadParameter(
                 "--workflow runs model-hosting FedWave experts: leave out --simulated, "
-                "--overlay, --protocols, --reward and --resume"
+                "--overlay, --protocols and --reward"
             )
         if agents is not None and agents != len(WORKFLOW_AGENTS):
             raise typer.BadParameter(
@@ -890,7 +890,12 @@ def up_command(
 
             # The owner's rounds closed, the members' rounds trained; FedWave's rounds done.
             events = ("fedproxy_round_merged", "fedproxy_update_ready")
-            round_of = LogRounds(fed.logs, events if fedproxy else "fedwave_round_done")
+            round_of = LogRounds(
+                fed.logs,
+                events if fedproxy else "fedwave_round_done",
+                # --resume appends to the last run's logs: count this run's rounds only.
+                from_end=resume,
+            )
         result = asyncio.run(
             _run(
                 fed,

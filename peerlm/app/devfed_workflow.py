@@ -48,12 +48,17 @@ ROUND_DEADLINE_S = 180.0
 class LogRounds:
     """An agent's last round from its JSON log (``<logs>/<agent>.log``): the highest
     ``round`` of the lines of ``events`` (one event name or several) read so far; each call
-    reads only the new lines."""
+    reads only the new lines. ``from_end``: lines already in the logs (a resumed run's
+    predecessor's) are not read."""
 
-    def __init__(self, logs: Path, events: str | Collection[str]) -> None:
+    def __init__(
+        self, logs: Path, events: str | Collection[str], *, from_end: bool = False
+    ) -> None:
         self._logs = logs
         self._events = frozenset({events} if isinstance(events, str) else events)
         self._offsets: dict[str, int] = {}
+        if from_end and logs.is_dir():
+            self._offsets = {p.stem: p.stat().st_size for p in logs.glob("*.log")}
         self._rounds: dict[str, int] = {}
 
     def __call__(self, agent: str) -> int:

@@ -22,10 +22,15 @@ from peerlm.agent.fedwave.exchange import (
     ShapeBounds,
     plan_expert_pulls,
 )
-from peerlm.agent.fedwave.exchange_client import aggregate_round_routers, pull_round
+from peerlm.agent.fedwave.exchange_client import (
+    aggregate_round_routers,
+    pull_round,
+    workflow_positions,
+)
 from peerlm.agent.fedwave.exchange_service import FedWaveExchangeService, serve_fedwave
 from peerlm.agent.fedwave.expert_assembly import choose_stage_experts
 from peerlm.agent.fedwave.params import RouterSettings, VCLayerSettings
+from peerlm.agent.fedwave.resume import PeerPosition, plan_resume
 from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
 from peerlm.agent.fedwave.vclayer import VCLayer, encode_vclayer
@@ -491,6 +496,7 @@ async def test_peerlm_status_shows_the_workflow(pki: Path, agents: dict[str, Age
     import sys
 
     agents["a3"].publish(7)
+    agents["a3"].service.set_concluded(6)
 
     async def status(*extra: str) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(
@@ -510,12 +516,15 @@ async def test_peerlm_status_shows_the_workflow(pki: Path, agents: dict[str, Age
         "agent": "a3",
         "stage": "implement",
         "rounds": [7],
+        "concluded_round": 6,
         "stages": [{"name": s.name, "agents": list(s.agents)} for s in WORKFLOW.stages],
     }
     assert (rows[1]["agent"], rows[1]["stage"], rows[1]["rounds"]) == ("a1", "specify", [])
+    assert rows[1]["concluded_round"] is None  # not said yet: still loading
     code, out = await status()
     assert code == 0, out
     assert "FedWave workflow" in out and "a1, a2" in out and "implement" in out
+    assert "loading" in out  # a1 has not said its concluded round
 
 
 async def test_a_part_waits_for_the_ports_send_budget_and_is_refused_when_none_comes(
@@ -597,3 +606,63 @@ async def test_an_expert_adapter_is_refused_to_an_agent_of_its_own_stage(
         )
         assert not parts.rejected and not parts.missing, (name, parts)
     assert a1.service.served(4, PartKind.ADAPTER) == frozenset({"a3"})
+
+
+async def test_agents_restarted_together_wait_for_each_others_checkpoints_and_agree(
+    agents: dict[str, Agent],
+) -> None:
+    # a1 restarted from round 4. a2 and a4 have loaded theirs (rounds 3 and 4); a3 is still
+    # loading and says its round a moment later. a1 waits for it, and all agree on round 4
+    # (a1, ahead, rolls back to 3). Only round 0 is published by anyone: nobody is running.
+    for agent in agents.values():
+        agent.publish(0)
+    agents["a2"].service.set_concluded(3)
+    agents["a4"].service.set_concluded(4)
+    assert not agents["a3"].service.store.rounds[1:]
+
+    async def a3_loads() -> None:
+        await asyncio.sleep(1.0)
+        agents["a3"].service.set_concluded(4)
+
+    loading = asyncio.create_task(a3_loads())
+    endpoints = {a: agents[a].target for a in ("a2", "a3", "a4")}
+    positions = await workflow_positions(agents["a1"].ctx, endpoints, wait_s=30, poll_s=0.2)
+    await loading
+    assert positions == {
+        "a2": PeerPosition(0, 3),
+        "a3": PeerPosition(0, 4),
+        "a4": PeerPosition(0, 4),
+    }
+    plan = plan_resume(4, positions, kept=[2, 3, 4])
+    assert (plan.next_round, plan.rollback_to, plan.mode) == (4, 3, "together")
+
+    # A running workflow answers at once: a4 has published round 5 and concluded 4.
+    agents["a4"].publish(5)
+    running = await workflow_positions(
+        agents["a1"].ctx, {"a4": agents["a4"].target}, wait_s=30, poll_s=0.2
+    )
+    assert running == {"a4": PeerPosition(5, 4)} and running["a4"].workflow_round == 5
+
+
+async def test_an_agent_that_never_says_its_round_is_left_out_after_the_wait(
+    pki: Path, agents: dict[str, Agent]
+) -> None:
+    # a3 never loads its checkpoint (its answer stays unsettled), a4's address answers
+    # nothing: after the wait a1 goes on with what it knows. A caller outside the workflow
+    # learns nothing (PERMISSION_DENIED, counted).
+    agents["a2"].service.set_concluded(2)
+    closed = f"127.0.0.1:{agents['a4'].server.port}"
+    await agents["a4"].server.stop(0)
+    endpoints = {"a2": agents["a2"].target, "a3": agents["a3"].target, "a4": closed}
+    positions = await workflow_positions(agents["a1"].ctx, endpoints, wait_s=2, poll_s=0.2)
+    assert positions == {"a2": PeerPosition(None, 2), "a3": PeerPosition(None, None)}
+    mallory = kit_context(pki, "mallory")
+    assert await workflow_positions(mallory, {"a2": agents["a2"].target}, wait_s=1) == {}
+    refused = _count(
+        agents["a2"].registry,
+        "peerlm_agent_fedwave_refusals_total",
+        {"rpc": "DescribeWorkflow", "reason": "not_in_workflow"},
+    )
+    assert refused >= 1
+    with pytest.raises(ValueError, match=">= 0"):
+        agents["a2"].service.set_concluded(-1)

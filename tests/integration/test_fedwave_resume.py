@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from peerlm.agent.checkpoint import CheckpointStore
 from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.models.tiny import build_models
 
@@ -43,13 +45,19 @@ def _saved(log: Path, round_: int) -> bool:
     )
 
 
-def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path: Path) -> None:
+@dataclass
+class Federation:
+    cpm: CpmProcess
+    configs: dict[str, Path]
+
+
+def _federation(tmp_path: Path) -> Federation:
+    """Three micro gpt2 experts of a three-stage workflow and a CPM; not started."""
     models = tmp_path / "models"
     build_models(models, ("gpt2",), size="micro")
     pki = Pki.create(tmp_path, agents=3)
     workflow = Workflow.model_validate(WORKFLOW)
     cpm = CpmProcess(pki, tmp_path / "cpm.db", tmp_path, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"})
-    cpm.start()
     data = tmp_path / "data"
     transfer = write_stage_data(data, workflow, AGENTS)
     peers = {a: f"127.0.0.1:{_free_port()}" for a in AGENTS}
@@ -70,6 +78,13 @@ def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path:
         )
         for a in AGENTS
     }
+    return Federation(cpm, configs)
+
+
+def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path: Path) -> None:
+    fed = _federation(tmp_path)
+    cpm, configs = fed.cpm, fed.configs
+    cpm.start()
     logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
     procs = {a: start_agent(configs[a], logs[a]) for a in AGENTS}
     restarted_log = tmp_path / f"{VICTIM}-restarted.log"
@@ -139,3 +154,75 @@ def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path:
     assert full, reports
     early = {tuple(r["router_sha256"][i] for i in full) for r in reports.values()}
     assert len(early) == 1, reports
+
+
+def _newest_checkpoint(tmp_path: Path, agent: str) -> int:
+    return max(CheckpointStore(_checkpoints(tmp_path, agent)).rounds(), default=0)
+
+
+def _checkpoints(tmp_path: Path, agent: str) -> Path:
+    return tmp_path / "state" / agent / "fedwave" / "checkpoints"
+
+
+def test_a_workflow_restarted_together_agrees_on_one_round_and_stays_in_phase(
+    tmp_path: Path,
+) -> None:
+    # Every expert is killed at once, then a0 loses its newest checkpoint (a crash before
+    # its save landed): it is a round behind the others. Restarted together, all three
+    # wait for each other's checkpoints, agree on a0's round + 1 (the others roll back),
+    # and every round after the restart is complete: nobody waits out a deadline.
+    fed = _federation(tmp_path)
+    fed.cpm.start()
+    logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
+    procs = {a: start_agent(fed.configs[a], logs[a]) for a in AGENTS}
+    relogs = {a: tmp_path / f"{a}-restarted.log" for a in AGENTS}
+    try:
+        _wait_for(
+            lambda: (
+                all(_saved(logs[a], KILLED_AFTER) for a in AGENTS)
+                or any(p.poll() is not None for p in procs.values())
+            ),
+            300,
+            f"every agent's checkpoint of round {KILLED_AFTER}",
+        )
+        for a, p in procs.items():
+            assert p.poll() is None, logs[a].read_text()[-3000:]
+            p.send_signal(signal.SIGKILL)
+        for p in procs.values():
+            p.wait(30)
+        newest = {a: _newest_checkpoint(tmp_path, a) for a in AGENTS}
+        behind = min(newest.values()) - 1
+        assert behind >= 1 and max(newest.values()) < ROUNDS, newest
+        CheckpointStore(_checkpoints(tmp_path, "a0")).roll_back(behind)
+        procs = {a: start_agent(fed.configs[a], relogs[a]) for a in AGENTS}
+        outs = {a: p.communicate(timeout=400)[0] for a, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        fed.cpm.terminate()
+    reports = {}
+    for a, out in outs.items():
+        assert procs[a].returncode == 0, relogs[a].read_text()[-3000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert not summary["errors"], summary["errors"]
+        reports[a] = summary["fedwave"]
+    for a in AGENTS:
+        events = _events(relogs[a])
+        (rejoined,) = [e for e in events if e.get("event") == "fedwave_rejoined"]
+        assert rejoined["mode"] == "together" and rejoined["next_round"] == behind + 1, rejoined
+        own = behind if a == "a0" else newest[a]
+        assert rejoined["checkpoint_round"] == own, rejoined
+        assert rejoined["rolled_back_to"] == (behind if own > behind else None), rejoined
+        played = [e["round"] for e in events if e.get("event") == "fedwave_round_done"]
+        assert played == list(range(behind + 1, ROUNDS + 1)), (a, played)
+        report = reports[a]
+        assert report["rounds"] == ROUNDS and report["resumed_from"] == behind, report
+        assert report["rolled_back_from"] == (own if own > behind else None), report
+        # One entry per round: the rolled-back rounds are not counted twice.
+        assert len(report["router_sha256"]) == ROUNDS, report
+        assert report["members"][behind:] == [len(AGENTS)] * (ROUNDS - behind), report
+        assert _newest_checkpoint(tmp_path, a) == ROUNDS
+    last = {a: r["router_sha256"][-1] for a, r in reports.items()}
+    assert len(set(last.values())) == 1, last

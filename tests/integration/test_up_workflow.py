@@ -64,3 +64,25 @@ def test_up_workflow_runs_the_code_chain_with_one_router(tmp_path: Path) -> None
     config = json.loads((state / "agents" / "implement-0.yaml").read_text())
     assert sorted(config["fedwave"]["peers"]) == sorted(agents)
     assert config["fedwave"]["stage"] == "implement"
+
+    # `--resume` with one more round: every expert restores its round-2 checkpoint, the
+    # three agree on round 3 (restarted together), play it with all three routers, and
+    # assemble π_SFT again; the reports go on from the checkpoints.
+    again = subprocess.run(
+        [sys.executable, "-m", "peerlm", "up", "--workflow", "--micro", "-r", "3", "--resume",
+         "--json", "--state-dir", str(state)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = {a["name"]: a for a in json.loads(again.stdout)["agents"]}
+    for name, a in resumed.items():
+        fw = a["fedwave"]
+        assert not a["errors"], a["errors"]
+        assert (fw["rounds"], fw["resumed_from"], fw["rounds_skipped"]) == (3, 2, 0), fw
+        assert fw["rolled_back_from"] is None and fw["members"] == [3, 3, 3], fw
+        assert fw["router_sha256"][:2] == agents[name]["fedwave"]["router_sha256"]
+        assert fw["assembly"]["outcome"] == "complete"
+        log = (state / "logs" / f"{name}.log").read_text().splitlines()
+        rejoined = [json.loads(line) for line in log if '"fedwave_rejoined"' in line]
+        assert [(e["mode"], e["next_round"]) for e in rejoined] == [("together", 3)], rejoined
+    assert len({tuple(a["fedwave"]["router_sha256"]) for a in resumed.values()}) == 1

@@ -251,3 +251,30 @@ def test_kill_9_during_saves_never_loses_an_acknowledged_checkpoint(tmp_path: Pa
             assert len(lines) == 2, (crash_at, lines)
         acknowledged = int(lines[-1])
         acknowledged = _check_recovered(directory, acknowledged)
+
+
+def test_roll_back_makes_an_older_round_the_newest(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    for r in (1, 2, 3):
+        store.save(r, _adapter(r), _state(r))
+    _assert_is_round(store.roll_back(2), 2)
+    assert store.rounds() == [1, 2]
+    assert (tmp_path / "LATEST").read_text() == "round-000002\n"
+    _assert_is_round(store.load_latest(), 2)
+    # Playing on after it: the round saved again is the new one.
+    store.save(3, _adapter(3), _state(3))
+    _assert_is_round(store.load_latest(), 3)
+
+
+def test_a_roll_back_to_a_missing_or_damaged_round_changes_nothing(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    for r in (2, 3):
+        store.save(r, _adapter(r), _state(r))
+    before = _entries(tmp_path)
+    with pytest.raises(CheckpointError, match="no checkpoint for round 1"):
+        store.roll_back(1)
+    (tmp_path / "round-000002" / "adapter.safetensors").write_bytes(b"not an adapter")
+    with pytest.raises(CheckpointError):
+        store.roll_back(2)
+    assert _entries(tmp_path) == before
+    _assert_is_round(store.load_latest(), 3)

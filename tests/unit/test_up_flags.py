@@ -33,7 +33,6 @@ from peerlm.app.cli import app
         ["--workflow", "--simulated"],  # FedWave experts host models
         ["--workflow", "--overlay"],
         ["--workflow", "--protocols", "pmix"],
-        ["--workflow", "--resume"],  # the expert loop does not checkpoint
         ["--workflow", "-n", "4"],  # one agent per stage of the code chain: 3
         ["--workflow", "--family", "gtp2"],
         ["--reward", "oracle"],

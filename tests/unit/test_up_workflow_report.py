@@ -93,3 +93,16 @@ def test_log_rounds_follows_several_events(tmp_path: Path) -> None:
         json.dumps({"event": "fedproxy_update_ready", "round": 1}) + "\n"
     )
     assert (rounds("owner"), rounds("m")) == (2, 1)
+
+
+def test_log_rounds_of_a_resumed_run_skip_the_last_runs_lines(tmp_path: Path) -> None:
+    """`up --workflow --resume` appends to the last run's logs: its rounds are not this
+    run's progress."""
+    log = tmp_path / "a.log"
+    log.write_text(json.dumps({"event": "fedwave_round_done", "round": 4}) + "\n")
+    rounds = LogRounds(tmp_path, "fedwave_round_done", from_end=True)
+    assert (rounds("a"), rounds("fresh")) == (0, 0)
+    with log.open("a") as handle:
+        handle.write(json.dumps({"event": "fedwave_round_done", "round": 3}) + "\n")
+    assert rounds("a") == 3
+    assert LogRounds(tmp_path / "none", "fedwave_round_done", from_end=True)("a") == 0

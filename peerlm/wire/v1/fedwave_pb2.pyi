@@ -125,9 +125,16 @@ class WorkflowDescription(_message.Message):
     AGENT_FIELD_NUMBER: _builtins.int
     STAGE_FIELD_NUMBER: _builtins.int
     ROUNDS_FIELD_NUMBER: _builtins.int
+    CONCLUDED_ROUND_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     """This agent's certificate name and stage."""
     stage: _builtins.str
+    concluded_round: _builtins.int
+    """The last round this agent concluded: its router, adapter and VCLayer are those of the
+    end of that round (0: none yet, a fresh start). Unset while a restarted agent has not
+    yet loaded its checkpoint; agents restarted together wait for it to agree on the round
+    to resume at (docs/fedwave.md, section 5).
+    """
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkflowStage]:
         """The stages in workflow order."""
@@ -143,11 +150,14 @@ class WorkflowDescription(_message.Message):
         agent: _builtins.str = ...,
         stage: _builtins.str = ...,
         rounds: _abc.Iterable[_builtins.int] | None = ...,
+        concluded_round: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_concluded_round", b"_concluded_round", "concluded_round", b"concluded_round"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "rounds", b"rounds", "stage", b"stage", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_concluded_round", b"_concluded_round", "agent", b"agent", "concluded_round", b"concluded_round", "rounds", b"rounds", "stage", b"stage", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__concluded_round: _TypeAlias = _typing.Literal["concluded_round"]  # noqa: Y015
+    _WhichOneofArgType__concluded_round: _TypeAlias = _typing.Literal["_concluded_round", b"_concluded_round"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__concluded_round) -> _WhichOneofReturnType__concluded_round | None: ...
 
 Global___WorkflowDescription: _TypeAlias = WorkflowDescription  # noqa: Y015

@@ -1,0 +1,91 @@
+"""Where a restarted FedWave expert resumes (``plan_resume``): joining a running workflow,
+agreeing with agents restarted together (rolling back when ahead), and what it does when
+it cannot agree."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from peerlm.agent.fedwave.resume import PeerPosition, plan_resume
+
+
+def restarted(concluded: int | None) -> PeerPosition:
+    """An agent that restarted too: only round 0 published (at start)."""
+    return PeerPosition(published=0, concluded=concluded)
+
+
+def test_a_restarted_agent_joins_the_round_the_running_workflow_is_in() -> None:
+    # The others concluded 5: they train round 6 (published 5) or wait on its pulls
+    # (published 6); either way the agent, back from round 2, plays 6 and skips 3-5.
+    for published in (5, 6):
+        plan = plan_resume(2, {"a": PeerPosition(published, 5), "b": PeerPosition(6, 5)}, [1, 2])
+        assert (plan.next_round, plan.rollback_to, plan.skipped, plan.mode) == (
+            6,
+            None,
+            3,
+            "running",
+        )
+    # An agent of an older release says no concluded round: its newest published one counts.
+    plan = plan_resume(2, {"a": PeerPosition(4, None)}, [2])
+    assert (plan.next_round, plan.skipped) == (4, 1)
+
+
+def test_agents_restarted_together_agree_on_the_smallest_concluded_round() -> None:
+    peers = {"a": restarted(3), "b": restarted(4)}
+    ahead = plan_resume(4, peers, kept=[2, 3, 4])
+    assert (ahead.next_round, ahead.rollback_to, ahead.mode) == (4, 3, "together")
+    behind = plan_resume(3, {"a": restarted(4), "b": restarted(4)}, kept=[1, 2, 3])
+    assert (behind.next_round, behind.rollback_to, behind.skipped) == (4, None, 0)
+
+
+def test_an_agent_ahead_of_a_running_workflow_rolls_back_to_it() -> None:
+    # The others restarted first and already play round 3; this one had concluded 3.
+    plan = plan_resume(3, {"a": PeerPosition(3, 2), "b": PeerPosition(2, 2)}, kept=[1, 2, 3])
+    assert (plan.next_round, plan.rollback_to, plan.mode) == (3, 2, "running")
+
+
+def test_without_the_older_checkpoint_it_keeps_its_state_and_says_so() -> None:
+    plan = plan_resume(6, {"a": restarted(2)}, kept=[4, 5, 6])
+    assert (plan.next_round, plan.rollback_to, plan.rollback_unavailable) == (7, None, True)
+
+
+def test_unknown_fresh_and_silent_agents_are_left_out_of_the_agreement() -> None:
+    # Still loading (no concluded round), fresh (0): nobody to agree with.
+    plan = plan_resume(4, {"a": restarted(None), "b": restarted(0)}, kept=[2, 3, 4])
+    assert (plan.next_round, plan.rollback_to, plan.mode) == (5, None, "alone")
+    assert plan_resume(4, {}, kept=[4]).mode == "alone"
+    with pytest.raises(ValueError, match=">= 1"):
+        plan_resume(0, {}, kept=[])
+
+
+@given(
+    concluded=st.lists(st.integers(min_value=1, max_value=50), min_size=2, max_size=6),
+    spread=st.integers(min_value=0, max_value=2),
+)
+def test_a_workflow_restarted_together_plays_one_round_whoever_is_ahead(
+    concluded: list[int], spread: int
+) -> None:
+    # Each agent keeps its last three checkpoints (CheckpointStore's default); a stop lands
+    # at most `spread` rounds apart. Every agent that sees every other settled plans the
+    # same next round, and an agent that rolls back rolls back to a round it keeps.
+    low = min(concluded)
+    rounds = [min(c, low + spread) for c in concluded]
+    names = [f"a{i}" for i in range(len(rounds))]
+    plans = []
+    for i, own in enumerate(rounds):
+        peers = {names[j]: restarted(c) for j, c in enumerate(rounds) if j != i}
+        kept = [r for r in (own - 2, own - 1, own) if r >= 1]
+        plan = plan_resume(own, peers, kept)
+        plans.append(plan)
+        if plan.rollback_to is not None:
+            assert plan.rollback_to in kept and plan.rollback_to < own
+        assert not plan.rollback_unavailable
+    assert {p.next_round for p in plans} == {low + 1}
+
+
+def test_positions_say_what_they_know() -> None:
+    assert not PeerPosition(None, None).settled
+    assert not restarted(None).settled and restarted(0).settled
+    assert PeerPosition(3, None).settled and PeerPosition(3, None).workflow_round == 3
+    assert PeerPosition(3, 3).workflow_round == 4 and restarted(2).workflow_round is None
