@@ -426,7 +426,14 @@ class ExpertLoop:
             self.ctx, self.endpoints, wait_s=self.settings.round_deadline_s
         )
         kept = await self._run(self.checkpoints.rounds) if self.checkpoints is not None else []
-        plan = plan_resume(t, positions, kept)
+        plan = plan_resume(t, positions, kept, last_round=self.final_round)
+        for agent in plan.implausible:
+            self.ctx.log.warning(
+                "fedwave_position_implausible",
+                agent=agent,
+                claimed=[positions[agent].published, positions[agent].concluded],
+                last_round=self.final_round,
+            )
         rollback_unavailable = plan.rollback_unavailable
         next_round = plan.next_round
         if plan.rollback_to is not None:

@@ -25,12 +25,21 @@ phase as before this module existed (counted in the report as a plain resume). A
 does not answer, or answers without a concluded round (still loading its checkpoint when
 the wait ended, or an agent of an older release), is left out of the agreement; a fresh
 agent (concluded 0) is too: nobody can roll back to the untrained state.
+
+What a hostile member can do with its answer: the positions are claims, and a member can
+serve parts of any round it likes, so nothing here can check them. Claiming a round past
+the workflow's last (``last_round``) would make a restarted agent skip to the end and
+stop training; such claims are ignored (``implausible`` in the plan). Within the rounds
+the workflow plays, a member can still move a restarted agent forward (it skips rounds)
+or hold agents restarted together back by up to the two older checkpoints they keep (a
+roll-back never goes further); both cost rounds, not the model's integrity, and the norm
+bounds still screen every part it sends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 __all__ = ["PeerPosition", "ResumePlan", "plan_resume"]
@@ -77,14 +86,35 @@ class ResumePlan:
     mode: Literal["running", "together", "alone"]
     #: The rollback was wanted (this agent is ahead) but its checkpoint is not kept.
     rollback_unavailable: bool = False
+    #: Peers whose claimed round is past the workflow's last: ignored.
+    implausible: tuple[str, ...] = ()
 
 
-def plan_resume(own: int, peers: Mapping[str, PeerPosition], kept: Collection[int]) -> ResumePlan:
+def plan_resume(
+    own: int,
+    peers: Mapping[str, PeerPosition],
+    kept: Collection[int],
+    *,
+    last_round: int | None = None,
+) -> ResumePlan:
     """The round an agent that restored its checkpoint of round ``own`` (≥ 1) plays next,
     given the other agents' ``peers`` positions and the rounds of its own checkpoints
-    ``kept`` (module docstring)."""
+    ``kept`` (module docstring). ``last_round``: the workflow's last round (None: rounds
+    without end); a peer claiming to have published or concluded a later one is ignored."""
     if own < 1:
         raise ValueError(f"a resume starts from a concluded round (>= 1), got {own}")
+    implausible: tuple[str, ...] = ()
+    if last_round is not None:
+        implausible = tuple(
+            sorted(
+                a for a, p in peers.items() if max(p.published or 0, p.concluded or 0) > last_round
+            )
+        )
+        peers = {a: p for a, p in peers.items() if a not in implausible}
+    return replace(_plan(own, peers, kept), implausible=implausible)
+
+
+def _plan(own: int, peers: Mapping[str, PeerPosition], kept: Collection[int]) -> ResumePlan:
     running = [r for p in peers.values() if (r := p.workflow_round) is not None]
     if running:
         mode: Literal["running", "together", "alone"] = "running"

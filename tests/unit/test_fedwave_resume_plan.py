@@ -89,3 +89,17 @@ def test_positions_say_what_they_know() -> None:
     assert not restarted(None).settled and restarted(0).settled
     assert PeerPosition(3, None).settled and PeerPosition(3, None).workflow_round == 3
     assert PeerPosition(3, 3).workflow_round == 4 and restarted(2).workflow_round is None
+
+
+def test_a_claim_past_the_workflows_last_round_is_ignored() -> None:
+    # A hostile member claims round 10**9: without the bound the restarted agent would skip
+    # to it and end its run untrained. With it, the honest peer's round decides.
+    peers = {"liar": PeerPosition(10**9, 10**9 - 1), "honest": PeerPosition(5, 4)}
+    plan = plan_resume(2, peers, kept=[2], last_round=8)
+    assert (plan.next_round, plan.skipped, plan.implausible) == (5, 2, ("liar",))
+    # A concluded round past the end is as implausible as a published one.
+    together = {"liar": PeerPosition(0, 99), "honest": PeerPosition(0, 3)}
+    plan = plan_resume(4, together, kept=[2, 3, 4], last_round=8)
+    assert (plan.next_round, plan.rollback_to, plan.implausible) == (4, 3, ("liar",))
+    # Rounds without end: nothing is past it.
+    assert plan_resume(2, peers, kept=[2]).next_round == 10**9
