@@ -40,7 +40,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from peerlm.agent.checkpoint import CheckpointError
 from peerlm.agent.fedproxy_admission import state_norm
 from peerlm.agent.fedwave.agent_node import FedWaveNode
 from peerlm.agent.fedwave.exchange import PartKind, RoundParts, plan_expert_pulls, plan_pulls
@@ -439,14 +438,17 @@ class ExpertLoop:
         if plan.rollback_to is not None:
             assert self.checkpoints is not None  # kept is empty otherwise
             store, target = self.checkpoints, plan.rollback_to
+            moved = self._bytes_before  # bytes that did move, whatever is rolled back
             try:
-                checkpoint = await self._run(lambda: store.roll_back(target))
-            except CheckpointError as err:
+                checkpoint = await self._run(lambda: store.load(target))
+                # Refused (ValueError) before anything changes if it does not fit.
+                await self._load(checkpoint)
+            except ValueError as err:  # CheckpointError included
                 self.ctx.log.warning("fedwave_rollback_failed", round=target, error=str(err))
                 rollback_unavailable, next_round = True, t + 1
             else:
-                moved = self._bytes_before  # bytes that did move, whatever is rolled back
-                await self._load(checkpoint)
+                # Only now the newer checkpoints go: a restart meanwhile restores the newest.
+                await self._run(lambda: store.roll_back(target))
                 self._bytes_before = moved
                 self.report.bytes_sent, self.report.bytes_received = dict(moved[0]), dict(moved[1])
                 self.report.rolled_back_from = t
