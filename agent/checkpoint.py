@@ -245,12 +245,13 @@ class CheckpointStore:
     def roll_back(self, round_: int) -> Checkpoint:
         """Make checkpoint ``round_`` the newest: verify it, discard every newer one, point
         ``latest`` at it; the checkpoint. Raises :class:`CheckpointError` (nothing changed)
-        if it is missing or does not verify. A crash part-way leaves the newer ones either
-        still there (the roll-back did not happen) or gone (it did)."""
+        if it is missing or does not verify. The newer ones go oldest first, so a crash
+        part-way leaves the newest (the state before the roll-back: it did not happen) or
+        none of them (it did), never a state in between."""
         with self._lock:
             checkpoint = self.load(round_)
             newer = [path for r, path in self._complete() if r > round_]
-            for path in sorted(newer, reverse=True):
+            for path in sorted(newer):
                 self._discard(path)
             self._write_latest(_round_name(round_))
         self._log.info("checkpoint_rolled_back", round=round_, discarded=len(newer))

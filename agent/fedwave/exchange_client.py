@@ -261,11 +261,13 @@ async def workflow_positions(
     ask_timeout_s: float = 10.0,
 ) -> dict[str, PeerPosition]:
     """Each agent's position at ``endpoints`` (agent name → HOST:PORT): its newest published
-    round and its last concluded round (``DescribeWorkflow``, the channel proving it is that
-    agent). Asked concurrently and again every ``poll_s`` until every agent's answer is
-    settled (running, or its checkpoint loaded) or ``wait_s`` has passed; an agent that never
-    answered is left out, one that answered keeps its last answer. A restarted expert uses
-    it to find the round to resume at (:mod:`~peerlm.agent.fedwave.resume`)."""
+    round, its last concluded round and the round it plays (``DescribeWorkflow``, the
+    channel proving it is that agent). Asked concurrently and again every ``poll_s`` until
+    every agent's answer is settled (running, or its checkpoint loaded), some agent is
+    running (the workflow's round is then known: nobody else is waited for), or ``wait_s``
+    has passed; an agent that never answered is left out, one that answered keeps its last
+    answer. A restarted expert uses it to find the round to resume at
+    (:mod:`~peerlm.agent.fedwave.resume`)."""
 
     async def ask(agent: str, target: str, timeout_s: float) -> PeerPosition | None:
         async with ctx.dial(target, expect=agent) as peer:
@@ -278,13 +280,14 @@ async def workflow_positions(
         return PeerPosition(
             published=max(reply.rounds) if reply.rounds else None,
             concluded=reply.concluded_round if reply.HasField("concluded_round") else None,
+            playing=reply.playing_round if reply.HasField("playing_round") else None,
         )
 
     out: dict[str, PeerPosition] = {}
     deadline = time.monotonic() + wait_s
     while True:
         pending = sorted(a for a in endpoints if a not in out or not out[a].settled)
-        if not pending:
+        if not pending or any(p.running for p in out.values()):
             return out
         left = deadline - time.monotonic()
         timeout_s = max(0.1, min(ask_timeout_s, left))

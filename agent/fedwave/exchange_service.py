@@ -123,6 +123,8 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
         )
         # The last round this agent concluded; None until its checkpoint (if any) is loaded.
         self._concluded: int | None = None
+        # The round it plays; None until it has decided (restarted agents agree first).
+        self._playing: int | None = None
         # Distinct callers served each (round, kind): the agent lingers after its last round
         # until its neighbours have their parts (bounded by the round's deadline).
         self._served: dict[tuple[int, PartKind], set[str]] = {}
@@ -143,6 +145,13 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
         if round_ < 0:
             raise ValueError(f"round must be >= 0, got {round_}")
         self._concluded = round_
+
+    def set_playing(self, round_: int) -> None:
+        """Say (in ``DescribeWorkflow``) that this agent has decided to play ``round_``
+        (and is playing it): an agent that restarts later joins that round."""
+        if round_ < 1:
+            raise ValueError(f"round must be >= 1, got {round_}")
+        self._playing = round_
 
     @property
     def store(self) -> PartStore:
@@ -217,6 +226,7 @@ class FedWaveExchangeService(fedwave_pb2_grpc.FedWaveExchangeServicer):
             stage=self._stage,
             rounds=list(self._store.rounds),
             concluded_round=self._concluded,
+            playing_round=self._playing,
         )
 
     async def _refuse(

@@ -238,6 +238,7 @@ class ExpertLoop:
         initial one, so they are only counted, not averaged; pulling them makes every agent
         wait at start for the whole workflow (up to the deadline) the same way, so that the
         agents enter round 1 together and a missing agent is missed by all alike."""
+        self.node.service.set_playing(1)
         base = self._router_state()
         parts = await self._pull(0, base)
         self._count_parts(parts)
@@ -264,6 +265,7 @@ class ExpertLoop:
         """Round ``t``: train, publish, pull, conclude, adopt the aggregate."""
         if t < 1:
             raise ValueError(f"rounds start at 1, got {t}")
+        self.node.service.set_playing(t)
         started = time.monotonic()
         before, after = self.predecessor, self.successor
         base = self._router_state()  # ρ^(t−1): the norm bound's reference
@@ -453,6 +455,7 @@ class ExpertLoop:
                 self.report.bytes_sent, self.report.bytes_received = dict(moved[0]), dict(moved[1])
                 self.report.rolled_back_from = t
         self.next_round = next_round
+        self.node.service.set_playing(next_round)
         self.report.rounds_skipped += plan.skipped
         self.ctx.log.info(
             "fedwave_rejoined",

@@ -2,47 +2,57 @@
 rolls back to an older checkpoint of its own. Pure: the caller asks the workflow's agents
 (``DescribeWorkflow``) and loads the checkpoint.
 
-Two situations look alike from inside one agent and need different answers:
+Every agent says (``DescribeWorkflow``) the last round it concluded once its checkpoint is
+loaded, and the round it is *playing* once it has decided (a fresh start: 1; a restart:
+the round this module chose; then each round as it starts). An agent that says a playing
+round is *running*. Two situations look alike from inside one agent and need different
+answers:
 
-* **One agent restarted, the others went on** (a crash, a redeploy): the others are
-  *running*: they have published parts of a round ≥ 1 since they started. The round they
-  are in is their last concluded round + 1 (an agent that concluded R is training R + 1,
-  or has published it and waits on its pulls). The restarted agent joins that round; the
-  rounds it missed are skipped (its router equals theirs again from the first round they
-  all conclude over the same set: Eq. 9 over the same trained routers gives the same bits).
+* **One agent restarted, the others went on** (a crash, a redeploy): some agents are
+  running. The restarted agent joins the largest round they play; the rounds it missed are
+  skipped (its router equals theirs again from the first round they all conclude over the
+  same set: Eq. 9 over the same trained routers gives the same bits).
 * **The whole workflow restarted together** (``peerlm up --workflow --resume``, a host
-  reboot): nobody is running; each restored the checkpoint of the last round *it*
+  reboot): nobody is running yet; each restored the checkpoint of the last round *it*
   concluded, and a stop lands at a different point of each agent's round, so they may be a
   round apart. They agree on the smallest concluded round m among them and all play
-  m + 1: an agent ahead rolls back to its checkpoint of m (it keeps the last three), whose
-  router is the one the others hold if round m was complete for all. Without that, each
-  would play its own next round and lose a deadline per round until the phase slipped back.
+  m + 1: an agent ahead rolls back to its checkpoint of m (it keeps the last three). If
+  round m was complete for all (the usual case), they hold the same router again. Without
+  the agreement, each would play its own next round and lose a deadline per round until
+  the phase slipped back. An agent that restarts after the others decided sees them
+  running and joins their round.
 
-An agent that is ahead of a *running* workflow (the others restarted first and are
-already playing) rolls back the same way. An agent that cannot roll back (the checkpoint
+Nothing is played past the workflow's last round (``last_round``): an agent that would
+resume after it (every agent had concluded the last round: a stop during the assembly)
+replays the last round from its checkpoint of the one before, so that the last round's
+parts (the adapters the assembly pulls) are published again. An agent ahead of a
+*running* workflow rolls back the same way. An agent that cannot roll back (the checkpoint
 was pruned) keeps its state and plays its own next round; the workflow then runs out of
-phase as before this module existed (counted in the report as a plain resume). A peer that
-does not answer, or answers without a concluded round (still loading its checkpoint when
-the wait ended, or an agent of an older release), is left out of the agreement; a fresh
-agent (concluded 0) is too: nobody can roll back to the untrained state.
+phase. A peer that does not answer, or answers without a concluded round (still loading
+its checkpoint when the wait ended, or an agent of an older release), is left out of the
+agreement; a fresh agent (concluded 0) is too: nobody can roll back to the untrained
+state. Peers of an older release (no playing round) count as running at their concluded
+round + 1 once they have published a round ≥ 1.
 
 What a hostile member can do with its answer: the positions are claims, and a member can
-serve parts of any round it likes, so nothing here can check them. Claiming a round past
-the workflow's last (``last_round``) would make a restarted agent skip to the end and
-stop training; such claims are ignored (``implausible`` in the plan). Within the rounds
-the workflow plays, a member can still move a restarted agent forward (it skips rounds)
-or hold agents restarted together back by up to the two older checkpoints they keep (a
-roll-back never goes further); both cost rounds, not the model's integrity, and the norm
-bounds still screen every part it sends.
+serve parts of any round it likes, so nothing here can check them. A claim of a round past
+the workflow's last (or past what a checkpoint can hold) is ignored (``implausible``).
+Within the rounds the workflow plays, one member's claim decides a restarted agent's round
+(the largest running round, the smallest concluded one): it can move a restarted agent
+forward (rounds skipped), hold agents restarted together back by up to the two older
+checkpoints they keep (a roll-back never goes further), and, answering each agent
+differently, put restarted agents out of phase for the rest of the run (a deadline lost
+per round). That costs rounds, not the model's integrity: the norm bounds still screen
+every part it sends (docs/security.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["PeerPosition", "ResumePlan", "plan_resume"]
+__all__ = ["MAX_ROUND", "PeerPosition", "ResumePlan", "plan_resume"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +63,14 @@ class PeerPosition:
     published: int | None
     #: The last round it concluded; None: not said (loading its checkpoint, or older).
     concluded: int | None
+    #: The round it plays; None: not decided yet (or an agent of an older release).
+    playing: int | None = None
 
     @property
     def running(self) -> bool:
-        """It has published a trained round since it started (round 0 is the start's)."""
+        """It has decided its round (an older release: it has published a round ≥ 1)."""
+        if self.playing is not None:
+            return True
         return self.published is not None and self.published >= 1
 
     @property
@@ -67,10 +81,16 @@ class PeerPosition:
     @property
     def workflow_round(self) -> int | None:
         """The round it is in while running (None: not running)."""
+        if self.playing is not None:
+            return self.playing
         if not self.running:
             return None
         assert self.published is not None
         return self.concluded + 1 if self.concluded is not None else self.published
+
+    def highest_claim(self) -> int:
+        """The largest round it claims to have reached in any field."""
+        return max(self.published or 0, self.concluded or 0, self.playing or 0)
 
 
 @dataclass(frozen=True)
@@ -90,6 +110,10 @@ class ResumePlan:
     implausible: tuple[str, ...] = ()
 
 
+#: The largest round anything here accepts (a checkpoint's round bound).
+MAX_ROUND = 10**12 - 1
+
+
 def plan_resume(
     own: int,
     peers: Mapping[str, PeerPosition],
@@ -100,35 +124,29 @@ def plan_resume(
     """The round an agent that restored its checkpoint of round ``own`` (≥ 1) plays next,
     given the other agents' ``peers`` positions and the rounds of its own checkpoints
     ``kept`` (module docstring). ``last_round``: the workflow's last round (None: rounds
-    without end); a peer claiming to have published or concluded a later one is ignored."""
+    without end); a peer claiming a later one is ignored, and no plan goes past it."""
     if own < 1:
         raise ValueError(f"a resume starts from a concluded round (>= 1), got {own}")
-    implausible: tuple[str, ...] = ()
-    if last_round is not None:
-        implausible = tuple(
-            sorted(
-                a for a, p in peers.items() if max(p.published or 0, p.concluded or 0) > last_round
-            )
-        )
-        peers = {a: p for a, p in peers.items() if a not in implausible}
-    return replace(_plan(own, peers, kept), implausible=implausible)
-
-
-def _plan(own: int, peers: Mapping[str, PeerPosition], kept: Collection[int]) -> ResumePlan:
-    running = [r for p in peers.values() if (r := p.workflow_round) is not None]
+    bound = MAX_ROUND if last_round is None else min(last_round, MAX_ROUND)
+    implausible = tuple(sorted(a for a, p in peers.items() if p.highest_claim() > bound))
+    plausible = {a: p for a, p in peers.items() if a not in implausible}
+    running = [r for p in plausible.values() if (r := p.workflow_round) is not None]
     if running:
         mode: Literal["running", "together", "alone"] = "running"
         target = max(running)
     else:
         agreed = [
-            p.concluded for p in peers.values() if p.concluded is not None and p.concluded >= 1
+            p.concluded for p in plausible.values() if p.concluded is not None and p.concluded >= 1
         ]
         mode = "together" if agreed else "alone"
         target = min([own, *agreed]) + 1
+    # A lingering workflow plays nothing after its last round; its last round's parts are
+    # still kept, so a restarted agent (re)plays that round.
+    target = min(target, bound)
     if target > own + 1:
-        return ResumePlan(target, None, target - own - 1, mode)
+        return ResumePlan(target, None, target - own - 1, mode, implausible=implausible)
     if target < own + 1:
         if target - 1 in kept:
-            return ResumePlan(target, target - 1, 0, mode)
-        return ResumePlan(own + 1, None, 0, mode, rollback_unavailable=True)
-    return ResumePlan(own + 1, None, 0, mode)
+            return ResumePlan(target, target - 1, 0, mode, implausible=implausible)
+        return ResumePlan(own + 1, None, 0, mode, True, implausible)
+    return ResumePlan(own + 1, None, 0, mode, implausible=implausible)

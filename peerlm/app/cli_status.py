@@ -206,6 +206,8 @@ def workflow_to_dict(desc: Any) -> dict[str, Any]:
         "rounds": list(desc.rounds),
         # None while a restarted agent loads its checkpoint (or from an older release).
         "concluded_round": desc.concluded_round if desc.HasField("concluded_round") else None,
+        # None until it has decided the round to play (a restart waits for its workflow).
+        "playing_round": desc.playing_round if desc.HasField("playing_round") else None,
         "stages": [{"name": s.name, "agents": list(s.agents)} for s in desc.stages],
     }
 
@@ -247,20 +249,22 @@ def _render_fedwave(rows: list[dict[str, Any]], console: Console) -> None:
             workflow.add_row(str(index), stage["name"], ", ".join(stage["agents"]))
         console.print(workflow)
     agents = Table(title="FedWave agents")
-    for column in ("target", "agent", "stage", "rounds held", "concluded"):
+    for column in ("target", "agent", "stage", "rounds held", "concluded", "playing"):
         agents.add_column(column)
     for r in rows:
         if "error" in r:
-            agents.add_row(r["target"], f"[red]{r['error']}[/red]", "-", "-", "-")
+            agents.add_row(r["target"], f"[red]{r['error']}[/red]", "-", "-", "-", "-")
             continue
         held = ", ".join(str(x) for x in r["rounds"]) or "none yet"
-        concluded = r.get("concluded_round")
+        concluded, playing = r.get("concluded_round"), r.get("playing_round")
         agents.add_row(
             r["target"],
             r["agent"],
             r["stage"],
             held,
-            "loading" if concluded is None else str(concluded),
+            # Unset: loading its checkpoint (or an agent of an older release).
+            "not said" if concluded is None else str(concluded),
+            "deciding" if playing is None else str(playing),
         )
     console.print(agents)
 

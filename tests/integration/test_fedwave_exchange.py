@@ -497,6 +497,7 @@ async def test_peerlm_status_shows_the_workflow(pki: Path, agents: dict[str, Age
 
     agents["a3"].publish(7)
     agents["a3"].service.set_concluded(6)
+    agents["a3"].service.set_playing(7)
 
     async def status(*extra: str) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(
@@ -517,14 +518,15 @@ async def test_peerlm_status_shows_the_workflow(pki: Path, agents: dict[str, Age
         "stage": "implement",
         "rounds": [7],
         "concluded_round": 6,
+        "playing_round": 7,
         "stages": [{"name": s.name, "agents": list(s.agents)} for s in WORKFLOW.stages],
     }
     assert (rows[1]["agent"], rows[1]["stage"], rows[1]["rounds"]) == ("a1", "specify", [])
-    assert rows[1]["concluded_round"] is None  # not said yet: still loading
+    assert rows[1]["concluded_round"] is None and rows[1]["playing_round"] is None
     code, out = await status()
     assert code == 0, out
     assert "FedWave workflow" in out and "a1, a2" in out and "implement" in out
-    assert "loading" in out  # a1 has not said its concluded round
+    assert "not said" in out and "deciding" in out  # a1 has said neither round
 
 
 async def test_a_part_waits_for_the_ports_send_budget_and_is_refused_when_none_comes(
@@ -636,12 +638,18 @@ async def test_agents_restarted_together_wait_for_each_others_checkpoints_and_ag
     plan = plan_resume(4, positions, kept=[2, 3, 4])
     assert (plan.next_round, plan.rollback_to, plan.mode) == (4, 3, "together")
 
-    # A running workflow answers at once: a4 has published round 5 and concluded 4.
+    # Once one agent is running, its round is the workflow's: a1 stops asking at once,
+    # though a2 (not yet decided, checkpoint unloaded) would never settle.
     agents["a4"].publish(5)
-    running = await workflow_positions(
-        agents["a1"].ctx, {"a4": agents["a4"].target}, wait_s=30, poll_s=0.2
+    agents["a4"].service.set_playing(6)
+    agents["a2"].service._concluded = None  # white-box: back to "loading"
+    endpoints = {"a2": agents["a2"].target, "a4": agents["a4"].target}
+    running = await asyncio.wait_for(
+        workflow_positions(agents["a1"].ctx, endpoints, wait_s=60, poll_s=0.2), 30
     )
-    assert running == {"a4": PeerPosition(5, 4)} and running["a4"].workflow_round == 5
+    assert running["a4"] == PeerPosition(5, 4, playing=6)
+    assert running["a4"].workflow_round == 6
+    assert plan_resume(4, running, kept=[2, 3, 4]).next_round == 6
 
 
 async def test_an_agent_that_never_says_its_round_is_left_out_after_the_wait(
@@ -666,3 +674,5 @@ async def test_an_agent_that_never_says_its_round_is_left_out_after_the_wait(
     assert refused >= 1
     with pytest.raises(ValueError, match=">= 0"):
         agents["a2"].service.set_concluded(-1)
+    with pytest.raises(ValueError, match=">= 1"):
+        agents["a2"].service.set_playing(0)

@@ -278,3 +278,27 @@ def test_a_roll_back_to_a_missing_or_damaged_round_changes_nothing(tmp_path: Pat
         store.roll_back(2)
     assert _entries(tmp_path) == before
     _assert_is_round(store.load_latest(), 3)
+
+
+def test_a_crash_during_a_roll_back_leaves_the_state_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rolling back two rounds: killed after the first discard, the newest is still there
+    # (the roll-back did not happen), never the round in between.
+    store = CheckpointStore(tmp_path)
+    for r in (1, 2, 3):
+        store.save(r, _adapter(r), _state(r))
+    discard = store._discard
+    calls: list[str] = []
+
+    def die_after_one(path: Path) -> None:
+        if calls:
+            raise KeyboardInterrupt  # stands in for the SIGKILL
+        calls.append(path.name)
+        discard(path)
+
+    monkeypatch.setattr(store, "_discard", die_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        store.roll_back(1)
+    assert calls == ["round-000002"]
+    _assert_is_round(CheckpointStore(tmp_path).load_latest(), 3)

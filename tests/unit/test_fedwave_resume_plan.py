@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from peerlm.agent.fedwave.resume import PeerPosition, plan_resume
+from peerlm.agent.fedwave.resume import MAX_ROUND, PeerPosition, plan_resume
 
 
 def restarted(concluded: int | None) -> PeerPosition:
@@ -89,6 +89,32 @@ def test_positions_say_what_they_know() -> None:
     assert not restarted(None).settled and restarted(0).settled
     assert PeerPosition(3, None).settled and PeerPosition(3, None).workflow_round == 3
     assert PeerPosition(3, 3).workflow_round == 4 and restarted(2).workflow_round is None
+    assert PeerPosition(0, 3, playing=5).workflow_round == 5
+    assert PeerPosition(2, 7, playing=4).highest_claim() == 7
+
+
+def test_an_agent_restarting_after_the_others_decided_joins_their_round() -> None:
+    # A and C agreed on round 5 and train it (nothing of it published yet); B, back late
+    # from round 3, must not take them for restarting agents and play 4.
+    peers = {"a": PeerPosition(0, 4, playing=5), "c": PeerPosition(0, 4, playing=5)}
+    plan = plan_resume(3, peers, kept=[1, 2, 3])
+    assert (plan.next_round, plan.skipped, plan.mode) == (5, 1, "running")
+    # A decided agent is settled even before it has published anything.
+    assert PeerPosition(None, None, playing=1).settled
+
+
+def test_nothing_is_played_past_the_last_round() -> None:
+    # Every agent had concluded the last round (a stop during the assembly): the last round
+    # is played again from the checkpoint before it, so that its parts (the adapters the
+    # assembly pulls) are published again.
+    peers = {"a": restarted(8), "b": restarted(8)}
+    plan = plan_resume(8, peers, kept=[6, 7, 8], last_round=8)
+    assert (plan.next_round, plan.rollback_to) == (8, 7)
+    # A restarted agent joining a workflow that lingers after its last round plays that
+    # round (the others keep its parts), not the round after.
+    lingering = {"a": PeerPosition(8, 8, playing=8), "b": PeerPosition(8, 8)}
+    plan = plan_resume(5, lingering, kept=[5], last_round=8)
+    assert (plan.next_round, plan.skipped) == (8, 2)
 
 
 def test_a_claim_past_the_workflows_last_round_is_ignored() -> None:
@@ -101,5 +127,11 @@ def test_a_claim_past_the_workflows_last_round_is_ignored() -> None:
     together = {"liar": PeerPosition(0, 99), "honest": PeerPosition(0, 3)}
     plan = plan_resume(4, together, kept=[2, 3, 4], last_round=8)
     assert (plan.next_round, plan.rollback_to, plan.implausible) == (4, 3, ("liar",))
-    # Rounds without end: nothing is past it.
+    # A round past the end is refused in every field, the playing round included.
+    plan = plan_resume(2, {"liar": PeerPosition(1, 1, playing=9)}, kept=[2], last_round=8)
+    assert (plan.next_round, plan.implausible) == (3, ("liar",))
+    # Rounds without end: only what a checkpoint could not hold is past it.
     assert plan_resume(2, peers, kept=[2]).next_round == 10**9
+    huge = {"liar": PeerPosition(1, 2**64 - 2)}
+    assert plan_resume(2, huge, kept=[2]).implausible == ("liar",)
+    assert MAX_ROUND == 10**12 - 1

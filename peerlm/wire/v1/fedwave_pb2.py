@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from peerlm.wire.v1 import common_pb2 as peerlm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17peerlm/v1/fedwave.proto\x12\tpeerlm.v1\x1a\x16peerlm/v1/common.proto\"C\n\x0fPullPartRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12!\n\x04kind\x18\x02 \x01(\x0e\x32\x13.peerlm.v1.PartKind\"\x19\n\x17\x44\x65scribeWorkflowRequest\"-\n\rWorkflowStage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x61gents\x18\x02 \x03(\t\"\x9f\x01\n\x13WorkflowDescription\x12(\n\x06stages\x18\x01 \x03(\x0b\x32\x18.peerlm.v1.WorkflowStage\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0e\n\x06rounds\x18\x04 \x03(\x04\x12\x1c\n\x0f\x63oncluded_round\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x12\n\x10_concluded_round*i\n\x08PartKind\x12\x19\n\x15PART_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10PART_KIND_ROUTER\x10\x01\x12\x15\n\x11PART_KIND_VCLAYER\x10\x02\x12\x15\n\x11PART_KIND_ADAPTER\x10\x03\x32\xa5\x01\n\x0f\x46\x65\x64WaveExchange\x12:\n\x08PullPart\x12\x1a.peerlm.v1.PullPartRequest\x1a\x10.peerlm.v1.Chunk0\x01\x12V\n\x10\x44\x65scribeWorkflow\x12\".peerlm.v1.DescribeWorkflowRequest\x1a\x1e.peerlm.v1.WorkflowDescriptionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17peerlm/v1/fedwave.proto\x12\tpeerlm.v1\x1a\x16peerlm/v1/common.proto\"C\n\x0fPullPartRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12!\n\x04kind\x18\x02 \x01(\x0e\x32\x13.peerlm.v1.PartKind\"\x19\n\x17\x44\x65scribeWorkflowRequest\"-\n\rWorkflowStage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x61gents\x18\x02 \x03(\t\"\xcd\x01\n\x13WorkflowDescription\x12(\n\x06stages\x18\x01 \x03(\x0b\x32\x18.peerlm.v1.WorkflowStage\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0e\n\x06rounds\x18\x04 \x03(\x04\x12\x1c\n\x0f\x63oncluded_round\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\rplaying_round\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x12\n\x10_concluded_roundB\x10\n\x0e_playing_round*i\n\x08PartKind\x12\x19\n\x15PART_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10PART_KIND_ROUTER\x10\x01\x12\x15\n\x11PART_KIND_VCLAYER\x10\x02\x12\x15\n\x11PART_KIND_ADAPTER\x10\x03\x32\xa5\x01\n\x0f\x46\x65\x64WaveExchange\x12:\n\x08PullPart\x12\x1a.peerlm.v1.PullPartRequest\x1a\x10.peerlm.v1.Chunk0\x01\x12V\n\x10\x44\x65scribeWorkflow\x12\".peerlm.v1.DescribeWorkflowRequest\x1a\x1e.peerlm.v1.WorkflowDescriptionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peerlm.wire.v1.fedwave_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PARTKIND']._serialized_start=367
-  _globals['_PARTKIND']._serialized_end=472
+  _globals['_PARTKIND']._serialized_start=413
+  _globals['_PARTKIND']._serialized_end=518
   _globals['_PULLPARTREQUEST']._serialized_start=62
   _globals['_PULLPARTREQUEST']._serialized_end=129
   _globals['_DESCRIBEWORKFLOWREQUEST']._serialized_start=131
@@ -41,7 +41,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKFLOWSTAGE']._serialized_start=158
   _globals['_WORKFLOWSTAGE']._serialized_end=203
   _globals['_WORKFLOWDESCRIPTION']._serialized_start=206
-  _globals['_WORKFLOWDESCRIPTION']._serialized_end=365
-  _globals['_FEDWAVEEXCHANGE']._serialized_start=475
-  _globals['_FEDWAVEEXCHANGE']._serialized_end=640
+  _globals['_WORKFLOWDESCRIPTION']._serialized_end=411
+  _globals['_FEDWAVEEXCHANGE']._serialized_start=521
+  _globals['_FEDWAVEEXCHANGE']._serialized_end=686
 # @@protoc_insertion_point(module_scope)

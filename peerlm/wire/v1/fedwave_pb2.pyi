@@ -126,6 +126,7 @@ class WorkflowDescription(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     ROUNDS_FIELD_NUMBER: _builtins.int
     CONCLUDED_ROUND_FIELD_NUMBER: _builtins.int
+    PLAYING_ROUND_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     """This agent's certificate name and stage."""
     stage: _builtins.str
@@ -134,6 +135,11 @@ class WorkflowDescription(_message.Message):
     end of that round (0: none yet, a fresh start). Unset while a restarted agent has not
     yet loaded its checkpoint; agents restarted together wait for it to agree on the round
     to resume at (docs/fedwave.md, section 5).
+    """
+    playing_round: _builtins.int
+    """The round this agent is playing: set once it has decided (a fresh start: 1; a restart:
+    the round it resumes at), then each round as it starts. Unset while it has not decided
+    (loading its checkpoint, or waiting for the workflow's other agents to say theirs).
     """
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkflowStage]:
@@ -151,13 +157,19 @@ class WorkflowDescription(_message.Message):
         stage: _builtins.str = ...,
         rounds: _abc.Iterable[_builtins.int] | None = ...,
         concluded_round: _builtins.int | None = ...,
+        playing_round: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_concluded_round", b"_concluded_round", "concluded_round", b"concluded_round"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_concluded_round", b"_concluded_round", "_playing_round", b"_playing_round", "concluded_round", b"concluded_round", "playing_round", b"playing_round"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_concluded_round", b"_concluded_round", "agent", b"agent", "concluded_round", b"concluded_round", "rounds", b"rounds", "stage", b"stage", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_concluded_round", b"_concluded_round", "_playing_round", b"_playing_round", "agent", b"agent", "concluded_round", b"concluded_round", "playing_round", b"playing_round", "rounds", b"rounds", "stage", b"stage", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__concluded_round: _TypeAlias = _typing.Literal["concluded_round"]  # noqa: Y015
     _WhichOneofArgType__concluded_round: _TypeAlias = _typing.Literal["_concluded_round", b"_concluded_round"]  # noqa: Y015
+    _WhichOneofReturnType__playing_round: _TypeAlias = _typing.Literal["playing_round"]  # noqa: Y015
+    _WhichOneofArgType__playing_round: _TypeAlias = _typing.Literal["_playing_round", b"_playing_round"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__concluded_round) -> _WhichOneofReturnType__concluded_round | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__playing_round) -> _WhichOneofReturnType__playing_round | None: ...
 
 Global___WorkflowDescription: _TypeAlias = WorkflowDescription  # noqa: Y015
