@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def _saved(log: Path, round_: int) -> bool:
     return any(
         e.get("event") == "checkpoint_saved" and e.get("round") == round_ for e in _events(log)
     )
+
+
+def _stop_all(procs: dict[str, subprocess.Popen[str]], cpm: CpmProcess) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    cpm.terminate()
 
 
 @dataclass
@@ -107,11 +116,7 @@ def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path:
         procs[VICTIM] = start_agent(configs[VICTIM], restarted_log)
         outs = {a: p.communicate(timeout=400)[0] for a, p in procs.items()}
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        cpm.terminate()
+        _stop_all(procs, cpm)
     victim_log = restarted_log
     summaries = {}
     for name, out in outs.items():
@@ -197,11 +202,7 @@ def test_a_workflow_restarted_together_agrees_on_one_round_and_stays_in_phase(
         procs = {a: start_agent(fed.configs[a], relogs[a]) for a in AGENTS}
         outs = {a: p.communicate(timeout=400)[0] for a, p in procs.items()}
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        fed.cpm.terminate()
+        _stop_all(procs, fed.cpm)
     reports = {}
     for a, out in outs.items():
         assert procs[a].returncode == 0, relogs[a].read_text()[-3000:]
