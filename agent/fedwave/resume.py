@@ -52,6 +52,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+# The largest round anything here accepts: the one a checkpoint can hold.
+from peerlm.agent.checkpoint import _MAX_ROUND as MAX_ROUND
+
 __all__ = ["MAX_ROUND", "PeerPosition", "ResumePlan", "plan_resume"]
 
 
@@ -108,10 +111,6 @@ class ResumePlan:
     rollback_unavailable: bool = False
     #: Peers whose claimed round is past the workflow's last: ignored.
     implausible: tuple[str, ...] = ()
-
-
-#: The largest round anything here accepts (a checkpoint's round bound).
-MAX_ROUND = 10**12 - 1
 
 
 def plan_resume(
