@@ -23,11 +23,16 @@ Choices ProxyTuning's paper leaves to its user, written down: the offset is adde
 logits before the temperature (the temperature divides the sum) and the nucleus (top-p) is
 taken over the combined distribution; positions follow the attention mask during
 left-padded generation, as ``generate`` computes them for ``M``.
+
+``beta`` scales the offset, ``s_M + β (s_φT − s_φ0)`` (our addition; 1 is ProxyTuning's own
+sum, 0 is ``M`` untouched). The offset is a difference of two small models' logits, of a
+scale ``M``'s logits need not share; β < 1 trusts it less (docs/fedproxy.md, section 7).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -45,7 +50,11 @@ def _vocab(model: Any) -> int:
 class ProxyTunedHost(ModelHost):
     """``base``'s model decoded with the offset ``expert − anti_expert`` (see the module)."""
 
-    def __init__(self, base: ModelHost, expert: Any, anti_expert: Any) -> None:
+    def __init__(
+        self, base: ModelHost, expert: Any, anti_expert: Any, *, beta: float = 1.0
+    ) -> None:
+        if not (math.isfinite(beta) and beta >= 0):
+            raise ValueError(f"ProxyTuning's beta must be a finite number >= 0, not {beta!r}")
         sizes = {
             "M": _vocab(base.model),
             "expert": _vocab(expert),
@@ -60,6 +69,7 @@ class ProxyTunedHost(ModelHost):
             source=f"{base.source} proxy-tuned",
             seed=base.seed,
         )
+        self.beta = float(beta)
         self.expert = expert.eval()
         self.anti_expert = anti_expert.eval()
         accepts = inspect.signature(expert.forward).parameters
@@ -67,14 +77,14 @@ class ProxyTunedHost(ModelHost):
 
     @torch.no_grad()
     def offset(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``s_φT − s_φ0`` at every position of ``ids`` (float32)."""
+        """``β (s_φT − s_φ0)`` at every position of ``ids`` (float32)."""
         kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
         if self._positions:
             kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
         out: torch.Tensor = (
             self.expert(**kwargs).logits.float() - self.anti_expert(**kwargs).logits.float()
         )
-        return out
+        return out if self.beta == 1.0 else self.beta * out
 
     def _scoring_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return super()._scoring_logits(ids, mask).float() + self.offset(ids, mask)

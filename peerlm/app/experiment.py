@@ -141,7 +141,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec
 
 import numpy as np
 
-from peerlm.app.experiment_fedproxy import FEDPROXY_STRATEGIES, run_fedproxy
+from peerlm.app.experiment_fedproxy import FEDPROXY_STRATEGIES, PROXY_TUNED, run_fedproxy
 from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap, paired_share
 
@@ -368,6 +368,9 @@ class ExperimentPlan:
     proxy_ratio: float = 0.5
     proxy_learning_rate: float = 1e-3
     proxy_lambda_reg: float = 1e-5
+    # fedproxy_proxytuning's offset weight β: s_M + β (s_φT − s_φ0) (agent/proxy_tuning.py;
+    # 1 is ProxyTuning's own sum, our knob beyond it).
+    proxy_tuning_beta: float = 1.0
 
     def arch(self, i: int) -> str:
         """The architecture client ``i`` hosts."""
@@ -393,6 +396,8 @@ class ExperimentPlan:
             raise ValueError("proxy_learning_rate must be in (0, 1]")
         if not (math.isfinite(self.proxy_lambda_reg) and self.proxy_lambda_reg >= 0):
             raise ValueError("proxy_lambda_reg must be >= 0")
+        if not (math.isfinite(self.proxy_tuning_beta) and self.proxy_tuning_beta >= 0):
+            raise ValueError("proxy_tuning_beta must be a finite number >= 0")
         if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= 1):
             raise ValueError("learning_rate must be in (0, 1]")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
@@ -1510,6 +1515,10 @@ _CPM_ONLY_FIELDS: tuple[str, ...] = (
 )
 
 
+#: Plan fields that only ProxyTuning's decoding reads (:data:`PROXY_TUNED`).
+_PROXY_TUNING_ONLY_FIELDS: tuple[str, ...] = ("proxy_tuning_beta",)
+
+
 #: What a plan that predates a field was run with, where that differs from today's default:
 #: every results.json written before ``cpm_reward_normaliser`` existed ran the z-score.
 _PREDATED: Mapping[str, Any] = MappingProxyType({"cpm_reward_normaliser": "zscore"})
@@ -1522,6 +1531,8 @@ def _reuse_key(plan: Mapping[str, Any], strategy: str) -> str:
     or :data:`_PREDATED`'s value where the default changed since."""
     full = {**asdict(ExperimentPlan()), **_PREDATED, **plan}
     drop = {"strategies", "seeds"} | (set() if strategy in CPM_PROTOCOLS else set(_CPM_ONLY_FIELDS))
+    if strategy not in PROXY_TUNED:
+        drop |= set(_PROXY_TUNING_ONLY_FIELDS)
     return json.dumps(
         {k: v for k, v in full.items() if k not in drop}, sort_keys=True, default=list
     )

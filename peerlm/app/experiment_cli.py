@@ -157,6 +157,13 @@ def run_experiment_command(
             "(the paper's running z-score, winsorised).",
         ),
     ] = None,
+    proxy_tuning_beta: Annotated[
+        float | None,
+        typer.Option(
+            help="fedproxy_proxytuning's offset weight: M's logits + beta × (trained proxy − "
+            "proxy as compressed); 1 (default) is ProxyTuning's own sum, 0 is M untouched.",
+        ),
+    ] = None,
     reuse: Annotated[
         list[Path] | None,
         typer.Option(
@@ -239,6 +246,8 @@ def run_experiment_command(
             if reward_normaliser not in ("zscore", "robust"):
                 raise typer.BadParameter("--reward-normaliser must be 'zscore' or 'robust'")
             overrides["cpm_reward_normaliser"] = reward_normaliser
+        if proxy_tuning_beta is not None:
+            overrides["proxy_tuning_beta"] = proxy_tuning_beta
         plan = quick_plan(**overrides) if quick else ExperimentPlan(**overrides)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

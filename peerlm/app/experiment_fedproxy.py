@@ -144,7 +144,9 @@ def run_fedproxy(
         if anti_expert is not None:
             # M untouched, decoded with the offset of the global proxy (a copy: it trains on).
             base = _host(fused, tokenizer, plan.lora_rank, f"{path} proxy-tuned")
-            return ProxyTunedHost(base, copy.deepcopy(proxy), anti_expert)
+            return ProxyTunedHost(
+                base, copy.deepcopy(proxy), anti_expert, beta=plan.proxy_tuning_beta
+            )
         fuse_into(fused, proxy)
         return _host(fused, tokenizer, plan.lora_rank, f"{path} fused")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,3 +75,40 @@ def test_the_probe_scope_matters_only_to_cpm_runs() -> None:
         strategies=("local_plus", "oracle", "cpm"), seeds=(0,), probe_scope="lacked"
     )
     assert sorted(reusable_runs(plan, [old], NLL)) == [("local_plus", 0), ("oracle", 0)]
+
+
+def test_the_proxy_tuning_beta_matters_only_to_proxy_tuned_runs() -> None:
+    family = {"family": "gpt2"}
+    strategies = ("fedproxy_hties", "fedproxy_proxytuning")
+    old = _stored(ExperimentPlan(strategies=strategies, seeds=(0,), **family))
+    del old["plan"]["proxy_tuning_beta"]  # a results.json from before the field: β = 1
+    half = ExperimentPlan(strategies=strategies, seeds=(0,), proxy_tuning_beta=0.5, **family)
+    assert sorted(reusable_runs(half, [old], NLL)) == [("fedproxy_hties", 0)]
+    one = ExperimentPlan(strategies=strategies, seeds=(0,), **family)
+    assert sorted(reusable_runs(one, [old], NLL)) == sorted((s, 0) for s in strategies)
+
+
+@pytest.mark.parametrize("beta", [-0.1, float("nan"), float("inf")])
+def test_a_proxy_tuning_beta_that_is_not_finite_and_non_negative_is_refused(beta: float) -> None:
+    with pytest.raises(ValueError, match="proxy_tuning_beta"):
+        ExperimentPlan(proxy_tuning_beta=beta)
+
+
+def test_run_experiment_refuses_a_negative_proxy_tuning_beta(tmp_path: Path) -> None:
+    """Refused before anything runs (exit 2, nothing written)."""
+    import structlog
+    from typer.testing import CliRunner
+
+    from peerlm.app.cli import app
+
+    out = tmp_path / "out"
+    saved = structlog.get_config()  # the command repoints structlog at CliRunner's stderr
+    try:
+        result = CliRunner().invoke(
+            app, ["run-experiment", "--out", str(out), "--proxy-tuning-beta", "-1"]
+        )
+    finally:
+        structlog.configure(**saved)
+    assert result.exit_code == 2, result.output
+    assert "proxy_tuning_beta" in result.output
+    assert not out.exists()

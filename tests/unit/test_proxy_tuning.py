@@ -49,18 +49,18 @@ def _proxies(path: Path) -> tuple[Any, Any]:
     return expert, anti
 
 
-def _hand_logprob(host: ModelHost, expert: Any, anti: Any, prompt: str, completion: str) -> float:
-    """log p(completion + EOS | prompt) from softmax(s_M + s_E − s_A) on the host's own
+def _hand_logprob(
+    host: ModelHost, expert: Any, anti: Any, prompt: str, completion: str, beta: float = 1.0
+) -> float:
+    """log p(completion + EOS | prompt) from softmax(s_M + β (s_E − s_A)) on the host's own
     encoding of the pair (one sequence, no padding), from the three models' logits."""
     encoded = encode_example(host.tokenizer, (prompt, completion), 256)
     assert encoded is not None
     ids = torch.tensor([encoded.input_ids])
     labels = torch.tensor(encoded.labels[1:])
     with torch.no_grad():
-        logits = (
-            host.model(input_ids=ids).logits.float()
-            + expert(input_ids=ids).logits.float()
-            - anti(input_ids=ids).logits.float()
+        logits = host.model(input_ids=ids).logits.float() + beta * (
+            expert(input_ids=ids).logits.float() - anti(input_ids=ids).logits.float()
         )
     logp = torch.log_softmax(logits[0, :-1], -1)
     scored = labels >= 0
@@ -79,6 +79,35 @@ def test_scoring_is_the_softmax_of_the_summed_logits(path: Path) -> None:
     # The offset moved it: M alone scores differently.
     [plain] = _host(path).sequence_logprobs([(prompt, completion)])
     assert abs(plain - got) > 1e-3
+
+
+def test_beta_scales_the_offset_and_zero_leaves_m_as_it_is(path: Path) -> None:
+    expert, anti = _proxies(path)
+    prompt, completion = PAIRS[0]
+    base = _host(path)
+    half = ProxyTunedHost(base, expert, anti, beta=0.5)
+    [got] = half.sequence_logprobs([(prompt, completion)])
+    assert got == pytest.approx(
+        _hand_logprob(base, expert, anti, prompt, completion, beta=0.5), rel=1e-4, abs=1e-3
+    )
+    [full] = ProxyTunedHost(base, expert, anti).sequence_logprobs([(prompt, completion)])
+    assert abs(full - got) > 1e-3
+    off = ProxyTunedHost(_host(path), expert, anti, beta=0.0)
+    assert off.sequence_logprobs(PAIRS) == pytest.approx(
+        _host(path).sequence_logprobs(PAIRS), abs=1e-4
+    )
+    prompts = [p for p, _ in PAIRS]
+    assert off.generate(prompts, max_new_tokens=12) == _host(path).generate(
+        prompts, max_new_tokens=12
+    )
+
+
+@pytest.mark.parametrize("beta", [-0.5, float("nan"), float("inf")])
+def test_a_beta_that_is_not_a_finite_non_negative_number_is_refused(
+    path: Path, beta: float
+) -> None:
+    with pytest.raises(ValueError, match="beta"):
+        ProxyTunedHost(_host(path), *_proxies(path), beta=beta)
 
 
 def test_an_expert_equal_to_the_anti_expert_changes_nothing(path: Path) -> None:
