@@ -54,7 +54,13 @@ from peerlm.overlay import (
 
 from peerlm.node import NodeContext
 
-__all__ = ["OverlayStepResult", "overlay_round_step", "publish_signature", "pull_settings"]
+__all__ = [
+    "OverlayStepResult",
+    "overlay_round_step",
+    "publish_signature",
+    "pull_settings",
+    "signature_inputs",
+]
 
 
 @dataclass
@@ -99,13 +105,15 @@ def choose_p(p_min: int, network: int | None, configured: int | None, dim: int) 
     return max(1, min(configured or network or p_min, dim))
 
 
-def _signature_inputs(
+def signature_inputs(
     host: ModelHost,
     tracker: ImportanceTracker,
     overlay: AgentOverlaySettings,
     network: int | None,
 ) -> tuple[Any, int, int]:
-    """On the model thread: flatten, update the EMA, choose P; (signature, P, P_min)."""
+    """On the model thread: flatten, update the EMA, choose P; (signature, P, P_min).
+    ``network`` is the network-wide P the overlay announced (None before its first build).
+    The experiment's overlay view computes its signatures with this same step."""
     weights, space = flatten_adapter(host.adapter_state())
     scores = tracker.update(weights)
     p_min = minimal_p(weights, scores, overlay.tau_min)
@@ -128,7 +136,7 @@ async def publish_signature(
     """
     network = overlay_host.describe().get("network_p")
     signature, p, p_min = await run_model(
-        _signature_inputs, model, tracker, settings, network if isinstance(network, int) else None
+        signature_inputs, model, tracker, settings, network if isinstance(network, int) else None
     )
     overlay_host.set_signature(signature, p_min)
     return p, p_min

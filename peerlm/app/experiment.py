@@ -60,6 +60,11 @@ cpm_menu        the CPM over the whole menu (issue 9 section 3): each round LinU
                 fingerprint and every protocol); the student executes it as the daemon
                 does and the Eq. 3 reward trains the bandit. Each round's record and
                 event name how many directives chose each protocol (``protocols``).
+cpm_menu_overlay  cpm_menu with the SemanticDFL overlay narrowing it (issue 9 section 3):
+                every client publishes its adapter's signature and reports its overlay
+                top-K (k = 2, the agent's default), and a merge protocol is admissible
+                only from a sender on the student's list; the overlay narrows, the CPM
+                chooses (:mod:`peerlm.app.experiment_overlay`).
 cpm_akd_logits  the same CPM with one protocol forced for everyone (the comparison the
 cpm_pmix        issue asks for; ``cpm`` is akd forced). Across families no protocol but
 cpm_svd_hka     akd is admissible, so these pair only within a family.
@@ -142,6 +147,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec
 import numpy as np
 
 from peerlm.app.experiment_fedproxy import FEDPROXY_STRATEGIES, PROXY_TUNED, run_fedproxy
+from peerlm.app.experiment_overlay import OverlayView
 from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap, paired_share
 
@@ -201,6 +207,7 @@ LABELS: Mapping[str, str] = {
     "fedavg_lora_plus": "FedAvg-LoRA+ (compute-matched)",
     "ffa_lora": "FFA-LoRA",
     "cpm_menu": "KNEXA-FL (CPM, full menu)",
+    "cpm_menu_overlay": "KNEXA-FL (CPM, full menu) + overlay top-K",
     "cpm_akd_logits": "CPM, akd_logits forced",
     "cpm_pmix": "CPM, pmix forced",
     "cpm_svd_hka": "CPM, svd_hka forced",
@@ -227,12 +234,19 @@ MERGE_STRATEGIES: tuple[str, ...] = (
 #: The CPM recommending among the whole menu (akd, akd_logits, pmix, svd_hka; issue 9
 #: section 3): known, not run by default; meant for clients of one family (``--family``),
 #: since every protocol but akd needs a shared parameter space.
-MENU_STRATEGIES: tuple[str, ...] = ("cpm_menu", "cpm_akd_logits", "cpm_pmix", "cpm_svd_hka")
+MENU_STRATEGIES: tuple[str, ...] = (
+    "cpm_menu",
+    "cpm_menu_overlay",
+    "cpm_akd_logits",
+    "cpm_pmix",
+    "cpm_svd_hka",
+)
 #: The protocols each CPM strategy may recommend: the menu, or one forced for everyone
 #: (``cpm`` itself is akd forced).
 CPM_PROTOCOLS: Mapping[str, tuple[str, ...]] = {
     "cpm": ("akd",),
     "cpm_menu": ("akd", "akd_logits", "pmix", "svd_hka"),
+    "cpm_menu_overlay": ("akd", "akd_logits", "pmix", "svd_hka"),
     "cpm_akd_logits": ("akd_logits",),
     "cpm_pmix": ("pmix",),
     "cpm_svd_hka": ("svd_hka",),
@@ -255,6 +269,8 @@ METRICS: tuple[str, ...] = ("pass@1", "struct", "nll")
 #: Key differences of the table: (a, b) for a - b; "best" is the best collaborative
 #: strategy on the lacked slice's pass@1.
 COMPARISONS: tuple[tuple[str, str], ...] = (
+    ("cpm_menu_overlay", "cpm_menu"),
+    ("cpm_menu_overlay", "semantic_dfl"),
     ("cpm_menu", "cpm"),
     ("cpm_menu", "cpm_akd_logits"),
     ("cpm_menu", "cpm_pmix"),
@@ -1081,6 +1097,8 @@ def _exchange(
     profiles: Mapping[str, np.ndarray],
     seed: int,
     t: int,
+    *,
+    overlay: OverlayView | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
     plan = world.plan
     by_name = {c.name: c for c in clients}
@@ -1103,7 +1121,7 @@ def _exchange(
     if strategy in MERGE_STRATEGIES:
         return _merge_exchange(world, strategy, clients, seed, t), None
     if strategy in MENU_STRATEGIES:
-        return _menu_exchange(world, policy, clients, profiles, seed, t), None
+        return _menu_exchange(world, policy, clients, profiles, seed, t, overlay), None
     records: list[dict[str, Any]] = []
     pairings: list[Pairing] = policy.select(profiles)
     for pairing in pairings:
@@ -1125,6 +1143,7 @@ def _menu_exchange(
     profiles: Mapping[str, np.ndarray],
     seed: int,
     t: int,
+    overlay: OverlayView | None = None,
 ) -> list[dict[str, Any]]:
     """``cpm_menu``: the CPM chooses a protocol of the whole menu per pair (the
     ``cpm_<protocol>`` strategies: of one protocol, forced for everyone), among those
@@ -1132,7 +1151,10 @@ def _menu_exchange(
     protocol, as an agent does), and the student executes it as the daemon would: AKD by
     text or top-k logits, or the teacher's adapter merged by PDFL (``pmix``) or OnePeFT's
     SVD + HKA (``svd_hka``) through the agent's own aggregation code. Each reward is Eq. 3
-    measured where the plan measures it (``_reward_examples``)."""
+    measured where the plan measures it (``_reward_examples``). With ``overlay``
+    (``cpm_menu_overlay``) every client first publishes its signature and reports its
+    overlay top-K, and a merge protocol is admissible only from a sender on the student's
+    list (:mod:`~peerlm.app.experiment_overlay`)."""
     from peerlm.agent import (
         AcceptanceGate,
         PullSettings,
@@ -1144,7 +1166,15 @@ def _menu_exchange(
 
     plan = world.plan
     by_name = {c.name: c for c in clients}
-    capabilities = {c.name: Capabilities(host_parameter_space(c.host), MENU) for c in clients}
+    neighbours = overlay.step({c.name: c.host for c in clients}) if overlay else {}
+    capabilities = {
+        c.name: Capabilities(
+            host_parameter_space(c.host),
+            MENU,
+            frozenset(neighbours[c.name]) if c.name in neighbours else None,
+        )
+        for c in clients
+    }
     records: list[dict[str, Any]] = []
     pairings: list[Pairing] = policy.select(profiles, capabilities)
     for pairing in pairings:
@@ -1209,6 +1239,8 @@ def _menu_exchange(
         normalised = policy.observe(pairing, reward)
         student.rewards.append(reward)
         student.exchanges += 1
+        if student.name in neighbours:
+            record["overlay_top_k"] = list(neighbours[student.name])
         records.append(
             {**record, "protocol": pairing.protocol, "normalised_reward": round(normalised, 5)}
         )
@@ -1325,6 +1357,7 @@ def _run_strategy(
     plan = world.plan
     clients = _clients(world, seed, ffa=strategy == "ffa_lora")
     policy = _pairing_policy(strategy, plan, seed)
+    overlay = OverlayView.defaults() if strategy == "cpm_menu_overlay" else None
     rounds: list[dict[str, Any]] = []
     start = _slice_means(world, {i: initial[c.name] for i, c in enumerate(clients)})
     curve = {name: [value] for name, value in start.items()}
@@ -1356,7 +1389,9 @@ def _run_strategy(
             )
             c.history.append({"round": t, "loss": phase.val_loss, "pass1": pass1})
             profiles[c.name] = profile
-        exchanges, gains = _exchange(world, strategy, policy, clients, profiles, seed, t)
+        exchanges, gains = _exchange(
+            world, strategy, policy, clients, profiles, seed, t, overlay=overlay
+        )
         nll = _slice_means(world, {i: _test_nll(world, c) for i, c in enumerate(clients)})
         for name in curve:
             curve[name].append(nll[name])

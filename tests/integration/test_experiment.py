@@ -258,11 +258,12 @@ def test_fedproxy_strategies_need_one_family() -> None:
 def test_the_cpm_over_the_menu_chooses_a_protocol_per_pair_quick(tmp_path: Path) -> None:
     """``cpm_menu`` under ``--quick`` on one family: every directive names a protocol of the
     menu, the round records count them, and each was executed and rewarded; ``cpm_pmix``
-    (one protocol forced for everyone) names pmix only."""
+    (one protocol forced for everyone) names pmix only; ``cpm_menu_overlay`` merges only
+    from a sender on the student's overlay top-2."""
     out = tmp_path / "out"
     args = [
         sys.executable, "-m", "peerlm", "run-experiment", "--quick", "--micro", "--json",
-        "-n", "4", "--family", "gpt2", "--strategies", "local_plus,cpm_menu,cpm_pmix",
+        "-n", "4", "--family", "gpt2", "--strategies", "local_plus,cpm_menu,cpm_pmix,cpm_menu_overlay",
         "--local-steps", "1", "--transfer-limit", "3", "--test-limit", "8",
         "--max-new-tokens", "8", "--seeds", "0",
         "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
@@ -288,6 +289,15 @@ def test_the_cpm_over_the_menu_chooses_a_protocol_per_pair_quick(tmp_path: Path)
     forced = result["runs"]["cpm_pmix"]["0"]
     assert forced["exchanges"] >= 1
     assert all(set(r["protocols"]) == {"pmix"} for r in forced["rounds"] if r["exchanges"])
+    assert {"cpm_menu_overlay_vs_cpm_menu"} <= set(view["comparisons"])
+    narrowed = result["runs"]["cpm_menu_overlay"]["0"]
+    assert narrowed["exchanges"] >= 1
+    for r in narrowed["rounds"]:
+        for x in r["exchanges"]:
+            top = x["overlay_top_k"]
+            assert len(top) == 2 and x["student"] not in top, x
+            if x["protocol"] in ("pmix", "svd_hka"):
+                assert x["teacher"] in top, x
 
 
 @pytest.mark.timeout(900)
