@@ -13,11 +13,12 @@ After local training (and AKD integration, if the round had a directive) the age
    (:func:`~peerlm.agent.pull_aggregate.pull_and_aggregate`).
 
 **P.** The paper fixes one network-wide ``P = min(Quantile_q({P_i^min}), P_max)``
-agreed through the super-peers (App. B.1). The overlay core takes each node's ``P_min``
-but exposes no agreed P to the node, so the agent uses ``overlay.signature_p`` when set,
-which every agent of the federation must share (that *is* the network-wide P, fixed by
-configuration); unset, each agent uses its own ``P_min`` (documented deviation: the cosine
-is still defined across different supports, only less comparable).
+agreed through the super-peers (App. B.1). The agent uses (:func:`choose_p`)
+``overlay.signature_p`` when set, which every agent of the federation must share (a
+network-wide P fixed by configuration); else the network-wide P the overlay announced with
+its last epoch (``network_p`` of ``OverlayHost.describe``, from the members' reported
+``P_min``); before the first announcement, its own ``P_min`` (the cosine is still defined
+across different supports, only less comparable).
 
 Nothing here ends a round: no overlay membership yet, a refused signature, a query that
 times out or answers nothing, and every pull refusal are logged and counted

@@ -53,7 +53,7 @@ class ProxyTunedHost(ModelHost):
     def __init__(
         self, base: ModelHost, expert: Any, anti_expert: Any, *, beta: float = 1.0
     ) -> None:
-        if not (math.isfinite(beta) and beta >= 0):
+        if isinstance(beta, bool) or not (math.isfinite(beta) and beta >= 0):
             raise ValueError(f"ProxyTuning's beta must be a finite number >= 0, not {beta!r}")
         sizes = {
             "M": _vocab(base.model),

@@ -60,15 +60,24 @@ cpm_menu        the CPM over the whole menu (issue 9 section 3): each round LinU
                 fingerprint and every protocol); the student executes it as the daemon
                 does and the Eq. 3 reward trains the bandit. Each round's record and
                 event name how many directives chose each protocol (``protocols``).
-cpm_menu_overlay  cpm_menu with the SemanticDFL overlay narrowing it (issue 9 section 3):
-                every client publishes its adapter's signature and reports its overlay
-                top-K (k = 2, the agent's default), and a merge protocol is admissible
-                only from a sender on the student's list; the overlay narrows, the CPM
-                chooses (:mod:`peerlm.app.experiment_overlay`).
 cpm_akd_logits  the same CPM with one protocol forced for everyone (the comparison the
 cpm_pmix        issue asks for; ``cpm`` is akd forced). Across families no protocol but
 cpm_svd_hka     akd is admissible, so these pair only within a family.
 ==============  =========================================================================
+
+The overlay (issue 9 section 3; not in the default list, with ``--family``;
+:mod:`peerlm.app.experiment_overlay`):
+
+================  =======================================================================
+overlay_topk      the SemanticDFL overlay as an agent with it enabled runs it: after its
+                  local phase each client publishes its adapter's signature, finds its
+                  k = 2 nearest peers, pulls their adapters and aggregates them (the PDFL
+                  step weighted by similarity, behind the acceptance gate).
+cpm_menu_overlay  ``cpm_menu`` and the overlay together, as a deployment runs them: the
+                  CPM's directive first, then the overlay step; a merge protocol is
+                  admissible only from a sender on the student's list of its last
+                  overlay step (the overlay narrows, the CPM chooses).
+================  =======================================================================
 
 FedProxy strategies (issue 9 §2; not in the default list, with ``--family``): every client
 is a member of one owner's cohort; the owner compresses the family's model to a proxy, the
@@ -207,7 +216,8 @@ LABELS: Mapping[str, str] = {
     "fedavg_lora_plus": "FedAvg-LoRA+ (compute-matched)",
     "ffa_lora": "FFA-LoRA",
     "cpm_menu": "KNEXA-FL (CPM, full menu)",
-    "cpm_menu_overlay": "KNEXA-FL (CPM, full menu) + overlay top-K",
+    "cpm_menu_overlay": "KNEXA-FL (CPM, full menu) + overlay",
+    "overlay_topk": "SemanticDFL overlay (top-K, PDFL)",
     "cpm_akd_logits": "CPM, akd_logits forced",
     "cpm_pmix": "CPM, pmix forced",
     "cpm_svd_hka": "CPM, svd_hka forced",
@@ -241,6 +251,11 @@ MENU_STRATEGIES: tuple[str, ...] = (
     "cpm_pmix",
     "cpm_svd_hka",
 )
+#: The SemanticDFL overlay as an agent runs it (issue 9 section 3,
+#: :mod:`peerlm.app.experiment_overlay`): alone, known, not run by default.
+OVERLAY_STRATEGIES: tuple[str, ...] = ("overlay_topk",)
+#: Strategies whose clients run the overlay step every round.
+_WITH_OVERLAY: frozenset[str] = frozenset({"overlay_topk", "cpm_menu_overlay"})
 #: The protocols each CPM strategy may recommend: the menu, or one forced for everyone
 #: (``cpm`` itself is akd forced).
 CPM_PROTOCOLS: Mapping[str, tuple[str, ...]] = {
@@ -253,7 +268,7 @@ CPM_PROTOCOLS: Mapping[str, tuple[str, ...]] = {
 }
 #: Every strategy ``--strategies`` accepts.
 KNOWN_STRATEGIES: tuple[str, ...] = (
-    STRATEGIES + MERGE_STRATEGIES + MENU_STRATEGIES + FEDPROXY_STRATEGIES
+    STRATEGIES + MERGE_STRATEGIES + MENU_STRATEGIES + OVERLAY_STRATEGIES + FEDPROXY_STRATEGIES
 )
 #: Strategies that exchange knowledge (candidates for "best collaborative").
 COLLABORATIVE: tuple[str, ...] = (
@@ -263,6 +278,7 @@ COLLABORATIVE: tuple[str, ...] = (
     "cpm",
     "oracle",
     *MENU_STRATEGIES,
+    *OVERLAY_STRATEGIES,
 )
 #: Per-problem metrics: unbiased pass@1, structural match rate, NLL (nats/byte; lower wins).
 METRICS: tuple[str, ...] = ("pass@1", "struct", "nll")
@@ -270,7 +286,7 @@ METRICS: tuple[str, ...] = ("pass@1", "struct", "nll")
 #: strategy on the lacked slice's pass@1.
 COMPARISONS: tuple[tuple[str, str], ...] = (
     ("cpm_menu_overlay", "cpm_menu"),
-    ("cpm_menu_overlay", "semantic_dfl"),
+    ("cpm_menu_overlay", "overlay_topk"),
     ("cpm_menu", "cpm"),
     ("cpm_menu", "cpm_akd_logits"),
     ("cpm_menu", "cpm_pmix"),
@@ -412,8 +428,11 @@ class ExperimentPlan:
             raise ValueError("proxy_learning_rate must be in (0, 1]")
         if not (math.isfinite(self.proxy_lambda_reg) and self.proxy_lambda_reg >= 0):
             raise ValueError("proxy_lambda_reg must be >= 0")
-        if not (math.isfinite(self.proxy_tuning_beta) and self.proxy_tuning_beta >= 0):
+        beta = self.proxy_tuning_beta
+        if isinstance(beta, bool) or not (math.isfinite(beta) and beta >= 0):
             raise ValueError("proxy_tuning_beta must be a finite number >= 0")
+        # 1 and 1.0 are one plan: the reuse key compares the plan's JSON.
+        object.__setattr__(self, "proxy_tuning_beta", float(beta))
         if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= 1):
             raise ValueError("learning_rate must be in (0, 1]")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
@@ -1121,7 +1140,13 @@ def _exchange(
     if strategy in MERGE_STRATEGIES:
         return _merge_exchange(world, strategy, clients, seed, t), None
     if strategy in MENU_STRATEGIES:
-        return _menu_exchange(world, policy, clients, profiles, seed, t, overlay), None
+        records = _menu_exchange(world, policy, clients, profiles, seed, t, overlay)
+        if overlay is not None:
+            records += _overlay_exchange(world, clients, overlay, seed, t)
+        return records, None
+    if strategy in OVERLAY_STRATEGIES:
+        assert overlay is not None
+        return _overlay_exchange(world, clients, overlay, seed, t), None
     records: list[dict[str, Any]] = []
     pairings: list[Pairing] = policy.select(profiles)
     for pairing in pairings:
@@ -1152,9 +1177,9 @@ def _menu_exchange(
     text or top-k logits, or the teacher's adapter merged by PDFL (``pmix``) or OnePeFT's
     SVD + HKA (``svd_hka``) through the agent's own aggregation code. Each reward is Eq. 3
     measured where the plan measures it (``_reward_examples``). With ``overlay``
-    (``cpm_menu_overlay``) every client first publishes its signature and reports its
-    overlay top-K, and a merge protocol is admissible only from a sender on the student's
-    list (:mod:`~peerlm.app.experiment_overlay`)."""
+    (``cpm_menu_overlay``) every client reports the list of its last overlay step, and a
+    merge protocol is admissible only from a sender on the student's list
+    (:mod:`~peerlm.app.experiment_overlay`; no list before the first step)."""
     from peerlm.agent import (
         AcceptanceGate,
         PullSettings,
@@ -1166,12 +1191,12 @@ def _menu_exchange(
 
     plan = world.plan
     by_name = {c.name: c for c in clients}
-    neighbours = overlay.step({c.name: c.host for c in clients}) if overlay else {}
+    listed = overlay.listed if overlay is not None else {}
     capabilities = {
         c.name: Capabilities(
             host_parameter_space(c.host),
             MENU,
-            frozenset(neighbours[c.name]) if c.name in neighbours else None,
+            frozenset(listed[c.name]) if listed.get(c.name) else None,
         )
         for c in clients
     }
@@ -1239,11 +1264,64 @@ def _menu_exchange(
         normalised = policy.observe(pairing, reward)
         student.rewards.append(reward)
         student.exchanges += 1
-        if student.name in neighbours:
-            record["overlay_top_k"] = list(neighbours[student.name])
+        if overlay is not None:
+            record["overlay_listed"] = list(listed.get(student.name, ()))
         records.append(
             {**record, "protocol": pairing.protocol, "normalised_reward": round(normalised, 5)}
         )
+    return records
+
+
+def _overlay_exchange(
+    world: _World, clients: list[_Client], overlay: OverlayView, seed: int, t: int
+) -> list[dict[str, Any]]:
+    """Every client's overlay step, as the agent runs it after its directive
+    (:func:`peerlm.agent.overlay_step.overlay_round_step`, in process): publish its
+    signature, find its ``k`` nearest peers, pull their adapters and aggregate them with
+    the agent's own code and settings (the PDFL step weighted by the similarities, the
+    acceptance gate on its validation set at the agent's default margin). The agents step
+    at once, so each pulls what its neighbours hold before their own steps. One record per
+    client: its neighbours (what it reports next), what it pulled and the outcome."""
+    from peerlm.agent import AcceptanceGate, AgentSettings, integrate_adapters
+    from peerlm.agent.overlay_step import pull_settings
+
+    plan = world.plan
+    neighbours, similarities = overlay.step({c.name: c.host for c in clients})
+    held = {c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in clients}
+    defaults = AgentSettings.model_fields
+    settings = pull_settings(overlay.settings, defaults["round_timeout_s"].default)
+    margin = defaults["acceptance_margin"].default
+    records: list[dict[str, Any]] = []
+    for i, c in enumerate(clients):
+        near = neighbours[c.name]
+        record: dict[str, Any] = {
+            "teacher": ",".join(near),
+            "student": c.name,
+            "mode": f"overlay_{settings.method}",
+            "protocol": "overlay",
+            "neighbours": list(near),
+            "similarities": {n: round(v, 6) for n, v in similarities[c.name].items()},
+            "kilobytes": 0.0,
+        }
+        if not near:
+            records.append({**record, "outcome": "no_candidates"})
+            continue
+        pulled = {n: held[n] for n in near}
+        kb = sum(v.numel() * v.element_size() for st in pulled.values() for v in st.values())
+        gate = AcceptanceGate(c.val_examples, margin) if margin is not None else None
+        config = _round_config(plan, seed, i, integration=True)
+        report, verdict, _pre = integrate_adapters(
+            c.host,
+            pulled,
+            similarities[c.name],
+            settings,
+            c.name,
+            gate,
+            (world.public_pairs, config.train_settings(t)),
+        )
+        rolled_back = verdict is not None and verdict.rolled_back
+        outcome = "rolled_back" if rolled_back else "aggregated" if report.accepted else "identity"
+        records.append({**record, "kilobytes": round(kb / 1024, 2), "outcome": outcome})
     return records
 
 
@@ -1357,7 +1435,10 @@ def _run_strategy(
     plan = world.plan
     clients = _clients(world, seed, ffa=strategy == "ffa_lora")
     policy = _pairing_policy(strategy, plan, seed)
-    overlay = OverlayView.defaults() if strategy == "cpm_menu_overlay" else None
+    overlay = OverlayView.defaults() if strategy in _WITH_OVERLAY else None
+    if overlay is not None:
+        # An agent publishes its first signature when it joins, before its first round.
+        overlay.join({c.name: c.host for c in clients})
     rounds: list[dict[str, Any]] = []
     start = _slice_means(world, {i: initial[c.name] for i, c in enumerate(clients)})
     curve = {name: [value] for name, value in start.items()}

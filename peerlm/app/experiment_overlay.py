@@ -1,21 +1,30 @@
-"""The SemanticDFL overlay's top-K in the experiment: ``cpm_menu_overlay`` (issue 9 §3).
+"""The SemanticDFL overlay in the experiment: ``overlay_topk`` and ``cpm_menu_overlay``.
 
-In a deployment an agent publishes its adapter's signature each round, searches the overlay
-for its ``k`` most similar peers, and reports them with its profile
-(``SubmitProfileRequest.overlay_peers``); the CPM then admits a merge protocol (``pmix``,
-``svd_hka``) for ``sender -> student`` only if the sender is on the student's list
-(docs/matchmaker.md, "Overlay narrowing"). The overlay narrows, the CPM chooses.
+In a deployment an agent with the overlay enabled joins it by publishing its adapter's
+signature, and after each round's directive runs its overlay step
+(:func:`~peerlm.agent.overlay_step.overlay_round_step`): it publishes the signature of its
+adapter as it now is, searches the overlay for its ``k`` most similar peers, pulls their
+adapters and aggregates them (the PDFL step, ``pmix``, by default). The neighbours it found
+are the list it reports with its next profile (``SubmitProfileRequest.overlay_peers``), and
+the CPM admits a merge protocol (``pmix``, ``svd_hka``) for ``sender -> student`` only if
+the sender is on the student's list (docs/matchmaker.md, "Overlay narrowing"). Before its
+first overlay step an agent reports no list, and nothing is narrowed.
 
-:class:`OverlayView` is that for the experiment's in-process clients. Each client keeps its
-importance EMA (:class:`~peerlm.overlay.signature.ImportanceTracker`) across the rounds of a
-run and computes its signature with the agent's own step
-(:func:`~peerlm.agent.overlay_step.signature_inputs`: flatten, EMA, P_min by Alg. 1, the
-network-wide P). As in the overlay, the network-wide P of round ``t`` is the ``q``-quantile
-of the P_min reported in round ``t − 1`` (the epoch's announcement), each client's own P_min
-in the first round. Choice made here: the neighbours are the **exact** ``k`` nearest by the
-signatures' cosine (ties: the lower name), where a deployment's beam search returns an
-approximation of them; with the handful of clients of an experiment nothing is gained by
-building zones and clusters in process, and the exact list is what the search aims at.
+:class:`OverlayView` is that state for the experiment's in-process clients, kept for one
+(strategy, seed) run: each client's importance EMA
+(:class:`~peerlm.overlay.signature.ImportanceTracker`), the network-wide P the overlay
+announces from the members' reported P_min (as in the overlay, the P a round publishes at
+is the one announced from the reports before it; a client's own P_min before the first
+announcement), and the lists the clients report next. Signatures are computed by the
+agent's own step (:func:`~peerlm.agent.overlay_step.signature_inputs`).
+
+Choices made here: the neighbours are the **exact** ``k`` nearest of the same parameter
+space by the signatures' cosine (ties: the lower name), where a deployment's beam search
+returns an approximation of them (a cross-space cosine is 0 and a cross-space adapter is
+never aggregated, so candidates of another space are left out); the search is exhaustive
+because an experiment has a handful of clients; and a signature the agent's step refuses
+ends the run with its error, where a daemon would count a ``signature_error`` step and go
+on (the experiment's adapters are its own and finite, so it would be a bug, not an input).
 """
 
 from __future__ import annotations
@@ -25,42 +34,36 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OverlayView"]
+__all__ = ["OverlayView", "nearest"]
 
 
 class OverlayView:
-    """Every client's overlay signature state across one run, and its top-``k`` each round.
+    """Every client's overlay state across one run (module docstring).
 
     ``settings``: the agent's overlay settings (``k``, ``tau_min``, ``importance_beta``,
-    ``signature_p``); ``p_quantile`` and ``p_max``: the overlay protocol's (``OverlayParams``).
+    ``signature_p``, and ``protocol``'s ``p_quantile`` and ``p_max``).
     """
 
-    def __init__(self, settings: Any, *, p_quantile: float, p_max: int) -> None:
+    def __init__(self, settings: Any) -> None:
         self.settings = settings
-        self.p_quantile = p_quantile
-        self.p_max = p_max
         self.network_p: int | None = None
+        #: What each client reports with its next profile (empty before its first step).
+        self.listed: dict[str, tuple[str, ...]] = {}
         self._trackers: dict[str, Any] = {}
 
     @classmethod
-    def defaults(cls, k: int | None = None) -> OverlayView:
-        """The agent's and the overlay's defaults (``k`` = 2 unless given)."""
+    def defaults(cls) -> OverlayView:
+        """The agent's overlay defaults (k = 2, tau_min 0.9, the protocol's q and P_max)."""
         from peerlm.agent import AgentOverlaySettings
-        from peerlm.overlay import OverlayParams
 
-        settings = AgentOverlaySettings() if k is None else AgentOverlaySettings(k=k)
-        params = OverlayParams()
-        return cls(settings, p_quantile=params.p_quantile, p_max=params.p_max)
+        return cls(AgentOverlaySettings())
 
-    def step(self, hosts: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
-        """Publish every client's signature of its current adapter (``hosts``: name →
-        ``ModelHost``) and return each one's ``k`` most similar peers, best first."""
+    def _publish(self, hosts: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
         from peerlm.agent.overlay_step import signature_inputs
-        from peerlm.overlay.signature import ImportanceTracker, cosine_matrix, network_p
+        from peerlm.overlay.signature import ImportanceTracker, network_p
 
         names = sorted(hosts)
-        signatures = []
-        p_mins = []
+        signatures, p_mins = [], []
         for name in names:
             tracker = self._trackers.setdefault(
                 name, ImportanceTracker(self.settings.importance_beta)
@@ -70,18 +73,51 @@ class OverlayView:
             )
             signatures.append(signature)
             p_mins.append(p_min)
-        # The next round's announcement, from this round's reports.
-        self.network_p = network_p(p_mins, self.p_quantile, self.p_max)
-        return nearest(names, cosine_matrix(signatures), self.settings.k)
+        protocol = self.settings.protocol
+        # The overlay's next announcement, from these reports.
+        self.network_p = network_p(p_mins, protocol.p_quantile, protocol.p_max)
+        return names, signatures
+
+    def join(self, hosts: Mapping[str, Any]) -> None:
+        """Every client joins: publishes its first signature (no search, no list)."""
+        self._publish(hosts)
+
+    def step(
+        self, hosts: Mapping[str, Any]
+    ) -> tuple[dict[str, tuple[str, ...]], dict[str, dict[str, float]]]:
+        """Every client's overlay step on its current adapter (``hosts``: name →
+        ``ModelHost``): publish, then its ``k`` nearest peers (best first) and their
+        similarities; the lists become what the clients report next (:attr:`listed`)."""
+        from peerlm.overlay.signature import cosine_matrix
+
+        names, signatures = self._publish(hosts)
+        similarity = cosine_matrix(signatures)
+        spaces = [s.space for s in signatures]
+        neighbours = nearest(names, similarity, self.settings.k, spaces)
+        # An agent whose step found nobody keeps reporting its last list (the daemon
+        # replaces it only with a non-empty one).
+        self.listed = {**self.listed, **{n: v for n, v in neighbours.items() if v}}
+        index = {n: i for i, n in enumerate(names)}
+        sims = {
+            n: {m: float(similarity[index[n], index[m]]) for m in near}
+            for n, near in neighbours.items()
+        }
+        return neighbours, sims
 
 
-def nearest(names: Sequence[str], similarity: np.ndarray, k: int) -> dict[str, tuple[str, ...]]:
+def nearest(
+    names: Sequence[str],
+    similarity: np.ndarray,
+    k: int,
+    spaces: Sequence[str] | None = None,
+) -> dict[str, tuple[str, ...]]:
     """Each name's ``k`` most similar others by ``similarity`` (rows and columns in the
-    order of ``names``), most similar first, ties broken by the lower name."""
+    order of ``names``), most similar first, ties broken by the lower name; with ``spaces``
+    only others of the same parameter space are candidates."""
     out: dict[str, tuple[str, ...]] = {}
     for i, name in enumerate(names):
         others = sorted(
-            (j for j in range(len(names)) if j != i),
+            (j for j in range(len(names)) if j != i and (spaces is None or spaces[j] == spaces[i])),
             key=lambda j: (-float(similarity[i, j]), names[j]),
         )
         out[name] = tuple(names[j] for j in others[:k])

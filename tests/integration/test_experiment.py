@@ -258,12 +258,15 @@ def test_fedproxy_strategies_need_one_family() -> None:
 def test_the_cpm_over_the_menu_chooses_a_protocol_per_pair_quick(tmp_path: Path) -> None:
     """``cpm_menu`` under ``--quick`` on one family: every directive names a protocol of the
     menu, the round records count them, and each was executed and rewarded; ``cpm_pmix``
-    (one protocol forced for everyone) names pmix only; ``cpm_menu_overlay`` merges only
-    from a sender on the student's overlay top-2."""
+    (one protocol forced for everyone) names pmix only. ``overlay_topk``: every client
+    takes an overlay step each round (its 2 nearest peers pulled and aggregated);
+    ``cpm_menu_overlay``: the same after each directive, and from round 2 on a merge comes
+    only from a sender on the list of the student's last overlay step."""
     out = tmp_path / "out"
     args = [
         sys.executable, "-m", "peerlm", "run-experiment", "--quick", "--micro", "--json",
-        "-n", "4", "--family", "gpt2", "--strategies", "local_plus,cpm_menu,cpm_pmix,cpm_menu_overlay",
+        "-n", "4", "--family", "gpt2",
+        "--strategies", "local_plus,cpm_menu,cpm_pmix,cpm_menu_overlay,overlay_topk",
         "--local-steps", "1", "--transfer-limit", "3", "--test-limit", "8",
         "--max-new-tokens", "8", "--seeds", "0",
         "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
@@ -289,15 +292,29 @@ def test_the_cpm_over_the_menu_chooses_a_protocol_per_pair_quick(tmp_path: Path)
     forced = result["runs"]["cpm_pmix"]["0"]
     assert forced["exchanges"] >= 1
     assert all(set(r["protocols"]) == {"pmix"} for r in forced["rounds"] if r["exchanges"])
-    assert {"cpm_menu_overlay_vs_cpm_menu"} <= set(view["comparisons"])
-    narrowed = result["runs"]["cpm_menu_overlay"]["0"]
-    assert narrowed["exchanges"] >= 1
-    for r in narrowed["rounds"]:
-        for x in r["exchanges"]:
-            top = x["overlay_top_k"]
-            assert len(top) == 2 and x["student"] not in top, x
-            if x["protocol"] in ("pmix", "svd_hka"):
-                assert x["teacher"] in top, x
+    assert {"cpm_menu_overlay_vs_cpm_menu", "cpm_menu_overlay_vs_overlay_topk"} <= set(
+        view["comparisons"]
+    )
+    names = {f"agent-{i}" for i in range(4)}
+    for strategy in ("overlay_topk", "cpm_menu_overlay"):
+        run = result["runs"][strategy]["0"]
+        last: dict[str, list[str]] = {}
+        for r in run["rounds"]:
+            steps = [x for x in r["exchanges"] if x["protocol"] == "overlay"]
+            assert sorted(x["student"] for x in steps) == sorted(names), r
+            for x in steps:
+                assert len(x["neighbours"]) == 2 and x["student"] not in x["neighbours"], x
+                assert set(x["neighbours"]) <= names and x["kilobytes"] > 0, x
+                assert x["outcome"] in ("aggregated", "identity", "rolled_back"), x
+            if strategy == "cpm_menu_overlay":
+                for x in r["exchanges"]:
+                    if x["protocol"] == "overlay":
+                        continue
+                    # What the student reported: its list of the round before (none in 1).
+                    assert x["overlay_listed"] == last.get(x["student"], []), (x, last)
+                    if x["protocol"] in ("pmix", "svd_hka") and x["overlay_listed"]:
+                        assert x["teacher"] in x["overlay_listed"], x
+            last = {x["student"]: x["neighbours"] for x in steps}
 
 
 @pytest.mark.timeout(900)

@@ -73,22 +73,38 @@ def test_the_view_is_the_agents_signature_step_with_the_previous_rounds_network_
 ) -> None:
     hosts = _hosts(path, 4)
     settings = AgentOverlaySettings(k=2)
-    view = OverlayView(settings, p_quantile=0.9, p_max=1 << 20)
-    first = view.step(hosts)
-    # By hand: each client's own P_min in the first round (no announcement yet), then the
-    # exact top-2 by the signatures' cosine.
+    view = OverlayView(settings)
+    q, p_max = settings.protocol.p_quantile, settings.protocol.p_max
+    # By hand: at join each client publishes at its own P_min (no announcement yet) ...
     trackers = {n: ImportanceTracker(settings.importance_beta) for n in sorted(hosts)}
+    joined = []
+    for name in sorted(hosts):
+        weights, _space = flatten_adapter(hosts[name].adapter_state())
+        joined.append(minimal_p(weights, trackers[name].update(weights), settings.tau_min))
+    view.join(hosts)
+    assert view.listed == {}  # joining searches nothing: no list to report yet
+    assert view.network_p == network_p(joined, q, p_max)
+    # ... and its first step publishes at the P announced from those reports, then takes
+    # the exact top-2 by the signatures' cosine.
+    announced = view.network_p
     signatures, p_mins = [], []
     for name in sorted(hosts):
         weights, space = flatten_adapter(hosts[name].adapter_state())
         scores = trackers[name].update(weights)
-        p_min = minimal_p(weights, scores, settings.tau_min)
-        signatures.append(make_signature(weights, scores, p_min, space))
-        p_mins.append(p_min)
-    assert first == nearest(sorted(hosts), cosine_matrix(signatures), 2)
+        p_mins.append(minimal_p(weights, scores, settings.tau_min))
+        signatures.append(make_signature(weights, scores, min(announced, len(weights)), space))
+    first, sims = view.step(hosts)
+    similarity = cosine_matrix(signatures)
+    assert first == nearest(sorted(hosts), similarity, 2)
     assert first["agent-0"][0] == "agent-1" and first["agent-1"][0] == "agent-0"
     assert all(len(v) == 2 and name not in v for name, v in first.items())
-    # The next round is published at the P announced from this round's reports.
-    assert view.network_p == network_p(p_mins, 0.9, 1 << 20)
-    second = view.step(hosts)
-    assert set(second) == set(hosts) and second["agent-0"][0] == "agent-1"
+    assert sims["agent-0"]["agent-1"] == pytest.approx(similarity[0, 1])
+    assert view.listed == first  # what each reports with its next profile
+    assert view.network_p == network_p(p_mins, q, p_max)
+
+
+def test_candidates_of_another_parameter_space_are_left_out() -> None:
+    names = ["a", "b", "c"]
+    sim = np.array([[1.0, 0.0, -0.5], [0.0, 1.0, 0.0], [-0.5, 0.0, 1.0]])
+    # b is of another space: a's only candidate is c, however dissimilar.
+    assert nearest(names, sim, 2, ["x", "y", "x"]) == {"a": ("c",), "b": (), "c": ("a",)}

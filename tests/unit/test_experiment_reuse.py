@@ -88,10 +88,18 @@ def test_the_proxy_tuning_beta_matters_only_to_proxy_tuned_runs() -> None:
     assert sorted(reusable_runs(one, [old], NLL)) == sorted((s, 0) for s in strategies)
 
 
-@pytest.mark.parametrize("beta", [-0.1, float("nan"), float("inf")])
+@pytest.mark.parametrize("beta", [-0.1, float("nan"), float("inf"), True])
 def test_a_proxy_tuning_beta_that_is_not_finite_and_non_negative_is_refused(beta: float) -> None:
     with pytest.raises(ValueError, match="proxy_tuning_beta"):
         ExperimentPlan(proxy_tuning_beta=beta)
+
+
+def test_an_integer_proxy_tuning_beta_is_the_same_plan_as_its_float() -> None:
+    family = {"family": "gpt2", "strategies": ("fedproxy_proxytuning",), "seeds": (0,)}
+    old = _stored(ExperimentPlan(**family))
+    plan = ExperimentPlan(proxy_tuning_beta=1, **family)  # type: ignore[arg-type]
+    assert plan.proxy_tuning_beta == 1.0 and isinstance(plan.proxy_tuning_beta, float)
+    assert sorted(reusable_runs(plan, [old], NLL)) == [("fedproxy_proxytuning", 0)]
 
 
 def test_run_experiment_refuses_a_negative_proxy_tuning_beta(tmp_path: Path) -> None:
