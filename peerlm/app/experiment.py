@@ -1140,10 +1140,10 @@ def _exchange(
     if strategy in MERGE_STRATEGIES:
         return _merge_exchange(world, strategy, clients, seed, t), None
     if strategy in MENU_STRATEGIES:
-        records = _menu_exchange(world, policy, clients, profiles, seed, t, overlay)
+        directed = _menu_exchange(world, policy, clients, profiles, seed, t, overlay)
         if overlay is not None:
-            records += _overlay_exchange(world, clients, overlay, seed, t)
-        return records, None
+            directed += _overlay_exchange(world, clients, overlay, seed, t)
+        return directed, None
     if strategy in OVERLAY_STRATEGIES:
         assert overlay is not None
         return _overlay_exchange(world, clients, overlay, seed, t), None

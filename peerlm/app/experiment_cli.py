@@ -34,12 +34,13 @@ def run_experiment_command(
             "oracle, semantic_dfl (default: these); adapter merges (with --family): "
             "fedavg_lora, ffa_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg, "
             "onepeft_multi, onepeft_multi_ce, fedavg_lora_plus; the CPM "
-            "over the whole protocol menu (with --family): cpm_menu, cpm_menu_overlay (the "
-            "overlay's top-K narrowing the merges), or one protocol forced: "
+            "over the whole protocol menu (with --family): cpm_menu, or one protocol forced: "
             "cpm_akd_logits, cpm_pmix, cpm_svd_hka; FedProxy cohorts (with --family): "
             "fedproxy_hties, fedproxy_hties_nopcr, fedproxy_fedavg, fedproxy_ties, "
             "fedproxy_proxytuning (ProxyTuning instead of fusion), and the "
-            "CentSFT reference fedproxy_centsft."
+            "CentSFT reference fedproxy_centsft; the SemanticDFL overlay as an agent runs it "
+            "(with --family): overlay_topk, and cpm_menu_overlay (the CPM's directive, then "
+            "the overlay step; merges only from the student's overlay list)."
         ),
     ] = None,
     seeds: Annotated[
