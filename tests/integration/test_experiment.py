@@ -468,3 +468,70 @@ def test_stored_runs_stand_in_for_the_same_plan_and_cpm_settings_rerun_the_cpm(
     cpm_rounds = second["runs"]["cpm"]["0"]["rounds"]
     assert all(len(p) == 32 for r in cpm_rounds for p in r["profiles"].values())
     assert second["plan"]["cpm_context_columns"] == (8, 9)
+
+
+def _children(pid: int) -> set[int]:
+    """Live processes whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_killing_the_command_ends_its_worker_processes(tmp_path: Path) -> None:
+    """A SIGKILL to ``run-experiment --jobs 2`` (nothing it can catch) ends its spawned
+    workers and the events' manager within seconds, instead of leaving them to run their
+    strategies on every core."""
+    import signal
+    import time
+
+    args = [
+        sys.executable, "-m", "peerlm", "run-experiment", "--quick", "--micro", "--json",
+        "-n", "2", "--strategies", "local_plus,random", "--seeds", "0,1", "--rounds", "2",
+        "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
+        "--out", str(tmp_path / "out"), "--jobs", "2",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **AGENT_ENV},
+    )
+    try:
+        deadline = time.monotonic() + 420
+        helpers: set[int] = set()
+        # The manager and two workers (and the resource tracker): wait for the workers.
+        while time.monotonic() < deadline and proc.poll() is None:
+            helpers = _children(proc.pid)
+            cmdlines = [Path(f"/proc/{c}/cmdline").read_bytes() for c in helpers if _alive(c)]
+            if sum(b"spawn_main" in c for c in cmdlines) >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before its workers were seen"
+        assert len(helpers) >= 3, helpers
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        until = time.monotonic() + 30
+        while time.monotonic() < until and any(_alive(c) for c in helpers):
+            time.sleep(0.2)
+        assert not [c for c in helpers if _alive(c)], "workers outlived the command"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
