@@ -1,5 +1,6 @@
 """What every long-running peerlm process does the same way at its edges: name itself in
-logs, run its event loop, turn SIGTERM/SIGINT into a graceful stop, publish its port."""
+logs, run its event loop, turn SIGTERM/SIGINT into a graceful stop, publish its port, and
+(a worker process) end with the process that started it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from typing import Any, TypeVar
 from peerlm.atomic_file import write_atomic
 from peerlm.config import ServiceSettings
 
-__all__ = ["identity_label", "on_stop_signals", "run_event_loop", "write_port_file"]
+__all__ = [
+    "exit_with_parent",
+    "identity_label",
+    "on_stop_signals",
+    "run_event_loop",
+    "write_port_file",
+]
 
 T = TypeVar("T")
 
@@ -50,3 +57,21 @@ def run_event_loop(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
 def write_port_file(path: Path, port: int) -> None:
     """Publish the bound port atomically (tests and scripts poll for the file)."""
     write_atomic(path, f"{port}\n".encode(), mode=0o644)
+
+
+def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """A worker's initializer (``ProcessPoolExecutor(initializer=...)``, a manager's
+    ``start``): a daemon thread ends this process once ``parent`` (the pid of the process
+    that started it) is gone. Without it a SIGTERM or SIGKILL to the command (a
+    ``timeout``, a process manager, a killed shell) leaves its spawned workers running
+    their jobs to the end on every core, with nobody to read their results."""
+    import os
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

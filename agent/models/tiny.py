@@ -966,12 +966,24 @@ def _run_parallel(
     import multiprocessing
     import queue
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from multiprocessing.managers import SyncManager
+
+    from peerlm.process import exit_with_parent
 
     # spawn, not fork: the parent may hold torch's thread pool and other threads.
     context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager:
+    # Builds and the events' manager end with this process (a killed `models build` or
+    # `up` must not leave builds running on every core).
+    manager = SyncManager(ctx=context)
+    manager.start(exit_with_parent, (os.getpid(),))
+    with manager:
         events = manager.Queue()
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        with ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=context,
+            initializer=exit_with_parent,
+            initargs=(os.getpid(),),
+        ) as pool:
             # Longest first (by parameter count, a fair proxy of a step's cost), so the
             # last build to start is a short one and the lanes finish close together.
             ordered = sorted(pending, key=lambda job: -_size_of(_shape(job.arch, job.size)))

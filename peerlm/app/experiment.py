@@ -1571,22 +1571,6 @@ def _strategy_job(
     )
 
 
-def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
-    """Worker initializer: a daemon thread ends this worker once the process that started
-    it is gone. Without it a SIGTERM or SIGKILL to ``run-experiment`` (a ``timeout``, a
-    process manager, a killed shell) leaves its workers running their strategies to the end
-    on every core, with nobody to read their results."""
-    import os
-    import threading
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def _run_parallel(
     world: _World,
     starts: Mapping[str, _Start],
@@ -1603,13 +1587,15 @@ def _run_parallel(
 
     import torch
 
+    from peerlm.process import exit_with_parent
+
     ctx = multiprocessing.get_context("spawn")
     manager = SyncManager(ctx=ctx)  # the events' queue server: also a process to end
-    manager.start(_exit_with_parent, (os.getpid(),))
+    manager.start(exit_with_parent, (os.getpid(),))
     with (
         manager,
         ProcessPoolExecutor(
-            jobs, mp_context=ctx, initializer=_exit_with_parent, initargs=(os.getpid(),)
+            jobs, mp_context=ctx, initializer=exit_with_parent, initargs=(os.getpid(),)
         ) as pool,
     ):
         events = manager.Queue()

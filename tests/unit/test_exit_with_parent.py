@@ -1,0 +1,68 @@
+"""``peerlm.process.exit_with_parent``: a spawned worker ends once the process that
+started it is gone, and not before."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """
+import multiprocessing, os, sys, time
+from peerlm.process import exit_with_parent
+
+def child(parent):
+    exit_with_parent(parent, poll_s=0.05)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    p = multiprocessing.get_context("spawn").Process(target=child, args=(os.getpid(),))
+    p.start()
+    print(p.pid, flush=True)
+    sys.stdin.readline()
+    os._exit(0)  # gone without a word: no join, no terminate
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_worker_lives_with_its_parent_and_ends_after_it(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    child = int(proc.stdout.readline())
+    try:
+        time.sleep(0.5)  # ten polls of the watch
+        assert _alive(child), "the worker ended while its parent lived"
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(30)
+        until = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < until:
+            time.sleep(0.05)
+        assert not _alive(child), "the worker outlived its parent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if _alive(child):
+            import os
+            import signal
+
+            os.kill(child, signal.SIGKILL)
