@@ -151,7 +151,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec
+from typing import TYPE_CHECKING, Any, Final, Literal, ParamSpec
 
 import numpy as np
 
@@ -1577,8 +1577,10 @@ def _run_parallel(
     todo: Sequence[tuple[str, int]],
     jobs: int,
     emit: Event,
-) -> dict[tuple[str, int], dict[str, Any]]:
-    """(strategy, seed) runs in ``jobs`` worker processes (spawned: no forked torch state)."""
+    finished: Callable[[tuple[str, int], dict[str, Any]], None],
+) -> None:
+    """(strategy, seed) runs in ``jobs`` worker processes (spawned: no forked torch state);
+    ``finished`` gets each run as it completes, in this process."""
     import multiprocessing
     import os
     import queue
@@ -1612,19 +1614,25 @@ def _run_parallel(
             )
             for name, seed in todo
         }
-        while not all(f.done() for f in futures.values()):
-            try:
-                kind, data = events.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            emit(kind, data)
-        while True:
-            try:
-                kind, data = events.get_nowait()
-            except queue.Empty:
-                break
-            emit(kind, data)
-        return {key: f.result() for key, f in futures.items()}
+        pending = dict(futures)
+
+        def drain(block: bool) -> None:
+            while True:
+                try:
+                    kind, data = events.get(timeout=0.5) if block else events.get_nowait()
+                except queue.Empty:
+                    return
+                emit(kind, data)
+                block = False
+
+        while pending:
+            drain(block=True)
+            for key, future in list(pending.items()):
+                if future.done():
+                    del pending[key]
+                    drain(block=False)  # its last events before its result
+                    finished(key, future.result())
+        drain(block=False)
 
 
 #: Plan fields that only CPM strategies read: a run of another strategy is reusable
@@ -1663,6 +1671,32 @@ def _reuse_key(plan: Mapping[str, Any], strategy: str) -> str:
     return json.dumps(
         {k: v for k, v in full.items() if k not in drop}, sort_keys=True, default=list
     )
+
+
+#: The runs a command has finished so far, in its work directory (``--reuse`` takes it).
+PROGRESS_FILE: Final[str] = "runs-so-far.json"
+
+
+def _save_progress(
+    work: Path,
+    plan: ExperimentPlan,
+    initial_nll: Mapping[str, float],
+    runs: Mapping[tuple[str, int], dict[str, Any]],
+) -> None:
+    """Every (strategy, seed) run finished so far (reused ones included), as a file
+    ``--reuse`` accepts: a command stopped after hours keeps what it had finished."""
+    from peerlm.atomic_file import write_atomic
+
+    by_strategy: dict[str, dict[str, Any]] = {}
+    for (strategy, seed), run in sorted(runs.items()):
+        by_strategy.setdefault(strategy, {})[str(seed)] = run
+    partial = {
+        "plan": {**asdict(plan), "strategies": list(plan.strategies), "seeds": list(plan.seeds)},
+        "initial_nll": dict(initial_nll),
+        "runs": by_strategy,
+        "partial": True,
+    }
+    write_atomic(work / PROGRESS_FILE, json.dumps(partial).encode(), mode=0o644)
 
 
 def reusable_runs(
@@ -1771,12 +1805,18 @@ def _run_experiment(
     for strategy, seed in runs:
         emit("reused", {"strategy": strategy, "seed": seed})
     todo = [(s, seed) for seed in plan.seeds for s in plan.strategies if (s, seed) not in runs]
+
+    def finished(key: tuple[str, int], run: dict[str, Any]) -> None:
+        runs[key] = run
+        _save_progress(work, plan, initial_nll, runs)
+
     if jobs > 1 and len(todo) > 1:
-        runs.update(_run_parallel(world, starts, todo, jobs, emit))
+        _run_parallel(world, starts, todo, jobs, emit, finished)
     else:
         for s, seed in todo:
-            runs[(s, seed)] = _run_strategy(
-                world, s, seed, starts[s].initial, starts[s].firsts[seed], emit
+            finished(
+                (s, seed),
+                _run_strategy(world, s, seed, starts[s].initial, starts[s].firsts[seed], emit),
             )
     result: dict[str, Any] = {
         "plan": {**asdict(plan), "strategies": list(plan.strategies), "seeds": list(plan.seeds)},

@@ -170,7 +170,8 @@ def run_experiment_command(
         list[Path] | None,
         typer.Option(
             help="An earlier results.json whose (strategy, seed) runs of the same plan, "
-            "world and models are taken instead of run again (repeatable)."
+            "world and models are taken instead of run again (repeatable); a stopped "
+            "command's finished runs are in its --work-dir's runs-so-far.json."
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,

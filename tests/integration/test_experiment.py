@@ -491,39 +491,41 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_killing_the_command_ends_its_worker_processes(tmp_path: Path) -> None:
+def test_a_killed_command_ends_its_workers_and_keeps_its_finished_runs(tmp_path: Path) -> None:
     """A SIGKILL to ``run-experiment --jobs 2`` (nothing it can catch) ends its spawned
     workers and the events' manager within seconds, instead of leaving them to run their
-    strategies on every core."""
+    strategies on every core; the runs it had finished are in the work directory's
+    ``runs-so-far.json``, which the next command takes with ``--reuse``."""
     import signal
     import time
 
-    args = [
+    work = tmp_path / "work"
+    common = [
         sys.executable, "-m", "peerlm", "run-experiment", "--quick", "--micro", "--json",
-        "-n", "2", "--strategies", "local_plus,random", "--seeds", "0,1", "--rounds", "2",
-        "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
-        "--out", str(tmp_path / "out"), "--jobs", "2",
+        "-n", "2", "--strategies", "local_plus,random", "--seeds", "0,1,2", "--rounds", "2",
+        "--models-dir", str(tmp_path / "models"), "--work-dir", str(work),
     ]  # fmt: skip
+    env = {**os.environ, **AGENT_ENV}
+    progress = work / "runs-so-far.json"
     proc = subprocess.Popen(
-        args,
+        [*common, "--out", str(tmp_path / "first"), "--jobs", "2"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **AGENT_ENV},
+        env=env,
     )
     try:
-        deadline = time.monotonic() + 420
+        deadline = time.monotonic() + 600
         helpers: set[int] = set()
-        # The manager and two workers (and the resource tracker): wait for the workers.
+        # The manager and two workers: wait for them, then for the first finished run.
         while time.monotonic() < deadline and proc.poll() is None:
-            helpers = _children(proc.pid)
-            cmdlines = [Path(f"/proc/{c}/cmdline").read_bytes() for c in helpers if _alive(c)]
-            if sum(b"spawn_main" in c for c in cmdlines) >= 3:
+            helpers |= {c for c in _children(proc.pid) if _spawned(c)}
+            if len(helpers) >= 3 and progress.exists():
                 break
-            time.sleep(0.2)
-        assert proc.poll() is None, "the run ended before its workers were seen"
+            time.sleep(0.1)
+        assert proc.poll() is None, "the run ended before a run finished"
         assert len(helpers) >= 3, helpers
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -535,3 +537,29 @@ def test_killing_the_command_ends_its_worker_processes(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+    saved = json.loads(progress.read_text())
+    assert saved["partial"] is True
+    kept = sorted(f"{s}:{seed}" for s, runs in saved["runs"].items() for seed in runs)
+    assert 1 <= len(kept) < 6, kept
+    again = subprocess.run(
+        [*common, "--out", str(tmp_path / "second"), "--jobs", "1", "--reuse", str(progress)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    result = json.loads((tmp_path / "second" / "results.json").read_text())
+    assert result["reused"] == kept
+    assert all(
+        str(seed) in result["runs"][s] for s in ("local_plus", "random") for seed in (0, 1, 2)
+    )
+    # The second command's own progress file now holds all six.
+    assert sum(len(r) for r in json.loads(progress.read_text())["runs"].values()) == 6
+
+
+def _spawned(pid: int) -> bool:
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
