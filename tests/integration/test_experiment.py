@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from peerlm.app.devfed import AGENT_ENV
+from tests.proc_table import alive, children, cmdline
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -470,29 +471,7 @@ def test_stored_runs_stand_in_for_the_same_plan_and_cpm_settings_rerun_the_cpm(
     assert second["plan"]["cpm_context_columns"] == (8, 9)
 
 
-def _children(pid: int) -> set[int]:
-    """Live processes whose parent is ``pid`` (from /proc)."""
-    out = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.add(int(stat.parent.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_killed_command_ends_its_workers_and_keeps_its_finished_runs(tmp_path: Path) -> None:
     """A SIGKILL to ``run-experiment --jobs 2`` (nothing it can catch) ends its spawned
     workers and the events' manager within seconds, instead of leaving them to run their
@@ -521,7 +500,7 @@ def test_a_killed_command_ends_its_workers_and_keeps_its_finished_runs(tmp_path:
         helpers: set[int] = set()
         # The manager and two workers: wait for them, then for the first finished run.
         while time.monotonic() < deadline and proc.poll() is None:
-            helpers |= {c for c in _children(proc.pid) if _spawned(c)}
+            helpers |= {c for c in children(proc.pid) if "spawn_main" in " ".join(cmdline(c))}
             if len(helpers) >= 3 and progress.exists():
                 break
             time.sleep(0.1)
@@ -530,9 +509,9 @@ def test_a_killed_command_ends_its_workers_and_keeps_its_finished_runs(tmp_path:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         until = time.monotonic() + 30
-        while time.monotonic() < until and any(_alive(c) for c in helpers):
+        while time.monotonic() < until and any(alive(c) for c in helpers):
             time.sleep(0.2)
-        assert not [c for c in helpers if _alive(c)], "workers outlived the command"
+        assert not [c for c in helpers if alive(c)], "workers outlived the command"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -556,10 +535,3 @@ def test_a_killed_command_ends_its_workers_and_keeps_its_finished_runs(tmp_path:
     )
     # The second command's own progress file now holds all six.
     assert sum(len(r) for r in json.loads(progress.read_text())["runs"].values()) == 6
-
-
-def _spawned(pid: int) -> bool:
-    try:
-        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from tests.proc_table import alive
 
 SCRIPT = """
 import multiprocessing, os, sys, time
@@ -27,15 +27,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_worker_lives_with_its_parent_and_ends_after_it(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(SCRIPT)
@@ -50,18 +41,18 @@ def test_a_worker_lives_with_its_parent_and_ends_after_it(tmp_path: Path) -> Non
     child = int(proc.stdout.readline())
     try:
         time.sleep(0.5)  # ten polls of the watch
-        assert _alive(child), "the worker ended while its parent lived"
+        assert alive(child), "the worker ended while its parent lived"
         proc.stdin.write("\n")
         proc.stdin.flush()
         proc.wait(30)
         until = time.monotonic() + 20
-        while _alive(child) and time.monotonic() < until:
+        while alive(child) and time.monotonic() < until:
             time.sleep(0.05)
-        assert not _alive(child), "the worker outlived its parent"
+        assert not alive(child), "the worker outlived its parent"
     finally:
         if proc.poll() is None:
             proc.kill()
-        if _alive(child):
+        if alive(child):
             import os
             import signal
 
