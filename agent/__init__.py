@@ -86,6 +86,7 @@ if TYPE_CHECKING:
     )
     from peerlm.agent.models.tiny import read_manifest as read_models_manifest
     from peerlm.agent.onepeft import OneShotResult, one_shot
+    from peerlm.agent.overlay_step import pull_settings, signature_inputs
     from peerlm.agent.package import build_text_package, decode_package
     from peerlm.agent.pcr import ConflictRegulariser, pcr_penalty
     from peerlm.agent.peer_client import (
@@ -157,6 +158,8 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, tuple[str, str]] = {
     "AgentOverlaySettings": ("peerlm.agent.settings", "AgentOverlaySettings"),
     "AgentSettings": ("peerlm.agent.settings", "AgentSettings"),
+    "pull_settings": ("peerlm.agent.overlay_step", "pull_settings"),
+    "signature_inputs": ("peerlm.agent.overlay_step", "signature_inputs"),
     "pull_adapter_with_round": ("peerlm.agent.peer_client", "pull_adapter_with_round"),
     "agent_guardrail": ("peerlm.agent.guardrail", "agent_guardrail"),
     "DEFAULT_HIDDEN": ("peerlm.agent.models.tiny", "DEFAULT_HIDDEN"),
@@ -414,6 +417,7 @@ __all__ = [
     "pull_adapter",
     "pull_adapter_with_round",
     "pull_round",
+    "pull_settings",
     "read_jsonl",
     "read_manifest",
     "read_models_manifest",
@@ -429,6 +433,7 @@ __all__ = [
     "score_fedwave_strategy",
     "serve_fedwave",
     "serve_peer",
+    "signature_inputs",
     "simulate_fedwave_strategy",
     "structural_match_rate",
     "teachable_indices",

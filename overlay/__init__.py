@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         flatten_adapter,
         make_signature,
         minimal_p,
+        network_p,
         prototype,
         sparse_cosine,
     )
@@ -96,6 +97,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "flatten_adapter": ("peerlm.overlay.signature", "flatten_adapter"),
     "make_signature": ("peerlm.overlay.signature", "make_signature"),
     "minimal_p": ("peerlm.overlay.signature", "minimal_p"),
+    "network_p": ("peerlm.overlay.signature", "network_p"),
     "name_seed": ("peerlm.overlay.host", "name_seed"),
     "paper_k": ("peerlm.overlay.params", "paper_k"),
     "parse_bootstrap": ("peerlm.overlay.host", "parse_bootstrap"),
@@ -147,6 +149,7 @@ __all__ = [
     "minimal_p",
     "name_seed",
     "neighbour_weights",
+    "network_p",
     "paper_k",
     "parse_bootstrap",
     "personalised_update",

@@ -1282,8 +1282,7 @@ def _overlay_exchange(
     acceptance gate on its validation set at the agent's default margin). The agents step
     at once, so each pulls what its neighbours hold before their own steps. One record per
     client: its neighbours (what it reports next), what it pulled and the outcome."""
-    from peerlm.agent import AcceptanceGate, AgentSettings, integrate_adapters
-    from peerlm.agent.overlay_step import pull_settings
+    from peerlm.agent import AcceptanceGate, AgentSettings, integrate_adapters, pull_settings
 
     plan = world.plan
     neighbours, similarities = overlay.step({c.name: c.host for c in clients})

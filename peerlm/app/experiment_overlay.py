@@ -59,8 +59,8 @@ class OverlayView:
         return cls(AgentOverlaySettings())
 
     def _publish(self, hosts: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
-        from peerlm.agent.overlay_step import signature_inputs
-        from peerlm.overlay.signature import ImportanceTracker, network_p
+        from peerlm.agent import signature_inputs
+        from peerlm.overlay import ImportanceTracker, network_p
 
         names = sorted(hosts)
         signatures, p_mins = [], []
@@ -88,7 +88,7 @@ class OverlayView:
         """Every client's overlay step on its current adapter (``hosts``: name →
         ``ModelHost``): publish, then its ``k`` nearest peers (best first) and their
         similarities; the lists become what the clients report next (:attr:`listed`)."""
-        from peerlm.overlay.signature import cosine_matrix
+        from peerlm.overlay import cosine_matrix
 
         names, signatures = self._publish(hosts)
         similarity = cosine_matrix(signatures)
