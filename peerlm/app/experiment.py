@@ -431,6 +431,10 @@ class ExperimentPlan:
         beta = self.proxy_tuning_beta
         if isinstance(beta, bool) or not (math.isfinite(beta) and beta >= 0):
             raise ValueError("proxy_tuning_beta must be a finite number >= 0")
+        if beta != 1 and not any(s in PROXY_TUNED for s in self.strategies):
+            raise ValueError(
+                "proxy_tuning_beta is read by fedproxy_proxytuning only; add it to the strategies"
+            )
         # 1 and 1.0 are one plan: the reuse key compares the plan's JSON.
         object.__setattr__(self, "proxy_tuning_beta", float(beta))
         if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= 1):

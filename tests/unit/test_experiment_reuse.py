@@ -120,3 +120,10 @@ def test_run_experiment_refuses_a_negative_proxy_tuning_beta(tmp_path: Path) -> 
     assert result.exit_code == 2, result.output
     assert "proxy_tuning_beta" in result.output
     assert not out.exists()
+
+
+def test_a_proxy_tuning_beta_without_the_proxy_tuned_strategy_is_refused() -> None:
+    """Nothing would read it: refused rather than silently ignored."""
+    with pytest.raises(ValueError, match="fedproxy_proxytuning only"):
+        ExperimentPlan(family="gpt2", strategies=("fedproxy_hties",), proxy_tuning_beta=0.5)
+    ExperimentPlan(family="gpt2", strategies=("fedproxy_hties",), proxy_tuning_beta=1.0)
