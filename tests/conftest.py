@@ -28,6 +28,15 @@ def micro_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.getbasetemp() / "peerlm-micro-models"
 
 
+@pytest.fixture(scope="module")
+def micro_gpt2(micro_models_dir: Path, offline_hub: None) -> Path:
+    """The micro gpt2 model's folder (built once per session), loaded offline."""
+    from peerlm.agent.models.tiny import build_models
+
+    [info] = build_models(micro_models_dir, ("gpt2",), size="micro")
+    return Path(info.path)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def reap_leftover_children(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test module, kill every process the module started and left running.

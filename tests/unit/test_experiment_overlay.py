@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from peerlm.agent import AgentOverlaySettings, LoraSettings, ModelHost
-from peerlm.agent.models.tiny import build_models
 from peerlm.overlay.signature import (
     ImportanceTracker,
     cosine_matrix,
@@ -27,9 +26,8 @@ def _offline(offline_hub: None) -> None:
 
 
 @pytest.fixture(scope="module")
-def path(micro_models_dir: Path) -> Path:
-    [info] = build_models(micro_models_dir, ("gpt2",), size="micro")
-    return Path(info.path)
+def path(micro_gpt2: Path) -> Path:
+    return micro_gpt2
 
 
 def _hosts(path: Path, n: int) -> dict[str, ModelHost]:

@@ -11,7 +11,6 @@ import pytest
 import torch
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
-from peerlm.agent.models.tiny import build_models
 from peerlm.agent.proxy_model import build_proxy
 from peerlm.agent.proxy_tuning import ProxyTunedHost
 from peerlm.agent.training import TrainSettings, encode_example
@@ -27,9 +26,8 @@ def _offline(offline_hub: None) -> None:
 
 
 @pytest.fixture(scope="module")
-def path(micro_models_dir: Path) -> Path:
-    [info] = build_models(micro_models_dir, ("gpt2",), size="micro")
-    return Path(info.path)
+def path(micro_gpt2: Path) -> Path:
+    return micro_gpt2
 
 
 def _host(path: Path) -> ModelHost:
