@@ -140,11 +140,17 @@ def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path:
     for name in AGENTS:
         assert reports[name]["rounds"] == ROUNDS, reports[name]
         assert summaries[name]["bytes_sent"] > 0 and summaries[name]["bytes_received"] > 0
-    # The restarted process's byte counts go on from the checkpoint's: every agent pulled
-    # two routers (all of one size) in each round from 0, so the victim's router bytes
-    # match a0's; counting only the second process's would give about half.
-    received = {a: reports[a]["bytes_received"]["router"] for a in AGENTS}
-    assert received[VICTIM] >= 0.9 * received["a0"], received
+    # The restarted process's byte counts go on from the checkpoint's: routers are all of
+    # about one size, so the victim's router bytes per router it averaged in (its report's
+    # ``members`` less itself, rounds before the kill included) match a0's. Counting only
+    # the second process's bytes would give well under half of that per router. (Totals
+    # are not comparable: the victim pulled nothing in the rounds it skipped, the others
+    # one router fewer there.)
+    per_router = {
+        a: reports[a]["bytes_received"]["router"] / sum(m - 1 for m in reports[a]["members"])
+        for a in AGENTS
+    }
+    assert per_router[VICTIM] >= 0.85 * per_router["a0"], (per_router, reports)
     last = {name: r["router_sha256"][-1] for name, r in reports.items()}
     assert len(set(last.values())) == 1, last  # every agent ends with the same router bits
     # And before the kill, in every round all three averaged all three routers. A round in
