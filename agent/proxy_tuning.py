@@ -87,9 +87,15 @@ class ProxyTunedHost(ModelHost):
         return out if self.beta == 1.0 else self.beta * out
 
     def _scoring_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return super()._scoring_logits(ids, mask).float() + self.offset(ids, mask)
+        logits = super()._scoring_logits(ids, mask).float()
+        # β = 0 is M alone: the proxies' two forwards would only add zeros.
+        return logits if self.beta == 0.0 else logits + self.offset(ids, mask)
 
-    def _logit_offset(self, mask: torch.Tensor, copies: int, scale: float) -> LogitsProcessor:
+    def _logit_offset(
+        self, mask: torch.Tensor, copies: int, scale: float
+    ) -> LogitsProcessor | None:
+        if self.beta == 0.0:
+            return None  # M's own decoding, generate()'s own top-p included
         return _Offset(self, mask.repeat_interleave(copies, 0) if copies > 1 else mask, scale)
 
     def _train(self, *_args: Any, **_kwargs: Any) -> TrainStats:

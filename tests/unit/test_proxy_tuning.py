@@ -91,6 +91,10 @@ def test_beta_scales_the_offset_and_zero_leaves_m_as_it_is(path: Path) -> None:
     [full] = ProxyTunedHost(base, expert, anti).sequence_logprobs([(prompt, completion)])
     assert abs(full - got) > 1e-3
     off = ProxyTunedHost(_host(path), expert, anti, beta=0.0)
+    # β = 0 is M alone, without running the proxies at all.
+    calls: list[str] = []
+    for name, proxy in (("expert", expert), ("anti-expert", anti)):
+        proxy.register_forward_hook(lambda *_a, _n=name: calls.append(_n))
     assert off.sequence_logprobs(PAIRS) == pytest.approx(
         _host(path).sequence_logprobs(PAIRS), abs=1e-4
     )
@@ -98,6 +102,9 @@ def test_beta_scales_the_offset_and_zero_leaves_m_as_it_is(path: Path) -> None:
     assert off.generate(prompts, max_new_tokens=12) == _host(path).generate(
         prompts, max_new_tokens=12
     )
+    assert calls == []
+    half.sequence_logprobs(PAIRS[:1])
+    assert sorted(set(calls)) == ["anti-expert", "expert"]  # the hooks do see a forward
 
 
 @pytest.mark.parametrize("beta", [-0.5, float("nan"), float("inf")])
