@@ -22,6 +22,7 @@ from peerlm.services.cpm import (
 from peerlm.services.cpm.core import CpmCore, settings_fingerprint
 from peerlm.services.cpm.store import SqliteCpmStore
 
+from tests.cli import invoke_peerlm
 from tests.unit.test_cpm_merge_senders import Clock, _admissible, _federation, _submit
 
 
@@ -356,19 +357,8 @@ def test_the_bench_command_reports_both_scorings_per_scenario() -> None:
 )
 def test_run_experiment_refuses_a_bad_co_sender_scoring(tmp_path: Path, flags: list[str]) -> None:
     """Refused before anything runs (exit 2, nothing written)."""
-    import structlog
-    from typer.testing import CliRunner
-
-    from peerlm.app.cli import app
-
     out = tmp_path / "out"
-    # The command points structlog at CliRunner's stderr, closed after invoke: put the
-    # suite's configuration back, or later tests' log lines fail on a closed file.
-    saved = structlog.get_config()
-    try:
-        result = CliRunner().invoke(app, ["run-experiment", "--out", str(out), *flags])
-    finally:
-        structlog.configure(**saved)
+    result = invoke_peerlm(["run-experiment", "--out", str(out), *flags])
     assert result.exit_code == 2, result.output
     assert "co-sender-scoring" in result.output
     assert not out.exists()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from peerlm.app.experiment import ExperimentPlan, reusable_runs
+from tests.cli import invoke_peerlm
 
 NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
 
@@ -104,19 +105,8 @@ def test_an_integer_proxy_tuning_beta_is_the_same_plan_as_its_float() -> None:
 
 def test_run_experiment_refuses_a_negative_proxy_tuning_beta(tmp_path: Path) -> None:
     """Refused before anything runs (exit 2, nothing written)."""
-    import structlog
-    from typer.testing import CliRunner
-
-    from peerlm.app.cli import app
-
     out = tmp_path / "out"
-    saved = structlog.get_config()  # the command repoints structlog at CliRunner's stderr
-    try:
-        result = CliRunner().invoke(
-            app, ["run-experiment", "--out", str(out), "--proxy-tuning-beta", "-1"]
-        )
-    finally:
-        structlog.configure(**saved)
+    result = invoke_peerlm(["run-experiment", "--out", str(out), "--proxy-tuning-beta", "-1"])
     assert result.exit_code == 2, result.output
     assert "proxy_tuning_beta" in result.output
     assert not out.exists()

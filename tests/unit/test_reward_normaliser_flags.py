@@ -10,10 +10,9 @@ from typing import Any
 
 import pytest
 from peerlm.services.cpm import CpmSettings
-from typer.testing import CliRunner
 
-from peerlm.app.cli import app
 from peerlm.app.experiment import ExperimentPlan, _pairing_policy, reusable_runs
+from tests.cli import invoke_peerlm
 
 NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
 
@@ -73,16 +72,8 @@ def test_results_record_the_normaliser_and_reuse_only_matching_cpm_runs() -> Non
 
 def test_run_experiment_refuses_an_unknown_normaliser(tmp_path: Path) -> None:
     """Refused before anything runs (exit 2, nothing written)."""
-    import structlog
-
     out = tmp_path / "out"
-    saved = structlog.get_config()  # the command repoints structlog at CliRunner's stderr
-    try:
-        result = CliRunner().invoke(
-            app, ["run-experiment", "--out", str(out), "--reward-normaliser", "median"]
-        )
-    finally:
-        structlog.configure(**saved)
+    result = invoke_peerlm(["run-experiment", "--out", str(out), "--reward-normaliser", "median"])
     assert result.exit_code == 2, result.output
     assert "reward-normaliser" in result.output
     assert not out.exists()

@@ -10,10 +10,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from peerlm.app.cli import app
 from peerlm.app.work_lock import WorkDirBusy, work_dir_lock
+from tests.cli import invoke_peerlm
 
 HOLD = """
 import sys
@@ -66,22 +65,15 @@ def test_the_lock_is_taken_again_after_the_body_and_after_an_error(tmp_path: Pat
 def test_run_experiment_on_a_held_work_directory_exits_2_and_touches_nothing(
     tmp_path: Path,
 ) -> None:
-    import structlog
-
     work = tmp_path / "work"
     world = work / "data" / "manifest.json"
     world.parent.mkdir(parents=True)
     world.write_text("the holder's world")
-    saved = structlog.get_config()  # the command repoints structlog at CliRunner's stderr
-    try:
-        with held_elsewhere(work) as holder:
-            result = CliRunner().invoke(
-                app,
-                ["run-experiment", "--quick", "--micro", "--work-dir", str(work),
-                 "--out", str(tmp_path / "out")],
-            )  # fmt: skip
-    finally:
-        structlog.configure(**saved)
+    with held_elsewhere(work) as holder:
+        result = invoke_peerlm(
+            ["run-experiment", "--quick", "--micro", "--work-dir", str(work),
+             "--out", str(tmp_path / "out")],
+        )  # fmt: skip
     assert result.exit_code == 2, result.output
     assert "--work-dir" in result.output and str(holder.pid) in result.output
     assert world.read_text() == "the holder's world"
