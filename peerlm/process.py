@@ -18,6 +18,7 @@ __all__ = [
     "identity_label",
     "on_stop_signals",
     "run_event_loop",
+    "usable_cores",
     "write_port_file",
 ]
 
@@ -75,3 +76,13 @@ def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, so a
+    ``taskset`` or a container's cpuset counts), at least 1."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)

@@ -822,8 +822,9 @@ def _plan_parallel(pending: int, jobs: int | None, threads: int | None) -> tuple
     core with one thread each while there are more builds than cores, otherwise the spare
     cores go to the builds as threads. Explicit ``jobs``/``threads`` win.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores or 1)
+    from peerlm.process import usable_cores
+
+    cores = usable_cores()
     if jobs is None:
         jobs = min(max(1, pending), max(1, cores // (threads or 1)))
     if threads is None:

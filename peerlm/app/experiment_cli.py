@@ -30,8 +30,9 @@ def run_experiment_command(
     strategies: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated: local, local_plus, random, heuristic, central_kd, cpm, "
-            "oracle, semantic_dfl (default: these); adapter merges (with --family): "
+            help="Comma-separated (default: local_plus,random,cpm, the key comparisons); "
+            "'table' is the paper's table: local, local_plus, random, heuristic, "
+            "central_kd, cpm, oracle, semantic_dfl (--quick's); adapter merges (with --family): "
             "fedavg_lora, ffa_lora, onepeft, onepeft_svd, onepeft_hka, onepeft_fedavg, "
             "onepeft_multi, onepeft_multi_ce, fedavg_lora_plus; the CPM "
             "over the whole protocol menu (with --family): cpm_menu, or one protocol forced: "
@@ -123,8 +124,13 @@ def run_experiment_command(
     ] = None,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads per process.")] = 1,
     jobs: Annotated[
-        int, typer.Option(min=1, help="(strategy, seed) runs in this many processes at once.")
-    ] = 1,
+        int | None,
+        typer.Option(
+            min=1,
+            help="(strategy, seed) runs in this many processes at once (default: the usable "
+            "CPU cores, at most the number of runs).",
+        ),
+    ] = None,
     cpm_columns: Annotated[
         str | None,
         typer.Option(
@@ -182,6 +188,7 @@ def run_experiment_command(
     from peerlm.app.cli_models import models_cache_dir, quiet_transformers
     from peerlm.app.experiment import (
         ExperimentPlan,
+        parse_strategies,
         quick_plan,
         render_table,
         run_experiment,
@@ -225,7 +232,7 @@ def run_experiment_command(
     overrides["world_seed"] = world_seed
     overrides["size"] = "micro" if micro else "tiny"
     if strategies is not None:
-        overrides["strategies"] = tuple(s.strip() for s in strategies.split(",") if s.strip())
+        overrides["strategies"] = parse_strategies(strategies)
     if seeds is not None:
         overrides["seeds"] = _ints(seeds)
     if cpm_features is not None:
@@ -260,6 +267,10 @@ def run_experiment_command(
             earlier.append(json.loads(path.read_text()))
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(f"--reuse {path}: {exc}") from None
+    if jobs is None:
+        from peerlm.process import usable_cores
+
+        jobs = min(usable_cores(), len(plan.strategies) * len(plan.seeds))
     models = models_dir or models_cache_dir("micro" if micro else "tiny")
     err = Console(stderr=True)
     progress = Progress(
