@@ -4,6 +4,7 @@ command refuses before it runs anything."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import structlog
 from typer.testing import CliRunner, Result
@@ -22,3 +23,12 @@ def invoke_peerlm(args: Sequence[str]) -> Result:
         return CliRunner().invoke(app, list(args))
     finally:
         structlog.configure(**saved)
+
+
+def assert_run_experiment_refuses(out: Path, flags: Sequence[str], mentions: str) -> None:
+    """``peerlm run-experiment --out OUT FLAGS`` is refused before anything runs: exit 2, a
+    message that names ``mentions``, and nothing written."""
+    result = invoke_peerlm(["run-experiment", "--out", str(out), *flags])
+    assert result.exit_code == 2, result.output
+    assert mentions in result.output
+    assert not out.exists()

@@ -22,7 +22,7 @@ from peerlm.services.cpm import (
 from peerlm.services.cpm.core import CpmCore, settings_fingerprint
 from peerlm.services.cpm.store import SqliteCpmStore
 
-from tests.cli import invoke_peerlm
+from tests.cli import assert_run_experiment_refuses
 from tests.unit.test_cpm_merge_senders import Clock, _admissible, _federation, _submit
 
 
@@ -357,11 +357,7 @@ def test_the_bench_command_reports_both_scorings_per_scenario() -> None:
 )
 def test_run_experiment_refuses_a_bad_co_sender_scoring(tmp_path: Path, flags: list[str]) -> None:
     """Refused before anything runs (exit 2, nothing written)."""
-    out = tmp_path / "out"
-    result = invoke_peerlm(["run-experiment", "--out", str(out), *flags])
-    assert result.exit_code == 2, result.output
-    assert "co-sender-scoring" in result.output
-    assert not out.exists()
+    assert_run_experiment_refuses(tmp_path / "out", flags, "co-sender-scoring")
 
 
 def test_large_rounds_grow_groups_among_the_prefiltered_partners() -> None:

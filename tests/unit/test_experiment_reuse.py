@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from peerlm.app.experiment import ExperimentPlan, reusable_runs
-from tests.cli import invoke_peerlm
+from tests.cli import assert_run_experiment_refuses
 
 NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
 
@@ -105,11 +105,9 @@ def test_an_integer_proxy_tuning_beta_is_the_same_plan_as_its_float() -> None:
 
 def test_run_experiment_refuses_a_negative_proxy_tuning_beta(tmp_path: Path) -> None:
     """Refused before anything runs (exit 2, nothing written)."""
-    out = tmp_path / "out"
-    result = invoke_peerlm(["run-experiment", "--out", str(out), "--proxy-tuning-beta", "-1"])
-    assert result.exit_code == 2, result.output
-    assert "proxy_tuning_beta" in result.output
-    assert not out.exists()
+    assert_run_experiment_refuses(
+        tmp_path / "out", ["--proxy-tuning-beta", "-1"], "proxy_tuning_beta"
+    )
 
 
 def test_a_proxy_tuning_beta_without_the_proxy_tuned_strategy_is_refused() -> None:

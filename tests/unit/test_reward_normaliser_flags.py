@@ -12,7 +12,7 @@ import pytest
 from peerlm.services.cpm import CpmSettings
 
 from peerlm.app.experiment import ExperimentPlan, _pairing_policy, reusable_runs
-from tests.cli import invoke_peerlm
+from tests.cli import assert_run_experiment_refuses
 
 NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
 
@@ -72,11 +72,9 @@ def test_results_record_the_normaliser_and_reuse_only_matching_cpm_runs() -> Non
 
 def test_run_experiment_refuses_an_unknown_normaliser(tmp_path: Path) -> None:
     """Refused before anything runs (exit 2, nothing written)."""
-    out = tmp_path / "out"
-    result = invoke_peerlm(["run-experiment", "--out", str(out), "--reward-normaliser", "median"])
-    assert result.exit_code == 2, result.output
-    assert "reward-normaliser" in result.output
-    assert not out.exists()
+    assert_run_experiment_refuses(
+        tmp_path / "out", ["--reward-normaliser", "median"], "reward-normaliser"
+    )
 
 
 def test_the_synthetic_bench_runs_the_robust_normaliser() -> None:
