@@ -201,8 +201,9 @@ STRATEGIES: tuple[str, ...] = (
     "semantic_dfl",
 )
 #: What a plan runs when none is named: the key comparisons (KNEXA-FL − Random-P2P,
-#: KNEXA-FL − LocalOnly+, best − LocalOnly+), which fit 30 minutes of two idle cores; the
-#: whole table does not (the Oracle alone takes about 35 minutes of a core a seed).
+#: KNEXA-FL − LocalOnly+, best − LocalOnly+), the cheapest run that holds them all: 35 min
+#: on two idle cores here (docs/experiment.md), where the whole table takes over an hour
+#: (the Oracle alone about 35 minutes of a core a seed).
 DEFAULT_STRATEGIES: tuple[str, ...] = ("local_plus", "random", "cpm")
 LABELS: Mapping[str, str] = {
     "local": "LocalOnly",
