@@ -14,6 +14,7 @@ from peerlm.atomic_file import write_atomic
 from peerlm.config import ServiceSettings
 
 __all__ = [
+    "available_memory",
     "exit_with_parent",
     "identity_label",
     "on_stop_signals",
@@ -86,3 +87,15 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Bytes of memory new processes can take without swapping (the kernel's
+    ``MemAvailable``); None where it cannot be read (not Linux, an old kernel)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -181,6 +181,7 @@ __all__ = [
     "STRATEGIES",
     "ExperimentPlan",
     "consensus_texts",
+    "default_jobs",
     "parse_strategies",
     "quick_plan",
     "render_table",
@@ -520,6 +521,21 @@ class ExperimentPlan:
     def integration_steps(self) -> int:
         """Optimiser steps of one AKD integration (``akd_steps`` or ``local_steps``)."""
         return self.local_steps if self.akd_steps is None else self.akd_steps
+
+
+#: Memory one worker process of ``--jobs`` may take: four tiny models, their adapters and
+#: the run's evaluation (peak RSS of a default run's process: 1.0 GB), with headroom.
+WORKER_MEMORY_BYTES: Final[int] = 3 * 2**29  # 1.5 GiB
+
+
+def default_jobs(runs: int, cores: int, available: int | None) -> int:
+    """``--jobs`` when none is given: one worker per usable core, at most one per run, and
+    no more than ``available`` bytes of memory hold (:data:`WORKER_MEMORY_BYTES` each; None:
+    unknown, not limited); at least 1."""
+    jobs = min(cores, runs)
+    if available is not None:
+        jobs = min(jobs, available // WORKER_MEMORY_BYTES)
+    return max(1, jobs)
 
 
 def parse_strategies(text: str) -> tuple[str, ...]:

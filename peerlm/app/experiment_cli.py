@@ -128,7 +128,7 @@ def run_experiment_command(
         typer.Option(
             min=1,
             help="(strategy, seed) runs in this many processes at once (default: the usable "
-            "CPU cores, at most the number of runs).",
+            "CPU cores, at most the number of runs and 1.5 GiB of available memory each).",
         ),
     ] = None,
     cpm_columns: Annotated[
@@ -188,6 +188,7 @@ def run_experiment_command(
     from peerlm.app.cli_models import models_cache_dir, quiet_transformers
     from peerlm.app.experiment import (
         ExperimentPlan,
+        default_jobs,
         parse_strategies,
         quick_plan,
         render_table,
@@ -268,9 +269,10 @@ def run_experiment_command(
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(f"--reuse {path}: {exc}") from None
     if jobs is None:
-        from peerlm.process import usable_cores
+        from peerlm.process import available_memory, usable_cores
 
-        jobs = min(usable_cores(), len(plan.strategies) * len(plan.seeds))
+        runs = len(plan.strategies) * len(plan.seeds)
+        jobs = default_jobs(runs, usable_cores(), available_memory())
     models = models_dir or models_cache_dir("micro" if micro else "tiny")
     err = Console(stderr=True)
     progress = Progress(
