@@ -60,7 +60,7 @@ class Federation:
     configs: dict[str, Path]
 
 
-def _federation(tmp_path: Path) -> Federation:
+def _federation(tmp_path: Path, deadline_s: float = DEADLINE_S) -> Federation:
     """Three micro gpt2 experts of a three-stage workflow and a CPM; not started."""
     models = tmp_path / "models"
     build_models(models, ("gpt2",), size="micro")
@@ -82,7 +82,7 @@ def _federation(tmp_path: Path) -> Federation:
             data,
             transfer,
             rounds=ROUNDS,
-            deadline_s=DEADLINE_S,
+            deadline_s=deadline_s,
             workflow=WORKFLOW,
         )
         for a in AGENTS
@@ -233,3 +233,79 @@ def test_a_workflow_restarted_together_agrees_on_one_round_and_stays_in_phase(
         assert _newest_checkpoint(tmp_path, a) == ROUNDS
     last = {a: r["router_sha256"][-1] for a, r in reports.items()}
     assert len(set(last.values())) == 1, last
+
+
+def _kill_all_after(procs: dict[str, subprocess.Popen[str]], logs: dict[str, Path]) -> None:
+    """Wait until every agent saved its checkpoint of round ``KILLED_AFTER``, then SIGKILL
+    them all at once."""
+    _wait_for(
+        lambda: (
+            all(_saved(logs[a], KILLED_AFTER) for a in AGENTS)
+            or any(p.poll() is not None for p in procs.values())
+        ),
+        300,
+        f"every agent's checkpoint of round {KILLED_AFTER}",
+    )
+    for a, p in procs.items():
+        assert p.poll() is None, logs[a].read_text()[-3000:]
+        p.send_signal(signal.SIGKILL)
+    for p in procs.values():
+        p.wait(30)
+
+
+def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on(
+    tmp_path: Path,
+) -> None:
+    # As above, a0 restarts a round behind and the others agree to roll back to its round.
+    # a1's checkpoint of that round is damaged (its adapter's bytes changed on disk): its
+    # roll-back fails. It must lose nothing: it keeps the state it restored and every
+    # checkpoint, says so (fedwave_rollback_failed, rollback_unavailable), plays its own
+    # next round, and the workflow runs to the end out of phase (a deadline lost a round:
+    # a short one here) with every agent exiting 0.
+    fed = _federation(tmp_path, deadline_s=20.0)
+    fed.cpm.start()
+    logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
+    procs = {a: start_agent(fed.configs[a], logs[a]) for a in AGENTS}
+    relogs = {a: tmp_path / f"{a}-restarted.log" for a in AGENTS}
+    try:
+        _kill_all_after(procs, logs)
+        newest = {a: _newest_checkpoint(tmp_path, a) for a in AGENTS}
+        behind = min(newest.values()) - 1
+        assert behind >= 1 and max(newest.values()) < ROUNDS, newest
+        CheckpointStore(_checkpoints(tmp_path, "a0")).roll_back(behind)
+        damaged = _checkpoints(tmp_path, VICTIM) / f"round-{behind:06d}" / "adapter.safetensors"
+        blob = bytearray(damaged.read_bytes())
+        blob[-1] ^= 0xFF
+        damaged.write_bytes(bytes(blob))
+        kept = CheckpointStore(_checkpoints(tmp_path, VICTIM)).rounds()
+        procs = {a: start_agent(fed.configs[a], relogs[a]) for a in AGENTS}
+        outs = {a: p.communicate(timeout=600)[0] for a, p in procs.items()}
+    finally:
+        _stop_all(procs, fed.cpm)
+    reports = {}
+    for a, out in outs.items():
+        assert procs[a].returncode == 0, relogs[a].read_text()[-3000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert not summary["errors"], summary["errors"]
+        reports[a] = summary["fedwave"]
+        assert reports[a]["rounds"] == ROUNDS, reports[a]
+    own = newest[VICTIM]
+    events = _events(relogs[VICTIM])
+    failed = [e for e in events if e.get("event") == "fedwave_rollback_failed"]
+    assert [e["round"] for e in failed] == [behind], failed
+    (rejoined,) = [e for e in events if e.get("event") == "fedwave_rejoined"]
+    assert rejoined["checkpoint_round"] == own and rejoined["next_round"] == own + 1, rejoined
+    assert rejoined["rollback_unavailable"] is True, rejoined
+    played = [e["round"] for e in events if e.get("event") == "fedwave_round_done"]
+    assert played == list(range(own + 1, ROUNDS + 1)), played
+    victim = reports[VICTIM]
+    assert victim["resumed_from"] == own and victim["rolled_back_from"] is None, victim
+    # Nothing of its own was discarded by the failed roll-back: every round it kept before
+    # the restart was still there when it played on (checked in its log: no roll-back).
+    assert not [e for e in events if e.get("event") == "checkpoint_rolled_back"], events
+    assert own in kept and behind in kept, kept
+    # The others agreed on a0's round + 1, or, if they asked again after the victim had
+    # decided, joined the round it plays (it says so as a running agent).
+    for a in ("a0", "a2"):
+        (other,) = [e for e in _events(relogs[a]) if e.get("event") == "fedwave_rejoined"]
+        assert other["next_round"] in (behind + 1, own + 1), other
