@@ -5,6 +5,7 @@ logs, run its event loop, turn SIGTERM/SIGINT into a graceful stop, publish its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -79,23 +80,55 @@ def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask where the OS has one, so a
-    ``taskset`` or a container's cpuset counts), at least 1."""
+#: Where a cgroup-v2 container's limits are read (the process's own cgroup is mounted here
+#: in a container; on a host it is the root cgroup, which has no limit files).
+CGROUP_DIR: Path = Path("/sys/fs/cgroup")
+
+
+def _cgroup_value(path: Path) -> list[str] | None:
+    """The fields of a cgroup-v2 limit file, or None (absent, unreadable, or ``max``)."""
+    try:
+        fields = path.read_text().split()
+    except OSError:
+        return None
+    return None if not fields or fields[0] == "max" else fields
+
+
+def usable_cores(cgroup: Path = CGROUP_DIR) -> int:
+    """The CPU cores this process may run on: its affinity mask where the OS has one (a
+    ``taskset`` or a container's cpuset), and no more than a cgroup-v2 CPU quota allows
+    (``cpu.max``, rounded up); at least 1."""
+    import math
     import os
 
     if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    quota = _cgroup_value(cgroup / "cpu.max")
+    if quota is not None:
+        with contextlib.suppress(ValueError, IndexError, ZeroDivisionError):
+            cores = min(cores, math.ceil(int(quota[0]) / int(quota[1])))
+    return max(1, cores)
 
 
-def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """Bytes of memory new processes can take without swapping (the kernel's
-    ``MemAvailable``); None where it cannot be read (not Linux, an old kernel)."""
+def available_memory(
+    meminfo: Path = Path("/proc/meminfo"), cgroup: Path = CGROUP_DIR
+) -> int | None:
+    """Bytes of memory new processes can take without swapping: the kernel's
+    ``MemAvailable``, and no more than a cgroup-v2 limit leaves (``memory.max`` less
+    ``memory.current``); None where neither can be read (not Linux, an old kernel)."""
+    found: list[int] = []
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                found.append(int(line.split()[1]) * 1024)
+                break
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    limit = _cgroup_value(cgroup / "memory.max")
+    used = _cgroup_value(cgroup / "memory.current")
+    if limit is not None:
+        with contextlib.suppress(ValueError):
+            found.append(max(0, int(limit[0]) - (int(used[0]) if used else 0)))
+    return min(found) if found else None

@@ -528,13 +528,14 @@ class ExperimentPlan:
 WORKER_MEMORY_BYTES: Final[int] = 3 * 2**29  # 1.5 GiB
 
 
-def default_jobs(runs: int, cores: int, available: int | None) -> int:
-    """``--jobs`` when none is given: one worker per usable core, at most one per run, and
-    no more than ``available`` bytes of memory hold (:data:`WORKER_MEMORY_BYTES` each; None:
-    unknown, not limited); at least 1."""
-    jobs = min(cores, runs)
+def default_jobs(runs: int, cores: int, available: int | None, threads: int = 1) -> int:
+    """``--jobs`` when none is given: one worker per ``threads`` usable cores, at most one
+    per run, and no more than ``available`` bytes of memory hold beside the main process
+    (:data:`WORKER_MEMORY_BYTES` each, the main process as one more; None: unknown, not
+    limited); at least 1."""
+    jobs = min(cores // max(1, threads), runs)
     if available is not None:
-        jobs = min(jobs, available // WORKER_MEMORY_BYTES)
+        jobs = min(jobs, available // WORKER_MEMORY_BYTES - 1)
     return max(1, jobs)
 
 
@@ -542,6 +543,8 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     """``--strategies``' value: a comma list of names, or ``table`` for :data:`STRATEGIES`
     (names are checked by :class:`ExperimentPlan`)."""
     named = tuple(s.strip() for s in text.split(",") if s.strip())
+    if "table" in named and len(named) > 1:
+        raise ValueError("'table' (the paper's eight strategies) stands alone in --strategies")
     return STRATEGIES if named == ("table",) else named
 
 

@@ -127,8 +127,9 @@ def run_experiment_command(
         int | None,
         typer.Option(
             min=1,
-            help="(strategy, seed) runs in this many processes at once (default: the usable "
-            "CPU cores, at most the number of runs and 1.5 GiB of available memory each).",
+            help="(strategy, seed) runs in this many processes at once (default: one per "
+            "--threads usable CPU cores, at most one per run and per 1.5 GiB of available "
+            "memory).",
         ),
     ] = None,
     cpm_columns: Annotated[
@@ -233,7 +234,10 @@ def run_experiment_command(
     overrides["world_seed"] = world_seed
     overrides["size"] = "micro" if micro else "tiny"
     if strategies is not None:
-        overrides["strategies"] = parse_strategies(strategies)
+        try:
+            overrides["strategies"] = parse_strategies(strategies)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
     if seeds is not None:
         overrides["seeds"] = _ints(seeds)
     if cpm_features is not None:
@@ -272,7 +276,7 @@ def run_experiment_command(
         from peerlm.process import available_memory, usable_cores
 
         runs = len(plan.strategies) * len(plan.seeds)
-        jobs = default_jobs(runs, usable_cores(), available_memory())
+        jobs = default_jobs(runs, usable_cores(), available_memory(), threads)
     models = models_dir or models_cache_dir("micro" if micro else "tiny")
     err = Console(stderr=True)
     progress = Progress(

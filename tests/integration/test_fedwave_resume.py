@@ -256,12 +256,13 @@ def _kill_all_after(procs: dict[str, subprocess.Popen[str]], logs: dict[str, Pat
 def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on(
     tmp_path: Path,
 ) -> None:
-    # As above, a0 restarts a round behind and the others agree to roll back to its round.
-    # a1's checkpoint of that round is damaged (its adapter's bytes changed on disk): its
-    # roll-back fails. It must lose nothing: it keeps the state it restored and every
-    # checkpoint, says so (fedwave_rollback_failed, rollback_unavailable), plays its own
-    # next round, and the workflow runs to the end out of phase (a deadline lost a round:
-    # a short one here) with every agent exiting 0.
+    # As above, but a0 and a2 both restart a round behind a1, so a1 must roll back whoever
+    # of them it hears (a restart skew past the positions' wait leaves out at most one);
+    # and every older checkpoint a1 keeps is damaged (an adapter byte changed on disk), so
+    # its roll-back fails whichever round is agreed. It must lose nothing: it keeps the
+    # state it restored, discards nothing, says so (fedwave_rollback_failed,
+    # rollback_unavailable), plays its own next round, and the workflow runs to the end
+    # out of phase (a deadline lost a round: a short one here) with every agent exiting 0.
     fed = _federation(tmp_path, deadline_s=20.0)
     fed.cpm.start()
     logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
@@ -272,12 +273,16 @@ def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on
         newest = {a: _newest_checkpoint(tmp_path, a) for a in AGENTS}
         behind = min(newest.values()) - 1
         assert behind >= 1 and max(newest.values()) < ROUNDS, newest
-        CheckpointStore(_checkpoints(tmp_path, "a0")).roll_back(behind)
-        damaged = _checkpoints(tmp_path, VICTIM) / f"round-{behind:06d}" / "adapter.safetensors"
-        blob = bytearray(damaged.read_bytes())
-        blob[-1] ^= 0xFF
-        damaged.write_bytes(bytes(blob))
+        for a in ("a0", "a2"):
+            CheckpointStore(_checkpoints(tmp_path, a)).roll_back(behind)
         kept = CheckpointStore(_checkpoints(tmp_path, VICTIM)).rounds()
+        assert behind in kept, kept
+        for r in kept:
+            if r < newest[VICTIM]:
+                damaged = _checkpoints(tmp_path, VICTIM) / f"round-{r:06d}" / "adapter.safetensors"
+                blob = bytearray(damaged.read_bytes())
+                blob[-1] ^= 0xFF
+                damaged.write_bytes(bytes(blob))
         procs = {a: start_agent(fed.configs[a], relogs[a]) for a in AGENTS}
         outs = {a: p.communicate(timeout=600)[0] for a, p in procs.items()}
     finally:
@@ -291,8 +296,9 @@ def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on
         assert reports[a]["rounds"] == ROUNDS, reports[a]
     own = newest[VICTIM]
     events = _events(relogs[VICTIM])
-    failed = [e for e in events if e.get("event") == "fedwave_rollback_failed"]
-    assert [e["round"] for e in failed] == [behind], failed
+    (failed,) = [e for e in events if e.get("event") == "fedwave_rollback_failed"]
+    assert failed["round"] in kept and failed["round"] < own, failed
+    assert "SHA-256" in failed["error"], failed
     (rejoined,) = [e for e in events if e.get("event") == "fedwave_rejoined"]
     assert rejoined["checkpoint_round"] == own and rejoined["next_round"] == own + 1, rejoined
     assert rejoined["rollback_unavailable"] is True, rejoined
@@ -300,10 +306,9 @@ def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on
     assert played == list(range(own + 1, ROUNDS + 1)), played
     victim = reports[VICTIM]
     assert victim["resumed_from"] == own and victim["rolled_back_from"] is None, victim
-    # Nothing of its own was discarded by the failed roll-back: every round it kept before
-    # the restart was still there when it played on (checked in its log: no roll-back).
+    # Nothing of its own was discarded by the failed roll-back (the store logs each
+    # roll-back it makes; a failed one changes nothing: test_checkpoint.py).
     assert not [e for e in events if e.get("event") == "checkpoint_rolled_back"], events
-    assert own in kept and behind in kept, kept
     # The others agreed on a0's round + 1, or, if they asked again after the victim had
     # decided, joined the round it plays (it says so as a running agent).
     for a in ("a0", "a2"):
