@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from peerlm.agent.checkpoint import CheckpointStore
@@ -182,6 +184,83 @@ def _checkpoints(tmp_path: Path, agent: str) -> Path:
     return tmp_path / "state" / agent / "fedwave" / "checkpoints"
 
 
+def _kill_all_after(procs: dict[str, subprocess.Popen[str]], logs: dict[str, Path]) -> None:
+    """Wait until every agent saved its checkpoint of round ``KILLED_AFTER``, then SIGKILL
+    them all at once."""
+    _wait_for(
+        lambda: (
+            all(_saved(logs[a], KILLED_AFTER) for a in AGENTS)
+            or any(p.poll() is not None for p in procs.values())
+        ),
+        300,
+        f"every agent's checkpoint of round {KILLED_AFTER}",
+    )
+    for a, p in procs.items():
+        assert p.poll() is None, logs[a].read_text()[-3000:]
+        p.send_signal(signal.SIGKILL)
+    for p in procs.values():
+        p.wait(30)
+
+
+def _fedwave_reports(
+    procs: dict[str, subprocess.Popen[str]], outs: dict[str, str], logs: dict[str, Path]
+) -> dict[str, dict[str, Any]]:
+    """Each agent's FedWave report from its summary line, after checking that it exited 0
+    without errors."""
+    reports = {}
+    for a, out in outs.items():
+        assert procs[a].returncode == 0, logs[a].read_text()[-3000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert not summary["errors"], summary["errors"]
+        reports[a] = summary["fedwave"]
+    return reports
+
+
+@dataclass
+class Restart:
+    """What :func:`_restart_together` leaves: each agent's newest checkpoint at the kill,
+    the round the agents in ``behind_agents`` were rolled back to, the restarted
+    processes' logs and reports."""
+
+    newest: dict[str, int]
+    behind: int
+    relogs: dict[str, Path]
+    reports: dict[str, dict[str, Any]]
+
+
+def _restart_together(
+    tmp_path: Path,
+    behind_agents: tuple[str, ...],
+    *,
+    deadline_s: float = DEADLINE_S,
+    timeout_s: float = 400,
+    tamper: Callable[[dict[str, int], int], None] | None = None,
+) -> Restart:
+    """Run the workflow, SIGKILL every agent at once after round ``KILLED_AFTER``'s
+    checkpoints, roll ``behind_agents`` back to the round before the smallest newest one,
+    let ``tamper(newest, behind)`` change the disk, restart all three together and run them
+    to the end."""
+    fed = _federation(tmp_path, deadline_s=deadline_s)
+    fed.cpm.start()
+    logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
+    procs = {a: start_agent(fed.configs[a], logs[a]) for a in AGENTS}
+    relogs = {a: tmp_path / f"{a}-restarted.log" for a in AGENTS}
+    try:
+        _kill_all_after(procs, logs)
+        newest = {a: _newest_checkpoint(tmp_path, a) for a in AGENTS}
+        behind = min(newest.values()) - 1
+        assert behind >= 1 and max(newest.values()) < ROUNDS, newest
+        for a in behind_agents:
+            CheckpointStore(_checkpoints(tmp_path, a)).roll_back(behind)
+        if tamper is not None:
+            tamper(newest, behind)
+        procs = {a: start_agent(fed.configs[a], relogs[a]) for a in AGENTS}
+        outs = {a: p.communicate(timeout=timeout_s)[0] for a, p in procs.items()}
+    finally:
+        _stop_all(procs, fed.cpm)
+    return Restart(newest, behind, relogs, _fedwave_reports(procs, outs, relogs))
+
+
 def test_a_workflow_restarted_together_agrees_on_one_round_and_stays_in_phase(
     tmp_path: Path,
 ) -> None:
@@ -189,39 +268,8 @@ def test_a_workflow_restarted_together_agrees_on_one_round_and_stays_in_phase(
     # its save landed): it is a round behind the others. Restarted together, all three
     # wait for each other's checkpoints, agree on a0's round + 1 (the others roll back),
     # and every round after the restart is complete: nobody waits out a deadline.
-    fed = _federation(tmp_path)
-    fed.cpm.start()
-    logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
-    procs = {a: start_agent(fed.configs[a], logs[a]) for a in AGENTS}
-    relogs = {a: tmp_path / f"{a}-restarted.log" for a in AGENTS}
-    try:
-        _wait_for(
-            lambda: (
-                all(_saved(logs[a], KILLED_AFTER) for a in AGENTS)
-                or any(p.poll() is not None for p in procs.values())
-            ),
-            300,
-            f"every agent's checkpoint of round {KILLED_AFTER}",
-        )
-        for a, p in procs.items():
-            assert p.poll() is None, logs[a].read_text()[-3000:]
-            p.send_signal(signal.SIGKILL)
-        for p in procs.values():
-            p.wait(30)
-        newest = {a: _newest_checkpoint(tmp_path, a) for a in AGENTS}
-        behind = min(newest.values()) - 1
-        assert behind >= 1 and max(newest.values()) < ROUNDS, newest
-        CheckpointStore(_checkpoints(tmp_path, "a0")).roll_back(behind)
-        procs = {a: start_agent(fed.configs[a], relogs[a]) for a in AGENTS}
-        outs = {a: p.communicate(timeout=400)[0] for a, p in procs.items()}
-    finally:
-        _stop_all(procs, fed.cpm)
-    reports = {}
-    for a, out in outs.items():
-        assert procs[a].returncode == 0, relogs[a].read_text()[-3000:]
-        summary = json.loads(out.strip().splitlines()[-1])
-        assert not summary["errors"], summary["errors"]
-        reports[a] = summary["fedwave"]
+    run = _restart_together(tmp_path, ("a0",))
+    newest, behind, relogs, reports = run.newest, run.behind, run.relogs, run.reports
     for a in AGENTS:
         events = _events(relogs[a])
         (rejoined,) = [e for e in events if e.get("event") == "fedwave_rejoined"]
@@ -242,24 +290,6 @@ def test_a_workflow_restarted_together_agrees_on_one_round_and_stays_in_phase(
     assert len(set(last.values())) == 1, last
 
 
-def _kill_all_after(procs: dict[str, subprocess.Popen[str]], logs: dict[str, Path]) -> None:
-    """Wait until every agent saved its checkpoint of round ``KILLED_AFTER``, then SIGKILL
-    them all at once."""
-    _wait_for(
-        lambda: (
-            all(_saved(logs[a], KILLED_AFTER) for a in AGENTS)
-            or any(p.poll() is not None for p in procs.values())
-        ),
-        300,
-        f"every agent's checkpoint of round {KILLED_AFTER}",
-    )
-    for a, p in procs.items():
-        assert p.poll() is None, logs[a].read_text()[-3000:]
-        p.send_signal(signal.SIGKILL)
-    for p in procs.values():
-        p.wait(30)
-
-
 def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on(
     tmp_path: Path,
 ) -> None:
@@ -270,19 +300,10 @@ def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on
     # state it restored, discards nothing, says so (fedwave_rollback_failed,
     # rollback_unavailable), plays its own next round, and the workflow runs to the end
     # out of phase (a deadline lost a round: a short one here) with every agent exiting 0.
-    fed = _federation(tmp_path, deadline_s=20.0)
-    fed.cpm.start()
-    logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
-    procs = {a: start_agent(fed.configs[a], logs[a]) for a in AGENTS}
-    relogs = {a: tmp_path / f"{a}-restarted.log" for a in AGENTS}
-    try:
-        _kill_all_after(procs, logs)
-        newest = {a: _newest_checkpoint(tmp_path, a) for a in AGENTS}
-        behind = min(newest.values()) - 1
-        assert behind >= 1 and max(newest.values()) < ROUNDS, newest
-        for a in ("a0", "a2"):
-            CheckpointStore(_checkpoints(tmp_path, a)).roll_back(behind)
-        kept = CheckpointStore(_checkpoints(tmp_path, VICTIM)).rounds()
+    kept: list[int] = []
+
+    def damage_older(newest: dict[str, int], behind: int) -> None:
+        kept.extend(CheckpointStore(_checkpoints(tmp_path, VICTIM)).rounds())
         assert behind in kept, kept
         for r in kept:
             if r < newest[VICTIM]:
@@ -290,16 +311,12 @@ def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on
                 blob = bytearray(damaged.read_bytes())
                 blob[-1] ^= 0xFF
                 damaged.write_bytes(bytes(blob))
-        procs = {a: start_agent(fed.configs[a], relogs[a]) for a in AGENTS}
-        outs = {a: p.communicate(timeout=600)[0] for a, p in procs.items()}
-    finally:
-        _stop_all(procs, fed.cpm)
-    reports = {}
-    for a, out in outs.items():
-        assert procs[a].returncode == 0, relogs[a].read_text()[-3000:]
-        summary = json.loads(out.strip().splitlines()[-1])
-        assert not summary["errors"], summary["errors"]
-        reports[a] = summary["fedwave"]
+
+    run = _restart_together(
+        tmp_path, ("a0", "a2"), deadline_s=20.0, timeout_s=600, tamper=damage_older
+    )
+    newest, behind, relogs, reports = run.newest, run.behind, run.relogs, run.reports
+    for a in AGENTS:
         assert reports[a]["rounds"] == ROUNDS, reports[a]
     own = newest[VICTIM]
     events = _events(relogs[VICTIM])
