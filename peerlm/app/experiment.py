@@ -143,6 +143,7 @@ and one set of models, so no model is rebuilt, and every strategy sees the same 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -151,12 +152,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Literal, ParamSpec
+from typing import TYPE_CHECKING, Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
 from peerlm.app.experiment_fedproxy import FEDPROXY_STRATEGIES, PROXY_TUNED, run_fedproxy
 from peerlm.app.experiment_overlay import OverlayView
+from peerlm.app.experiment_participant import participant_report, render_participant
 from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap, paired_share
 
@@ -170,7 +172,25 @@ if TYPE_CHECKING:
         TeachScope,
         WorldSpec,
     )
+    from peerlm.agent.peer_knowledge import InputRouter, PeerSlot
     from peerlm.services.cpm import Pairing
+
+_R = TypeVar("_R")
+
+
+class _HasPrompt(Protocol):
+    @property
+    def prompt(self) -> str: ...
+
+
+_P2 = TypeVar("_P2", bound=_HasPrompt)
+
+
+def _new_slot() -> PeerSlot:
+    from peerlm.agent.peer_knowledge import PeerSlot
+
+    return PeerSlot()
+
 
 __all__ = [
     "ARCHS",
@@ -412,6 +432,14 @@ class ExperimentPlan:
     # fedproxy_proxytuning's offset weight β: s_M + β (s_φT − s_φ0) (agent/proxy_tuning.py;
     # 1 is ProxyTuning's own sum, our knob beyond it).
     proxy_tuning_beta: float = 1.0
+    # Where a client puts what peers send (peerlm.agent.peer_knowledge): "separate", a
+    # peer slot beside its own adapter with a router calibrated on its own validation
+    # prompts (our choice: the no-regret default); "shared", the papers' one adapter.
+    integration: Literal["separate", "shared"] = "separate"
+    # Whether every client of a collaborative strategy also spends LocalOnly+'s extra
+    # own-data steps every round (an agent keeps training on its own data whatever its
+    # role); False: the earlier harness, where only students trained in the exchange phase.
+    own_steps_every_round: bool = True
 
     def arch(self, i: int) -> str:
         """The architecture client ``i`` hosts."""
@@ -448,6 +476,10 @@ class ExperimentPlan:
         object.__setattr__(self, "proxy_tuning_beta", float(beta))
         if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= 1):
             raise ValueError("learning_rate must be in (0, 1]")
+        if self.integration not in ("separate", "shared"):
+            raise ValueError(
+                f"integration must be 'separate' or 'shared', not {self.integration!r}"
+            )
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise ValueError("strategies must be a non-empty list without repeats")
         if self.warmup_steps < 0:
@@ -584,6 +616,28 @@ class _Client:
     # Greedy validation pass counts per category of the last local phase (what the client
     # may teach: :mod:`peerlm.agent.teaching`); None before the first.
     competence: Competence | None = None
+    # What peers sent, beside the own adapter, and which inputs it answers
+    # (``plan.integration == "separate"``; :mod:`peerlm.agent.peer_knowledge`).
+    slot: PeerSlot = field(default_factory=_new_slot)
+    router: InputRouter | None = None
+    # Optimiser steps spent on own data and on distillation or merging (per client, the
+    # compute each strategy spends; part of the run's record).
+    own_steps: int = 0
+    peer_steps: int = 0
+
+    def integrating(self, plan: ExperimentPlan, what: str = "integration") -> Any:
+        """Where an integration writes: the peer slot (``separate``) or the one adapter."""
+        if plan.integration == "separate":
+            return self.slot.active(self.host, what)
+        return contextlib.nullcontext()
+
+    def routed(
+        self, problems: Sequence[_P2], run: Callable[[Sequence[_P2]], Sequence[_R]]
+    ) -> list[_R]:
+        """``run`` over ``problems``, each answered by the adapter the router picks."""
+        from peerlm.agent.peer_knowledge import route_map
+
+        return route_map(self.host, self.slot, self.router, problems, lambda p: p.prompt, run)
 
     @property
     def train_examples(self) -> list[tuple[str, str]]:
@@ -752,8 +806,23 @@ def _clients(world: _World, seed: int, *, ffa: bool = False) -> list[_Client]:
         name = f"agent-{i}"
         if name in warm:
             host.load_adapter_state(warm[name])
-        out.append(_Client(name, arch, host, train, val, guard))
+        client = _Client(name, arch, host, train, val, guard)
+        if plan.integration == "separate":
+            client.router = _router(world, train, val)
+        out.append(client)
     return out
+
+
+def _router(world: _World, train: Sequence[Problem], val: Sequence[Problem]) -> InputRouter:
+    """A client's input router (:class:`~peerlm.agent.peer_knowledge.InputRouter`): its own
+    training prompts against X_u's, calibrated on its own validation prompts."""
+    from peerlm.agent.peer_knowledge import InputRouter
+
+    return InputRouter.fit(
+        [p.prompt for p in train],
+        world.transfer,
+        [p.prompt for p in val] or [p.prompt for p in train],
+    )
 
 
 def _warm_up(world: _World, event: Event, *, ffa: bool = False) -> dict[str, dict[str, Any]]:
@@ -845,7 +914,7 @@ def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
 def _test_nll(world: _World, client: _Client) -> list[float]:
     from peerlm.agent import reference_nll
 
-    return reference_nll(client.host, world.test)
+    return client.routed(world.test, lambda ps: reference_nll(client.host, ps))
 
 
 def _slice_means(world: _World, per_client: Mapping[int, Sequence[float]]) -> dict[str, float]:
@@ -862,22 +931,42 @@ def _final_eval(world: _World, client: _Client, seed: int) -> dict[str, Any]:
     from peerlm.agent import sample_completions, score_completions, structural_match_rate
 
     plan = world.plan
-    completions = sample_completions(
-        client.host,
-        world.test,
-        max_new_tokens=plan.max_new_tokens,
-        n=plan.samples,
-        temperature=plan.sample_temperature,
-        seed=seed,
-    )
+
+    def sample(problems: Sequence[Problem]) -> list[list[str]]:
+        got = sample_completions(
+            client.host,
+            problems,
+            max_new_tokens=plan.max_new_tokens,
+            n=plan.samples,
+            temperature=plan.sample_temperature,
+            seed=seed,
+        )
+        return [got[p.task_id] for p in problems]
+
+    answers = client.routed(world.test, sample)
+    completions = {p.task_id: a for p, a in zip(world.test, answers, strict=True)}
     report = score_completions(world.test, completions, ks=(1,))
+    # Which adapter answered each test problem (1: the peer slot); the router never sees
+    # the test set's categories.
+    peer = _peer_routes(client, world.test)
     return {
         "arch": client.arch,
         "pass@1": [r.pass_at[1] for r in report.problems],
         "struct": [structural_match_rate(p, completions[p.task_id]) for p in world.test],
         "nll": _test_nll(world, client),
         "status_counts": dict(report.status_counts),
+        "peer_routed": peer,
+        "own_steps": client.own_steps,
+        "peer_steps": client.peer_steps,
+        "peer_integrations": client.slot.integrations,
     }
+
+
+def _peer_routes(client: _Client, problems: Sequence[Problem]) -> list[int]:
+    """Per problem, 1 if the peer slot answers it, else 0."""
+    if client.router is None or not client.slot.ready:
+        return [0] * len(problems)
+    return [int(x) for x in client.router.to_peer([p.prompt for p in problems])]
 
 
 # ------------------------------------------------------------------------ one round
@@ -910,16 +999,19 @@ def _integrate(
 ) -> Integration:
     from peerlm.agent import integrate_package
 
-    return integrate_package(
-        student.host,
-        package,
-        kilobytes=kilobytes,
-        local_examples=student.train_examples,
-        val_examples=_reward_examples(world, student, i),
-        transfer_prompts=world.transfer,
-        config=_round_config(world.plan, seed, i, integration=True),
-        t=t,
-    )
+    with student.integrating(world.plan, f"akd-{package.__class__.__name__}"):
+        result = integrate_package(
+            student.host,
+            package,
+            kilobytes=kilobytes,
+            local_examples=student.train_examples,
+            val_examples=_reward_examples(world, student, i),
+            transfer_prompts=world.transfer,
+            config=_round_config(world.plan, seed, i, integration=True),
+            t=t,
+        )
+    student.peer_steps += world.plan.integration_steps
+    return result
 
 
 def _predictions(world: _World, teacher: _Client) -> tuple[list[int], list[str]]:
@@ -1010,19 +1102,29 @@ def _oracle(
     predictions = {c.name: _predictions(world, c) for c in clients}
     probe = world.probe_examples
     trials: dict[tuple[int, int], tuple[float, Any, Integration, float]] = {}
+    separate = world.plan.integration == "separate"
     for si, student in enumerate(clients):
+        # The trials start from what integrations write to (the peer slot, or the adapter),
+        # and the gain is measured on the model that answers (routed, or the adapter).
+        before_slot = student.slot.state
         before = {k: v.clone() for k, v in student.host.adapter_state().items()}
-        pre, _ = student.host.eval_loss(probe)
+        pre = _probe_loss(student, probe)
         for ti, teacher in enumerate(clients):
             if ti == si:
                 continue
             directive = f"oracle-{t}-{teacher.name}-{student.name}"
             package, kb = _package(world, teacher, predictions[teacher.name], directive)
             result = _integrate(world, student, package, kb, seed, si, t)
-            post, _ = student.host.eval_loss(probe)
-            after = {k: v.clone() for k, v in student.host.adapter_state().items()}
+            post = _probe_loss(student, probe)
+            if separate:
+                assert student.slot.state is not None
+                after = student.slot.state
+                student.slot.state = before_slot
+                student.slot.integrations -= 1
+            else:
+                after = {k: v.clone() for k, v in student.host.adapter_state().items()}
+                student.host.load_adapter_state(before)
             trials[(ti, si)] = (pre - post, after, result, kb)
-            student.host.load_adapter_state(before)
     used: set[int] = set()
     records: list[dict[str, Any]] = []
     for (ti, si), (gain, after, result, _kb) in sorted(
@@ -1034,7 +1136,11 @@ def _oracle(
             continue
         used |= {ti, si}
         student = clients[si]
-        student.host.load_adapter_state(after)
+        if separate:
+            student.slot.state = after
+            student.slot.integrations += 1
+        else:
+            student.host.load_adapter_state(after)
         student.rewards.append(result.reward)
         student.exchanges += 1
         records.append(
@@ -1046,7 +1152,22 @@ def _oracle(
     return records, gains
 
 
-def _semantic_dfl(clients: list[_Client]) -> list[dict[str, Any]]:
+def _probe_loss(client: _Client, examples: Sequence[tuple[str, str]]) -> float:
+    """Mean loss of ``examples`` on the model that answers them (each routed)."""
+    losses = client.routed(
+        [_Prompted(p, r) for p, r in examples],
+        lambda xs: [client.host.eval_loss([(x.prompt, x.reference)])[0] for x in xs],
+    )
+    return float(np.mean(losses)) if losses else 0.0
+
+
+@dataclass(frozen=True)
+class _Prompted:
+    prompt: str
+    reference: str
+
+
+def _semantic_dfl(world: _World, clients: list[_Client]) -> list[dict[str, Any]]:
     """Within each model family, every client takes the PDFL step towards the others'
     adapters (equal similarities); the adapters travel whole, as an overlay pull does."""
     from peerlm.overlay import personalised_update
@@ -1057,10 +1178,12 @@ def _semantic_dfl(clients: list[_Client]) -> list[dict[str, Any]]:
         peers = {o.name: states[o.name] for o in clients if o is not c and o.arch == c.arch}
         if not peers:
             continue
-        new, _report = personalised_update(
-            states[c.name], peers, dict.fromkeys(peers, 1.0), self_id=c.name
-        )
-        c.host.load_adapter_state(new)
+        with c.integrating(world.plan, "semantic_dfl"):
+            base = c.host.adapter_state() if world.plan.integration == "separate" else None
+            new, _report = personalised_update(
+                base or states[c.name], peers, dict.fromkeys(peers, 1.0), self_id=c.name
+            )
+            c.host.load_adapter_state(new)
         c.exchanges += 1
         kb = (
             sum(sum(t.numel() * t.element_size() for t in s.values()) for s in peers.values())
@@ -1099,7 +1222,7 @@ def _merge_exchange(
     every round, or a OnePeFT variant once in the last round, within each model family (a
     client alone in its family trains locally). Each client pulls the other members'
     adapters (counted in KB) and builds the aggregate itself, as a peer would."""
-    from peerlm.agent import ClientAdapter, aggregate_fedavg_factors, aggregate_ffa, one_shot
+    from peerlm.agent import ClientAdapter
 
     plan = world.plan
     if strategy not in _EVERY_ROUND and t != plan.rounds:
@@ -1118,25 +1241,8 @@ def _merge_exchange(
         ]
         sizes = [sum(x.numel() * x.element_size() for x in a.state.values()) for a in adapters]
         for k, c in enumerate(group):
-            settings = _round_config(plan, seed, clients.index(c)).train_settings(t)
-            if strategy in ("fedavg_lora", "fedavg_lora_plus"):
-                c.host.load_adapter_state(aggregate_fedavg_factors(adapters).state)
-                if strategy == "fedavg_lora_plus":
-                    c.host.train_local(c.train_examples, settings, steps=plan.local_steps)
-            elif strategy == "ffa_lora":
-                # Refuses (AdapterError "frozen_a") if a client's A had moved.
-                c.host.load_adapter_state(aggregate_ffa(adapters).state)
-            else:
-                one_shot(
-                    c.host,
-                    adapters,
-                    world.public_pairs,
-                    settings,
-                    svd=strategy in _SVD,
-                    hka=strategy in _HKA,
-                    alpha=_HKA_ALPHA.get(strategy, 0.5),
-                    steps=plan.local_steps,
-                )
+            with c.integrating(plan, strategy):
+                _merge_one(world, strategy, c, adapters, seed, clients.index(c), t)
             c.exchanges += 1
             records.append(
                 {
@@ -1146,6 +1252,44 @@ def _merge_exchange(
                 }
             )
     return records
+
+
+def _merge_one(
+    world: _World, strategy: str, c: _Client, adapters: Sequence[Any], seed: int, i: int, t: int
+) -> None:
+    """Client ``c``'s aggregate of its family's ``adapters`` under a merge strategy."""
+    from peerlm.agent import aggregate_fedavg_factors, aggregate_ffa, one_shot
+
+    plan = world.plan
+    settings = _round_config(plan, seed, i).train_settings(t)
+    if strategy in ("fedavg_lora", "fedavg_lora_plus"):
+        c.host.load_adapter_state(aggregate_fedavg_factors(adapters).state)
+        if strategy == "fedavg_lora_plus":
+            c.host.train_local(c.train_examples, settings, steps=plan.local_steps)
+    elif strategy == "ffa_lora":
+        # Refuses (AdapterError "frozen_a") if a client's A had moved.
+        c.host.load_adapter_state(aggregate_ffa(adapters).state)
+    else:
+        one_shot(
+            c.host,
+            adapters,
+            world.public_pairs,
+            settings,
+            svd=strategy in _SVD,
+            hka=strategy in _HKA,
+            alpha=_HKA_ALPHA.get(strategy, 0.5),
+            steps=plan.local_steps,
+        )
+        c.peer_steps += plan.local_steps
+
+
+def _own_steps(world: _World, clients: Sequence[_Client], seed: int, t: int) -> None:
+    """LocalOnly+'s extra own-data steps of round ``t``, on every client's own adapter."""
+    plan = world.plan
+    for i, c in enumerate(clients):
+        config = _round_config(plan, seed, i)
+        c.host.train_local(c.train_examples, config.train_settings(t), steps=plan.integration_steps)
+        c.own_steps += plan.integration_steps
 
 
 def _exchange(
@@ -1163,20 +1307,19 @@ def _exchange(
     by_name = {c.name: c for c in clients}
     if strategy == "local":
         return [], None
+    if strategy == "local_plus" or plan.own_steps_every_round:
+        # LocalOnly+: the compute a student spends on AKD, spent on the client's own data
+        # instead. Every collaborating client spends the same steps on its own data too
+        # (an agent keeps training whatever its role), before it teaches or learns.
+        _own_steps(world, clients, seed, t)
     if strategy == "local_plus":
-        # The compute a student spends on AKD, spent on the client's own data instead.
-        for i, c in enumerate(clients):
-            config = _round_config(plan, seed, i)
-            c.host.train_local(
-                c.train_examples, config.train_settings(t), steps=plan.integration_steps
-            )
         return [], None
     if strategy == "central_kd":
         return _central_kd(world, clients, seed, t), None
     if strategy == "oracle":
         return _oracle(world, clients, seed, t)
     if strategy == "semantic_dfl":
-        return _semantic_dfl(clients), None
+        return _semantic_dfl(world, clients), None
     if strategy in MERGE_STRATEGIES:
         return _merge_exchange(world, strategy, clients, seed, t), None
     if strategy in MENU_STRATEGIES:
@@ -1277,15 +1420,18 @@ def _menu_exchange(
                 {"method": pairing.protocol, "hka_steps": plan.integration_steps}
             )
             gate = AcceptanceGate(_reward_examples(world, student, i), None)
-            _report, verdict, pre = integrate_adapters(
-                student.host,
-                states,
-                dict.fromkeys(states, 1.0),
-                settings,
-                student.name,
-                gate,
-                (world.public_pairs, config.train_settings(t)),
-            )
+            with student.integrating(plan, pairing.protocol):
+                _report, verdict, pre = integrate_adapters(
+                    student.host,
+                    states,
+                    dict.fromkeys(states, 1.0),
+                    settings,
+                    student.name,
+                    gate,
+                    (world.public_pairs, config.train_settings(t)),
+                )
+            if pairing.protocol == "svd_hka":
+                student.peer_steps += plan.integration_steps
             if verdict is None:  # the aggregation refused the teacher: no reward, as an agent
                 continue
             reward = reward_eq3(
@@ -1349,15 +1495,16 @@ def _overlay_exchange(
         kb = sum(v.numel() * v.element_size() for st in pulled.values() for v in st.values())
         gate = AcceptanceGate(c.val_examples, margin) if margin is not None else None
         config = _round_config(plan, seed, i, integration=True)
-        report, verdict, _pre = integrate_adapters(
-            c.host,
-            pulled,
-            similarities[c.name],
-            settings,
-            c.name,
-            gate,
-            (world.public_pairs, config.train_settings(t)),
-        )
+        with c.integrating(plan, "overlay"):
+            report, verdict, _pre = integrate_adapters(
+                c.host,
+                pulled,
+                similarities[c.name],
+                settings,
+                c.name,
+                gate,
+                (world.public_pairs, config.train_settings(t)),
+            )
         rolled_back = verdict is not None and verdict.rolled_back
         outcome = "rolled_back" if rolled_back else "aggregated" if report.accepted else "identity"
         records.append({**record, "kilobytes": round(kb / 1024, 2), "outcome": outcome})
@@ -1492,6 +1639,7 @@ def _run_strategy(
             else:
                 phase = _local_phase(world, c, seed, i, t)
             trained[c.name] = phase.train_loss
+            c.own_steps += plan.local_steps
             c.competence = phase.competence
             profile, pass1 = round_profile(
                 c.host,
@@ -2033,8 +2181,28 @@ def summarise(result: Mapping[str, Any]) -> dict[str, Any]:
         "cpm_share_of_oracle_gain": oracle_share,
         "cpm_share_of_oracle_gain_ci": shares,
         "cpm_learning": _cpm_learning(result),
+        "participant": participant_report(result),
+        "steps_per_client": _steps_per_client(result),
         "bootstrap": "paired two-level percentile bootstrap (numpy), 2000 replicates",
     }
+
+
+def _steps_per_client(result: Mapping[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per strategy and client, the mean own-data and distillation (or merge) optimiser
+    steps a run spent, and the share of its test problems the peer slot answered."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    seeds = [str(s) for s in result["plan"]["seeds"]]
+    for s in result["plan"]["strategies"]:
+        for name in (c["name"] for c in result["clients"]):
+            runs = [result["runs"][s][k]["clients"][name] for k in seeds]
+            if not all("own_steps" in r for r in runs):
+                continue
+            out.setdefault(s, {})[name] = {
+                "own_steps": float(np.mean([r["own_steps"] for r in runs])),
+                "peer_steps": float(np.mean([r["peer_steps"] for r in runs])),
+                "peer_routed_share": float(np.mean([np.mean(r["peer_routed"]) for r in runs])),
+            }
+    return out
 
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:
@@ -2116,6 +2284,9 @@ def render_table(result: Mapping[str, Any]) -> str:
                 f"{v['random_gain']:.4f} | {100 * v['agreement']:.0f}% |"
             )
         lines.append("")
+    participant = summary.get("participant")
+    if participant:
+        lines.append(render_participant(participant, LABELS))
     return "\n".join(lines)
 
 

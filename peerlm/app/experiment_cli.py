@@ -95,6 +95,21 @@ def run_experiment_command(
             "pass@1 shows skill; default) or all (the paper)."
         ),
     ] = None,
+    integration: Annotated[
+        str | None,
+        typer.Option(
+            help="Where a client puts what peers send: separate (a peer adapter beside its "
+            "own, routed per input; default) or shared (the papers' one adapter)."
+        ),
+    ] = None,
+    own_steps_every_round: Annotated[
+        bool | None,
+        typer.Option(
+            "--own-steps-every-round/--students-only",
+            help="Every collaborating client trains LocalOnly+'s extra own-data steps each "
+            "round (default), or only students train in the exchange phase (the old harness).",
+        ),
+    ] = None,
     teach_min_pass: Annotated[
         float | None,
         typer.Option(
@@ -216,6 +231,8 @@ def run_experiment_command(
         "akd_steps": akd_steps,
         "teach_scope": teach_scope,
         "teach_min_pass": teach_min_pass,
+        "integration": integration,
+        "own_steps_every_round": own_steps_every_round,
         "learning_rate": lr,
         "grad_accumulation": grad_accumulation,
         "transfer_limit": transfer_limit,

@@ -1,0 +1,174 @@
+"""Knowledge from peers beside the participant's own: a second adapter and a router.
+
+Integrating a peer's knowledge into the one adapter a participant trains on its own data
+costs it what it knew: measured on world seeds 0 and 17, every collaborative strategy ended
+9-10 Pass@1 points below training alone on the participant's own skills (docs/experiment.md,
+"No regret"). So peerlm keeps the two apart, as a mixture of LoRAs does:
+
+* the **own adapter** is trained on the participant's own data only, every round, with the
+  same steps whatever the strategy; nothing a peer sends ever touches it;
+* the **peer slot** (:class:`PeerSlot`) is a second adapter of the same shape that every
+  integration writes to instead: AKD by text or logits, a merge directive's PDFL or SVD +
+  HKA, the overlay's top-K pull. It starts as a copy of the own adapter at the first
+  integration (so it knows the task's format and the public skills), and Eq. 2's own-data
+  share keeps replaying own data while it learns the teacher's;
+* an **input router** (:class:`InputRouter`) decides per input which adapter answers: the
+  own adapter for inputs like the participant's own data, the peer slot for the others.
+
+The router is a logistic regression on character n-gram TF-IDF of the prompt (scikit-learn),
+fitted on the participant's own training prompts (class "own") against the public transfer
+set X_u's prompts (class "other"), with balanced class weights. Its threshold is calibrated on
+the participant's own **validation** prompts: an input goes to the peer slot only if its
+score exceeds every own validation prompt's, so on what the participant can measure of its
+own skills the routed model *is* the own adapter. That is the acceptance gate for routing:
+it never uses test data, and it holds whatever a peer sent. A prompt-text router needs no
+forward pass and works across architectures and tokenizers; routing on the base model's
+hidden states (LoRARetriever-style) is the alternative we did not build.
+
+None of this is in the papers: KNEXA-FL's Eq. 2 distils into the student's one adapter, and
+OnePeFT / SemanticDFL merge into it. The separation, the router and its calibration are our
+choices (docs/experiment.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegression
+
+if TYPE_CHECKING:
+    import torch
+    from peerlm.agent.modelhost import ModelHost
+
+__all__ = ["InputRouter", "PeerSlot", "route_map", "routed_share"]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class InputRouter:
+    """Which adapter answers an input: ``True`` for the peer slot, ``False`` for the own one.
+
+    Build it with :meth:`fit`; :meth:`to_peer` routes prompts.
+    """
+
+    vectorizer: TfidfVectorizer
+    classifier: LogisticRegression
+    #: An input goes to the peer slot when its "other" probability exceeds this: the
+    #: largest any own validation prompt had.
+    threshold: float
+
+    @classmethod
+    def fit(
+        cls,
+        own_prompts: Sequence[str],
+        other_prompts: Sequence[str],
+        validation_prompts: Sequence[str],
+    ) -> InputRouter:
+        """A router for a participant with ``own_prompts`` (its training data's prompts),
+        against ``other_prompts`` (X_u's), calibrated on ``validation_prompts`` (its own
+        held-out prompts). Raises :class:`ValueError` when a set is empty."""
+        if not own_prompts or not other_prompts or not validation_prompts:
+            raise ValueError("a router needs own, other and validation prompts")
+        texts = [*own_prompts, *other_prompts]
+        labels = [0] * len(own_prompts) + [1] * len(other_prompts)
+        vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4), sublinear_tf=True)
+        features = vectorizer.fit_transform(texts)
+        classifier = LogisticRegression(class_weight="balanced", max_iter=2_000)
+        classifier.fit(features, labels)
+        scores = classifier.predict_proba(vectorizer.transform(list(validation_prompts)))[:, 1]
+        return cls(vectorizer, classifier, float(np.max(scores)))
+
+    def scores(self, prompts: Sequence[str]) -> np.ndarray:
+        """The probability that each prompt is unlike the participant's own data."""
+        if not prompts:
+            return np.zeros(0)
+        return np.asarray(
+            self.classifier.predict_proba(self.vectorizer.transform(list(prompts)))[:, 1]
+        )
+
+    def to_peer(self, prompts: Sequence[str]) -> list[bool]:
+        """Per prompt: whether the peer slot answers it."""
+        return [bool(s > self.threshold) for s in self.scores(prompts)]
+
+
+@dataclass
+class PeerSlot:
+    """The adapter that holds what a participant learnt from peers (module docstring).
+
+    ``state`` is None until the first integration; :meth:`active` puts it in the host for
+    the length of a ``with`` block, and everything the block does to the host's adapter
+    stays in the slot, while the own adapter is back in place afterwards.
+    """
+
+    state: dict[str, torch.Tensor] | None = None
+    #: Integrations written to the slot (accepted or rolled back by their own gate).
+    integrations: int = 0
+    history: list[str] = field(default_factory=list)
+
+    @contextmanager
+    def active(self, host: ModelHost, what: str = "integration") -> Iterator[None]:
+        """The slot in ``host`` inside the block; the own adapter restored after it, even
+        when the block raises (the slot then keeps its state from before the block)."""
+        own = host.adapter_state()
+        before = self.state
+        host.load_adapter_state(self.state if self.state is not None else own)
+        try:
+            yield
+            self.state = host.adapter_state()
+            self.integrations += 1
+            self.history.append(what)
+        except BaseException:
+            self.state = before
+            raise
+        finally:
+            host.load_adapter_state(own)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the slot holds anything a router could send inputs to."""
+        return self.state is not None
+
+
+def route_map(
+    host: ModelHost,
+    slot: PeerSlot,
+    router: InputRouter | None,
+    items: Sequence[_T],
+    prompt_of: Callable[[_T], str],
+    run: Callable[[Sequence[_T]], Sequence[_R]],
+) -> list[_R]:
+    """``run`` over ``items`` with each item answered by the adapter the router picks for it
+    (the own one when the slot is empty or there is no router); results in ``items``' order.
+
+    ``run`` must return one result per item it is given, in order.
+    """
+    peer = router.to_peer([prompt_of(x) for x in items]) if router and slot.ready else []
+    if not any(peer):
+        return list(run(items))
+    own_idx = [k for k, p in enumerate(peer) if not p]
+    peer_idx = [k for k, p in enumerate(peer) if p]
+    out: dict[int, _R] = {}
+    if own_idx:
+        out.update(zip(own_idx, run([items[k] for k in own_idx]), strict=True))
+    assert slot.state is not None
+    own = host.adapter_state()
+    host.load_adapter_state(slot.state)
+    try:
+        out.update(zip(peer_idx, run([items[k] for k in peer_idx]), strict=True))
+    finally:
+        host.load_adapter_state(own)
+    return [out[k] for k in range(len(items))]
+
+
+def routed_share(router: InputRouter | None, prompts: Sequence[str]) -> float:
+    """The share of ``prompts`` the router sends to the peer slot (0 without a router)."""
+    if router is None or not prompts:
+        return 0.0
+    return float(np.mean(router.to_peer(prompts)))
