@@ -20,9 +20,10 @@ travels, ever.
   checks a received blob (from a workflow agent, its stage, its round, its shape, finite,
   within the size bound) with the existing decoders; the transport
   (:mod:`~peerlm.agent.fedwave.exchange_client`) runs the pulls under the round's deadline.
-* Aggregating: :func:`aggregate_routers` is Eq. 9 over this agent's router and those that
-  arrived: ``fedavg_routers`` sums in float64 over the agents sorted by name, so agents
-  that aggregate the same set get the same bits.
+* Aggregating: :func:`aggregate_routers` over this agent's router and those that arrived:
+  by default the coordinate-wise median (robust to a hostile minority, each member an equal
+  share), or Eq. 9 (``fedavg_routers``, n_i-weighted); both depend on the set of routers
+  only, so agents that aggregate the same set get the same bits.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Final
 
 from peerlm.agent.fedwave.errors import FedWaveError
 from peerlm.agent.fedwave.params import VCLayerSettings
-from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO
+from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO, RouterRule
 from peerlm.agent.fedwave.workflow import Workflow
 
 from peerlm.chunks import HashedPayload
@@ -406,15 +407,28 @@ def aggregate_routers(
     shapes: Mapping[str, tuple[int, ...]],
     *,
     max_weight_ratio: float | None = DEFAULT_MAX_ROUTER_WEIGHT_RATIO,
+    rule: RouterRule = "median",
+    stages: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
-    """Eq. 9 over this agent's router and the routers that arrived: (the aggregate, the
-    agents it averages, sorted), each ``n_i`` capped by :func:`router_weights`.
-    ``FedWaveError`` if ``pulled`` holds this agent itself."""
+    """This agent's router and the routers that arrived, aggregated: (the aggregate, the
+    agents it takes, sorted). ``rule`` ``median`` (the default): the coordinate-wise median
+    (:func:`~peerlm.agent.fedwave.router.median_routers`; with ``stages``, agent → stage,
+    the median over the stages of each stage's median), every member an equal share
+    whatever ``n_i`` it claims; ``fedavg``: Eq. 9, each ``n_i`` capped by
+    :func:`router_weights`. ``FedWaveError`` if ``pulled`` holds this agent itself."""
     import torch
-    from peerlm.agent.fedwave.router import fedavg_routers
+    from peerlm.agent.fedwave.router import fedavg_routers, median_routers
 
     if me in pulled:
         raise FedWaveError(f"a pulled router is attributed to this agent ({me!r})", reason="keys")
+    if rule == "median":
+        states: dict[str, Mapping[str, torch.Tensor]] = {
+            name: router.state for name, router in pulled.items()
+        }
+        states[me] = {k: v.detach().to(device="cpu", dtype=torch.float32) for k, v in own.items()}
+        return median_routers(states, shapes=shapes, stages=stages), tuple(sorted(states))
+    if rule != "fedavg":
+        raise FedWaveError(f"unknown router aggregation rule {rule!r}", reason="config")
     claims = {name: router.n_samples for name, router in pulled.items()}
     weights = router_weights({**claims, me: own_samples}, max_weight_ratio)
     members: dict[str, tuple[Mapping[str, torch.Tensor], int]] = {

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from peerlm.agent.fedproxy_admission import state_norm
@@ -59,10 +59,12 @@ from peerlm.agent.fedwave.expert_round import (
     RoundConclusion,
     adjacent_vclayers,
     conclude_round,
+    router_digest,
 )
 from peerlm.agent.fedwave.part_admission import screen_round
 from peerlm.agent.fedwave.resume import plan_resume
 from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
+from peerlm.agent.fedwave.routing_check import ROUTING_REASON, own_expert_share, routing_refusal
 from peerlm.agent.fedwave.settings import FedWaveSettings
 from peerlm.agent.fedwave.vclayer import VCLayer, encode_vclayer
 from prometheus_client import Gauge
@@ -102,6 +104,9 @@ class FedWaveReport:
     # Restarted ahead of the others (restarted together, or after them): the round of the
     # checkpoint it had restored before it rolled back to theirs (``resumed_from``).
     rolled_back_from: int | None = None
+    # Rounds whose router aggregate this agent refused (the routing check): it kept its
+    # previous router.
+    aggregates_rejected: int = 0
     # Part bytes by kind: streamed to the workflow's agents (served) and taken off the wire
     # from them (pulled, refused parts included); across restarts.
     bytes_sent: dict[str, int] = field(default_factory=dict)
@@ -168,6 +173,11 @@ class ExpertLoop:
             a: e for a, e in settings.peers.items() if a != ctx.name
         }
         self.shapes = router_shapes(node.router)
+        # The router bound's scale: the workflow's common initial router's norm (from the
+        # seed), which no member can raise, unlike the aggregate's (part_admission.py).
+        self._reference_norm = state_norm(
+            settings.initial_router(node.bounds.hidden_size).state_dict()
+        )
         self.predecessor: VCLayer | None = None
         self.successor: VCLayer | None = None
         self.report = FedWaveReport(stage=node.stage)
@@ -292,7 +302,27 @@ class ExpertLoop:
             predecessor=self.predecessor,
             successor=self.successor,
             max_weight_ratio=self.settings.max_router_weight_ratio,
+            rule=self.settings.router_aggregation,
         )
+        refusal = await self._run(lambda: self._routing_refusal(base, conclusion.router))
+        if refusal is not None:
+            # The aggregate routes this agent's own stage away from its expert: keep the
+            # router held before the round (routing_check.py).
+            conclusion = replace(conclusion, router=base, digest=router_digest(base))
+            self.report.aggregates_rejected += 1
+            self.ctx.counter(
+                "peerlm_agent_fedwave_aggregates_rejected_total",
+                "Round router aggregates an expert refused to adopt (routing: they route its "
+                "own stage's examples away from its expert); it kept its previous router",
+                ("reason",),
+            ).labels(ROUTING_REASON).inc()
+            self.ctx.log.warning(
+                "fedwave_aggregate_rejected",
+                round=t,
+                reason=ROUTING_REASON,
+                members=list(conclusion.members),
+                detail=refusal,
+            )
         for agent in conclusion.capped:
             # A claimed n_i over the cap: averaged, at the capped weight (exchange.py).
             self.ctx.counter(
@@ -428,12 +458,28 @@ class ExpertLoop:
         )
         kept = await self._run(self.checkpoints.rounds) if self.checkpoints is not None else []
         plan = plan_resume(t, positions, kept, last_round=self.final_round)
+        ignored = self.ctx.counter(
+            "peerlm_agent_fedwave_positions_ignored_total",
+            "Workflow agents' positions a restarted expert left out of its resume plan: "
+            "implausible (past the last round) or outlier (concluded more than "
+            "MAX_ROLLBACK_ROUNDS below the median of the agents restarted together)",
+            ("reason",),
+        )
         for agent in plan.implausible:
+            ignored.labels("implausible").inc()
             self.ctx.log.warning(
                 "fedwave_position_implausible",
                 agent=agent,
                 claimed=[positions[agent].published, positions[agent].concluded],
                 last_round=self.final_round,
+            )
+        for agent in plan.outliers:
+            ignored.labels("outlier").inc()
+            self.ctx.log.warning(
+                "fedwave_position_outlier",
+                agent=agent,
+                claimed=[positions[agent].published, positions[agent].concluded],
+                own=t,
             )
         rollback_unavailable = plan.rollback_unavailable
         next_round = plan.next_round
@@ -563,6 +609,21 @@ class ExpertLoop:
         )
         return outcome
 
+    def _routing_refusal(
+        self, before: Mapping[str, Any], aggregate: Mapping[str, Any]
+    ) -> str | None:
+        """The routing check of a round's aggregate on this agent's own stage examples
+        (model thread; :mod:`routing_check`): why it is refused, or None."""
+        margin = self.settings.routing_check_margin
+        router = self.trainer.router
+        if margin is None or router is None:
+            return None
+        features = self.trainer.own_features(self.settings.routing_check_examples)
+        expert = self.trainer.stage_index
+        was = own_expert_share(router, before, features, expert)
+        now = own_expert_share(router, aggregate, features, expert)
+        return routing_refusal(was, now, n_experts=router.n_experts, margin=margin)
+
     def _router_state(self) -> dict[str, Any]:
         return {k: v.detach().clone() for k, v in self.node.router.state_dict().items()}
 
@@ -581,6 +642,7 @@ class ExpertLoop:
             max_vclayer_norm_ratio=self.settings.max_vclayer_norm_ratio,
             own_adapter_norm=own_adapter_norm,
             max_adapter_norm_ratio=self.settings.assembly.max_adapter_norm_ratio,
+            router_reference_norm=self._reference_norm,
         )
         for target, why in sorted(refused.items()):
             self.ctx.counter(

@@ -36,10 +36,10 @@ import torch
 from peerlm.agent.fedwave.code_chain import StageExample
 from peerlm.agent.fedwave.collab_loss import CollabLossSettings
 from peerlm.agent.fedwave.exchange import RoundParts, aggregate_routers, router_weights
-from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss
+from peerlm.agent.fedwave.expert_step import encode_stage_examples, expert_loss, router_features
 from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.sequence_losses import per_sample_sft_loss
-from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO
+from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO, RouterRule
 from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer
 from peerlm.agent.fedwave.workflow import Workflow
 
@@ -110,17 +110,31 @@ def conclude_round(
     predecessor: VCLayer | None = None,
     successor: VCLayer | None = None,
     max_weight_ratio: float | None = DEFAULT_MAX_ROUTER_WEIGHT_RATIO,
+    rule: RouterRule = "median",
 ) -> RoundConclusion:
-    """The round's end at agent ``me``: Eq. 9 over its router and ``parts.routers``, and the
+    """The round's end at agent ``me``: the router aggregate over its router and
+    ``parts.routers`` (``rule``: the coordinate-wise median, or Eq. 9), and the
     adjacent stages' VCLayers from ``parts.vclayers`` (``predecessor``/``successor``: the
     previous round's, kept where none of the stage's agents' arrived). Pure: the same
     arguments give the same bits. ``FedWaveError`` from the aggregate (a router that does
     not fit: the transport has already refused those)."""
     merged, members = aggregate_routers(
-        me, own_router, own_samples, parts.routers, shapes, max_weight_ratio=max_weight_ratio
+        me,
+        own_router,
+        own_samples,
+        parts.routers,
+        shapes,
+        max_weight_ratio=max_weight_ratio,
+        rule=rule,
+        stages={a: workflow.stage_of(a).name for a in [me, *parts.routers]},
     )
     claims = {name: router.n_samples for name, router in parts.routers.items()}
-    weights = router_weights({**claims, me: own_samples}, max_weight_ratio)
+    # The median weighs every member alike: no claim is capped because none buys weight.
+    weights = (
+        router_weights({**claims, me: own_samples}, max_weight_ratio)
+        if rule == "fedavg"
+        else claims
+    )
     before, after = adjacent_vclayers(workflow, me, parts.vclayers, predecessor, successor)
     return RoundConclusion(
         round=parts.round,
@@ -285,6 +299,24 @@ class ExpertTrainer:
                 total += float(losses.sum())
                 count += int(losses.numel())
         return total / count
+
+    def own_features(self, limit: int) -> torch.Tensor:
+        """Eq. 7's pooled base features ``(B, d)`` of the first ``limit`` private examples:
+        what the routing check (:mod:`~peerlm.agent.fedwave.routing_check`) routes. The
+        base LM is frozen and runs with its adapter disabled, so they are computed once."""
+        cached = getattr(self, "_own_features", None)
+        if cached is not None and cached[0] == limit:
+            return cached[1]  # type: ignore[no-any-return]
+        chosen = self.examples[:limit]
+        pooled = []
+        for start in range(0, len(chosen), self.batch_size):
+            batch = encode_stage_examples(
+                self.tokenizer, chosen[start : start + self.batch_size], self.max_length
+            )
+            pooled.append(router_features(self.model, batch.input_ids, batch.prompt_mask))
+        features = torch.cat(pooled)
+        self._own_features = (limit, features)
+        return features
 
     def load_router(self, state: Mapping[str, torch.Tensor]) -> None:
         """Adopt the round's aggregate as this agent's router."""

@@ -103,12 +103,16 @@ def router_norm_refusal(
     max_ratio: float,
     max_rms: float = 0.0,
     max_abs: float | None = DEFAULT_MAX_ROUTER_UPDATE_ABS,
+    reference_norm: float | None = None,
 ) -> str | None:
-    """Why ``router`` is over the bound against the round's starting router ``base`` (a
-    message), or None if within it: an L2 norm of at most ``max(max_ratio × ‖base‖,
-    max_rms × √n)`` and, unless ``max_abs`` is None, no entry moved by more than
-    ``max_abs``."""
-    reference = state_norm(base)
+    """Why ``router`` is over the bound against this agent's router of the round's start
+    ``base`` (a message), or None if within it: an L2 norm of at most
+    ``max(max_ratio × reference_norm, max_rms × √n)`` and, unless ``max_abs`` is None, no
+    entry moved by more than ``max_abs``. ``reference_norm``: the norm the ratio scales,
+    the workflow's common initial router's in the expert loop (None: ``‖base‖``, which a
+    member with weight in the aggregate can grow round after round, and the bound with it).
+    """
+    reference = state_norm(base) if reference_norm is None else reference_norm
     entries = sum(v.numel() for v in base.values() if v.is_floating_point())
     bound = max(max_ratio * reference, max_rms * math.sqrt(entries))
     norm = update_norm(base, router)
@@ -124,7 +128,7 @@ def router_norm_refusal(
         )
     return (
         f"router update norm {norm:.4g} exceeds {bound:.4g}, the larger of {max_ratio:g} x "
-        f"the round's starting router norm {reference:.4g} (fedwave.max_router_update_ratio) "
+        f"the reference router norm {reference:.4g} (fedwave.max_router_update_ratio) "
         f"and {max_rms:g} x the root of its {entries} entries (fedwave.max_router_update_rms)"
     )
 
@@ -168,12 +172,14 @@ def screen_round(
     max_router_update_abs: float | None = DEFAULT_MAX_ROUTER_UPDATE_ABS,
     own_adapter_norm: float | None = None,
     max_adapter_norm_ratio: float | None = None,
+    router_reference_norm: float | None = None,
 ) -> dict[PullTarget, str]:
     """Move the parts of ``parts`` over their norm bound (module docstring) from its
     accepted routers / VCLayers to ``parts.rejected`` (reason ``norm``); what was moved,
     with each refusal's message. A ratio of None: no bound for that kind (the router's
     root-mean-square floor only widens a ratio's bound, and its per-entry bound
-    ``max_router_update_abs`` applies with the ratio); adapters are bounded when both
+    ``max_router_update_abs`` applies with the ratio; ``router_reference_norm`` is the norm
+    the ratio scales, None: ``‖base_router‖``); adapters are bounded when both
     ``own_adapter_norm`` and ``max_adapter_norm_ratio`` are given."""
     refused: dict[PullTarget, str] = {}
     if max_router_update_ratio is not None:
@@ -184,6 +190,7 @@ def screen_round(
                 max_ratio=max_router_update_ratio,
                 max_rms=max_router_update_rms,
                 max_abs=max_router_update_abs,
+                reference_norm=router_reference_norm,
             )
             if why is not None:
                 refused[PullTarget(agent, PartKind.ROUTER)] = why

@@ -37,13 +37,25 @@ round + 1 once they have published a round ≥ 1.
 What a hostile member can do with its answer: the positions are claims, and a member can
 serve parts of any round it likes, so nothing here can check them. A claim of a round past
 the workflow's last (or past what a checkpoint can hold) is ignored (``implausible``).
-Within the rounds the workflow plays, one member's claim decides a restarted agent's round
-(the largest running round, the smallest concluded one): it can move a restarted agent
-forward (rounds skipped), hold agents restarted together back by up to the two older
-checkpoints they keep (a roll-back never goes further), and, answering each agent
-differently, put restarted agents out of phase for the rest of the run (a deadline lost
-per round). That costs rounds, not the model's integrity: the norm bounds still screen
-every part it sends (docs/security.md).
+Within the rounds the workflow plays, one claim no longer decides (before the
+hostile-member audit the largest running round and the smallest concluded one did, so one
+member could make honest agents skip ahead or discard their two newer checkpoints):
+
+* joining running agents, a restarted agent takes the *upper median* of their rounds (at a
+  round's boundary honest agents are in r and r + 1, and r + 1 is the one to join, as the
+  largest was); a lie moves it only when the liar is alone with a single honest agent;
+* agents restarted together agree on the smallest concluded round among those at most
+  ``MAX_ROLLBACK_ROUNDS`` (1) below the *lower median* of everyone's (their own included);
+  a claim further below is an ``outlier`` and left out (logged, counted), so a lie rolls
+  honest agents back by at most one round, and agents that see the same answers still
+  agree. Two honest agents stopped two rounds apart (one concluded rounds without the
+  other: already out of phase) no longer meet at the lower one: the one behind skips to
+  the others' round when it is an outlier.
+
+A roll-back also never goes past the checkpoints the agent keeps (the last three). With
+two agents only, or a member answering each agent differently, a lie can still cost a
+round a restart; rounds are lost, not the model, whose parts the norm bounds, the robust
+router aggregate and the routing check still screen (docs/security.md).
 """
 
 from __future__ import annotations
@@ -55,7 +67,14 @@ from typing import Literal
 # The largest round anything here accepts: the one a checkpoint can hold.
 from peerlm.agent.checkpoint import _MAX_ROUND as MAX_ROUND
 
-__all__ = ["MAX_ROUND", "PeerPosition", "ResumePlan", "plan_resume"]
+__all__ = ["MAX_ROLLBACK_ROUNDS", "MAX_ROUND", "PeerPosition", "ResumePlan", "plan_resume"]
+
+#: How far below the median concluded round of agents restarted together the round they
+#: agree on may go. Every round waits for the others' parts, so honest agents stopped
+#: together are at most one round apart (one concluded a round the other had not yet);
+#: a claim further behind is a lie or an agent already out of phase, and following it
+#: would roll every honest agent back.
+MAX_ROLLBACK_ROUNDS = 1
 
 
 @dataclass(frozen=True)
@@ -111,6 +130,20 @@ class ResumePlan:
     rollback_unavailable: bool = False
     #: Peers whose claimed round is past the workflow's last: ignored.
     implausible: tuple[str, ...] = ()
+    #: Peers restarted together whose concluded round is more than ``MAX_ROLLBACK_ROUNDS``
+    #: below the median of all: ignored (no honest agent is that far behind; a lie would
+    #: roll the others back).
+    outliers: tuple[str, ...] = ()
+
+
+def _lower_median(values: list[int]) -> int:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _upper_median(values: list[int]) -> int:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def plan_resume(
@@ -123,29 +156,48 @@ def plan_resume(
     """The round an agent that restored its checkpoint of round ``own`` (≥ 1) plays next,
     given the other agents' ``peers`` positions and the rounds of its own checkpoints
     ``kept`` (module docstring). ``last_round``: the workflow's last round (None: rounds
-    without end); a peer claiming a later one is ignored, and no plan goes past it."""
+    without end); a peer claiming a later one is ignored, and no plan goes past it.
+
+    Robust to one member's lie (module docstring): joining running agents, the upper
+    median of their rounds; restarted together, the smallest concluded round among those
+    at most ``MAX_ROLLBACK_ROUNDS`` below the lower median of all of them (this agent's
+    included), the others being ``outliers``."""
     if own < 1:
         raise ValueError(f"a resume starts from a concluded round (>= 1), got {own}")
     bound = MAX_ROUND if last_round is None else min(last_round, MAX_ROUND)
     implausible = tuple(sorted(a for a, p in peers.items() if p.highest_claim() > bound))
     plausible = {a: p for a, p in peers.items() if a not in implausible}
-    running = [r for p in plausible.values() if (r := p.workflow_round) is not None]
+    running = {a: r for a, p in plausible.items() if (r := p.workflow_round) is not None}
+    outliers: tuple[str, ...] = ()
     if running:
         mode: Literal["running", "together", "alone"] = "running"
-        target = max(running)
+        # The upper median: at a round's boundary the honest agents are in r and r + 1 and
+        # the newer is the one to join (as the largest was); one member's claim moves it
+        # only when it is alone with one honest agent.
+        target = _upper_median(list(running.values()))
     else:
-        agreed = [
-            p.concluded for p in plausible.values() if p.concluded is not None and p.concluded >= 1
-        ]
+        agreed = {
+            a: p.concluded
+            for a, p in plausible.items()
+            if p.concluded is not None and p.concluded >= 1
+        }
         mode = "together" if agreed else "alone"
-        target = min([own, *agreed]) + 1
+        middle = _lower_median([own, *agreed.values()])
+        floor = middle - MAX_ROLLBACK_ROUNDS
+        outliers = tuple(sorted(a for a, c in agreed.items() if c < floor))
+        # This agent too may be the one behind: it then skips to the others' round.
+        target = min(c for c in [own, *agreed.values()] if c >= floor) + 1
     # A lingering workflow plays nothing after its last round; its last round's parts are
     # still kept, so a restarted agent (re)plays that round.
     target = min(target, bound)
     if target > own + 1:
-        return ResumePlan(target, None, target - own - 1, mode, implausible=implausible)
+        return ResumePlan(
+            target, None, target - own - 1, mode, implausible=implausible, outliers=outliers
+        )
     if target < own + 1:
         if target - 1 in kept:
-            return ResumePlan(target, target - 1, 0, mode, implausible=implausible)
-        return ResumePlan(own + 1, None, 0, mode, True, implausible)
-    return ResumePlan(own + 1, None, 0, mode, implausible=implausible)
+            return ResumePlan(
+                target, target - 1, 0, mode, implausible=implausible, outliers=outliers
+            )
+        return ResumePlan(own + 1, None, 0, mode, True, implausible, outliers)
+    return ResumePlan(own + 1, None, 0, mode, implausible=implausible, outliers=outliers)

@@ -54,6 +54,7 @@ __all__ = [
     "balance_loss",
     "entropy_loss",
     "fedavg_routers",
+    "median_routers",
     "router_losses",
     "top_k_routing",
 ]
@@ -215,4 +216,62 @@ def fedavg_routers(
             state, n = routers[name]
             acc += (n / total) * state[key].detach().to(device="cpu", dtype=torch.float64)
         merged[key] = acc.to(torch.float32)
+    return merged
+
+
+def _middle(values: list[torch.Tensor]) -> torch.Tensor:
+    """The coordinate-wise median of same-shaped float64 tensors (for an even count, the
+    mean of the two middle values): sorted first, so the order of ``values`` is irrelevant."""
+    ordered = torch.sort(torch.stack(values), dim=0).values
+    middle = (len(values) - 1) // 2
+    if len(values) % 2:
+        return ordered[middle]
+    return (ordered[middle] + ordered[middle + 1]) / 2
+
+
+def median_routers(
+    routers: Mapping[str, Mapping[str, torch.Tensor]],
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    stages: Mapping[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The coordinate-wise median of the agents' router state dicts, computed in float64
+    and cast to float32; with ``stages`` (agent → its stage), the median over the stages of
+    each stage's own median (its agents that are in ``routers``).
+
+    The robust counterpart of Eq. 9 that the expert loop uses by default
+    (``fedwave.router_aggregation``; docs/fedwave.md, section 5). Each router is one value
+    per entry, an equal share, whatever sample count it claims. By stage first because a
+    workflow's data are split by stage: the agents of one stage learn the same thing (their
+    median is robust to a minority among them), while each stage alone teaches the router
+    where *its* inputs go, so a member that pushes the way its own stage does would add its
+    vote to that stage's in a plain median over agents. Over three or more stages, every
+    entry of the result lies between two other stages' values of that entry, whatever one
+    stage's agents send. Deterministic over the *set* of routers: each entry's values are
+    sorted before the middle is taken (for an even count, the mean of the two middle
+    values), so agents that aggregate the same routers get the same bits in any arrival
+    order. ``shapes`` and the refusals (``FedWaveError``: ``empty``, ``keys``, ``shape``,
+    ``dtype``, ``non_finite``) are :func:`fedavg_routers`'.
+    """
+    if not routers:
+        raise FedWaveError("no routers to aggregate", reason="empty")
+    names = sorted(routers)
+    reference = (
+        shapes if shapes is not None else {k: tuple(v.shape) for k, v in routers[names[0]].items()}
+    )
+    for name in names:
+        check_tensors(routers[name], reference, what=f"agent {name!r}: router", error=FedWaveError)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        group = name if stages is None else stages.get(name)
+        if group is None:
+            raise FedWaveError(f"agent {name!r} has no stage", reason="keys")
+        groups.setdefault(group, []).append(name)
+    merged: dict[str, torch.Tensor] = {}
+    for key in sorted(reference):
+        per_group = [
+            _middle([routers[n][key].detach().to(device="cpu", dtype=torch.float64) for n in g])
+            for _, g in sorted(groups.items())
+        ]
+        merged[key] = _middle(per_group).to(torch.float32)
     return merged

@@ -11,7 +11,7 @@ build modules import torch when called.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from peerlm.agent.fedwave.params import (
     AssemblySettings,
@@ -29,16 +29,20 @@ from peerlm.config import MiB, Section, parse_host_port
 #: honest round measured 0.152 (tiny gpt2 chain, router lr 1e-2, 24 or 48 steps; AdamW moves
 #: an entry by at most about lr x steps), so 1 is 6.5 times that (docs/fedwave.md, section 5).
 DEFAULT_MAX_ROUTER_UPDATE_ABS = 1.0
-#: Default of ``FedWaveSettings.max_router_weight_ratio``: an honest member with up to four
-#: times the median member's data keeps the paper's weight; a claim of 1e9 weighs like four
-#: medians (with three honest members of equal data: 4/7 of the mean instead of all of it).
-DEFAULT_MAX_ROUTER_WEIGHT_RATIO = 4.0
+#: Default of ``FedWaveSettings.max_router_weight_ratio`` (the ``fedavg`` rule only): each
+#: claimed n_i clipped to the members' lower median claim, so nobody buys more than the
+#: median member's weight with a claim nobody can check (a ratio of 4, before the
+#: hostile-member audit, gave a claim of 1e9 4/7 of the mean beside three honest members).
+DEFAULT_MAX_ROUTER_WEIGHT_RATIO = 1.0
+#: How an expert aggregates the workflow's routers: ``median`` (coordinate-wise, robust to a
+#: hostile minority; the default) or ``fedavg`` (the paper's Eq. 9, n_i-weighted).
+RouterRule = Literal["median", "fedavg"]
 
 if TYPE_CHECKING:
     from peerlm.agent.fedwave.router import MoERouter
     from peerlm.agent.fedwave.vclayer import VCLayer
 
-__all__ = ["FedWaveSettings"]
+__all__ = ["FedWaveSettings", "RouterRule"]
 
 
 class FedWaveSettings(Section):
@@ -67,8 +71,10 @@ class FedWaveSettings(Section):
     # (``no_endpoint``). This agent's own entry, if listed, is ignored.
     peers: dict[str, str] = Field(default_factory=dict, max_length=4096)
     # Norm bounds on the parts that arrived (agent/fedwave/part_admission.py; null: none): a
-    # router's change against the round's starting router at most this times that router's
-    # norm; a neighbour's VCLayer's norm at most this times this agent's own VCLayer's.
+    # router's change against this agent's own router of the round's start at most this
+    # times the norm of the workflow's common initial router (from ``seed``: no member can
+    # inflate it, as it could the aggregate's); a neighbour's VCLayer's norm at most this
+    # times this agent's own VCLayer's.
     max_router_update_ratio: float | None = Field(default=1.0, gt=0, le=1e6)
     # ...or, if larger, this root-mean-square change per router entry times the root of
     # the router's entry count: AdamW moves an entry by about its lr a step whatever the
@@ -78,12 +84,25 @@ class FedWaveSettings(Section):
     # bound per entry (at most about lr x steps), so a hostile member cannot spend the
     # whole L2 budget on one output bias and turn every agent's routing to its expert.
     max_router_update_abs: float | None = Field(default=DEFAULT_MAX_ROUTER_UPDATE_ABS, gt=0, le=1e6)
-    # Eq. 9's n_i is the sender's own claim: each is capped at this times the members'
-    # lower median claim, so one member claiming 1e9 samples cannot be the whole mean
-    # (agent/fedwave/exchange.py router_weights); null: the claims as they are.
+    # How the workflow's routers are aggregated each round: ``median``, the coordinate-wise
+    # median (every member an equal share; while fewer than half are hostile each entry
+    # stays between two honest values), or ``fedavg``, the paper's n_i-weighted Eq. 9, for
+    # a workflow whose members trust each other (docs/fedwave.md, section 5).
+    router_aggregation: RouterRule = "median"
+    # With ``fedavg``: Eq. 9's n_i is the sender's own claim; each is capped at this times
+    # the members' lower median claim (1: clipped to the median), so one member claiming
+    # 1e9 samples cannot buy more than a median member's weight (agent/fedwave/exchange.py
+    # router_weights); null: the claims as they are.
     max_router_weight_ratio: float | None = Field(
         default=DEFAULT_MAX_ROUTER_WEIGHT_RATIO, ge=1, le=1e6
     )
+    # Before adopting a round's aggregate, an expert routes a sample of its own stage's
+    # private examples (``routing_check_examples``) with it and with the router it held
+    # before the round: if the aggregate's mean weight on the agent's own expert falls by
+    # more than this (absolute), or below 1/N less this, the round's aggregate is refused
+    # and the previous router kept (agent/fedwave/routing_check.py); null: no check.
+    routing_check_margin: float | None = Field(default=0.1, gt=0, le=1)
+    routing_check_examples: int = Field(default=32, ge=1, le=4096)
     max_vclayer_norm_ratio: float | None = Field(default=10.0, gt=0, le=1e6)
     vclayer: VCLayerSettings = VCLayerSettings()
     collab: CollabLossSettings = CollabLossSettings()

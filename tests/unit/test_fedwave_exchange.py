@@ -205,7 +205,13 @@ def test_agents_that_aggregate_the_same_routers_get_the_same_bits() -> None:
                     assert part.router is not None
                     pulled[other] = part.router
             merged, members = aggregate_routers(
-                me, routers[me].state_dict(), samples[me], pulled, shapes, max_weight_ratio=ratio
+                me,
+                routers[me].state_dict(),
+                samples[me],
+                pulled,
+                shapes,
+                max_weight_ratio=ratio,
+                rule="fedavg",
             )
             assert members == ("a1", "a2", "a3", "a4")
             results.append(merged)

@@ -71,7 +71,16 @@ def shapes() -> dict[str, tuple[int, ...]]:
 def test_every_agent_concludes_with_the_same_router_weighted_by_n_i() -> None:
     routers = trained_routers()
     ends = {
-        me: conclude_round(WORKFLOW, me, routers[me], SAMPLES[me], parts_for(me, routers), shapes())
+        me: conclude_round(
+            WORKFLOW,
+            me,
+            routers[me],
+            SAMPLES[me],
+            parts_for(me, routers),
+            shapes(),
+            max_weight_ratio=None,
+            rule="fedavg",  # the paper's rule, n_i-weighted (the default is the median)
+        )
         for me in routers
     }
     digests = {c.digest for c in ends.values()}

@@ -193,9 +193,11 @@ def test_a_router_at_the_rms_floor_with_its_budget_in_one_bias_is_refused() -> N
 def test_a_router_claiming_the_largest_sample_count_does_not_take_over_eq9() -> None:
     """Hostile member: ``n_i`` is the sender's own claim (up to ``MAX_SAMPLES``, 1e9), so a
     router inside every norm bound that claims 1e9 samples would be nearly all of the
-    Eq. 9 mean at every agent, the honest members' routers nearly nothing. The aggregate
-    caps each claim at ``max_router_weight_ratio`` (default 4) x the members' (lower)
-    median claim: the claim weighs like four honest members', no more."""
+    Eq. 9 mean at every agent, the honest members' routers nearly nothing. Under Eq. 9
+    (``router_aggregation: fedavg``) each claim is capped at ``max_router_weight_ratio``
+    (default 1, the hostile-member audit: 4 still gave the claim 4/7 of the mean) x the
+    members' (lower) median claim: the claim weighs like one honest member's, no more.
+    Under the default median every router is an equal share whatever it claims."""
     from peerlm.agent.fedwave.exchange import aggregate_routers
     from peerlm.agent.fedwave.router import fedavg_routers
     from peerlm.agent.fedwave.router_codec import MAX_SAMPLES, decode_router
@@ -222,15 +224,23 @@ def test_a_router_claiming_the_largest_sample_count_does_not_take_over_eq9() -> 
     )
     assert not refused  # every norm bound admits it: only its weight is out of line
     own = _nudged(base, 2e-3).state_dict()
-    merged, members = aggregate_routers("c", own, 64, parts.routers, shapes)
+    merged, members = aggregate_routers("c", own, 64, parts.routers, shapes, rule="fedavg")
     assert members == ("a", "b", "c", "h")
-    capped = {k: (r.state, 4 * 64 if k == "h" else 64) for k, r in parts.routers.items()}
+    capped = {k: (r.state, 64) for k, r in parts.routers.items()}
     expected = fedavg_routers({**capped, "c": (own, 64)}, shapes=shapes)
     for key in expected:
         torch.testing.assert_close(merged[key], expected[key])
     # The round's conclusion names the capped member (the expert loop counts and logs it).
     from peerlm.agent.fedwave.expert_round import conclude_round
 
-    conclusion = conclude_round(WORKFLOW, "c", own, 64, parts, shapes)
+    conclusion = conclude_round(WORKFLOW, "c", own, 64, parts, shapes, rule="fedavg")
     assert conclusion.capped == ("h",)
     assert all(torch.equal(conclusion.router[k], merged[k]) for k in merged)
+    # The median takes no weights at all: claiming 1e9 or 64 gives the same bits.
+    from peerlm.agent.fedwave.router_codec import DecodedRouter
+
+    median, _ = aggregate_routers("c", own, 64, parts.routers, shapes)
+    modest = {k: DecodedRouter(r.state, 64, 2) for k, r in parts.routers.items()}
+    same, _ = aggregate_routers("c", own, 64, modest, shapes)
+    assert all(torch.equal(median[k], same[k]) for k in median)
+    assert not conclude_round(WORKFLOW, "c", own, 64, parts, shapes).capped

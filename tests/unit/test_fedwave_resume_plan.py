@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from peerlm.agent.fedwave.resume import MAX_ROUND, PeerPosition, plan_resume
+from peerlm.agent.fedwave.resume import MAX_ROLLBACK_ROUNDS, MAX_ROUND, PeerPosition, plan_resume
 
 
 def restarted(concluded: int | None) -> PeerPosition:
@@ -81,7 +81,45 @@ def test_a_workflow_restarted_together_plays_one_round_whoever_is_ahead(
         if plan.rollback_to is not None:
             assert plan.rollback_to in kept and plan.rollback_to < own
         assert not plan.rollback_unavailable
-    assert {p.next_round for p in plans} == {low + 1}
+    # They all agree; on the smallest round's next when nobody is further than
+    # MAX_ROLLBACK_ROUNDS below the median (always for agents stopped together in phase);
+    # an agent further behind is left out as an outlier and skips to the others' round.
+    agreed = {p.next_round for p in plans}
+    assert len(agreed) == 1
+    if max(rounds) - low <= MAX_ROLLBACK_ROUNDS:
+        assert agreed == {low + 1}
+
+
+@pytest.mark.parametrize("lie", [1, 2, 3])
+def test_one_members_low_concluded_round_rolls_honest_agents_back_one_round_at_most(
+    lie: int,
+) -> None:
+    """Hostile member: agents restarted together at round 6 (one at 5) and a member that
+    claims to have concluded only ``lie``. Before, the smallest claim decided: every honest
+    agent rolled back to it (as far as its kept checkpoints allowed, discarding the newer
+    ones). Now a claim more than one round below the median is an outlier."""
+    honest = {"a": 6, "b": 6, "c": 5}
+    plans = {}
+    for me, own in honest.items():
+        peers = {o: restarted(c) for o, c in honest.items() if o != me} | {"liar": restarted(lie)}
+        plans[me] = plan_resume(own, peers, kept=[own - 2, own - 1, own], last_round=20)
+    assert {p.next_round for p in plans.values()} == {6}  # c's round: the honest agreement
+    assert all(p.outliers == ("liar",) for p in plans.values())
+    assert plans["a"].rollback_to == 5 and plans["c"].rollback_to is None
+
+
+def test_one_members_running_round_cannot_move_a_restarted_agent() -> None:
+    """Hostile member: the workflow runs round 7; a member claims to play round 15 (or 2).
+    Before, the largest running round decided: the restarted agent skipped to 15 and played
+    out of phase, a deadline lost each round. Now the upper median of the running rounds."""
+    for claim in (15, 2):
+        peers = {
+            "a": PeerPosition(0, 6, playing=7),
+            "b": PeerPosition(0, 6, playing=7),
+            "liar": PeerPosition(0, claim - 1, playing=claim),
+        }
+        plan = plan_resume(5, peers, kept=[3, 4, 5], last_round=20)
+        assert (plan.next_round, plan.skipped, plan.mode) == (7, 1, "running"), claim
 
 
 def test_positions_say_what_they_know() -> None:
