@@ -42,7 +42,7 @@ from peerlm.agent.fedwave.exchange import (
 )
 from peerlm.agent.fedwave.exchange_service import proof_kind
 from peerlm.agent.fedwave.resume import PeerPosition
-from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO
+from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO, RouterRule
 from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.peer_client import PeerExchangeError, receive_chunks
 from prometheus_client import Gauge
@@ -313,14 +313,23 @@ def aggregate_round_routers(
     shapes: Mapping[str, tuple[int, ...]],
     *,
     max_weight_ratio: float | None = DEFAULT_MAX_ROUTER_WEIGHT_RATIO,
+    rule: RouterRule = "median",
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """Eq. 9 over this agent's router and the routers ``parts`` brought: (the aggregate,
-    the agents averaged). Counted in ``peerlm_agent_fedwave_router_aggregations_total``
+    """The router aggregate over this agent's router and the routers ``parts`` brought
+    (``rule``: the stage-wise coordinate-wise median, or Eq. 9 with each claimed ``n_i``
+    capped by :func:`~peerlm.agent.fedwave.exchange.router_weights`): (the aggregate, the
+    agents taken). Counted in ``peerlm_agent_fedwave_router_aggregations_total``
     (``complete``: every agent of the workflow; ``partial``: some missing) and
-    ``peerlm_agent_fedwave_router_members_count`` (agents in the last aggregate). Each
-    claimed ``n_i`` is capped (:func:`~peerlm.agent.fedwave.exchange.router_weights`)."""
+    ``peerlm_agent_fedwave_router_members_count`` (agents in the last aggregate)."""
     merged, members = aggregate_routers(
-        ctx.name, own, own_samples, parts.routers, shapes, max_weight_ratio=max_weight_ratio
+        ctx.name,
+        own,
+        own_samples,
+        parts.routers,
+        shapes,
+        max_weight_ratio=max_weight_ratio,
+        rule=rule,
+        stages={a: workflow.stage_of(a).name for a in [ctx.name, *parts.routers]},
     )
     record_router_aggregate(ctx, workflow, members, parts.round)
     return merged, members

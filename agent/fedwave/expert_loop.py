@@ -53,7 +53,13 @@ from peerlm.agent.fedwave.expert_assembly import (
     assemble_and_align,
     score_expert,
 )
-from peerlm.agent.fedwave.expert_checkpoint import pack_expert_state, unpack_expert_state
+from peerlm.agent.fedwave.expert_checkpoint import (
+    KEY_FILE,
+    ExpertCheckpointError,
+    load_or_create_key,
+    pack_expert_state,
+    unpack_expert_state,
+)
 from peerlm.agent.fedwave.expert_round import (
     ExpertTrainer,
     RoundConclusion,
@@ -165,6 +171,7 @@ class ExpertLoop:
         # the last round's parts when fedwave.assembly is on (the others pull it after that).
         self._encoded_adapter = encoded_adapter if settings.assembly.enabled else None
         self.final_round = final_round
+        self._key: bytes | None = None  # the checkpoint key, read at the first save or load
         self.next_round = 1  # the round play() is to be called with next
         # The report's byte counts when this process started (restored from a checkpoint):
         # the process's counters start at 0.
@@ -394,6 +401,7 @@ class ExpertLoop:
         self.count_bytes()
         tensors, state = pack_expert_state(
             t,
+            key=self._checkpoint_key(),
             adapter=adapter,
             router=self.node.router.state_dict(),
             vclayer=self.trainer.vclayer,
@@ -403,6 +411,16 @@ class ExpertLoop:
             rng=self.trainer.rng,
         )
         self.checkpoints.save(t, tensors, state)
+
+    def _checkpoint_key(self) -> bytes:
+        """This agent's checkpoint key (model thread): ``checkpoint.key`` beside the
+        checkpoints directory, created 0600 at the first use (expert_checkpoint.py)."""
+        assert self.checkpoints is not None
+        if self._key is None:
+            directory = self.checkpoints.directory
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            self._key = load_or_create_key(directory.parent / KEY_FILE)
+        return self._key
 
     async def restore(self) -> int:
         """Load the newest checkpoint, if any: the expert's adapter, router, VCLayer, the
@@ -419,13 +437,33 @@ class ExpertLoop:
 
     async def _load(self, checkpoint: Checkpoint) -> int:
         bounds = self.node.bounds
-        saved = unpack_expert_state(
-            checkpoint.tensors,
-            checkpoint.state,
-            router_shapes=self.shapes,
-            hidden_size=bounds.hidden_size,
-            vclayer=bounds.vclayer,
-        )
+        key = await self._run(self._checkpoint_key)
+        try:
+            saved = unpack_expert_state(
+                checkpoint.tensors,
+                checkpoint.state,
+                router_shapes=self.shapes,
+                hidden_size=bounds.hidden_size,
+                vclayer=bounds.vclayer,
+                key=key,
+            )
+        except ExpertCheckpointError as err:
+            self.ctx.counter(
+                "peerlm_agent_fedwave_checkpoint_refusals_total",
+                "FedWave expert checkpoints refused on restore: mac (no or another HMAC of "
+                "this agent's key), non_finite, shape, state; nothing of them loaded",
+                ("reason",),
+            ).labels(err.reason).inc()
+            self.ctx.log.error(
+                "fedwave_checkpoint_refused",
+                round=checkpoint.round,
+                reason=err.reason,
+                error=str(err),
+            )
+            raise ExpertCheckpointError(
+                f"FedWave checkpoint of round {checkpoint.round} refused: {err}",
+                reason=err.reason,
+            ) from None
 
         def load() -> None:
             if self._load_adapter is not None:

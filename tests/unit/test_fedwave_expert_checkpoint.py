@@ -1,16 +1,23 @@
 """An expert's FedWave state between rounds through a real CheckpointStore: packed,
-saved atomically, loaded and unpacked to the same bits; a checkpoint that does not fit is
-refused before anything is used."""
+saved atomically, loaded and unpacked to the same bits; a checkpoint that does not fit, is
+not finite or is not MACed under the agent's key is refused before anything is used."""
 
 from __future__ import annotations
 
 import random
+import secrets
 from pathlib import Path
 
 import pytest
 import torch
 from peerlm.agent.checkpoint import CheckpointStore
-from peerlm.agent.fedwave.expert_checkpoint import pack_expert_state, unpack_expert_state
+from peerlm.agent.fedwave.expert_checkpoint import (
+    KEY_FILE,
+    ExpertCheckpointError,
+    load_or_create_key,
+    pack_expert_state,
+    unpack_expert_state,
+)
 from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.router_codec import router_shapes
 from peerlm.agent.fedwave.vclayer import VCLayer, VCLayerSettings
@@ -82,3 +89,56 @@ def test_a_checkpoint_of_another_shape_is_refused(tmp_path: Path) -> None:
             checkpoint.tensors, {"round": 3}, router_shapes=router_shapes(expect["router"]),
             hidden_size=WIDTH, vclayer=SIZE,
         )  # fmt: skip
+
+
+def _keyed(tmp_path: Path) -> tuple[dict, dict, bytes, dict]:  # type: ignore[type-arg]
+    key = load_or_create_key(tmp_path / KEY_FILE)
+    router = MoERouter(WIDTH, 3, generator=torch.Generator().manual_seed(1))
+    tensors, state = pack_expert_state(
+        3, adapter={}, router=router.state_dict(), vclayer=VCLayer(WIDTH, SIZE),
+        predecessor=None, successor=None, report={"stage": "test"}, rng=random.Random(1),
+        key=key,
+    )  # fmt: skip
+    args = {"router_shapes": router_shapes(router), "hidden_size": WIDTH, "vclayer": SIZE}
+    return tensors, state, key, args
+
+
+def test_the_checkpoint_key_is_private_and_kept(tmp_path: Path) -> None:
+    key = load_or_create_key(tmp_path / KEY_FILE)
+    assert len(key) == 32 and (tmp_path / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    assert load_or_create_key(tmp_path / KEY_FILE) == key  # never overwritten
+    (tmp_path / KEY_FILE).chmod(0o644)
+    with pytest.raises(ValueError, match="readable by its owner only"):
+        load_or_create_key(tmp_path / KEY_FILE)
+
+
+def test_a_nan_router_with_recomputed_hashes_is_refused_on_restore(tmp_path: Path) -> None:
+    """Hostile-member audit: whoever can write the state directory swapped in a NaN router
+    and recomputed the store's (unkeyed) SHA-256s; the expert loaded it. The store still
+    verifies it (its hashes are recomputed here by a fresh save), but the HMAC under the
+    agent's own key does not match, and the values are checked whatever the MAC says."""
+    tensors, state, key, args = _keyed(tmp_path)
+    store = CheckpointStore(tmp_path / "ck")
+    store.save(3, tensors, state)
+    good = store.load_latest()
+    assert good is not None
+    assert unpack_expert_state(good.tensors, good.state, key=key, **args).round == 3
+    poisoned = dict(tensors)
+    poisoned["router/fc2.bias"] = torch.full_like(tensors["router/fc2.bias"], float("nan"))
+    store.save(4, poisoned, {**state, "round": 4})  # fresh, valid store hashes
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.round == 4  # the unkeyed hashes verify
+    with pytest.raises(ExpertCheckpointError, match="MAC") as err:
+        unpack_expert_state(loaded.tensors, loaded.state, key=key, **args)
+    assert err.value.reason == "mac"
+    with pytest.raises(ExpertCheckpointError, match="finite") as err:
+        unpack_expert_state(loaded.tensors, loaded.state, key=None, **args)
+    assert err.value.reason == "non_finite"
+    # A finite forgery without the key, or a checkpoint without a MAC, is refused too.
+    unkeyed = {k: v for k, v in state.items() if k != "mac"}
+    for forged in (unkeyed, {**state, "mac": "0" * 64}):
+        with pytest.raises(ExpertCheckpointError, match="MAC"):
+            unpack_expert_state(tensors, forged, key=key, **args)
+    other = secrets.token_bytes(32)
+    with pytest.raises(ExpertCheckpointError, match="MAC"):
+        unpack_expert_state(tensors, state, key=other, **args)
