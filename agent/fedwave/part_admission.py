@@ -11,8 +11,11 @@ rejected ones (reason ``norm``) before the round is concluded, with no I/O:
 * **a router**: its task vector against the round's starting router ``ρ^(t−1)`` (the
   aggregate every agent adopted at the end of the previous round, the common initial router
   in round 1) may have an L2 norm of at most
-  ``max(max_router_update_ratio × ‖ρ^(t−1)‖, max_router_update_rms × √n)``, ``n`` the
-  router's number of entries. The second term is the bound AdamW obeys: it moves an entry
+  ``max(max_router_update_ratio × ‖ρ^(0)‖, max_router_update_rms × √n)``, ``n`` the
+  router's number of entries, ``ρ^(0)`` the workflow's common initial router (the expert
+  loop passes its norm as ``router_reference_norm``; before the hostile-member audit the
+  ratio scaled ``‖ρ^(t−1)‖``, which a member with weight in the aggregate grew round after
+  round, and the bound with it). The second term is the bound AdamW obeys: it moves an entry
   by at most about its learning rate a step, whatever the entry's size, so a router that
   starts small (init s.d. 0.02) leaves any ratio of its own norm within a few steps
   (measured on the tiny gpt2 chain, 8,451 entries: ratio 1.23 after 8 steps at lr 5e-3,
@@ -50,8 +53,10 @@ rejected ones (reason ``norm``) before the round is concluded, with no I/O:
 Norms are float64 over every floating tensor (:func:`~peerlm.agent.fedproxy_admission.
 state_norm`), so 1e30 entries do not overflow to inf; a NaN norm is refused too.
 
-Not here: an acceptance gate on the adopted router (keep the previous one if the held-out
-loss rises). The expert's held-out SFT loss does not go through the router (the router
+The aggregate itself is screened after the round by the routing check
+(:mod:`~peerlm.agent.fedwave.routing_check`). Not here: an acceptance gate on the adopted
+router's held-out *loss* (keep the previous one if it rises). The expert's held-out SFT
+loss does not go through the router (the router
 chooses among the experts in the assembled model), so that loss cannot judge it; and a
 gate that kept a different router at some agents than at others would split the workflow's
 routers, which Eq. 9 is there to keep equal.
