@@ -19,7 +19,7 @@ The router is a logistic regression on character n-gram TF-IDF of the prompt (sc
 fitted on the participant's own training prompts (class "own") against the public transfer
 set X_u's prompts (class "other"), with balanced class weights. Its threshold is calibrated on
 the participant's own **validation** prompts: an input goes to the peer slot only if its
-score exceeds every own validation prompt's, so on what the participant can measure of its
+score exceeds every own validation prompt's (and even odds), so on what the participant can measure of its
 own skills the routed model *is* the own adapter. That is the acceptance gate for routing:
 it never uses test data, and it holds whatever a peer sent. A prompt-text router needs no
 forward pass and works across architectures and tokenizers; routing on the base model's
@@ -61,7 +61,7 @@ class InputRouter:
     vectorizer: TfidfVectorizer
     classifier: LogisticRegression
     #: An input goes to the peer slot when its "other" probability exceeds this: the
-    #: largest any own validation prompt had.
+    #: largest any own validation prompt had, and at least 0.5.
     threshold: float
 
     @classmethod
@@ -83,7 +83,9 @@ class InputRouter:
         classifier = LogisticRegression(class_weight="balanced", max_iter=2_000)
         classifier.fit(features, labels)
         scores = classifier.predict_proba(vectorizer.transform(list(validation_prompts)))[:, 1]
-        return cls(vectorizer, classifier, float(np.max(scores)))
+        # Never below even odds: an input the classifier itself takes for the participant's
+        # own stays with the own adapter, however uniform the validation prompts are.
+        return cls(vectorizer, classifier, max(0.5, float(np.max(scores))))
 
     def scores(self, prompts: Sequence[str]) -> np.ndarray:
         """The probability that each prompt is unlike the participant's own data."""

@@ -428,3 +428,34 @@ def cpm_group_arm_command(
         as_json,
         {},
     )
+
+
+@app.command("experiment-round")
+def experiment_round_command(
+    micro: Annotated[bool, typer.Option("--micro", help="Micro models (seconds).")] = False,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds timed per plan.")] = 2,
+    cores: Annotated[int, typer.Option(min=1, help="Cores the projection assumes.")] = 2,
+    models_dir: Annotated[
+        Path | None, typer.Option(help="Model cache (default: run-experiment's).")
+    ] = None,
+    work_dir: Annotated[Path, typer.Option(help="Scratch folder for the worlds.")] = Path(
+        "state/bench-experiment-round"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """Seconds per client-round of run-experiment, before and after, phase by phase."""
+    import torch
+    from peerlm.bench.experiment_round import render_report, run_benchmark
+
+    from peerlm.app.cli_models import models_cache_dir, quiet_transformers
+
+    quiet_transformers()
+    torch.set_num_threads(1)
+    models = models_dir or models_cache_dir("micro" if micro else "tiny")
+    _run_and_report(
+        "bench experiment-round",
+        lambda progress: run_benchmark(
+            models, work_dir, micro=micro, rounds=rounds, cores=cores, progress=progress
+        ),
+        lambda r, p: [], render_report, None, as_json, {},
+    )  # fmt: skip

@@ -359,8 +359,8 @@ ProbeScope = Literal["all", "lacked"]
 class ExperimentPlan:
     """Everything that defines a run; part of ``results.json``."""
 
-    agents: int = 4
-    rounds: int = 4
+    agents: int = 6
+    rounds: int = 20
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     seeds: tuple[int, ...] = (0, 1, 2)
     world_seed: int = 0  # data split, transfer/test/probe sets
@@ -371,10 +371,10 @@ class ExperimentPlan:
     # private skill, and clients (the last ones) holding none.
     experts_per_skill: int = 1
     unskilled: int = 0
-    local_steps: int = 12
+    local_steps: int = 2
     # Optimiser steps of one AKD integration (and LocalOnly+'s matching steps on its own
     # data); None: ``local_steps``.
-    akd_steps: int | None = 48
+    akd_steps: int | None = 8
     # Steps each client fine-tunes on its own data before round 1 (the organisations arrive
     # with locally tuned models; module docstring). 0: clients start from the base model.
     warmup_steps: int = 120
@@ -390,6 +390,16 @@ class ExperimentPlan:
     # Validation problems a client generates on each round (its profile's pass@1 and its
     # per-category competence, ``teach_scope``); None: all of them.
     val_limit: int | None = None
+    # Generate the validation problems on round 1 and every ``val_every`` rounds after it;
+    # between, the last measured pass@1 and competence stand (the validation loss is
+    # measured every round).
+    val_every: int = 5
+    # Measure the test NLL curve after every ``curve_every``-th round (and the last); the
+    # curve's rounds are in each run's ``curve_rounds``.
+    curve_every: int = 5
+    # Most X_u prompts a teacher answers in one round (a window moving over its teachable
+    # prompts from round to round); None: all of them each round.
+    teach_limit: int | None = 32
     test_limit: int = 120
     samples: int = 2
     sample_temperature: float = 0.8
@@ -484,6 +494,12 @@ class ExperimentPlan:
             raise ValueError("strategies must be a non-empty list without repeats")
         if self.warmup_steps < 0:
             raise ValueError("warmup_steps must be >= 0")
+        if (
+            self.val_every < 1
+            or self.curve_every < 1
+            or (self.teach_limit is not None and self.teach_limit < 1)
+        ):
+            raise ValueError("val_every, curve_every and teach_limit must be positive")
         if self.agents < 2 or self.rounds < 1:
             raise ValueError("need at least 2 agents and 1 round")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
@@ -585,7 +601,10 @@ def quick_plan(**overrides: Any) -> ExperimentPlan:
     whole table (:data:`STRATEGIES`)."""
     base: dict[str, Any] = {
         "strategies": STRATEGIES,
+        "agents": 4,
         "rounds": 2,
+        "val_every": 1,
+        "curve_every": 1,
         "seeds": (0, 1),
         "local_steps": 2,
         "grad_accumulation": 1,
@@ -668,16 +687,23 @@ class _World:
     # The category of each prompt of ``transfer`` (what a competent teacher selects by).
     transfer_categories: list[str] = field(default_factory=list)
 
-    def teachable(self, client: _Client) -> list[int]:
-        """Indices of the X_u prompts ``client`` answers as a teacher (``teach_scope``)."""
+    def teachable(self, client: _Client, t: int = 1) -> list[int]:
+        """Indices of the X_u prompts ``client`` answers as a teacher in round ``t``
+        (``teach_scope``; at most ``teach_limit`` of them, a window that moves on each
+        round so that the rounds cover them all)."""
         from peerlm.agent import teachable_indices
 
-        return teachable_indices(
+        chosen = teachable_indices(
             self.transfer_categories,
             client.competence,
             scope=self.plan.teach_scope,
             min_pass=self.plan.teach_min_pass,
         )
+        limit = self.plan.teach_limit
+        if limit is None or len(chosen) <= limit:
+            return chosen
+        start = ((t - 1) * limit) % len(chosen)
+        return sorted((chosen + chosen)[start : start + limit])
 
     @property
     def probe_examples(self) -> list[tuple[str, str]]:
@@ -1014,11 +1040,11 @@ def _integrate(
     return result
 
 
-def _predictions(world: _World, teacher: _Client) -> tuple[list[int], list[str]]:
+def _predictions(world: _World, teacher: _Client, t: int) -> tuple[list[int], list[str]]:
     """What ``teacher`` answers of X_u (:meth:`_World.teachable`) and its greedy answers."""
     from peerlm.agent import teacher_completions
 
-    chosen = world.teachable(teacher)
+    chosen = world.teachable(teacher, t)
     prompts = [world.transfer[k] for k in chosen]
     return chosen, teacher_completions(teacher.host, prompts, world.plan.max_new_tokens)
 
@@ -1062,7 +1088,7 @@ def _central_kd(world: _World, clients: list[_Client], seed: int, t: int) -> lis
     completions = []
     for c in clients:
         # What a client does not answer (``teach_scope``) is no candidate: "".
-        chosen, texts = _predictions(world, c)
+        chosen, texts = _predictions(world, c, t)
         vetted = c.guardrail.filter_many(texts, [world.transfer[k] for k in chosen])
         answers = [""] * len(world.transfer)
         for k, r in zip(chosen, vetted, strict=True):
@@ -1099,7 +1125,7 @@ def _oracle(
     adapter, the others are restored. Returns the records and every pair's gain
     (``"teacher>student"``), for the CPM's figures.
     """
-    predictions = {c.name: _predictions(world, c) for c in clients}
+    predictions = {c.name: _predictions(world, c, t) for c in clients}
     probe = world.probe_examples
     trials: dict[tuple[int, int], tuple[float, Any, Integration, float]] = {}
     separate = world.plan.integration == "separate"
@@ -1335,7 +1361,7 @@ def _exchange(
     for pairing in pairings:
         teacher, student = by_name[pairing.sender], by_name[pairing.receiver]
         directive = f"{strategy}-{t}-{teacher.name}-{student.name}"
-        package, kb = _package(world, teacher, _predictions(world, teacher), directive)
+        package, kb = _package(world, teacher, _predictions(world, teacher, t), directive)
         result = _integrate(world, student, package, kb, seed, clients.index(student), t)
         normalised = policy.observe(pairing, result.reward)
         student.rewards.append(result.reward)
@@ -1395,7 +1421,7 @@ def _menu_exchange(
             mode: Literal["text", "logits"] = (
                 "logits" if pairing.protocol == "akd_logits" else "text"
             )
-            predictions = _predictions(world, teacher)
+            predictions = _predictions(world, teacher, t)
             package, kb = _package(world, teacher, predictions, directive, mode)
             result = _integrate(world, student, package, kb, seed, i, t)
             reward = result.reward
@@ -1539,18 +1565,30 @@ class _LocalPhase:
 
 
 def _local_phase(world: _World, c: _Client, seed: int, i: int, t: int) -> _LocalPhase:
-    from peerlm.agent import competence_of, local_update, sample_completions, score_completions
+    from peerlm.agent import local_update
 
     plan = world.plan
     stats = local_update(c.host, c.train_examples, _round_config(plan, seed, i), t)
     loss, _ = c.host.eval_loss(c.val_examples)
+    if (t - 1) % plan.val_every and c.competence is not None:
+        # Not a validation round: the competence stands, and the profile carries the last
+        # measured pass@1 forward (round_profile's rule for a round without one).
+        return _LocalPhase(c.host.adapter_state(), stats.mean_loss, loss, math.nan, c.competence)
+    pass1, competence = _validate(world, c)
+    return _LocalPhase(c.host.adapter_state(), stats.mean_loss, loss, pass1, competence)
+
+
+def _validate(world: _World, c: _Client) -> tuple[float, Competence]:
+    """Greedy pass@1 of ``c``'s own adapter on its validation problems, and per category
+    (what it may teach)."""
+    from peerlm.agent import competence_of, sample_completions, score_completions
+
+    plan = world.plan
     val = c.val[: plan.val_limit] if plan.val_limit else c.val
     completions = sample_completions(c.host, val, max_new_tokens=plan.max_new_tokens)
     report = score_completions(val, completions)
     competence = competence_of((r.category, r.c, r.n) for r in report.problems)
-    return _LocalPhase(
-        c.host.adapter_state(), stats.mean_loss, loss, report.mean.get(1, 0.0), competence
-    )
+    return report.mean.get(1, 0.0), competence
 
 
 def _first_local_phase(world: _World, seed: int, *, ffa: bool = False) -> dict[str, _LocalPhase]:
@@ -1628,6 +1666,7 @@ def _run_strategy(
     rounds: list[dict[str, Any]] = []
     start = _slice_means(world, {i: initial[c.name] for i, c in enumerate(clients)})
     curve = {name: [value] for name, value in start.items()}
+    curve_rounds = [0]
     started = time.perf_counter()
     for t in range(1, plan.rounds + 1):
         profiles: dict[str, np.ndarray] = {}
@@ -1660,9 +1699,12 @@ def _run_strategy(
         exchanges, gains = _exchange(
             world, strategy, policy, clients, profiles, seed, t, overlay=overlay
         )
-        nll = _slice_means(world, {i: _test_nll(world, c) for i, c in enumerate(clients)})
-        for name in curve:
-            curve[name].append(nll[name])
+        nll: dict[str, float] | None = None
+        if t % plan.curve_every == 0 or t == plan.rounds:
+            nll = _slice_means(world, {i: _test_nll(world, c) for i, c in enumerate(clients)})
+            curve_rounds.append(t)
+            for name in curve:
+                curve[name].append(nll[name])
         rounds.append(
             {
                 "round": t,
@@ -1695,7 +1737,9 @@ def _run_strategy(
                 ),
             },
         )
-    return _finish_run(world, clients, strategy, seed, rounds, curve, started, event)
+    return _finish_run(
+        world, clients, strategy, seed, rounds, curve, started, event, curve_rounds=curve_rounds
+    )
 
 
 def _finish_run(
@@ -2311,7 +2355,8 @@ def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
             curves = np.asarray(
                 [result["runs"][name][s]["curve_nll"][slice_name] for s in seeds], dtype=float
             )
-            x = np.arange(curves.shape[1])
+            first = result["runs"][name][seeds[0]]
+            x = np.asarray(first.get("curve_rounds", range(curves.shape[1])))
             mean = curves.mean(axis=0)
             ax.plot(x, mean, marker="o", label=LABELS[name])
             # Band: the range over run seeds (3 seeds make a standard error meaningless).
@@ -2327,3 +2372,82 @@ def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
     return written
+
+
+# ------------------------------------------------------------------------ round cost
+
+
+def round_costs(
+    plan: ExperimentPlan, models: Path, data: Path, event: Event, rounds: int = 2
+) -> dict[str, Any]:
+    """What one client-round of ``plan`` costs, phase by phase (``peerlm bench
+    experiment-round``): ``rounds`` rounds of every client, each phase timed on its own, in
+    this process on one thread. Every client teaches its successor and learns from its
+    predecessor each round, so the AKD and teaching phases count as a student's and a
+    teacher's (a pairing strategy has half the clients in each role); the final
+    evaluation is timed once per client. Returns seconds per phase, per client-round
+    (``per_client_round``: the mean over clients of the phases a client-round of a pairing
+    strategy spends) and per client (``final``)."""
+    from peerlm.agent import local_update
+
+    world = _prepare(plan, models, data, event)
+    if plan.warmup_steps:
+        world.warm = _warm_up(world, event)
+    clients = _clients(world, plan.seeds[0])
+    phases: dict[str, list[float]] = {}
+
+    def timed(name: str, run: Callable[..., _R], *args: Any) -> _R:
+        began = time.perf_counter()
+        out = run(*args)
+        phases.setdefault(name, []).append(time.perf_counter() - began)
+        return out
+
+    seed = plan.seeds[0]
+    for t in range(1, rounds + 1):
+        for i, c in enumerate(clients):
+            timed(
+                "local steps",
+                local_update,
+                c.host,
+                c.train_examples,
+                _round_config(plan, seed, i),
+                t,
+            )
+            timed("validation loss", c.host.eval_loss, c.val_examples)
+            _pass1, c.competence = timed("validation generation", _validate, world, c)
+        timed("own-data steps", _own_steps, world, clients, seed, t)
+        for i, student in enumerate(clients):
+            teacher = clients[i - 1]
+            predictions = timed("teacher answers X_u", _predictions, world, teacher, t)
+            package, kb = _package(world, teacher, predictions, f"cost-{t}-{i}")
+            timed("AKD integration", _integrate, world, student, package, kb, seed, i, t)
+        for c in clients:
+            timed("test NLL curve", _test_nll, world, c)
+    for c in clients:
+        timed("final evaluation", _final_eval, world, c, seed)
+    n = len(clients) * rounds
+    per = {k: sum(v) / n for k, v in phases.items() if k != "final evaluation"}
+    # Averaged over the plan's strategies: in a pairing strategy half the clients teach and
+    # half learn in a round, LocalOnly+ does neither; the own-data steps are every
+    # strategy's, or LocalOnly+'s alone in the earlier harness; the curve is measured every
+    # curve_every rounds.
+    strategies = plan.strategies
+    collaborative = sum(st in COLLABORATIVE for st in strategies) / len(strategies)
+    per["teacher answers X_u"] *= collaborative / 2
+    per["AKD integration"] *= collaborative / 2
+    if not plan.own_steps_every_round:
+        per["own-data steps"] *= strategies.count("local_plus") / len(strategies)
+    per["test NLL curve"] /= plan.curve_every
+    per["validation generation"] /= plan.val_every
+    total = sum(per.values())
+    final = sum(phases["final evaluation"]) / len(clients)
+    runs = len(plan.strategies) * len(plan.seeds)
+    cpu = runs * plan.agents * (plan.rounds * total + final)
+    return {
+        "plan": {k: v for k, v in asdict(plan).items() if k not in ("strategies",)},
+        "per_client_round": per,
+        "seconds_per_client_round": total,
+        "final_seconds_per_client": final,
+        "projected_cpu_seconds": cpu,
+        "client_rounds": runs * plan.agents * plan.rounds,
+    }

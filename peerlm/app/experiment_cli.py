@@ -95,6 +95,16 @@ def run_experiment_command(
             "pass@1 shows skill; default) or all (the paper)."
         ),
     ] = None,
+    val_every: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Generate the validation problems every N rounds (competence, pass@1)."
+        ),
+    ] = None,
+    teach_limit: Annotated[
+        int | None,
+        typer.Option(min=1, help="Most X_u prompts a teacher answers in one round."),
+    ] = None,
     integration: Annotated[
         str | None,
         typer.Option(
@@ -232,6 +242,8 @@ def run_experiment_command(
         "teach_scope": teach_scope,
         "teach_min_pass": teach_min_pass,
         "integration": integration,
+        "val_every": val_every,
+        "teach_limit": teach_limit,
         "own_steps_every_round": own_steps_every_round,
         "learning_rate": lr,
         "grad_accumulation": grad_accumulation,
@@ -336,7 +348,8 @@ def run_experiment_command(
                 status = f"{data['strategy']} seed {data['seed']} round {data['round']}"
                 progress.update(overall, advance=1, status=status)
                 if not err.is_terminal:  # a pipe or log file: one line per step
-                    err.print(f"{status}: test NLL per slice: {_slices(data['nll'])}")
+                    nll = data["nll"]
+                    err.print(f"{status}: test NLL per slice: {_slices(nll)}" if nll else status)
             elif kind == "reused":
                 progress.update(overall, advance=plan.rounds + 1)
                 err.print(f"{data['strategy']} seed {data['seed']}: reused")

@@ -1,0 +1,92 @@
+"""``peerlm bench experiment-round``: what one client-round of ``run-experiment`` costs.
+
+Times every phase of a round (:func:`peerlm.app.experiment.round_costs`) under two plans:
+``before``, the configuration the experiment ran until 2026-12-05 (4 clients x 4 rounds,
+12 local and 48 AKD steps a round, validation generated every round, every teachable X_u
+prompt answered every round, the test NLL curve every round, own-data steps for
+LocalOnly+ only), and ``after``, today's default (:class:`ExperimentPlan`). Reports seconds
+per client-round phase by phase, the final evaluation per client, and the whole plan's
+projected CPU seconds and wall time on the given cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["BEFORE", "render_report", "run_benchmark"]
+
+#: The plan's fields that were the default before 2026-12-05.
+BEFORE: Mapping[str, Any] = {
+    "agents": 4,
+    "rounds": 4,
+    "local_steps": 12,
+    "akd_steps": 48,
+    "val_every": 1,
+    "teach_limit": None,
+    "curve_every": 1,
+    "own_steps_every_round": False,
+    "integration": "shared",
+}
+
+
+def run_benchmark(
+    models: Path,
+    work: Path,
+    *,
+    micro: bool,
+    rounds: int,
+    cores: int,
+    progress: Callable[[str, int, int], None],
+) -> dict[str, Any]:
+    """Both plans' round costs (``rounds`` timed rounds each) and their projections."""
+    from peerlm.app.experiment import ExperimentPlan, round_costs
+
+    after = ExperimentPlan(size="micro" if micro else "tiny")
+    before = replace(after, **BEFORE)
+    out: dict[str, Any] = {"cores": cores, "timed_rounds": rounds, "size": after.size}
+    for k, (name, plan) in enumerate((("before", before), ("after", after))):
+        progress(f"{name}: timing {rounds} rounds", k, 2)
+        cost = round_costs(plan, models, work / name, lambda kind, data: None, rounds=rounds)
+        cost["projected_wall_seconds"] = cost["projected_cpu_seconds"] / cores
+        out[name] = cost
+    progress("done", 2, 2)
+    return out
+
+
+def render_report(report: Mapping[str, Any], console: Console) -> None:
+    """Phase by phase, before and after."""
+    before, after = report["before"], report["after"]
+    table = Table(title=f"seconds per client-round ({report['size']} models, one thread)")
+    table.add_column("phase")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    for phase in before["per_client_round"]:
+        table.add_row(
+            phase,
+            f"{before['per_client_round'][phase]:.2f}",
+            f"{after['per_client_round'].get(phase, 0.0):.2f}",
+        )
+    table.add_row(
+        "total",
+        f"{before['seconds_per_client_round']:.2f}",
+        f"{after['seconds_per_client_round']:.2f}",
+    )
+    table.add_row(
+        "final evaluation (per client, once)",
+        f"{before['final_seconds_per_client']:.2f}",
+        f"{after['final_seconds_per_client']:.2f}",
+    )
+    for key, label in (("client_rounds", "client-rounds in the plan"),):
+        table.add_row(label, str(before[key]), str(after[key]))
+    table.add_row(
+        f"projected wall time on {report['cores']} cores (min)",
+        f"{before['projected_wall_seconds'] / 60:.1f}",
+        f"{after['projected_wall_seconds'] / 60:.1f}",
+    )
+    console.print(table)

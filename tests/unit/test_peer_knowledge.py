@@ -1,0 +1,102 @@
+"""The peer slot and the input router: peers' knowledge beside the own adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from peerlm.agent import LoraSettings, ModelHost, TrainSettings
+from peerlm.agent.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
+
+OWN = [f'def add_{k}(x: int) -> int:\n    """Return x plus {k}."""\n    ' for k in range(30)]
+VAL = [f'def add_{k}(y: int) -> int:\n    """Return y plus {k}."""\n    ' for k in range(30, 40)]
+OTHER = [
+    f'def is_even_{k}(s: str) -> bool:\n    """Whether the word {k} is a palindrome."""\n    '
+    for k in range(30)
+]
+
+
+def test_the_router_never_sends_an_own_validation_prompt_to_the_peer_slot() -> None:
+    router = InputRouter.fit(OWN, OTHER, VAL)
+    assert router.to_peer(VAL) == [False] * len(VAL)
+    # Unlike anything of the participant's: the peers' knowledge answers.
+    fresh = [p.replace("is_even", "check_word") for p in OTHER[:5]]
+    assert all(router.to_peer(fresh))
+    assert routed_share(router, fresh) == 1.0
+    assert routed_share(None, fresh) == 0.0
+
+
+def test_a_router_needs_every_set() -> None:
+    with pytest.raises(ValueError, match="own, other and validation"):
+        InputRouter.fit(OWN, OTHER, [])
+    with pytest.raises(ValueError):
+        InputRouter.fit([], OTHER, VAL)
+
+
+@pytest.fixture(scope="module")
+def host(micro_gpt2: Path) -> ModelHost:
+    return ModelHost.load(micro_gpt2, LoraSettings(r=4), device="cpu", seed=0)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_what_an_integration_does_stays_in_the_slot_and_the_own_adapter_is_untouched(
+    host: ModelHost,
+) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot()
+    assert not slot.ready
+    pairs = [(p, "return x\n") for p in OTHER[:8]]
+    with slot.active(host, "akd"):
+        host.train_local(pairs, TrainSettings(learning_rate=5e-2, seed=1), steps=3)
+    assert _same(host.adapter_state(), own)
+    assert slot.ready and slot.integrations == 1 and slot.history == ["akd"]
+    assert slot.state is not None and not _same(slot.state, own)
+    # The next integration starts from the slot, not from the own adapter.
+    first = dict(slot.state)
+    with slot.active(host):
+        assert _same(host.adapter_state(), first)
+
+
+def test_a_failed_integration_keeps_the_slot_and_restores_the_own_adapter(
+    host: ModelHost,
+) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot()
+    with pytest.raises(RuntimeError, match="peer went away"), slot.active(host):
+        host.train_local(
+            [(OTHER[0], "return 1\n")], TrainSettings(learning_rate=5e-2, seed=2), steps=1
+        )
+        raise RuntimeError("peer went away")
+    assert slot.state is None and slot.integrations == 0
+    assert _same(host.adapter_state(), own)
+
+
+def test_route_map_answers_each_input_with_its_adapter_and_keeps_the_order(
+    host: ModelHost,
+) -> None:
+    router = InputRouter.fit(OWN, OTHER, VAL)
+    slot = PeerSlot()
+    items = [OWN[0], OTHER[0].replace("is_even", "check_word"), OWN[1]]
+
+    def which(prompts: list[str]) -> list[tuple[str, bool]]:
+        # Whether the adapter in place now is the slot's (its B factors are non-zero).
+        state = host.adapter_state()
+        peer = any(float(v.abs().sum()) > 0 for k, v in state.items() if "lora_B" in k)
+        return [(p, peer) for p in prompts]
+
+    # Empty slot: everything is the own adapter's, whatever the router says.
+    assert [x[1] for x in route_map(host, slot, router, items, str, which)] == [False] * 3
+    with slot.active(host):
+        host.train_local(
+            [(OTHER[0], "return 2\n")], TrainSettings(learning_rate=5e-2, seed=3), steps=2
+        )
+    got = route_map(host, slot, router, items, str, which)
+    assert [p for p, _ in got] == items
+    assert [peer for _, peer in got] == [False, True, False]
+    # No router: the own adapter answers everything.
+    assert [x[1] for x in route_map(host, slot, None, items, str, which)] == [False] * 3
