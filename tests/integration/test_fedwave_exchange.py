@@ -165,6 +165,9 @@ async def _round(
             SAMPLES[name],
             parts,
             router_shapes(agent.router),
+            # Checked against Eq. 9 by hand below, uncapped (the default is the median).
+            rule="fedavg",
+            max_weight_ratio=None,
         )
         return merged, members, parts
 
