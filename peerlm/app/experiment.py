@@ -1329,16 +1329,10 @@ def _exchange(
     *,
     overlay: OverlayView | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
-    plan = world.plan
     by_name = {c.name: c for c in clients}
     if strategy == "local":
         return [], None
-    if strategy == "local_plus" or plan.own_steps_every_round:
-        # LocalOnly+: the compute a student spends on AKD, spent on the client's own data
-        # instead. Every collaborating client spends the same steps on its own data too
-        # (an agent keeps training whatever its role), before it teaches or learns.
-        _own_steps(world, clients, seed, t)
-    if strategy == "local_plus":
+    if strategy == "local_plus":  # its own-data steps are the round loop's
         return [], None
     if strategy == "central_kd":
         return _central_kd(world, clients, seed, t), None
@@ -1564,6 +1558,32 @@ class _LocalPhase:
     competence: Competence
 
 
+@dataclass(frozen=True)
+class _OwnRound:
+    """One client's own track in one round: its local phase, and its own adapter after the
+    round's own-data steps. Under ``integration="separate"`` with ``own_steps_every_round``
+    nothing a peer sends touches the own adapter, so it is the same in every strategy of a
+    seed (LocalOnly+'s): computed once, by LocalOnly+'s run, and replayed by the others."""
+
+    phase: _LocalPhase
+    trained: dict[str, Any]
+
+
+#: Per round (index t - 1), every client's :class:`_OwnRound`.
+_Track = list[dict[str, _OwnRound]]
+
+
+def _shares_track(plan: ExperimentPlan, strategy: str) -> bool:
+    """Whether ``strategy`` replays LocalOnly+'s own track (:class:`_OwnRound`) instead of
+    training its clients' own adapters again."""
+    return (
+        plan.integration == "separate"
+        and plan.own_steps_every_round
+        and "local_plus" in plan.strategies
+        and strategy not in ("local", "local_plus", "ffa_lora", *FEDPROXY_STRATEGIES)
+    )
+
+
 def _local_phase(world: _World, c: _Client, seed: int, i: int, t: int) -> _LocalPhase:
     from peerlm.agent import local_update
 
@@ -1608,11 +1628,17 @@ class _Start:
     firsts: Mapping[int, Mapping[str, _LocalPhase]]
 
 
-def _start(world: _World, *, ffa: bool = False) -> _Start:
+def _start(world: _World, *, ffa: bool = False, firsts: bool = True) -> _Start:
+    """Round 0's NLL, and (``firsts``) round 1's local phase per seed; without ``firsts``
+    each run computes its own round 1 (LocalOnly+'s track then carries it to the others)."""
     plan = world.plan
     initial = {c.name: _test_nll(world, c) for c in _clients(world, plan.seeds[0], ffa=ffa)}
-    firsts = {seed: _first_local_phase(world, seed, ffa=ffa) for seed in plan.seeds}
-    return _Start(initial, firsts)
+    phases = (
+        {seed: _first_local_phase(world, seed, ffa=ffa) for seed in plan.seeds}
+        if firsts
+        else {seed: {} for seed in plan.seeds}
+    )
+    return _Start(initial, phases)
 
 
 _P = ParamSpec("_P")
@@ -1651,7 +1677,12 @@ def _run_strategy(
     initial: Mapping[str, Sequence[float]],
     first: Mapping[str, _LocalPhase],
     event: Event,
+    track: _Track | None = None,
+    record: _Track | None = None,
 ) -> dict[str, Any]:
+    """One (strategy, seed) run. With ``track`` (LocalOnly+'s own track of this seed) the
+    clients' own adapters replay it instead of training; with ``record`` the run appends
+    its own track to it, round by round."""
     from peerlm.agent import ProfileInputs, category_counts, round_profile
 
     if strategy in FEDPROXY_STRATEGIES:
@@ -1671,12 +1702,17 @@ def _run_strategy(
     for t in range(1, plan.rounds + 1):
         profiles: dict[str, np.ndarray] = {}
         trained: dict[str, float] = {}
+        phases: dict[str, _LocalPhase] = {}
         for i, c in enumerate(clients):
-            if t == 1:
+            if track is not None:
+                phase = track[t - 1][c.name].phase
+                c.host.load_adapter_state(phase.adapter)
+            elif t == 1 and c.name in first:
                 phase = first[c.name]
                 c.host.load_adapter_state(phase.adapter)
             else:
                 phase = _local_phase(world, c, seed, i, t)
+            phases[c.name] = phase
             trained[c.name] = phase.train_loss
             c.own_steps += plan.local_steps
             c.competence = phase.competence
@@ -1696,6 +1732,20 @@ def _run_strategy(
             )
             c.history.append({"round": t, "loss": phase.val_loss, "pass1": pass1})
             profiles[c.name] = profile
+        if strategy == "local_plus" or (plan.own_steps_every_round and strategy != "local"):
+            # LocalOnly+: the compute a student spends on AKD, spent on the client's own
+            # data instead. Every collaborating client spends the same steps on its own data
+            # too (an agent keeps training whatever its role), before it teaches or learns.
+            if track is not None:
+                for c in clients:
+                    c.host.load_adapter_state(track[t - 1][c.name].trained)
+                    c.own_steps += plan.integration_steps
+            else:
+                _own_steps(world, clients, seed, t)
+            if record is not None:
+                record.append(
+                    {c.name: _OwnRound(phases[c.name], c.host.adapter_state()) for c in clients}
+                )
         exchanges, gains = _exchange(
             world, strategy, policy, clients, profiles, seed, t, overlay=overlay
         )
@@ -1787,8 +1837,10 @@ def _strategy_job(
     first: Mapping[str, _LocalPhase],
     events: Any,
     threads: int,
-) -> dict[str, Any]:
-    """One (strategy, seed) in a worker process; events go back through a queue."""
+    track: _Track | None = None,
+) -> tuple[dict[str, Any], _Track | None]:
+    """One (strategy, seed) in a worker process; events go back through a queue. Returns the
+    run and, for LocalOnly+ when others replay it, its own track."""
     import torch
 
     from peerlm.logs import configure_logging
@@ -1797,9 +1849,39 @@ def _strategy_job(
     # lines (the guardrail's counts) would be thousands.
     configure_logging("experiment", "worker", level="warning")
     torch.set_num_threads(threads)
-    return _run_strategy(
-        world, strategy, seed, initial, first, lambda k, d: events.put((k, dict(d)))
+    record: _Track | None = [] if _records_track(world.plan, strategy) else None
+    run = _run_strategy(
+        world,
+        strategy,
+        seed,
+        initial,
+        first,
+        lambda k, d: events.put((k, dict(d))),
+        track=track,
+        record=record,
     )
+    return run, record
+
+
+def _records_track(plan: ExperimentPlan, strategy: str) -> bool:
+    """Whether ``strategy``'s run records the own track others replay (LocalOnly+'s)."""
+    return strategy == "local_plus" and any(_shares_track(plan, s) for s in plan.strategies)
+
+
+def _schedule(
+    plan: ExperimentPlan, todo: Sequence[tuple[str, int]]
+) -> tuple[list[tuple[str, int]], dict[tuple[str, int], tuple[str, int]]]:
+    """The runs that can start at once (LocalOnly+'s first), and for each run that replays
+    a track, the run it waits for."""
+    producers = {seed for s, seed in todo if _records_track(plan, s)}
+    waits = {
+        (s, seed): ("local_plus", seed)
+        for s, seed in todo
+        if seed in producers and _shares_track(plan, s)
+    }
+    ready = [k for k in todo if k not in waits]
+    ready.sort(key=lambda k: k[0] != "local_plus")
+    return ready, waits
 
 
 def _run_parallel(
@@ -1832,8 +1914,10 @@ def _run_parallel(
         ) as pool,
     ):
         events = manager.Queue()
-        futures = {
-            (name, seed): pool.submit(
+        ready, waits = _schedule(world.plan, todo)
+
+        def submit(name: str, seed: int, track: _Track | None = None) -> Any:
+            return pool.submit(
                 _strategy_job,
                 world,
                 name,
@@ -1842,10 +1926,10 @@ def _run_parallel(
                 starts[name].firsts[seed],
                 events,
                 torch.get_num_threads(),
+                track,
             )
-            for name, seed in todo
-        }
-        pending = dict(futures)
+
+        pending = {key: submit(*key) for key in ready}
 
         def drain(block: bool) -> None:
             while True:
@@ -1862,7 +1946,12 @@ def _run_parallel(
                 if future.done():
                     del pending[key]
                     drain(block=False)  # its last events before its result
-                    finished(key, future.result())
+                    run, track = future.result()
+                    finished(key, run)
+                    for waiting, on in list(waits.items()):
+                        if on == key:
+                            del waits[waiting]
+                            pending[waiting] = submit(*waiting, track)
         drain(block=False)
 
 
@@ -1887,7 +1976,18 @@ _PROXY_TUNING_ONLY_FIELDS: tuple[str, ...] = ("proxy_tuning_beta",)
 
 #: What a plan that predates a field was run with, where that differs from today's default:
 #: every results.json written before ``cpm_reward_normaliser`` existed ran the z-score.
-_PREDATED: Mapping[str, Any] = MappingProxyType({"cpm_reward_normaliser": "zscore"})
+_PREDATED: Mapping[str, Any] = MappingProxyType(
+    {
+        "cpm_reward_normaliser": "zscore",
+        # The harness before the peer slot: one adapter, own-data steps for LocalOnly+
+        # only, validation, teaching and the curve every round.
+        "integration": "shared",
+        "own_steps_every_round": False,
+        "val_every": 1,
+        "curve_every": 1,
+        "teach_limit": None,
+    }
+)
 
 
 def _reuse_key(plan: Mapping[str, Any], strategy: str) -> str:
@@ -2024,7 +2124,9 @@ def _run_experiment(
     initial_nll: dict[str, float] = {}
     if adapters:
         world.warm = _warm_up(world, emit)
-        common = _start(world)
+        # With LocalOnly+'s track replayed, every run computes its own round 1 (in the
+        # workers, not here in the main process alone).
+        common = _start(world, firsts=not any(_shares_track(plan, s) for s in plan.strategies))
         initial_nll = _slice_means(world, dict(enumerate(common.initial.values())))
         emit("initial", initial_nll)
         starts.update(dict.fromkeys(adapters, common))
@@ -2044,11 +2146,23 @@ def _run_experiment(
     if jobs > 1 and len(todo) > 1:
         _run_parallel(world, starts, todo, jobs, emit, finished)
     else:
-        for s, seed in todo:
-            finished(
-                (s, seed),
-                _run_strategy(world, s, seed, starts[s].initial, starts[s].firsts[seed], emit),
+        ready, waits = _schedule(plan, todo)
+        tracks: dict[tuple[str, int], _Track] = {}
+        for s, seed in [*ready, *waits]:
+            record: _Track | None = [] if _records_track(plan, s) else None
+            run = _run_strategy(
+                world,
+                s,
+                seed,
+                starts[s].initial,
+                starts[s].firsts[seed],
+                emit,
+                track=tracks.get(waits[(s, seed)]) if (s, seed) in waits else None,
+                record=record,
             )
+            if record is not None:
+                tracks[(s, seed)] = record
+            finished((s, seed), run)
     result: dict[str, Any] = {
         "plan": {**asdict(plan), "strategies": list(plan.strategies), "seeds": list(plan.seeds)},
         "models": str(models),

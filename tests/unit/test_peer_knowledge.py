@@ -100,3 +100,42 @@ def test_route_map_answers_each_input_with_its_adapter_and_keeps_the_order(
     assert [peer for _, peer in got] == [False, True, False]
     # No router: the own adapter answers everything.
     assert [x[1] for x in route_map(host, slot, None, items, str, which)] == [False] * 3
+
+
+def test_runs_that_replay_local_plus_own_track_wait_for_it() -> None:
+    from peerlm.app.experiment import ExperimentPlan, _schedule, _shares_track
+
+    plan = ExperimentPlan(strategies=("local_plus", "random", "cpm"), seeds=(0, 1))
+    todo = [(s, seed) for seed in (0, 1) for s in ("random", "local_plus", "cpm")]
+    ready, waits = _schedule(plan, todo)
+    assert ready == [("local_plus", 0), ("local_plus", 1)]
+    assert waits == {
+        ("random", 0): ("local_plus", 0),
+        ("cpm", 0): ("local_plus", 0),
+        ("random", 1): ("local_plus", 1),
+        ("cpm", 1): ("local_plus", 1),
+    }
+    # LocalOnly+ of seed 1 was reused from a stored result: its track is not at hand, so
+    # seed 1's runs train their own adapters themselves and start at once.
+    ready, waits = _schedule(plan, [k for k in todo if k != ("local_plus", 1)])
+    assert ("random", 1) in ready and ("cpm", 1) in ready and set(waits) == {
+        ("random", 0),
+        ("cpm", 0),
+    }
+    # One adapter for everything (the papers' integration): nothing is shared.
+    shared = ExperimentPlan(strategies=("local_plus", "random"), integration="shared")
+    assert not _shares_track(shared, "random")
+    assert _schedule(shared, [("random", 0), ("local_plus", 0)])[1] == {}
+    # FFA-LoRA starts from its own warm-up, and LocalOnly trains no extra steps.
+    assert not _shares_track(plan, "ffa_lora") and not _shares_track(plan, "local")
+
+
+def test_an_unknown_integration_or_a_zero_period_is_refused() -> None:
+    from peerlm.app.experiment import ExperimentPlan
+
+    with pytest.raises(ValueError, match="integration"):
+        ExperimentPlan(integration="both")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="val_every"):
+        ExperimentPlan(val_every=0)
+    with pytest.raises(ValueError, match="teach_limit"):
+        ExperimentPlan(teach_limit=0)
