@@ -447,15 +447,11 @@ def experiment_round_command(
     import torch
     from peerlm.bench.experiment_round import render_report, run_benchmark
 
-    from peerlm.app.cli_models import models_cache_dir, quiet_transformers
-
-    quiet_transformers()
     torch.set_num_threads(1)
-    models = models_dir or models_cache_dir("micro" if micro else "tiny")
     _run_and_report(
         "bench experiment-round",
         lambda progress: run_benchmark(
-            models, work_dir, micro=micro, rounds=rounds, cores=cores, progress=progress
+            models_dir, work_dir, micro=micro, rounds=rounds, cores=cores, progress=progress
         ),
         lambda r, p: [], render_report, None, as_json, {},
     )  # fmt: skip

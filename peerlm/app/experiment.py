@@ -2551,6 +2551,10 @@ def round_costs(
     per["AKD integration"] *= collaborative / 2
     if not plan.own_steps_every_round:
         per["own-data steps"] *= strategies.count("local_plus") / len(strategies)
+    # Runs that replay LocalOnly+'s own track train and validate nothing themselves.
+    own = sum(not _shares_track(plan, st) for st in strategies) / len(strategies)
+    for phase in ("local steps", "validation loss", "validation generation", "own-data steps"):
+        per[phase] *= own
     per["test NLL curve"] /= plan.curve_every
     per["validation generation"] /= plan.val_every
     total = sum(per.values())
