@@ -15,15 +15,18 @@ costs it what it knew: measured on world seeds 0 and 17, every collaborative str
 * an **input router** (:class:`InputRouter`) decides per input which adapter answers: the
   own adapter for inputs like the participant's own data, the peer slot for the others.
 
-The router is a logistic regression on character n-gram TF-IDF of the prompt (scikit-learn),
-fitted on the participant's own training prompts (class "own") against the public transfer
-set X_u's prompts (class "other"), with balanced class weights. Its threshold is calibrated on
-the participant's own **validation** prompts: an input goes to the peer slot only if its
-score exceeds every own validation prompt's (and even odds), so on what the participant can measure of its
-own skills the routed model *is* the own adapter. That is the acceptance gate for routing:
-it never uses test data, and it holds whatever a peer sent. A prompt-text router needs no
-forward pass and works across architectures and tokenizers; routing on the base model's
-hidden states (LoRARetriever-style) is the alternative we did not build.
+The router is a logistic regression on character n-gram TF-IDF of the prompt
+(scikit-learn), fitted on the participant's own training prompts and the public transfer
+set X_u's prompts, labelled by category where the categories are known (as they are for
+competence and teaching), else "own" against "other", with balanced class weights; an
+input's score is the probability of the categories the participant holds no data of. Its
+threshold is calibrated on the participant's own **validation** prompts: an input goes to
+the peer slot only if its score exceeds every own validation prompt's (and even odds), so
+on what the participant can measure of its own skills the routed model *is* the own
+adapter. That is the acceptance gate for routing: it never uses test data, and it holds
+whatever a peer sent. A prompt-text router needs no forward pass and works across
+architectures and tokenizers; routing on the base model's hidden states
+(LoRARetriever-style) is the alternative we did not build.
 
 None of this is in the papers: KNEXA-FL's Eq. 2 distils into the student's one adapter, and
 OnePeFT / SemanticDFL merge into it. The separation, the router and its calibration are our
@@ -60,6 +63,8 @@ class InputRouter:
 
     vectorizer: TfidfVectorizer
     classifier: LogisticRegression
+    #: Per class of the classifier: whether the participant holds no data of it.
+    unheld: np.ndarray
     #: An input goes to the peer slot when its "other" probability exceeds this: the
     #: largest any own validation prompt had, and at least 0.5.
     threshold: float
@@ -70,30 +75,53 @@ class InputRouter:
         own_prompts: Sequence[str],
         other_prompts: Sequence[str],
         validation_prompts: Sequence[str],
+        *,
+        own_categories: Sequence[str] | None = None,
+        other_categories: Sequence[str] | None = None,
     ) -> InputRouter:
         """A router for a participant with ``own_prompts`` (its training data's prompts),
         against ``other_prompts`` (X_u's), calibrated on ``validation_prompts`` (its own
-        held-out prompts). Raises :class:`ValueError` when a set is empty."""
+        held-out prompts). Raises :class:`ValueError` when a set is empty.
+
+        With the categories of both (``own_categories``, ``other_categories``: the labels
+        the agent already reads its competence by), the classifier learns the categories
+        and an input's score is the probability of the categories the participant holds
+        no data of: X_u prompts of a category it holds count as its own. Measured on world
+        seed 0 with six clients, that sends 0-1.3 % of the public test problems to the peer
+        slot, against up to 19 % for the own-against-X_u classifier used without labels.
+        """
         if not own_prompts or not other_prompts or not validation_prompts:
             raise ValueError("a router needs own, other and validation prompts")
         texts = [*own_prompts, *other_prompts]
-        labels = [0] * len(own_prompts) + [1] * len(other_prompts)
+        if own_categories is None or other_categories is None:
+            labels = ["own"] * len(own_prompts) + ["other"] * len(other_prompts)
+            held = {"own"}
+        else:
+            if len(own_categories) != len(own_prompts) or len(other_categories) != len(
+                other_prompts
+            ):
+                raise ValueError("one category per prompt")
+            labels = [*own_categories, *other_categories]
+            held = set(own_categories)
+        if len(set(labels)) < 2 or set(labels) <= held:
+            raise ValueError("a router needs prompts of a category the participant does not hold")
         vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4), sublinear_tf=True)
         features = vectorizer.fit_transform(texts)
         classifier = LogisticRegression(class_weight="balanced", max_iter=2_000)
         classifier.fit(features, labels)
-        scores = classifier.predict_proba(vectorizer.transform(list(validation_prompts)))[:, 1]
+        unheld = np.array([c not in held for c in classifier.classes_])
+        router = cls(vectorizer, classifier, unheld, 0.5)
+        scores = router.scores(validation_prompts)
         # Never below even odds: an input the classifier itself takes for the participant's
         # own stays with the own adapter, however uniform the validation prompts are.
-        return cls(vectorizer, classifier, max(0.5, float(np.max(scores))))
+        return cls(vectorizer, classifier, unheld, max(0.5, float(np.max(scores))))
 
     def scores(self, prompts: Sequence[str]) -> np.ndarray:
         """The probability that each prompt is unlike the participant's own data."""
         if not prompts:
             return np.zeros(0)
-        return np.asarray(
-            self.classifier.predict_proba(self.vectorizer.transform(list(prompts)))[:, 1]
-        )
+        proba = self.classifier.predict_proba(self.vectorizer.transform(list(prompts)))
+        return np.asarray(proba[:, self.unheld].sum(axis=1))
 
     def to_peer(self, prompts: Sequence[str]) -> list[bool]:
         """Per prompt: whether the peer slot answers it."""

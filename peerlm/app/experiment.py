@@ -841,13 +841,15 @@ def _clients(world: _World, seed: int, *, ffa: bool = False) -> list[_Client]:
 
 def _router(world: _World, train: Sequence[Problem], val: Sequence[Problem]) -> InputRouter:
     """A client's input router (:class:`~peerlm.agent.peer_knowledge.InputRouter`): its own
-    training prompts against X_u's, calibrated on its own validation prompts."""
+    training prompts and X_u's by category, calibrated on its own validation prompts."""
     from peerlm.agent.peer_knowledge import InputRouter
 
     return InputRouter.fit(
         [p.prompt for p in train],
         world.transfer,
         [p.prompt for p in val] or [p.prompt for p in train],
+        own_categories=[p.category for p in train],
+        other_categories=world.transfer_categories,
     )
 
 

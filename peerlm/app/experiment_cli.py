@@ -101,6 +101,10 @@ def run_experiment_command(
             min=1, help="Generate the validation problems every N rounds (competence, pass@1)."
         ),
     ] = None,
+    curve_every: Annotated[
+        int | None,
+        typer.Option(min=1, help="Measure the test NLL curve every N rounds (and the last)."),
+    ] = None,
     teach_limit: Annotated[
         int | None,
         typer.Option(min=1, help="Most X_u prompts a teacher answers in one round."),
@@ -244,6 +248,7 @@ def run_experiment_command(
         "integration": integration,
         "val_every": val_every,
         "teach_limit": teach_limit,
+        "curve_every": curve_every,
         "own_steps_every_round": own_steps_every_round,
         "learning_rate": lr,
         "grad_accumulation": grad_accumulation,

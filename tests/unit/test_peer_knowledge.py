@@ -139,3 +139,21 @@ def test_an_unknown_integration_or_a_zero_period_is_refused() -> None:
         ExperimentPlan(val_every=0)
     with pytest.raises(ValueError, match="teach_limit"):
         ExperimentPlan(teach_limit=0)
+
+
+def test_with_categories_a_transfer_prompt_of_a_held_category_counts_as_own() -> None:
+    # X_u holds prompts of the participant's own category ("add") and of another one.
+    other = [p.replace("add_", "plus_") for p in OWN[:10]] + OTHER
+    categories = ["add"] * 10 + ["word"] * len(OTHER)
+    router = InputRouter.fit(
+        OWN, other, VAL, own_categories=["add"] * len(OWN), other_categories=categories
+    )
+    assert router.to_peer(VAL) == [False] * len(VAL)
+    assert not any(router.to_peer([p.replace("add_", "plus_") for p in OWN[10:20]]))
+    assert all(router.to_peer([p.replace("is_even", "check_word") for p in OTHER[:5]]))
+    with pytest.raises(ValueError, match="one category per prompt"):
+        InputRouter.fit(OWN, other, VAL, own_categories=["add"], other_categories=categories)
+    with pytest.raises(ValueError, match="does not hold"):
+        InputRouter.fit(
+            OWN, other, VAL, own_categories=["add"] * len(OWN), other_categories=["add"] * 40
+        )
