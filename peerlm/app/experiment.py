@@ -446,6 +446,10 @@ class ExperimentPlan:
     # peer slot beside its own adapter with a router calibrated on its own validation
     # prompts (our choice: the no-regret default); "shared", the papers' one adapter.
     integration: Literal["separate", "shared"] = "separate"
+    # Eq. 2's teacher share alpha_KD when the knowledge goes to the peer slot (our choice):
+    # the own-data share there only keeps the slot's format, the own adapter keeps the
+    # skills; None: Table 6's schedule, 0.2 -> 0.5.
+    peer_alpha: float | None = 0.8
     # Whether every client of a collaborative strategy also spends LocalOnly+'s extra
     # own-data steps every round (an agent keeps training on its own data whatever its
     # role); False: the earlier harness, where only students trained in the exchange phase.
@@ -486,6 +490,10 @@ class ExperimentPlan:
         object.__setattr__(self, "proxy_tuning_beta", float(beta))
         if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= 1):
             raise ValueError("learning_rate must be in (0, 1]")
+        if self.peer_alpha is not None and not (
+            math.isfinite(self.peer_alpha) and 0 < self.peer_alpha <= 1
+        ):
+            raise ValueError("peer_alpha must be in (0, 1]")
         if self.integration not in ("separate", "shared"):
             raise ValueError(
                 f"integration must be 'separate' or 'shared', not {self.integration!r}"
@@ -898,6 +906,11 @@ def _round_config(plan: ExperimentPlan, seed: int, i: int, *, integration: bool 
         local_steps=plan.integration_steps if integration else plan.local_steps,
         reward_delta=plan.reward_delta,
         max_new_tokens=plan.max_new_tokens,
+        **(
+            {"alpha_kd_start": plan.peer_alpha, "alpha_kd_end": plan.peer_alpha}
+            if plan.integration == "separate" and plan.peer_alpha is not None
+            else {}
+        ),
     )
 
 
@@ -1984,6 +1997,7 @@ _PREDATED: Mapping[str, Any] = MappingProxyType(
         # The harness before the peer slot: one adapter, own-data steps for LocalOnly+
         # only, validation, teaching and the curve every round.
         "integration": "shared",
+        "peer_alpha": None,
         "own_steps_every_round": False,
         "val_every": 1,
         "curve_every": 1,

@@ -116,6 +116,10 @@ def run_experiment_command(
             "own, routed per input; default) or shared (the papers' one adapter)."
         ),
     ] = None,
+    peer_alpha: Annotated[
+        float | None,
+        typer.Option(min=0.01, max=1.0, help="Eq. 2's alpha_KD for the peer slot (default 0.8)."),
+    ] = None,
     own_steps_every_round: Annotated[
         bool | None,
         typer.Option(
@@ -250,6 +254,7 @@ def run_experiment_command(
         "teach_limit": teach_limit,
         "curve_every": curve_every,
         "own_steps_every_round": own_steps_every_round,
+        "peer_alpha": peer_alpha,
         "learning_rate": lr,
         "grad_accumulation": grad_accumulation,
         "transfer_limit": transfer_limit,
