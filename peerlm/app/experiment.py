@@ -144,6 +144,7 @@ and one set of models, so no model is rebuilt, and every strategy sees the same 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -896,7 +897,7 @@ def _round_config(plan: ExperimentPlan, seed: int, i: int, *, integration: bool 
     AKD integration's steps (``plan.integration_steps``)."""
     from peerlm.agent import RoundConfig, TrainSettings
 
-    return RoundConfig(
+    config = RoundConfig(
         total_rounds=plan.rounds,
         train=TrainSettings(
             learning_rate=plan.learning_rate,
@@ -906,12 +907,12 @@ def _round_config(plan: ExperimentPlan, seed: int, i: int, *, integration: bool 
         local_steps=plan.integration_steps if integration else plan.local_steps,
         reward_delta=plan.reward_delta,
         max_new_tokens=plan.max_new_tokens,
-        **(
-            {"alpha_kd_start": plan.peer_alpha, "alpha_kd_end": plan.peer_alpha}
-            if plan.integration == "separate" and plan.peer_alpha is not None
-            else {}
-        ),
     )
+    if plan.integration == "separate" and plan.peer_alpha is not None:
+        config = dataclasses.replace(
+            config, alpha_kd_start=plan.peer_alpha, alpha_kd_end=plan.peer_alpha
+        )
+    return config
 
 
 def _pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
@@ -969,7 +970,12 @@ def _slice_means(world: _World, per_client: Mapping[int, Sequence[float]]) -> di
 
 
 def _final_eval(world: _World, client: _Client, seed: int) -> dict[str, Any]:
-    from peerlm.agent import sample_completions, score_completions, structural_match_rate
+    from peerlm.agent import (
+        reference_nll,
+        sample_completions,
+        score_completions,
+        structural_match_rate,
+    )
 
     plan = world.plan
 
@@ -995,6 +1001,8 @@ def _final_eval(world: _World, client: _Client, seed: int) -> dict[str, Any]:
         "pass@1": [r.pass_at[1] for r in report.problems],
         "struct": [structural_match_rate(p, completions[p.task_id]) for p in world.test],
         "nll": _test_nll(world, client),
+        # The probe set's NLL (not test data): what "best" is chosen by.
+        "probe_nll": client.routed(world.probe, lambda ps: reference_nll(client.host, ps)),
         "status_counts": dict(report.status_counts),
         "peer_routed": peer,
         "own_steps": client.own_steps,
@@ -2195,6 +2203,7 @@ def _run_experiment(
         "public_categories": list(world.public),
         "transfer_prompts": len(world.transfer),
         "probe_problems": len(world.probe),
+        "probe_categories": [p.category for p in world.probe],
         "test_problems": len(world.test),
         "units": {name: [list(u) for u in world.units(name)] for name in SLICES},
         "initial_nll": initial_nll,
@@ -2294,15 +2303,21 @@ def summarise(result: Mapping[str, Any]) -> dict[str, Any]:
                 per[s].setdefault(slice_name, {})[metric] = means[s].to_dict()
             for (a, b), est in diffs.items():
                 estimates[(f"{slice_name}:{metric}", f"{a}_vs_{b}")] = est
-    # "best": the collaborative strategy with the highest lacked-slice pass@1 (then NLL).
+    # "best": the collaborative strategy with the lowest NLL on the probe problems of the
+    # clients' lacked categories (data other than the test set); runs without probe
+    # figures (stored before they were recorded): the highest lacked-slice test pass@1.
     target = "lacked" if "lacked" in slices else (slices[0] if slices else None)
     collaborative = [s for s in strategies if s in COLLABORATIVE]
     best = None
     if target is not None and collaborative:
-        best = max(
-            collaborative,
-            key=lambda s: (per[s][target]["pass@1"]["mean"], -per[s][target]["nll"]["mean"]),
-        )
+        probe = {s: _probe_lacked_nll(result, s) for s in collaborative}
+        if all(v is not None for v in probe.values()):
+            best = min(collaborative, key=lambda s: (probe[s], s))
+        else:
+            best = max(
+                collaborative,
+                key=lambda s: (per[s][target]["pass@1"]["mean"], -per[s][target]["nll"]["mean"]),
+            )
     comparisons: dict[str, Any] = {}
     if target is not None:
         for a, b in COMPARISONS:
@@ -2377,6 +2392,24 @@ def _steps_per_client(result: Mapping[str, Any]) -> dict[str, dict[str, dict[str
                 "peer_routed_share": float(np.mean([np.mean(r["peer_routed"]) for r in runs])),
             }
     return out
+
+
+def _probe_lacked_nll(result: Mapping[str, Any], strategy: str) -> float | None:
+    """Mean probe-set NLL of ``strategy`` over seeds, clients and the probe problems of each
+    client's lacked categories; None when a run has no probe figures."""
+    probe_categories = result.get("probe_categories")
+    if not probe_categories:
+        return None
+    values: list[float] = []
+    for seed in result["plan"]["seeds"]:
+        clients = result["runs"][strategy][str(seed)]["clients"]
+        for c in result["clients"]:
+            got = clients[c["name"]].get("probe_nll")
+            if got is None:
+                return None
+            lacked = set(c["slices"]["lacked"])
+            values += [v for v, cat in zip(got, probe_categories, strict=True) if cat in lacked]
+    return float(np.mean(values)) if values else None
 
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:

@@ -20,6 +20,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from scipy import stats as scipy_stats
+
 from peerlm.app.experiment import METRICS, _matrix
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import stratified_bootstrap
@@ -68,6 +71,7 @@ def pool_results(
             for w, stratum in zip(worlds, strata, strict=True):
                 rows["worlds"].append({"world_seed": w, **_estimates([stratum], pairs, shares)})
             rows["pooled"] = _estimates(strata, pairs, shares)
+            rows["world_level"] = _world_level(rows["worlds"], pairs)
             out.setdefault(slice_name, {})[metric] = rows
     return out
 
@@ -88,6 +92,27 @@ def _estimates(
         if not diffs[(t[2], t[1])].low <= 0.0 <= diffs[(t[2], t[1])].high
     }
     return _flat({p: diffs[p] for p in pairs}, kept)
+
+
+def _world_level(
+    worlds: Sequence[Mapping[str, Any]], pairs: Sequence[tuple[str, str]]
+) -> dict[str, Any]:
+    """The world as a random effect: per pair, the mean of the worlds' differences and a
+    Student t interval over the worlds (the between-world spread, which the pooled
+    bootstrap, worlds as fixed strata, leaves out); None below three worlds."""
+    out: dict[str, Any] = {}
+    for a, b in pairs:
+        key = f"{a}_vs_{b}"
+        deltas = np.array([w[key]["delta"] for w in worlds], dtype=np.float64)
+        mean = float(deltas.mean())
+        if len(deltas) < 3:
+            out[key] = {"delta": mean, "ci95": None, "worlds": len(deltas)}
+            continue
+        half = float(
+            scipy_stats.t.ppf(0.975, len(deltas) - 1) * deltas.std(ddof=1) / np.sqrt(len(deltas))
+        )
+        out[key] = {"delta": mean, "ci95": [mean - half, mean + half], "worlds": len(deltas)}
+    return out
 
 
 def _flat(diffs: Mapping[Any, Any], shares: Mapping[Any, Any]) -> dict[str, Any]:
@@ -128,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for w in rows["worlds"]:
                     cells.append(f"world {w['world_seed']} {_cell(w.get(key))}")
                 cells.append(f"pooled {_cell(rows['pooled'].get(key))}")
+                level = rows["world_level"].get(key)
+                if level is not None and level["ci95"] is not None:
+                    cells.append(f"worlds as a random effect {_cell(level)}")
                 print(f"{slice_name:7} {metric:7} {key:32} " + " | ".join(cells))
     return 0
 

@@ -137,3 +137,15 @@ def test_a_share_of_an_unresolved_gain_is_not_reported() -> None:
     key = "share_a_base_top"
     assert key in out["worlds"][0] and key not in out["worlds"][1]
     assert out["pooled"][key]["share"] == pytest.approx(0.5)
+
+
+def test_the_world_level_interval_spans_the_worlds_spread_and_needs_three() -> None:
+    from peerlm.app.experiment_pool import _world_level
+
+    worlds = [{"a_vs_b": {"delta": d}} for d in (0.1, 0.2, 0.3)]
+    got = _world_level(worlds, [("a", "b")])["a_vs_b"]
+    assert got["delta"] == pytest.approx(0.2) and got["worlds"] == 3
+    low, high = got["ci95"]
+    # t(0.975, 2) = 4.303, sd 0.1, n 3: half width 0.2484.
+    assert low == pytest.approx(0.2 - 0.2484, abs=1e-3) and high == pytest.approx(0.4484, abs=1e-3)
+    assert _world_level(worlds[:2], [("a", "b")])["a_vs_b"]["ci95"] is None
