@@ -819,16 +819,26 @@ def _prepare(plan: ExperimentPlan, models: Path, data: Path, event: Event) -> _W
     )
 
 
-def _clients(world: _World, seed: int, *, ffa: bool = False) -> list[_Client]:
+def _clients(
+    world: _World,
+    seed: int,
+    *,
+    ffa: bool = False,
+    only: int | None = None,
+    routers: bool = True,
+) -> list[_Client]:
     """The clients of run seed ``seed`` on their warm start. With ``ffa`` (FFA-LoRA) every
     client's adapter is initialised from ``seed`` itself, so a family shares one A, its A is
-    frozen, and the warm start is ffa_lora's own (module docstring)."""
+    frozen, and the warm start is ffa_lora's own (module docstring). ``only``: client
+    ``only`` alone; ``routers`` False: no input routers (nothing will be routed)."""
     from peerlm.agent import Guardrail, LoraSettings, ModelHost
 
     plan = world.plan
     warm = world.ffa_warm if ffa else world.warm
     out = []
     for i, (train, val) in enumerate(world.clients_data):
+        if only is not None and i != only:
+            continue
         arch = plan.arch(i)
         host = ModelHost.load(
             world.models / arch,
@@ -842,7 +852,7 @@ def _clients(world: _World, seed: int, *, ffa: bool = False) -> list[_Client]:
         if name in warm:
             host.load_adapter_state(warm[name])
         client = _Client(name, arch, host, train, val, guard)
-        if plan.integration == "separate":
+        if plan.integration == "separate" and routers:
             client.router = _router(world, train, val)
         out.append(client)
     return out
@@ -862,7 +872,9 @@ def _router(world: _World, train: Sequence[Problem], val: Sequence[Problem]) -> 
     )
 
 
-def _warm_up(world: _World, event: Event, *, ffa: bool = False) -> dict[str, dict[str, Any]]:
+def _warm_up(
+    world: _World, event: Event, *, ffa: bool = False, jobs: int = 1
+) -> dict[str, dict[str, Any]]:
     """Every client's adapter after ``warmup_steps`` on its own data, once per world.
 
     Seeded by the world seed, not the run seed: the warmed-up models are part of the world
@@ -871,25 +883,59 @@ def _warm_up(world: _World, event: Event, *, ffa: bool = False) -> dict[str, dic
     ``ffa``, ffa_lora's warm-up: the same steps and batches with the family's shared A
     frozen (module docstring).
     """
-    from peerlm.agent import TrainSettings
-
     plan = world.plan
     if plan.warmup_steps == 0:
         return {}
     out: dict[str, dict[str, Any]] = {}
-    for i, c in enumerate(_clients(world, plan.world_seed, ffa=ffa)):
-        settings = TrainSettings(
-            learning_rate=plan.learning_rate,
-            grad_accumulation=plan.grad_accumulation,
-            seed=plan.world_seed * 1_009 + i,
-        )
-        stats = c.host.train_local(c.train_examples, settings, steps=plan.warmup_steps)
-        out[c.name] = c.host.adapter_state()
-        event(
-            "warmup",
-            {"client": c.name, "steps": plan.warmup_steps, "loss": stats.mean_loss, "ffa": ffa},
-        )
+    clients = range(plan.agents)
+    if jobs > 1:
+        # The clients warm up apart: one process each, the cores busy from the start.
+        import multiprocessing
+        import os
+        from concurrent.futures import ProcessPoolExecutor
+
+        import torch
+
+        from peerlm.process import exit_with_parent
+
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(
+            min(jobs, plan.agents),
+            mp_context=ctx,
+            initializer=exit_with_parent,
+            initargs=(os.getpid(),),
+        ) as pool:
+            futures = [
+                pool.submit(_warm_one, world, i, ffa, torch.get_num_threads()) for i in clients
+            ]
+            done = [f.result() for f in futures]
+    else:
+        done = [_warm_one(world, i, ffa) for i in clients]
+    for name, state, loss in done:
+        out[name] = state
+        event("warmup", {"client": name, "steps": plan.warmup_steps, "loss": loss, "ffa": ffa})
     return out
+
+
+def _warm_one(
+    world: _World, i: int, ffa: bool, threads: int | None = None
+) -> tuple[str, dict[str, Any], float]:
+    """Client ``i``'s warm-up (:func:`_warm_up`): its name, adapter and mean loss."""
+    from peerlm.agent import TrainSettings
+
+    if threads is not None:  # in a worker process
+        import torch
+
+        torch.set_num_threads(threads)
+    plan = world.plan
+    [c] = _clients(world, plan.world_seed, ffa=ffa, only=i, routers=False)
+    settings = TrainSettings(
+        learning_rate=plan.learning_rate,
+        grad_accumulation=plan.grad_accumulation,
+        seed=plan.world_seed * 1_009 + i,
+    )
+    stats = c.host.train_local(c.train_examples, settings, steps=plan.warmup_steps)
+    return c.name, c.host.adapter_state(), stats.mean_loss
 
 
 def _round_config(plan: ExperimentPlan, seed: int, i: int, *, integration: bool = False) -> Any:
@@ -2147,7 +2193,7 @@ def _run_experiment(
     common = none
     initial_nll: dict[str, float] = {}
     if adapters:
-        world.warm = _warm_up(world, emit)
+        world.warm = _warm_up(world, emit, jobs=jobs)
         # With LocalOnly+'s track replayed, every run computes its own round 1 (in the
         # workers, not here in the main process alone).
         common = _start(world, firsts=not any(_shares_track(plan, s) for s in plan.strategies))
@@ -2156,7 +2202,7 @@ def _run_experiment(
         starts.update(dict.fromkeys(adapters, common))
     ffa: _Start | None = None
     if "ffa_lora" in plan.strategies:
-        world.ffa_warm = _warm_up(world, emit, ffa=True)
+        world.ffa_warm = _warm_up(world, emit, ffa=True, jobs=jobs)
         ffa = starts["ffa_lora"] = _start(world, ffa=True)
     runs = reusable_runs(plan, reuse, initial_nll)
     for strategy, seed in runs:
