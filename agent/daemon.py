@@ -390,7 +390,7 @@ class AgentDaemon:
         from peerlm.agent.fedproxy_member import ProxyMember, text_trainer
         from peerlm.agent.fedproxy_owner import ProxyOwner
         from peerlm.agent.fedproxy_service import FEDPROXY_POLICY, fedproxy_service
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self._cohort_loss = await self._fedproxy_evaluator()
         if fp.owner:
@@ -414,7 +414,11 @@ class AgentDaemon:
                 max_length=self.s.max_length,
                 seed=self.s.seed,
             )
-            self.cohort = ProxyMember(self.ctx, fp, trainer, evaluate=self._cohort_loss)
+            # The only proxy configuration a member accepts is the one its own base implies.
+            base_config = await asyncio.to_thread(AutoConfig.from_pretrained, self.s.model)
+            self.cohort = ProxyMember(
+                self.ctx, fp, trainer, base_config=base_config, evaluate=self._cohort_loss
+            )
         service = self.cohort.service(
             chunk_bytes=self.s.limits.chunk_bytes,
             max_wait_s=fp.round_deadline_s,

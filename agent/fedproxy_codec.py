@@ -7,6 +7,9 @@ One payload format for both directions (``peerlm.v1.ProxyExchange``), never pick
 * in the owner's proxy only, the conflict scores ``C_d`` (Eq. 7) of the merge that made it,
   one tensor per scored weight, under ``conflict/<name>`` (``/`` never occurs in a
   state-dict name); round 1 has none (Algorithm 1, line 3: ``C = 0``);
+* in a member's update only, optionally ``peerlm.report`` (:class:`HarmReport`): the
+  member's held-out loss, on its own validation texts, of the proxy it trained and of the
+  one it held before, from which the owner judges whether its last merge harmed the member;
 * header metadata: ``peerlm.format`` (:data:`PROXY_FORMAT` or :data:`UPDATE_FORMAT`),
   ``peerlm.round``, ``peerlm.proxy`` (the :class:`~peerlm.agent.proxy_model.ProxyInfo`: which
   blocks of which model) and, in the owner's proxy, ``peerlm.config`` (the proxy's
@@ -27,16 +30,17 @@ scores, no ``peerlm.conflict``) is still decoded, so an owner's checkpoint writt
 Decoding is for untrusted bytes and refuses, as :class:`~peerlm.agent.proxy_model.ProxyError`
 with a metric label as ``reason``, before any tensor is decoded where it can: ``too_large``,
 ``decode`` (not safetensors, bad header, bad metadata), ``format`` (the other kind), ``round``
-(not the round asked for), ``mismatch`` (another model type or block set), ``keys``,
-``shape``, ``dtype`` (another tensor table than expected, a score tensor not of the
-declared encoding), ``non_finite`` (NaN or inf weights, conflict scores outside [0, 1], a
-byte above ``K``). The tensor table checks are
+(not the round asked for), ``report`` (a harm report that is not one), ``mismatch``
+(another model type or block set), ``keys``, ``shape``, ``dtype`` (another tensor table
+than expected, a score tensor not of the declared encoding), ``non_finite`` (NaN or inf
+weights, conflict scores outside [0, 1], a byte above ``K``). The tensor table checks are
 :mod:`peerlm.agent.adapter_codec`'s, shared with adapters.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -60,6 +64,7 @@ __all__ = [
     "PROXY_FORMAT",
     "UPDATE_CONTENT_TYPE",
     "UPDATE_FORMAT",
+    "HarmReport",
     "ProxyHeader",
     "ProxyPayload",
     "decode_proxy",
@@ -83,20 +88,74 @@ UPDATE_FORMAT: Final = "peerlm-fedproxy-update/1"
 PROXY_CONTENT_TYPE: Final = "application/vnd.peerlm.fedproxy-proxy+safetensors"
 UPDATE_CONTENT_TYPE: Final = "application/vnd.peerlm.fedproxy-update+safetensors"
 CONFLICT_PREFIX: Final = "conflict/"
+#: Metadata key of a member's :class:`HarmReport` in its update.
+REPORT_KEY: Final = "peerlm.report"
 
 StateDict = Mapping[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
+class HarmReport:
+    """What a member measured of the proxies it pulled, on its own validation texts (mean
+    token cross-entropy, nats): ``loss`` of the proxy of ``round`` (the one its update is
+    trained from) and ``previous_loss`` of the one it pulled before, of ``previous_round``.
+    Two numbers a round: the whole of what the member's gate tells the owner."""
+
+    round: int
+    loss: float
+    previous_round: int
+    previous_loss: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "round": self.round,
+            "loss": self.loss,
+            "previous_round": self.previous_round,
+            "previous_loss": self.previous_loss,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, round_: int) -> HarmReport:
+        """Parse and check a report carried by an update of ``round_``: the same round, an
+        earlier previous round, finite losses >= 0; else :class:`ProxyError` ``report``."""
+        if not isinstance(raw, dict) or set(raw) != {
+            "round",
+            "loss",
+            "previous_round",
+            "previous_loss",
+        }:
+            raise ProxyError("harm report: not an object of the four fields", reason="report")
+        rounds = (raw["round"], raw["previous_round"])
+        losses = (raw["loss"], raw["previous_loss"])
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in rounds) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in losses
+        ):
+            raise ProxyError(
+                "harm report: rounds must be integers, losses numbers", reason="report"
+            )
+        if rounds[0] != round_ or not 1 <= rounds[1] < rounds[0]:
+            raise ProxyError(
+                f"harm report of rounds {rounds[1]} -> {rounds[0]} in an update of round {round_}",
+                reason="report",
+            )
+        if not all(math.isfinite(float(v)) and float(v) >= 0 for v in losses):
+            raise ProxyError("harm report: losses must be finite and >= 0", reason="report")
+        return cls(rounds[0], float(losses[0]), rounds[1], float(losses[1]))
+
+
+@dataclass(frozen=True)
 class ProxyPayload:
-    """A decoded payload: the round, the proxy's weights, its blocks, and (owner's proxy
-    only) its configuration and the conflict scores of the merge that made it."""
+    """A decoded payload: the round, the proxy's weights, its blocks, (owner's proxy only)
+    its configuration and the conflict scores of the merge that made it, and (a member's
+    update only, optional) the member's :class:`HarmReport`."""
 
     round: int
     state: dict[str, torch.Tensor]
     info: ProxyInfo
     config: dict[str, Any] | None
     conflict: dict[str, torch.Tensor]
+    report: HarmReport | None = None
 
 
 def payload_content_type(base: str, round_: int) -> str:
@@ -176,13 +235,17 @@ def encode_proxy(
     return st_save(tensors, metadata=meta)
 
 
-def encode_update(state: StateDict, info: ProxyInfo, round_: int) -> bytes:
-    """A member's proxy trained in ``round_``."""
+def encode_update(
+    state: StateDict, info: ProxyInfo, round_: int, report: HarmReport | None = None
+) -> bytes:
+    """A member's proxy trained in ``round_``, with its harm report if it has one."""
     meta = {
         "peerlm.format": UPDATE_FORMAT,
         "peerlm.round": str(round_),
         "peerlm.proxy": json.dumps(info.to_dict(), sort_keys=True),
     }
+    if report is not None:
+        meta[REPORT_KEY] = json.dumps(report.to_dict(), sort_keys=True)
     return st_save(_tensors(state), metadata=meta)
 
 
@@ -316,9 +379,17 @@ def decode_update(
     round_: int,
 ) -> ProxyPayload:
     """A member's update of ``round_`` for the proxy ``expected`` (the global proxy it was
-    pulled as): the same blocks (``info``), names, shapes and dtypes; finite."""
+    pulled as): the same blocks (``info``), names, shapes and dtypes; finite; its harm
+    report, if any, well formed."""
     head = read_proxy_header(data, kind="update", max_bytes=max_bytes)
     _check_round("update", head.round, round_)
+    report = None
+    if REPORT_KEY in head.header.metadata:
+        try:
+            raw = json.loads(head.header.metadata[REPORT_KEY])
+        except (ValueError, RecursionError) as err:
+            raise ProxyError(f"harm report is not JSON: {err}", reason="report") from None
+        report = HarmReport.from_dict(raw, round_=head.round)
     if head.info != info:
         raise ProxyError(
             f"update of blocks {list(head.info.kept_blocks)} of a {head.info.source_model_type} "
@@ -335,4 +406,4 @@ def decode_update(
                 f"update {key} is {value.dtype}, the proxy's is {expected[key].dtype}",
                 reason="dtype",
             )
-    return ProxyPayload(head.round, tensors, head.info, None, {})
+    return ProxyPayload(head.round, tensors, head.info, None, {}, report)

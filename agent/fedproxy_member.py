@@ -3,13 +3,22 @@ serve the update to the owner.
 
 Round ``t``: the member pulls the owner's proxy ``φ^(t−1)`` with the conflict scores
 ``C^(t−1)`` (``PullProxy``; the next round is waited for at the owner), checks it
-(:func:`~peerlm.agent.fedproxy_codec.decode_proxy`: the tensor table of the model its
-configuration builds, built on the meta device first so that a hostile configuration costs
-no memory; the blocks of the rounds before; finite; scores in [0, 1]), writes it to
-``fedproxy.proxy_path`` (``save_pretrained``, renamed into place), trains it locally with
-the task loss plus PCR (:class:`~peerlm.agent.pcr.ConflictRegulariser`, Eq. 8–9, ``λ_reg``;
-round 1 has no scores, so no penalty) and publishes the result on its update board, from
-which only its owner may pull it (``PullUpdate``).
+(:func:`~peerlm.agent.fedproxy_config.member_proxy_config`: the configuration must be the
+one the member's own base model implies, only the kept blocks are the owner's, so nothing
+is built from the owner's sizes; :func:`~peerlm.agent.fedproxy_codec.decode_proxy`: the
+tensor table of that configuration; the blocks of the rounds before; finite; scores in
+[0, 1]), writes it to ``fedproxy.proxy_path`` (``save_pretrained``, renamed into place),
+measures it on its own validation texts, trains it locally with the task loss plus PCR
+(:class:`~peerlm.agent.pcr.ConflictRegulariser`, Eq. 8–9, ``λ_reg``; round 1 has no scores,
+so no penalty) with the token embeddings frozen, and publishes the result on its update
+board, from which only its owner may pull it (``PullUpdate``).
+
+What the owner learns from an update (docs/fedproxy.md, "Hostile members"): the update
+carries the token embeddings exactly as pulled (an embedding row moves only for tokens the
+member trained on, so moved rows would name its vocabulary), and a
+:class:`~peerlm.agent.fedproxy_codec.HarmReport`: the member's loss on its own validation
+of the proxy it trained and of the one before. A published proxy that harmed the member
+beyond ``fedproxy.harm_margin`` is rolled back by the owner on that report.
 
 The training itself is the caller's (a :data:`Trainer`): the agent trains on its private
 data; :func:`text_trainer` is full-parameter AdamW on a list of texts.
@@ -22,25 +31,30 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
+from peerlm.agent.fedproxy_admission import token_embedding_keys
 from peerlm.agent.fedproxy_codec import (
+    HarmReport,
     ProxyPayload,
     decode_proxy,
     encode_update,
     read_proxy_header,
 )
+from peerlm.agent.fedproxy_config import member_proxy_config
 from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_proxy
 from peerlm.agent.pcr import ConflictRegulariser
 from peerlm.agent.peer_client import PeerExchangeError
 from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.proxy_model import ProxyError, ProxyInfo
 from peerlm.agent.settings import FedProxySettings
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from peerlm.node import NodeContext
 
@@ -49,6 +63,7 @@ __all__ = [
     "ProxyMember",
     "Trainer",
     "build_proxy_model",
+    "frozen_embeddings",
     "proxy_from",
     "save_model_atomic",
     "text_loss",
@@ -82,18 +97,6 @@ def _config(raw: dict[str, Any]) -> Any:
         return AutoConfig.for_model(str(kind), **fields)
     except (ValueError, TypeError, KeyError) as err:  # an unknown model type or bad fields
         raise ProxyError(f"proxy configuration refused: {err}", reason="model") from None
-
-
-def _shapes(raw: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The state-dict shapes of the model ``raw`` configures, built on the meta device (no
-    memory whatever the configuration says)."""
-    config = _config(raw)
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    except Exception as err:  # transformers raises many types for a configuration it refuses
-        raise ProxyError(f"proxy configuration refused: {err}", reason="model") from None
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def text_trainer(
@@ -175,9 +178,14 @@ def text_loss(
 class ProxyMember:
     """A member's rounds: pull from the owner of ``settings``, train with ``trainer``.
 
+    ``base_config``: the configuration of the base model this member holds (the agent's
+    ``model``); the only proxy configuration accepted is the one it implies with the
+    owner's kept blocks (:func:`~peerlm.agent.fedproxy_config.member_proxy_config`).
+
     ``evaluate``: the held-out loss of a proxy on the member's own validation texts
-    (:func:`text_loss`), measured on every pulled proxy before it is trained (``losses``);
-    None: not measured."""
+    (:func:`text_loss`), measured on every pulled proxy before it is trained (``losses``)
+    and reported to the owner with the update (the member's side of the acceptance gate);
+    None: not measured, nothing reported."""
 
     def __init__(
         self,
@@ -185,12 +193,14 @@ class ProxyMember:
         settings: FedProxySettings,
         trainer: Trainer,
         *,
+        base_config: PretrainedConfig,
         clock: Callable[[], float] = time.monotonic,
         evaluate: Evaluator | None = None,
     ) -> None:
         if settings.owner or not settings.owner_name or not settings.owner_address:
             raise ValueError("a member needs fedproxy.owner_name and fedproxy.owner_address")
         self._ctx, self._settings, self._trainer, self._clock = ctx, settings, trainer, clock
+        self._base_config = base_config
         self.owner: str = settings.owner_name
         self.board = RoundBoard(horizon=None)
         self.info: ProxyInfo | None = None
@@ -257,10 +267,19 @@ class ProxyMember:
                     raise
                 await asyncio.sleep(min(s.retry_s, max(0.0, end - self._clock())))
         try:
-            shapes = _shapes(_header_config(data, s.max_proxy_bytes))
-            payload = decode_proxy(
-                data, shapes, max_bytes=s.max_proxy_bytes, round_=got, expected_info=self.info
+            derived = member_proxy_config(
+                self._base_config, _header_config(data, s.max_proxy_bytes)
             )
+            payload = decode_proxy(
+                data,
+                derived.shapes,
+                max_bytes=s.max_proxy_bytes,
+                round_=got,
+                expected_info=self.info,
+            )
+            # The model is built from the configuration derived from the base, never from
+            # the owner's numbers (they were checked equal; this makes it so by construction).
+            payload = replace(payload, config=derived.config.to_dict())
         except ProxyError as err:
             self._refused.labels("proxy", err.reason).inc()
             self._ctx.log.warning(
@@ -307,8 +326,10 @@ class ProxyMember:
             if payload.conflict
             else None
         )
-        await asyncio.to_thread(self._trainer, model, regulariser)
-        update = encode_update(model.state_dict(), payload.info, payload.round)
+        await asyncio.to_thread(self._train, model, regulariser)
+        update = encode_update(
+            model.state_dict(), payload.info, payload.round, self._report(payload.round)
+        )
         await self.board.publish(payload.round, update)
         self.model = model
         self._trained.inc()
@@ -319,6 +340,43 @@ class ProxyMember:
             pcr=regulariser is not None,
         )
         return payload.round
+
+    def _train(self, model: PreTrainedModel, regulariser: ConflictRegulariser | None) -> None:
+        """The trainer's round with the token embeddings frozen, and put back as pulled
+        after it whatever the trainer did (a trainer may turn gradients back on)."""
+        with frozen_embeddings(model):
+            self._trainer(model, regulariser)
+
+    def _report(self, round_: int) -> HarmReport | None:
+        """The loss of round ``round_``'s proxy and of the one pulled before it, on this
+        member's validation texts; None before the member has two measured proxies."""
+        earlier = [r for r in self.losses if r < round_]
+        if round_ not in self.losses or not earlier:
+            return None
+        previous = max(earlier)
+        report = HarmReport(round_, self.losses[round_], previous, self.losses[previous])
+        self._ctx.log.info("fedproxy_harm_measured", **report.to_dict())
+        return report
+
+
+@contextmanager
+def frozen_embeddings(model: PreTrainedModel) -> Iterator[None]:
+    """The token embeddings of ``model`` (input and output, tied or not) take no gradient
+    inside the block and hold their values from before it at the end."""
+    keys = token_embedding_keys(model)
+    state = model.state_dict()
+    saved = {key: state[key].detach().clone() for key in keys}
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    flags = {key: parameters[key].requires_grad for key in keys}
+    for key in keys:
+        parameters[key].requires_grad_(False)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for key in keys:
+                parameters[key].copy_(saved[key])
+                parameters[key].requires_grad_(flags[key])
 
 
 def _header_config(data: bytes, max_bytes: int) -> dict[str, Any]:

@@ -27,6 +27,18 @@ acceptance gate: a merge that raises the proxy's held-out loss by more than
 ``fedproxy.acceptance_margin`` is not published (the previous proxy and scores are, as round
 ``t + 1``; logged as ``fedproxy_merge_rejected`` and counted as the round outcome
 ``rejected``).
+
+Hostile members inside the norm bound (docs/fedproxy.md, "Hostile members"): an update
+that changes the token embeddings (members send none) is refused ``frozen``, one that moves
+a tensor or a matrix row beyond ``fedproxy.max_group_norm_ratio`` of its reference
+``group_norm``; the merge clips every coordinate to what a second member moved it
+(``fedproxy.robust_merge``, :func:`~peerlm.agent.hties.support_clip`); and the owner keeps
+the version published before the current one: when a member's update reports (its
+:class:`~peerlm.agent.fedproxy_codec.HarmReport`, measured on the member's own validation)
+that the current proxy raised its loss by more than ``fedproxy.harm_margin`` over the
+previous one, the round's updates (trained from the harmful proxy) are not merged and the
+previous version is published again (outcome ``rolled_back``, logged as
+``fedproxy_rolled_back``, counted in ``peerlm_agent_fedproxy_rollbacks_total{member}``).
 """
 
 from __future__ import annotations
@@ -35,14 +47,25 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 from peerlm.agent.acceptance import Verdict, judge
-from peerlm.agent.fedproxy_admission import NORM_REASON, norm_refusal, state_norm
-from peerlm.agent.fedproxy_codec import decode_proxy, decode_update, encode_proxy
+from peerlm.agent.fedproxy_admission import (
+    FROZEN_REASON,
+    GROUP_REASON,
+    NORM_REASON,
+    frozen_refusal,
+    group_refusal,
+    harm_of,
+    norm_refusal,
+    state_norm,
+    token_embedding_keys,
+)
+from peerlm.agent.fedproxy_codec import HarmReport, decode_proxy, decode_update, encode_proxy
 from peerlm.agent.fedproxy_member import Evaluator, proxy_from
 from peerlm.agent.fedproxy_rounds import CohortRound, RoundError, RoundOutcome
 from peerlm.agent.fedproxy_service import ProxyExchangeService, RoundBoard, pull_update
@@ -63,6 +86,17 @@ __all__ = ["ProxyOwner"]
 #: Answers after which a member is asked again within the round (it is not there yet, or
 #: has not finished training): the rest are final for the round.
 _RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+@dataclass(frozen=True)
+class _Version:
+    """A published proxy the owner can go back to: its weights, scores, the round it was
+    first published in, and its held-out loss on the owner's gate (None: not measured)."""
+
+    state: dict[str, torch.Tensor]
+    conflict: dict[str, torch.Tensor]
+    since: int
+    loss: float | None
 
 
 class ProxyOwner:
@@ -105,6 +139,12 @@ class ProxyOwner:
             k: v.detach().to("cpu").clone() for k, v in proxy.state_dict().items()
         }
         self.conflict: dict[str, torch.Tensor] = {}
+        #: The token embeddings' keys: frozen in a cohort (members send no update for them).
+        self._frozen = token_embedding_keys(proxy)
+        #: The round the current proxy was first published in, and the version before it
+        #: (None: nothing to roll back to, at the start or right after a rollback).
+        self._since = 0
+        self._previous: _Version | None = None
         self.board = RoundBoard(horizon=1)
         self._opened_at = 0.0
         #: SHA-256 of every payload this process published, by round: what a member that
@@ -133,6 +173,12 @@ class ProxyOwner:
             "Proxies (at a member) and updates (at the owner) refused as bad input",
             ("kind", "reason"),
         )
+        self._rollbacks = ctx.counter(
+            "peerlm_agent_fedproxy_rollbacks_total",
+            "Published proxies rolled back to the previous version on a member's harm report "
+            "(the member whose report it was)",
+            ("member",),
+        )
         self._merge_seconds = get_collector(
             Histogram,
             reg,
@@ -158,6 +204,7 @@ class ProxyOwner:
             signer=self._ctx.signer,
             log=self._ctx.log,
             streamer=streamer,
+            max_pulls_per_round=self._settings.max_pulls_per_round,
         )
 
     async def start(self) -> None:
@@ -172,6 +219,7 @@ class ProxyOwner:
             shapes = {k: tuple(v.shape) for k, v in self.state.items()}
             saved = decode_proxy(data, shapes, max_bytes=len(data), expected_info=self.info)
             self.state, self.conflict = saved.state, saved.conflict
+            self._since = saved.round
             self.published[saved.round] = hashlib.sha256(data).hexdigest()
             await self.board.publish(saved.round, data)
             self._opened_at = self._clock()
@@ -179,6 +227,7 @@ class ProxyOwner:
                 "fedproxy_restored", round=saved.round, checkpoint=str(self._checkpoint)
             )
             return
+        self._since = 1
         await self._publish(1)
 
     async def _publish(self, round_: int) -> None:
@@ -212,9 +261,10 @@ class ProxyOwner:
             deadline_s=self._settings.round_deadline_s,
         )
         updates: dict[str, dict[str, torch.Tensor]] = {}
+        reports: dict[str, HarmReport] = {}
         await asyncio.gather(
             *(
-                self._collect(core, name, address, updates)
+                self._collect(core, name, address, updates, reports)
                 for name, address in sorted(self._settings.cohort.items())
             )
         )
@@ -224,7 +274,11 @@ class ProxyOwner:
         for name, reason in outcome.refused.items():
             self._missing.labels(name, reason).inc()
         rejected = False
-        if outcome.arrived:
+        harmed = self._harmed(t, {m: reports[m] for m in outcome.arrived if m in reports})
+        if harmed:
+            self._roll_back(t, harmed)
+            weights, heterogeneity = {}, {}
+        elif outcome.arrived:
             started = self._clock()
             result = await asyncio.to_thread(
                 h_ties,
@@ -233,21 +287,24 @@ class ProxyOwner:
                 r0=self._settings.r0,
                 delta=self._settings.delta,
                 rho=self._settings.rho,
+                robust=self._settings.robust_merge,
             )
             self._merge_seconds.observe(self._clock() - started)
             verdict = await self._gate(t, result.state)
             rejected = verdict is not None and verdict.rolled_back
             if not rejected:
+                self._previous = _Version(self.state, self.conflict, self._since, self._loss)
+                self._since = t + 1
                 self.state, self.conflict = result.state, result.analysis.conflict
                 self._merged.inc(len(outcome.arrived))
-                if verdict is not None:
-                    self._loss = verdict.loss_post
+                self._loss = verdict.loss_post if verdict is not None else None
             weights = dict(zip(outcome.arrived, result.analysis.weights, strict=True))
             heterogeneity = dict(zip(outcome.arrived, result.analysis.heterogeneity, strict=True))
         else:
             weights, heterogeneity = {}, {}
         kind = "complete" if outcome.complete else ("partial" if outcome.arrived else "empty")
         kind = "rejected" if rejected else kind
+        kind = "rolled_back" if harmed else kind
         self._rounds.labels(kind).inc()
         record: dict[str, Any] = {
             "round": t,
@@ -258,12 +315,47 @@ class ProxyOwner:
             "deadline_passed": outcome.deadline_passed,
             "weights": weights,
             "heterogeneity": heterogeneity,
+            "harm": {m: round(harm_of(r.loss, r.previous_loss), 6) for m, r in reports.items()},
         }
         self.history.append(record)
         log = self._ctx.log.info if outcome.complete else self._ctx.log.warning
         log("fedproxy_round_merged", **record)
         await self._publish(t + 1)
         return outcome
+
+    def _harmed(self, t: int, reports: Mapping[str, HarmReport]) -> dict[str, float]:
+        """The members whose report says the current proxy harmed them beyond the margin,
+        and by how much, when there is a previous version to go back to. A report counts
+        when it compares exactly those two versions: the proxy of this round (published
+        at ``_since`` or later) against one the member pulled while the previous version
+        was the published one."""
+        margin, previous = self._settings.harm_margin, self._previous
+        if margin is None or previous is None:
+            return {}
+        out = {}
+        for name, report in sorted(reports.items()):
+            harm = harm_of(report.loss, report.previous_loss)
+            comparable = report.round == t and previous.since <= report.previous_round < self._since
+            if comparable and harm > margin:
+                out[name] = harm
+        return out
+
+    def _roll_back(self, t: int, harmed: Mapping[str, float]) -> None:
+        """Make the previous version current again (published as round ``t + 1`` by the
+        caller); this round's updates, trained from the harmful proxy, are not merged."""
+        previous = self._previous
+        assert previous is not None
+        self.state, self.conflict, self._loss = previous.state, previous.conflict, previous.loss
+        self._since, self._previous = t + 1, None
+        for name in harmed:
+            self._rollbacks.labels(name).inc()
+        self._ctx.log.warning(
+            "fedproxy_rolled_back",
+            round=t,
+            harm={name: round(value, 6) for name, value in harmed.items()},
+            margin=self._settings.harm_margin,
+            restored_from_round=previous.since,
+        )
 
     async def _gate(self, t: int, merged: dict[str, torch.Tensor]) -> Verdict | None:
         """The acceptance gate's verdict on ``merged`` against the current proxy (None: no
@@ -294,6 +386,7 @@ class ProxyOwner:
         name: str,
         address: str,
         updates: dict[str, dict[str, torch.Tensor]],
+        reports: dict[str, HarmReport],
     ) -> None:
         """Ask ``name`` for its update of the round until it comes, is refused, or the
         deadline passes."""
@@ -326,10 +419,10 @@ class ProxyOwner:
                 self._refused.labels("update", err.reason).inc()
                 self._refuse(core, name, err.reason, str(err))
                 return
-            over = await asyncio.to_thread(self._over_norm, update.state)
-            if over is not None:
-                self._refused.labels("update", NORM_REASON).inc()
-                self._refuse(core, name, NORM_REASON, over)
+            refusal = await asyncio.to_thread(self._admit, update.state)
+            if refusal is not None:
+                self._refused.labels("update", refusal[0]).inc()
+                self._refuse(core, name, *refusal)
                 return
             try:
                 core.deliver(name, t, self._clock())
@@ -337,21 +430,32 @@ class ProxyOwner:
                 self._ctx.log.warning("fedproxy_update_late", round=t, peer=name, error=str(err))
                 return
             updates[name] = update.state
+            if update.report is not None:
+                reports[name] = update.report
             self._ctx.log.info("fedproxy_update_received", round=t, peer=name, bytes=len(data))
             # Delivered: done with this member for the round (without this return the loop
             # pulled and decoded its update again while another member was still pending).
             return
 
-    def _over_norm(self, update: dict[str, torch.Tensor]) -> str | None:
-        """Why ``update`` is over the norm bound, or None (on a worker thread). The current
-        proxy's norm, the bound's reference, is computed once per proxy."""
+    def _admit(self, update: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+        """(reason, detail) of why ``update`` is refused, or None (on a worker thread): the
+        norm bound, the frozen embeddings, the per-group bounds. The current proxy's norm,
+        the bounds' reference, is computed once per proxy."""
         base, cached = self.state, self._norm_of
         if cached is None or cached[0] is not base:
             cached = (base, state_norm(base))
             self._norm_of = cached
-        return norm_refusal(
-            base, update, max_ratio=self._settings.max_update_norm_ratio, base_norm=cached[1]
-        )
+        s = self._settings
+        over = norm_refusal(base, update, max_ratio=s.max_update_norm_ratio, base_norm=cached[1])
+        if over is not None:
+            return NORM_REASON, over
+        frozen = frozen_refusal(base, update, self._frozen)
+        if frozen is not None:
+            return FROZEN_REASON, frozen
+        group = group_refusal(base, update, max_ratio=s.max_group_norm_ratio, base_norm=cached[1])
+        if group is not None:
+            return GROUP_REASON, group
+        return None
 
     def _refuse(self, core: CohortRound, name: str, reason: str, detail: str) -> None:
         try:

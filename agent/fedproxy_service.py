@@ -13,7 +13,10 @@ Admission is by certificate name (``current_identity()``), per method and per ob
   the members of its cohort;
 * ``PullUpdate`` only by a member (a board of its trained proxies), and only to its owner.
 
-Anyone else gets PERMISSION_DENIED. A request for round 0 of an update is INVALID_ARGUMENT;
+Anyone else gets PERMISSION_DENIED. A member may pull one round's proxy at most
+``max_pulls_per_round`` times (retries included; ``fedproxy.max_pulls_per_round``): one more
+is RESOURCE_EXHAUSTED (``pull_limit``), so an admitted member cannot make its owner stream
+the proxy without end. A request for round 0 of an update is INVALID_ARGUMENT;
 a round that does not exist NOT_FOUND; the next round is waited for up to the call's
 deadline (at most ``max_wait_s``), then UNAVAILABLE (``not_ready``: ask again). Each refusal
 counts in ``peerlm_agent_fedproxy_refusals_total{rpc, reason}`` and is logged with the peer.
@@ -96,6 +99,7 @@ class RoundBoard:
         self._round = 0
         self._payload: HashedPayload | None = None
         self._served: set[str] = set()  # who has been sent the current round in full
+        self._pulls: dict[str, int] = {}  # how often each reader was served the current round
         self._changed = asyncio.Condition()
 
     @property
@@ -110,7 +114,17 @@ class RoundBoard:
         hashed = payload if isinstance(payload, HashedPayload) else HashedPayload.of(payload)
         async with self._changed:
             self._round, self._payload, self._served = round_, hashed, set()
+            self._pulls = {}
             self._changed.notify_all()
+
+    def count_pull(self, round_: int, reader: str) -> int:
+        """Count one serving of round ``round_`` to ``reader``; how many it has had of it
+        (this one included). Only the current round is counted (an older one is not
+        served: :meth:`get` answers NOT_FOUND)."""
+        if round_ != self._round:
+            return 0
+        self._pulls[reader] = self._pulls.get(reader, 0) + 1
+        return self._pulls[reader]
 
     async def served(self, round_: int, reader: str) -> None:
         """Record that ``reader`` was sent round ``round_`` in full."""
@@ -169,6 +183,7 @@ class ProxyExchangeService(fedproxy_pb2_grpc.ProxyExchangeServicer):
         signer: ProofSigner | None = None,
         log: Any = None,
         streamer: PeerStreamer | None = None,
+        max_pulls_per_round: int | None = None,
     ) -> None:
         if (proxies is None) == (updates is None):
             raise ValueError("a FedProxy service is an owner's (proxies) or a member's (updates)")
@@ -179,6 +194,7 @@ class ProxyExchangeService(fedproxy_pb2_grpc.ProxyExchangeServicer):
         self._proxies, self._cohort = proxies, frozenset(cohort)
         self._updates, self._owner = updates, owner
         self._chunk_bytes, self._max_wait = chunk_bytes, max_wait_s
+        self._max_pulls = max_pulls_per_round
         self._signer = signer
         self._log: Any = log if log is not None else structlog.get_logger("peerlm.agent.fedproxy")
         self._streamer = streamer if streamer is not None else PeerStreamer(registry, log=log)
@@ -304,6 +320,18 @@ class ProxyExchangeService(fedproxy_pb2_grpc.ProxyExchangeServicer):
                 f"round {wanted} is not ready yet; ask again",
                 caller,
             )
+        if board is self._proxies and self._max_pulls is not None:
+            pulls = board.count_pull(wanted, caller)
+            if pulls > self._max_pulls:
+                await self._refuse(
+                    context,
+                    rpc,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "pull_limit",
+                    f"round {wanted} was already served {pulls - 1} times to {caller!r}; the "
+                    f"limit is {self._max_pulls} a round (fedproxy.max_pulls_per_round)",
+                    caller,
+                )
         content_type = payload_content_type(content_type, wanted)
         await self._streamer.stream(
             context,

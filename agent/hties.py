@@ -15,6 +15,9 @@ output is the next global proxy and the analysis the owner publishes with it.
   dominant sign when its mass is at least ``ρ`` times the other's (plus ``ε``), else 0.
 * :func:`h_ties` — the whole round: analysis, magnitude sparsification of each ``τ_k`` to
   its ``r_k`` (peft's ``prune``), Eq. 11–13, and Eq. 14 ``φ^(t) = φ^(t−1) + Δφ``.
+* :func:`support_clip` — not the paper's: a per-coordinate robust step before the merge
+  (``h_ties(..., robust=True)``, what the FedProxy owner uses): no coordinate moves further
+  than a second client moved it, so one hostile client cannot set a coordinate alone.
 * Baselines: :func:`fedavg_proxies` (plain FedAvg of the proxies) and :func:`ties_merge`
   (TIES without the heterogeneity terms: peft's ``ties``, uniform weights and density).
 
@@ -61,6 +64,7 @@ __all__ = [
     "fedavg_proxies",
     "h_ties",
     "retention",
+    "support_clip",
     "task_vectors",
     "ties_merge",
 ]
@@ -306,14 +310,23 @@ def h_ties(
     delta: float = DEFAULT_DELTA,
     rho: float = DEFAULT_RHO,
     epsilon: float = DEFAULT_EPSILON,
+    robust: bool = False,
 ) -> HTiesResult:
     """One FedProxy aggregation round (Algorithm 1, lines 16–21).
 
     ``base`` is ``φ^(t−1)``, ``clients`` the cohort's ``φ_k``. Returns ``φ^(t)``, the
     analysis (``C_d`` for the next round's PCR) and the retention rates ``r_k``.
+
+    ``robust``: the task vectors pass :func:`support_clip` first (before the analysis, so
+    that one client's outsized entries weigh neither in ``S``, ``h``, ``w`` nor in Eq. 13):
+    no coordinate then moves further than a second client moved it. The paper's H-TIES is
+    ``robust=False``; a FedProxy owner merges with ``robust=True`` (docs/fedproxy.md,
+    "Hostile members").
     """
     _check_parameters(r0, delta, rho, epsilon)
     taus = task_vectors(base, clients)
+    if robust:
+        taus = support_clip(taus)
     analysis = analyse(taus)
     rates = retention(analysis.heterogeneity_norm, r0=r0, delta=delta)
     merged: dict[str, torch.Tensor] = {}
@@ -321,6 +334,35 @@ def h_ties(
         sparse = [_sparsify(tau[key], rate) for tau, rate in zip(taus, rates, strict=True)]
         merged[key] = dominant_sign_merge(sparse, analysis.weights, rho=rho, epsilon=epsilon)
     return HTiesResult(state=_apply(base, merged), analysis=analysis, retention=rates)
+
+
+def support_clip(taus: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Each client's entry clipped, coordinate by coordinate, to the largest magnitude any
+    *other* client has there (its sign kept): ``τ'_k[d] = sign(τ_k[d]) · min(|τ_k[d]|,
+    max_{j≠k} |τ_j[d]|)``.
+
+    Only the single largest entry of a coordinate can exceed the others, so this is: the
+    largest magnitude is cut to the second largest. Why: a coordinate one client alone
+    moves (a competitor's vocabulary rows, say) is a coordinate the merge has no evidence
+    for but that client's word; after the clip no coordinate of Eq. 13's weighted mean of
+    agreeing entries exceeds what a second client moved it, so one hostile client is
+    bounded by the honest clients' own steps, per coordinate, whatever its total norm. The
+    cost: a coordinate only one client learns is not learnt (with two clients every
+    coordinate moves by the smaller of the two steps). One client (``K = 1``) is returned
+    as is (nothing to corroborate against; the owner's other checks hold). Float64 in,
+    float64 out; the clients' keys and shapes are the same (:func:`task_vectors`).
+    """
+    if len(taus) < 2:
+        return [dict(t) for t in taus]
+    out: list[dict[str, torch.Tensor]] = [{} for _ in taus]
+    for key in taus[0]:
+        stacked = torch.stack([t[key].to(torch.float64) for t in taus])
+        magnitude = stacked.abs()
+        second = torch.topk(magnitude, 2, dim=0).values[1]
+        clipped = stacked.sign() * torch.minimum(magnitude, second)
+        for k in range(len(taus)):
+            out[k][key] = clipped[k]
+    return out
 
 
 # ----------------------------------------------------------------------------- baselines

@@ -163,6 +163,19 @@ class FedProxySettings(Section):
     # published; the previous proxy is republished (None: no gate).
     acceptance_margin: float | None = Field(default=0.1, ge=0)
     gate_examples: int = Field(default=32, ge=1, le=10_000)
+    # Owner: every tensor, and every row of a matrix, of an update may move by at most this
+    # times its own reference (docs/fedproxy.md, "Hostile members"); honest rounds measure
+    # < 0.1. None: no per-group bound.
+    max_group_norm_ratio: float | None = Field(default=0.5, gt=0)
+    # Owner: merge with H-TIES after the per-coordinate support clip (no coordinate moves
+    # further than a second member moved it); False: the paper's H-TIES as is.
+    robust_merge: bool = True
+    # Owner: a member reporting that the published proxy raised the loss on its own
+    # validation by more than this (nats) over the previous one rolls the proxy back to
+    # the previous version. None: reports are logged only.
+    harm_margin: float | None = Field(default=0.5, ge=0)
+    # Owner: how many times one member may pull one round's proxy (retries included).
+    max_pulls_per_round: int = Field(default=4, ge=1, le=1000)
 
     @field_validator("cohort")
     @classmethod
