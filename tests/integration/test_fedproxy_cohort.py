@@ -126,6 +126,7 @@ async def cohort_factory(
         checkpoint: Path | None = None,
         owner_settings: dict[str, Any] | None = None,
         evaluate: Evaluator | None = None,
+        member_evaluate: dict[str, Evaluator] | None = None,
     ) -> Cohort:
         contexts = {
             name: kit_context(pki, name, listen="127.0.0.1:0") for name in ("owner", *members)
@@ -163,7 +164,13 @@ async def cohort_factory(
             train = text_trainer(tokenizer, TEXTS[name], steps=3, learning_rate=5e-3, seed=i)
             if trainers and name in trainers:
                 train = trainers[name]
-            members_[name] = ProxyMember(contexts[name], settings, train, base_config=base_config)
+            members_[name] = ProxyMember(
+                contexts[name],
+                settings,
+                train,
+                base_config=base_config,
+                evaluate=(member_evaluate or {}).get(name),
+            )
         bound["owner"].add(fedproxy_service(owner.service(chunk_bytes=CHUNK, max_wait_s=30)))
         for name, member in members_.items():
             bound[name].add(fedproxy_service(member.service(chunk_bytes=CHUNK, max_wait_s=30)))
@@ -521,3 +528,95 @@ async def test_a_merge_that_raises_the_held_out_loss_is_not_published(
     metric = cohort.metric
     assert metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="rejected") == 1
     assert metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="complete") == 1
+
+
+async def test_a_member_harmed_by_a_published_proxy_reports_it_and_the_owner_rolls_back(
+    cohort_factory: Callable[..., Any], tokenizer: Any
+) -> None:
+    # m3 adds noise of 0.3x each parameter's RMS scale to an honest round: inside the norm
+    # and group bounds. With the paper's merge and no owner gate the poisoned proxy is
+    # published; m1 measures it on its own validation and says so in its next update.
+    gen = torch.Generator().manual_seed(0)
+    inner = text_trainer(tokenizer, TEXTS["m3"], steps=3, learning_rate=5e-3, seed=2)
+    hostile = _shifting_trainer(
+        inner,
+        lambda p: torch.randn(p.shape, generator=gen) * 0.3 * float(p.norm()) / p.numel() ** 0.5,
+    )
+    cohort: Cohort = await cohort_factory(
+        ("m1", "m3"),
+        deadline_s=120.0,
+        trainers={"m3": hostile},
+        owner_settings={"robust_merge": False},
+        member_evaluate={"m1": text_loss(tokenizer, TEXTS["m1"][1::4])},
+    )
+    owner, victim = cohort.owner, cohort.members["m1"]
+    await owner.start()
+    outcome = await _round(cohort, 1, ("m1", "m3"))
+    assert outcome.complete and not _equal(owner.state, cohort.initial)
+    with structlog.testing.capture_logs() as logs:
+        await _round(cohort, 2, ("m1", "m3"))
+    harm = victim.losses[2] - victim.losses[1]
+    print(
+        f"\nm1's own loss: round 1 {victim.losses[1]:.3f}, poisoned round 2 {victim.losses[2]:.3f}"
+    )
+    assert harm > 0.1
+    # Round 2's updates (trained from the poisoned proxy) are not merged; round 1's proxy
+    # is published again as round 3.
+    assert owner.round == 3 and _equal(owner.state, cohort.initial)
+    rolled = [e for e in logs if e["event"] == "fedproxy_rolled_back"]
+    assert len(rolled) == 1 and set(rolled[0]["harm"]) == {"m1"}
+    assert rolled[0]["restored_from_round"] == 1
+    merged = [e for e in logs if e["event"] == "fedproxy_round_merged"]
+    assert merged[0]["outcome"] == "rolled_back" and merged[0]["harm"]["m1"] > 0.1
+    pulled = await victim.pull(3, wait_s=30)
+    assert _equal(pulled.state, cohort.initial)
+    metric = cohort.metric
+    assert metric("owner", "peerlm_agent_fedproxy_rollbacks_total", member="m1") == 1
+    assert metric("owner", "peerlm_agent_fedproxy_rounds_total", outcome="rolled_back") == 1
+
+
+async def test_a_member_cannot_pull_one_round_without_limit(
+    cohort_factory: Callable[..., Any],
+) -> None:
+    cohort: Cohort = await cohort_factory(
+        ("m1", "m2"), deadline_s=60.0, owner_settings={"max_pulls_per_round": 2}
+    )
+    await cohort.owner.start()
+    owner_at = f"127.0.0.1:{cohort.servers['owner'].port}"
+    m2 = cohort.contexts["m2"]
+    kw: dict[str, Any] = {"owner": "owner", "max_bytes": 1 << 26, "timeout_s": 10.0}
+    for _ in range(2):
+        assert (await pull_proxy(m2, owner_at, 1, **kw))[0] == 1
+    with pytest.raises(PeerExchangeError) as err:
+        await pull_proxy(m2, owner_at, 1, **kw)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_pulls_per_round" in str(err.value)
+    # Per member: m1 is still served.
+    assert (await pull_proxy(cohort.contexts["m1"], owner_at, 1, **kw))[0] == 1
+    assert (
+        cohort.metric(
+            "owner", "peerlm_agent_fedproxy_refusals_total", rpc="PullProxy", reason="pull_limit"
+        )
+        == 1
+    )
+    sent = cohort.metric("owner", "peerlm_agent_fedproxy_bytes_sent_total", rpc="PullProxy")
+    assert sent == 3 * len(cohort.owner.board._payload.data)  # type: ignore[union-attr]
+
+
+async def test_a_member_refuses_an_owners_proxy_not_derived_from_its_base(
+    cohort_factory: Callable[..., Any],
+) -> None:
+    cohort: Cohort = await cohort_factory(("m1",), deadline_s=60.0)
+    owner = cohort.owner
+    # A hostile owner: the configuration asks for positions whose causal mask is n^2.
+    owner._config = {**owner._config, "n_positions": 1 << 20}
+    await owner.start()
+    with pytest.raises(ProxyError) as err:
+        await cohort.members["m1"].pull(1, wait_s=10)
+    assert err.value.reason == "config" and "n_positions" in str(err.value)
+    assert (
+        cohort.metric(
+            "m1", "peerlm_agent_fedproxy_payloads_refused_total", kind="proxy", reason="config"
+        )
+        == 1
+    )
