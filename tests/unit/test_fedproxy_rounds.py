@@ -228,6 +228,9 @@ def test_fedproxy_settings_defaults_are_the_papers() -> None:
     assert not fp.enabled and (fp.r0, fp.delta, fp.rho, fp.lambda_reg) == (1.0, 0.2, 1.1, 1e-5)
     # Admission (docs/fedproxy.md, "Hostile members"): on by default, loose.
     assert (fp.max_update_norm_ratio, fp.acceptance_margin, fp.gate_examples) == (1.0, 0.1, 32)
+    # Hostile members inside the bounds: robust merge, group bounds, rollback, pull limit.
+    assert (fp.robust_merge, fp.max_group_norm_ratio, fp.harm_margin) == (True, 0.5, 0.5)
+    assert fp.max_pulls_per_round == 4
 
 
 def _weights() -> dict[str, torch.Tensor]:
