@@ -12,7 +12,16 @@ the base model, tokenizer and LoRA scaling. :func:`decode_adapter` checks an unt
 against it in an order that touches the least data first: size, the JSON header (bounded),
 the metadata, the tensor table (names, shapes, dtypes, data offsets: before a byte of
 tensor data is decoded), then the values (finite, and within a norm bound when one is
-given). Every failure is an :class:`AdapterError` whose ``reason`` is a metric label.
+given), then each module's update (within its bound when bounds are given). Every failure
+is an :class:`AdapterError` whose ``reason`` is a metric label.
+
+Why the update is bounded and not only the factors: a module's update is
+``ΔW = (alpha / r) B A``, and a bound on the factors' norm lets a sender split its budget
+between ``A`` and ``B`` (both large, aligned), whose product then grows with the square of
+the budget: measured, an adapter inside a 10x factor bound applied an update 57x an honest
+teacher's. :func:`lora_update_norms` gives ``||ΔW||_F`` per module from the factors
+(``||B A||_F^2 = trace((BᵀB)(A Aᵀ))``, two ``r x r`` matrices: no ``m x n`` product is
+formed) and :func:`check_update_norms` refuses a module over its bound (``update_norm``).
 
 The safetensors checks that do not depend on what the blob holds are public, one function a
 step, and shared by every peerlm safetensors format (adapters here, FedWave's routers and
@@ -59,11 +68,14 @@ __all__ = [
     "check_state",
     "check_tensor_table",
     "check_tensors",
+    "check_update_norms",
     "decode_adapter",
     "encode_adapter",
     "load_finite_tensors",
+    "lora_update_norms",
     "read_metadata",
     "read_safetensors_header",
+    "update_bounds",
 ]
 
 #: ``peerlm.format`` of every adapter peerlm writes.
@@ -82,7 +94,7 @@ IdentityCheck = Literal["required", "if_present", "ignored"]
 class AdapterError(ValueError):
     """An adapter that does not fit: ``reason`` is a short label (``decode``, ``format``,
     ``model_type``, ``tokenizer``, ``keys``, ``shape``, ``dtype``, ``lora_config``,
-    ``non_finite``, ``too_large``, ``norm``)."""
+    ``non_finite``, ``too_large``, ``norm``, ``update_norm``)."""
 
     def __init__(self, message: str, *, reason: str = "decode") -> None:
         super().__init__(message)
@@ -412,6 +424,73 @@ def check_tensors(
             raise error(f"{what} tensor {name} is not finite", reason="non_finite")
 
 
+_LORA_A: Final = ".lora_A.weight"
+_LORA_B: Final = ".lora_B.weight"
+
+
+def lora_update_norms(state: Mapping[str, torch.Tensor], scaling: float) -> dict[str, float]:
+    """Per LoRA module, the Frobenius norm of its update ``scaling · B A``.
+
+    Computed in float64 from the factors, ``||B A||_F^2 = trace((BᵀB)(A Aᵀ))`` with two
+    ``r x r`` Gram matrices, so the cost is that of reading A and B, never an ``m x n``
+    product. Modules are named by the tensor names less ``.lora_A.weight`` /
+    ``.lora_B.weight``; a tensor without its pair has no update and is left out (the
+    codec's name check refuses such an adapter before this is called).
+    """
+    out: dict[str, float] = {}
+    for key in sorted(state):
+        if not key.endswith(_LORA_A):
+            continue
+        module = key[: -len(_LORA_A)]
+        b = state.get(module + _LORA_B)
+        if b is None:
+            continue
+        a64 = state[key].detach().to(device="cpu", dtype=torch.float64)
+        b64 = b.detach().to(device="cpu", dtype=torch.float64)
+        square = float(torch.sum((b64.T @ b64) * (a64 @ a64.T)))  # trace(XY), X, Y symmetric
+        out[module] = abs(scaling) * math.sqrt(max(square, 0.0))
+    return out
+
+
+def update_bounds(
+    own: Mapping[str, torch.Tensor], scaling: float, ratio: float
+) -> dict[str, float]:
+    """Per-module bounds on a peer's update, relative to our own adapter ``own``.
+
+    A module's bound is ``ratio`` times the larger of our update of that module and the
+    root mean square of our updates over all modules (a module we barely moved is still
+    judged at the scale of our training elsewhere), and at least ``scaling · ||A||_F^2``
+    of our own ``A`` there: the update our ``A`` would make with a ``B`` as large as
+    itself, so that a student whose ``B`` is still zero (nothing trained yet) keeps a
+    bound of the size of an early honest update rather than refusing everything.
+    """
+    norms = lora_update_norms(own, scaling)
+    rms = math.sqrt(sum(n * n for n in norms.values()) / len(norms)) if norms else 0.0
+    bounds: dict[str, float] = {}
+    for module, norm in norms.items():
+        a = own[module + _LORA_A].detach().to(device="cpu", dtype=torch.float64)
+        floor = abs(scaling) * float(torch.sum(a * a))
+        bounds[module] = max(ratio * max(norm, rms), floor)
+    return bounds
+
+
+def check_update_norms(
+    state: Mapping[str, torch.Tensor], bounds: Mapping[str, float], scaling: float
+) -> dict[str, float]:
+    """Refuse an adapter any of whose modules' update ``scaling · B A`` has a Frobenius norm
+    over ``bounds[module]`` (``AdapterError``, reason ``update_norm``, naming the first such
+    module in name order); a module without a bound is not checked. Returns the norms."""
+    norms = lora_update_norms(state, scaling)
+    for module, norm in norms.items():
+        bound = bounds.get(module)
+        if bound is not None and not norm <= bound:
+            raise AdapterError(
+                f"adapter update of {module} has norm {norm:.3g}, over its bound {bound:.3g}",
+                reason="update_norm",
+            )
+    return norms
+
+
 def _check_norm(state: Mapping[str, torch.Tensor], max_norm: float | None) -> None:
     if max_norm is not None:
         norm = adapter_norm(state)
@@ -428,9 +507,13 @@ def decode_adapter(
     identity: IdentityCheck = "required",
     max_bytes: int | None = None,
     max_norm: float | None = None,
+    max_update_norms: Mapping[str, float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode and validate an untrusted adapter blob against ``spec`` (see the module
-    docstring for the order of the checks); raises :class:`AdapterError`."""
+    docstring for the order of the checks); raises :class:`AdapterError`.
+
+    ``max_update_norms`` bounds, per module, the Frobenius norm of the update
+    ``(alpha / r) B A`` under ``spec``'s scaling (:func:`check_update_norms`)."""
     limit = spec.max_encoded_bytes() if max_bytes is None else max_bytes
     header = read_safetensors_header(data, max_bytes=limit)
     _check_identity(header.metadata, spec, identity)
@@ -441,4 +524,6 @@ def decode_adapter(
     # The table fixed the names, shapes and (floating point) dtypes; the values are finite.
     state = load_finite_tensors(data)
     _check_norm(state, max_norm)
+    if max_update_norms is not None:
+        check_update_norms(state, max_update_norms, spec.lora_alpha / spec.lora_r)
     return state

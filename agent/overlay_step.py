@@ -91,6 +91,7 @@ def pull_settings(overlay: AgentOverlaySettings, timeout_s: float) -> PullSettin
         timeout_s=timeout_s,
         max_adapter_bytes=overlay.max_adapter_bytes,
         max_norm_ratio=overlay.max_norm_ratio,
+        max_update_ratio=overlay.max_update_ratio,
         method=overlay.aggregation,
         hka_alpha=overlay.hka_alpha,
         hka_steps=overlay.hka_steps,

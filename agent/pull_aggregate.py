@@ -34,6 +34,14 @@ Choices made here:
   ``max_norm_ratio`` (default 10) times our own is refused (reason ``norm``): finite but
   huge values (1e30) pass every other check and would swamp the anchor. Honest peers start
   from the same LoRA initialisation distribution and drift by training, far less than 10x.
+* **Update bound per module.** The factor bound alone can be split between ``A`` and ``B``
+  so that the update ``(alpha / r) B A`` grows with its square (57x an honest teacher's,
+  measured). Each module's update norm (from the factors, ``r x r`` Gram matrices) may be
+  at most ``max_update_ratio`` (default 4) times ours there, or the root mean square of
+  ours over modules, whichever is larger, and at least what our own ``A`` makes with a
+  ``B`` as large as itself (:func:`~peerlm.agent.adapter_codec.update_bounds`); over it
+  the neighbour is refused, reason ``update_norm``. CPM merge directives pull through this
+  same step, so their senders are bounded the same way.
 * **One model-thread call.** Reading the local adapter, aggregating and loading the result
   run as one call of ``run_model`` (the daemon passes its model-worker executor), so no
   training step can interleave between read and write.
@@ -62,6 +70,7 @@ from peerlm.agent.adapter_codec import (
     AdapterSpec,
     adapter_norm,
     decode_adapter,
+    update_bounds,
 )
 from peerlm.agent.lora_merge import ClientAdapter
 from peerlm.agent.modelhost import ModelHost
@@ -121,6 +130,12 @@ class PullSettings(BaseModel):
         default=10.0,
         gt=0,
         description="A neighbour's adapter norm may be at most this times ours; None: no bound.",
+    )
+    max_update_ratio: float | None = Field(
+        default=4.0,
+        gt=0,
+        description="Per LoRA module, a neighbour's update (alpha/r) B A may be at most this "
+        "times ours (adapter_codec.update_bounds); None: no bound.",
     )
     kappa: float = Field(default=DEFAULT_KAPPA, gt=0, description="Softmax temperature.")
     eta: float = Field(default=DEFAULT_ETA, gt=0, description="Proximal step size.")
@@ -230,21 +245,38 @@ class _Local:
 
     spec: AdapterSpec
     max_norm: float | None
+    max_update_norms: dict[str, float] | None = None
 
 
-def _local_view(host: ModelHost, max_norm_ratio: float | None) -> _Local:
-    norm = adapter_norm(host.adapter_state())
+def _local_view(
+    host: ModelHost, max_norm_ratio: float | None, max_update_ratio: float | None = None
+) -> _Local:
+    own = host.adapter_state()
+    norm = adapter_norm(own)
     # A fresh adapter still has its random LoRA A, so its norm is not 0; the floor only
     # keeps the bound meaningful for a degenerate local adapter.
     bound = None if max_norm_ratio is None else max_norm_ratio * max(norm, 1e-3)
-    return _Local(spec=host.adapter_spec(), max_norm=bound)
+    spec = host.adapter_spec()
+    # The factor bound alone lets a sender split it between A and B so that their product,
+    # the update it applies, grows with its square: each module's B A is bounded too.
+    updates = (
+        None
+        if max_update_ratio is None
+        else update_bounds(own, spec.lora_alpha / spec.lora_r, max_update_ratio)
+    )
+    return _Local(spec=spec, max_norm=bound, max_update_norms=updates)
 
 
 def _decode(payload: bytes, local: _Local, max_bytes: int) -> dict[str, torch.Tensor]:
     """Decode and check one pulled adapter (the codec); raises :class:`_Refused`."""
     try:
         return decode_adapter(
-            payload, local.spec, identity="required", max_bytes=max_bytes, max_norm=local.max_norm
+            payload,
+            local.spec,
+            identity="required",
+            max_bytes=max_bytes,
+            max_norm=local.max_norm,
+            max_update_norms=local.max_update_norms,
         )
     except AdapterError as err:
         raise _Refused(err.reason, str(err)) from None
@@ -392,7 +424,7 @@ async def pull_and_aggregate(
     self_name = ctx.name
     metrics = _Metrics(ctx)
     chosen, refused = _select(candidates, self_name, cfg.max_peers)
-    local = await run(_local_view, host, cfg.max_norm_ratio)
+    local = await run(_local_view, host, cfg.max_norm_ratio, cfg.max_update_ratio)
     max_bytes = local.spec.max_encoded_bytes()
     if cfg.max_adapter_bytes is not None:
         max_bytes = min(max_bytes, cfg.max_adapter_bytes)

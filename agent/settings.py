@@ -86,6 +86,9 @@ class AgentOverlaySettings(Section):
     max_adapter_bytes: int | None = Field(default=None, ge=1024)
     # A neighbour's adapter norm may be at most this times ours (None: no bound).
     max_norm_ratio: float | None = Field(default=10.0, gt=0)
+    # Per LoRA module, a neighbour's (or a merge sender's) update (alpha/r) B A may be at most
+    # this times ours (adapter_codec.update_bounds; None: no bound).
+    max_update_ratio: float | None = Field(default=4.0, gt=0)
     bootstrap_retry_s: float = Field(default=1.0, gt=0)
     # Before its first round the agent waits up to this long for the overlay to place it
     # (root known, so searches can be answered); 0 starts at once and the rounds before the

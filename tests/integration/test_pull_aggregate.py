@@ -46,7 +46,7 @@ pytestmark = pytest.mark.integration
 FEDERATION = "pulltest"
 LIMITS = GrpcLimits()
 CHUNK = 4 * 1024  # micro adapters are ~12 KB: several chunks each
-NAMES = ("student", "t1", "t2", "narrow", "nan", "huge", "alien", "scaled", "empty")
+NAMES = ("student", "t1", "t2", "narrow", "nan", "huge", "alien", "scaled", "empty", "split")
 T = TypeVar("T")
 
 
@@ -358,7 +358,7 @@ async def test_a_harmful_aggregate_is_rolled_back(world: World, pki: Path) -> No
         _student(pki, registry),
         student,
         [Candidate("huge", t["huge"].target, 0.9)],
-        settings=PullSettings(max_norm_ratio=None, timeout_s=20.0),
+        settings=PullSettings(max_norm_ratio=None, max_update_ratio=None, timeout_s=20.0),
         gate=AcceptanceGate(VAL, margin=0.1, max_length=64),
     )
     assert report.rolled_back and not report.applied and report.pulled == ()
@@ -446,7 +446,9 @@ async def test_a_harmful_svd_hka_aggregate_is_rolled_back(world: World, pki: Pat
     loud = {k: 100.0 * v for k, v in t1.adapter_state().items()}
     bad = await _serve(pki, "huge", bytes(safetensors.torch.save(loud, metadata=t1._metadata())))
     train = TrainSettings(learning_rate=1e-2, batch_size=2, grad_accumulation=1, seed=5)
-    settings = PullSettings(method="svd_hka", hka_steps=2, max_norm_ratio=None, timeout_s=20.0)
+    settings = PullSettings(
+        method="svd_hka", hka_steps=2, max_norm_ratio=None, max_update_ratio=None, timeout_s=20.0
+    )
     gate = AcceptanceGate(VAL, margin=0.1, max_length=64)
     harmful = [Candidate("huge", bad.target, 0.9)]
     try:
@@ -630,7 +632,7 @@ async def test_a_harmful_merge_is_rolled_back_and_still_rewarded(world: World, p
     student = world.student
     before = student.adapter_state()
     registry = new_registry()
-    pull = PullSettings(timeout_s=20.0, max_norm_ratio=None)
+    pull = PullSettings(timeout_s=20.0, max_norm_ratio=None, max_update_ratio=None)
     out = await merge_from_teacher(
         _student(pki, registry),
         student,
@@ -664,7 +666,7 @@ async def test_a_rolled_back_merge_reports_the_gates_loss_whatever_the_probe(
         **_directive(
             "huge",
             world.teachers["huge"].target,
-            pull=PullSettings(timeout_s=20.0, max_norm_ratio=None),
+            pull=PullSettings(timeout_s=20.0, max_norm_ratio=None, max_update_ratio=None),
             reward_examples=probe,
         ),
     )
@@ -902,3 +904,76 @@ async def test_a_sender_named_twice_or_the_student_itself_is_merged_at_most_once
     assert _metric(registry, skipped, reason="duplicate") == 2
     assert _metric(registry, skipped, reason="self") == 1
     assert set(out.report.weights) == {"student", "t1", "t2"}  # each adapter once
+
+
+# -- the update B A bounded per module, not only the factors' norm --
+
+
+def _split_budget(host: ModelHost, budget: float) -> bytes:
+    """An adapter whose factors' norm is ``budget``, spent half on A and half on B, every
+    module's A rows one direction and B columns one direction: the product (the update the
+    student would apply) grows with the square of the budget. What a hostile sender serves
+    to stay inside a bound on the factors."""
+    state = host.adapter_state()
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    r = host.lora.r
+    side = budget / math.sqrt(2 * r * len(modules))  # per-row (A) / per-column (B) norm
+    crafted: dict[str, torch.Tensor] = {}
+    for m in modules:
+        a, b = state[m + ".lora_A.weight"], state[m + ".lora_B.weight"]
+        u = a[0] / torch.linalg.vector_norm(a[0])
+        v = b[:, 0] / torch.linalg.vector_norm(b[:, 0])
+        crafted[m + ".lora_A.weight"] = (side * u).expand_as(a).contiguous()
+        crafted[m + ".lora_B.weight"] = (side * v).unsqueeze(1).expand_as(b).contiguous()
+    return bytes(safetensors.torch.save(crafted, metadata=host._metadata()))
+
+
+async def test_an_adapter_splitting_the_norm_budget_between_a_and_b_is_refused(
+    world: World, pki: Path
+) -> None:
+    """A sender inside the factor-norm bound (0.9 of 10x the student's) whose B A is
+    tens of times an honest teacher's is refused by the per-module update bound
+    (``update_norm``, counted), in an overlay pull and as a merge directive's co-sender;
+    the honest teachers still pass. Without the update bound it was integrated."""
+    from peerlm.agent.adapter_codec import adapter_norm, lora_update_norms
+    from peerlm.agent.merge_directive import merge_from_teacher
+
+    student, t = world.student, world.teachers
+    before = student.adapter_state()
+    payload = _split_budget(world.hosts["t1"], 0.9 * 10 * adapter_norm(before))
+    crafted = safetensors.torch.load(payload)
+    scaling = student.lora.alpha / student.lora.r
+    honest = max(lora_update_norms(world.hosts["t1"].adapter_state(), scaling).values())
+    assert max(lora_update_norms(crafted, scaling).values()) > 20 * honest
+    split = await _serve(pki, "split", payload)
+    try:
+        registry = new_registry()
+        report = await pull_and_aggregate(
+            _student(pki, registry),
+            student,
+            [
+                Candidate("t1", t["t1"].target, 0.9),
+                Candidate("t2", t["t2"].target, 0.6),
+                Candidate("split", split.target, 0.8),
+            ],
+            settings=PullSettings(timeout_s=20.0),
+        )
+        assert {r.peer: r.reason for r in report.refused} == {"split": "update_norm"}
+        assert [p.peer for p in report.pulled] == ["t1", "t2"] and report.applied
+        failures = "peerlm_agent_overlay_pull_failures_total"
+        assert _metric(registry, failures, reason="update_norm") == 1
+
+        registry = new_registry()
+        student.load_adapter_state(before)  # the same bounds as the pull's
+        out = await merge_from_teacher(
+            _student(pki, registry),
+            student,
+            **_directive("t1", t["t1"].target, margin=None, co_senders=[("split", split.target)]),
+        )
+        assert out.merged == ("t1",)
+        assert [(r.peer, r.reason) for r in out.skipped] == [("split", "update_norm")]
+        skipped = "peerlm_agent_directive_senders_skipped_total"
+        assert _metric(registry, skipped, reason="update_norm") == 1
+    finally:
+        assert split.server is not None
+        await split.server.stop(0)

@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from peerlm.agent.adapter_codec import (
     AdapterError,
     AdapterSpec,
@@ -15,7 +17,9 @@ from peerlm.agent.adapter_codec import (
     check_state,
     decode_adapter,
     encode_adapter,
+    lora_update_norms,
     read_metadata,
+    update_bounds,
 )
 from safetensors.torch import save as st_save
 
@@ -126,3 +130,53 @@ def test_size_limit() -> None:
     # float32 everywhere plus the header bound: a 64 MiB adapter fits its own limit.
     big = _spec(shapes={"w": (16 * 1024 * 1024,)})
     assert big.max_encoded_bytes() > 64 * 1024 * 1024
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    r=st.integers(1, 6),
+    m=st.integers(1, 12),
+    n=st.integers(1, 12),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
+def test_update_norms_from_the_factors_equal_the_products_norm(
+    r: int, m: int, n: int, scale: float, seed: int
+) -> None:
+    """||s B A||_F from the r x r Gram matrices is the dense product's Frobenius norm."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = scale * torch.randn(r, n, generator=g), torch.randn(m, r, generator=g)
+    state = {"x.lora_A.weight": a, "x.lora_B.weight": b}
+    dense = float(torch.linalg.matrix_norm(b.double() @ a.double()))
+    assert lora_update_norms(state, 2.0)["x"] == pytest.approx(2.0 * dense, rel=1e-9, abs=1e-12)
+
+
+def test_a_split_budget_passes_the_factor_bound_and_not_the_update_bound() -> None:
+    """A and B aligned and both large: the factors' norm stays under a 10x bound while the
+    update is far over 4x ours; refused ``update_norm`` (decoding is otherwise the same)."""
+    own = _state()
+    spec = _spec()
+    scaling = spec.lora_alpha / spec.lora_r
+    bounds = update_bounds(own, scaling, 4.0)
+    budget = 0.9 * 10 * adapter_norm(own)
+    side = budget / (2 * 4) ** 0.5  # each of the 4 rows of A and the 4 columns of B
+    u, v = torch.ones(16) / 4.0, torch.ones(16) / 4.0
+    split = {
+        "l0.lora_A.weight": (side * u).expand(4, 16).contiguous(),
+        "l0.lora_B.weight": (side * v).unsqueeze(1).expand(16, 4).contiguous(),
+    }
+    blob = encode_adapter(split, spec)
+    decode_adapter(blob, spec, max_norm=10 * adapter_norm(own))  # the factor bound passes
+    with pytest.raises(AdapterError) as err:
+        decode_adapter(blob, spec, max_norm=10 * adapter_norm(own), max_update_norms=bounds)
+    assert err.value.reason == "update_norm" and "l0" in str(err.value)
+    honest = {k: v * 1.5 for k, v in own.items()}  # 2.25x our update: inside 4x
+    decode_adapter(encode_adapter(honest, spec), spec, max_update_norms=bounds)
+
+
+def test_a_student_with_no_update_yet_keeps_a_bound_from_its_own_a() -> None:
+    """B = 0 (nothing trained): the bound is what our A makes with a B as large as itself."""
+    own = _state()
+    own["l0.lora_B.weight"] = torch.zeros(16, 4)
+    bound = update_bounds(own, 2.0, 4.0)["l0"]
+    assert bound == pytest.approx(2.0 * float(torch.sum(own["l0.lora_A.weight"].double() ** 2)))
