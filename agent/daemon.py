@@ -1265,6 +1265,13 @@ class AgentDaemon:
                 expect_teacher=d.teacher,
                 **student_limits(len(self.transfer_prompts), s.package_max_item_bytes),
             )
+            from peerlm.agent.logits_vetting import vet_student_package
+
+            # A logits item teaches every token it gives mass, not only column 0's text:
+            # each such text is vetted before anything is learnt.
+            package = await self._model(
+                vet_student_package, package, self.host.tokenizer, self.guardrail, self.ctx
+            )
             kb = len(data) / 1024.0
             result = await self._model(
                 integrate_package,
