@@ -4,6 +4,7 @@ Layout under the store's directory::
 
     round-000123/adapter.safetensors   the adapter tensors (safetensors, never pickle)
     round-000123/state.json            round, JSON state, SHA-256 of adapter and state
+    round-000123/<name>.safetensors    optional extra tensor sets (e.g. ``peer_slot``)
     LATEST                             "round-000123": the last checkpoint saved
 
 A save is crash-safe at every instant (kill -9 included):
@@ -26,6 +27,15 @@ aside to ``.corrupt-round-…`` (kept for inspection, the newest ``keep`` of the
 older one is tried. "Newest" is by round number; ``LATEST`` is a pointer for people and
 tools and is never trusted over verified content.
 
+Extra tensor sets (``save(..., extra={name: tensors})``, e.g. the agent's peer slot)
+are committed with the checkpoint (same temporary directory, same rename) and listed in
+``state.json`` with their size and SHA-256, but verified on their own: a damaged extra file
+is renamed aside inside its checkpoint (``<name>.safetensors.corrupt-<ns>``), logged, and
+left out of :attr:`Checkpoint.extras` (named in :attr:`Checkpoint.damaged`), while the
+adapter and state of the same checkpoint still load. What an extra set holds is its
+owner's to check (:meth:`CheckpointStore.quarantine_extra` sets one aside after a check
+the store cannot do, such as shapes against the model).
+
 One store, one writer: two processes must not share a directory.
 """
 
@@ -41,7 +51,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -66,6 +76,7 @@ _VERSION: Final = 1
 _ROUND_DIR: Final = re.compile(r"round-([0-9]{6,12})")
 _OLD_DIR: Final = re.compile(r"\.old-(round-[0-9]{6,12})-[0-9a-f]+")
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
+_EXTRA_NAME: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _MAX_ROUND: Final = 10**12 - 1
 
 
@@ -81,10 +92,28 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     state: dict[str, Any]
     path: Path
+    #: The extra tensor sets that verified, by name (``save(..., extra=...)``).
+    extras: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: Extra sets the record lists that did not verify (set aside, or missing).
+    damaged: tuple[str, ...] = ()
 
 
 def _round_name(round_: int) -> str:
     return f"round-{round_:06d}"
+
+
+def _extra_file(name: str) -> str:
+    return f"{name}.safetensors"
+
+
+def _cpu_tensors(adapter: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in adapter.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"adapter entry {name!r} is not a named tensor")
+        # clone: safetensors refuses tensors that share storage (tied weights, views).
+        tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+    return tensors
 
 
 def _canonical(state: Any) -> str:
@@ -144,23 +173,34 @@ class CheckpointStore:
     # -- saving -----------------------------------------------------------------------------
 
     def save(
-        self, round_: int, adapter: Mapping[str, torch.Tensor], state: Mapping[str, Any]
+        self,
+        round_: int,
+        adapter: Mapping[str, torch.Tensor],
+        state: Mapping[str, Any],
+        *,
+        extra: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
     ) -> Path:
         """Write checkpoint ``round_`` atomically and durably; returns its directory.
 
-        Raises ``ValueError``/``TypeError`` before touching the disk if the round is out of
-        range, a tensor is not a tensor, or the state is not JSON (NaN included).
+        ``extra``: further tensor sets by name (lower-case letters, digits, ``_``), each
+        written as ``<name>.safetensors`` in the same commit and verified on its own at load
+        (module docstring). Raises ``ValueError``/``TypeError`` before touching the disk if
+        the round is out of range, a name is not allowed, a tensor is not a tensor, or the
+        state is not JSON (NaN included).
         """
         if not 0 <= round_ <= _MAX_ROUND:
             raise ValueError(f"round must be in 0..{_MAX_ROUND}, got {round_}")
-        tensors: dict[str, torch.Tensor] = {}
-        for name, tensor in adapter.items():
-            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"adapter entry {name!r} is not a named tensor")
-            # clone: safetensors refuses tensors that share storage (tied weights, views).
-            tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+        tensors = _cpu_tensors(adapter)
+        meta = {"format": _FORMAT, "round": str(round_)}
+        extra_blobs: dict[str, bytes] = {}
+        for extra_name, extra_tensors in (extra or {}).items():
+            if not _EXTRA_NAME.fullmatch(extra_name) or extra_name == "adapter":
+                raise ValueError(f"extra tensor set name {extra_name!r} is not allowed")
+            extra_blobs[extra_name] = safetensors.torch.save(
+                _cpu_tensors(extra_tensors), metadata=meta
+            )
         canonical = _canonical(dict(state))
-        blob = safetensors.torch.save(tensors, metadata={"format": _FORMAT, "round": str(round_)})
+        blob = safetensors.torch.save(tensors, metadata=meta)
         record = {
             "format": _FORMAT,
             "version": _VERSION,
@@ -172,22 +212,31 @@ class CheckpointStore:
             "state_sha256": hashlib.sha256(canonical.encode("utf-8")).hexdigest(),
             "state": json.loads(canonical),
         }
+        if extra_blobs:
+            record["extra"] = {
+                n: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+                for n, b in extra_blobs.items()
+            }
         state_bytes = json.dumps(record, sort_keys=True, indent=1, allow_nan=False).encode()
         name = _round_name(round_)
         with self._lock:
             self.directory.mkdir(parents=True, exist_ok=True)
-            final = self._commit(name, blob, state_bytes)
+            final = self._commit(name, blob, state_bytes, extra_blobs)
             self._write_latest(name)
             self._prune(keep_name=name)
         self._log.info("checkpoint_saved", round=round_, path=str(final), bytes=len(blob))
         return final
 
-    def _commit(self, name: str, blob: bytes, state_bytes: bytes) -> Path:
+    def _commit(
+        self, name: str, blob: bytes, state_bytes: bytes, extra: Mapping[str, bytes]
+    ) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.directory))
         final = self.directory / name
         old: Path | None = None
         try:
             _write_durable(tmp / ADAPTER_FILE, blob)
+            for extra_name, extra_blob in extra.items():
+                _write_durable(tmp / _extra_file(extra_name), extra_blob)
             _write_durable(tmp / STATE_FILE, state_bytes)
             _fsync_dir(tmp)
             if final.exists():
@@ -362,4 +411,62 @@ class CheckpointStore:
             tensors = safetensors.torch.load(blob)
         except Exception as err:  # the hash matched, so this is a writer bug; still refuse
             raise CheckpointError(f"{path / ADAPTER_FILE} does not parse: {err}") from None
-        return Checkpoint(round=round_, tensors=dict(tensors), state=state, path=path)
+        extras: dict[str, dict[str, torch.Tensor]] = {}
+        damaged: list[str] = []
+        listed = record.get("extra", {})
+        for extra_name, entry in listed.items() if isinstance(listed, dict) else ():
+            try:
+                extras[extra_name] = self._verify_extra(path, extra_name, entry)
+            except CheckpointError as err:
+                damaged.append(str(extra_name))
+                self._set_extra_aside(path, str(extra_name), str(err))
+        return Checkpoint(
+            round=round_,
+            tensors=dict(tensors),
+            state=state,
+            path=path,
+            extras=extras,
+            damaged=tuple(damaged),
+        )
+
+    @staticmethod
+    def _verify_extra(path: Path, name: Any, entry: Any) -> dict[str, torch.Tensor]:
+        """One extra tensor set of checkpoint ``path``; raises :class:`CheckpointError`."""
+        if not (isinstance(name, str) and _EXTRA_NAME.fullmatch(name) and name != "adapter"):
+            raise CheckpointError(f"{path / STATE_FILE} lists an extra set named {name!r}")
+        file = path / _extra_file(name)
+        sha = entry.get("sha256") if isinstance(entry, dict) else None
+        if not (isinstance(sha, str) and _HEX64.fullmatch(sha)):
+            raise CheckpointError(f"{path / STATE_FILE} lacks the hash of {file.name}")
+        try:
+            blob = file.read_bytes()
+        except OSError as err:
+            raise CheckpointError(f"{file} unreadable: {err}") from None
+        if entry.get("bytes") != len(blob) or hashlib.sha256(blob).hexdigest() != sha:
+            raise CheckpointError(f"{file} does not match its size and SHA-256")
+        try:
+            return dict(safetensors.torch.load(blob))
+        except Exception as err:  # the hash matched: a writer bug; still refuse
+            raise CheckpointError(f"{file} does not parse: {err}") from None
+
+    def _set_extra_aside(self, path: Path, name: str, reason: str) -> None:
+        file = path / _extra_file(name) if _EXTRA_NAME.fullmatch(name) else None
+        aside = None
+        if file is not None and file.is_file():
+            aside = file.with_name(f"{file.name}.corrupt-{time.time_ns()}")
+            os.rename(file, aside)
+            _fsync_dir(path)
+        self._log.warning(
+            "checkpoint_extra_damaged",
+            path=str(path),
+            name=name,
+            reason=reason,
+            moved_to=None if aside is None else aside.name,
+        )
+
+    def quarantine_extra(self, checkpoint: Checkpoint, name: str, reason: str) -> None:
+        """Set extra set ``name`` of ``checkpoint`` aside (renamed, logged) after a check
+        the store cannot make itself (its owner's: shapes against the model, ...); the
+        checkpoint's adapter and state stay as they are."""
+        with self._lock:
+            self._set_extra_aside(checkpoint.path, name, reason)

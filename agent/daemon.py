@@ -74,6 +74,7 @@ from peerlm.wire.v1 import cpm_pb2
 
 if TYPE_CHECKING:
     from peerlm.agent.fedproxy_member import Evaluator
+    from peerlm.agent.peer_knowledge import InputRouter, PeerSlot
 
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
@@ -123,6 +124,9 @@ class AgentSummary:
     slices_after: dict[str, dict[str, float]] = field(default_factory=dict)
     # FedWave (fedwave.workflow set): the expert loop's report (FedWaveReport as a dict).
     fedwave: dict[str, Any] = field(default_factory=dict)
+    # integration: separate: integrations the peer slot holds (each slice's routed share
+    # is its "peer_share" in slices_before / slices_after).
+    peer_slot_integrations: int = 0
 
 
 class AgentDaemon:
@@ -150,6 +154,10 @@ class AgentDaemon:
         self._cohort_texts = 0
         self.fedwave: Any = None  # FedWaveNode when fedwave.workflow is set
         self._expert_loop: Any = None  # its ExpertLoop once the rounds started
+        # integration: separate: peers' knowledge beside the own adapter, and the router
+        # that picks per input (peerlm.agent.peer_integration); None: one adapter.
+        self.slot: PeerSlot | None = None
+        self.router: InputRouter | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -168,6 +176,7 @@ class AgentDaemon:
         self._connect()
         self._load_data()
         await self._load_model()
+        await self._fit_router()
         await self._restore()
         await self._serve()
         self.cpm = CpmClient(self.ctx, self.s.cpm)
@@ -279,6 +288,48 @@ class AgentDaemon:
             registry=self.registry,
         )
 
+    async def _fit_router(self) -> None:
+        """With ``integration: separate``: an empty peer slot and the input router, fitted
+        on the own training prompts against X_u's, calibrated on the validation prompts."""
+        from peerlm.agent.peer_integration import fit_agent_router
+        from peerlm.agent.peer_knowledge import PeerSlot
+
+        if self.s.integration != "separate":
+            return
+        self.slot = PeerSlot()
+        self.router, how = await asyncio.to_thread(
+            fit_agent_router,
+            [p.prompt for p in self.train],
+            [p.category for p in self.train],
+            self.transfer_prompts,
+            self.transfer_categories,
+            [p.prompt for p in self.val],
+        )
+        emit = self.log.info if self.router is not None else self.log.warning
+        emit(
+            "peer_router_fitted",
+            how=how,
+            threshold=None if self.router is None else round(self.router.threshold, 4),
+        )
+
+    def _integrating(self, what: str) -> Callable[..., Awaitable[Any]]:
+        """How an integration's model calls run: in the peer slot (``separate``, labelled
+        ``what``) or on the one adapter (``shared``)."""
+        from peerlm.agent.peer_integration import slot_runner
+
+        if self.slot is None:
+            return self._model
+        return slot_runner(self._model, self.slot, self.host, what)
+
+    def _slot_integrated(self, kind: str) -> None:
+        """Count the integrations the peer slot took since the last call (``separate``)."""
+        if self.slot is None:
+            return
+        new = self.slot.integrations - self.summary.peer_slot_integrations
+        if new > 0:
+            self.telemetry.peer_slot_integrations.labels(kind).inc(new)
+        self.summary.peer_slot_integrations = self.slot.integrations
+
     async def _restore(self) -> None:
         """The latest checkpoint's adapter, round state and summary, if there is one."""
         from peerlm.agent.checkpoint import CheckpointStore
@@ -300,7 +351,23 @@ class AgentDaemon:
                 self.summary = AgentSummary(**saved)
                 # A restart re-joins the overlay: OnePeFT's one shot is taken again.
                 self.summary.one_shot_round = None
+            if self.slot is not None:
+                await self._restore_slot(restored)
+                self.summary.peer_slot_integrations = self.slot.integrations
             self.log.info("checkpoint_restored", round=self.state["round"])
+
+    async def _restore_slot(self, restored: Any) -> None:
+        """The peer slot saved with ``restored``; a damaged or misfitting one is set aside
+        and counted, and the slot starts empty (never an error)."""
+        from peerlm.agent.peer_integration import restore_slot
+
+        assert self.slot is not None
+
+        def damaged(reason: str) -> None:
+            self.telemetry.peer_slot_quarantined.labels(reason).inc()
+            self.log.warning("peer_slot_quarantined", round=restored.round, reason=reason)
+
+        await self._model(restore_slot, self.slot, self.host, restored, self.checkpoints, damaged)
 
     async def _serve(self) -> None:
         """The peer-exchange server (with the overlay when enabled), the directive book it
@@ -811,18 +878,32 @@ class AgentDaemon:
         )
 
     async def _evaluate_slices(self) -> dict[str, dict[str, float]]:
-        """Greedy pass@1, structural match and reference NLL (nats/byte) per slice."""
+        """Greedy pass@1, structural match and reference NLL (nats/byte) per slice; with
+        ``integration: separate`` each problem is answered by the adapter the router picks
+        (own or peer slot), and ``peer_share`` is the share of the slice sent to the slot."""
         from peerlm.agent.evaluation import structural_match_rate
+        from peerlm.agent.peer_knowledge import PeerSlot, route_map, routed_share
         from peerlm.agent.rounds import reference_nll, sample_completions, score_completions
+
+        host, router = self.host, self.router
+        slot = self.slot if self.slot is not None else PeerSlot()
+
+        def routed(problems: list[Any], run: Callable[[Any], Any]) -> list[Any]:
+            return route_map(host, slot, router, problems, lambda p: p.prompt, run)
+
+        def greedy(problems: list[Any]) -> list[list[str]]:
+            got = sample_completions(host, problems, max_new_tokens=self.s.max_new_tokens)
+            return [got[p.task_id] for p in problems]
 
         out: dict[str, dict[str, float]] = {}
         for name, problems in self.slice_problems.items():
             if not problems:
                 continue
-            nll = await self._model(reference_nll, self.host, problems)
-            completions = await self._model(
-                sample_completions, self.host, problems, max_new_tokens=self.s.max_new_tokens
-            )
+            nll = await self._model(routed, problems, functools.partial(reference_nll, host))
+            answers = await self._model(routed, problems, greedy)
+            completions = {p.task_id: c for p, c in zip(problems, answers, strict=True)}
+            share = routed_share(router, [p.prompt for p in problems]) if slot.ready else 0.0
+            self.telemetry.peer_slot_routed.labels(name).set(share)
             report = await asyncio.get_running_loop().run_in_executor(
                 None,
                 functools.partial(
@@ -840,6 +921,7 @@ class AgentDaemon:
                 / len(problems),
                 "nll": sum(nll) / len(nll),
                 "n": float(len(problems)),
+                "peer_share": share,
             }
         return out
 
@@ -945,6 +1027,7 @@ class AgentDaemon:
         inbox: asyncio.Queue[cpm_pb2.Directive],
         feed: asyncio.Task[None],
     ) -> None:
+        from peerlm.agent.peer_integration import slot_extra, slot_record
         from peerlm.agent.rounds import local_update
 
         s = self.s
@@ -1008,9 +1091,13 @@ class AgentDaemon:
         history.append({"round": t, "loss": loss, "pass1": pass1})
         self.state["round"] = t
         self.summary.rounds_completed = t
+        if self.slot is not None:
+            self.state["peer_slot"] = slot_record(self.slot)
         self.state["summary"] = asdict(self.summary)
         adapter = await self._model(self.host.adapter_state)
-        await self._model(self.checkpoints.save, t, adapter, _jsonable(self.state))
+        await self._model(
+            self.checkpoints.save, t, adapter, _jsonable(self.state), extra=slot_extra(self.slot)
+        )
         lap("checkpoint")
         self.telemetry.rounds.inc()
         self.log.info(
@@ -1136,7 +1223,9 @@ class AgentDaemon:
             gate=self._gate(),
             hka=(self.public_pairs, self.config.train_settings(t)) if self.public_pairs else None,
             pull=not (self.s.overlay.aggregate_once and self.summary.one_shot_round is not None),
+            integrate_model=self._integrating("overlay"),
         )
+        self._slot_integrated("overlay")
         if self.s.overlay.aggregate_once and result.outcome == "aggregated":
             self.summary.one_shot_round = t
             self.log.info("overlay_one_shot_done", round=t, pulled=result.pulled)
@@ -1273,7 +1362,7 @@ class AgentDaemon:
                 vet_student_package, package, self.host.tokenizer, self.guardrail, self.ctx
             )
             kb = len(data) / 1024.0
-            result = await self._model(
+            result = await self._integrating("akd")(
                 integrate_package,
                 self.host,
                 package,
@@ -1298,6 +1387,7 @@ class AgentDaemon:
             await self._report_refusal(d, getattr(exc, "reason", "error"))
             return
         self._note_interrupted(result.stats.interrupted, t, "integrate", result.stats.steps)
+        self._slot_integrated("akd")
         if result.rolled_back:
             # Undone by the acceptance gate; the CPM still hears the (negative) reward.
             self.telemetry.rolled_back.labels("akd").inc()
@@ -1353,7 +1443,7 @@ class AgentDaemon:
                 margin=s.acceptance_margin,
                 reward_gamma=s.reward_gamma,
                 reward_delta=s.reward_delta,
-                run_model=self._model,
+                run_model=self._integrating(d.protocol),
                 hka=(self.public_pairs, self.config.train_settings(t))
                 if self.public_pairs
                 else None,
@@ -1369,6 +1459,7 @@ class AgentDaemon:
             self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
             await self._report_refusal(d, getattr(exc, "reason", "error"))
             return
+        self._slot_integrated(d.protocol)
         outcome = (t, result.loss_pre, result.loss_post, result.reward)
         if result.rolled_back:
             self._log_exchange(self.log.warning, "exchange_rolled_back", d, *outcome)

@@ -82,3 +82,25 @@ class AgentTelemetry:
             ["kind"],
             registry=registry,
         )
+        # integration: separate (peerlm.agent.peer_integration).
+        self.peer_slot_integrations = Counter(
+            "peerlm_agent_peer_slot_integrations_total",
+            "Integrations written to the peer slot instead of the own adapter (accepted or "
+            "rolled back by their gate), by kind (akd, pmix, svd_hka, overlay).",
+            ["kind"],
+            registry=registry,
+        )
+        self.peer_slot_routed = Gauge(
+            "peerlm_agent_peer_slot_routed_ratio",
+            "Share of an evaluation slice's problems the input router sends to the peer "
+            "slot (0 while the slot is empty), by slice.",
+            ["slice"],
+            registry=registry,
+        )
+        self.peer_slot_quarantined = Counter(
+            "peerlm_agent_peer_slot_quarantined_total",
+            "Checkpointed peer slots set aside on restore (damaged file, or tensors that do "
+            "not fit the model), by reason; the slot then starts empty.",
+            ["reason"],
+            registry=registry,
+        )

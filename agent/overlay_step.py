@@ -157,6 +157,7 @@ async def overlay_round_step(
     gate: AcceptanceGate | None = None,
     hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
     pull: bool = True,
+    integrate_model: ModelRunner | None = None,
 ) -> OverlayStepResult:
     """Publish this round's signature, search the ``k`` nearest peers, pull and aggregate.
 
@@ -165,7 +166,9 @@ async def overlay_round_step(
     ``hka`` (public pairs, training settings) is what ``aggregation = "svd_hka"`` distils on.
     ``pull`` False (an agent whose one-shot aggregation is done, ``aggregate_once``) only
     publishes the signature, so the others still find this agent's current adapter: outcome
-    ``published``, nothing searched or pulled.
+    ``published``, nothing searched or pulled. ``integrate_model`` (default
+    ``run_model``) runs the pull-and-aggregate's host calls: the daemon's peer-slot runner
+    (:mod:`peerlm.agent.peer_integration`), while the signature stays the own adapter's.
     """
     log = ctx.log
     steps = ctx.counter(
@@ -223,7 +226,7 @@ async def overlay_round_step(
             model,
             candidates,
             settings=pull_settings(settings, round_timeout_s),
-            run_model=run_model,
+            run_model=integrate_model or run_model,
             round_=round_,
             gate=gate,
             hka=hka,

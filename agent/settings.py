@@ -312,6 +312,10 @@ class AgentSettings(ServiceSettings):
     # Acceptance gate: an AKD update or overlay aggregate that raises the validation loss by
     # more than this many nats is rolled back (and, for AKD, reported as a negative reward).
     acceptance_margin: float | None = Field(default=0.1, ge=0)
+    # Where peers' knowledge goes (AKD, merge directives, overlay pulls): "separate", a
+    # peer slot beside the own adapter with an input router (peerlm.agent.peer_integration;
+    # our choice beyond the papers), or "shared", the papers' one adapter.
+    integration: Literal["separate", "shared"] = "separate"
     # SIGTERM: finish the current round within this grace, else stop training at the next
     # optimiser step, checkpoint and exit 0.
     stop_grace_s: float = Field(default=30.0, ge=0)

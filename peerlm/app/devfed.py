@@ -549,6 +549,20 @@ def _before_after(r: Mapping[str, Any], slice_name: str, metric: str, fmt: str) 
     return f"{before:{fmt}}→{after:{fmt}}" if after is not None else f"{before:{fmt}}→?"
 
 
+def _peer_slot(r: Mapping[str, Any]) -> str:
+    """Integrations the agent's peer slot holds and, per slice, the share of its problems
+    the router sent there at the end (``integration: separate``); "-" without a slot."""
+    shares = [
+        f"{name} {v['peer_share']:.2f}"
+        for name, v in r.get("slices_after", {}).items()
+        if isinstance(v, Mapping) and "peer_share" in v
+    ]
+    n = r.get("peer_slot_integrations")
+    if not n and not shares:
+        return "-"
+    return f"{n or 0}" + (f" (routed {', '.join(shares)})" if shares else "")
+
+
 def _agent_rows(r: Mapping[str, Any]) -> list[tuple[str, str]]:
     """One agent's figures as (label, value): the table's columns, or the narrow layout's
     lines. KB include the overlay's adapter pulls (received) and serves (sent)."""
@@ -565,6 +579,7 @@ def _agent_rows(r: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("exch s/t", f"{r.get('exchanges', r.get('as_student', 0))}/{r.get('as_teacher', 0)}"),
         ("rewards", f"{len(rewards)}, mean {sum(rewards) / len(rewards):.4f}" if rewards else "0"),
         ("pulled", str(r.get("adapters_pulled", 0))),
+        ("peer slot", _peer_slot(r)),
         ("KB sent/recv", f"{sent / 1024:.0f}/{received / 1024:.0f}"),
         ("errors", "; ".join(r.get("errors", [])) or "-"),
     ]

@@ -630,3 +630,41 @@ def test_a_merge_directive_with_co_senders_pulls_each_sender(multi_merge_world: 
         for r in e["rewards"]  # type: ignore[attr-defined]
     ]
     assert len(committed) == merged
+
+
+@pytest.fixture(scope="module")
+def slot_world(world: World) -> Iterator[World]:
+    """Text AKD only, fresh names: the peer slot's test."""
+    yield from _menu_world(world, "slot", ["akd"])
+
+
+def _checkpoint(state: Path) -> Any:
+    from peerlm.agent.checkpoint import CheckpointStore
+
+    restored = CheckpointStore(state / "checkpoints").load_latest()
+    assert restored is not None
+    return restored
+
+
+def test_after_an_akd_exchange_the_own_adapter_is_own_training_alone(slot_world: World) -> None:
+    """``integration: separate`` over the wire: two agents with the same data, seed and
+    configuration exchange by text AKD. Whatever each learnt from the other is in its peer
+    slot; its own adapter is exactly what own-data training alone produced, so the two own
+    adapters are equal (training is seeded per round), and a student's slot differs."""
+    w = slot_world
+    summaries, events = _run_together(
+        w, "slot", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
+        acceptance_margin=None,
+    )  # fmt: skip
+    assert [e for e in events if e.get("event") == "exchange_integrated"]
+    a0, a1 = (_checkpoint(w.tmp / "slot" / name / "state") for name in ("a0", "a1"))
+    assert a0.round == a1.round == 2
+    assert a0.tensors.keys() == a1.tensors.keys()
+    assert all(torch_equal(a0.tensors[k], a1.tensors[k]) for k in a0.tensors)
+    students = [s for s in summaries if s["exchanges"] >= 1]
+    assert students and all(s["peer_slot_integrations"] >= s["exchanges"] for s in students)
+    for summary, ck in zip(summaries, (a0, a1), strict=True):
+        if summary["exchanges"] >= 1:
+            slot = ck.extras["peer_slot"]
+            assert not all(torch_equal(slot[k], ck.tensors[k]) for k in ck.tensors)
+            assert ck.state["peer_slot"]["integrations"] >= summary["exchanges"]

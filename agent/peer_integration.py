@@ -1,0 +1,196 @@
+"""Where the agent daemon's integrations write: the peer slot, the router, the checkpoint.
+
+With ``integration: separate`` (the default) the daemon keeps peers' knowledge apart from
+its own as the experiment does (:mod:`peerlm.agent.peer_knowledge`): the own adapter is
+trained on the agent's own data only; AKD (text or logits), a merge directive (``pmix``,
+``svd_hka``) and the overlay's pull write to a second adapter, the peer slot; an input
+router, fitted once at start, sends an input to the slot only if it looks unlike the
+agent's own data. ``integration: shared`` is the papers' single adapter.
+
+The daemon runs model work on one worker thread, and an exchange is a sequence of calls to
+it with network waits between them (pulls, fetches) during which the same thread builds
+packages and encodes the adapter for other peers from the own adapter. So the slot is never
+left in the host across calls: :func:`slot_runner` wraps each call so that the slot is put
+in, the call runs, and the own adapter is back before the thread takes the next job.
+
+* A call to an integration function (:data:`INTEGRATIONS`: AKD's
+  :func:`~peerlm.agent.rounds.integrate_package`, the merge's and overlay's
+  :func:`~peerlm.agent.pull_aggregate.integrate_adapters`) runs inside
+  :meth:`PeerSlot.active <peerlm.agent.peer_knowledge.PeerSlot.active>`: what it does to
+  the adapter stays in the slot and counts as one integration. Its acceptance gate, which
+  judges the adapter in the host against the agent's validation set, so protects the slot.
+* Any other call (the reward's probe loss, the norm bound a pulled adapter is checked
+  against) sees the slot and leaves it as it was: whatever it might write is dropped, so
+  nothing a peer sends can reach the own adapter even through a function not listed here.
+
+What the agent teaches, its profile and the signature it publishes in the overlay (and the
+adapter peers pull from it) are the own adapter's; only the report's evaluation per slice
+is routed (:func:`~peerlm.agent.peer_knowledge.route_map`).
+
+The slot is saved with every round's checkpoint as the extra tensor set ``peer_slot``
+(:mod:`peerlm.agent.checkpoint`) and checked on restore as a peer's adapter is
+(:func:`restore_slot`): a damaged or misfitting file is set aside and the slot starts
+empty, counted in ``peerlm_agent_peer_slot_quarantined_total``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from peerlm.agent.peer_knowledge import InputRouter, PeerSlot
+
+if TYPE_CHECKING:
+    import torch
+    from peerlm.agent.checkpoint import Checkpoint, CheckpointStore
+    from peerlm.agent.modelhost import ModelHost
+
+__all__ = [
+    "INTEGRATIONS",
+    "SLOT_EXTRA",
+    "fit_agent_router",
+    "in_slot",
+    "restore_slot",
+    "slot_extra",
+    "slot_record",
+    "slot_runner",
+]
+
+T = TypeVar("T")
+
+#: The checkpoint's extra tensor set that holds the slot.
+SLOT_EXTRA: Final = "peer_slot"
+#: Integration names kept in the checkpoint's state (the newest ones).
+_HISTORY_KEPT: Final = 64
+
+
+def _integrations() -> frozenset[Callable[..., Any]]:
+    from peerlm.agent.pull_aggregate import integrate_adapters
+    from peerlm.agent.rounds import integrate_package
+
+    return frozenset({integrate_package, integrate_adapters})
+
+
+#: The functions whose call is an integration (the rest of an exchange only measures).
+INTEGRATIONS: Final = _integrations()
+
+
+def in_slot(
+    slot: PeerSlot, host: ModelHost, what: str, fn: Callable[..., T], /, *args: Any, **kw: Any
+) -> T:
+    """On the model thread: ``fn(*args, **kw)`` with the slot in ``host``, the own adapter
+    back afterwards. An integration (:data:`INTEGRATIONS`) keeps its effect in the slot and
+    counts as ``what``; any other call leaves the slot as it was (module docstring)."""
+    if fn in INTEGRATIONS:
+        with slot.active(host, what):
+            return fn(*args, **kw)
+    if slot.state is None:
+        own = host.adapter_state()
+        try:
+            return fn(*args, **kw)
+        finally:
+            host.load_adapter_state(own)
+    own = host.adapter_state()
+    host.load_adapter_state(slot.state)
+    try:
+        return fn(*args, **kw)
+    finally:
+        host.load_adapter_state(own)
+
+
+def slot_runner(
+    run_model: Callable[..., Awaitable[Any]], slot: PeerSlot, host: ModelHost, what: str
+) -> Callable[..., Awaitable[Any]]:
+    """A model runner (``run_model(fn, *args, **kw)``, as the daemon's ``_model``) whose
+    every call runs by :func:`in_slot` on the model thread, the slot labelled ``what``."""
+
+    async def run(fn: Callable[..., T], /, *args: Any, **kw: Any) -> T:
+        result: T = await run_model(in_slot, slot, host, what, fn, *args, **kw)
+        return result
+
+    return run
+
+
+def fit_agent_router(
+    own_prompts: Sequence[str],
+    own_categories: Sequence[str],
+    transfer_prompts: Sequence[str],
+    transfer_categories: Sequence[str],
+    validation_prompts: Sequence[str],
+) -> tuple[InputRouter | None, str]:
+    """The agent's router: its training prompts against X_u's, calibrated on its
+    validation prompts (its training prompts when it has none); ``(router, how)``.
+
+    By category first (``how`` = ``categories``), as the experiment fits it; when X_u holds
+    no category the agent lacks (or the categories do not line up), own against X_u
+    (``own_vs_transfer``); when neither can be fitted, no router (``none: <why>``): every
+    input is then answered by the own adapter, and the slot only keeps what peers sent.
+    """
+    validation = list(validation_prompts) or list(own_prompts)
+    try:
+        router = InputRouter.fit(
+            own_prompts,
+            transfer_prompts,
+            validation,
+            own_categories=own_categories,
+            other_categories=transfer_categories,
+        )
+        return router, "categories"
+    except ValueError:
+        pass
+    try:
+        return InputRouter.fit(own_prompts, transfer_prompts, validation), "own_vs_transfer"
+    except ValueError as err:
+        return None, f"none: {err}"
+
+
+def slot_extra(slot: PeerSlot | None) -> dict[str, Mapping[str, torch.Tensor]] | None:
+    """The checkpoint's extra tensor sets for ``slot`` (None: nothing to save)."""
+    if slot is None or slot.state is None:
+        return None
+    return {SLOT_EXTRA: slot.state}
+
+
+def slot_record(slot: PeerSlot) -> dict[str, Any]:
+    """What the checkpoint's JSON state keeps of the slot beside its tensors."""
+    return {"integrations": slot.integrations, "history": slot.history[-_HISTORY_KEPT:]}
+
+
+def restore_slot(
+    slot: PeerSlot,
+    host: ModelHost,
+    checkpoint: Checkpoint,
+    store: CheckpointStore,
+    on_damaged: Callable[[str], None] | None = None,
+) -> bool:
+    """Put the slot saved with ``checkpoint`` back into ``slot``; True if it was.
+
+    The tensors must fit ``host`` exactly as a peer's adapter must (names, shapes, floating
+    point, finite: :func:`~peerlm.agent.adapter_codec.check_state`); a set that does not is
+    set aside in the store, and a damaged file already was; then the slot starts empty and
+    ``on_damaged(reason)`` is called. Never raises for what the file holds.
+    """
+    from peerlm.agent.adapter_codec import AdapterError, check_state
+
+    record = checkpoint.state.get(SLOT_EXTRA)
+    tensors = checkpoint.extras.get(SLOT_EXTRA)
+    if SLOT_EXTRA in checkpoint.damaged:
+        if on_damaged is not None:
+            on_damaged("damaged")
+        return False
+    if tensors is None:
+        return False
+    try:
+        check_state(tensors, host.adapter_spec())
+    except AdapterError as err:
+        store.quarantine_extra(checkpoint, SLOT_EXTRA, f"does not fit the model: {err}")
+        if on_damaged is not None:
+            on_damaged(err.reason)
+        return False
+    slot.state = dict(tensors)
+    if isinstance(record, dict):
+        count = record.get("integrations")
+        history = record.get("history")
+        slot.integrations = count if isinstance(count, int) and count >= 0 else 0
+        slot.history = [str(h) for h in history] if isinstance(history, list) else []
+    return True

@@ -1,0 +1,214 @@
+"""The daemon's peer slot: integrations write to it, the own adapter is never touched, the
+router is fitted from the agent's data, the slot survives a checkpoint or is set aside."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peerlm.agent import AgentSettings, LoraSettings, ModelHost, TrainSettings
+from peerlm.agent.checkpoint import CheckpointStore
+from peerlm.agent.package import TextItem, TextPackage, prompt_sha256
+from peerlm.agent.peer_integration import (
+    SLOT_EXTRA,
+    fit_agent_router,
+    in_slot,
+    restore_slot,
+    slot_extra,
+    slot_record,
+    slot_runner,
+)
+from peerlm.agent.peer_knowledge import PeerSlot
+from peerlm.agent.pull_aggregate import PullSettings, integrate_adapters
+from peerlm.agent.rounds import RoundConfig, integrate_package
+
+from peerlm.app.devfed import _peer_slot
+
+OWN = [f'def add_{k}(x: int) -> int:\n    """Return x plus {k}."""\n    ' for k in range(20)]
+VAL = [f'def add_{k}(y: int) -> int:\n    """Return y plus {k}."""\n    ' for k in range(20, 26)]
+OTHER = [
+    f'def is_pal_{k}(s: str) -> bool:\n    """Whether the word {k} is a palindrome."""\n    '
+    for k in range(20)
+]
+LOCAL = [(p, f"return x + {k}\n") for k, p in enumerate(OWN[:4])]
+FAST = TrainSettings(learning_rate=5e-2, batch_size=4, grad_accumulation=1, seed=0)
+
+
+@pytest.fixture(scope="module")
+def host(micro_gpt2: Path) -> ModelHost:
+    return ModelHost.load(micro_gpt2, LoraSettings(r=4), device="cpu", seed=0)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _package() -> TextPackage:
+    return TextPackage(
+        teacher="teacher",
+        directive_id="d" * 32,
+        transfer_sha256="ab" * 32,
+        model_family="gpt2",
+        items=tuple(
+            TextItem(str(i), prompt_sha256(p), "return s == s[::-1]\n")
+            for i, p in enumerate(OTHER[:4])
+        ),
+        created_at=1.0,
+    )
+
+
+def _akd_args(steps: int = 3) -> dict[str, Any]:
+    """integrate_package's arguments after the host and package: own data LOCAL."""
+    return {
+        "kilobytes": 1.0,
+        "local_examples": LOCAL,
+        "val_examples": LOCAL,
+        "transfer_prompts": OTHER[:4],
+        "config": RoundConfig(total_rounds=2, train=FAST, local_steps=steps),
+        "t": 1,
+    }
+
+
+def _akd(host: ModelHost) -> Any:
+    return integrate_package(host, _package(), **_akd_args())
+
+
+def test_an_akd_exchange_changes_the_slot_and_never_the_own_adapter(host: ModelHost) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot()
+    result = in_slot(slot, host, "akd", integrate_package, host, _package(), **_akd_args())
+    assert result.stats.steps == 3
+    assert _same(host.adapter_state(), own)
+    assert slot.integrations == 1 and slot.history == ["akd"]
+    assert slot.state is not None and not _same(slot.state, own)
+    # Only the listed integration functions count: _akd is a test wrapper, so a call of it
+    # through in_slot is a measurement whose writes are dropped: nothing changes at all.
+    before = dict(slot.state)
+    in_slot(slot, host, "akd", _akd, host)
+    assert _same(slot.state, before) and slot.integrations == 1
+    assert _same(host.adapter_state(), own)
+
+
+def test_a_direct_akd_integration_through_the_runner_counts_and_stays_in_the_slot(
+    host: ModelHost,
+) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot()
+
+    async def inline(fn: Any, /, *args: Any, **kw: Any) -> Any:
+        return fn(*args, **kw)
+
+    run = slot_runner(inline, slot, host, "akd")
+    result = asyncio.run(run(integrate_package, host, _package(), **_akd_args(2)))
+    assert result.mode == "text"
+    assert _same(host.adapter_state(), own)
+    assert slot.integrations == 1 and slot.state is not None and not _same(slot.state, own)
+
+
+def test_a_merge_through_the_runner_writes_the_slot_and_measurements_leave_it(
+    host: ModelHost,
+) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot()
+
+    async def inline(fn: Any, /, *args: Any, **kw: Any) -> Any:
+        return fn(*args, **kw)
+
+    run = slot_runner(inline, slot, host, "pmix")
+
+    async def exchange() -> None:
+        # A measurement before anything was integrated leaves the slot empty.
+        await run(host.eval_loss, LOCAL)
+        assert slot.state is None
+        # A write that is not an integration (training) is dropped, never kept anywhere.
+        await run(host.train_local, LOCAL, FAST, steps=1)
+        assert slot.state is None and _same(host.adapter_state(), own)
+        peer = {k: v + 0.01 for k, v in own.items()}
+        report, _verdict, _pre = await run(
+            integrate_adapters, host, {"peer": peer}, {"peer": 1.0}, PullSettings(), "me"
+        )
+        assert report.accepted
+
+    asyncio.run(exchange())
+    assert _same(host.adapter_state(), own)
+    assert slot.integrations == 1 and slot.history == ["pmix"]
+    assert slot.state is not None and not _same(slot.state, own)
+
+
+def test_the_agent_router_by_category_falls_back_and_may_be_absent() -> None:
+    router, how = fit_agent_router(OWN, ["add"] * len(OWN), OTHER, ["word"] * len(OTHER), VAL)
+    assert how == "categories" and router is not None
+    assert not any(router.to_peer(VAL))
+    # X_u of the agent's own category only: own against X_u.
+    router, how = fit_agent_router(OWN, ["add"] * len(OWN), OTHER, ["add"] * len(OTHER), [])
+    assert how == "own_vs_transfer" and router is not None
+    assert not any(router.to_peer(OWN))  # no validation: calibrated on the training prompts
+    router, how = fit_agent_router(OWN, ["add"] * len(OWN), [], [], VAL)
+    assert router is None and how.startswith("none")
+
+
+def test_the_slot_survives_a_checkpoint(host: ModelHost, tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ck")
+    slot = PeerSlot()
+    slot.state = {k: v + 0.5 for k, v in host.adapter_state().items()}
+    slot.integrations, slot.history = 3, ["akd", "pmix", "overlay"]
+    store.save(1, host.adapter_state(), {SLOT_EXTRA: slot_record(slot)}, extra=slot_extra(slot))
+    restored = store.load_latest()
+    assert restored is not None
+    again = PeerSlot()
+    assert restore_slot(again, host, restored, store)
+    assert again.state is not None and _same(again.state, slot.state)
+    assert again.integrations == 3 and again.history == ["akd", "pmix", "overlay"]
+    assert slot_extra(PeerSlot()) is None and slot_extra(None) is None
+
+
+def test_a_damaged_slot_file_is_set_aside_and_the_slot_starts_empty(
+    host: ModelHost, tmp_path: Path
+) -> None:
+    store = CheckpointStore(tmp_path / "ck")
+    state = {k: v + 0.5 for k, v in host.adapter_state().items()}
+    path = store.save(1, host.adapter_state(), {}, extra={SLOT_EXTRA: state})
+    slot_file = path / f"{SLOT_EXTRA}.safetensors"
+    data = bytearray(slot_file.read_bytes())
+    data[-1] ^= 0xFF
+    slot_file.write_bytes(bytes(data))
+    restored = store.load_latest()
+    assert restored is not None and restored.round == 1  # the adapter still loads
+    assert restored.damaged == (SLOT_EXTRA,) and SLOT_EXTRA not in restored.extras
+    assert not slot_file.exists() and list(path.glob(f"{SLOT_EXTRA}.safetensors.corrupt-*"))
+    reasons: list[str] = []
+    slot = PeerSlot()
+    assert not restore_slot(slot, host, restored, store, reasons.append)
+    assert slot.state is None and reasons == ["damaged"]
+
+
+def test_a_slot_that_does_not_fit_the_model_is_set_aside(host: ModelHost, tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ck")
+    state = host.adapter_state()
+    name = sorted(state)[0]
+    wrong = {**state, name: torch.full_like(state[name], float("nan"))}
+    path = store.save(1, state, {}, extra={SLOT_EXTRA: wrong})
+    restored = store.load_latest()
+    assert restored is not None and SLOT_EXTRA in restored.extras  # the bytes are intact
+    reasons: list[str] = []
+    slot = PeerSlot()
+    assert not restore_slot(slot, host, restored, store, reasons.append)
+    assert slot.state is None and reasons == ["non_finite"]
+    assert list(path.glob(f"{SLOT_EXTRA}.safetensors.corrupt-*"))
+    with pytest.raises(ValueError, match="not allowed"):
+        store.save(2, state, {}, extra={"adapter": state})
+
+
+def test_integration_setting_and_report_row() -> None:
+    assert AgentSettings.model_fields["integration"].default == "separate"
+    assert _peer_slot({}) == "-"
+    row = _peer_slot(
+        {
+            "peer_slot_integrations": 2,
+            "slices_after": {"lacked": {"peer_share": 0.75}, "own": {"peer_share": 0.0}},
+        }
+    )
+    assert row == "2 (routed lacked 0.75, own 0.00)"
