@@ -92,6 +92,8 @@ def pull_settings(overlay: AgentOverlaySettings, timeout_s: float) -> PullSettin
         max_adapter_bytes=overlay.max_adapter_bytes,
         max_norm_ratio=overlay.max_norm_ratio,
         max_update_ratio=overlay.max_update_ratio,
+        signature_tolerance=overlay.signature_tolerance,
+        max_weight_share=overlay.max_weight_share,
         method=overlay.aggregation,
         hka_alpha=overlay.hka_alpha,
         hka_steps=overlay.hka_steps,
@@ -230,6 +232,9 @@ async def overlay_round_step(
             round_=round_,
             gate=gate,
             hka=hka,
+            # The search ranked the candidates by this signature: each pulled adapter must
+            # match the similarity its published signature claimed.
+            query=overlay_host.signature,
         )
     except asyncio.CancelledError:
         raise

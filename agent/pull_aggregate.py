@@ -52,6 +52,13 @@ Choices made here:
   size, the paper's default lambda) and refined by HKA (Eq. 4-6) on the agent's public
   pairs, ``hka_steps`` optimiser steps at ``hka_alpha``. The neighbours' adapters pass the
   same checks (same base, LoRA ``r``/``alpha``, shapes, finite, norm bound) first.
+* **Advertised signature checked, weight capped.** An overlay search ranks and PDFL weighs
+  a peer by the similarity of the signature it *published*; with the querier's signature
+  (``query``) each pulled adapter's similarity is recomputed from the adapter, and a peer
+  that advertised more than that plus ``signature_tolerance`` (0.2) is refused
+  (``signature_mismatch``, :mod:`peerlm.agent.advertised_signature`). No neighbour weighs
+  more than ``max_weight_share`` (2) equal shares of the row, the excess going to our own
+  entry (``peerlm_agent_overlay_weights_capped_total``).
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ from peerlm.agent.adapter_codec import (
     decode_adapter,
     update_bounds,
 )
+from peerlm.agent.advertised_signature import SignatureMismatch, check_advertised
 from peerlm.agent.lora_merge import ClientAdapter
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.peer_client import PeerExchangeError, pull_adapter_with_round
@@ -83,6 +91,7 @@ from peerlm.overlay import (
     AggregationError,
     AggregationReport,
     Refusal,
+    Signature,
     neighbour_weights,
     personalised_update,
 )
@@ -146,6 +155,19 @@ class PullSettings(BaseModel):
     )
     hka_alpha: float = Field(default=0.5, ge=0, le=1, description="OnePeFT Eq. 6's alpha.")
     hka_steps: int = Field(default=8, ge=1, le=10_000, description="HKA optimiser steps.")
+    signature_tolerance: float | None = Field(
+        default=0.2,
+        ge=0,
+        description="With the querier's signature (an overlay pull), a neighbour whose "
+        "advertised similarity exceeds the one recomputed from its adapter by more than "
+        "this is refused (signature_mismatch); None: not checked.",
+    )
+    max_weight_share: float | None = Field(
+        default=2.0,
+        ge=1,
+        description="No neighbour's W_ij above this many equal shares of the row; the excess "
+        "goes to our own entry (overlay.aggregation.neighbour_weights); None: no cap.",
+    )
 
 
 @dataclass(frozen=True)
@@ -330,7 +352,12 @@ def _one_shot(
     """OnePeFT's SVD + HKA of our adapter and the neighbours' (see the module docstring)."""
     from peerlm.agent.onepeft import one_shot
 
-    weights = neighbour_weights(similarities, self_id=self_name, kappa=settings.kappa)
+    weights = neighbour_weights(
+        similarities,
+        self_id=self_name,
+        kappa=settings.kappa,
+        max_share=settings.max_weight_share,
+    )
     names = [self_name, *neighbours]
     states = {self_name: own, **neighbours}
     clients = [
@@ -380,6 +407,7 @@ def integrate_adapters(
         eta=settings.eta,
         psi=settings.psi,
         self_id=self_name,
+        max_share=settings.max_weight_share,
     )
     if not report.accepted:
         return report, None, math.nan
@@ -399,6 +427,7 @@ async def pull_and_aggregate(
     gate: AcceptanceGate | None = None,
     hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
     kind: str = "overlay",
+    query: Signature | None = None,
 ) -> PullReport:
     """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
 
@@ -414,7 +443,10 @@ async def pull_and_aggregate(
     ``hka``: the public (prompt, completion) pairs of D_pub and the training settings of the
     HKA steps (a ``ValueError`` before anything is pulled otherwise). ``kind`` labels a
     rollback in ``peerlm_agent_integrations_rolled_back_total`` (``overlay``, or
-    ``merge`` for a CPM merge directive).
+    ``merge`` for a CPM merge directive). ``query``: the signature the search was made
+    with; each pulled adapter must then match the similarity its candidate advertised
+    (:mod:`peerlm.agent.advertised_signature`, ``settings.signature_tolerance``), else it
+    is refused ``signature_mismatch``.
     """
     cfg = settings or PullSettings()
     if cfg.method == "svd_hka" and (hka is None or not hka[0]):
@@ -459,10 +491,16 @@ async def pull_and_aggregate(
         _, sent_round, payload = outcome
         bytes_received += len(payload)
         try:
-            neighbours[cand.peer] = _decode(payload, local, max_bytes)
+            state = _decode(payload, local, max_bytes)
+            if query is not None and cfg.signature_tolerance is not None:
+                check_advertised(query, state, cand.similarity, cfg.signature_tolerance)
         except _Refused as err:
             refused.append(Refusal(cand.peer, err.reason, err.detail))
             continue
+        except SignatureMismatch as err:
+            refused.append(Refusal(cand.peer, err.reason, str(err)))
+            continue
+        neighbours[cand.peer] = state
         received[cand.peer] = PulledAdapter(
             cand.peer, cand.address, sent_round, len(payload), cand.similarity
         )
@@ -517,6 +555,11 @@ async def pull_and_aggregate(
             detail=item.detail,
         )
     metrics.pulled(len(pulled))
+    if report is not None and report.capped and not rolled_back:
+        ctx.counter(
+            "peerlm_agent_overlay_weights_capped_total",
+            "Neighbours whose PDFL weight the per-neighbour cap (max_weight_share) lowered",
+        ).inc(len(report.capped))
     outcome_label = (
         "applied"
         if applied

@@ -89,6 +89,11 @@ class AgentOverlaySettings(Section):
     # Per LoRA module, a neighbour's (or a merge sender's) update (alpha/r) B A may be at most
     # this times ours (adapter_codec.update_bounds; None: no bound).
     max_update_ratio: float | None = Field(default=4.0, gt=0)
+    # An overlay pull refuses a neighbour whose advertised similarity exceeds the one
+    # recomputed from its pulled adapter by more than this (None: not checked).
+    signature_tolerance: float | None = Field(default=0.2, ge=0)
+    # No neighbour's PDFL weight above this many equal shares of the row (None: no cap).
+    max_weight_share: float | None = Field(default=2.0, ge=1)
     bootstrap_retry_s: float = Field(default=1.0, gt=0)
     # Before its first round the agent waits up to this long for the overlay to place it
     # (root known, so searches can be answered); 0 starts at once and the rounds before the

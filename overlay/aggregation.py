@@ -27,6 +27,12 @@ Defaults and why:
   cosine-0 neighbour at 0.37 of the client and blends clusters, which the similarity
   search exists to avoid.
 
+**Weight cap** (``max_share``, our choice beyond the paper): with a cap, no neighbour's
+``W_ij`` exceeds ``max_share / |S_i ∪ {i}|`` (``max_share`` times an equal share of the
+row) and what a capped neighbour loses goes to the client's own entry, never to another
+neighbour: a member that advertises a signature close to everyone's cannot become the
+largest part of their anchors. :func:`personalised_update` reports the capped neighbours.
+
 Neighbours are untrusted: :func:`check_neighbour` refuses one whose tensor names or shapes
 differ from the client's, whose values are not finite floating point, or whose similarity is
 missing or not finite; :func:`personalised_update` drops it with the reason in its
@@ -98,6 +104,8 @@ class AggregationReport:
     refused: tuple[Refusal, ...] = ()
     delta_norm: float = 0.0
     identity: bool = field(default=False)
+    #: Neighbours whose weight the cap (``max_share``) lowered.
+    capped: tuple[str, ...] = ()
 
 
 def _finite(value: float, what: str) -> float:
@@ -116,12 +124,15 @@ def neighbour_weights(
     self_id: str,
     self_similarity: float = 1.0,
     kappa: float = DEFAULT_KAPPA,
+    max_share: float | None = None,
 ) -> dict[str, float]:
     """Row-stochastic softmax weights ``W_ij`` over the neighbours and the client itself.
 
     ``similarities`` maps each neighbour in ``S_i`` to ``s_ij``; the client's own entry is
     ``self_similarity`` under ``self_id`` (which must not also be a neighbour). Subtracting
-    ``c_i = max`` keeps every exponent <= 0, so no overflow. The weights sum to 1.
+    ``c_i = max`` keeps every exponent <= 0, so no overflow. The weights sum to 1. With
+    ``max_share`` (>= 1) no neighbour weighs more than ``max_share`` equal shares of the
+    row; the excess goes to the client's own entry (module docstring).
     """
     k = _finite(kappa, "kappa")
     if k <= 0.0:
@@ -133,7 +144,17 @@ def neighbour_weights(
     top = max(scores.values())
     raw = {name: math.exp((s - top) / k) for name, s in scores.items()}
     total = math.fsum(raw.values())  # >= 1: the maximum contributes exp(0)
-    return {name: r / total for name, r in raw.items()}
+    weights = {name: r / total for name, r in raw.items()}
+    if max_share is not None:
+        share = _finite(max_share, "max_share")
+        if share < 1.0:
+            raise AggregationError(f"max_share must be >= 1 (an equal share), got {max_share}")
+        cap = share / len(weights)
+        for name in weights:
+            if name != self_id and weights[name] > cap:
+                weights[self_id] += weights[name] - cap
+                weights[name] = cap
+    return weights
 
 
 def proximal_alpha(eta: float = DEFAULT_ETA, psi: float = DEFAULT_PSI) -> float:
@@ -224,6 +245,7 @@ def personalised_update(
     psi: float = DEFAULT_PSI,
     self_id: str = "self",
     self_similarity: float = 1.0,
+    max_share: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], AggregationReport]:
     """One PDFL step: ``w <- (1 - alpha) w + alpha sum_j W_ij w_j`` over accepted neighbours.
 
@@ -232,6 +254,7 @@ def personalised_update(
     ``self_id`` is dropped and listed in the report's ``refused``. Returns new tensors (``own``
     is never modified) and the report. Invalid ``own``, ``kappa``, ``eta`` or ``psi`` raise
     :class:`AggregationError`. Without accepted neighbours the result is a copy of ``own``.
+    ``max_share`` caps each neighbour's weight (:func:`neighbour_weights`).
     """
     _check_own(own)
     alpha = proximal_alpha(eta, psi)
@@ -263,7 +286,16 @@ def personalised_update(
             identity=True,
         )
         return copy, report
-    weights = neighbour_weights(sims, self_id=self_id, self_similarity=self_similarity, kappa=k)
+    weights = neighbour_weights(
+        sims, self_id=self_id, self_similarity=self_similarity, kappa=k, max_share=max_share
+    )
+    capped = tuple(
+        p
+        for p, w in neighbour_weights(
+            sims, self_id=self_id, self_similarity=self_similarity, kappa=k
+        ).items()
+        if p != self_id and w > weights[p]
+    )
     updated: dict[str, torch.Tensor] = {}
     delta_sq = 0.0
     for name, tensor in own.items():
@@ -282,5 +314,6 @@ def personalised_update(
         accepted=tuple(accepted),
         refused=tuple(refused),
         delta_norm=math.sqrt(delta_sq),
+        capped=capped,
     )
     return updated, report

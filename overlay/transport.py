@@ -583,6 +583,12 @@ class OverlayHost:
         """Enter the overlay through ``bootstrap`` peers."""
         self._call("join", lambda now: self.node.join(list(bootstrap), now))
 
+    @property
+    def signature(self) -> Signature | None:
+        """The signature this node last published (None before the first): what its
+        searches are scored against."""
+        return self.node.ctx.signature
+
     def set_signature(self, sig: Signature, p_min: int | None = None) -> None:
         """Publish this round's signature; raises ``ValueError`` if the core refuses it."""
         self._call("set_signature", lambda now: self.node.set_signature(sig, now, p_min), True)

@@ -977,3 +977,36 @@ async def test_an_adapter_splitting_the_norm_budget_between_a_and_b_is_refused(
     finally:
         assert split.server is not None
         await split.server.stop(0)
+
+
+# -- an overlay neighbour's pulled adapter checked against the signature it advertised --
+
+
+async def test_a_neighbour_advertising_more_similarity_than_its_adapter_has_is_refused(
+    world: World, pki: Path
+) -> None:
+    """The search's similarity comes from the signature a peer published; t2 claims 0.99
+    (a signature close to ours) while its adapter's recomputed similarity is near 0: refused
+    ``signature_mismatch`` and counted; t1, advertised at what its adapter is, is pulled.
+    Without the check t2 was integrated, with the largest weight of the anchor."""
+    import numpy as np
+    from peerlm.agent.advertised_signature import recomputed_similarity
+    from peerlm.overlay import flatten_adapter, make_signature
+
+    student, t = world.student, world.teachers
+    weights, space = flatten_adapter(student.adapter_state())
+    query = make_signature(weights, np.abs(weights), 256, space)
+    honest = recomputed_similarity(query, world.hosts["t1"].adapter_state())
+    assert recomputed_similarity(query, world.hosts["t2"].adapter_state()) < 0.5
+    registry = new_registry()
+    report = await pull_and_aggregate(
+        _student(pki, registry),
+        student,
+        [Candidate("t1", t["t1"].target, honest), Candidate("t2", t["t2"].target, 0.99)],
+        settings=PullSettings(timeout_s=20.0),
+        query=query,
+    )
+    assert {r.peer: r.reason for r in report.refused} == {"t2": "signature_mismatch"}
+    assert [p.peer for p in report.pulled] == ["t1"] and report.applied
+    failures = "peerlm_agent_overlay_pull_failures_total"
+    assert _metric(registry, failures, reason="signature_mismatch") == 1

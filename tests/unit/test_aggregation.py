@@ -220,3 +220,38 @@ def test_check_neighbour_messages_name_the_tensor() -> None:
     with pytest.raises(AggregationError, match=r"missing: layer\.lora_B\.weight"):
         check_neighbour(own, {"layer.lora_A.weight": own["layer.lora_A.weight"]}, "peer")
     check_neighbour(own, _state(9), "peer")  # compatible: no error
+
+
+@given(
+    sims=st.lists(st.floats(-1.0, 1.0), min_size=1, max_size=12),
+    share=st.floats(1.0, 4.0),
+)
+def test_capped_weights_stay_a_row_and_no_neighbour_passes_the_cap(
+    sims: list[float], share: float
+) -> None:
+    """With max_share, every neighbour weighs at most max_share equal shares of the row,
+    the weights still sum to 1, and only our own entry gains what was cut."""
+    similarities = {f"n{i}": s for i, s in enumerate(sims)}
+    plain = neighbour_weights(similarities, self_id="me")
+    capped = neighbour_weights(similarities, self_id="me", max_share=share)
+    cap = share / (len(sims) + 1)
+    assert math.fsum(capped.values()) == pytest.approx(1.0)
+    for name in similarities:
+        assert capped[name] <= cap + 1e-12
+        assert capped[name] == pytest.approx(min(plain[name], cap))
+    assert capped["me"] >= plain["me"]
+
+
+def test_a_neighbour_close_to_everyone_is_capped_and_reported() -> None:
+    """One neighbour advertising similarity 1 among nine at 0.5 took 0.31 of the anchor
+    (as much as the client); capped at two equal shares (2/11) the excess is the client's."""
+    sims = {"mallory": 1.0, **{f"h{i}": 0.5 for i in range(9)}}
+    plain = neighbour_weights(sims, self_id="me")
+    assert plain["mallory"] == pytest.approx(plain["me"]) and plain["mallory"] > 0.3
+    own = {"w": torch.zeros(3)}
+    neighbours = {name: {"w": torch.ones(3)} for name in sims}
+    _, report = personalised_update(own, neighbours, sims, self_id="me", max_share=2.0)
+    assert report.weights["mallory"] == pytest.approx(2 / 11)
+    assert report.capped == ("mallory",)
+    with pytest.raises(AggregationError):
+        neighbour_weights(sims, self_id="me", max_share=0.5)
