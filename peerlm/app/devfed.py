@@ -32,6 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from peerlm.app.agent_launch import agent_argv
+from peerlm.app.private_state import PRIVATE_UMASK, make_private, tighten
 from peerlm.node import NodeContext
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
@@ -75,7 +76,8 @@ class DevFederation:
 def _spawn(
     args: list[str], log: Path, stdout: int | IO[Any] | None, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    handle = log.open("ab")
+    # Owner-only whatever the umask: a log holds peers' names, rounds and errors.
+    handle = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
     # Own process group: Ctrl-C in the terminal reaches only `peerlm up`, which then stops
     # the children in order (agents first, CPM last) instead of all dying at once.
     return subprocess.Popen(
@@ -84,6 +86,7 @@ def _spawn(
         stderr=handle,
         start_new_session=True,
         env={**os.environ, **(env or {})},
+        umask=PRIVATE_UMASK,
     )
 
 
@@ -843,6 +846,9 @@ def up_command(
     else:
         names = [f"agent-{i}" for i in range(agents if agents is not None else 4)]
     console = None if as_json else Console(stderr=True)
+    # Private data, keys, the CPM database, checkpoints and logs: owner-only, for every file
+    # this command and its children (which inherit the umask) write (private_state).
+    tightened = make_private(state_dir)
     fed = DevFederation(state_dir)
     if not resume:
         import shutil
@@ -852,6 +858,8 @@ def up_command(
         shutil.rmtree(state_dir / "agents", ignore_errors=True)
     fed.provision(names)
     if console:
+        if tightened:
+            console.print(f"made {tightened} files and folders of {state_dir} owner-only")
         console.print(
             f"[bold]peerlm up[/]: {len(names)} agents, {rounds} rounds, state in {state_dir}"
             + (" (FedWave workflow: " + " → ".join(names) + ")" if workflow else "")
@@ -899,6 +907,9 @@ def up_command(
                 reward=reward,
             )
             argv = _prepare_real(fed, names, rounds, seed, plan, console)
+        # What up wrote with an explicit mode (certificates are 0644 by design) too: the
+        # whole state directory is owner-only before any process starts.
+        tighten(state_dir)
         round_of = None
         if workflow or fedproxy:
             from peerlm.app.devfed_workflow import LogRounds
