@@ -41,7 +41,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +147,9 @@ class MatchOutcome:
     # promised (SubmitProfile's answer), which the notice carries.
     unmatched: tuple[str, ...] = ()
     unmatched_round: int = 0
+    # Pending agents left out because they closed their directive feed: a directive to an
+    # agent that will not receive it would only expire, and hold its partner for the round.
+    without_feed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -507,10 +510,16 @@ class CpmCore:
 
     # ------------------------------------------------------------- matchmaking
 
-    def matchmake(self) -> MatchOutcome:
-        """Run Algorithm 2 over the pending profiles and record the directives."""
+    def matchmake(self, closed: Collection[str] = ()) -> MatchOutcome:
+        """Run Algorithm 2 over the pending profiles and record the directives.
+
+        ``closed``: the agents that closed their directive feed and have not opened it
+        again (the service's hub); such a pending agent is not paired this round
+        (``without_feed``) and must submit its profile again to be. An agent that has not
+        opened its feed yet is paired: its directives are replayed when it connects."""
         started = time.perf_counter()
-        agents = sorted(self._pending)
+        absent = tuple(sorted(a for a in self._pending if a in closed))
+        agents = sorted(a for a in self._pending if a not in absent)
         self._pending.clear()
         self._last_match = self._clock()
         self._store.set_meta("matched_until", repr(self._last_match))
@@ -522,6 +531,7 @@ class CpmCore:
                 time.perf_counter() - started,
                 tuple(agents),
                 self._round + 1,
+                absent,
             )
         profiles = {a: self._profiles[a].features for a in agents}
         capabilities = {
@@ -548,6 +558,7 @@ class CpmCore:
             time.perf_counter() - started,
             tuple(a for a in agents if a not in paired),
             self._round,
+            absent,
         )
 
     def _directive(self, pairing: Pairing, now: float) -> DirectiveRecord:

@@ -81,6 +81,12 @@ class CpmMetrics:
             "Agents with an open directive feed.",
             registry=registry,
         )
+        self.without_feed = Counter(
+            "peerlm_cpm_unpaired_without_feed_total",
+            "Pending agents left out of a matchmaking round because their directive feed "
+            "was closed.",
+            registry=registry,
+        )
         self.reward_batch = Histogram(
             "peerlm_cpm_reward_batch_size_count",
             "Rewards committed together in one transaction (group commit).",

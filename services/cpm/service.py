@@ -101,10 +101,23 @@ class DirectiveHub:
     def __init__(self, depth: int) -> None:
         self._depth = depth
         self._queues: dict[str, asyncio.Queue[FeedItem]] = {}
+        # Agents whose feed ended on their side (stream closed or cancelled), not opened
+        # again and no profile since: their pending profile is stale, they are not paired
+        # (a forced disconnect, _OVERFLOW or _REPLACED, does not count).
+        self._closed: set[str] = set()
 
     @property
     def connected(self) -> int:
         return len(self._queues)
+
+    def closed(self) -> frozenset[str]:
+        """The agents that closed their directive feed and have neither opened it again nor
+        submitted a profile since."""
+        return frozenset(self._closed)
+
+    def submitted(self, agent: str) -> None:
+        """``agent`` submitted a profile: it wants pairing again, feed open or not."""
+        self._closed.discard(agent)
 
     def attach(self, agent: str) -> asyncio.Queue[FeedItem]:
         old = self._queues.get(agent)
@@ -112,11 +125,13 @@ class DirectiveHub:
             self._force(old, _REPLACED)
         q: asyncio.Queue[FeedItem] = asyncio.Queue(maxsize=self._depth + 1)
         self._queues[agent] = q
+        self._closed.discard(agent)
         return q
 
     def detach(self, agent: str, q: asyncio.Queue[FeedItem]) -> None:
         if self._queues.get(agent) is q:
             del self._queues[agent]
+            self._closed.add(agent)
 
     def publish(self, directive: DirectiveRecord) -> None:
         for agent in (directive.teacher, directive.student):
@@ -290,6 +305,9 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
             await self._refuse(context, "SubmitProfile", err)
             raise AssertionError("unreachable") from None
         self._m.profiles.inc()
+        # A profile submitted after the feed closed is a fresh wish to be paired (the
+        # directive is replayed when the feed opens); only one submitted before is stale.
+        self._hub.submitted(agent)
         self._refresh_gauges()
         self._log.info(
             "profile_received",
@@ -645,7 +663,12 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         self._m.connected.set(self._hub.connected)
 
     async def _run_matchmaking(self, trigger: str) -> MatchOutcome:
-        out = await self._call(self._core.matchmake)
+        # An agent that closed its directive feed is not paired: a directive to it would only
+        # expire, holding its partner for the round.
+        out = await self._call(self._core.matchmake, self._hub.closed())
+        if out.without_feed:
+            self._m.without_feed.inc(len(out.without_feed))
+            self._log.info("unpaired_without_feed", agents=list(out.without_feed))
         if out.candidates >= 2:
             self._m.matchmaking_rounds.labels(trigger).inc()
             self._m.matchmaking_seconds.observe(out.seconds)

@@ -604,3 +604,31 @@ def test_a_z_score_snapshot_from_before_the_window_column_loads(tmp_path: Path) 
     assert c2.bandit_recovery == "snapshot" and c2.rewards_replayed == 0
     assert c2.matchmaker.snapshot() == expected and expected.reward_window is None
     store.close()
+
+
+def test_an_agent_that_closed_its_feed_is_not_paired(
+    core: tuple[CpmCore, Clock, MemoryCpmStore],
+) -> None:
+    """A pending agent the hub lists as having closed its directive feed is left out of
+    the round (``without_feed``); the others are paired among themselves."""
+    c, _, _ = core
+    _submit_all(c, ["a", "b", "c", "d"])
+    match = c.matchmake(closed={"d"})
+    named = {x for d in match.directives for x in (d.teacher, d.student)}
+    assert "d" not in named and len(match.directives) == 1
+    assert match.without_feed == ("d",) and match.candidates == 3
+
+
+def test_the_hub_lists_an_agent_that_closed_its_feed_until_it_reopens() -> None:
+    from peerlm.services.cpm.service import DirectiveHub
+
+    hub = DirectiveHub(4)
+    q = hub.attach("a")
+    assert hub.closed() == frozenset()
+    hub.detach("a", q)  # the agent ended its stream
+    assert hub.closed() == {"a"}
+    hub.attach("a")
+    assert hub.closed() == frozenset()
+    hub.detach("a", hub.attach("a"))
+    hub.submitted("a")  # a profile after the close: it wants pairing (replay on connect)
+    assert hub.closed() == frozenset()
