@@ -58,6 +58,9 @@ def test_up_with_model_hosting_agents(tmp_path: Path) -> None:
             for figures in a[when].values():
                 assert 0 <= figures["pass1"] <= 1 and 0 <= figures["struct"] <= 1
                 assert figures["nll"] > 0 and figures["n"] >= 1
+                # integration: separate: the share the router sent to the peer slot.
+                assert 0 <= figures["peer_share"] <= 1
+        assert a["peer_slot_integrations"] >= a["exchanges"]
     assert result["rewards_reported"] >= 2
     assert result["rewards_observed"] == result["rewards_reported"]
     assert sum(a["bytes_sent"] for a in agents) > 0
