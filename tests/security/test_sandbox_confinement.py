@@ -142,7 +142,9 @@ def _run_battery(prefix: list[str], python: str, battery: Battery) -> dict[str, 
     done = subprocess.run(argv, capture_output=True, check=False, cwd="/", env=env, timeout=600)
     # The runner survived (no program killed its caller) and reported every program.
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
-    result: dict[str, Any] = json.loads(done.stdout)
+    # structlog's default logger writes to stdout (forbidden calls are logged): the JSON
+    # object is the last line.
+    result: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
     return result
 
 
@@ -152,6 +154,7 @@ def _assert_contained(result: dict[str, Any], battery: Battery) -> None:
     assert result["can"] == {"read_key": True, "tcp": True, "signal_victim": True}, result["can"]
     programs = sandbox_battery.programs(battery.spec)
     assert result["runs_total"] == len(programs)  # every run counted by status
+    assert result["forbidden_total"] == len(sandbox_battery.FORBIDDEN_CALLS)
     for name in programs:
         outcome = result[name]
         assert outcome["confined"], (name, outcome["notes"])
@@ -167,6 +170,9 @@ def _assert_contained(result: dict[str, Any], battery: Battery) -> None:
             wrote = int(outcome["stdout"].split("WROTE", 1)[1].split()[0])
             assert wrote <= sandbox_battery.DISK_BOUND_BYTES, outcome
             assert outcome["status"] == "failed", outcome
+        elif name in sandbox_battery.FORBIDDEN_CALLS:
+            # Killed by the system-call filter at the call: nothing printed, counted.
+            assert outcome["status"] == "failed" and outcome["forbidden_call"], (name, outcome)
         else:
             assert outcome["status"] == "failed", (name, outcome)
             assert "Error" in outcome["stderr"], (name, outcome)
