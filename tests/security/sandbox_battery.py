@@ -35,6 +35,9 @@ def programs(spec: dict[str, Any]) -> dict[str, str]:
         "read_key": f"print(open({key!r}).read())\nprint('ESCAPED')\n",
         "read_vrf_key": f"print(open({vrf!r}, 'rb').read())\nprint('ESCAPED')\n",
         "list_key_dir": f"import os\nprint(os.listdir({pki!r}))\nprint('ESCAPED')\n",
+        # Landlock does not govern a path's metadata: the filter refuses chmod and utime.
+        "chmod_key": f"import posix\nposix.chmod({key!r}, 0o644)\nprint('ESCAPED')\n",
+        "utime_key": f"import posix\nposix.utime({key!r}, (0, 0))\nprint('ESCAPED')\n",
         "read_parent_environ": "import os\n"
         "print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\nprint('ESCAPED')\n",
         "tcp_via__socket": stream_inet + f"s.settimeout(2)\ns.connect(('127.0.0.1', {port}))\n"

@@ -185,6 +185,8 @@ def _assert_contained(result: dict[str, Any], battery: Battery) -> None:
         with pytest.raises(BlockingIOError):
             listener.accept()
     assert battery.victim.poll() is None
+    key = Path(battery.spec["key"]).stat()
+    assert key.st_mode & 0o777 == 0o600 and key.st_mtime > 0, oct(key.st_mode)
     for directory in ("/tmp", "/var/tmp", "/dev/shm"):
         assert not (Path(directory) / battery.spec["escape_name"]).exists(), directory
 
