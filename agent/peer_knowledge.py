@@ -173,11 +173,17 @@ def route_map(
     items: Sequence[_T],
     prompt_of: Callable[[_T], str],
     run: Callable[[Sequence[_T]], Sequence[_R]],
+    *,
+    own_runs_all: bool = False,
 ) -> list[_R]:
     """``run`` over ``items`` with each item answered by the adapter the router picks for it
     (the own one when the slot is empty or there is no router); results in ``items``' order.
 
-    ``run`` must return one result per item it is given, in order.
+    ``run`` must return one result per item it is given, in order. With ``own_runs_all``
+    the own adapter answers every item in one call (its answers to the items it keeps are
+    then exactly those of the same call without a peer slot, sampled batches and random
+    draws included: common random numbers for a comparison with training alone), and the
+    peer slot answers its items on top.
     """
     peer = router.to_peer([prompt_of(x) for x in items]) if router and slot.ready else []
     if not any(peer):
@@ -185,7 +191,10 @@ def route_map(
     own_idx = [k for k, p in enumerate(peer) if not p]
     peer_idx = [k for k, p in enumerate(peer) if p]
     out: dict[int, _R] = {}
-    if own_idx:
+    if own_runs_all:
+        everything = list(run(items))
+        out.update((k, everything[k]) for k in own_idx)
+    elif own_idx:
         out.update(zip(own_idx, run([items[k] for k in own_idx]), strict=True))
     assert slot.state is not None
     own = host.adapter_state()

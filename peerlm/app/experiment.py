@@ -665,7 +665,17 @@ class _Client:
         """``run`` over ``problems``, each answered by the adapter the router picks."""
         from peerlm.agent.peer_knowledge import route_map
 
-        return route_map(self.host, self.slot, self.router, problems, lambda p: p.prompt, run)
+        # The own adapter answers every problem as LocalOnly+'s does (same batches, same
+        # draws), so a problem it keeps is compared with common random numbers.
+        return route_map(
+            self.host,
+            self.slot,
+            self.router,
+            problems,
+            lambda p: p.prompt,
+            run,
+            own_runs_all=True,
+        )
 
     @property
     def train_examples(self) -> list[tuple[str, str]]:

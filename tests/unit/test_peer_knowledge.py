@@ -157,3 +157,25 @@ def test_with_categories_a_transfer_prompt_of_a_held_category_counts_as_own() ->
         InputRouter.fit(
             OWN, other, VAL, own_categories=["add"] * len(OWN), other_categories=["add"] * 40
         )
+
+
+def test_with_own_runs_all_the_own_adapter_answers_everything_in_one_call(
+    host: ModelHost,
+) -> None:
+    router = InputRouter.fit(OWN, OTHER, VAL)
+    slot = PeerSlot()
+    with slot.active(host):
+        host.train_local(
+            [(OTHER[0], "return 2\n")], TrainSettings(learning_rate=5e-2, seed=4), steps=2
+        )
+    items = [OWN[0], OTHER[0].replace("is_even", "check_word"), OWN[1]]
+    calls: list[list[str]] = []
+
+    def record(prompts: list[str]) -> list[str]:
+        calls.append(list(prompts))
+        return [p[:5] for p in prompts]
+
+    got = route_map(host, slot, router, items, str, record, own_runs_all=True)
+    assert got == [p[:5] for p in items]
+    # One call with every item (the own adapter's), then the peer slot's items.
+    assert calls == [items, [items[1]]]
