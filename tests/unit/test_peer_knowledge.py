@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from peerlm.agent import LoraSettings, ModelHost, TrainSettings
 from peerlm.agent.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
 
@@ -118,10 +117,8 @@ def test_runs_that_replay_local_plus_own_track_wait_for_it() -> None:
     # LocalOnly+ of seed 1 was reused from a stored result: its track is not at hand, so
     # seed 1's runs train their own adapters themselves and start at once.
     ready, waits = _schedule(plan, [k for k in todo if k != ("local_plus", 1)])
-    assert ("random", 1) in ready and ("cpm", 1) in ready and set(waits) == {
-        ("random", 0),
-        ("cpm", 0),
-    }
+    assert ("random", 1) in ready and ("cpm", 1) in ready
+    assert set(waits) == {("random", 0), ("cpm", 0)}
     # One adapter for everything (the papers' integration): nothing is shared.
     shared = ExperimentPlan(strategies=("local_plus", "random"), integration="shared")
     assert not _shares_track(shared, "random")
