@@ -1346,8 +1346,9 @@ def _merge_exchange(
         ]
         sizes = [sum(x.numel() * x.element_size() for x in a.state.values()) for a in adapters]
         for k, c in enumerate(group):
-            with c.integrating(plan, strategy):
-                _merge_one(world, strategy, c, adapters, seed, clients.index(c), t)
+            # The family-merge baselines (FedAvg-LoRA, FFA-LoRA, OnePeFT) keep the papers'
+            # one adapter: their point is the shared model (docs/experiment.md).
+            _merge_one(world, strategy, c, adapters, seed, clients.index(c), t)
             c.exchanges += 1
             records.append(
                 {
@@ -1659,7 +1660,7 @@ def _shares_track(plan: ExperimentPlan, strategy: str) -> bool:
         plan.integration == "separate"
         and plan.own_steps_every_round
         and "local_plus" in plan.strategies
-        and strategy not in ("local", "local_plus", "ffa_lora", *FEDPROXY_STRATEGIES)
+        and strategy not in ("local", "local_plus", *MERGE_STRATEGIES, *FEDPROXY_STRATEGIES)
     )
 
 
