@@ -95,6 +95,7 @@ if TYPE_CHECKING:
         pull_adapter,
         pull_adapter_with_round,
     )
+    from peerlm.agent.peer_knowledge import InputRouter, PeerSlot, route_map
     from peerlm.agent.peer_service import PeerExchangeService, serve_peer
     from peerlm.agent.profile import host_parameter_space
     from peerlm.agent.proxy_cohort import (
@@ -229,6 +230,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "TeachScope": ("peerlm.agent.teaching", "TeachScope"),
     "competence_of": ("peerlm.agent.teaching", "competence_of"),
     "teachable_indices": ("peerlm.agent.teaching", "teachable_indices"),
+    "InputRouter": ("peerlm.agent.peer_knowledge", "InputRouter"),
+    "PeerSlot": ("peerlm.agent.peer_knowledge", "PeerSlot"),
+    "route_map": ("peerlm.agent.peer_knowledge", "route_map"),
     "ClientAdapter": ("peerlm.agent.lora_merge", "ClientAdapter"),
     "MergedAdapter": ("peerlm.agent.lora_merge", "MergedAdapter"),
     "aggregate_fedavg_factors": ("peerlm.agent.lora_merge", "aggregate_fedavg_factors"),
@@ -334,6 +338,7 @@ __all__ = [
     "FedWaveStrategyResult",
     "Guardrail",
     "HTiesResult",
+    "InputRouter",
     "Integration",
     "LoraSettings",
     "Manifest",
@@ -345,6 +350,7 @@ __all__ = [
     "PartStore",
     "PeerExchangeError",
     "PeerExchangeService",
+    "PeerSlot",
     "Problem",
     "ProfileInputs",
     "ProxyError",
@@ -424,6 +430,7 @@ __all__ = [
     "reference_nll",
     "reward_eq3",
     "round_profile",
+    "route_map",
     "router_shapes",
     "run_agent",
     "run_dpo_phase",

@@ -167,13 +167,14 @@ if TYPE_CHECKING:
     from peerlm.agent import (
         Competence,
         Guardrail,
+        InputRouter,
         Integration,
         ModelHost,
+        PeerSlot,
         Problem,
         TeachScope,
         WorldSpec,
     )
-    from peerlm.agent.peer_knowledge import InputRouter, PeerSlot
     from peerlm.services.cpm import Pairing
 
 _R = TypeVar("_R")
@@ -188,7 +189,7 @@ _P2 = TypeVar("_P2", bound=_HasPrompt)
 
 
 def _new_slot() -> PeerSlot:
-    from peerlm.agent.peer_knowledge import PeerSlot
+    from peerlm.agent import PeerSlot
 
     return PeerSlot()
 
@@ -663,7 +664,7 @@ class _Client:
         self, problems: Sequence[_P2], run: Callable[[Sequence[_P2]], Sequence[_R]]
     ) -> list[_R]:
         """``run`` over ``problems``, each answered by the adapter the router picks."""
-        from peerlm.agent.peer_knowledge import route_map
+        from peerlm.agent import route_map
 
         # The own adapter answers every problem as LocalOnly+'s does (same batches, same
         # draws), so a problem it keeps is compared with common random numbers.
@@ -871,7 +872,7 @@ def _clients(
 def _router(world: _World, train: Sequence[Problem], val: Sequence[Problem]) -> InputRouter:
     """A client's input router (:class:`~peerlm.agent.peer_knowledge.InputRouter`): its own
     training prompts and X_u's by category, calibrated on its own validation prompts."""
-    from peerlm.agent.peer_knowledge import InputRouter
+    from peerlm.agent import InputRouter
 
     return InputRouter.fit(
         [p.prompt for p in train],
