@@ -84,5 +84,8 @@ def test_up_workflow_runs_the_code_chain_with_one_router(tmp_path: Path) -> None
         assert fw["assembly"]["outcome"] == "complete"
         log = (state / "logs" / f"{name}.log").read_text().splitlines()
         rejoined = [json.loads(line) for line in log if '"fedwave_rejoined"' in line]
-        assert [(e["mode"], e["next_round"]) for e in rejoined] == [("together", 3)], rejoined
+        # Restarted together; on a loaded machine an agent that starts last may find the
+        # others already playing round 3 and join it running: the same round either way.
+        assert [e["next_round"] for e in rejoined] == [3], rejoined
+        assert rejoined[0]["mode"] in ("together", "running"), rejoined
     assert len({tuple(a["fedwave"]["router_sha256"]) for a in resumed.values()}) == 1
