@@ -2051,6 +2051,21 @@ _CPM_ONLY_FIELDS: tuple[str, ...] = (
 )
 
 
+#: Plan fields that only a collaborating run reads: where peers' knowledge goes, how it is
+#: distilled, how much is taught and whether non-students train on own data. A client that
+#: trains alone (LocalOnly, LocalOnly+) runs the same steps whatever they say, so an
+#: ablation of one of them reuses the stored LocalOnly+ runs.
+_COLLABORATION_ONLY_FIELDS: tuple[str, ...] = (
+    "integration",
+    "peer_alpha",
+    "own_steps_every_round",
+    "teach_limit",
+)
+
+#: The strategies whose clients train alone (:data:`_COLLABORATION_ONLY_FIELDS`).
+_ALONE: frozenset[str] = frozenset({"local", "local_plus"})
+
+
 #: Plan fields that only ProxyTuning's decoding reads (:data:`PROXY_TUNED`).
 _PROXY_TUNING_ONLY_FIELDS: tuple[str, ...] = ("proxy_tuning_beta",)
 
@@ -2075,12 +2090,15 @@ _PREDATED: Mapping[str, Any] = MappingProxyType(
 def _reuse_key(plan: Mapping[str, Any], strategy: str) -> str:
     """What must match for a stored (strategy, seed) run to stand in for a new one: the
     whole plan but the strategy and seed lists (and the CPM's settings, for a strategy
-    that has no CPM). Fields an older plan lacks take what it ran with: today's defaults,
-    or :data:`_PREDATED`'s value where the default changed since."""
+    that has no CPM; the collaboration's settings, for one that trains alone). Fields an
+    older plan lacks take what it ran with: today's defaults, or :data:`_PREDATED`'s value
+    where the default changed since."""
     full = {**asdict(ExperimentPlan()), **_PREDATED, **plan}
     drop = {"strategies", "seeds"} | (set() if strategy in CPM_PROTOCOLS else set(_CPM_ONLY_FIELDS))
     if strategy not in PROXY_TUNED:
         drop |= set(_PROXY_TUNING_ONLY_FIELDS)
+    if strategy in _ALONE:
+        drop |= set(_COLLABORATION_ONLY_FIELDS)
     return json.dumps(
         {k: v for k, v in full.items() if k not in drop}, sort_keys=True, default=list
     )

@@ -115,3 +115,23 @@ def test_a_proxy_tuning_beta_without_the_proxy_tuned_strategy_is_refused() -> No
     with pytest.raises(ValueError, match="fedproxy_proxytuning only"):
         ExperimentPlan(family="gpt2", strategies=("fedproxy_hties",), proxy_tuning_beta=0.5)
     ExperimentPlan(family="gpt2", strategies=("fedproxy_hties",), proxy_tuning_beta=1.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"integration": "shared"},
+        {"peer_alpha": None},
+        {"own_steps_every_round": False},
+        {"teach_limit": 8},
+    ],
+)
+def test_an_ablation_of_the_collaboration_reuses_only_the_runs_that_train_alone(
+    change: dict[str, Any],
+) -> None:
+    """LocalOnly and LocalOnly+ never read where or how peers' knowledge is integrated, so
+    an ablation's command takes their stored runs and runs only the collaborating ones."""
+    strategies = ("local", "local_plus", "cpm")
+    old = _stored(ExperimentPlan(strategies=strategies, seeds=(0,)))
+    plan = ExperimentPlan(strategies=strategies, seeds=(0,), **change)
+    assert sorted(reusable_runs(plan, [old], NLL)) == [("local", 0), ("local_plus", 0)]
