@@ -51,6 +51,19 @@ def _as_unprivileged() -> list[str]:
     return [SETPRIV, "--reuid", ids, "--regid", ids, "--clear-groups", "--inh-caps=-all"]
 
 
+def _launcher(user: str) -> tuple[list[str], str]:
+    """The command prefix and interpreter that run a child as ``user`` ("root" or "uid
+    10001"); skips the test where this machine cannot switch to uid 10001."""
+    if user != "uid 10001":
+        return [], sys.executable
+    if not IS_ROOT or SETPRIV is None:
+        pytest.skip("switching to uid 10001 needs root and setpriv (util-linux)")
+    found = _unprivileged_python()
+    if found is None:
+        pytest.skip(f"no Python {sys.version_info[:2]} that uid 10001 may execute")
+    return _as_unprivileged(), found
+
+
 def _unprivileged_python() -> str | None:
     """An interpreter uid 10001 may execute: this one, or the system's of the same version
     (a pyenv build under /root is closed to other uids)."""
@@ -268,15 +281,7 @@ _TAKE_AWAY = textwrap.dedent(
 def _take_away(mechanism: str, user: str, key: Path) -> dict[str, Any]:
     if not CONFINEMENT.seccomp:
         pytest.skip("taking a mechanism away needs seccomp itself")
-    prefix: list[str] = []
-    python = sys.executable
-    if user == "uid 10001":
-        if not IS_ROOT or SETPRIV is None:
-            pytest.skip("switching to uid 10001 needs root and setpriv (util-linux)")
-        found = _unprivileged_python()
-        if found is None:
-            pytest.skip(f"no Python {sys.version_info[:2]} that uid 10001 may execute")
-        prefix, python = _as_unprivileged(), found
+    prefix, python = _launcher(user)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": SITE_PACKAGES, "LC_ALL": "C.UTF-8"}
     argv = [*prefix, python, "-c", _TAKE_AWAY, mechanism, str(SANDBOX_PY), str(key)]
     done = subprocess.run(argv, capture_output=True, check=False, cwd="/", env=env)

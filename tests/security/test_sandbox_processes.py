@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,8 @@ from peerlm.agent import sandbox
 
 from tests.security import sandbox_process_battery
 from tests.security.test_sandbox_confinement import (
-    IS_ROOT,
-    SETPRIV,
     UNPRIVILEGED,
-    _as_unprivileged,
-    _unprivileged_python,
+    _launcher,
     needs_confinement,
 )
 
@@ -42,15 +38,7 @@ SITE_PACKAGES = str(Path(prometheus_client.__file__).resolve().parent.parent)
 
 
 def _run(user: str, landlock_abi: int | None) -> dict[str, Any]:
-    prefix: list[str] = []
-    python = sys.executable
-    if user == "uid 10001":
-        if not IS_ROOT or SETPRIV is None:
-            pytest.skip("switching to uid 10001 needs root and setpriv (util-linux)")
-        found = _unprivileged_python()
-        if found is None:
-            pytest.skip(f"no Python {sys.version_info[:2]} that uid 10001 may execute")
-        prefix, python = _as_unprivileged(), found
+    prefix, python = _launcher(user)
     argv = [*prefix, python, str(RUNNER), str(SANDBOX_PY)]
     if landlock_abi is not None:
         argv.append(str(landlock_abi))

@@ -92,14 +92,16 @@ def test_an_akd_exchange_changes_the_slot_and_never_the_own_adapter(host: ModelH
     assert _same(host.adapter_state(), own)
 
 
+async def inline(fn: Any, /, *args: Any, **kw: Any) -> Any:
+    """The daemon's model-thread runner, run on the caller's thread."""
+    return fn(*args, **kw)
+
+
 def test_a_direct_akd_integration_through_the_runner_counts_and_stays_in_the_slot(
     host: ModelHost,
 ) -> None:
     own = host.adapter_state()
     slot = PeerSlot()
-
-    async def inline(fn: Any, /, *args: Any, **kw: Any) -> Any:
-        return fn(*args, **kw)
 
     run = slot_runner(inline, slot, host, "akd")
     result = asyncio.run(run(integrate_package, host, _package(), **_akd_args(2)))
@@ -113,9 +115,6 @@ def test_a_merge_through_the_runner_writes_the_slot_and_measurements_leave_it(
 ) -> None:
     own = host.adapter_state()
     slot = PeerSlot()
-
-    async def inline(fn: Any, /, *args: Any, **kw: Any) -> Any:
-        return fn(*args, **kw)
 
     run = slot_runner(inline, slot, host, "pmix")
 
