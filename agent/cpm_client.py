@@ -1,6 +1,6 @@
 """The agent side of the CPM contract: submit profiles, follow directives, report rewards.
 
-Two recoveries live here (issue 11):
+Two recoveries live here:
 
 * **Rewards are retried idempotently.** Rewards go over one long-lived ReportRewards
   stream (opened on the first reward, re-opened after it breaks; one reward in flight at a

@@ -1,4 +1,4 @@
-"""What a FedProxy owner lets into its merge (issue 11 §1.5, for the cohort's proxy).
+"""What a FedProxy owner lets into its merge (poisoned updates to the cohort's proxy).
 
 A member is admitted to the cohort, not trusted: its update passes the codec's checks
 (blocks, names, shapes, dtypes, finite) and can still wreck the merged proxy for everyone,

@@ -1,4 +1,4 @@
-"""The Guardrail Filter: every text an agent shares is vetted here first (KNEXA-FL, §3).
+"""The Guardrail Filter: every text an agent shares is vetted here first (KNEXA-FL, Section 3).
 
 A teacher's completions on the public transfer set X_u could still carry what the model
 memorised from private data D_i: secrets that were in the training code, people's e-mail

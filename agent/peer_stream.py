@@ -5,7 +5,7 @@ Every service on an agent's peer port that streams a :class:`~peerlm.chunks.Hash
 streams it through one :class:`PeerStreamer`, built once per port: so a member is metered by
 one per-identity share and all readers by one total (:mod:`peerlm.agent.send_budget`,
 configured by :class:`~peerlm.agent.settings.PeerSendSettings`), whichever service it pulls
-from (issue 11: "bound memory per stream and in total"; an admitted cohort or workflow member
+from (memory is bounded per stream and in total; an admitted cohort or workflow member
 can be a slow reader too).
 
 What a stream does, in order:

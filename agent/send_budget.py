@@ -1,6 +1,6 @@
 """A bound on the bytes a peer server has handed to gRPC and not yet written to its readers.
 
-Why (issue 11): a chunk written to a reader that does not consume stays in gRPC core's
+Why: a chunk written to a reader that does not consume stays in gRPC core's
 stream buffer (and its serialised copy in Python) until the reader takes it or the
 connection dies. grpc.aio has no per-stream or total bound on that memory (HTTP/2 flow
 control only stops bytes from reaching the socket; ``grpc.max_concurrent_streams`` bounds

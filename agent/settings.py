@@ -22,7 +22,7 @@ __all__ = ["AgentOverlaySettings", "AgentSettings", "FedProxySettings", "PeerSen
 
 
 class PeerSendSettings(Section):
-    """Bounds on what the peer server holds for readers of adapters and packages (issue 11).
+    """Bounds on what the peer server holds for readers of adapters and packages.
 
     A chunk handed to gRPC stays in memory until its reader takes it, so the peer service
     reserves every chunk's bytes from one budget before writing it
@@ -114,7 +114,7 @@ class AgentOverlaySettings(Section):
 
 
 class FedProxySettings(Section):
-    """FedProxy's cohort (issue 9 §2): the owner serves its proxy to the cohort over
+    """FedProxy's cohort: the owner serves its proxy to the cohort over
     ``peerlm.v1.ProxyExchange``, collects the members' trained proxies each round, merges
     them with the analysis and H-TIES and publishes the next proxy with the conflict scores;
     members pull the proxy, train it with PCR and serve their update to the owner only.

@@ -1,7 +1,7 @@
 """What a teacher teaches: the prompts of X_u on which it has evidence of competence.
 
 KNEXA-FL (Eq. 2) has the teacher answer *every* prompt of the transfer set X_u. On a ground
-where skills are private and complementary (issue 12) most of X_u belongs to categories the
+where skills are private and complementary most of X_u belongs to categories the
 teacher never saw: measured on the experiment's world (seed 0, warmed-up experts, 416
 prompts), 288 of the 416 greedy completions a teacher sends are of other clients' private
 categories, and 5 of those 864 (three teachers) pass their tests, while the teacher's own

@@ -21,7 +21,7 @@ For each concurrency ``C`` (default 1, 10, 50) the benchmark, in one run:
    grpc.aio server (:mod:`peerlm.bench.echo_server`) that answers every message at once:
    what Python gRPC with TLS carries here when the server does no work at all.
 
-``ratio = cpm_acks_per_s / sqlite_inserts_per_s`` is the figure issue 11 targets (>= 0.25
+``ratio = cpm_acks_per_s / sqlite_inserts_per_s`` is the figure the CPM targets (>= 0.25
 at 50 clients); ``echo_ratio`` is the same for the bare transport (no server can beat
 it with this stack), and ``stream_share_of_echo`` the share of that ceiling the CPM
 reaches. Client and server share the machine, so the CPM figure includes the

@@ -7,7 +7,7 @@ agent indexes them). Honest set: ``N`` *other* problems per category (distinct f
 the same templates), whose own references stand for honest completions. The guardrail is
 built as the agent builds it (:func:`peerlm.agent.guardrail.agent_guardrail`), or with
 ``--baseline FILE`` from an older ``guardrail.py`` as ``Guardrail(private, ngram=8)``, the
-construction before issue 11.
+earlier construction.
 
 Measured:
 
@@ -84,7 +84,7 @@ def _luhn_complete(digits: str) -> str:
 
 
 def planted_secrets(rng: random.Random, per_kind: int) -> dict[str, list[str]]:
-    """Secrets and personal data hidden by the tricks of issue 11, ``per_kind`` of each."""
+    """Secrets and personal data hidden by known disguises, ``per_kind`` of each."""
     alnum = string.ascii_letters + string.digits
     upper = string.ascii_uppercase + string.digits
 
@@ -144,7 +144,7 @@ def _stdlib_sources() -> list[str]:
 def _build(private: Sequence[Problem], baseline: str | None) -> Any:
     texts = [p.prompt + p.reference for p in private]
     if baseline is not None:
-        # An older guardrail.py, built as the agent built it before issue 11.
+        # An older guardrail.py, built as the agent built it before the disguise checks.
         spec = importlib.util.spec_from_file_location("guardrail_baseline", baseline)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

@@ -143,7 +143,7 @@ class OverlayParams:
     max_k: int = 100_000
     """Largest K a query may ask for."""
 
-    # --- per-sender Deliver rate limit (issue 11; local, need not agree network-wide) -----
+    # --- per-sender Deliver rate limit (local, need not agree network-wide) ---------------
     deliver_rate: float = 200.0
     """Messages per second one sender may deliver to this node, sustained. The busiest
     honest sender is a primary super-peer: heartbeats or lease renewals to up to

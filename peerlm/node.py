@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 #: The reflection methods: reflection lists every service and method of a server, which is
-#: an operator's tool, so only the ``admin`` role may call it (issue 11, item 3).
+#: an operator's tool, so only the ``admin`` role may call it.
 REFLECTION_METHODS: Final[frozenset[str]] = frozenset(
     {
         "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",

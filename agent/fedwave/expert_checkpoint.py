@@ -1,4 +1,4 @@
-"""An expert agent's FedWave state between rounds, as one checkpoint (issue 10, resume).
+"""An expert agent's FedWave state between rounds, as one checkpoint, so a restarted agent resumes.
 
 What a restarted expert needs to go on where it stopped, saved after each concluded round
 ``t`` through the agent's :class:`~peerlm.agent.checkpoint.CheckpointStore` (atomic and

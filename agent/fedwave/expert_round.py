@@ -181,7 +181,7 @@ def expert_optimiser(
     """One agent's AdamW: the expert's trainable parameters (LoRA, VCLayer) at ``lr``, the
     router's (when there is one) in a group of their own at ``router_lr``.
 
-    Why a group of its own (issue 10): the router reads frozen base features and, at agent
+    Why a group of its own: the router reads frozen base features and, at agent
     i, learns only "stage i" (every private example is stage i); FedAvg over the agents
     (Eq. 9) is what teaches it the other stages. At the experts' lr of 2e-3 the aggregated
     router is still near uniform after 12-24 steps (mean α of the right expert 0.38-0.48

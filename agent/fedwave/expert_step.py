@@ -21,7 +21,7 @@ inference the router sees only the prompt, and with causal attention the prompt
 positions' hidden states do not depend on the target, so training and the assembled model
 (:meth:`~peerlm.agent.fedwave.assembly.AssembledModel.route`, which calls the same
 :func:`router_features`) see the same features for the same prompt. Pooling over the
-whole example (as before issue 10) trained the router on features it never meets at
+whole example (as an earlier version did) trained the router on features it never meets at
 inference.
 
 Examples are encoded with the agent's own encoding (:func:`peerlm.agent.training.

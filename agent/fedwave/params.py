@@ -30,8 +30,8 @@ __all__ = [
 DEFAULT_BETA = 0.1
 #: The DPO phase's steps, batch of pairs and AdamW lr, and the new tokens a stage output
 #: may have: the workflow experiment's defaults (``SimulationConfig``), which the agent
-#: daemon's assembly (``fedwave.assembly``) shares. 1e-4: before issue 10 the lr was 1e-3,
-#: which raised the held-out NLL of the references at every stage (docs/fedwave.md,
+#: daemon's assembly (``fedwave.assembly``) shares. 1e-4: an lr of 1e-3 (the earlier default)
+#: raised the held-out NLL of the references at every stage (docs/fedwave.md,
 #: section 6, "Measured after the router diagnosis").
 DEFAULT_DPO_STEPS = 8
 DEFAULT_DPO_BATCH = 4
@@ -80,7 +80,7 @@ class RouterSettings(BaseModel):
     delta_entropy: float = Field(default=0.01, ge=0)
     objective: Literal["stage_label", "paper"] = "stage_label"
     init_std: float = Field(default=0.02, gt=0, le=1)
-    # The router's own AdamW learning rate, apart from the expert's (issue 10: at the
+    # The router's own AdamW learning rate, apart from the expert's (measured: at the
     # experts' rate the aggregated router stays near uniform; docs/fedwave.md section 6).
     # 1e-2 as the workflow experiment chose it on routing accuracy; None: the agent's
     # learning_rate. The part admission's max_router_update_rms lets such routers in.

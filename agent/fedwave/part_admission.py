@@ -1,5 +1,5 @@
 """What an expert agent lets into its round's conclusion beyond the codecs' checks
-(issue 10 §5, "Bad input"): a norm bound on every router and VCLayer that arrived.
+(hostile input): a norm bound on every router and VCLayer that arrived.
 
 The transport and the decoders refuse a part of the wrong size, format, shape or with a
 NaN/inf in it (:func:`~peerlm.agent.fedwave.exchange.accept_part`). A finite part can still

@@ -115,7 +115,7 @@ def entropy_loss(alpha: torch.Tensor) -> torch.Tensor:
 
     ``log α`` is taken of α clamped at the dtype's smallest normal number: the value is the
     same (an α that underflowed to 0 contributes 0), and the gradient stays finite. With
-    ``xlogy(α, α)`` (before issue 10) a confident router whose softmax underflowed to an
+    ``xlogy(α, α)`` (as an earlier version did) a confident router whose softmax underflowed to an
     exact 0 got ``d/dα = log 0 = −inf``, and the softmax's backward turned it into NaN in
     every router parameter (Eq. 9 then refused the router as non-finite).
     """

@@ -139,11 +139,11 @@ class SimulationConfig:
     dpo_steps: int = DEFAULT_DPO_STEPS
     batch: int = 8
     lr: float = 2e-3
-    # The router's own AdamW learning rate (its parameter group; issue 10): chosen on the
+    # The router's own AdamW learning rate (its parameter group): chosen on the
     # routing accuracy of held-out *training* prompts, never on the test chains
     # (docs/fedwave.md, section 6, "Measured after the router diagnosis").
     router_lr: float = 1e-2
-    # 1e-3 before issue 10: it raised the held-out NLL of the references at every stage
+    # 1e-3 was the earlier default: it raised the held-out NLL of the references at every stage
     # (docs/fedwave.md, section 6, "Measured after the router diagnosis", point 6).
     dpo_lr: float = DEFAULT_DPO_LR
     dpo_batch: int = DEFAULT_DPO_BATCH

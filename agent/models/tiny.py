@@ -126,7 +126,7 @@ class _Recipe:
     public_per_category: int = 0
     public_share: float = 0.0
     split_digits: bool = False
-    #: The copy phase (issue 12 §2): ``copy_steps`` more steps after the main pre-training,
+    #: The copy phase: ``copy_steps`` more steps after the main pre-training,
     #: on rows that start at one of ``copy_drills`` drills (``peerlm.agent.tasks.copy_drills``)
     #: with probability ``drill_share`` and at a public function otherwise, with a fresh
     #: AdamW at the constant ``copy_lr``. The drills teach copying a constant from the

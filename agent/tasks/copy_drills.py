@@ -1,6 +1,6 @@
 """Copy drills: bank-style functions whose body repeats constants stated in the docstring.
 
-Why they exist (issue 12 §2): the tiny models learned the *shape* of a solution but wrote
+Why they exist: the tiny models learned the *shape* of a solution but wrote
 the wrong constants (``d.get(key, 12)`` → ``d.get(key, 5)``). The bank's templates draw
 their constants from narrow ranges (a repeat count of 2-4, a letter of 14), so a model
 lowers its pre-training loss by guessing a likely constant; nothing forces it to copy

@@ -345,7 +345,7 @@ class RealPlan:
     alpha: float = 0.1
     overlay: bool = False
     family: str | None = None
-    # What overlay pulls become: "pmix" (SemanticDFL) or "svd_hka" (OnePeFT, issue 9).
+    # What overlay pulls become: "pmix" (SemanticDFL) or "svd_hka" (OnePeFT).
     aggregation: str = "pmix"
     # OnePeFT's one-shot mode: each agent aggregates once after joining (overlay.aggregate_once).
     one_shot: bool = False

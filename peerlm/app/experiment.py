@@ -27,7 +27,7 @@ semantic_dfl   SemanticDFL pull-and-aggregate: after its local phase each client
                its family trains locally (LocalOnly).
 =============  ==========================================================================
 
-Adapter-merge strategies (issue 9; not in the default list, name them with
+Adapter-merge strategies (not in the default list, name them with
 ``--strategies``; adapters merge only within one model family, so run them with
 ``--family``, every client on one backbone, as in the papers):
 
@@ -54,7 +54,7 @@ ffa_lora        FFA-LoRA (Sun et al. 2024): every client of a family initialises
                 from one shared seed and never trains it (warm-up, local steps); every
                 round each client pulls its family's adapters and loads the data-weighted
                 average of the B factors with the shared A (:func:`aggregate_ffa`).
-cpm_menu        the CPM over the whole menu (issue 9 section 3): each round LinUCB picks
+cpm_menu        the CPM over the whole menu (docs/matchmaker.md): each round LinUCB picks
                 pairs *and* a protocol per pair among akd, akd_logits, pmix and svd_hka,
                 admissible ones only (every client declares its parameter-space
                 fingerprint and every protocol); the student executes it as the daemon
@@ -65,7 +65,7 @@ cpm_pmix        issue asks for; ``cpm`` is akd forced). Across families no proto
 cpm_svd_hka     akd is admissible, so these pair only within a family.
 ==============  =========================================================================
 
-The overlay (issue 9 section 3; not in the default list, with ``--family``;
+The overlay (not in the default list, with ``--family``;
 :mod:`peerlm.app.experiment_overlay`):
 
 ================  =======================================================================
@@ -79,7 +79,7 @@ cpm_menu_overlay  ``cpm_menu`` and the overlay together, as a deployment runs th
                   overlay step (the overlay narrows, the CPM chooses).
 ================  =======================================================================
 
-FedProxy strategies (issue 9 §2; not in the default list, with ``--family``): every client
+FedProxy strategies (not in the default list, with ``--family``): every client
 is a member of one owner's cohort; the owner compresses the family's model to a proxy, the
 members train the proxy, the owner merges and fuses it back (:mod:`peerlm.app.experiment_fedproxy`,
 where the evaluation and compute matching are written down):
@@ -212,7 +212,7 @@ __all__ = [
     "write_outputs",
 ]
 
-#: The paper's table (issue 12 section 4): ``--strategies table`` and ``--quick``.
+#: The paper's table (KNEXA-FL's Table 1): ``--strategies table`` and ``--quick``.
 STRATEGIES: tuple[str, ...] = (
     "local",
     "local_plus",
@@ -259,7 +259,7 @@ LABELS: Mapping[str, str] = {
     "fedproxy_centsft": "CentSFT (pooled data, full model)",
     "fedproxy_proxytuning": "FedProxy, ProxyTuning plug-in",
 }
-#: Adapter-merge strategies of issue 9 (OnePeFT, FedAvg-LoRA, FFA-LoRA): known, not run
+#: Adapter-merge strategies (OnePeFT, FedAvg-LoRA, FFA-LoRA): known, not run
 #: by default.
 MERGE_STRATEGIES: tuple[str, ...] = (
     "fedavg_lora",
@@ -272,8 +272,8 @@ MERGE_STRATEGIES: tuple[str, ...] = (
     "onepeft_multi_ce",
     "fedavg_lora_plus",
 )
-#: The CPM recommending among the whole menu (akd, akd_logits, pmix, svd_hka; issue 9
-#: section 3): known, not run by default; meant for clients of one family (``--family``),
+#: The CPM recommending among the whole menu (akd, akd_logits, pmix,
+#: svd_hka): known, not run by default; meant for clients of one family (``--family``),
 #: since every protocol but akd needs a shared parameter space.
 MENU_STRATEGIES: tuple[str, ...] = (
     "cpm_menu",
@@ -282,8 +282,8 @@ MENU_STRATEGIES: tuple[str, ...] = (
     "cpm_pmix",
     "cpm_svd_hka",
 )
-#: The SemanticDFL overlay as an agent runs it (issue 9 section 3,
-#: :mod:`peerlm.app.experiment_overlay`): alone, known, not run by default.
+#: The SemanticDFL overlay as an agent runs it
+#: (:mod:`peerlm.app.experiment_overlay`): alone, known, not run by default.
 OVERLAY_STRATEGIES: tuple[str, ...] = ("overlay_topk",)
 #: Strategies whose clients run the overlay step every round.
 _WITH_OVERLAY: frozenset[str] = frozenset({"overlay_topk", "cpm_menu_overlay"})

@@ -1,4 +1,4 @@
-"""The FedProxy strategies of ``peerlm run-experiment`` (issue 9 §2 and §4).
+"""The FedProxy strategies of ``peerlm run-experiment`` (docs/fedproxy.md).
 
 Each client of the run is a member of one owner's cohort on the run's one family
 (``--family``): the owner holds the family's full model ``M`` (the built model every client's

@@ -1,6 +1,6 @@
 """Key differences pooled over worlds: several ``run-experiment`` results, one per world.
 
-Issue 12 asks that a result hold on a second world seed. Per world, the table's paired
+A result must hold on a second world seed. Per world, the table's paired
 bootstrap answers it world by world; this command adds the pooled answer. Each results file
 is one stratum (one world seed, its own run seeds and units; runs of one world are first
 combined with ``run-experiment --reuse``), and

@@ -14,7 +14,7 @@ keeps ``A^-1`` *bitwise* symmetric — ``s_i * s_j == s_j * s_i`` in IEEE arithm
 
 Sherman–Morrison alone is not numerically stable: every update subtracts a rank-one term,
 and with large, nearly collinear contexts the rounding accumulates until ``A^-1`` loses
-positive definiteness (issue 11: two colluding agents did it in ~130 updates). So ``A``
+positive definiteness (measured: two colluding agents did it in ~130 updates). So ``A``
 itself is kept too (``A += x x^T``: additions of symmetric positive semi-definite terms
 to ``ridge * I``, which cannot lose definiteness), and ``A^-1`` is re-derived from a
 Cholesky factor of ``A`` every :data:`DEFAULT_REFACTOR_EVERY` updates and whenever a

@@ -1,6 +1,6 @@
 """The knowledge-exchange menu K_rec and which (pair, protocol) tuples are admissible.
 
-The menu (issue 9, section 3; ``docs/matchmaker.md``, "The menu"):
+The menu (``docs/matchmaker.md``, "The menu"):
 
 ============  =========================================================================
 protocol      what the student does with the teacher (the directive's sender)

@@ -59,7 +59,7 @@ async def serve_cpm(
         [Service(SERVICE_NAME, service, cpm_pb2_grpc.add_MatchmakerServicer_to_server)],
         CPM_POLICY,
         listen=settings.listen,
-        # Every agent holds its directive feed: room for all of them (issue 11: 1,060 honest
+        # Every agent holds its directive feed: room for all of them (measured: 1,060 honest
         # agents used to exhaust the default 1,024).
         population=settings.max_agents,
     )

@@ -308,7 +308,7 @@ def merge_world(world: World) -> Iterator[World]:
 
 
 def test_merge_directives_pull_the_teachers_adapter_and_report_eq3(merge_world: World) -> None:
-    """Issue 9 section 3: two gpt2 agents of one parameter space under a merge-only menu. The
+    """Two gpt2 agents of one parameter space under a merge-only menu. The
     CPM pairs them with pmix or svd_hka; the student pulls the teacher's adapter, merges it
     by that protocol and reports Eq. 3, which the CPM takes into its bandit."""
     w = merge_world

@@ -430,7 +430,7 @@ def _max_abs(state: dict[str, torch.Tensor]) -> float:
 async def test_a_huge_norm_update_is_refused_and_the_merge_is_the_honest_members(
     cohort_factory: Callable[..., Any], tokenizer: Any
 ) -> None:
-    # m3 sends finite 1e30 values (issue 11's poisoned adapter, here a proxy update).
+    # m3 sends finite 1e30 values (a poisoned adapter, here a proxy update).
     inner = text_trainer(tokenizer, TEXTS["m3"], steps=2, learning_rate=5e-3)
     hostile = _shifting_trainer(inner, lambda p: torch.full_like(p, 1e30))
     cohort: Cohort = await cohort_factory(MEMBERS, deadline_s=120.0, trainers={"m3": hostile})

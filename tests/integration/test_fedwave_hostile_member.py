@@ -1,5 +1,5 @@
-"""A hostile member of a FedWave workflow against running expert agents (issue 10 §5, "Bad
-input"): real ``peerlm agent`` processes on loopback mTLS, and beside them a4, holding a
+"""A hostile member of a FedWave workflow against running expert agents (bad
+input): real ``peerlm agent`` processes on loopback mTLS, and beside them a4, holding a
 real certificate of the federation and listed in the workflow's last stage, serving parts
 made to harm (the product's :class:`FedWaveExchangeService` fed hostile blobs, as
 tests/security builds its hostile servers): a router with NaN, of the wrong number of

@@ -515,7 +515,7 @@ async def test_transfers_carry_the_senders_proof(peer: Peer, pki: Path) -> None:
 
 async def test_a_package_fetch_is_counted_by_the_agents_registry(peer: Peer, pki: Path) -> None:
     """What the daemon's fetch records: bytes received, and a refused handshake, land in
-    the registry of the context that fetched (issue 13: they were never recorded)."""
+    the registry of the context that fetched (they were once never recorded)."""
     peer.add("m" * 32)
     ctx = _ctx(pki, "student")
     data = await fetch_package(
@@ -526,7 +526,7 @@ async def test_a_package_fetch_is_counted_by_the_agents_registry(peer: Peer, pki
 
 async def test_the_daemons_package_fetch_is_counted_in_its_registry(peer: Peer, pki: Path) -> None:
     """The student side of a directive (``AgentDaemon._learn_from``) records the package
-    bytes it received in the agent's registry (issue 13: it passed no registry, so the
+    bytes it received in the agent's registry (it once passed no registry, so the
     count never moved). The model host is a stand-in: integration is not under test here
     and fails after the fetch, as an exchange failure the daemon counts."""
     from peerlm.agent import AgentSettings

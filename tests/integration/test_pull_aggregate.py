@@ -348,7 +348,7 @@ VAL = [
 
 
 async def test_a_harmful_aggregate_is_rolled_back(world: World, pki: Path) -> None:
-    """Issue 11: with the norm bound off, a finite 1e30 adapter reaches the aggregate; the
+    """With the norm bound off, a finite 1e30 adapter reaches the aggregate; the
     acceptance gate sees the held-out loss explode and restores the student's adapter."""
     student = world.student
     before = student.adapter_state()
@@ -387,7 +387,7 @@ PUBLIC = [
 async def test_svd_hka_aggregates_the_pulled_adapters_as_one_shot_does(
     world: World, pki: Path, gpt2: Path
 ) -> None:
-    """Issue 9: aggregation "svd_hka" is OnePeFT's one-shot step on what was pulled, with the
+    """Aggregation "svd_hka" is OnePeFT's one-shot step on what was pulled, with the
     similarity weights; bad neighbours are refused by the same checks first."""
     from peerlm.agent.lora_merge import ClientAdapter
     from peerlm.agent.onepeft import one_shot
@@ -431,7 +431,7 @@ async def test_svd_hka_aggregates_the_pulled_adapters_as_one_shot_does(
 
 
 async def test_a_harmful_svd_hka_aggregate_is_rolled_back(world: World, pki: Path) -> None:
-    """Issue 11 §1.5 for aggregation "svd_hka", as for pmix above. A 1e30 adapter does not
+    """Poisoned neighbours for aggregation "svd_hka", as for pmix above. A 1e30 adapter does not
     get that far here (its SVD aggregate is not finite and is refused before loading), so the
     harmful neighbour is a teacher's adapter scaled 100-fold: finite, inside every check once
     the norm bound is off. After OnePeFT's SVD + HKA step it undoes what the student learnt
@@ -507,7 +507,7 @@ async def test_a_harmful_svd_hka_aggregate_is_rolled_back(world: World, pki: Pat
     assert _metric(registry, "peerlm_agent_overlay_aggregations_total", outcome="applied") == 1
 
 
-# -- CPM merge directives (issue 9 section 3: the student executes the directive's protocol) --
+# -- CPM merge directives (the student executes the directive's protocol) --
 
 
 def _directive(teacher: str, endpoint: str, **change: Any) -> dict[str, Any]:

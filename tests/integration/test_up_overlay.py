@@ -32,7 +32,7 @@ def _up_overlay(state: Path, *flags: str) -> dict[str, Any]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("aggregation", ["pmix", "svd_hka"])
 def test_up_overlay_agents_pull_same_family_adapters(tmp_path: Path, aggregation: str) -> None:
-    """SemanticDFL's personalised mixing, and OnePeFT's SVD + HKA (issue 9) on the same pulls."""
+    """SemanticDFL's personalised mixing, and OnePeFT's SVD + HKA on the same pulls."""
     state = tmp_path / "fed"
     result = _up_overlay(state, "--aggregation", aggregation)
     agents = result["agents"]

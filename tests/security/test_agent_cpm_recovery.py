@@ -1,4 +1,4 @@
-"""Agent-side recovery against real CPM processes (issue 11).
+"""Agent-side recovery against real CPM processes.
 
 * A reward in flight while the CPM restarts is retried with the same directive id and is
   learnt exactly once (before, the agent dropped it on UNAVAILABLE).

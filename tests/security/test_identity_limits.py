@@ -1,4 +1,4 @@
-"""One member's flood of calls cannot lock a server for the others (issue 11, serious 3).
+"""One member's flood of calls cannot lock a server for the others.
 
 A real mTLS server built by the node context, the one place servers are assembled. The
 flooding member opens health Watch streams (long-lived, open to every member); with the

@@ -1,4 +1,4 @@
-"""Issue 11, overlay: one member flooding Deliver is limited per sender while another
+"""Overlay: one member flooding Deliver is limited per sender while another
 member's messages are still accepted, and an address claimed for a node is dialled only
 when the server there holds that node's certificate (real overlay node, mTLS on loopback)."""
 

@@ -1,4 +1,4 @@
-"""Issue 11, section 2: ``peer_endpoint`` is a claim an agent makes about itself. A real CPM
+"""``peer_endpoint`` is a claim an agent makes about itself. A real CPM
 process (mTLS on loopback) refuses one whose port is not a TCP port and one whose host is
 not a DNS or IP SAN of the caller's certificate (another agent's address), counts both,
 keeps no trace of the refused profile, and accepts an endpoint the certificate names."""

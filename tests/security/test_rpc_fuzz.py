@@ -1,4 +1,4 @@
-"""Issue 11, section 3: hypothesis-driven fuzzing of the request message of every RPC of the
+"""Hypothesis-driven fuzzing of the request message of every RPC of the
 CPM, the agent's peer service and the overlay node, against one real server process per
 service (mTLS on loopback, certificates from the test CA).
 

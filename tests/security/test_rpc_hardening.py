@@ -1,4 +1,4 @@
-"""Issue 11, section 2, on every gRPC server: health Watch through the interceptors, request
+"""On every gRPC server: health Watch through the interceptors, request
 bytes parsed only after authorisation (garbage refused, counted, logged at a bounded rate),
 and one process per listening address (gRPC and metrics ports)."""
 

@@ -1,5 +1,4 @@
-"""Generated code cannot escape the sandbox, as root or as the image's uid 10001 (issue 11,
-serious item 2).
+"""Generated code cannot escape the sandbox, as root or as the image's uid 10001.
 
 The same hostile programs (tests/security/sandbox_battery.py) run through the sandbox
 twice: from a root caller and from a caller running as uid 10001 without capabilities

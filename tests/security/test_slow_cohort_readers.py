@@ -1,5 +1,5 @@
 """An admitted member that pulls FedProxy proxies and FedWave parts and reads none of them
-cannot grow the server's memory, nor stop another member from being served (issue 11).
+cannot grow the server's memory, nor stop another member from being served.
 
 A member of an owner's cohort (and of a FedWave workflow) is admitted, not trusted. Here a
 real peer-server process (``peer_server_process``: ``PeerExchange``, FedWave's

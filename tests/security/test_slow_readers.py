@@ -1,4 +1,4 @@
-"""A thousand slow adapter readers cannot grow a teacher's memory (issue 11, section 2).
+"""A thousand slow adapter readers cannot grow a teacher's memory.
 
 The audit's 1,030 ``PullAdapter`` readers that took one chunk and stopped grew a teacher
 from 106 MB to 2.5 GB: every stalled stream kept a chunk (and its serialised copy) in the

@@ -161,7 +161,7 @@ def test_bad_profiles_refused(
 def test_endpoint_port_must_be_a_tcp_port(
     core: tuple[CpmCore, Clock, MemoryCpmStore], endpoint: str
 ) -> None:
-    """Issue 11: port 99999 was accepted."""
+    """Port 99999 was once accepted."""
     c, _, store = core
     with pytest.raises(CpmError) as e:
         c.submit_profile("a", 1, _profile(0), endpoint, connected=1)
@@ -204,7 +204,7 @@ def test_an_endpoint_named_by_the_callers_certificate_is_accepted(
 def test_an_endpoint_not_in_the_callers_certificate_is_refused(
     core: tuple[CpmCore, Clock, MemoryCpmStore], endpoint: str
 ) -> None:
-    """Issue 11: another agent's address was accepted as this agent's peer endpoint."""
+    """Another agent's address was once accepted as this agent's peer endpoint."""
     c, _, store = core
     with pytest.raises(CpmError) as e:
         c.submit_profile("a", 1, _profile(0), endpoint, connected=1, endpoint_hosts=SANS)
@@ -401,7 +401,7 @@ def test_a_lone_agent_is_told_once_nobody_else_is_connected(
     assert c.pending == 0
 
 
-# -- the protocol menu: declarations validated, stored and obeyed (issue 9 section 3) ------
+# -- the protocol menu: declarations validated, stored and obeyed -------------------------
 
 
 def _menu_core(store: MemoryCpmStore | SqliteCpmStore | None = None) -> CpmCore:

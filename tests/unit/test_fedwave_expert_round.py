@@ -185,7 +185,7 @@ def test_the_trainer_lowers_its_loss_and_trains_its_router(offline_hub: None) ->
 
 
 def test_the_agents_router_steps_at_its_own_learning_rate(offline_hub: None) -> None:
-    """Issue 10: the daemon's trainer gives the router its own AdamW group. Adam's first
+    """The daemon's trainer gives the router its own AdamW group. Adam's first
     step moves every parameter with a gradient by about its group's lr, so one step shows
     the two rates apart (the router's 1e-2 against the expert's 1e-4)."""
     lm, tokenizer, width, chain = _tiny_gpt2_chain()
@@ -210,7 +210,7 @@ def test_the_agents_router_steps_at_its_own_learning_rate(offline_hub: None) -> 
 
 
 def test_an_honest_router_of_a_round_passes_the_default_norm_bound(offline_hub: None) -> None:
-    """Issue 10: 12 AdamW steps at the default router lr (1e-2) move the small-initialised
+    """12 AdamW steps at the default router lr (1e-2) move the small-initialised
     router by more than its own norm (ratio 1 alone would refuse it, as it split the
     workflow's routers in CI); the default root-mean-square floor admits it."""
     from peerlm.agent.fedwave.part_admission import router_norm_refusal

@@ -93,7 +93,7 @@ def test_the_router_reads_the_base_model_not_the_adapter() -> None:
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
 def test_training_routes_on_the_prompt_features_the_assembly_routes_on(arch: str) -> None:
-    """Issue 10: the router's training features for an example are the assembled model's
+    """The router's training features for an example are the assembled model's
     routing features for its prompt (pooled over the source tokens only)."""
     model, tokenizer, width = expert(arch)
     split = build_code_chain(CHAIN, per_stage=3, n_test=0, n_public=0, seed=0)

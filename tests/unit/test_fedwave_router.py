@@ -52,7 +52,7 @@ def test_balance_and_entropy_by_hand() -> None:
 
 def test_entropy_gradient_is_finite_when_the_softmax_underflows() -> None:
     # A confident router: softmax of (0, -200, 200) underflows to exact zeros in float32.
-    # Before issue 10 entropy_loss used xlogy(α, α), whose gradient at α = 0 is log 0 = -inf;
+    # An earlier entropy_loss used xlogy(α, α), whose gradient at α = 0 is log 0 = -inf;
     # the softmax's backward then gave NaN in every logit (and router parameter).
     logits = torch.tensor([[0.0, -200.0, 200.0], [1.0, 2.0, 3.0]], requires_grad=True)
     alpha = torch.softmax(logits, dim=-1)

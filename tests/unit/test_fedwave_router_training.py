@@ -1,4 +1,4 @@
-"""The router's federated training at the experiment's budget (issue 10).
+"""The router's federated training at the experiment's budget.
 
 Each agent holds one stage, so its local routing loss only ever says "stage i"; Eq. 9's
 average is what teaches the router the others. These tests run that training (the real
@@ -80,7 +80,7 @@ def test_the_router_group_learns_separable_stages_within_the_reduced_budget(seed
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_at_the_experts_lr_the_router_stays_near_uniform(seed: int) -> None:
-    # The behaviour before issue 10: one AdamW group, the router at the experts' 2e-3.
+    # The earlier behaviour: one AdamW group, the router at the experts' 2e-3.
     _, own = _accuracy_and_own_alpha(_federated_router(2e-3, seed), seed)
     assert own < 0.4  # 1/3 is uniform
 

@@ -291,7 +291,7 @@ def test_filtering_is_idempotent(small_guard: Guardrail, parts: list[str]) -> No
     assert twice.removals == {}
 
 
-# -- disguises, personal data, private code, incoming packages (issue 11) ---------------------
+# -- disguises, personal data, private code, incoming packages ------------------------------
 
 
 @pytest.mark.parametrize(
@@ -357,7 +357,7 @@ def test_private_code_recall_and_false_positives_on_the_bundled_bank() -> None:
     from peerlm.bench.guardrail import measure
 
     figures = measure(per_category=10, seed=3)
-    # Before issue 11 (whitespace 8-grams): renamed 0.0, body about 0.65; honest about 0.39.
+    # The earlier filter (whitespace 8-grams): renamed 0.0, body about 0.65; honest about 0.39.
     assert figures["leak_recall_not_public"]["body"] >= 0.9
     assert figures["leak_recall_not_public"]["renamed"] >= 0.8
     assert all(share == 1.0 for share in figures["secret_recall"].values())
@@ -396,7 +396,7 @@ def test_incoming_items_are_vetted_and_refusals_counted() -> None:
     assert sample(name, {"component": "agent", "reason": "secret"}) == 1
 
 
-# --- answering a public prompt (issue 12: the guardrail blocked the skill it should pass on)
+# --- answering a public prompt (the guardrail once blocked the skill it should pass on)
 
 _PRIVATE_DICT = [
     'def get_value(d: dict[str, int], key: str) -> int:\n    """Return the value stored for key'

@@ -1,4 +1,4 @@
-"""OnePeFT's Heterogeneous Knowledge Alignment and one-shot mode on micro models (issue 9)."""
+"""OnePeFT's Heterogeneous Knowledge Alignment and one-shot mode on micro models."""
 
 from __future__ import annotations
 

@@ -444,7 +444,7 @@ class _RecordingTokenizer:
 
 
 def test_a_huge_teacher_text_is_cut_before_it_is_tokenised(models: dict[str, Path]) -> None:
-    """Issue 11: a 60 MiB completion made the student tokenise all of it (16 MiB: 3.6 GB)."""
+    """A 60 MiB completion once made the student tokenise all of it (16 MiB: 3.6 GB)."""
     h = host(models, "gpt2")
     recorder = _RecordingTokenizer(h.tokenizer)
     h.tokenizer = recorder

@@ -1,6 +1,6 @@
 """The simulator's and the core's shortcuts give exactly what the plain computation gives.
 
-Each shortcut (issue 11, 2b: N = 10,000 within minutes) must leave a run unchanged bit for
+Each shortcut (they bring N = 10,000 within minutes) must leave a run unchanged bit for
 bit: the message sizes, and the primary's skipped prototype refreshes and backfill scans.
 """
 

@@ -371,7 +371,7 @@ def test_no_pickle_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pkg_module.FORMAT == "peerlm.akd"
 
 
-# --------------------------------------------------------------- hostile teachers (issue 11)
+# ------------------------------------------------------------------------ hostile teachers
 
 
 def test_one_huge_completion_inside_the_package_limit_is_refused() -> None:

@@ -306,7 +306,7 @@ def test_incoming_logits_items_are_vetted_through_their_text(models: dict[str, P
     assert only_local.stats.kd_loss is None
 
 
-# ------------------------------------------------------------------ acceptance gate (issue 11)
+# --------------------------------------------------------------------------- acceptance gate
 
 
 def _poisoned_package() -> TextPackage:
@@ -386,7 +386,7 @@ def test_reference_nll_is_per_byte_and_falls_when_the_reference_is_learnt(
     assert sum(after) < sum(before)
 
 
-# ------------------------------------------------------------ the probe reward (issue 12)
+# ------------------------------------------------------------------------ the probe reward
 
 #: A labelled public probe: the teacher's answers to :data:`PROMPTS` (what it brings).
 PROBE = list(zip(PROMPTS, TEXTS, strict=True))

@@ -1,4 +1,4 @@
-"""The peer server's send budget (issue 11, slow readers): the accounting and its waits."""
+"""The peer server's send budget (slow readers): the accounting and its waits."""
 
 from __future__ import annotations
 
