@@ -20,8 +20,8 @@ What is checked, precisely (a *span* is text between single backticks):
   - every protocol of the CPM's menu has a row in the protocol table (a line starting
     ``| `name` |``), and every row of "Where each paper lives" names code.
 * **Line length**: README.md and docs/architecture.md keep lines within 200 characters.
-* **No issue numbers** in the product: no ``.py``, ``.md``, ``.toml``, ``.yml`` or ``.yaml``
-  file refers to a tracker's issue by number; a reader cannot follow such a pointer, so the
+* **No issue numbers** in the product: no tracked ``.py``, ``.md``, ``.toml``, ``.yml`` or
+  ``.yaml`` file refers to a tracker's issue by number; a reader cannot follow such a pointer, so the
   text says the thing itself.
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -273,7 +274,24 @@ def test_lines_stay_readable(page: str) -> None:
 
 
 def _product_files() -> Iterator[Path]:
-    """Every product file, walking past made folders (a virtual environment is large)."""
+    """Every tracked product file (``git ls-files``): what a clone holds, not local scratch.
+
+    Outside a git checkout (an unpacked sdist) every file is walked instead, past made folders.
+    """
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", *(f"*{s}" for s in sorted(_PRODUCT_SUFFIXES))],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        listed = ""
+    if listed:
+        for name in listed.split("\0"):
+            if name and (ROOT / name).is_file():
+                yield ROOT / name
+        return
     for folder, dirs, files in os.walk(ROOT):
         dirs[:] = [
             d for d in dirs if d not in _GENERATED and not d.endswith((".egg-info", "_cache"))
