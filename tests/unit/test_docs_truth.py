@@ -21,8 +21,8 @@ What is checked, precisely (a *span* is text between single backticks):
     ``| `name` |``), and every row of "Where each paper lives" names code.
 * **Line length**: README.md and docs/architecture.md keep lines within 200 characters.
 * **No issue numbers** in the product: no tracked ``.py``, ``.md``, ``.toml``, ``.yml`` or
-  ``.yaml`` file refers to a tracker's issue by number; a reader cannot follow such a pointer, so the
-  text says the thing itself.
+  ``.yaml`` file refers to a tracker's issue by number; a reader cannot follow such a pointer,
+  so the text says the thing itself.
 """
 
 from __future__ import annotations
