@@ -31,6 +31,12 @@ Decisions the paper leaves open, made here:
 * The CPM never refuses to start over its own bandit: a snapshot that does not restore
   (corrupt, or indefinite ``A^-1`` from an older CPM) is discarded and the bandit rebuilt
   by replaying the whole reward ledger; rewards after the snapshot are replayed on top.
+* A student may name, with its reward, the directive's senders whose pulled adapter was
+  of another parameter space than its own (``RewardReport.space_mismatch``): a disproof
+  of the fingerprint each declared, stored with the reward. The pair is then excluded from
+  same-space protocols while the sender declares that fingerprint; from
+  ``space_disproof_quorum`` distinct students on, the sender is matched as undeclared
+  (docs/matchmaker.md, "The fingerprint").
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import math
 import re
 import secrets
 import time
+from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +67,7 @@ from peerlm.services.cpm.records import (
     DirectiveStatus,
     ProfileRecord,
     RewardRecord,
+    SpaceDisproof,
 )
 from peerlm.services.cpm.refusals import failure_name
 from peerlm.services.cpm.settings import CpmSettings
@@ -165,6 +173,9 @@ class RewardReport:
     #: A refused exchange's wire code (``peerlm.v1.ExchangeFailure``, :mod:`.refusals`);
     #: 0 for a reward.
     failure: int = 0
+    #: The directive's senders (teacher, co-senders) whose pulled adapter proved to be of
+    #: another parameter space than the student's own.
+    space_mismatch: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -295,6 +306,17 @@ class CpmCore:
             d.directive_id: d for d in store.open_directives()
         }
         self._round = int(store.get_meta("matchmaking_round") or 0)
+        # (sender, fingerprint it declared) -> the students that disproved it.
+        self._disproofs: defaultdict[tuple[str, str], set[str]] = defaultdict(set)
+        for p in store.load_space_disproofs():
+            self._disproofs[(p.sender, p.param_space)].add(p.student)
+        #: Disproofs recorded since start (for a metric).
+        self.space_disproofs_recorded = 0
+        # Agents whose current claim the quorum disproved, kept up to date by the core's
+        # thread so that the service's gauge reads a size, never iterates shared state.
+        self._disproved: set[str] = set()
+        for sender, _ in self._disproofs:
+            self._update_disproved(sender)
         # Profiles that arrived after the last matchmaking are still waiting for one: a
         # restart keeps them pending (unless older than a directive's lifetime: that agent
         # has moved on). Written before each round's directives, so a crash in between
@@ -476,6 +498,7 @@ class CpmCore:
         )
         self._store.upsert_profile(record)
         self._profiles[agent] = record
+        self._update_disproved(agent)
         self._pending.add(agent)
         self.profiles_received += 1
         return SubmitOutcome(
@@ -534,11 +557,24 @@ class CpmCore:
                 absent,
             )
         profiles = {a: self._profiles[a].features for a in agents}
+        # Disproved fingerprints (docs/matchmaker.md, "The fingerprint"): each disproving
+        # student is excluded from the sender's same-space pairs, in both directions; a
+        # claim disproved by the quorum counts as undeclared for everyone.
+        excluded: defaultdict[str, set[str]] = defaultdict(set)
+        disproved: set[str] = set()
+        for a in agents:
+            students = self.disproved_by(a)
+            for student in students:
+                excluded[a].add(student)
+                excluded[student].add(a)
+            if a in self._disproved:
+                disproved.add(a)
         capabilities = {
             a: Capabilities(
-                self._profiles[a].param_space,
+                "" if a in disproved else self._profiles[a].param_space,
                 self._profiles[a].protocols,
                 frozenset(self._profiles[a].overlay_peers) or None,
+                frozenset(excluded.get(a, ())),
             )
             for a in agents
         }
@@ -578,6 +614,25 @@ class CpmCore:
             co_senders=tuple((c, self._profiles[c].endpoint) for c in pairing.co_senders),
         )
 
+    def disproved_by(self, agent: str) -> frozenset[str]:
+        """The students that disproved the fingerprint ``agent`` declares now."""
+        profile = self._profiles.get(agent)
+        if profile is None or not profile.param_space:
+            return frozenset()
+        return frozenset(self._disproofs.get((agent, profile.param_space), ()))
+
+    @property
+    def disproved_members(self) -> int:
+        """Agents whose declared fingerprint ``space_disproof_quorum`` students disproved
+        (matched as undeclared until they declare another)."""
+        return len(self._disproved)
+
+    def _update_disproved(self, agent: str) -> None:
+        if len(self.disproved_by(agent)) >= self._s.space_disproof_quorum:
+            self._disproved.add(agent)
+        else:
+            self._disproved.discard(agent)
+
     def open_directives_for(self, agent: str) -> list[DirectiveRecord]:
         now = self._clock()
         return sorted(
@@ -599,10 +654,24 @@ class CpmCore:
         loss_pre: float = 0.0,
         loss_post: float = 0.0,
         kilobytes: int = 0,
+        *,
+        failure: int = 0,
+        space_mismatch: Sequence[str] = (),
     ) -> RewardOutcome:
         """One reward through :meth:`report_rewards`; raises its :class:`CpmError`."""
         [out] = self.report_rewards(
-            [RewardReport(agent, directive_id, reward, loss_pre, loss_post, kilobytes)]
+            [
+                RewardReport(
+                    agent,
+                    directive_id,
+                    reward,
+                    loss_pre,
+                    loss_post,
+                    kilobytes,
+                    failure,
+                    tuple(space_mismatch),
+                )
+            ]
         )
         if isinstance(out, CpmError):
             raise out
@@ -622,6 +691,7 @@ class CpmCore:
         results: list[RewardOutcome | CpmError | None] = []
         accepted: list[tuple[int, RewardReport, DirectiveRecord]] = []
         staged: list[tuple[str, RewardRecord, int]] = []
+        disproofs: list[SpaceDisproof] = []
         taken: set[str] = set()
         try:
             for rep in reports:
@@ -659,8 +729,9 @@ class CpmCore:
                 results[slot] = RewardOutcome(
                     directive.with_status(DirectiveStatus.REWARDED, record), r_norm, updates
                 )
+                disproofs.extend(self._disproofs_of(rep, now, disproofs))
             if staged:
-                self._store.commit_rewards(staged)
+                self._store.commit_rewards(staged, disproofs)
         except BaseException:
             # Nothing was acknowledged: put the in-memory model back as the store has it.
             self.matchmaker.restore(before)
@@ -668,6 +739,10 @@ class CpmCore:
             raise
         for directive_id in taken:
             del self._open[directive_id]
+        for p in disproofs:
+            self._disproofs[(p.sender, p.param_space)].add(p.student)
+            self._update_disproved(p.sender)
+        self.space_disproofs_recorded += len(disproofs)
         self.rewards_observed += len(staged)
         self.bandit_refactors += max(0, self.matchmaker.refactors - refactors_before)
         if self._seq - self._snapshot_seq >= self._s.snapshot_every:
@@ -728,7 +803,41 @@ class CpmCore:
             raise CpmError("FAILED_PRECONDITION", "expired", "the directive has expired")
         if not np.all(np.isfinite(directive.context)):
             raise CpmError("FAILED_PRECONDITION", "bandit_refused", "stored context is not finite")
+        senders = {directive.teacher, *(name for name, _ in directive.co_senders)}
+        if len(set(rep.space_mismatch)) != len(rep.space_mismatch):
+            raise CpmError(
+                "INVALID_ARGUMENT",
+                "space_mismatch",
+                "space_mismatch names a sender more than once",
+            )
+        for name in rep.space_mismatch:
+            if name not in senders:
+                raise CpmError(
+                    "INVALID_ARGUMENT",
+                    "space_mismatch",
+                    f"space_mismatch names {name[:64]!r}, not a sender of this directive",
+                )
         return directive
+
+    def _disproofs_of(
+        self, rep: RewardReport, now: float, batch: Sequence[SpaceDisproof]
+    ) -> list[SpaceDisproof]:
+        """The new disproofs an admitted report files: one per named sender whose declared
+        fingerprint is the student's own (the adapter should have fit the student's space;
+        with another declaration a mismatch disproves nothing), unless already held."""
+        student = self._profiles.get(rep.agent)
+        space = student.param_space if student is not None else ""
+        out: list[SpaceDisproof] = []
+        for name in rep.space_mismatch:
+            sender = self._profiles.get(name)
+            if not space or sender is None or sender.param_space != space:
+                continue
+            if rep.agent in self._disproofs.get((name, space), ()) or any(
+                (p.sender, p.param_space, p.student) == (name, space, rep.agent) for p in batch
+            ):
+                continue
+            out.append(SpaceDisproof(name, space, rep.agent, rep.directive_id, now))
+        return out
 
     # ------------------------------------------------------------ housekeeping
 

@@ -19,7 +19,9 @@ Admissibility, decided from profiles only (the CPM never sees parameters):
   :data:`DEFAULT_AGENT_PROTOCOLS`, i.e. ``akd``, what every peerlm agent has always done);
 * a protocol of :data:`SAME_SPACE_PROTOCOLS` (the merges, and logits distillation, which
   needs one tokenizer) is admissible only between agents that declared the **same
-  non-empty parameter-space fingerprint** (:attr:`Capabilities.param_space`).
+  non-empty parameter-space fingerprint** (:attr:`Capabilities.param_space`), and not
+  between two agents one of which disproved the other's fingerprint by a pulled adapter
+  (:attr:`Capabilities.space_excluded`; docs/matchmaker.md, "The fingerprint").
 
 Both rules are symmetric in the pair. A third is not (**overlay narrowing**, SemanticDFL
 as the CPM's candidate filter):
@@ -149,12 +151,15 @@ class Capabilities:
     same-space protocol is admissible for it); ``protocols``: the protocols it executes
     (``()``: :data:`DEFAULT_AGENT_PROTOCOLS`); ``senders``: its reported overlay top-K, the
     only admissible senders of a merge protocol to it (``None``: not reported, no
-    narrowing).
+    narrowing); ``space_excluded``: agents with which no same-space protocol is
+    admissible for it, in either direction (one of the two disproved the other's
+    fingerprint by an adapter it pulled).
     """
 
     param_space: str = ""
     protocols: tuple[str, ...] = ()
     senders: frozenset[str] | None = None
+    space_excluded: frozenset[str] = frozenset()
 
     def supports(self, protocol: str) -> bool:
         """Whether this agent executes ``protocol``."""
@@ -212,8 +217,26 @@ class AdmissibilityMask:
                 dtype=np.int64,
             )
         )
+        # Space exclusions: the excluded unordered pairs as sorted keys ``low * n + high``.
+        self._excluded = np.unique(
+            np.array(
+                [
+                    min(k, position[x]) * n + max(k, position[x])
+                    for k, c in enumerate(caps)
+                    for x in c.space_excluded
+                    if x in position
+                ],
+                dtype=np.int64,
+            )
+        )
         narrowing = bool(self._merge.any() and self._narrowed.any())
-        self.trivial = all_supported and (not self._same_space.any() or one_space) and not narrowing
+        excluding = bool(self._same_space.any() and len(self._excluded))
+        self.trivial = (
+            all_supported
+            and (not self._same_space.any() or one_space)
+            and not narrowing
+            and not excluding
+        )
 
     def pairs(self, left: NDArray[np.intp], right: NDArray[np.intp]) -> NDArray[np.bool_]:
         """``(n_pairs, 2 * n_protocols * n_roles)`` admissibility of the pairs
@@ -224,6 +247,10 @@ class AdmissibilityMask:
         if self._same_space.any():
             sl = self._space[left]
             same = (sl == self._space[right]) & (sl >= 0)
+            if len(self._excluded):
+                lo = np.minimum(left, right).astype(np.int64)
+                hi = np.maximum(left, right).astype(np.int64)
+                same &= ~np.isin(lo * self._n + hi, self._excluded)
             ok[:, self._same_space] &= same[:, None]
         forward, reverse = ok, ok
         if self._merge.any() and self._narrowed.any():

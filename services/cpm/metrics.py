@@ -114,6 +114,19 @@ class CpmMetrics:
             "Re-derivations of A^-1 from a Cholesky factor of A (periodic or after a check).",
             registry=registry,
         )
+        self.space_disproofs = Counter(
+            "peerlm_cpm_space_disproofs_total",
+            "Parameter-space disproofs recorded: a student named a sender whose pulled "
+            "adapter was not of the fingerprint it declared (one per sender, fingerprint "
+            "and student).",
+            registry=registry,
+        )
+        self.space_disproved = Gauge(
+            "peerlm_cpm_space_disproved_members_count",
+            "Agents whose declared fingerprint space_disproof_quorum students disproved "
+            "(matched as undeclared until they declare another).",
+            registry=registry,
+        )
         self.agents = Gauge(
             "peerlm_cpm_agents_known_count",
             "Agents that have submitted a profile.",

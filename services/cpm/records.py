@@ -8,7 +8,13 @@ from enum import StrEnum
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["DirectiveRecord", "DirectiveStatus", "ProfileRecord", "RewardRecord"]
+__all__ = [
+    "DirectiveRecord",
+    "DirectiveStatus",
+    "ProfileRecord",
+    "RewardRecord",
+    "SpaceDisproof",
+]
 
 
 class DirectiveStatus(StrEnum):
@@ -76,3 +82,19 @@ class DirectiveRecord:
         self, status: DirectiveStatus, reward: RewardRecord | None = None
     ) -> DirectiveRecord:
         return replace(self, status=status, reward=reward)
+
+
+@dataclass(frozen=True)
+class SpaceDisproof:
+    """A student's proof that a sender's adapter is not of the fingerprint it declared.
+
+    ``sender`` declared ``param_space`` when ``student`` reported, with the reward of
+    ``directive_id``, that the adapter it pulled from ``sender`` did not fit its own space
+    (docs/matchmaker.md, "The fingerprint").
+    """
+
+    sender: str
+    param_space: str
+    student: str
+    directive_id: str
+    reported_at: float

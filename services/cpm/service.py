@@ -395,6 +395,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
             request.loss_post,
             request.kilobytes,
             request.failure,
+            tuple(request.space_mismatch),
         )
         done: asyncio.Future[RewardOutcome | CpmError] = asyncio.get_running_loop().create_future()
         self._rewards.put_nowait((report, done))
@@ -444,6 +445,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                         request.loss_post,
                         request.kilobytes,
                         request.failure,
+                        tuple(request.space_mismatch),
                     )
                     done: asyncio.Future[RewardOutcome | CpmError] = loop.create_future()
                     self._rewards.put_nowait((report, done))
@@ -553,6 +555,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                 continue
             snapshots = self._core.snapshots_written
             refactors = self._core.bandit_refactors
+            disproofs = self._core.space_disproofs_recorded
             try:
                 results = await self._call(self._core.report_rewards, [r for r, _ in live])
             except Exception as exc:
@@ -602,6 +605,18 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
                 )
             self._m.snapshots.inc(max(0, self._core.snapshots_written - snapshots))
             self._m.bandit_refactors.inc(max(0, self._core.bandit_refactors - refactors))
+            new_disproofs = self._core.space_disproofs_recorded - disproofs
+            if new_disproofs > 0:
+                self._m.space_disproofs.inc(new_disproofs)
+                self._log.warning(
+                    "space_disproofs_recorded",
+                    count=new_disproofs,
+                    reports=[
+                        {"student": rep.agent, "senders": list(rep.space_mismatch)}
+                        for rep, _ in committed
+                        if rep.space_mismatch
+                    ],
+                )
             for (_, fut), res in zip(live, results, strict=True):
                 if not fut.done():
                     fut.set_result(res)
@@ -660,6 +675,7 @@ class CpmService(cpm_pb2_grpc.MatchmakerServicer):
         # Not len(agents()): that sorts every profile, per group commit, on the event loop
         # thread while the core thread may be adding one.
         self._m.agents.set(self._core.agent_count)
+        self._m.space_disproved.set(self._core.disproved_members)
         self._m.connected.set(self._hub.connected)
 
     async def _run_matchmaking(self, trigger: str) -> MatchOutcome:

@@ -78,6 +78,12 @@ class CpmSettings(ServiceSettings):
     # by the UCB of its mean-profile context, which the reward then updates. Only matters
     # with merge_senders > 1. Part of the database's fingerprint when "group".
     co_sender_scoring: Literal["pair", "group"] = "pair"
+    # Distinct students whose pulled adapter must disprove a member's declared parameter-
+    # space fingerprint before the member is matched as undeclared for every pair (one
+    # disproof already excludes the disproving student's own pairs with it;
+    # docs/matchmaker.md, "The fingerprint"). A policy over the stored disproofs, not
+    # part of the database's fingerprint: changing it re-reads the same records.
+    space_disproof_quorum: int = Field(default=2, ge=1)
     prefilter_k: int = Field(default=8, ge=1)
     prefilter_min_agents: int = Field(default=64, ge=2)
     seed: int = 0

@@ -2,7 +2,8 @@
 
 What is stored: the latest profile per agent, the directive ledger, a periodic snapshot
 of the bandit (A, A^-1, b, update count, reward normaliser, per-agent trust) and a few
-meta values.
+meta values, and the parameter-space disproofs students filed with their rewards
+(written in the rewards' transaction).
 
 **The directive ledger is the reward ledger.** Acknowledging a reward writes only its
 directive row (status, raw and normalised reward, and ``reward_seq``: the order in which
@@ -34,6 +35,7 @@ from peerlm.services.cpm.records import (
     DirectiveStatus,
     ProfileRecord,
     RewardRecord,
+    SpaceDisproof,
 )
 
 __all__ = ["CpmStore", "MemoryCpmStore", "SqliteCpmStore", "StoreConflict"]
@@ -77,11 +79,21 @@ class CpmStore(ABC):
     def open_directives(self) -> list[DirectiveRecord]: ...
 
     @abstractmethod
-    def commit_rewards(self, rewards: Sequence[tuple[str, RewardRecord, int]]) -> None:
-        """Mark each ``(directive_id, reward, reward_seq)`` rewarded, all in one transaction.
+    def commit_rewards(
+        self,
+        rewards: Sequence[tuple[str, RewardRecord, int]],
+        disproofs: Sequence[SpaceDisproof] = (),
+    ) -> None:
+        """Mark each ``(directive_id, reward, reward_seq)`` rewarded, all in one transaction,
+        with the ``disproofs`` filed with them (one per sender, fingerprint and student:
+        a repeat is ignored).
 
         Raises :class:`StoreConflict` (and writes none of them) if a directive is not open.
         """
+
+    @abstractmethod
+    def load_space_disproofs(self) -> list[SpaceDisproof]:
+        """Every recorded parameter-space disproof."""
 
     @abstractmethod
     def rewards_after(self, reward_seq: int) -> list[tuple[int, DirectiveRecord]]:
@@ -125,6 +137,7 @@ class MemoryCpmStore(CpmStore):
         self._profiles: dict[str, ProfileRecord] = {}
         self._directives: dict[str, DirectiveRecord] = {}
         self._ledger: list[tuple[int, str]] = []
+        self._disproofs: dict[tuple[str, str, str], SpaceDisproof] = {}
 
     def get_meta(self, key: str) -> str | None:
         return self._meta.get(key)
@@ -157,7 +170,11 @@ class MemoryCpmStore(CpmStore):
     def open_directives(self) -> list[DirectiveRecord]:
         return [d for d in self._directives.values() if d.status is DirectiveStatus.OPEN]
 
-    def commit_rewards(self, rewards: Sequence[tuple[str, RewardRecord, int]]) -> None:
+    def commit_rewards(
+        self,
+        rewards: Sequence[tuple[str, RewardRecord, int]],
+        disproofs: Sequence[SpaceDisproof] = (),
+    ) -> None:
         ids = [i for i, _, _ in rewards]
         for i in ids:
             d = self._directives.get(i)
@@ -166,6 +183,11 @@ class MemoryCpmStore(CpmStore):
         for i, reward, seq in rewards:
             self._directives[i] = self._directives[i].with_status(DirectiveStatus.REWARDED, reward)
             self._ledger.append((seq, i))
+        for p in disproofs:
+            self._disproofs.setdefault((p.sender, p.param_space, p.student), p)
+
+    def load_space_disproofs(self) -> list[SpaceDisproof]:
+        return list(self._disproofs.values())
 
     def rewards_after(self, reward_seq: int) -> list[tuple[int, DirectiveRecord]]:
         return [(q, self._directives[i]) for q, i in sorted(self._ledger) if q > reward_seq]
@@ -233,6 +255,11 @@ CREATE TABLE IF NOT EXISTS directives (
     co_senders TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS directives_open ON directives(status) WHERE status = 'open';
+CREATE TABLE IF NOT EXISTS space_disproofs (
+    sender TEXT NOT NULL, param_space TEXT NOT NULL, student TEXT NOT NULL,
+    directive_id TEXT NOT NULL, reported_at REAL NOT NULL,
+    PRIMARY KEY (sender, param_space, student)
+);
 """
 
 # Databases written before the reward ledger had a sequence: add the columns, number the
@@ -525,8 +552,21 @@ class SqliteCpmStore(CpmStore):
             ).fetchall()
         return [self._directive(r) for r in rows]
 
-    def commit_rewards(self, rewards: Sequence[tuple[str, RewardRecord, int]]) -> None:
+    def commit_rewards(
+        self,
+        rewards: Sequence[tuple[str, RewardRecord, int]],
+        disproofs: Sequence[SpaceDisproof] = (),
+    ) -> None:
         with self._tx() as db:
+            db.executemany(
+                "INSERT OR IGNORE INTO space_disproofs"
+                " (sender, param_space, student, directive_id, reported_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                [
+                    (p.sender, p.param_space, p.student, p.directive_id, p.reported_at)
+                    for p in disproofs
+                ],
+            )
             for directive_id, reward, seq in rewards:
                 cur = db.execute(
                     "UPDATE directives SET status='rewarded', reward=?, normalised_reward=?,"
@@ -546,6 +586,14 @@ class SqliteCpmStore(CpmStore):
                 )
                 if cur.rowcount != 1:
                     raise StoreConflict(f"directive {directive_id} is not open")
+
+    def load_space_disproofs(self) -> list[SpaceDisproof]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT sender, param_space, student, directive_id, reported_at"
+                " FROM space_disproofs ORDER BY reported_at, rowid"
+            ).fetchall()
+        return [SpaceDisproof(str(a), str(b), str(c), str(d), float(e)) for a, b, c, d, e in rows]
 
     def rewards_after(self, reward_seq: int) -> list[tuple[int, DirectiveRecord]]:
         with self._lock:

@@ -26,17 +26,17 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from peerlm.wire.v1 import common_pb2 as peerlm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13peerlm/v1/cpm.proto\x12\tpeerlm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16peerlm/v1/common.proto\"\x91\x01\n\x14SubmitProfileRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x66\x65\x61tures\x18\x02 \x03(\x01\x12\x15\n\rpeer_endpoint\x18\x03 \x01(\t\x12\x17\n\x0fparameter_space\x18\x04 \x01(\t\x12\x11\n\tprotocols\x18\x05 \x03(\t\x12\x15\n\roverlay_peers\x18\x06 \x03(\t\"L\n\x15SubmitProfileResponse\x12\x19\n\x11matchmaking_round\x18\x01 \x01(\x04\x12\x18\n\x10profiles_pending\x18\x02 \x01(\r\"\x19\n\x17StreamDirectivesRequest\"\xc8\x02\n\tDirective\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x19\n\x11matchmaking_round\x18\x02 \x01(\x04\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.peerlm.v1.ExchangeRole\x12\x0f\n\x07teacher\x18\x05 \x01(\t\x12\x0f\n\x07student\x18\x06 \x01(\t\x12$\n\x04peer\x18\x07 \x01(\x0b\x32\x16.peerlm.v1.PeerAddress\x12-\n\tissued_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\nco_senders\x18\n \x03(\x0b\x32\x16.peerlm.v1.PeerAddress\"\xa0\x01\n\x13ReportRewardRequest\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x10\n\x08loss_pre\x18\x03 \x01(\x01\x12\x11\n\tloss_post\x18\x04 \x01(\x01\x12\x11\n\tkilobytes\x18\x05 \x01(\x04\x12+\n\x07\x66\x61ilure\x18\x06 \x01(\x0e\x32\x1a.peerlm.v1.ExchangeFailure\"_\n\x14ReportRewardResponse\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x19\n\x11normalised_reward\x18\x02 \x01(\x01\x12\x16\n\x0e\x62\x61ndit_updates\x18\x03 \x01(\x04\"\x92\x01\n\x12ReportRewardResult\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12.\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x1f.peerlm.v1.ReportRewardResponseH\x00\x12+\n\x07refused\x18\x03 \x01(\x0b\x32\x18.peerlm.v1.RewardRefusalH\x00\x42\t\n\x07outcome\">\n\rRewardRefusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xa0\x01\n\nAgentStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nlast_round\x18\x02 \x01(\x04\x12\x11\n\texchanges\x18\x03 \x01(\x04\x12\x11\n\tsuccesses\x18\x04 \x01(\x04\x12\x15\n\rpeer_endpoint\x18\x05 \x01(\t\x12\x33\n\x0flast_profile_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa0\x02\n\x08\x43pmStats\x12\x1a\n\x12matchmaking_rounds\x18\x01 \x01(\x04\x12\x19\n\x11profiles_received\x18\x02 \x01(\x04\x12\x19\n\x11\x64irectives_issued\x18\x03 \x01(\x04\x12\x17\n\x0f\x64irectives_open\x18\x04 \x01(\x04\x12\x18\n\x10rewards_observed\x18\x05 \x01(\x04\x12\x16\n\x0e\x62\x61ndit_updates\x18\x06 \x01(\x04\x12\x12\n\ntheta_norm\x18\x07 \x01(\x01\x12\x13\n\x0breward_mean\x18\x08 \x01(\x01\x12\x12\n\nreward_std\x18\t \x01(\x01\x12\x13\n\x0b\x63ontext_dim\x18\n \x01(\r\x12%\n\x06\x61gents\x18\x0b \x03(\x0b\x32\x15.peerlm.v1.AgentStats\"\x1b\n\x19TriggerMatchmakingRequest\"F\n\x1aTriggerMatchmakingResponse\x12\x19\n\x11matchmaking_round\x18\x01 \x01(\x04\x12\r\n\x05pairs\x18\x02 \x01(\r*\x80\x01\n\x0c\x45xchangeRole\x12\x1d\n\x19\x45XCHANGE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45XCHANGE_ROLE_TEACHER\x10\x01\x12\x19\n\x15\x45XCHANGE_ROLE_STUDENT\x10\x02\x12\x1b\n\x17\x45XCHANGE_ROLE_UNMATCHED\x10\x03*\xef\x01\n\x0f\x45xchangeFailure\x12 \n\x1c\x45XCHANGE_FAILURE_UNSPECIFIED\x10\x00\x12)\n%EXCHANGE_FAILURE_UNSUPPORTED_PROTOCOL\x10\x01\x12$\n EXCHANGE_FAILURE_PARAMETER_SPACE\x10\x02\x12 \n\x1c\x45XCHANGE_FAILURE_PULL_FAILED\x10\x03\x12!\n\x1d\x45XCHANGE_FAILURE_SENDER_PROOF\x10\x04\x12$\n EXCHANGE_FAILURE_INVALID_PAYLOAD\x10\x05\x32\xf5\x03\n\nMatchmaker\x12R\n\rSubmitProfile\x12\x1f.peerlm.v1.SubmitProfileRequest\x1a .peerlm.v1.SubmitProfileResponse\x12N\n\x10StreamDirectives\x12\".peerlm.v1.StreamDirectivesRequest\x1a\x14.peerlm.v1.Directive0\x01\x12O\n\x0cReportReward\x12\x1e.peerlm.v1.ReportRewardRequest\x1a\x1f.peerlm.v1.ReportRewardResponse\x12R\n\rReportRewards\x12\x1e.peerlm.v1.ReportRewardRequest\x1a\x1d.peerlm.v1.ReportRewardResult(\x01\x30\x01\x12;\n\x08GetStats\x12\x1a.peerlm.v1.GetStatsRequest\x1a\x13.peerlm.v1.CpmStats\x12\x61\n\x12TriggerMatchmaking\x12$.peerlm.v1.TriggerMatchmakingRequest\x1a%.peerlm.v1.TriggerMatchmakingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13peerlm/v1/cpm.proto\x12\tpeerlm.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16peerlm/v1/common.proto\"\x91\x01\n\x14SubmitProfileRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x66\x65\x61tures\x18\x02 \x03(\x01\x12\x15\n\rpeer_endpoint\x18\x03 \x01(\t\x12\x17\n\x0fparameter_space\x18\x04 \x01(\t\x12\x11\n\tprotocols\x18\x05 \x03(\t\x12\x15\n\roverlay_peers\x18\x06 \x03(\t\"L\n\x15SubmitProfileResponse\x12\x19\n\x11matchmaking_round\x18\x01 \x01(\x04\x12\x18\n\x10profiles_pending\x18\x02 \x01(\r\"\x19\n\x17StreamDirectivesRequest\"\xc8\x02\n\tDirective\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x19\n\x11matchmaking_round\x18\x02 \x01(\x04\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.peerlm.v1.ExchangeRole\x12\x0f\n\x07teacher\x18\x05 \x01(\t\x12\x0f\n\x07student\x18\x06 \x01(\t\x12$\n\x04peer\x18\x07 \x01(\x0b\x32\x16.peerlm.v1.PeerAddress\x12-\n\tissued_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\nco_senders\x18\n \x03(\x0b\x32\x16.peerlm.v1.PeerAddress\"\xb8\x01\n\x13ReportRewardRequest\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x10\n\x08loss_pre\x18\x03 \x01(\x01\x12\x11\n\tloss_post\x18\x04 \x01(\x01\x12\x11\n\tkilobytes\x18\x05 \x01(\x04\x12+\n\x07\x66\x61ilure\x18\x06 \x01(\x0e\x32\x1a.peerlm.v1.ExchangeFailure\x12\x16\n\x0espace_mismatch\x18\x07 \x03(\t\"_\n\x14ReportRewardResponse\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x19\n\x11normalised_reward\x18\x02 \x01(\x01\x12\x16\n\x0e\x62\x61ndit_updates\x18\x03 \x01(\x04\"\x92\x01\n\x12ReportRewardResult\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12.\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x1f.peerlm.v1.ReportRewardResponseH\x00\x12+\n\x07refused\x18\x03 \x01(\x0b\x32\x18.peerlm.v1.RewardRefusalH\x00\x42\t\n\x07outcome\">\n\rRewardRefusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xa0\x01\n\nAgentStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nlast_round\x18\x02 \x01(\x04\x12\x11\n\texchanges\x18\x03 \x01(\x04\x12\x11\n\tsuccesses\x18\x04 \x01(\x04\x12\x15\n\rpeer_endpoint\x18\x05 \x01(\t\x12\x33\n\x0flast_profile_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa0\x02\n\x08\x43pmStats\x12\x1a\n\x12matchmaking_rounds\x18\x01 \x01(\x04\x12\x19\n\x11profiles_received\x18\x02 \x01(\x04\x12\x19\n\x11\x64irectives_issued\x18\x03 \x01(\x04\x12\x17\n\x0f\x64irectives_open\x18\x04 \x01(\x04\x12\x18\n\x10rewards_observed\x18\x05 \x01(\x04\x12\x16\n\x0e\x62\x61ndit_updates\x18\x06 \x01(\x04\x12\x12\n\ntheta_norm\x18\x07 \x01(\x01\x12\x13\n\x0breward_mean\x18\x08 \x01(\x01\x12\x12\n\nreward_std\x18\t \x01(\x01\x12\x13\n\x0b\x63ontext_dim\x18\n \x01(\r\x12%\n\x06\x61gents\x18\x0b \x03(\x0b\x32\x15.peerlm.v1.AgentStats\"\x1b\n\x19TriggerMatchmakingRequest\"F\n\x1aTriggerMatchmakingResponse\x12\x19\n\x11matchmaking_round\x18\x01 \x01(\x04\x12\r\n\x05pairs\x18\x02 \x01(\r*\x80\x01\n\x0c\x45xchangeRole\x12\x1d\n\x19\x45XCHANGE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45XCHANGE_ROLE_TEACHER\x10\x01\x12\x19\n\x15\x45XCHANGE_ROLE_STUDENT\x10\x02\x12\x1b\n\x17\x45XCHANGE_ROLE_UNMATCHED\x10\x03*\xef\x01\n\x0f\x45xchangeFailure\x12 \n\x1c\x45XCHANGE_FAILURE_UNSPECIFIED\x10\x00\x12)\n%EXCHANGE_FAILURE_UNSUPPORTED_PROTOCOL\x10\x01\x12$\n EXCHANGE_FAILURE_PARAMETER_SPACE\x10\x02\x12 \n\x1c\x45XCHANGE_FAILURE_PULL_FAILED\x10\x03\x12!\n\x1d\x45XCHANGE_FAILURE_SENDER_PROOF\x10\x04\x12$\n EXCHANGE_FAILURE_INVALID_PAYLOAD\x10\x05\x32\xf5\x03\n\nMatchmaker\x12R\n\rSubmitProfile\x12\x1f.peerlm.v1.SubmitProfileRequest\x1a .peerlm.v1.SubmitProfileResponse\x12N\n\x10StreamDirectives\x12\".peerlm.v1.StreamDirectivesRequest\x1a\x14.peerlm.v1.Directive0\x01\x12O\n\x0cReportReward\x12\x1e.peerlm.v1.ReportRewardRequest\x1a\x1f.peerlm.v1.ReportRewardResponse\x12R\n\rReportRewards\x12\x1e.peerlm.v1.ReportRewardRequest\x1a\x1d.peerlm.v1.ReportRewardResult(\x01\x30\x01\x12;\n\x08GetStats\x12\x1a.peerlm.v1.GetStatsRequest\x1a\x13.peerlm.v1.CpmStats\x12\x61\n\x12TriggerMatchmaking\x12$.peerlm.v1.TriggerMatchmakingRequest\x1a%.peerlm.v1.TriggerMatchmakingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peerlm.wire.v1.cpm_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EXCHANGEROLE']._serialized_start=1723
-  _globals['_EXCHANGEROLE']._serialized_end=1851
-  _globals['_EXCHANGEFAILURE']._serialized_start=1854
-  _globals['_EXCHANGEFAILURE']._serialized_end=2093
+  _globals['_EXCHANGEROLE']._serialized_start=1747
+  _globals['_EXCHANGEROLE']._serialized_end=1875
+  _globals['_EXCHANGEFAILURE']._serialized_start=1878
+  _globals['_EXCHANGEFAILURE']._serialized_end=2117
   _globals['_SUBMITPROFILEREQUEST']._serialized_start=92
   _globals['_SUBMITPROFILEREQUEST']._serialized_end=237
   _globals['_SUBMITPROFILERESPONSE']._serialized_start=239
@@ -46,23 +46,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DIRECTIVE']._serialized_start=345
   _globals['_DIRECTIVE']._serialized_end=673
   _globals['_REPORTREWARDREQUEST']._serialized_start=676
-  _globals['_REPORTREWARDREQUEST']._serialized_end=836
-  _globals['_REPORTREWARDRESPONSE']._serialized_start=838
-  _globals['_REPORTREWARDRESPONSE']._serialized_end=933
-  _globals['_REPORTREWARDRESULT']._serialized_start=936
-  _globals['_REPORTREWARDRESULT']._serialized_end=1082
-  _globals['_REWARDREFUSAL']._serialized_start=1084
-  _globals['_REWARDREFUSAL']._serialized_end=1146
-  _globals['_GETSTATSREQUEST']._serialized_start=1148
-  _globals['_GETSTATSREQUEST']._serialized_end=1165
-  _globals['_AGENTSTATS']._serialized_start=1168
-  _globals['_AGENTSTATS']._serialized_end=1328
-  _globals['_CPMSTATS']._serialized_start=1331
-  _globals['_CPMSTATS']._serialized_end=1619
-  _globals['_TRIGGERMATCHMAKINGREQUEST']._serialized_start=1621
-  _globals['_TRIGGERMATCHMAKINGREQUEST']._serialized_end=1648
-  _globals['_TRIGGERMATCHMAKINGRESPONSE']._serialized_start=1650
-  _globals['_TRIGGERMATCHMAKINGRESPONSE']._serialized_end=1720
-  _globals['_MATCHMAKER']._serialized_start=2096
-  _globals['_MATCHMAKER']._serialized_end=2597
+  _globals['_REPORTREWARDREQUEST']._serialized_end=860
+  _globals['_REPORTREWARDRESPONSE']._serialized_start=862
+  _globals['_REPORTREWARDRESPONSE']._serialized_end=957
+  _globals['_REPORTREWARDRESULT']._serialized_start=960
+  _globals['_REPORTREWARDRESULT']._serialized_end=1106
+  _globals['_REWARDREFUSAL']._serialized_start=1108
+  _globals['_REWARDREFUSAL']._serialized_end=1170
+  _globals['_GETSTATSREQUEST']._serialized_start=1172
+  _globals['_GETSTATSREQUEST']._serialized_end=1189
+  _globals['_AGENTSTATS']._serialized_start=1192
+  _globals['_AGENTSTATS']._serialized_end=1352
+  _globals['_CPMSTATS']._serialized_start=1355
+  _globals['_CPMSTATS']._serialized_end=1643
+  _globals['_TRIGGERMATCHMAKINGREQUEST']._serialized_start=1645
+  _globals['_TRIGGERMATCHMAKINGREQUEST']._serialized_end=1672
+  _globals['_TRIGGERMATCHMAKINGRESPONSE']._serialized_start=1674
+  _globals['_TRIGGERMATCHMAKINGRESPONSE']._serialized_end=1744
+  _globals['_MATCHMAKER']._serialized_start=2120
+  _globals['_MATCHMAKER']._serialized_end=2621
 # @@protoc_insertion_point(module_scope)

@@ -276,6 +276,7 @@ class ReportRewardRequest(_message.Message):
     LOSS_POST_FIELD_NUMBER: _builtins.int
     KILOBYTES_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
+    SPACE_MISMATCH_FIELD_NUMBER: _builtins.int
     directive_id: _builtins.str
     reward: _builtins.float
     """r_sr of Eq. 3: gamma * (L_pre - L_post) - delta * KB. Must be finite."""
@@ -290,6 +291,18 @@ class ReportRewardRequest(_message.Message):
     bandit its configured `refusal_reward`. With a failure, `reward`, `loss_pre` and
     `loss_post` must be 0 (`kilobytes`: what was received before the refusal).
     """
+    @_builtins.property
+    def space_mismatch(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Certificate names of the directive's senders (its teacher or co-senders) whose
+        pulled adapter proved to be of another parameter space than the student's own: the
+        student's disproof of the fingerprint they declared (docs/matchmaker.md, "The
+        fingerprint"). Sent with the reward, or with the failure (PARAMETER_SPACE) when the
+        teacher itself mismatched; a sender that was merely unreachable is not named. Each
+        name must be the directive's teacher or one of its co-senders, no repeats; otherwise
+        the report is refused (INVALID_ARGUMENT, reason `space_mismatch`) and nothing is
+        recorded.
+        """
+
     def __init__(
         self,
         *,
@@ -299,10 +312,11 @@ class ReportRewardRequest(_message.Message):
         loss_post: _builtins.float = ...,
         kilobytes: _builtins.int = ...,
         failure: Global___ExchangeFailure.ValueType = ...,
+        space_mismatch: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["directive_id", b"directive_id", "failure", b"failure", "kilobytes", b"kilobytes", "loss_post", b"loss_post", "loss_pre", b"loss_pre", "reward", b"reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directive_id", b"directive_id", "failure", b"failure", "kilobytes", b"kilobytes", "loss_post", b"loss_post", "loss_pre", b"loss_pre", "reward", b"reward", "space_mismatch", b"space_mismatch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
