@@ -192,10 +192,13 @@ class CpmClient:
         loss_post: float = 0.0,
         kilobytes: int = 0,
         failure: int = 0,
+        space_mismatch: Sequence[str] = (),
     ) -> cpm_pb2.ReportRewardResponse:
         """Report Eq. 3's ``reward`` for a directive, or with ``failure`` (a
         ``peerlm.v1.ExchangeFailure`` value, ``reward`` 0) that the student refused it;
-        retried idempotently (module docstring)."""
+        retried idempotently (module docstring). ``space_mismatch``: the directive's
+        senders whose pulled adapter proved to be of another parameter space than this
+        agent's (the CPM's record of a disproved fingerprint)."""
         req = cpm_pb2.ReportRewardRequest(
             directive_id=directive_id,
             reward=reward,
@@ -203,6 +206,7 @@ class CpmClient:
             loss_post=loss_post,
             kilobytes=kilobytes,
             failure=failure,  # type: ignore[arg-type]
+            space_mismatch=list(space_mismatch),
         )
         deadline = time.monotonic() + self._reward_retry_s
         backoff = 0.25

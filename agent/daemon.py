@@ -43,7 +43,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +54,6 @@ from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.agent.metrics import AgentTelemetry
 from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.rounds import (
-    PROTOCOL_LOGITS,
     PackageMode,
     ProfileInputs,
     RoundConfig,
@@ -69,6 +68,7 @@ from peerlm.chunks import HashedPayload
 from peerlm.config import parse_host_port
 from peerlm.node import NodeContext
 from peerlm.pki.identity import Role
+from peerlm.protocols import DEFAULT_PROTOCOL, lookup, names
 from peerlm.security.mode import resolve_channel_security
 from peerlm.wire.v1 import cpm_pb2
 
@@ -79,6 +79,9 @@ if TYPE_CHECKING:
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
 T = TypeVar("T")
+#: The metric label of every AKD integration, text or logits (``kind`` of the rollback and
+#: peer-slot counters): the default protocol's name, as it has always been.
+_AKD_LABEL = DEFAULT_PROTOCOL
 
 
 @dataclass
@@ -240,12 +243,14 @@ class AgentDaemon:
         )
         if s.reward_file and not self.reward_examples:
             raise ValueError(f"reward_file {s.reward_file} holds no problem to measure on")
-        # D_pub of OnePeFT's HKA (overlay.aggregation = "svd_hka"): public pairs only.
+        # D_pub of OnePeFT's HKA (an overlay aggregation that needs public pairs).
         self.public_pairs = (
             [(p.prompt, p.reference) for p in read_jsonl(s.public_file)] if s.public_file else []
         )
-        if s.overlay.aggregation == "svd_hka" and not self.public_pairs:
-            raise ValueError(f"public_file {s.public_file} holds no pair for svd_hka's HKA")
+        if lookup(s.overlay.aggregation).needs_public_pairs and not self.public_pairs:
+            raise ValueError(
+                f"public_file {s.public_file} holds no pair for {s.overlay.aggregation}'s HKA"
+            )
         # Held-out test problems per slice, for the report only (never trained on).
         self.slice_problems = {
             name: read_jsonl(path)[: s.eval_limit] if s.eval_limit else read_jsonl(path)
@@ -752,7 +757,8 @@ class AgentDaemon:
     def _wanted_mode(self, directive: cpm_pb2.Directive) -> PackageMode:
         mode = self.s.akd_mode
         if mode == "directive":
-            return "logits" if directive.protocol == PROTOCOL_LOGITS else "text"
+            payload = lookup(directive.protocol).payload
+            return "logits" if payload == "logits_package" else "text"
         return mode
 
     async def _teacher_predictions(
@@ -1111,13 +1117,12 @@ class AgentDaemon:
         """Do what the directive names (:func:`~peerlm.agent.directives.directive_action`);
         True when this agent integrated (or tried to) as the student."""
         from peerlm.agent.directives import MAX_CO_SENDERS, directive_action
-        from peerlm.services.cpm import MERGE_PROTOCOLS
 
         action = directive_action(
             directive.protocol,
             directive.role,
             self.protocols,
-            MERGE_PROTOCOLS,
+            names(kind="merge"),
             len(directive.co_senders),
         )
         if action == "refuse" and directive.protocol in self.protocols:
@@ -1362,7 +1367,7 @@ class AgentDaemon:
                 vet_student_package, package, self.host.tokenizer, self.guardrail, self.ctx
             )
             kb = len(data) / 1024.0
-            result = await self._integrating("akd")(
+            result = await self._integrating(_AKD_LABEL)(
                 integrate_package,
                 self.host,
                 package,
@@ -1387,10 +1392,10 @@ class AgentDaemon:
             await self._report_refusal(d, getattr(exc, "reason", "error"))
             return
         self._note_interrupted(result.stats.interrupted, t, "integrate", result.stats.steps)
-        self._slot_integrated("akd")
+        self._slot_integrated(_AKD_LABEL)
         if result.rolled_back:
             # Undone by the acceptance gate; the CPM still hears the (negative) reward.
-            self.telemetry.rolled_back.labels("akd").inc()
+            self.telemetry.rolled_back.labels(_AKD_LABEL).inc()
             self._log_exchange(
                 self.log.warning,
                 "exchange_rolled_back",
@@ -1453,7 +1458,7 @@ class AgentDaemon:
             )
         except MergeRefused as exc:
             self._exchange_failed(d, "adapter_refused", exc)
-            await self._report_refusal(d, exc.reason)
+            await self._report_refusal(d, exc.reason, exc.space_mismatch)
             return
         except Exception as exc:  # a failed exchange is logged and the round goes on
             self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
@@ -1464,7 +1469,12 @@ class AgentDaemon:
         if result.rolled_back:
             self._log_exchange(self.log.warning, "exchange_rolled_back", d, *outcome)
         ack = await self._report(
-            d, result.reward, result.loss_pre, result.loss_post, result.kilobytes
+            d,
+            result.reward,
+            result.loss_pre,
+            result.loss_post,
+            result.kilobytes,
+            space_mismatch=result.space_mismatch,
         )
         if ack is None:
             return
@@ -1511,9 +1521,18 @@ class AgentDaemon:
         )
 
     async def _report(
-        self, d: cpm_pb2.Directive, reward: float, loss_pre: float, loss_post: float, kb: float
+        self,
+        d: cpm_pb2.Directive,
+        reward: float,
+        loss_pre: float,
+        loss_post: float,
+        kb: float,
+        *,
+        space_mismatch: Sequence[str] = (),
     ) -> cpm_pb2.ReportRewardResponse | None:
-        """Report Eq. 3 for a directive; None (logged, counted) when the CPM refuses it."""
+        """Report Eq. 3 for a directive, naming the senders whose adapter proved to be of
+        another parameter space (``space_mismatch``); None (logged, counted) when the CPM
+        refuses it."""
         try:
             ack = await self.cpm.report_reward(
                 d.directive_id,
@@ -1521,6 +1540,7 @@ class AgentDaemon:
                 loss_pre=loss_pre,
                 loss_post=loss_post,
                 kilobytes=round(kb),
+                space_mismatch=space_mismatch,
             )
         except grpc.aio.AioRpcError as err:
             # The knowledge is integrated either way; only the CPM's bandit misses this one.
@@ -1536,17 +1556,27 @@ class AgentDaemon:
         self.telemetry.rewards.inc()
         return ack
 
-    async def _report_refusal(self, d: cpm_pb2.Directive, reason: str) -> None:
+    async def _report_refusal(
+        self, d: cpm_pb2.Directive, reason: str, space_mismatch: Sequence[str] | None = None
+    ) -> None:
         """Tell the CPM the student refused ``d`` for ``reason``
         (:func:`~peerlm.agent.directives.refusal_failure`), so that its bandit learns the
-        tuple was bad; nothing for a reason that is this agent's own trouble."""
-        from peerlm.agent.directives import refusal_failure
+        tuple was bad; nothing for a reason that is this agent's own trouble.
+
+        ``space_mismatch``: the senders whose adapter proved to be of another parameter
+        space (a merge's own finding); by default the teacher when ``reason`` says its
+        package or adapter was (:func:`~peerlm.agent.directives.space_mismatches`)."""
+        from peerlm.agent.directives import refusal_failure, space_mismatches
 
         failure = refusal_failure(reason)
         if failure == cpm_pb2.EXCHANGE_FAILURE_UNSPECIFIED:
             return
+        if space_mismatch is None:
+            space_mismatch = space_mismatches([(d.teacher, reason)])
         try:
-            await self.cpm.report_reward(d.directive_id, 0.0, failure=failure)
+            await self.cpm.report_reward(
+                d.directive_id, 0.0, failure=failure, space_mismatch=space_mismatch
+            )
         except grpc.aio.AioRpcError as err:
             self.telemetry.exchange_failures.labels("reward_refused").inc()
             self.log.warning(
@@ -1562,6 +1592,7 @@ class AgentDaemon:
             teacher=d.teacher,
             reason=reason,
             failure=cpm_pb2.ExchangeFailure.Name(failure),
+            space_mismatch=list(space_mismatch),
         )
 
     def _exchange_failed(self, d: cpm_pb2.Directive, reason: str, exc: BaseException) -> None:

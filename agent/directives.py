@@ -28,7 +28,7 @@ the oldest. Expired ones are otherwise kept, so a late student learns *expired*
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar, Literal
@@ -48,6 +48,7 @@ __all__ = [
     "directive_action",
     "expires_at_seconds",
     "refusal_failure",
+    "space_mismatches",
 ]
 
 #: Most co-senders a merge directive may name: the CPM's ``MAX_MERGE_SENDERS`` - 1 (not
@@ -124,6 +125,26 @@ def refusal_failure(reason: str) -> cpm_pb2.ExchangeFailure.ValueType:
     which says nothing about the tuple the CPM chose: that directive expires unrewarded,
     as before."""
     return _REFUSALS.get(reason, _F.EXCHANGE_FAILURE_UNSPECIFIED)
+
+
+def space_mismatches(refusals: Iterable[tuple[str, str]]) -> tuple[str, ...]:
+    """The senders, of ``(sender, reason)`` refusals of their pulled adapters, whose
+    adapter proved to be of another parameter space than this agent's own: the reason is
+    one the adapter codec gives when the adapter's own spec (base model type, tokenizer
+    hash, LoRA ``r``/``alpha``, tensor names, shapes: every part of the fingerprint an
+    adapter carries) differs from this host's. In first-seen order, each once.
+
+    A student names them to the CPM with its report (``ReportRewardRequest.space_mismatch``)
+    as its disproof of the fingerprint each declared (docs/matchmaker.md, "The
+    fingerprint"). A sender that failed for any other reason (unreachable, a refused or
+    unverified pull, a corrupt, non-finite or over-norm adapter) proved nothing about its
+    space and is not named.
+    """
+    named: dict[str, None] = {}
+    for sender, reason in refusals:
+        if _REFUSALS.get(reason) == _F.EXCHANGE_FAILURE_PARAMETER_SPACE:
+            named.setdefault(sender, None)
+    return tuple(named)
 
 
 class DirectiveError(Exception):

@@ -42,6 +42,16 @@ Choices made here:
   exchange (``peerlm_agent_exchange_failures_total{reason="adapter_refused"}``), like an
   AKD package that cannot be used, and reports the refusal to the CPM by that reason
   (:func:`peerlm.agent.directives.refusal_failure`), so its bandit learns it.
+* **A sender whose adapter is of another parameter space is named to the CPM.** The CPM
+  paired the student only with senders that declared its own fingerprint; an adapter the
+  codec refuses for its spec (base model type, tokenizer, LoRA ``r``/``alpha``, tensor
+  names or shapes: the parts of the fingerprint an adapter carries) disproves that
+  sender's declaration. Those senders are :attr:`MergeOutcome.space_mismatch` (or
+  :attr:`MergeRefused.space_mismatch` when none was usable), and the daemon reports them
+  with the reward or the refusal (``ReportRewardRequest.space_mismatch``), so the CPM stops
+  pairing the liar (docs/matchmaker.md, "The fingerprint"). A sender that was unreachable,
+  or sent a corrupt, non-finite or over-norm adapter, proved nothing about its space and
+  is not named (:func:`peerlm.agent.directives.space_mismatches`).
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from peerlm.agent.acceptance import AcceptanceGate, judge
+from peerlm.agent.directives import space_mismatches
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.pull_aggregate import (
     Candidate,
@@ -62,9 +73,9 @@ from peerlm.agent.pull_aggregate import (
 from peerlm.agent.rounds import reward_eq3
 from peerlm.agent.training import TrainSettings
 from peerlm.overlay import Refusal
-from peerlm.services.cpm import MERGE_PROTOCOLS, PMIX, SVD_HKA
 
 from peerlm.node import NodeContext
+from peerlm.protocols import CATALOGUE, lookup
 
 __all__ = ["MergeOutcome", "MergeRefused", "merge_from_teacher"]
 
@@ -73,12 +84,15 @@ _NOT_SKIPS = frozenset({"rolled_back"})
 
 
 class MergeRefused(Exception):
-    """The teacher's adapter was not merged; ``reason`` is the pull's refusal reason."""
+    """The teacher's adapter was not merged; ``reason`` is the pull's refusal reason;
+    ``space_mismatch``: the senders whose adapter proved to be of another parameter space
+    (:func:`~peerlm.agent.directives.space_mismatches`)."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, space_mismatch: tuple[str, ...] = ()) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.space_mismatch = space_mismatch
 
 
 @dataclass(frozen=True)
@@ -86,7 +100,9 @@ class MergeOutcome:
     """What merging the senders' adapters did, and Eq. 3's reward for it.
 
     ``merged``: the senders whose adapters went into the merge (empty when the gate rolled
-    it back); ``skipped``: the senders left out, with their reasons."""
+    it back); ``skipped``: the senders left out, with their reasons; ``space_mismatch``:
+    those of them whose adapter proved to be of another parameter space than the
+    student's (:func:`~peerlm.agent.directives.space_mismatches`), for the CPM."""
 
     protocol: str
     loss_pre: float
@@ -97,6 +113,7 @@ class MergeOutcome:
     report: PullReport
     merged: tuple[str, ...] = ()
     skipped: tuple[Refusal, ...] = ()
+    space_mismatch: tuple[str, ...] = ()
 
 
 async def merge_from_teacher(
@@ -130,10 +147,11 @@ async def merge_from_teacher(
     adapter cannot be used is skipped and counted (module docstring); raises
     :class:`MergeRefused` when no sender's adapter was merged (the host unchanged).
     """
-    if protocol not in MERGE_PROTOCOLS:
-        raise ValueError(f"{protocol!r} is not a merge protocol ({PMIX}, {SVD_HKA})")
-    if protocol == SVD_HKA and (hka is None or not hka[0]):
-        raise ValueError("svd_hka needs public (prompt, completion) pairs for HKA")
+    merges = [entry.name for entry in CATALOGUE if entry.is_merge]
+    if protocol not in merges:
+        raise ValueError(f"{protocol!r} is not a merge protocol ({', '.join(merges)})")
+    if lookup(protocol).needs_public_pairs and (hka is None or not hka[0]):
+        raise ValueError(f"{protocol} needs public (prompt, completion) pairs for HKA")
     # A sender named twice (or this agent itself) would take a fan-out slot twice: the
     # directive is deduplicated here, in its order, before the cut, with the reasons the
     # pull's own selection gives (``duplicate``, ``self``); a directive no honest CPM sends.
@@ -190,6 +208,7 @@ async def merge_from_teacher(
     )
     for refusal in skipped:
         counter.labels(refusal.reason).inc()
+    mismatched = space_mismatches((r.peer, r.reason) for r in skipped)
     if report.applied or report.rolled_back:
         merged = tuple(p.peer for p in report.pulled)
         if merged:
@@ -203,14 +222,16 @@ async def merge_from_teacher(
         if not first:
             raise MergeRefused("not_integrated", "the aggregation left the adapter unchanged")
         refusal = first[0]
-        raise MergeRefused(refusal.reason, refusal.detail)
+        raise MergeRefused(refusal.reason, refusal.detail, mismatched)
     kilobytes = report.bytes_received / 1024.0
     pre, post = report.loss_pre, report.loss_post
     if probe_pre is not None and not report.rolled_back:
         pre, post = probe_pre, judge(probe_pre, await probe_loss(), None).loss_post
     reward = reward_eq3(pre, post, kilobytes, reward_gamma, reward_delta)
     if not math.isfinite(reward):
-        raise MergeRefused("non_finite", f"reward not finite (L_pre={pre}, L_post={post})")
+        raise MergeRefused(
+            "non_finite", f"reward not finite (L_pre={pre}, L_post={post})", mismatched
+        )
     return MergeOutcome(
         protocol,
         pre,
@@ -221,4 +242,5 @@ async def merge_from_teacher(
         report,
         merged=tuple(p.peer for p in report.pulled),
         skipped=skipped,
+        space_mismatch=mismatched,
     )

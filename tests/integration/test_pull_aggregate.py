@@ -605,6 +605,9 @@ async def test_a_merge_directive_refuses_an_adapter_of_another_space(
     with pytest.raises(MergeRefused) as err:
         await merge_from_teacher(_student(pki, registry), student, **_directive(teacher, target))
     assert err.value.reason == reason
+    # The CPM is told which sender's declared fingerprint the adapter disproved; an
+    # unreachable teacher proved nothing about its space.
+    assert err.value.space_mismatch == (() if teacher == "gone" else (teacher,))
     after = student.adapter_state()
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert _metric(registry, "peerlm_agent_overlay_pull_failures_total", reason=reason) == 1
@@ -776,6 +779,9 @@ async def test_an_svd_hka_directive_merges_every_usable_sender_and_skips_poisone
         "narrow": "shape",
         "gone": "unavailable",
     }
+    # Only the co-sender whose adapter is of another space is named to the CPM: not the
+    # poisoned ones of the right space, not the unreachable one.
+    assert out.space_mismatch == ("narrow",)
     assert out.report.weights == pytest.approx({"student": 1 / 3, "t1": 1 / 3, "t2": 1 / 3})
     states = {"student": before, **{n: world.hosts[n].adapter_state() for n in ("t1", "t2")}}
     clients = [ClientAdapter(states[n], r=8, alpha=16.0, name=n) for n in states]
@@ -808,7 +814,7 @@ async def test_a_pmix_directive_mixes_the_teacher_and_its_co_senders(
             "t1", t["t1"].target, pull=settings, margin=None, co_senders=[("t2", t["t2"].target)]
         ),
     )
-    assert out.merged == ("t1", "t2") and out.skipped == ()
+    assert out.merged == ("t1", "t2") and out.skipped == () and out.space_mismatch == ()
     weights = neighbour_weights({"t1": 1.0, "t2": 1.0}, self_id="student", kappa=settings.kappa)
     alpha = proximal_alpha(settings.eta, settings.psi)
     w1, w2 = world.hosts["t1"].adapter_state(), world.hosts["t2"].adapter_state()
@@ -840,6 +846,7 @@ async def test_a_merge_directive_whose_senders_all_fail_is_refused(world: World,
             ),
         )
     assert err.value.reason == "model_type"
+    assert err.value.space_mismatch == ("alien",)
     after = student.adapter_state()
     assert all(torch.equal(after[k], before[k]) for k in before)
     for reason in ("model_type", "non_finite", "unavailable"):

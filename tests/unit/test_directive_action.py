@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from peerlm.agent.directives import directive_action, refusal_failure
+from peerlm.agent.directives import directive_action, refusal_failure, space_mismatches
 from peerlm.agent.settings import AgentSettings
 from peerlm.services.cpm.menu import MENU, MERGE_PROTOCOLS
 
@@ -76,3 +76,35 @@ def test_every_reported_failure_is_one_the_cpm_accepts() -> None:
     from peerlm.services.cpm.refusals import FAILURE_REASONS
 
     assert set(directives._REFUSALS.values()) == set(FAILURE_REASONS)
+
+
+def test_only_senders_whose_adapter_is_of_another_space_are_named_to_the_cpm() -> None:
+    """A sender refused for its adapter's spec (backbone, tokenizer, LoRA scaling, tensor
+    names or shapes) disproved the fingerprint it declared and is named, once, in order;
+    an unreachable, unverified, corrupt, non-finite or over-norm sender proved nothing
+    about its space and is not."""
+    refusals = [
+        ("gone", "unavailable"),
+        ("alien", "model_type"),
+        ("late", "timeout"),
+        ("narrow", "shape"),
+        ("nan", "non_finite"),
+        ("huge", "norm"),
+        ("forged", "unverified_sender"),
+        ("scaled", "lora_config"),
+        ("alien", "keys"),
+        ("other_tok", "tokenizer"),
+        ("renamed", "keys"),
+        ("logits", "tokenizer_mismatch"),
+        ("over", "over_limit"),
+    ]
+    assert space_mismatches(refusals) == (
+        "alien",
+        "narrow",
+        "scaled",
+        "other_tok",
+        "renamed",
+        "logits",
+    )
+    assert space_mismatches([("gone", "unavailable"), ("late", "timeout")]) == ()
+    assert space_mismatches([]) == ()
