@@ -54,7 +54,6 @@ from peerlm.agent.cpm_client import CpmClient, next_directive
 from peerlm.agent.metrics import AgentTelemetry
 from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.rounds import (
-    PROTOCOL_LOGITS,
     PackageMode,
     ProfileInputs,
     RoundConfig,
@@ -69,6 +68,7 @@ from peerlm.chunks import HashedPayload
 from peerlm.config import parse_host_port
 from peerlm.node import NodeContext
 from peerlm.pki.identity import Role
+from peerlm.protocols import DEFAULT_PROTOCOL, lookup, names
 from peerlm.security.mode import resolve_channel_security
 from peerlm.wire.v1 import cpm_pb2
 
@@ -79,6 +79,9 @@ if TYPE_CHECKING:
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
 T = TypeVar("T")
+#: The metric label of every AKD integration, text or logits (``kind`` of the rollback and
+#: peer-slot counters): the default protocol's name, as it has always been.
+_AKD_LABEL = DEFAULT_PROTOCOL
 
 
 @dataclass
@@ -240,12 +243,14 @@ class AgentDaemon:
         )
         if s.reward_file and not self.reward_examples:
             raise ValueError(f"reward_file {s.reward_file} holds no problem to measure on")
-        # D_pub of OnePeFT's HKA (overlay.aggregation = "svd_hka"): public pairs only.
+        # D_pub of OnePeFT's HKA (an overlay aggregation that needs public pairs).
         self.public_pairs = (
             [(p.prompt, p.reference) for p in read_jsonl(s.public_file)] if s.public_file else []
         )
-        if s.overlay.aggregation == "svd_hka" and not self.public_pairs:
-            raise ValueError(f"public_file {s.public_file} holds no pair for svd_hka's HKA")
+        if lookup(s.overlay.aggregation).needs_public_pairs and not self.public_pairs:
+            raise ValueError(
+                f"public_file {s.public_file} holds no pair for {s.overlay.aggregation}'s HKA"
+            )
         # Held-out test problems per slice, for the report only (never trained on).
         self.slice_problems = {
             name: read_jsonl(path)[: s.eval_limit] if s.eval_limit else read_jsonl(path)
@@ -752,7 +757,8 @@ class AgentDaemon:
     def _wanted_mode(self, directive: cpm_pb2.Directive) -> PackageMode:
         mode = self.s.akd_mode
         if mode == "directive":
-            return "logits" if directive.protocol == PROTOCOL_LOGITS else "text"
+            payload = lookup(directive.protocol).payload
+            return "logits" if payload == "logits_package" else "text"
         return mode
 
     async def _teacher_predictions(
@@ -1111,13 +1117,12 @@ class AgentDaemon:
         """Do what the directive names (:func:`~peerlm.agent.directives.directive_action`);
         True when this agent integrated (or tried to) as the student."""
         from peerlm.agent.directives import MAX_CO_SENDERS, directive_action
-        from peerlm.services.cpm import MERGE_PROTOCOLS
 
         action = directive_action(
             directive.protocol,
             directive.role,
             self.protocols,
-            MERGE_PROTOCOLS,
+            names(kind="merge"),
             len(directive.co_senders),
         )
         if action == "refuse" and directive.protocol in self.protocols:
@@ -1362,7 +1367,7 @@ class AgentDaemon:
                 vet_student_package, package, self.host.tokenizer, self.guardrail, self.ctx
             )
             kb = len(data) / 1024.0
-            result = await self._integrating("akd")(
+            result = await self._integrating(_AKD_LABEL)(
                 integrate_package,
                 self.host,
                 package,
@@ -1387,10 +1392,10 @@ class AgentDaemon:
             await self._report_refusal(d, getattr(exc, "reason", "error"))
             return
         self._note_interrupted(result.stats.interrupted, t, "integrate", result.stats.steps)
-        self._slot_integrated("akd")
+        self._slot_integrated(_AKD_LABEL)
         if result.rolled_back:
             # Undone by the acceptance gate; the CPM still hears the (negative) reward.
-            self.telemetry.rolled_back.labels("akd").inc()
+            self.telemetry.rolled_back.labels(_AKD_LABEL).inc()
             self._log_exchange(
                 self.log.warning,
                 "exchange_rolled_back",

@@ -73,9 +73,9 @@ from peerlm.agent.pull_aggregate import (
 from peerlm.agent.rounds import reward_eq3
 from peerlm.agent.training import TrainSettings
 from peerlm.overlay import Refusal
-from peerlm.services.cpm import MERGE_PROTOCOLS, PMIX, SVD_HKA
 
 from peerlm.node import NodeContext
+from peerlm.protocols import CATALOGUE, lookup
 
 __all__ = ["MergeOutcome", "MergeRefused", "merge_from_teacher"]
 
@@ -147,10 +147,11 @@ async def merge_from_teacher(
     adapter cannot be used is skipped and counted (module docstring); raises
     :class:`MergeRefused` when no sender's adapter was merged (the host unchanged).
     """
-    if protocol not in MERGE_PROTOCOLS:
-        raise ValueError(f"{protocol!r} is not a merge protocol ({PMIX}, {SVD_HKA})")
-    if protocol == SVD_HKA and (hka is None or not hka[0]):
-        raise ValueError("svd_hka needs public (prompt, completion) pairs for HKA")
+    merges = [entry.name for entry in CATALOGUE if entry.is_merge]
+    if protocol not in merges:
+        raise ValueError(f"{protocol!r} is not a merge protocol ({', '.join(merges)})")
+    if lookup(protocol).needs_public_pairs and (hka is None or not hka[0]):
+        raise ValueError(f"{protocol} needs public (prompt, completion) pairs for HKA")
     # A sender named twice (or this agent itself) would take a fan-out slot twice: the
     # directive is deduplicated here, in its order, before the cut, with the reasons the
     # pull's own selection gives (``duplicate``, ``self``); a directive no honest CPM sends.

@@ -67,7 +67,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 from peerlm.agent.acceptance import AcceptanceGate, Verdict
@@ -98,6 +98,7 @@ from peerlm.overlay import (
 from pydantic import BaseModel, ConfigDict, Field
 
 from peerlm.node import NodeContext
+from peerlm.protocols import DEFAULT_OVERLAY_AGGREGATION, SVD_HKA, lookup
 
 __all__ = [
     "ADAPTER_FORMAT",
@@ -149,9 +150,10 @@ class PullSettings(BaseModel):
     kappa: float = Field(default=DEFAULT_KAPPA, gt=0, description="Softmax temperature.")
     eta: float = Field(default=DEFAULT_ETA, gt=0, description="Proximal step size.")
     psi: float = Field(default=DEFAULT_PSI, ge=0, description="Personalisation weight.")
-    method: Literal["pmix", "svd_hka"] = Field(
-        default="pmix",
-        description="pmix: the PDFL step; svd_hka: OnePeFT's SVD aggregation and HKA.",
+    method: str = Field(
+        default=DEFAULT_OVERLAY_AGGREGATION,
+        description="A merge protocol of the catalogue (peerlm.protocols): pmix, the PDFL "
+        "step; svd_hka: OnePeFT's SVD aggregation and HKA.",
     )
     hka_alpha: float = Field(default=0.5, ge=0, le=1, description="OnePeFT Eq. 6's alpha.")
     hka_steps: int = Field(default=8, ge=1, le=10_000, description="HKA optimiser steps.")
@@ -393,9 +395,9 @@ def integrate_adapters(
     ``neighbours`` must already have passed the codec's checks (:func:`pull_and_aggregate`
     does that; the in-process experiment hands over adapters of its own clients)."""
     own = host.adapter_state()
-    if settings.method == "svd_hka":
+    if settings.method == SVD_HKA.name:
         if hka is None:
-            raise ValueError("svd_hka needs public pairs and training settings")
+            raise ValueError(f"{SVD_HKA.name} needs public pairs and training settings")
         pre = gate.loss(host) if gate is not None else math.nan
         report = _one_shot(host, own, neighbours, similarities, settings, self_name, hka)
         return report, (gate.settle(host, own, pre) if gate is not None else None), pre
@@ -449,8 +451,10 @@ async def pull_and_aggregate(
     is refused ``signature_mismatch``.
     """
     cfg = settings or PullSettings()
-    if cfg.method == "svd_hka" and (hka is None or not hka[0]):
-        raise ValueError("aggregation svd_hka needs public (prompt, completion) pairs for HKA")
+    if lookup(cfg.method).needs_public_pairs and (hka is None or not hka[0]):
+        raise ValueError(
+            f"aggregation {cfg.method} needs public (prompt, completion) pairs for HKA"
+        )
     run: ModelRunner = run_model or _inline
     logger: Any = ctx.log
     self_name = ctx.name

@@ -50,8 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PACKAGE_MODES",
-    "PROTOCOL_LOGITS",
-    "PROTOCOL_TEXT",
     "Integration",
     "PackageMode",
     "ProfileInputs",
@@ -74,9 +72,6 @@ __all__ = [
 
 PackageMode = Literal["text", "logits"]
 PACKAGE_MODES: tuple[PackageMode, ...] = ("text", "logits")
-#: Directive protocols (K_rec) an agent understands: AKD on decoded text, AKD on logits.
-PROTOCOL_TEXT = "akd"
-PROTOCOL_LOGITS = "akd_logits"
 
 
 def linear_schedule(start: float, end: float, t: int, total: int) -> float:

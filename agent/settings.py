@@ -17,6 +17,7 @@ from pydantic_settings import SettingsConfigDict
 
 from peerlm.config import MiB, Section, ServiceSettings, parse_host_port
 from peerlm.pki.identity import NAME_PATTERN as _AGENT_NAME
+from peerlm.protocols import DEFAULT_OVERLAY_AGGREGATION, check_names, lookup, names
 
 __all__ = ["AgentOverlaySettings", "AgentSettings", "FedProxySettings", "PeerSendSettings"]
 
@@ -100,10 +101,12 @@ class AgentOverlaySettings(Section):
     # first overlay build skip the pull (outcome ``query_refused``).
     placement_wait_s: float = Field(default=0.0, ge=0)
     leave_grace_s: float = Field(default=2.0, ge=0)
-    # What the pulled adapters become: "pmix", SemanticDFL's personalised mixing (the PDFL
-    # step), or "svd_hka", OnePeFT's SVD aggregation refined by HKA on the agent's public
-    # pairs (``public_file``), hka_steps optimiser steps at Eq. 6's hka_alpha.
-    aggregation: Literal["pmix", "svd_hka"] = "pmix"
+    # What the pulled adapters become: a merge protocol of the catalogue that aggregates
+    # overlay pulls (peerlm.protocols, overlay_aggregation): pmix, SemanticDFL's
+    # personalised mixing (the PDFL step), or svd_hka, OnePeFT's SVD aggregation refined by
+    # HKA on the agent's public pairs (``public_file``), hka_steps optimiser steps at Eq. 6's
+    # hka_alpha.
+    aggregation: str = DEFAULT_OVERLAY_AGGREGATION
     # OnePeFT's one-shot mode: after joining, the agent pulls and aggregates until one step
     # has aggregated (outcome ``aggregated``), then only publishes its signature each round
     # (outcome ``published``). A restart is a re-join: it aggregates once again. False:
@@ -111,6 +114,16 @@ class AgentOverlaySettings(Section):
     aggregate_once: bool = False
     hka_alpha: float = Field(default=0.5, ge=0, le=1)
     hka_steps: int = Field(default=8, ge=1, le=10_000)
+
+    @field_validator("aggregation")
+    @classmethod
+    def _aggregates_overlay_pulls(cls, v: str) -> str:
+        if v not in names(overlay_aggregation=True):
+            raise ValueError(
+                f"unknown aggregation {v[:40]!r}; one of "
+                f"{', '.join(names(overlay_aggregation=True))}"
+            )
+        return v
 
 
 class FedProxySettings(Section):
@@ -254,7 +267,8 @@ class AgentSettings(ServiceSettings):
     transfer_file: Path = Path("data/transfer.jsonl")
     transfer_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     # Public labelled pairs (JSONL problems: prompt + reference), D_pub of OnePeFT's HKA;
-    # needed by overlay.aggregation = "svd_hka" only. Never private data.
+    # needed only by the protocols whose entry says needs_public_pairs (svd_hka). Never
+    # private data.
     public_file: Path | None = None
     # Rounds (Algorithm 3) and local training (Table 6; tiny models need a larger lr).
     rounds: int = Field(default=20, ge=0)
@@ -275,9 +289,9 @@ class AgentSettings(ServiceSettings):
     # student's tokenizer is ours; logits fall back to text for any other tokenizer.
     akd_mode: Literal["directive", "text", "logits"] = "directive"
     # The CPM directives' protocols this agent executes, advertised in its profile (the
-    # CPM never recommends another): akd, akd_logits, pmix, svd_hka. None: every one it can
-    # (svd_hka only with public_file, which its HKA distils on).
-    protocols: tuple[Literal["akd", "akd_logits", "pmix", "svd_hka"], ...] | None = None
+    # CPM never recommends another): names of peerlm.protocols' catalogue. None: every one
+    # it can (those that need public pairs only with public_file, which they align on).
+    protocols: tuple[str, ...] | None = None
     logits_top_k: int = Field(default=16, ge=1, le=1024)
     # What this agent answers of X_u as a teacher (peerlm.agent.teaching): "all" (the
     # paper's Eq. 2), or "competent": the prompts of categories where the Wilson lower bound
@@ -332,6 +346,11 @@ class AgentSettings(ServiceSettings):
     # router and VCLayer to the workflow's agents, pulls theirs). Off without a workflow.
     fedwave: FedWaveSettings = FedWaveSettings()
 
+    @field_validator("protocols")
+    @classmethod
+    def _protocols_in_catalogue(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return None if v is None else check_names(v)
+
     @field_validator("cpm", "advertise")
     @classmethod
     def _target_is_host_port(cls, v: str | None) -> str | None:
@@ -341,24 +360,25 @@ class AgentSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _hka_has_public_pairs(self) -> AgentSettings:
-        if self.overlay.aggregation == "svd_hka" and self.public_file is None:
+        aggregation = self.overlay.aggregation
+        if lookup(aggregation).needs_public_pairs and self.public_file is None:
             raise ValueError(
-                "overlay.aggregation 'svd_hka' distils on public pairs: set public_file "
+                f"overlay.aggregation {aggregation!r} distils on public pairs: set public_file "
                 "(JSONL problems with prompt and reference)"
             )
-        if self.protocols is not None:
-            if len(set(self.protocols)) != len(self.protocols):
-                raise ValueError("protocols must not repeat a name")
-            if "svd_hka" in self.protocols and self.public_file is None:
-                raise ValueError(
-                    "protocols names svd_hka, whose HKA distils on public pairs: set "
-                    "public_file (JSONL problems with prompt and reference)"
-                )
+        if self.protocols is not None and self.public_file is None:
+            for name in self.protocols:
+                if lookup(name).needs_public_pairs:
+                    raise ValueError(
+                        f"protocols names {name}, whose HKA distils on public pairs: set "
+                        "public_file (JSONL problems with prompt and reference)"
+                    )
         return self
 
     def executed_protocols(self) -> tuple[str, ...]:
         """The protocols this agent executes and advertises (``protocols`` resolved)."""
         if self.protocols is not None:
             return tuple(self.protocols)
-        every = ("akd", "akd_logits", "pmix", "svd_hka")
-        return every if self.public_file is not None else every[:3]
+        if self.public_file is not None:
+            return names()
+        return names(needs_public_pairs=False)

@@ -68,6 +68,8 @@ from peerlm.services.cpm import (
     top_k_partners,
 )
 
+from peerlm.protocols import DEFAULT_PROTOCOL
+
 __all__ = [
     "EXTRA_METHODS",
     "METHODS",
@@ -256,7 +258,7 @@ class _MabwiserPolicy:
         from mabwiser.mab import MAB, LearningPolicy
 
         self._mab = MAB(
-            arms=["akd"],
+            arms=[DEFAULT_PROTOCOL],
             learning_policy=LearningPolicy.LinUCB(alpha=alpha, l2_lambda=1.0),
             seed=seed,
         )
@@ -284,7 +286,7 @@ class _MabwiserPolicy:
             Pairing(
                 sender=ids[int(senders[c])],
                 receiver=ids[int(receivers[c])],
-                protocol="akd",
+                protocol=DEFAULT_PROTOCOL,
                 role="one_way",
                 context=contexts[c],
                 ucb=0.0,
@@ -297,16 +299,16 @@ class _MabwiserPolicy:
         r = self._normaliser.update(float(reward))
         x = np.asarray(pairing.context, dtype=np.float64)[None, :]
         if self._fitted:
-            self._mab.partial_fit(["akd"], [r], x)
+            self._mab.partial_fit([DEFAULT_PROTOCOL], [r], x)
         else:
-            self._mab.fit(["akd"], [r], x)
+            self._mab.fit([DEFAULT_PROTOCOL], [r], x)
             self._fitted = True
         return r
 
 
 def _expectations(out: Any) -> FloatArray:
     rows = out if isinstance(out, list) else [out]
-    return np.array([float(d["akd"]) for d in rows], dtype=np.float64)
+    return np.array([float(d[DEFAULT_PROTOCOL]) for d in rows], dtype=np.float64)
 
 
 def mabwiser_available() -> bool:
@@ -692,12 +694,12 @@ def _mabwiser_speed(params: BenchParams, seed: int = 0) -> dict[str, Any]:
 
     def new_mab() -> Any:
         mab = MAB(
-            arms=["akd"],
+            arms=[DEFAULT_PROTOCOL],
             learning_policy=LearningPolicy.LinUCB(alpha=_BETA, l2_lambda=1.0),
             seed=seed,
         )
         x0 = candidates(8)[:4]
-        mab.fit(["akd"] * 4, rng.normal(size=4).tolist(), x0)
+        mab.fit([DEFAULT_PROTOCOL] * 4, rng.normal(size=4).tolist(), x0)
         return mab
 
     xs = candidates(params.mabwiser_n)
@@ -710,13 +712,13 @@ def _mabwiser_speed(params: BenchParams, seed: int = 0) -> dict[str, Any]:
         mab = new_mab()
         t0 = time.perf_counter()
         for i in range(m):
-            mab.partial_fit(["akd"], [float(rewards[i])], rows[i : i + 1])
+            mab.partial_fit([DEFAULT_PROTOCOL], [float(rewards[i])], rows[i : i + 1])
         single = max(single, m / (time.perf_counter() - t0))
         mab = new_mab()
         t0 = time.perf_counter()
         for lo in range(0, m, batch):
             hi = min(m, lo + batch)
-            mab.partial_fit(["akd"] * (hi - lo), rewards[lo:hi].tolist(), rows[lo:hi])
+            mab.partial_fit([DEFAULT_PROTOCOL] * (hi - lo), rewards[lo:hi].tolist(), rows[lo:hi])
         batched = max(batched, m / (time.perf_counter() - t0))
         bandit = LinUCB(features.dim)
         t0 = time.perf_counter()

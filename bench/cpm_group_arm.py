@@ -42,6 +42,8 @@ import scipy.stats
 from numpy.typing import NDArray
 from peerlm.services.cpm import Capabilities, Matchmaker
 
+from peerlm.protocols import SVD_HKA
+
 __all__ = ["GroupArmRun", "compare", "render_report", "report_lines", "run_group_arm"]
 
 Scenario = Literal["mix", "diversity"]
@@ -76,7 +78,7 @@ def _world(
         profiles[name] = np.array([mix, mix, *rng.uniform(-0.3, 0.3, 2)])
     senders = frozenset(a for a, s in skill.items() if s >= 0)
     caps = {
-        a: Capabilities("ps", ("svd_hka",), senders if s < 0 else frozenset())
+        a: Capabilities("ps", (SVD_HKA.name,), senders if s < 0 else frozenset())
         for a, s in skill.items()
     }
     return profiles, caps, skill
@@ -112,7 +114,7 @@ def run_group_arm(
     m = Matchmaker(
         _PROFILE_DIM,
         beta=beta,
-        protocols=("svd_hka",),
+        protocols=(SVD_HKA.name,),
         seed=seed,
         merge_senders=merge_senders,
         co_sender_scoring=scoring,

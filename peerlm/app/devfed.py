@@ -36,6 +36,13 @@ from peerlm.app.private_state import PRIVATE_UMASK, make_private, tighten
 from peerlm.node import NodeContext
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
+from peerlm.protocols import (
+    DEFAULT_OVERLAY_AGGREGATION,
+    DEFAULT_PROTOCOL,
+    check_names,
+    lookup,
+)
+from peerlm.protocols import names as protocol_names
 from peerlm.security.credentials import TlsFiles
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
@@ -138,7 +145,7 @@ async def _run(
     agent_argv: AgentArgv,
     metrics_port: int | None,
     console: Console | None,
-    protocols: tuple[str, ...] = ("akd",),
+    protocols: tuple[str, ...] = (DEFAULT_PROTOCOL,),
     round_of: Callable[[str], int] | None = None,
     merge_senders: int = 1,
     co_sender_scoring: str = "pair",
@@ -345,8 +352,9 @@ class RealPlan:
     alpha: float = 0.1
     overlay: bool = False
     family: str | None = None
-    # What overlay pulls become: "pmix" (SemanticDFL) or "svd_hka" (OnePeFT).
-    aggregation: str = "pmix"
+    # What overlay pulls become: a catalogue merge that aggregates overlay pulls
+    # (peerlm.protocols; pmix, SemanticDFL, or svd_hka, OnePeFT).
+    aggregation: str = DEFAULT_OVERLAY_AGGREGATION
     # OnePeFT's one-shot mode: each agent aggregates once after joining (overlay.aggregate_once).
     one_shot: bool = False
     # Where a student measures Eq. 3's losses: "val" (its validation data, the paper),
@@ -681,10 +689,14 @@ def up_command(
     aggregation: Annotated[
         str,
         typer.Option(
-            help="With --overlay, what the pulled adapters become: pmix (SemanticDFL's "
-            "personalised mixing) or svd_hka (OnePeFT: SVD aggregation + HKA on public pairs)."
+            help="With --overlay, what the pulled adapters become: one of "
+            + ", ".join(
+                f"{e} ({lookup(e).paper}: {lookup(e).summary})"
+                for e in protocol_names(overlay_aggregation=True)
+            )
+            + "."
         ),
-    ] = "pmix",
+    ] = DEFAULT_OVERLAY_AGGREGATION,
     one_shot: Annotated[
         bool,
         typer.Option(
@@ -697,11 +709,11 @@ def up_command(
     protocols: Annotated[
         str,
         typer.Option(
-            help="The CPM's protocol menu K_rec, comma-separated: akd, akd_logits, pmix, "
-            "svd_hka (docs/matchmaker.md). All but akd are recommended only between agents "
-            "of one parameter space: combine with --family."
+            help=f"The CPM's protocol menu K_rec, comma-separated: {', '.join(protocol_names())} "
+            f"(docs/matchmaker.md). {', '.join(protocol_names(admissibility='same_space'))} are "
+            "recommended only between agents of one parameter space: combine with --family."
         ),
-    ] = "akd",
+    ] = DEFAULT_PROTOCOL,
     reward: Annotated[
         str,
         typer.Option(
@@ -715,8 +727,9 @@ def up_command(
         typer.Option(
             min=1,
             max=16,
-            help="Most senders one CPM merge directive (pmix, svd_hka) names: the teacher "
-            "and up to this many minus one co-senders (docs/matchmaker.md).",
+            help="Most senders one CPM merge directive "
+            f"({', '.join(protocol_names(co_senders=True))}) "
+            "names: the teacher and up to this many minus one co-senders (docs/matchmaker.md).",
         ),
     ] = 1,
     co_sender_scoring: Annotated[
@@ -772,34 +785,41 @@ def up_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a local federation (dev CA, CPM, N agents) on loopback with real mTLS."""
-    from peerlm.services.cpm import MENU
-
     # Every flag is checked before anything is touched: a typo must not cost the last run's
     # database and checkpoints.
     if family is not None and family not in ARCHS:
         raise typer.BadParameter(f"unknown family {family!r}; one of {', '.join(ARCHS)}")
     if simulated and (overlay or family):
         raise typer.BadParameter("--overlay and --family need model-hosting agents")
-    if aggregation not in ("pmix", "svd_hka"):
-        raise typer.BadParameter(f"unknown aggregation {aggregation!r}; pmix or svd_hka")
+    overlay_merges = protocol_names(overlay_aggregation=True)
+    if aggregation not in overlay_merges:
+        raise typer.BadParameter(
+            f"unknown aggregation {aggregation!r}; one of {', '.join(overlay_merges)}"
+        )
     if reward not in ("val", "probe", "lacked"):
         raise typer.BadParameter(f"unknown reward {reward!r}; val, probe or lacked")
     if simulated and reward != RealPlan.reward:
         raise typer.BadParameter("simulated agents measure no reward: leave --reward out")
-    if aggregation != "pmix" and not overlay:
+    if aggregation != DEFAULT_OVERLAY_AGGREGATION and not overlay:
         raise typer.BadParameter("--aggregation applies to overlay pulls: add --overlay")
     if one_shot and not overlay:
         raise typer.BadParameter("--one-shot applies to overlay pulls: add --overlay")
     menu = tuple(p.strip() for p in protocols.split(",") if p.strip())
-    unknown = [p for p in menu if p not in MENU]
-    if not menu or unknown or len(set(menu)) != len(menu):
+    try:
+        check_names(menu)
+    except ValueError:
+        menu = ()
+    if not menu:
         raise typer.BadParameter(
-            f"--protocols {protocols!r}: name each of {', '.join(MENU)} at most once"
+            f"--protocols {protocols!r}: name each of {', '.join(protocol_names())} at most once"
         )
-    if simulated and menu != ("akd",):
-        raise typer.BadParameter("simulated agents execute akd only: leave --protocols out")
-    if merge_senders != 1 and not set(menu) & {"pmix", "svd_hka"}:
-        raise typer.BadParameter("--merge-senders applies to merge protocols: add pmix or svd_hka")
+    if simulated and menu != (DEFAULT_PROTOCOL,):
+        raise typer.BadParameter(
+            f"simulated agents execute {DEFAULT_PROTOCOL} only: leave --protocols out"
+        )
+    if merge_senders != 1 and not any(lookup(p).co_senders for p in menu):
+        merges = " or ".join(protocol_names(co_senders=True))
+        raise typer.BadParameter(f"--merge-senders applies to merge protocols: add {merges}")
     if co_sender_scoring not in ("pair", "group"):
         raise typer.BadParameter("--co-sender-scoring must be 'pair' or 'group'")
     if co_sender_scoring != "pair" and merge_senders == 1:
@@ -822,9 +842,9 @@ def up_command(
             overlay=overlay,
             workflow=workflow,
             resume=resume,
-            protocols=menu != ("akd",),
+            protocols=menu != (DEFAULT_PROTOCOL,),
             reward=reward != RealPlan.reward,
-            aggregation=aggregation != "pmix",
+            aggregation=aggregation != DEFAULT_OVERLAY_AGGREGATION,
             merge_senders=merge_senders != 1,
             heterogeneity=heterogeneity != "high",
         )
@@ -832,7 +852,7 @@ def up_command(
     elif workflow:
         from peerlm.app.devfed_workflow import WORKFLOW_AGENTS
 
-        if simulated or overlay or menu != ("akd",) or reward != RealPlan.reward:
+        if simulated or overlay or menu != (DEFAULT_PROTOCOL,) or reward != RealPlan.reward:
             raise typer.BadParameter(
                 "--workflow runs model-hosting FedWave experts: leave out --simulated, "
                 "--overlay, --protocols and --reward"

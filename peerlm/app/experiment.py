@@ -162,6 +162,7 @@ from peerlm.app.experiment_overlay import OverlayView
 from peerlm.app.experiment_participant import participant_report, render_participant
 from peerlm.app.experiment_slices import SLICES, ClientSlices, slices_of_world
 from peerlm.app.experiment_stats import paired_bootstrap, paired_share
+from peerlm.protocols import DEFAULT_PROTOCOL, lookup, names
 
 if TYPE_CHECKING:
     from peerlm.agent import (
@@ -228,6 +229,11 @@ STRATEGIES: tuple[str, ...] = (
 #: on two idle cores here (docs/experiment.md), where the whole table takes over an hour
 #: (the Oracle alone about 35 minutes of a core a seed).
 DEFAULT_STRATEGIES: tuple[str, ...] = ("local_plus", "random", "cpm")
+#: The CPM with one protocol of the catalogue forced for everyone, by strategy name
+#: (``cpm_<protocol>``; ``cpm`` itself is the default protocol forced).
+_FORCED: Mapping[str, str] = MappingProxyType(
+    {f"cpm_{name}": name for name in names() if name != DEFAULT_PROTOCOL}
+)
 LABELS: Mapping[str, str] = {
     "local": "LocalOnly",
     "local_plus": "LocalOnly+",
@@ -249,9 +255,7 @@ LABELS: Mapping[str, str] = {
     "cpm_menu": "KNEXA-FL (CPM, full menu)",
     "cpm_menu_overlay": "KNEXA-FL (CPM, full menu) + overlay",
     "overlay_topk": "SemanticDFL overlay (top-K, PDFL)",
-    "cpm_akd_logits": "CPM, akd_logits forced",
-    "cpm_pmix": "CPM, pmix forced",
-    "cpm_svd_hka": "CPM, svd_hka forced",
+    **{strategy: f"CPM, {name} forced" for strategy, name in _FORCED.items()},
     "fedproxy_hties": "FedProxy (H-TIES+PCR)",
     "fedproxy_hties_nopcr": "FedProxy H-TIES, no PCR",
     "fedproxy_fedavg": "FedAvg of proxies",
@@ -272,16 +276,10 @@ MERGE_STRATEGIES: tuple[str, ...] = (
     "onepeft_multi_ce",
     "fedavg_lora_plus",
 )
-#: The CPM recommending among the whole menu (akd, akd_logits, pmix,
-#: svd_hka): known, not run by default; meant for clients of one family (``--family``),
-#: since every protocol but akd needs a shared parameter space.
-MENU_STRATEGIES: tuple[str, ...] = (
-    "cpm_menu",
-    "cpm_menu_overlay",
-    "cpm_akd_logits",
-    "cpm_pmix",
-    "cpm_svd_hka",
-)
+#: The CPM recommending among the whole menu (the catalogue, :mod:`peerlm.protocols`), or
+#: one of its protocols forced: known, not run by default; meant for clients of one family
+#: (``--family``), since every protocol but akd needs a shared parameter space.
+MENU_STRATEGIES: tuple[str, ...] = ("cpm_menu", "cpm_menu_overlay", *_FORCED)
 #: The SemanticDFL overlay as an agent runs it
 #: (:mod:`peerlm.app.experiment_overlay`): alone, known, not run by default.
 OVERLAY_STRATEGIES: tuple[str, ...] = ("overlay_topk",)
@@ -290,12 +288,10 @@ _WITH_OVERLAY: frozenset[str] = frozenset({"overlay_topk", "cpm_menu_overlay"})
 #: The protocols each CPM strategy may recommend: the menu, or one forced for everyone
 #: (``cpm`` itself is akd forced).
 CPM_PROTOCOLS: Mapping[str, tuple[str, ...]] = {
-    "cpm": ("akd",),
-    "cpm_menu": ("akd", "akd_logits", "pmix", "svd_hka"),
-    "cpm_menu_overlay": ("akd", "akd_logits", "pmix", "svd_hka"),
-    "cpm_akd_logits": ("akd_logits",),
-    "cpm_pmix": ("pmix",),
-    "cpm_svd_hka": ("svd_hka",),
+    "cpm": (DEFAULT_PROTOCOL,),
+    "cpm_menu": names(),
+    "cpm_menu_overlay": names(),
+    **{strategy: (name,) for strategy, name in _FORCED.items()},
 }
 #: Every strategy ``--strategies`` accepts.
 KNOWN_STRATEGIES: tuple[str, ...] = (
@@ -319,9 +315,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("cpm_menu_overlay", "cpm_menu"),
     ("cpm_menu_overlay", "overlay_topk"),
     ("cpm_menu", "cpm"),
-    ("cpm_menu", "cpm_akd_logits"),
-    ("cpm_menu", "cpm_pmix"),
-    ("cpm_menu", "cpm_svd_hka"),
+    *(("cpm_menu", strategy) for strategy in _FORCED),
     ("cpm_menu", "local_plus"),
     ("cpm", "random"),
     ("cpm", "local_plus"),
@@ -554,7 +548,7 @@ class ExperimentPlan:
             transfer_per_private=self.transfer_per_private,
         )
 
-    def cpm_settings(self, seed: int = 0, protocols: tuple[str, ...] = ("akd",)) -> Any:
+    def cpm_settings(self, seed: int = 0, protocols: tuple[str, ...] = (DEFAULT_PROTOCOL,)) -> Any:
         """The CPM service's settings the plan's CPM strategies run with."""
         from peerlm.services.cpm import CpmSettings
 
@@ -1491,10 +1485,11 @@ def _menu_exchange(
         i = clients.index(student)
         config = _round_config(plan, seed, i, integration=True)
         record: dict[str, Any]
-        if pairing.protocol in ("akd", "akd_logits"):
+        entry = lookup(pairing.protocol)
+        if entry.kind == "distillation":
             directive = f"cpm-{pairing.protocol}-{t}-{teacher.name}-{student.name}"
             mode: Literal["text", "logits"] = (
-                "logits" if pairing.protocol == "akd_logits" else "text"
+                "logits" if entry.payload == "logits_package" else "text"
             )
             predictions = _predictions(world, teacher, t)
             package, kb = _package(world, teacher, predictions, directive, mode)
@@ -1531,7 +1526,7 @@ def _menu_exchange(
                     gate,
                     (world.public_pairs, config.train_settings(t)),
                 )
-            if pairing.protocol == "svd_hka":
+            if entry.needs_public_pairs:  # HKA's optimiser steps on the public pairs
                 student.peer_steps += plan.integration_steps
             if verdict is None:  # the aggregation refused the teacher: no reward, as an agent
                 continue

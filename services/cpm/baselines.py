@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from peerlm.protocols import DEFAULT_PROTOCOL
+
 from .matching import max_weight_disjoint
 from .matchmaker import Pairing
 from .normalise import check_reward
@@ -78,7 +80,7 @@ class RandomMatchmaker:
     def __init__(
         self,
         pair_budget: int | None = None,
-        protocols: Sequence[str] = ("akd",),
+        protocols: Sequence[str] = (DEFAULT_PROTOCOL,),
         seed: int = 0,
         *,
         profile_dim: int = 32,
@@ -175,7 +177,7 @@ class HeteroGreedyMatchmaker:
     def __init__(
         self,
         pair_budget: int | None = None,
-        protocol: str = "akd",
+        protocol: str = DEFAULT_PROTOCOL,
         profile_dim: int = 32,
         *,
         layout: ProfileLayout = PROFILE_LAYOUT,
@@ -236,7 +238,7 @@ class OracleMatchmaker:
         self,
         reward_fn: RewardFn,
         pair_budget: int | None = None,
-        protocols: Sequence[str] = ("akd",),
+        protocols: Sequence[str] = (DEFAULT_PROTOCOL,),
         *,
         profile_dim: int = 32,
     ) -> None:

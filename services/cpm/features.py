@@ -52,6 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from peerlm.protocols import DEFAULT_PROTOCOL
+
 __all__ = ["ContextFeatures", "FeatureLayout"]
 
 
@@ -115,7 +117,7 @@ class ContextFeatures:
     def __init__(
         self,
         profile_dim: int,
-        protocols: Sequence[str] = ("akd",),
+        protocols: Sequence[str] = (DEFAULT_PROTOCOL,),
         roles: Sequence[str] = ("one_way",),
         *,
         interaction: bool = True,

@@ -59,6 +59,8 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from peerlm.protocols import DEFAULT_PROTOCOL
+
 from .features import ContextFeatures
 from .linucb import LinUCB, PairTables
 from .matching import greedy_disjoint, max_weight_disjoint
@@ -344,7 +346,7 @@ class Matchmaker:
         profile_dim: int = 32,
         beta: float = 1.0,
         pair_budget: int | None = None,
-        protocols: Sequence[str] = ("akd",),
+        protocols: Sequence[str] = (DEFAULT_PROTOCOL,),
         seed: int = 0,
         *,
         roles: Sequence[str] = ("one_way",),

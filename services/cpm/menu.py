@@ -1,6 +1,7 @@
 """The knowledge-exchange menu K_rec and which (pair, protocol) tuples are admissible.
 
-The menu (``docs/matchmaker.md``, "The menu"):
+The menu (``docs/matchmaker.md``, "The menu") is the kernel's protocol catalogue
+(:mod:`peerlm.protocols`); this module reads its entries' attributes, never their names:
 
 ============  =========================================================================
 protocol      what the student does with the teacher (the directive's sender)
@@ -17,8 +18,9 @@ Admissibility, decided from profiles only (the CPM never sees parameters):
 * a protocol is admissible for a pair only if **both** agents advertise it
   (:attr:`Capabilities.protocols`; an agent that advertises nothing is taken to support
   :data:`DEFAULT_AGENT_PROTOCOLS`, i.e. ``akd``, what every peerlm agent has always done);
-* a protocol of :data:`SAME_SPACE_PROTOCOLS` (the merges, and logits distillation, which
-  needs one tokenizer) is admissible only between agents that declared the **same
+* a protocol of :data:`SAME_SPACE_PROTOCOLS` (admissibility ``same_space`` in the
+  catalogue: the merges, and logits distillation, which needs one tokenizer) is
+  admissible only between agents that declared the **same
   non-empty parameter-space fingerprint** (:attr:`Capabilities.param_space`), and not
   between two agents one of which disproved the other's fingerprint by a pulled adapter
   (:attr:`Capabilities.space_excluded`; docs/matchmaker.md, "The fingerprint").
@@ -45,18 +47,16 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from peerlm.protocols import DEFAULT_PROTOCOL, names
+
 __all__ = [
-    "AKD",
-    "AKD_LOGITS",
     "DEFAULT_AGENT_PROTOCOLS",
     "MAX_ADVERTISED_PROTOCOLS",
     "MAX_OVERLAY_PEERS",
     "MAX_PARAM_SPACE_LEN",
     "MENU",
     "MERGE_PROTOCOLS",
-    "PMIX",
     "SAME_SPACE_PROTOCOLS",
-    "SVD_HKA",
     "AdmissibilityMask",
     "Capabilities",
     "check_overlay_peers",
@@ -64,18 +64,14 @@ __all__ = [
     "check_protocols",
 ]
 
-AKD = "akd"
-AKD_LOGITS = "akd_logits"
-PMIX = "pmix"
-SVD_HKA = "svd_hka"
 #: Every protocol the CPM may recommend (K_rec); a deployment configures a subset.
-MENU = (AKD, AKD_LOGITS, PMIX, SVD_HKA)
+MENU = names()
 #: Protocols whose student pulls and merges the sender's adapter.
-MERGE_PROTOCOLS = frozenset({PMIX, SVD_HKA})
+MERGE_PROTOCOLS = frozenset(names(kind="merge"))
 #: Protocols admissible only between agents of one parameter space (same fingerprint).
-SAME_SPACE_PROTOCOLS = frozenset({AKD_LOGITS, PMIX, SVD_HKA})
+SAME_SPACE_PROTOCOLS = frozenset(names(admissibility="same_space"))
 #: What an agent that advertises no protocol is taken to support (agents before the menu).
-DEFAULT_AGENT_PROTOCOLS = (AKD,)
+DEFAULT_AGENT_PROTOCOLS = (DEFAULT_PROTOCOL,)
 #: Longest parameter-space fingerprint accepted (a SHA-256 hex digest is 64; room for a
 #: scheme prefix such as ``ps1:``).
 MAX_PARAM_SPACE_LEN = 128

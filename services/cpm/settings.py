@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from peerlm.config import ServiceSettings
+from peerlm.protocols import DEFAULT_PROTOCOL
 
 __all__ = ["CpmSettings"]
 
@@ -38,9 +39,9 @@ class CpmSettings(ServiceSettings):
     beta: float = Field(default=1.0, ge=0)
     ridge: float = Field(default=1.0, gt=0)
     pair_budget: int | None = Field(default=None, ge=1)
-    # K_rec: the protocols the CPM may recommend, a subset of the menu (akd, akd_logits,
-    # pmix, svd_hka; docs/matchmaker.md). The default changes nothing for a deployment.
-    protocols: tuple[str, ...] = ("akd",)
+    # K_rec: the protocols the CPM may recommend, a subset of the menu (peerlm.protocols'
+    # catalogue; docs/matchmaker.md). The default changes nothing for a deployment.
+    protocols: tuple[str, ...] = (DEFAULT_PROTOCOL,)
     roles: tuple[str, ...] = ("one_way",)
     interaction_features: bool = True
     trust_features: bool = True
@@ -128,7 +129,7 @@ class CpmSettings(ServiceSettings):
     @classmethod
     def _non_empty_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if not v or any(not s or not s.replace("_", "").isalnum() for s in v):
-            raise ValueError("must be a non-empty list of identifiers like 'akd'")
+            raise ValueError(f"must be a non-empty list of identifiers like {DEFAULT_PROTOCOL!r}")
         if len(set(v)) != len(v):
             raise ValueError("must not repeat a name")
         return v
