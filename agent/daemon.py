@@ -43,7 +43,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from peerlm.agent.cpm_client import CpmClient, next_directive
+from peerlm.agent.exchange_protocol import exchange_failed, report_refusal
+from peerlm.agent.exchange_registry import agent_registry
 from peerlm.agent.metrics import AgentTelemetry
 from peerlm.agent.peer_stream import PeerStreamer
 from peerlm.agent.rounds import (
@@ -68,7 +70,7 @@ from peerlm.chunks import HashedPayload
 from peerlm.config import parse_host_port
 from peerlm.node import NodeContext
 from peerlm.pki.identity import Role
-from peerlm.protocols import DEFAULT_PROTOCOL, lookup, names
+from peerlm.protocols import lookup, names
 from peerlm.security.mode import resolve_channel_security
 from peerlm.wire.v1 import cpm_pb2
 
@@ -79,9 +81,6 @@ if TYPE_CHECKING:
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
 T = TypeVar("T")
-#: The metric label of every AKD integration, text or logits (``kind`` of the rollback and
-#: peer-slot counters): the default protocol's name, as it has always been.
-_AKD_LABEL = DEFAULT_PROTOCOL
 
 
 @dataclass
@@ -161,6 +160,9 @@ class AgentDaemon:
         # that picks per input (peerlm.agent.peer_integration); None: one adapter.
         self.slot: PeerSlot | None = None
         self.router: InputRouter | None = None
+        # The exchange protocols this agent executes, by catalogue name: a directive's
+        # student and teacher steps (peerlm.agent.exchange_protocol).
+        self.exchanges = agent_registry()
 
     # ------------------------------------------------------------------ set-up
 
@@ -274,7 +276,7 @@ class AgentDaemon:
         )
         self.host = await self._model(ModelHost.load, s.model, lora, device=s.device, seed=s.seed)
         self.config = RoundConfig.from_settings(s)
-        self.protocols = s.executed_protocols()
+        self.protocols = self._executed_protocols()
         #: The overlay's last top-K, reported with the profile (empty: none yet).
         self.overlay_peers: list[str] = []
         self.parameter_space = await self._model(host_parameter_space, self.host)
@@ -317,7 +319,21 @@ class AgentDaemon:
             threshold=None if self.router is None else round(self.router.threshold, 4),
         )
 
-    def _integrating(self, what: str) -> Callable[..., Awaitable[Any]]:
+    def _executed_protocols(self) -> tuple[str, ...]:
+        """The protocols this agent advertises: the settings' choice, of those it has an
+        implementation of (ValueError for a configured one it has not)."""
+        chosen = self.s.executed_protocols()
+        if self.s.protocols is not None:
+            missing = [p for p in chosen if p not in self.exchanges]
+            if missing:
+                raise ValueError(f"protocols {', '.join(missing)} have no implementation here")
+        return tuple(p for p in chosen if p in self.exchanges)
+
+    async def run_model(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the model thread (the exchange protocols' model executor)."""
+        return await self._model(fn, *args, **kwargs)
+
+    def integrating(self, what: str) -> Callable[..., Awaitable[Any]]:
         """How an integration's model calls run: in the peer slot (``separate``, labelled
         ``what``) or on the one adapter (``shared``)."""
         from peerlm.agent.peer_integration import slot_runner
@@ -326,7 +342,7 @@ class AgentDaemon:
             return self._model
         return slot_runner(self._model, self.slot, self.host, what)
 
-    def _slot_integrated(self, kind: str) -> None:
+    def slot_integrated(self, kind: str) -> None:
         """Count the integrations the peer slot took since the last call (``separate``)."""
         if self.slot is None:
             return
@@ -1048,7 +1064,7 @@ class AgentDaemon:
 
         self.log.info("round_started", round=t)
         stats = await self._model(local_update, self.host, self.train_examples, self.config, t)
-        self._note_interrupted(stats.interrupted, t, "train", stats.steps)
+        self.note_interrupted(stats.interrupted, t, "train", stats.steps)
         lap("train")
         with_pass = (t % s.eval_every == 0 or t == s.rounds) and not self._abort.is_set()
         loss, pass1 = await self._evaluate(with_pass)
@@ -1114,8 +1130,10 @@ class AgentDaemon:
         )
 
     async def _act_on(self, directive: cpm_pb2.Directive, t: int) -> bool:
-        """Do what the directive names (:func:`~peerlm.agent.directives.directive_action`);
-        True when this agent integrated (or tried to) as the student."""
+        """Do what the directive names (:func:`~peerlm.agent.directives.directive_action`):
+        refuse it, or run the student's or the teacher's step of the protocol registered
+        under its name (:attr:`exchanges`); True when this agent integrated (or tried to)
+        as the student."""
         from peerlm.agent.directives import MAX_CO_SENDERS, directive_action
 
         action = directive_action(
@@ -1129,7 +1147,8 @@ class AgentDaemon:
             # Co-senders on a protocol that is not a merge, or more than any merge names: a
             # directive no CPM sends. Not reported (it says nothing about the tuple); the
             # directive expires unrewarded.
-            self._exchange_failed(
+            exchange_failed(
+                self,
                 directive,
                 "malformed_directive",
                 ValueError(
@@ -1140,7 +1159,8 @@ class AgentDaemon:
             )
             return False
         if action == "refuse":
-            self._exchange_failed(
+            exchange_failed(
+                self,
                 directive,
                 "unsupported_protocol",
                 ValueError(
@@ -1149,13 +1169,11 @@ class AgentDaemon:
                 ),
             )
             if directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
-                await self._report_refusal(directive, "unsupported_protocol")
+                await report_refusal(self, directive, "unsupported_protocol")
             return False
-        if action == "merge":
-            await self._merge_from(directive, t)
-            return True
-        if action == "learn":
-            await self._learn_from(directive, t)
+        protocol = self.exchanges.get_protocol(directive.protocol)
+        if action in ("merge", "learn"):
+            await protocol.student(self, directive, t)
             return True
         self.log.info(
             "directive_teacher",
@@ -1165,17 +1183,20 @@ class AgentDaemon:
             protocol=directive.protocol,
         )
         self.summary.as_teacher += 1
-        if action == "serve_adapter":
-            # The student pulls our adapter: nothing to generate; the linger after the last
-            # round waits for one more pull by that student.
-            student = directive.student
-            self._last_merge = (student, self.peer_service.adapter_pulls(student))
-        else:
-            # Generate the predictions now, ahead of the next round's training in the model
-            # worker's queue, so the student does not wait behind it.
-            self._last_taught = directive.directive_id
-            self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
+        protocol.teacher(self, directive, t)
         return False
+
+    def prebuild_predictions(self, directive: cpm_pb2.Directive) -> None:
+        """As teacher: generate the package's predictions now, ahead of the next round's
+        training in the model worker's queue, so the student does not wait behind it; the
+        linger after the last round waits for the student's fetch."""
+        self._last_taught = directive.directive_id
+        self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
+
+    def expect_adapter_pull(self, student: str) -> None:
+        """As teacher of a merge: the linger after the last round waits for one more
+        adapter pull by ``student``."""
+        self._last_merge = (student, self.peer_service.adapter_pulls(student))
 
     async def _overlay_enter(self) -> None:
         """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and
@@ -1228,9 +1249,9 @@ class AgentDaemon:
             gate=self._gate(),
             hka=(self.public_pairs, self.config.train_settings(t)) if self.public_pairs else None,
             pull=not (self.s.overlay.aggregate_once and self.summary.one_shot_round is not None),
-            integrate_model=self._integrating("overlay"),
+            integrate_model=self.integrating("overlay"),
         )
-        self._slot_integrated("overlay")
+        self.slot_integrated("overlay")
         if self.s.overlay.aggregate_once and result.outcome == "aggregated":
             self.summary.one_shot_round = t
             self.log.info("overlay_one_shot_done", round=t, pulled=result.pulled)
@@ -1298,7 +1319,8 @@ class AgentDaemon:
         await asyncio.gather(*waits, return_exceptions=True)
         return False
 
-    def _note_interrupted(self, interrupted: bool, t: int, what: str, steps: int) -> None:
+    def note_interrupted(self, interrupted: bool, t: int, what: str, steps: int) -> None:
+        """Record a training call the stop grace cut short."""
         if interrupted:
             self.summary.interrupted = True
             self.log.warning("training_interrupted", round=t, phase=what, steps_done=steps)
@@ -1333,278 +1355,6 @@ class AgentDaemon:
                 self.telemetry.unmatched_rounds.inc()
                 return None
         return None
-
-    async def _learn_from(self, d: cpm_pb2.Directive, t: int) -> None:
-        """Student side of a directive: fetch, integrate by AKD (Eq. 2), report Eq. 3."""
-        from peerlm.agent.modelhost import TokenizerMismatchError
-        from peerlm.agent.package import PackageError, decode_package, student_limits
-        from peerlm.agent.peer_client import fetch_package
-        from peerlm.agent.rounds import integrate_package
-
-        s = self.s
-        try:
-            data = await fetch_package(
-                self.ctx,
-                d.peer.endpoint,
-                d.directive_id,
-                expect=d.teacher,
-                max_bytes=s.max_package_bytes,
-                timeout_s=s.round_timeout_s,
-                tokenizer_sha256=self.host.tokenizer_hash,
-            )
-            package = decode_package(
-                data,
-                expect_transfer_sha256=self.transfer_digest,
-                expect_directive_id=d.directive_id,
-                expect_teacher=d.teacher,
-                **student_limits(len(self.transfer_prompts), s.package_max_item_bytes),
-            )
-            from peerlm.agent.logits_vetting import vet_student_package
-
-            # A logits item teaches every token it gives mass, not only column 0's text:
-            # each such text is vetted before anything is learnt.
-            package = await self._model(
-                vet_student_package, package, self.host.tokenizer, self.guardrail, self.ctx
-            )
-            kb = len(data) / 1024.0
-            result = await self._integrating(_AKD_LABEL)(
-                integrate_package,
-                self.host,
-                package,
-                kilobytes=kb,
-                local_examples=self.train_examples,
-                val_examples=self.val_examples,
-                transfer_prompts=self.transfer_prompts,
-                config=self.config,
-                t=t,
-                guardrail=self.guardrail,
-                reward_examples=self.reward_examples,
-            )
-        except (PackageError, TokenizerMismatchError) as exc:
-            reason = "package" if isinstance(exc, PackageError) else "tokenizer_mismatch"
-            if isinstance(exc, PackageError):
-                self.telemetry.package_refusals.labels(exc.reason).inc()
-            self._exchange_failed(d, reason, exc)
-            await self._report_refusal(d, reason)
-            return
-        except Exception as exc:  # a failed exchange is logged and the round goes on
-            self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
-            await self._report_refusal(d, getattr(exc, "reason", "error"))
-            return
-        self._note_interrupted(result.stats.interrupted, t, "integrate", result.stats.steps)
-        self._slot_integrated(_AKD_LABEL)
-        if result.rolled_back:
-            # Undone by the acceptance gate; the CPM still hears the (negative) reward.
-            self.telemetry.rolled_back.labels(_AKD_LABEL).inc()
-            self._log_exchange(
-                self.log.warning,
-                "exchange_rolled_back",
-                d,
-                t,
-                result.loss_pre,
-                result.loss_post,
-                result.reward,
-            )
-        ack = await self._report(d, result.reward, result.loss_pre, result.loss_post, kb)
-        if ack is None:
-            return
-        self.telemetry.packages_integrated.labels(result.mode).inc()
-        self.summary.exchanges += 1
-        self.summary.bytes_received += len(data)
-        self.summary.rewards.append(round(result.reward, 6))
-        self._log_exchange(
-            self.log.info,
-            "exchange_integrated",
-            d,
-            t,
-            result.loss_pre,
-            result.loss_post,
-            result.reward,
-            mode=result.mode,
-            alpha_kd=round(result.alpha_kd, 3),
-            temperature=None if result.temperature is None else round(result.temperature, 3),
-            kilobytes=round(kb, 1),
-            normalised=round(ack.normalised_reward, 4),
-        )
-
-    async def _merge_from(self, d: cpm_pb2.Directive, t: int) -> None:
-        """Student side of a merge directive (``pmix``/``svd_hka``): pull the teacher's
-        adapter and each co-sender's, merge the usable ones by the directive's protocol,
-        report Eq. 3 once (:mod:`peerlm.agent.merge_directive`)."""
-        from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
-        from peerlm.agent.overlay_step import pull_settings
-
-        s = self.s
-        try:
-            result = await merge_from_teacher(
-                self.ctx,
-                self.host,
-                protocol=d.protocol,
-                teacher=d.teacher,
-                endpoint=d.peer.endpoint,
-                pull=pull_settings(s.overlay, s.round_timeout_s),
-                val_examples=self.val_examples,
-                max_length=s.max_length,
-                margin=s.acceptance_margin,
-                reward_gamma=s.reward_gamma,
-                reward_delta=s.reward_delta,
-                run_model=self._integrating(d.protocol),
-                hka=(self.public_pairs, self.config.train_settings(t))
-                if self.public_pairs
-                else None,
-                round_=t,
-                reward_examples=self.reward_examples,
-                co_senders=[(c.name, c.endpoint) for c in d.co_senders],
-            )
-        except MergeRefused as exc:
-            self._exchange_failed(d, "adapter_refused", exc)
-            await self._report_refusal(d, exc.reason, exc.space_mismatch)
-            return
-        except Exception as exc:  # a failed exchange is logged and the round goes on
-            self._exchange_failed(d, getattr(exc, "reason", "error"), exc)
-            await self._report_refusal(d, getattr(exc, "reason", "error"))
-            return
-        self._slot_integrated(d.protocol)
-        outcome = (t, result.loss_pre, result.loss_post, result.reward)
-        if result.rolled_back:
-            self._log_exchange(self.log.warning, "exchange_rolled_back", d, *outcome)
-        ack = await self._report(
-            d,
-            result.reward,
-            result.loss_pre,
-            result.loss_post,
-            result.kilobytes,
-            space_mismatch=result.space_mismatch,
-        )
-        if ack is None:
-            return
-        self.telemetry.merges.labels(d.protocol).inc()
-        merges = self.summary.merges_by_protocol
-        merges[d.protocol] = merges.get(d.protocol, 0) + 1
-        self.summary.exchanges += 1
-        # Adapter bytes, as the teacher counts them (overlay_bytes_sent: every adapter sent).
-        self.summary.overlay_bytes_received += result.report.bytes_received
-        self.summary.rewards.append(round(result.reward, 6))
-        self._log_exchange(
-            self.log.info,
-            "exchange_integrated",
-            d,
-            *outcome,
-            kilobytes=round(result.kilobytes, 1),
-            normalised=round(ack.normalised_reward, 4),
-            merged=list(result.merged),
-            skipped={r.peer: r.reason for r in result.skipped},
-        )
-
-    @staticmethod
-    def _log_exchange(
-        emit: Callable[..., Any],
-        event: str,
-        d: cpm_pb2.Directive,
-        t: int,
-        loss_pre: float,
-        loss_post: float,
-        reward: float,
-        **extra: Any,
-    ) -> None:
-        """One line for a student's exchange: rolled back or integrated, AKD or merge."""
-        emit(
-            event,
-            round=t,
-            teacher=d.teacher,
-            directive=d.directive_id,
-            protocol=d.protocol,
-            loss_pre=round(loss_pre, 4),
-            loss_post=round(loss_post, 4),
-            reward=round(reward, 5),
-            **extra,
-        )
-
-    async def _report(
-        self,
-        d: cpm_pb2.Directive,
-        reward: float,
-        loss_pre: float,
-        loss_post: float,
-        kb: float,
-        *,
-        space_mismatch: Sequence[str] = (),
-    ) -> cpm_pb2.ReportRewardResponse | None:
-        """Report Eq. 3 for a directive, naming the senders whose adapter proved to be of
-        another parameter space (``space_mismatch``); None (logged, counted) when the CPM
-        refuses it."""
-        try:
-            ack = await self.cpm.report_reward(
-                d.directive_id,
-                reward,
-                loss_pre=loss_pre,
-                loss_post=loss_post,
-                kilobytes=round(kb),
-                space_mismatch=space_mismatch,
-            )
-        except grpc.aio.AioRpcError as err:
-            # The knowledge is integrated either way; only the CPM's bandit misses this one.
-            self.telemetry.exchange_failures.labels("reward_refused").inc()
-            self.log.warning(
-                "reward_refused",
-                directive=d.directive_id,
-                code=err.code().name,
-                detail=err.details(),
-            )
-            self.summary.errors.append(f"reward {d.directive_id[:8]}: {err.code().name}")
-            return None
-        self.telemetry.rewards.inc()
-        return ack
-
-    async def _report_refusal(
-        self, d: cpm_pb2.Directive, reason: str, space_mismatch: Sequence[str] | None = None
-    ) -> None:
-        """Tell the CPM the student refused ``d`` for ``reason``
-        (:func:`~peerlm.agent.directives.refusal_failure`), so that its bandit learns the
-        tuple was bad; nothing for a reason that is this agent's own trouble.
-
-        ``space_mismatch``: the senders whose adapter proved to be of another parameter
-        space (a merge's own finding); by default the teacher when ``reason`` says its
-        package or adapter was (:func:`~peerlm.agent.directives.space_mismatches`)."""
-        from peerlm.agent.directives import refusal_failure, space_mismatches
-
-        failure = refusal_failure(reason)
-        if failure == cpm_pb2.EXCHANGE_FAILURE_UNSPECIFIED:
-            return
-        if space_mismatch is None:
-            space_mismatch = space_mismatches([(d.teacher, reason)])
-        try:
-            await self.cpm.report_reward(
-                d.directive_id, 0.0, failure=failure, space_mismatch=space_mismatch
-            )
-        except grpc.aio.AioRpcError as err:
-            self.telemetry.exchange_failures.labels("reward_refused").inc()
-            self.log.warning(
-                "refusal_not_reported",
-                directive=d.directive_id,
-                code=err.code().name,
-                detail=err.details(),
-            )
-            return
-        self.log.info(
-            "refusal_reported",
-            directive=d.directive_id,
-            teacher=d.teacher,
-            reason=reason,
-            failure=cpm_pb2.ExchangeFailure.Name(failure),
-            space_mismatch=list(space_mismatch),
-        )
-
-    def _exchange_failed(self, d: cpm_pb2.Directive, reason: str, exc: BaseException) -> None:
-        self.telemetry.exchange_failures.labels(reason).inc()
-        self.log.warning(
-            "exchange_failed",
-            directive=d.directive_id,
-            teacher=d.teacher,
-            reason=reason,
-            error=str(exc),
-        )
-        self.summary.errors.append(f"exchange {d.directive_id[:8]}: {exc}")
 
     # ------------------------------------------------------------ shutdown
 

@@ -525,15 +525,17 @@ async def test_a_package_fetch_is_counted_by_the_agents_registry(peer: Peer, pki
 
 
 async def test_the_daemons_package_fetch_is_counted_in_its_registry(peer: Peer, pki: Path) -> None:
-    """The student side of a directive (``AgentDaemon._learn_from``) records the package
-    bytes it received in the agent's registry (it once passed no registry, so the
-    count never moved). The model host is a stand-in: integration is not under test here
-    and fails after the fetch, as an exchange failure the daemon counts."""
+    """The student side of an AKD directive (the registered protocol's student step, run
+    with the daemon as its context) records the package bytes it received in the agent's
+    registry (it once passed no registry, so the count never moved). The model host is a
+    stand-in: integration is not under test here and fails after the fetch, as an exchange
+    failure the daemon counts."""
     from peerlm.agent import AgentSettings
     from peerlm.agent.daemon import AgentDaemon, AgentSummary
     from peerlm.agent.metrics import AgentTelemetry
 
     from peerlm.config import TlsSettings
+    from peerlm.protocols import AKD
 
     kit = TlsFiles.from_directory(pki, "student")
     settings = AgentSettings(
@@ -557,7 +559,7 @@ async def test_the_daemons_package_fetch_is_counted_in_its_registry(peer: Peer, 
         peer=common_pb2.PeerAddress(name="teacher", endpoint=peer.target),
     )
     try:
-        await daemon._learn_from(directive, 1)
+        await daemon.exchanges[AKD.name].student(daemon, directive, 1)
     finally:
         daemon._worker.shutdown(wait=True)
     received = daemon.registry.get_sample_value("peerlm_agent_package_bytes_received_total")
