@@ -380,5 +380,5 @@ class AgentSettings(ServiceSettings):
         if self.protocols is not None:
             return tuple(self.protocols)
         if self.public_file is not None:
-            return names()
-        return names(needs_public_pairs=False)
+            return names(on_by_default=True)
+        return names(needs_public_pairs=False, on_by_default=True)

@@ -62,7 +62,10 @@ class ProtocolEntry:
     public (prompt, completion) pairs, so an agent without them cannot execute it;
     ``overlay_aggregation``: it can also aggregate the adapters an agent pulls from its
     overlay top-K (``overlay.aggregation``). ``paper`` and ``summary`` are what a person
-    reads (docs, ``--help``).
+    reads (docs, ``--help``). ``on_by_default``: an agent executes it unless its settings
+    name its protocols, and the experiment's full-menu strategies offer it; a baseline added
+    for comparison is off by default, so that adding it changes no existing deployment or
+    run (it is still on the menu: a CPM and agents that name it use it).
     """
 
     name: str
@@ -74,6 +77,7 @@ class ProtocolEntry:
     overlay_aggregation: bool
     paper: str
     summary: str
+    on_by_default: bool = True
 
     @property
     def is_merge(self) -> bool:
@@ -168,6 +172,7 @@ def names(
     co_senders: bool | None = None,
     needs_public_pairs: bool | None = None,
     overlay_aggregation: bool | None = None,
+    on_by_default: bool | None = None,
 ) -> tuple[str, ...]:
     """The names of the entries whose attributes equal every given filter, in menu order
     (no filter: the whole menu)."""
@@ -178,6 +183,7 @@ def names(
         "co_senders": co_senders,
         "needs_public_pairs": needs_public_pairs,
         "overlay_aggregation": overlay_aggregation,
+        "on_by_default": on_by_default,
     }
     return tuple(
         entry.name

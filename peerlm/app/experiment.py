@@ -289,8 +289,8 @@ _WITH_OVERLAY: frozenset[str] = frozenset({"overlay_topk", "cpm_menu_overlay"})
 #: (``cpm`` itself is akd forced).
 CPM_PROTOCOLS: Mapping[str, tuple[str, ...]] = {
     "cpm": (DEFAULT_PROTOCOL,),
-    "cpm_menu": names(),
-    "cpm_menu_overlay": names(),
+    "cpm_menu": names(on_by_default=True),
+    "cpm_menu_overlay": names(on_by_default=True),
     **{strategy: (name,) for strategy, name in _FORCED.items()},
 }
 #: Every strategy ``--strategies`` accepts.

@@ -53,6 +53,22 @@ def test_names_filter_by_attribute_in_menu_order() -> None:
     )
 
 
+def test_the_defaults_offer_what_is_on_by_default() -> None:
+    """An agent that names no protocols executes those on by default (those needing
+    public pairs only with them); the experiment's full menu is the same set."""
+    from peerlm.agent import AgentSettings
+
+    from peerlm.app.experiment import CPM_PROTOCOLS
+
+    on = names(on_by_default=True)
+    assert DEFAULT_PROTOCOL in on
+    assert CPM_PROTOCOLS["cpm_menu"] == on
+    assert AgentSettings().executed_protocols() == names(
+        on_by_default=True, needs_public_pairs=False
+    )
+    assert AgentSettings(public_file=Path("p.jsonl")).executed_protocols() == on
+
+
 def test_unknown_names_raise_a_clear_error() -> None:
     with pytest.raises(UnknownProtocolError, match=r"unknown protocol 'nope'.*holds"):
         lookup("nope")
