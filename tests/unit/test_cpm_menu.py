@@ -166,9 +166,11 @@ def test_the_bandit_learns_which_protocol_to_recommend() -> None:
     """Rewards favour svd_hka within a space: once learnt, same-space pairs get it."""
     rng = np.random.default_rng(11)
     names = [f"a{k:02d}" for k in range(12)]
-    caps = {n: Capabilities("ps-1", MENU) for n in names}
-    m = Matchmaker(32, seed=4, protocols=MENU, beta=0.1)
     gain = {"akd": 0.0, "akd_logits": 0.1, "pmix": 0.2, "svd_hka": 1.0}
+    # The protocols the gains name (not the whole menu, which may grow).
+    menu = tuple(gain)
+    caps = {n: Capabilities("ps-1", menu) for n in names}
+    m = Matchmaker(32, seed=4, protocols=menu, beta=0.1)
     for _ in range(40):
         for p in m.select({n: rng.uniform(0, 1, 32) for n in names}, caps):
             m.observe(p, gain[p.protocol] + float(rng.normal(0, 0.1)))
