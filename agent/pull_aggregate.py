@@ -81,6 +81,7 @@ from peerlm.agent.adapter_codec import (
 )
 from peerlm.agent.advertised_signature import SignatureMismatch, check_advertised
 from peerlm.agent.lora_merge import ClientAdapter
+from peerlm.agent.merge_fedsa import fedsa_update
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.peer_client import PeerExchangeError, pull_adapter_with_round
 from peerlm.agent.training import TrainSettings
@@ -98,7 +99,7 @@ from peerlm.overlay import (
 from pydantic import BaseModel, ConfigDict, Field
 
 from peerlm.node import NodeContext
-from peerlm.protocols import DEFAULT_OVERLAY_AGGREGATION, SVD_HKA, lookup
+from peerlm.protocols import DEFAULT_OVERLAY_AGGREGATION, FEDSA, SVD_HKA, lookup
 
 __all__ = [
     "ADAPTER_FORMAT",
@@ -401,16 +402,19 @@ def integrate_adapters(
         pre = gate.loss(host) if gate is not None else math.nan
         report = _one_shot(host, own, neighbours, similarities, settings, self_name, hka)
         return report, (gate.settle(host, own, pre) if gate is not None else None), pre
-    updated, report = personalised_update(
-        own,
-        neighbours,
-        similarities,
-        kappa=settings.kappa,
-        eta=settings.eta,
-        psi=settings.psi,
-        self_id=self_name,
-        max_share=settings.max_weight_share,
-    )
+    if settings.method == FEDSA.name:
+        updated, report = fedsa_update(own, neighbours, self_name)
+    else:
+        updated, report = personalised_update(
+            own,
+            neighbours,
+            similarities,
+            kappa=settings.kappa,
+            eta=settings.eta,
+            psi=settings.psi,
+            self_id=self_name,
+            max_share=settings.max_weight_share,
+        )
     if not report.accepted:
         return report, None, math.nan
     pre = gate.loss(host) if gate is not None else math.nan

@@ -27,6 +27,7 @@ __all__ = [
     "CATALOGUE",
     "DEFAULT_OVERLAY_AGGREGATION",
     "DEFAULT_PROTOCOL",
+    "FEDSA",
     "PMIX",
     "SVD_HKA",
     "Admissibility",
@@ -140,10 +141,25 @@ SVD_HKA: Final = ProtocolEntry(
     summary="pulls the senders' adapters, SVD-aggregates them with its own and aligns "
     "by HKA on public pairs",
 )
+#: FedSA-LoRA's selective aggregation (Guo et al., ICLR 2025): share and average only the
+#: LoRA A factors, keep B local. A baseline: off by default.
+FEDSA: Final = ProtocolEntry(
+    name="fedsa",
+    kind="merge",
+    admissibility="same_space",
+    payload="adapter",
+    co_senders=True,
+    needs_public_pairs=False,
+    overlay_aggregation=True,
+    paper="FedSA-LoRA",
+    summary="pulls the senders' adapters and averages only the LoRA A factors with its own, "
+    "keeping its B",
+    on_by_default=False,
+)
 
 #: Every protocol the CPM may recommend (K_rec), in menu order; a deployment configures a
 #: subset (``CpmSettings.protocols``).
-CATALOGUE: Final[tuple[ProtocolEntry, ...]] = (AKD, AKD_LOGITS, PMIX, SVD_HKA)
+CATALOGUE: Final[tuple[ProtocolEntry, ...]] = (AKD, AKD_LOGITS, PMIX, SVD_HKA, FEDSA)
 
 _BY_NAME: Final = MappingProxyType({entry.name: entry for entry in CATALOGUE})
 
