@@ -335,6 +335,34 @@ def test_merge_directives_pull_the_teachers_adapter_and_report_eq3(merge_world: 
     assert len(committed) == merged
 
 
+@pytest.fixture(scope="module")
+def fedsa_world(world: World) -> Iterator[World]:
+    """The FedSA-LoRA baseline only (K_rec = fedsa, off by default: the agents name it)."""
+    yield from _menu_world(world, "fedsa", ["fedsa"])
+
+
+def test_a_fedsa_directive_is_executed_end_to_end(fedsa_world: World) -> None:
+    """A protocol added by one catalogue entry and one module: two gpt2 agents that name
+    fedsa are paired with it by the CPM, the student pulls the teacher's adapter, averages
+    the A factors and reports Eq. 3, which the CPM commits."""
+    w = fedsa_world
+    summaries, events = _run_together(
+        w, "pair", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
+        protocols=["fedsa"],
+    )  # fmt: skip
+    merged = sum(s["merges_by_protocol"].get("fedsa", 0) for s in summaries)
+    assert merged >= 1 and sum(s["exchanges"] for s in summaries) == merged
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    assert len(integrated) == merged and all(e["protocol"] == "fedsa" for e in integrated)
+    committed = [
+        r
+        for e in _events(w.tmp / "cpm.log")
+        if e.get("event") == "rewards_committed"
+        for r in e["rewards"]  # type: ignore[attr-defined]
+    ]
+    assert len(committed) == merged
+
+
 def test_health_answers_while_a_training_step_runs(world: World) -> None:
     state = world.tmp / "health" / "state"
     config = _config(world, "a1", state, local_steps=400, rounds=1)
