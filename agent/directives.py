@@ -68,8 +68,8 @@ def directive_action(
 ) -> DirectiveAction:
     """The round loop's move for a directive of ``protocol`` addressed to us as ``role``,
     given the protocols this agent ``executed`` (advertised in its profile) and the merge
-    protocols (``peerlm.services.cpm.menu.MERGE_PROTOCOLS``, passed in so that the peer
-    server, which imports this module, does not load the CPM library): ``refuse`` a
+    protocols (the catalogue's, ``peerlm.protocols.names(kind="merge")``; the daemon passes
+    them, and tests pass other sets): ``refuse`` a
     protocol it does not execute (whatever the CPM sent); as student ``merge`` the
     teacher's adapter or ``learn`` its package by AKD; as teacher ``serve_adapter`` (a
     merge: nothing to build) or ``teach`` (build the package). A directive naming
