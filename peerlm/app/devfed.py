@@ -357,6 +357,9 @@ class RealPlan:
     aggregation: str = DEFAULT_OVERLAY_AGGREGATION
     # OnePeFT's one-shot mode: each agent aggregates once after joining (overlay.aggregate_once).
     one_shot: bool = False
+    # Protocols off by default (catalogue baselines) that --protocols names: the agents
+    # execute them besides those on by default, or the CPM could never pair anyone with them.
+    extra_protocols: tuple[str, ...] = ()
     # Where a student measures Eq. 3's losses: "val" (its validation data, the paper),
     # "probe" (the public probe set, every category) or "lacked" (the probe's problems of
     # the categories it lacks): the experiment's ``reward``/``probe_scope``.
@@ -520,6 +523,8 @@ def _prepare_real(
             "log_format": "json",
             "tls": {"ca_cert": str(t.ca_cert), "cert": str(t.cert), "key": str(t.key)},
         }
+        if executed := agent_protocols(plan):
+            config["protocols"] = executed
         if plan.overlay:
             config["overlay"] = {
                 "enabled": True,
@@ -535,6 +540,14 @@ def _prepare_real(
         (configs / f"{name}.yaml").write_text(json.dumps(config, indent=2))
 
     return agent_argv(configs)
+
+
+def agent_protocols(plan: RealPlan) -> list[str] | None:
+    """The protocols an agent of ``plan`` names in its config: those on by default and the
+    plan's extra ones; None (the agent's own default) when the plan has no extra one."""
+    if not plan.extra_protocols:
+        return None
+    return [*protocol_names(on_by_default=True), *plan.extra_protocols]
 
 
 def _write_public_pairs(data_dir: Path, world: Any) -> Path:
@@ -925,6 +938,7 @@ def up_command(
                 aggregation=aggregation,
                 one_shot=one_shot,
                 reward=reward,
+                extra_protocols=tuple(p for p in menu if not lookup(p).on_by_default),
             )
             argv = _prepare_real(fed, names, rounds, seed, plan, console)
         # What up wrote with an explicit mode (certificates are 0644 by design) too: the

@@ -93,3 +93,15 @@ def test_the_reward_files_hold_what_each_agent_measures_on(tmp_path: Path, rewar
         else:
             lacked = sorted(c for c in CATEGORIES if manifest.world.slice_of(i, c) == "lacked")
             assert lacked and categories == lacked and len(probe) == 2 * len(lacked)
+
+
+def test_a_protocol_off_by_default_on_the_menu_is_executed_by_the_agents() -> None:
+    """`--protocols` naming a catalogue baseline (off by default) makes every agent execute
+    it besides the default ones; otherwise the agents keep their own default."""
+    from peerlm.app.devfed import RealPlan, agent_protocols
+    from peerlm.protocols import names
+
+    assert agent_protocols(RealPlan()) is None
+    for extra in names(on_by_default=False):
+        executed = agent_protocols(RealPlan(extra_protocols=(extra,)))
+        assert executed == [*names(on_by_default=True), extra]
