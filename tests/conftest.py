@@ -65,6 +65,28 @@ def reap_leftover_children(request: pytest.FixtureRequest) -> Iterator[None]:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with the largest time budget first, each module's tests in their own order.
+
+    With parallel workers (scripts/test: ``-n 2 --dist loadfile``) modules are handed out in
+    this order, so the longest ones (a from-scratch model build, the federations) start at
+    once instead of last, and the short ones fill the other worker. A module's budget is the
+    largest ``timeout`` marker among its tests; a ``slow`` test counts as the default timeout.
+    Only the order changes: every collected test runs.
+    """
+    default = float(config.getini("timeout") or 0)
+    budget: dict[str, float] = {}
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and marker.args:
+            seconds = float(marker.args[0])
+        else:
+            seconds = default if item.get_closest_marker("slow") is not None else 0.0
+        module = item.nodeid.split("::", 1)[0]
+        budget[module] = max(budget.get(module, 0.0), seconds)
+    items.sort(key=lambda item: -budget[item.nodeid.split("::", 1)[0]])
+
+
 def _cmdline(proc: psutil.Process) -> str:
     try:
         return " ".join(proc.cmdline())[:120]
