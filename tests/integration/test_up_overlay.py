@@ -27,8 +27,10 @@ def _up_overlay(state: Path, *flags: str) -> dict[str, Any]:
     return result
 
 
-# Three rounds of four micro agents after a 60 s genesis wait: about 2 minutes idle, more
-# than the default 300 s timeout on a loaded machine.
+# Three rounds of four micro agents after the overlay's genesis wait (OVERLAY_STARTUP_S,
+# 120 s idle), more than the default 300 s timeout on a loaded machine. The federations run
+# one after another on purpose: started together on two loaded cores, two of the three found
+# no overlay candidates in any round (their agents' steps all ``no_candidates``).
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("aggregation", ["pmix", "svd_hka"])
 def test_up_overlay_agents_pull_same_family_adapters(tmp_path: Path, aggregation: str) -> None:
