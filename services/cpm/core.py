@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from peerlm.services.cpm.matchmaker import Matchmaker, Pairing
+from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS, Matchmaker, Pairing
 from peerlm.services.cpm.menu import (
     Capabilities,
     check_overlay_peers,
@@ -804,6 +804,12 @@ class CpmCore:
         if not np.all(np.isfinite(directive.context)):
             raise CpmError("FAILED_PRECONDITION", "bandit_refused", "stored context is not finite")
         senders = {directive.teacher, *(name for name, _ in directive.co_senders)}
+        if len(rep.space_mismatch) > MAX_MERGE_SENDERS:
+            raise CpmError(
+                "INVALID_ARGUMENT",
+                "space_mismatch",
+                f"space_mismatch names more than a directive's {MAX_MERGE_SENDERS} senders",
+            )
         if len(set(rep.space_mismatch)) != len(rep.space_mismatch):
             raise CpmError(
                 "INVALID_ARGUMENT",

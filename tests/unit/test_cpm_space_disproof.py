@@ -152,7 +152,7 @@ def test_a_quorum_of_one_excludes_at_the_first_disproof() -> None:
     assert _pairs_with(_rounds(c), liar) == set()
 
 
-@pytest.mark.parametrize("which", ["student", "stranger", "repeat", "unknown"])
+@pytest.mark.parametrize("which", ["student", "stranger", "repeat", "unknown", "flood"])
 def test_naming_a_non_sender_is_refused_and_records_nothing(which: str) -> None:
     """INVALID_ARGUMENT (reason ``space_mismatch``): the directive stays open, the bandit
     and the disproofs unchanged; the same report without the bad name is then accepted."""
@@ -164,6 +164,8 @@ def test_naming_a_non_sender_is_refused_and_records_nothing(which: str) -> None:
         "stranger": [co, stranger],
         "repeat": [co, co],
         "unknown": ["nobody"],
+        # More names than a directive has senders: refused before any is looked at.
+        "flood": [co] * 100_000,
     }[which]
     before = c.matchmaker.snapshot()
     with pytest.raises(CpmError) as err:

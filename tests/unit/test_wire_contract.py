@@ -33,12 +33,15 @@ def test_cpm_messages_have_no_bytes_and_no_unbounded_payloads() -> None:
     # The only repeated scalars are the profile vector, whose length the CPM checks (d_p),
     # the advertised protocol names (at most 16 short identifiers, checked by the CPM:
     # services/cpm/menu.py check_protocols) and the overlay top-K (at most 64 names of
-    # agents the CPM knows: check_overlay_peers).
+    # agents the CPM knows: check_overlay_peers) and the senders a student found of another
+    # parameter space (at most a directive's MAX_MERGE_SENDERS, each one of its senders,
+    # checked by the CPM before anything is recorded).
     repeated_scalars = [n for n, f in fields if f.is_repeated and f.message_type is None]
     assert repeated_scalars == [
         "peerlm.v1.SubmitProfileRequest.features",
         "peerlm.v1.SubmitProfileRequest.protocols",
         "peerlm.v1.SubmitProfileRequest.overlay_peers",
+        "peerlm.v1.ReportRewardRequest.space_mismatch",
     ]
 
 
