@@ -92,3 +92,38 @@ def _cmdline(proc: psutil.Process) -> str:
         return " ".join(proc.cmdline())[:120]
     except psutil.Error:
         return "?"
+
+
+class _ModuleClock:
+    """Seconds spent per test module (set-up, call and tear-down), summed on the controller.
+
+    The ``--durations`` table names single tests; where a suite's minutes go is a question
+    about modules (their fixtures, their federations), so the end of a run lists those too.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        module = report.nodeid.split("::", 1)[0]
+        self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if not self.seconds:
+            return
+        total = sum(self.seconds.values())
+        terminalreporter.write_sep("=", f"slowest modules ({total:.0f} s in all tests)")
+        ranked = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        for module, seconds in ranked[:MODULE_CLOCK_LINES]:
+            terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {module}")
+
+
+#: How many modules the end-of-run summary lists.
+MODULE_CLOCK_LINES = 30
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Only the process that prints the summary keeps a clock: with xdist, the controller,
+    # which receives every worker's reports.
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_ModuleClock(), "peerlm-module-clock")
