@@ -54,7 +54,7 @@ class AgentTelemetry:
         self.merges = Counter(
             "peerlm_agent_directive_merges_total",
             "CPM merge directives integrated as a student (teacher's adapter pulled and "
-            "merged, reward reported), by protocol (pmix, svd_hka).",
+            "merged, reward reported), by protocol (the catalogue's merge protocols).",
             ["protocol"],
             registry=registry,
         )
@@ -86,7 +86,7 @@ class AgentTelemetry:
         self.peer_slot_integrations = Counter(
             "peerlm_agent_peer_slot_integrations_total",
             "Integrations written to the peer slot instead of the own adapter (accepted or "
-            "rolled back by their gate), by kind (akd, pmix, svd_hka, overlay).",
+            "rolled back by their gate), by kind (akd, a merge protocol, or overlay).",
             ["kind"],
             registry=registry,
         )
