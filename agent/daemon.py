@@ -50,33 +50,62 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from peerlm.agent.acceptance import AcceptanceGate
+from peerlm.agent.checkpoint import CheckpointStore
 from peerlm.agent.cpm_client import CpmClient, next_directive
+from peerlm.agent.directives import MAX_CO_SENDERS, DirectiveBook, directive_action
+from peerlm.agent.evaluation import structural_match_rate
 from peerlm.agent.exchange_protocol import exchange_failed, report_refusal
 from peerlm.agent.exchange_registry import agent_registry
+from peerlm.agent.guardrail import agent_guardrail
 from peerlm.agent.metrics import AgentTelemetry
+from peerlm.agent.modelhost import ModelHost
+from peerlm.agent.models.lora import LoraSettings
+from peerlm.agent.peer_integration import (
+    fit_agent_router,
+    restore_slot,
+    slot_extra,
+    slot_record,
+    slot_runner,
+)
+from peerlm.agent.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
+from peerlm.agent.peer_service import PeerExchangeService, serve_peer
 from peerlm.agent.peer_stream import PeerStreamer
+from peerlm.agent.profile import host_parameter_space
 from peerlm.agent.rounds import (
     PackageMode,
     ProfileInputs,
     RoundConfig,
+    build_package,
     category_counts,
+    choose_package_mode,
     linear_schedule,
+    local_update,
+    reference_nll,
     round_profile,
+    sample_completions,
+    score_completions,
+    teacher_completions,
 )
+from peerlm.agent.sandbox import SandboxTelemetry, require_confinement
 from peerlm.agent.settings import AgentSettings
+from peerlm.agent.tasks.dataset import read_jsonl, transfer_set_sha256
 from peerlm.agent.teaching import Competence, competence_of, teachable_indices
 
 from peerlm.chunks import HashedPayload
 from peerlm.config import parse_host_port
+from peerlm.metrics import serve_metrics
 from peerlm.node import NodeContext
 from peerlm.pki.identity import Role
 from peerlm.protocols import lookup, names
 from peerlm.security.mode import resolve_channel_security
 from peerlm.wire.v1 import cpm_pb2
 
+# The overlay, FedWave and FedProxy are imported where an agent that enables them starts
+# them: an agent without them would load the overlay's clustering (networkx, scikit-learn's
+# cluster, 0.5 s CPU) and FedWave's text metrics (NLTK) for nothing, on every start.
 if TYPE_CHECKING:
     from peerlm.agent.fedproxy_member import Evaluator
-    from peerlm.agent.peer_knowledge import InputRouter, PeerSlot
 
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
@@ -215,7 +244,6 @@ class AgentDaemon:
 
     def _load_data(self) -> None:
         """The private sets and the pinned public transfer set X_u (its SHA-256 checked)."""
-        from peerlm.agent.tasks.dataset import read_jsonl, transfer_set_sha256
 
         s = self.s
         self.train = read_jsonl(s.train_file)
@@ -261,11 +289,6 @@ class AgentDaemon:
 
     async def _load_model(self) -> None:
         """The model host (on the model thread), round configuration, telemetry, guardrail."""
-        from peerlm.agent.guardrail import agent_guardrail
-        from peerlm.agent.modelhost import ModelHost
-        from peerlm.agent.models.lora import LoraSettings
-        from peerlm.agent.profile import host_parameter_space
-        from peerlm.agent.sandbox import SandboxTelemetry, require_confinement
 
         s = self.s
         lora = LoraSettings(
@@ -298,8 +321,6 @@ class AgentDaemon:
     async def _fit_router(self) -> None:
         """With ``integration: separate``: an empty peer slot and the input router, fitted
         on the own training prompts against X_u's, calibrated on the validation prompts."""
-        from peerlm.agent.peer_integration import fit_agent_router
-        from peerlm.agent.peer_knowledge import PeerSlot
 
         if self.s.integration != "separate":
             return
@@ -336,7 +357,6 @@ class AgentDaemon:
     def integrating(self, what: str) -> Callable[..., Awaitable[Any]]:
         """How an integration's model calls run: in the peer slot (``separate``, labelled
         ``what``) or on the one adapter (``shared``)."""
-        from peerlm.agent.peer_integration import slot_runner
 
         if self.slot is None:
             return self._model
@@ -353,7 +373,6 @@ class AgentDaemon:
 
     async def _restore(self) -> None:
         """The latest checkpoint's adapter, round state and summary, if there is one."""
-        from peerlm.agent.checkpoint import CheckpointStore
 
         self.checkpoints = CheckpointStore(self.s.state_dir / "checkpoints")
         self.summary = AgentSummary(
@@ -380,7 +399,6 @@ class AgentDaemon:
     async def _restore_slot(self, restored: Any) -> None:
         """The peer slot saved with ``restored``; a damaged or misfitting one is set aside
         and counted, and the slot starts empty (never an error)."""
-        from peerlm.agent.peer_integration import restore_slot
 
         assert self.slot is not None
 
@@ -393,11 +411,6 @@ class AgentDaemon:
     async def _serve(self) -> None:
         """The peer-exchange server (with the overlay when enabled), the directive book it
         checks requests against, and the metrics endpoint."""
-        from peerlm.agent.directives import DirectiveBook
-        from peerlm.agent.peer_service import PeerExchangeService, serve_peer
-
-        from peerlm.metrics import serve_metrics
-
         s = self.s
         self.book = DirectiveBook(time.time)
         self._predictions: dict[str, asyncio.Future[tuple[list[int], list[str]]]] = {}
@@ -797,7 +810,6 @@ class AgentDaemon:
         return await asyncio.shield(task)
 
     def _predict_teachable(self) -> tuple[list[int], list[str]]:
-        from peerlm.agent.rounds import teacher_completions
 
         chosen = self._teachable()
         prompts = [self.transfer_prompts[k] for k in chosen]
@@ -813,7 +825,6 @@ class AgentDaemon:
         announced our tokenizer; text otherwise. The peer server caches the result per
         directive.
         """
-        from peerlm.agent.rounds import build_package, choose_package_mode
 
         chosen, completions = await self._teacher_predictions(directive)
         wanted = self._wanted_mode(directive)
@@ -860,7 +871,6 @@ class AgentDaemon:
         Generation runs in the model worker, the sandbox in the default executor, so the
         model worker stays free (e.g. to build a package for a peer) while code runs.
         """
-        from peerlm.agent.rounds import sample_completions, score_completions
 
         loss, _ppl = await self._model(
             self.host.eval_loss, self.val_examples, max_length=self.s.max_length
@@ -903,9 +913,6 @@ class AgentDaemon:
         """Greedy pass@1, structural match and reference NLL (nats/byte) per slice; with
         ``integration: separate`` each problem is answered by the adapter the router picks
         (own or peer slot), and ``peer_share`` is the share of the slice sent to the slot."""
-        from peerlm.agent.evaluation import structural_match_rate
-        from peerlm.agent.peer_knowledge import PeerSlot, route_map, routed_share
-        from peerlm.agent.rounds import reference_nll, sample_completions, score_completions
 
         host, router = self.host, self.router
         slot = self.slot if self.slot is not None else PeerSlot()
@@ -1049,8 +1056,6 @@ class AgentDaemon:
         inbox: asyncio.Queue[cpm_pb2.Directive],
         feed: asyncio.Task[None],
     ) -> None:
-        from peerlm.agent.peer_integration import slot_extra, slot_record
-        from peerlm.agent.rounds import local_update
 
         s = self.s
         started = mark = time.monotonic()
@@ -1134,7 +1139,6 @@ class AgentDaemon:
         refuse it, or run the student's or the teacher's step of the protocol registered
         under its name (:attr:`exchanges`); True when this agent integrated (or tried to)
         as the student."""
-        from peerlm.agent.directives import MAX_CO_SENDERS, directive_action
 
         action = directive_action(
             directive.protocol,
@@ -1263,7 +1267,6 @@ class AgentDaemon:
 
     def _gate(self) -> Any:
         """The acceptance gate on the validation set (None when disabled)."""
-        from peerlm.agent.acceptance import AcceptanceGate
 
         margin = self.s.acceptance_margin
         if margin is None:
