@@ -38,12 +38,7 @@ __all__ = ["exchange", "pairing_policy"]
 
 
 def pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
-    from peerlm.services.cpm import (
-        CpmSettings,
-        HeteroGreedyMatchmaker,
-        Matchmaker,
-        RandomMatchmaker,
-    )
+    from peerlm.services.cpm import CpmSettings, HeteroGreedyMatchmaker, RandomMatchmaker
 
     if strategy == "random":
         return RandomMatchmaker(seed=seed)
@@ -51,24 +46,7 @@ def pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
         return HeteroGreedyMatchmaker()
     if strategy in CPM_PROTOCOLS:
         s: CpmSettings = plan.cpm_settings(seed, CPM_PROTOCOLS[strategy])
-        return Matchmaker(
-            profile_dim=s.profile_dim,
-            beta=s.beta,
-            pair_budget=s.pair_budget,
-            protocols=s.protocols,
-            seed=s.seed,
-            roles=s.roles,
-            interaction_features=s.interaction_features,
-            trust_features=s.trust_features,
-            matching=s.matching,
-            ridge=s.ridge,
-            context_columns=s.context_columns,
-            merge_senders=s.merge_senders,
-            co_sender_scoring=s.co_sender_scoring,
-            reward_clip_sigmas=s.reward_clip_sigmas,
-            reward_normaliser=s.reward_normaliser,
-            reward_window=s.reward_window,
-        )
+        return s.new_matchmaker()
     return None
 
 
