@@ -49,7 +49,8 @@ def run_benchmark(
     # The one benchmark that drives the application layer: what it times is the experiment
     # harness itself (.importlinter names the exception).
     from peerlm.app.cli_models import models_cache_dir, quiet_transformers
-    from peerlm.app.experiment import ExperimentPlan, round_costs
+    from peerlm.app.experiment_costs import round_costs
+    from peerlm.app.experiment_plan import ExperimentPlan
 
     quiet_transformers()
     models = models or models_cache_dir("micro" if micro else "tiny")

@@ -65,16 +65,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     from peerlm.agent import TrainSettings, probe_problems, read_jsonl, teacher_completions
-    from peerlm.app import experiment as ex
     from peerlm.app.cli_models import models_cache_dir
+    from peerlm.app.experiment_plan import ExperimentPlan
+    from peerlm.app.experiment_world import build_clients, prepare_world, warm_up
 
     started = time.perf_counter()
-    plan = ex.ExperimentPlan(strategies=("local",), seeds=(0,), world_seed=args.world_seed,
+    plan = ExperimentPlan(strategies=("local",), seeds=(0,), world_seed=args.world_seed,
                              size=args.size)  # fmt: skip
     models = args.models_dir or models_cache_dir(args.size)
-    world = ex._prepare(plan, models, args.work_dir / "data", lambda _k, _d: None)
-    world.warm = ex._warm_up(world, lambda _k, _d: None)
-    clients = ex._clients(world, 0)
+    world = prepare_world(plan, models, args.work_dir / "data", lambda _k, _d: None)
+    world.warm = warm_up(world, lambda _k, _d: None)
+    clients = build_clients(world, 0)
     teacher, student = clients[args.teacher], clients[args.student]
     [category] = sorted(world.slices[args.teacher].to_dict()["own"])[:1]
     if category in world.slices[args.student].to_dict()["own"]:

@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from peerlm.app.experiment import METRICS, _matrix
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import paired_bootstrap
+from peerlm.app.experiment_strategies import METRICS
+from peerlm.app.experiment_summary import metric_matrix
 
 __all__ = ["compare_results", "main"]
 
@@ -47,8 +48,8 @@ def compare_results(
     for slice_name in (s for s in SLICES if a["units"][s]):
         for metric in METRICS:
             values = {
-                "a": _matrix(a, strategy, metric, slice_name),
-                "b": _matrix(b, other, metric, slice_name),
+                "a": metric_matrix(a, strategy, metric, slice_name),
+                "b": metric_matrix(b, other, metric, slice_name),
             }
             means, diffs = paired_bootstrap(values, [("a", "b")])
             est = diffs[("a", "b")]

@@ -54,28 +54,20 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from peerlm.app.experiment_eval import finish_run, nll_on_test, slice_means
+from peerlm.app.experiment_strategies import CENTSFT, FEDPROXY_MERGE, PROXY_TUNED
+from peerlm.app.experiment_world import Client
+
 if TYPE_CHECKING:
-    from peerlm.app.experiment import Event, _World
+    from peerlm.app.experiment_plan import Event
+    from peerlm.app.experiment_world import World
 
-__all__ = ["CENTSFT", "FEDPROXY_MERGE", "FEDPROXY_STRATEGIES", "PROXY_TUNED", "run_fedproxy"]
+__all__ = ["run_fedproxy"]
 
-#: The FedProxy strategies and the owner's merge each runs (:data:`peerlm.agent.PROXY_MERGES`).
-FEDPROXY_MERGE: Final[Mapping[str, str]] = {
-    "fedproxy_hties": "h_ties_pcr",
-    "fedproxy_hties_nopcr": "h_ties",
-    "fedproxy_fedavg": "fedavg",
-    "fedproxy_ties": "ties",
-    "fedproxy_proxytuning": "h_ties_pcr",
-}
-#: Strategies whose owner decodes with ProxyTuning (M + φ_T − φ_0 logits) instead of fusing.
-PROXY_TUNED: Final[frozenset[str]] = frozenset({"fedproxy_proxytuning"})
-#: The CentSFT reference: the full model fine-tuned on the pooled data (no proxy, no merge).
-CENTSFT: Final = "fedproxy_centsft"
-FEDPROXY_STRATEGIES: Final[tuple[str, ...]] = (*FEDPROXY_MERGE, CENTSFT)
 #: Examples of one optimiser step of the other strategies (TrainSettings' batch size).
 _MICRO_BATCH: Final = 8
 
@@ -95,7 +87,7 @@ def _host(model: Any, tokenizer: Any, rank: int, source: str) -> Any:
 
 
 def run_fedproxy(
-    world: _World,
+    world: World,
     strategy: str,
     seed: int,
     event: Event,
@@ -117,7 +109,6 @@ def run_fedproxy(
         text_trainer,
         uses_pcr,
     )
-    from peerlm.app.experiment import _Client, _finish_run, _slice_means, _test_nll
 
     if strategy == CENTSFT:
         return _run_centsft(world, seed, event)
@@ -150,11 +141,11 @@ def run_fedproxy(
         fuse_into(fused, proxy)
         return _host(fused, tokenizer, plan.lora_rank, f"{path} fused")
 
-    def clients_of(host: Any) -> list[_Client]:
+    def clients_of(host: Any) -> list[Client]:
         from peerlm.agent import Guardrail
 
         return [
-            _Client(name, family, host, train, val, Guardrail([]))
+            Client(name, family, host, train, val, Guardrail([]))
             for name, (train, val) in zip(names, world.clients_data, strict=True)
         ]
 
@@ -163,7 +154,7 @@ def run_fedproxy(
 
     # Round 0: M itself (fusing the untrained proxy gives M back, tensor for tensor).
     host = fused_host()
-    start = _slice_means(world, every_client(_test_nll(world, clients_of(host)[0])))
+    start = slice_means(world, every_client(nll_on_test(world, clients_of(host)[0])))
     curve = {k: [v] for k, v in start.items()}
     rounds: list[dict[str, Any]] = []
     for t in range(1, plan.rounds + 1):
@@ -203,11 +194,11 @@ def run_fedproxy(
         merged = merge_proxies(method, global_state, updates)
         global_state, conflict = merged.state, merged.conflict
         host = fused_host()
-        nll = _slice_means(world, every_client(_test_nll(world, clients_of(host)[0])))
+        nll = slice_means(world, every_client(nll_on_test(world, clients_of(host)[0])))
         # The global proxy itself (a copy: the host's LoRA wraps the modules it is given).
         proxy.load_state_dict(global_state)
         proxy_host = _host(copy.deepcopy(proxy), tokenizer, plan.lora_rank, "proxy")
-        proxy_nll = _slice_means(world, every_client(_test_nll(world, clients_of(proxy_host)[0])))
+        proxy_nll = slice_means(world, every_client(nll_on_test(world, clients_of(proxy_host)[0])))
         for name in curve:
             curve[name].append(nll[name])
         rounds.append(
@@ -220,7 +211,7 @@ def run_fedproxy(
         )
         event("round", {"strategy": strategy, "seed": seed, "round": t, "nll": nll})
     # No exchange of this strategy carries an Eq. 3 reward: its mean_reward is None.
-    return _finish_run(
+    return finish_run(
         world,
         clients_of(host),
         strategy,
@@ -236,7 +227,7 @@ def run_fedproxy(
     )
 
 
-def _owner_model(world: _World) -> tuple[Path, Any, Any]:
+def _owner_model(world: World) -> tuple[Path, Any, Any]:
     """The owner's full model ``M`` (the run's family as built), its path and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -247,10 +238,9 @@ def _owner_model(world: _World) -> tuple[Path, Any, Any]:
     return path, tokenizer, AutoModelForCausalLM.from_pretrained(path)
 
 
-def _run_centsft(world: _World, seed: int, event: Event) -> dict[str, Any]:
+def _run_centsft(world: World, seed: int, event: Event) -> dict[str, Any]:
     """CentSFT under run seed ``seed`` (see the module): ``M`` trained on the pooled texts."""
     from peerlm.agent import Guardrail, text_trainer
-    from peerlm.app.experiment import _Client, _finish_run, _slice_means, _test_nll
 
     plan = world.plan
     family = plan.arch(0)
@@ -259,17 +249,17 @@ def _run_centsft(world: _World, seed: int, event: Event) -> dict[str, Any]:
     pooled = [p.prompt + p.reference for train, _val in world.clients_data for p in train]
     names = [f"agent-{i}" for i in range(plan.agents)]
 
-    def clients_now() -> list[_Client]:
+    def clients_now() -> list[Client]:
         # A copy: the host's LoRA wraps the modules it is given, and M trains on.
         host = _host(copy.deepcopy(model), tokenizer, plan.lora_rank, f"{path} centsft")
         return [
-            _Client(name, family, host, train, val, Guardrail([]))
+            Client(name, family, host, train, val, Guardrail([]))
             for name, (train, val) in zip(names, world.clients_data, strict=True)
         ]
 
     def nll_now() -> dict[str, float]:
-        values = _test_nll(world, clients_now()[0])
-        return _slice_means(world, dict.fromkeys(range(plan.agents), values))
+        values = nll_on_test(world, clients_now()[0])
+        return slice_means(world, dict.fromkeys(range(plan.agents), values))
 
     curve = {k: [v] for k, v in nll_now().items()}
     rounds: list[dict[str, Any]] = []
@@ -290,4 +280,4 @@ def _run_centsft(world: _World, seed: int, event: Event) -> dict[str, Any]:
             curve[name].append(nll[name])
         rounds.append({"round": t, "steps": steps, "test_nll": nll, "exchanges": []})
         event("round", {"strategy": CENTSFT, "seed": seed, "round": t, "nll": nll})
-    return _finish_run(world, clients_now(), CENTSFT, seed, rounds, curve, started, event)
+    return finish_run(world, clients_now(), CENTSFT, seed, rounds, curve, started, event)

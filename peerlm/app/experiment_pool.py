@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 from scipy import stats as scipy_stats
 
-from peerlm.app.experiment import METRICS, _matrix
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import stratified_bootstrap
+from peerlm.app.experiment_strategies import METRICS
+from peerlm.app.experiment_summary import metric_matrix
 
 __all__ = ["main", "pool_results"]
 
@@ -66,7 +67,7 @@ def pool_results(
         if not all(r["units"].get(slice_name) for r in results):
             continue
         for metric in METRICS:
-            strata = [{n: _matrix(r, n, metric, slice_name) for n in needed} for r in results]
+            strata = [{n: metric_matrix(r, n, metric, slice_name) for n in needed} for r in results]
             rows: dict[str, Any] = {"worlds": []}
             for w, stratum in zip(worlds, strata, strict=True):
                 rows["worlds"].append({"world_seed": w, **_estimates([stratum], pairs, shares)})

@@ -332,27 +332,7 @@ class CpmCore:
         self.directives_issued = 0
 
     def _new_matchmaker(self) -> Matchmaker:
-        settings = self._s
-        return Matchmaker(
-            profile_dim=settings.profile_dim,
-            beta=settings.beta,
-            pair_budget=settings.pair_budget,
-            protocols=settings.protocols,
-            seed=settings.seed,
-            roles=settings.roles,
-            interaction_features=settings.interaction_features,
-            trust_features=settings.trust_features,
-            matching=settings.matching,
-            prefilter_k=settings.prefilter_k,
-            prefilter_min_agents=settings.prefilter_min_agents,
-            ridge=settings.ridge,
-            context_columns=settings.context_columns,
-            merge_senders=settings.merge_senders,
-            reward_clip_sigmas=settings.reward_clip_sigmas,
-            co_sender_scoring=settings.co_sender_scoring,
-            reward_normaliser=settings.reward_normaliser,
-            reward_window=settings.reward_window,
-        )
+        return self._s.new_matchmaker()
 
     # ------------------------------------------------------------ bandit state
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS
+from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS, Matchmaker
 from peerlm.services.cpm.menu import MENU
 from peerlm.services.cpm.normalise import DEFAULT_REWARD_CLIP_SIGMAS
 from peerlm.services.cpm.profile import check_context_columns
@@ -110,6 +110,30 @@ class CpmSettings(ServiceSettings):
     # too small for threads to pay, and OpenBLAS's spinning workers take the cores that the
     # gRPC and TLS work needs (docs/bench-cpm.md, "Durable reward acknowledgement").
     blas_threads: int = Field(default=1, ge=1, le=256)
+
+    def new_matchmaker(self) -> Matchmaker:
+        """A fresh LinUCB :class:`~peerlm.services.cpm.matchmaker.Matchmaker` with these
+        settings (the CPM service's, and the experiment harness's CPM strategies')."""
+        return Matchmaker(
+            profile_dim=self.profile_dim,
+            beta=self.beta,
+            pair_budget=self.pair_budget,
+            protocols=self.protocols,
+            seed=self.seed,
+            roles=self.roles,
+            interaction_features=self.interaction_features,
+            trust_features=self.trust_features,
+            matching=self.matching,
+            prefilter_k=self.prefilter_k,
+            prefilter_min_agents=self.prefilter_min_agents,
+            ridge=self.ridge,
+            context_columns=self.context_columns,
+            merge_senders=self.merge_senders,
+            reward_clip_sigmas=self.reward_clip_sigmas,
+            co_sender_scoring=self.co_sender_scoring,
+            reward_normaliser=self.reward_normaliser,
+            reward_window=self.reward_window,
+        )
 
     @model_validator(mode="after")
     def _refusal_reward_bounded(self) -> CpmSettings:

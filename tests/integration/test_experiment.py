@@ -326,37 +326,33 @@ def test_ffa_lora_keeps_one_frozen_a_and_averages_b_by_data(tmp_path: Path) -> N
     import torch
     from peerlm.agent import LoraSettings, ModelHost
 
-    from peerlm.app.experiment import (
-        ExperimentPlan,
-        _clients,
-        _local_phase,
-        _merge_exchange,
-        _prepare,
-        _warm_up,
-    )
+    from peerlm.app.experiment import ExperimentPlan
+    from peerlm.app.experiment_merge import merge_exchange
+    from peerlm.app.experiment_run import local_phase
+    from peerlm.app.experiment_world import build_clients, prepare_world, warm_up
 
     plan = ExperimentPlan(
         agents=3, rounds=2, seeds=(0,), size="micro", family="gpt2", strategies=("ffa_lora",),
         local_steps=2, warmup_steps=2, grad_accumulation=1, val_limit=2, max_new_tokens=8,
         probe_per_category=1, transfer_limit=2, test_limit=6,
     )  # fmt: skip
-    world = _prepare(plan, tmp_path / "models", tmp_path / "data", lambda _k, _d: None)
-    world.ffa_warm = _warm_up(world, lambda _k, _d: None, ffa=True)
+    world = prepare_world(plan, tmp_path / "models", tmp_path / "data", lambda _k, _d: None)
+    world.ffa_warm = warm_up(world, lambda _k, _d: None, ffa=True)
     fresh = ModelHost.load(
         tmp_path / "models" / "gpt2", LoraSettings(r=plan.lora_rank), device="cpu",
         seed=plan.world_seed,
     )  # fmt: skip
     shared_a = {k: v for k, v in fresh.adapter_state().items() if ".lora_A." in k}
-    clients = _clients(world, 5, ffa=True)
+    clients = build_clients(world, 5, ffa=True)
     assert all(c.host.frozen_lora_a for c in clients)
     for i, c in enumerate(clients):
-        _local_phase(world, c, 5, i, 1)
+        local_phase(world, c, 5, i, 1)
     states = [c.host.adapter_state() for c in clients]
     for state in states:
         assert all(torch.equal(state[k], a) for k, a in shared_a.items())
         # Warm-up and local steps trained B (it starts at zero).
         assert any(v.abs().sum() > 0 for k, v in state.items() if ".lora_B." in k)
-    records = _merge_exchange(world, "ffa_lora", clients, 5, 1)
+    records = merge_exchange(world, "ffa_lora", clients, 5, 1)
     assert len(records) == 3 and all(r["kilobytes"] > 0 for r in records)
     sizes = [len(c.train) for c in clients]
     assert len(set(sizes)) > 1  # the weights are not all equal: the test sees them
@@ -369,7 +365,7 @@ def test_ffa_lora_keeps_one_frozen_a_and_averages_b_by_data(tmp_path: Path) -> N
                 mean = sum(n * s[k].double() for n, s in zip(sizes, states, strict=True))
                 torch.testing.assert_close(v.double(), mean / sum(sizes), rtol=1e-5, atol=1e-7)
     # The common path is unchanged: its clients train A, each from its own seed.
-    plain = _clients(world, 5)
+    plain = build_clients(world, 5)
     assert not plain[0].host.frozen_lora_a
     a0, a1 = (
         {k: v for k, v in c.host.adapter_state().items() if ".lora_A." in k} for c in plain[:2]

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 from peerlm.agent import Problem
 
-from peerlm.app.experiment import ExperimentPlan, _reward_examples, _World
+from peerlm.app.experiment import ExperimentPlan
+from peerlm.app.experiment_distill import reward_examples
 from peerlm.app.experiment_slices import ClientSlices
+from peerlm.app.experiment_world import World
 
 CATEGORIES = ("dict", "format", "boolean", "string")
 
@@ -26,9 +28,9 @@ def _problem(category: str, k: int) -> Problem:
     )
 
 
-def _world(plan: ExperimentPlan, slices: list[ClientSlices]) -> _World:
+def _world(plan: ExperimentPlan, slices: list[ClientSlices]) -> World:
     probe = [_problem(c, k) for c in CATEGORIES for k in range(2)]
-    return _World(
+    return World(
         plan=plan,
         models=Path("unused"),
         clients_data=[],
@@ -52,7 +54,7 @@ def test_the_lacked_scope_keeps_only_the_students_lacked_categories() -> None:
     slices = [_slices("dict", ("format", "boolean")), _slices("format", ("dict", "boolean"))]
     world = _world(ExperimentPlan(probe_scope="lacked"), slices)
     for i, sl in enumerate(slices):
-        got = _reward_examples(world, STUDENT, i)
+        got = reward_examples(world, STUDENT, i)
         want = [(p.prompt, p.reference) for p in world.probe if p.category in sl.lacked]
         assert got == want and len(got) == 4
         # Neither its own skill nor a public category is in its reward.
@@ -62,14 +64,14 @@ def test_the_lacked_scope_keeps_only_the_students_lacked_categories() -> None:
 def test_all_scope_is_the_whole_probe_and_val_is_the_students_own_data() -> None:
     slices = [_slices("dict", ("format", "boolean"))]
     world = _world(ExperimentPlan(), slices)
-    assert _reward_examples(world, STUDENT, 0) == world.probe_examples
+    assert reward_examples(world, STUDENT, 0) == world.probe_examples
     val = _world(ExperimentPlan(reward="val"), slices)
-    assert _reward_examples(val, STUDENT, 0) == STUDENT.val_examples
+    assert reward_examples(val, STUDENT, 0) == STUDENT.val_examples
 
 
 def test_a_student_lacking_nothing_measures_on_the_whole_probe() -> None:
     world = _world(ExperimentPlan(probe_scope="lacked"), [_slices("dict", ())])
-    assert _reward_examples(world, STUDENT, 0) == world.probe_examples
+    assert reward_examples(world, STUDENT, 0) == world.probe_examples
 
 
 @pytest.mark.parametrize(

@@ -102,11 +102,13 @@ def test_route_map_answers_each_input_with_its_adapter_and_keeps_the_order(
 
 
 def test_runs_that_replay_local_plus_own_track_wait_for_it() -> None:
-    from peerlm.app.experiment import ExperimentPlan, _schedule, _shares_track
+    from peerlm.app.experiment import ExperimentPlan
+    from peerlm.app.experiment_run import shares_track
+    from peerlm.app.experiment_workers import schedule
 
     plan = ExperimentPlan(strategies=("local_plus", "random", "cpm"), seeds=(0, 1))
     todo = [(s, seed) for seed in (0, 1) for s in ("random", "local_plus", "cpm")]
-    ready, waits = _schedule(plan, todo)
+    ready, waits = schedule(plan, todo)
     assert ready == [("local_plus", 0), ("local_plus", 1)]
     assert waits == {
         ("random", 0): ("local_plus", 0),
@@ -116,15 +118,15 @@ def test_runs_that_replay_local_plus_own_track_wait_for_it() -> None:
     }
     # LocalOnly+ of seed 1 was reused from a stored result: its track is not at hand, so
     # seed 1's runs train their own adapters themselves and start at once.
-    ready, waits = _schedule(plan, [k for k in todo if k != ("local_plus", 1)])
+    ready, waits = schedule(plan, [k for k in todo if k != ("local_plus", 1)])
     assert ("random", 1) in ready and ("cpm", 1) in ready
     assert set(waits) == {("random", 0), ("cpm", 0)}
     # One adapter for everything (the papers' integration): nothing is shared.
     shared = ExperimentPlan(strategies=("local_plus", "random"), integration="shared")
-    assert not _shares_track(shared, "random")
-    assert _schedule(shared, [("random", 0), ("local_plus", 0)])[1] == {}
+    assert not shares_track(shared, "random")
+    assert schedule(shared, [("random", 0), ("local_plus", 0)])[1] == {}
     # FFA-LoRA starts from its own warm-up, and LocalOnly trains no extra steps.
-    assert not _shares_track(plan, "ffa_lora") and not _shares_track(plan, "local")
+    assert not shares_track(plan, "ffa_lora") and not shares_track(plan, "local")
 
 
 def test_an_unknown_integration_or_a_zero_period_is_refused() -> None:

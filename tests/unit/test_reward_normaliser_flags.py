@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from peerlm.services.cpm import CpmSettings
 
-from peerlm.app.experiment import ExperimentPlan, _pairing_policy, reusable_runs
+from peerlm.app.experiment import ExperimentPlan, reusable_runs
+from peerlm.app.experiment_exchange import pairing_policy
 from tests.cli import assert_run_experiment_refuses
 
 NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
@@ -27,13 +28,13 @@ def test_the_env_selects_the_normaliser(monkeypatch: pytest.MonkeyPatch) -> None
 def test_the_experiment_plan_carries_the_normaliser_to_its_cpm() -> None:
     plan = ExperimentPlan(cpm_reward_normaliser="robust")
     assert plan.cpm_settings().reward_normaliser == "robust"
-    config = _pairing_policy("cpm", plan, 0).config()
+    config = pairing_policy("cpm", plan, 0).config()
     assert (config["reward_normaliser"], config["reward_window"]) == ("robust", 256)
-    assert _pairing_policy("cpm", ExperimentPlan(), 0).config()["reward_normaliser"] == "robust"
+    assert pairing_policy("cpm", ExperimentPlan(), 0).config()["reward_normaliser"] == "robust"
     # A plan asking for the paper's z-score gets it, though it is no longer the default.
     zscore = ExperimentPlan(cpm_reward_normaliser="zscore")
     assert zscore.cpm_settings().reward_normaliser == "zscore"
-    assert _pairing_policy("cpm", zscore, 0).config()["reward_normaliser"] == "zscore"
+    assert pairing_policy("cpm", zscore, 0).config()["reward_normaliser"] == "zscore"
 
 
 def _stored(plan: ExperimentPlan) -> dict[str, Any]:

@@ -1,0 +1,263 @@
+"""The distillation exchanges of the experiment: a teacher's package of X_u answers and a
+student's AKD integration of it (the agent's own :func:`~peerlm.agent.integrate_package`),
+the reward's examples, and the two strategies built on them beyond pairing: Central-KD
+and Oracle pairing.
+
+Central-KD with heterogeneous tokenizers. FedMD's server averages the clients' logits,
+which is undefined across vocabularies. The probability of a *string* is not: here the
+ensemble teacher is the mixture ``p_bar(y | x) = (1/N) sum_i p_i(y | x)`` of the clients'
+sequence distributions, each client scoring a string under its own canonical tokenisation
+(EOS included). Every client sends its guardrailed greedy completion of each transfer
+prompt; every client scores every candidate (the scores are what is averaged, as FedMD
+averages logits); the server broadcasts, per prompt, the candidate with the highest
+ensemble log-likelihood per UTF-8 byte, ``log p_bar(y | x) / max(1, bytes(y))`` (per byte,
+or the shortest candidate would always win). Each client then runs AKD on this one
+consensus package, with the same alpha schedule as the P2P strategies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from peerlm.app.experiment_eval import probe_loss
+from peerlm.app.experiment_world import Client, World, round_config
+
+if TYPE_CHECKING:
+    from peerlm.agent import Integration, ModelHost
+
+__all__ = [
+    "central_kd",
+    "consensus_texts",
+    "exchange_record",
+    "integrate",
+    "oracle_exchange",
+    "reward_examples",
+    "teacher_answers",
+    "teacher_package",
+]
+
+
+def reward_examples(world: World, student: Client, i: int) -> list[tuple[str, str]]:
+    """Where student ``i`` measures L_pre and L_post: its validation data (Eq. 3 as in the
+    paper), the public probe set, or the probe problems of its lacked categories
+    (``probe_scope``; our choices, :mod:`peerlm.app.experiment`)."""
+    if world.plan.reward != "probe":
+        return student.val_examples
+    if world.plan.probe_scope == "all":
+        return world.probe_examples
+    lacked = world.slices[i].lacked
+    # A client that lacks nothing (every private skill its own) has no such probe: the
+    # whole probe then, so that it still measures what an exchange did.
+    return [(p.prompt, p.reference) for p in world.probe if p.category in lacked] or (
+        world.probe_examples
+    )
+
+
+def integrate(
+    world: World,
+    student: Client,
+    package: Any,
+    kilobytes: float,
+    seed: int,
+    i: int,
+    t: int,
+) -> Integration:
+    from peerlm.agent import integrate_package
+
+    with student.integrating(world.plan, f"akd-{package.__class__.__name__}"):
+        result = integrate_package(
+            student.host,
+            package,
+            kilobytes=kilobytes,
+            local_examples=student.train_examples,
+            val_examples=reward_examples(world, student, i),
+            transfer_prompts=world.transfer,
+            config=round_config(world.plan, seed, i, integration=True),
+            t=t,
+        )
+    student.peer_steps += world.plan.integration_steps
+    return result
+
+
+def teacher_answers(world: World, teacher: Client, t: int) -> tuple[list[int], list[str]]:
+    """What ``teacher`` answers of X_u (:meth:`World.teachable`) and its greedy answers."""
+    from peerlm.agent import teacher_completions
+
+    chosen = world.teachable(teacher, t)
+    prompts = [world.transfer[k] for k in chosen]
+    return chosen, teacher_completions(teacher.host, prompts, world.plan.max_new_tokens)
+
+
+def teacher_package(
+    world: World,
+    teacher: Client,
+    predictions: tuple[list[int], list[str]],
+    directive: str,
+    mode: Literal["text", "logits"] = "text",
+) -> tuple[Any, float]:
+    """The teacher's package of ``predictions`` (:func:`teacher_answers`): text, or top-k
+    logits for a student of the teacher's tokenizer; encoded and decoded as on the wire;
+    (package, KB)."""
+    from peerlm.agent import build_package, decode_package
+
+    chosen, completions = predictions
+    data = build_package(
+        teacher.host,
+        mode=mode,
+        prompts=[world.transfer[k] for k in chosen],
+        prompt_ids=[str(k) for k in chosen],
+        completions=completions,
+        teacher=teacher.name,
+        directive_id=directive,
+        transfer_sha256=world.transfer_sha256,
+        guardrail=teacher.guardrail,
+    )
+    package = decode_package(
+        data,
+        expect_transfer_sha256=world.transfer_sha256,
+        expect_directive_id=directive,
+        expect_teacher=teacher.name,
+    )
+    return package, len(data) / 1024
+
+
+def exchange_record(
+    teacher: str, student: str, result: Integration, normalised: float | None
+) -> dict[str, Any]:
+    return {
+        "teacher": teacher,
+        "student": student,
+        "mode": result.mode,
+        "alpha_kd": round(result.alpha_kd, 4),
+        "loss_pre": round(result.loss_pre, 5),
+        "loss_post": round(result.loss_post, 5),
+        "kilobytes": round(result.kilobytes, 2),
+        "reward": round(result.reward, 6),
+        "normalised_reward": None if normalised is None else round(normalised, 5),
+    }
+
+
+def consensus_texts(
+    hosts: Sequence[ModelHost], prompts: Sequence[str], candidates: Sequence[Sequence[str]]
+) -> list[str]:
+    """Central-KD's ensemble teacher (module docstring): per prompt, the candidate with the
+    highest mixture log-likelihood per UTF-8 byte under all ``hosts``.
+
+    ``candidates[i]`` are client i's completions of ``prompts``; empty ones are not
+    candidates (a prompt nobody answered gets ``""``).
+    """
+    out: list[str] = []
+    for j, prompt in enumerate(prompts):
+        options = list(dict.fromkeys(c[j] for c in candidates if c[j].strip()))
+        if not options:
+            out.append("")
+            continue
+        pairs = [(prompt, option) for option in options]
+        scores = np.array([h.sequence_logprobs(pairs) for h in hosts])  # [clients, options]
+        mixture = np.logaddexp.reduce(scores, axis=0) - math.log(len(hosts))
+        per_byte = mixture / np.array([max(1, len(o.encode())) for o in options])
+        out.append(options[int(np.argmax(per_byte))])
+    return out
+
+
+def central_kd(world: World, clients: list[Client], seed: int, t: int) -> list[dict[str, Any]]:
+    from peerlm.agent import Guardrail, build_text_package, decode_package
+
+    completions = []
+    for c in clients:
+        # What a client does not answer (``teach_scope``) is no candidate: "".
+        chosen, texts = teacher_answers(world, c, t)
+        vetted = c.guardrail.filter_many(texts, [world.transfer[k] for k in chosen])
+        answers = [""] * len(world.transfer)
+        for k, r in zip(chosen, vetted, strict=True):
+            answers[k] = r.text
+        completions.append(answers)
+    consensus = consensus_texts([c.host for c in clients], world.transfer, completions)
+    data = build_text_package(
+        prompts=world.transfer,
+        completions=consensus,
+        teacher="central",
+        directive_id=f"central-{t}",
+        transfer_sha256=world.transfer_sha256,
+        family="other",
+        guardrail=Guardrail([]),  # the clients vetted their texts before sending
+    )
+    package = decode_package(data, expect_transfer_sha256=world.transfer_sha256)
+    records = []
+    for i, student in enumerate(clients):
+        result = integrate(world, student, package, len(data) / 1024, seed, i, t)
+        student.rewards.append(result.reward)
+        student.exchanges += 1
+        records.append(exchange_record("central", student.name, result, None))
+    return records
+
+
+def oracle_exchange(
+    world: World, clients: list[Client], seed: int, t: int
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Try every ordered pair, keep the disjoint pairs of largest true probe gain.
+
+    The gain of (teacher, student) is the student's probe-loss drop from integrating the
+    teacher's package (whatever ``reward`` the plan uses). Pairs are chosen greedily by
+    gain, ⌊N/2⌋ of them as the matchmakers do; the chosen students keep their trial
+    adapter, the others are restored. Returns the records and every pair's gain
+    (``"teacher>student"``), for the CPM's figures.
+    """
+    predictions = {c.name: teacher_answers(world, c, t) for c in clients}
+    probe = world.probe_examples
+    trials: dict[tuple[int, int], tuple[float, Any, Integration, float]] = {}
+    separate = world.plan.integration == "separate"
+    for si, student in enumerate(clients):
+        # The trials start from what integrations write to (the peer slot, or the adapter),
+        # and the gain is measured on the model that answers (routed, or the adapter).
+        before_slot = student.slot.state
+        before = {k: v.clone() for k, v in student.host.adapter_state().items()}
+        pre = probe_loss(student, probe)
+        for ti, teacher in enumerate(clients):
+            if ti == si:
+                continue
+            directive = f"oracle-{t}-{teacher.name}-{student.name}"
+            package, kb = teacher_package(world, teacher, predictions[teacher.name], directive)
+            result = integrate(world, student, package, kb, seed, si, t)
+            post = probe_loss(student, probe)
+            if separate:
+                assert student.slot.state is not None
+                after = student.slot.state
+                student.slot.state = before_slot
+                student.slot.integrations -= 1
+            else:
+                after = {k: v.clone() for k, v in student.host.adapter_state().items()}
+                student.host.load_adapter_state(before)
+            trials[(ti, si)] = (pre - post, after, result, kb)
+    used: set[int] = set()
+    records: list[dict[str, Any]] = []
+    for (ti, si), (gain, after, result, _kb) in sorted(
+        trials.items(), key=lambda kv: (-kv[1][0], kv[0])
+    ):
+        if len(records) >= len(clients) // 2:
+            break
+        if ti in used or si in used:
+            continue
+        used |= {ti, si}
+        student = clients[si]
+        if separate:
+            student.slot.state = after
+            student.slot.integrations += 1
+        else:
+            student.host.load_adapter_state(after)
+        student.rewards.append(result.reward)
+        student.exchanges += 1
+        records.append(
+            {
+                **exchange_record(clients[ti].name, student.name, result, None),
+                "probe_gain": round(gain, 6),
+            }
+        )
+    gains = {
+        f"{clients[ti].name}>{clients[si].name}": round(g[0], 6) for (ti, si), g in trials.items()
+    }
+    return records, gains

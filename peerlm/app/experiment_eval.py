@@ -1,0 +1,144 @@
+"""What the experiment measures of a client: the test NLL curve, validation pass@1 and
+competence, the probe loss, the final evaluation (sampled pass@1, structural match, NLL)
+and the run's record built from it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from peerlm.app.experiment_plan import Event
+from peerlm.app.experiment_slices import SLICES
+from peerlm.app.experiment_world import Client, World
+
+if TYPE_CHECKING:
+    from peerlm.agent import Competence, Problem
+
+__all__ = ["final_eval", "finish_run", "nll_on_test", "probe_loss", "slice_means", "validate"]
+
+
+def nll_on_test(world: World, client: Client) -> list[float]:
+    from peerlm.agent import reference_nll
+
+    return client.routed(world.test, lambda ps: reference_nll(client.host, ps))
+
+
+def slice_means(world: World, per_client: Mapping[int, Sequence[float]]) -> dict[str, float]:
+    """Mean of a per-(client, problem) value over each non-empty slice's units."""
+    out: dict[str, float] = {}
+    for name in SLICES:
+        units = world.units(name)
+        if units:
+            out[name] = float(np.mean([per_client[i][j] for i, j in units]))
+    return out
+
+
+def final_eval(world: World, client: Client, seed: int) -> dict[str, Any]:
+    from peerlm.agent import (
+        reference_nll,
+        sample_completions,
+        score_completions,
+        structural_match_rate,
+    )
+
+    plan = world.plan
+
+    def sample(problems: Sequence[Problem]) -> list[list[str]]:
+        got = sample_completions(
+            client.host,
+            problems,
+            max_new_tokens=plan.max_new_tokens,
+            n=plan.samples,
+            temperature=plan.sample_temperature,
+            seed=seed,
+        )
+        return [got[p.task_id] for p in problems]
+
+    answers = client.routed(world.test, sample)
+    completions = {p.task_id: a for p, a in zip(world.test, answers, strict=True)}
+    report = score_completions(world.test, completions, ks=(1,))
+    # Which adapter answered each test problem (1: the peer slot); the router never sees
+    # the test set's categories.
+    peer = _peer_routes(client, world.test)
+    return {
+        "arch": client.arch,
+        "pass@1": [r.pass_at[1] for r in report.problems],
+        "struct": [structural_match_rate(p, completions[p.task_id]) for p in world.test],
+        "nll": nll_on_test(world, client),
+        # The probe set's NLL (not test data): what "best" is chosen by.
+        "probe_nll": client.routed(world.probe, lambda ps: reference_nll(client.host, ps)),
+        "status_counts": dict(report.status_counts),
+        "peer_routed": peer,
+        "own_steps": client.own_steps,
+        "peer_steps": client.peer_steps,
+        "peer_integrations": client.slot.integrations,
+    }
+
+
+def _peer_routes(client: Client, problems: Sequence[Problem]) -> list[int]:
+    """Per problem, 1 if the peer slot answers it, else 0."""
+    if client.router is None or not client.slot.ready:
+        return [0] * len(problems)
+    return [int(x) for x in client.router.to_peer([p.prompt for p in problems])]
+
+
+def probe_loss(client: Client, examples: Sequence[tuple[str, str]]) -> float:
+    """Mean loss of ``examples`` on the model that answers them (each routed)."""
+    losses = client.routed(
+        [_Prompted(p, r) for p, r in examples],
+        lambda xs: [client.host.eval_loss([(x.prompt, x.reference)])[0] for x in xs],
+    )
+    return float(np.mean(losses)) if losses else 0.0
+
+
+@dataclass(frozen=True)
+class _Prompted:
+    prompt: str
+    reference: str
+
+
+def validate(world: World, c: Client) -> tuple[float, Competence]:
+    """Greedy pass@1 of ``c``'s own adapter on its validation problems, and per category
+    (what it may teach)."""
+    from peerlm.agent import competence_of, sample_completions, score_completions
+
+    plan = world.plan
+    val = c.val[: plan.val_limit] if plan.val_limit else c.val
+    completions = sample_completions(c.host, val, max_new_tokens=plan.max_new_tokens)
+    report = score_completions(val, completions)
+    competence = competence_of((r.category, r.c, r.n) for r in report.problems)
+    return report.mean.get(1, 0.0), competence
+
+
+def finish_run(
+    world: World,
+    clients: Sequence[Client],
+    strategy: str,
+    seed: int,
+    rounds: list[dict[str, Any]],
+    curve: Mapping[str, list[float]],
+    started: float,
+    event: Event,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The final evaluation of every client and the run's record (every strategy's)."""
+    final = {c.name: final_eval(world, c, seed * 1_000 + i) for i, c in enumerate(clients)}
+    event("final", {"strategy": strategy, "seed": seed})
+    rewards = [x["reward"] for r in rounds for x in r["exchanges"] if "reward" in x]
+    return {
+        "strategy": strategy,
+        "seed": seed,
+        "clients": final,
+        "curve_nll": curve,
+        "exchanges": sum(len(r["exchanges"]) for r in rounds),
+        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+        "kilobytes": round(sum(x["kilobytes"] for r in rounds for x in r["exchanges"]), 2),
+        "rounds": rounds,
+        **extra,
+        "seconds": round(time.perf_counter() - started, 1),
+    }

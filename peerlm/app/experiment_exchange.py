@@ -1,0 +1,264 @@
+"""One round's exchange phase of the experiment: the pairing policy of a strategy (random,
+heuristic, the CPM's LinUCB) and the dispatch from a strategy's name to what its clients
+do (distillation, merges, the CPM over the protocol menu, the overlay step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from peerlm.app.experiment_distill import (
+    central_kd,
+    exchange_record,
+    integrate,
+    oracle_exchange,
+    reward_examples,
+    teacher_answers,
+    teacher_package,
+)
+from peerlm.app.experiment_merge import merge_exchange, semantic_dfl_exchange
+from peerlm.app.experiment_overlay import OverlayView
+from peerlm.app.experiment_plan import ExperimentPlan
+from peerlm.app.experiment_strategies import (
+    CPM_PROTOCOLS,
+    MENU_STRATEGIES,
+    MERGE_STRATEGIES,
+    OVERLAY_STRATEGIES,
+)
+from peerlm.app.experiment_world import Client, World, round_config
+from peerlm.protocols import lookup
+
+if TYPE_CHECKING:
+    from peerlm.services.cpm import Pairing
+
+__all__ = ["exchange", "pairing_policy"]
+
+
+def pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
+    from peerlm.services.cpm import CpmSettings, HeteroGreedyMatchmaker, RandomMatchmaker
+
+    if strategy == "random":
+        return RandomMatchmaker(seed=seed)
+    if strategy == "heuristic":
+        return HeteroGreedyMatchmaker()
+    if strategy in CPM_PROTOCOLS:
+        s: CpmSettings = plan.cpm_settings(seed, CPM_PROTOCOLS[strategy])
+        return s.new_matchmaker()
+    return None
+
+
+def exchange(
+    world: World,
+    strategy: str,
+    policy: Any,
+    clients: list[Client],
+    profiles: Mapping[str, np.ndarray],
+    seed: int,
+    t: int,
+    *,
+    overlay: OverlayView | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
+    by_name = {c.name: c for c in clients}
+    if strategy == "local":
+        return [], None
+    if strategy == "local_plus":  # its own-data steps are the round loop's
+        return [], None
+    if strategy == "central_kd":
+        return central_kd(world, clients, seed, t), None
+    if strategy == "oracle":
+        return oracle_exchange(world, clients, seed, t)
+    if strategy == "semantic_dfl":
+        return semantic_dfl_exchange(world, clients), None
+    if strategy in MERGE_STRATEGIES:
+        return merge_exchange(world, strategy, clients, seed, t), None
+    if strategy in MENU_STRATEGIES:
+        directed = _menu_exchange(world, policy, clients, profiles, seed, t, overlay)
+        if overlay is not None:
+            directed += _overlay_exchange(world, clients, overlay, seed, t)
+        return directed, None
+    if strategy in OVERLAY_STRATEGIES:
+        assert overlay is not None
+        return _overlay_exchange(world, clients, overlay, seed, t), None
+    records: list[dict[str, Any]] = []
+    pairings: list[Pairing] = policy.select(profiles)
+    for pairing in pairings:
+        teacher, student = by_name[pairing.sender], by_name[pairing.receiver]
+        directive = f"{strategy}-{t}-{teacher.name}-{student.name}"
+        package, kb = teacher_package(world, teacher, teacher_answers(world, teacher, t), directive)
+        result = integrate(world, student, package, kb, seed, clients.index(student), t)
+        normalised = policy.observe(pairing, result.reward)
+        student.rewards.append(result.reward)
+        student.exchanges += 1
+        records.append(exchange_record(teacher.name, student.name, result, float(normalised)))
+    return records, None
+
+
+def _menu_exchange(
+    world: World,
+    policy: Any,
+    clients: list[Client],
+    profiles: Mapping[str, np.ndarray],
+    seed: int,
+    t: int,
+    overlay: OverlayView | None = None,
+) -> list[dict[str, Any]]:
+    """``cpm_menu``: the CPM chooses a protocol of the whole menu per pair (the
+    ``cpm_<protocol>`` strategies: of one protocol, forced for everyone), among those
+    admissible for it (each client declares its parameter-space fingerprint and every
+    protocol, as an agent does), and the student executes it as the daemon would: AKD by
+    text or top-k logits, or the teacher's adapter merged by PDFL (``pmix``) or OnePeFT's
+    SVD + HKA (``svd_hka``) through the agent's own aggregation code. Each reward is Eq. 3
+    measured where the plan measures it (``reward_examples``). With ``overlay``
+    (``cpm_menu_overlay``) every client reports the list of its last overlay step, and a
+    merge protocol is admissible only from a sender on the student's list
+    (:mod:`~peerlm.app.experiment_overlay`; no list before the first step)."""
+    from peerlm.agent import (
+        AcceptanceGate,
+        PullSettings,
+        host_parameter_space,
+        integrate_adapters,
+        reward_eq3,
+    )
+    from peerlm.services.cpm import MENU, Capabilities
+
+    plan = world.plan
+    by_name = {c.name: c for c in clients}
+    listed = overlay.listed if overlay is not None else {}
+    capabilities = {
+        c.name: Capabilities(
+            host_parameter_space(c.host),
+            MENU,
+            frozenset(listed[c.name]) if listed.get(c.name) else None,
+        )
+        for c in clients
+    }
+    records: list[dict[str, Any]] = []
+    pairings: list[Pairing] = policy.select(profiles, capabilities)
+    for pairing in pairings:
+        teacher, student = by_name[pairing.sender], by_name[pairing.receiver]
+        i = clients.index(student)
+        config = round_config(plan, seed, i, integration=True)
+        record: dict[str, Any]
+        entry = lookup(pairing.protocol)
+        if entry.kind == "distillation":
+            directive = f"cpm-{pairing.protocol}-{t}-{teacher.name}-{student.name}"
+            mode: Literal["text", "logits"] = (
+                "logits" if entry.payload == "logits_package" else "text"
+            )
+            predictions = teacher_answers(world, teacher, t)
+            package, kb = teacher_package(world, teacher, predictions, directive, mode)
+            result = integrate(world, student, package, kb, seed, i, t)
+            reward = result.reward
+            record = exchange_record(teacher.name, student.name, result, None)
+        else:
+            # The teacher and the pairing's co-senders (merge_senders > 1): every adapter
+            # the directive names, each counted like one neighbour of similarity 1, as the
+            # agent does (agent/merge_directive.py).
+            senders = [teacher, *(by_name[c] for c in pairing.co_senders)]
+            states = {
+                c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in senders
+            }
+            kb = (
+                sum(
+                    v.numel() * v.element_size()
+                    for state in states.values()
+                    for v in state.values()
+                )
+                / 1024
+            )
+            settings = PullSettings.model_validate(
+                {"method": pairing.protocol, "hka_steps": plan.integration_steps}
+            )
+            gate = AcceptanceGate(reward_examples(world, student, i), None)
+            with student.integrating(plan, pairing.protocol):
+                _report, verdict, pre = integrate_adapters(
+                    student.host,
+                    states,
+                    dict.fromkeys(states, 1.0),
+                    settings,
+                    student.name,
+                    gate,
+                    (world.public_pairs, config.train_settings(t)),
+                )
+            if entry.needs_public_pairs:  # HKA's optimiser steps on the public pairs
+                student.peer_steps += plan.integration_steps
+            if verdict is None:  # the aggregation refused the teacher: no reward, as an agent
+                continue
+            reward = reward_eq3(
+                pre, verdict.loss_post, kb, config.reward_gamma, config.reward_delta
+            )
+            record = {
+                "teacher": teacher.name,
+                "co_senders": list(pairing.co_senders),
+                "student": student.name,
+                "mode": pairing.protocol,
+                "loss_pre": round(pre, 5),
+                "loss_post": round(verdict.loss_post, 5),
+                "kilobytes": round(kb, 2),
+                "reward": round(reward, 6),
+            }
+        normalised = policy.observe(pairing, reward)
+        student.rewards.append(reward)
+        student.exchanges += 1
+        if overlay is not None:
+            record["overlay_listed"] = list(listed.get(student.name, ()))
+        records.append(
+            {**record, "protocol": pairing.protocol, "normalised_reward": round(normalised, 5)}
+        )
+    return records
+
+
+def _overlay_exchange(
+    world: World, clients: list[Client], overlay: OverlayView, seed: int, t: int
+) -> list[dict[str, Any]]:
+    """Every client's overlay step, as the agent runs it after its directive
+    (:func:`peerlm.agent.overlay_step.overlay_round_step`, in process): publish its
+    signature, find its ``k`` nearest peers, pull their adapters and aggregate them with
+    the agent's own code and settings (the PDFL step weighted by the similarities, the
+    acceptance gate on its validation set at the agent's default margin). The agents step
+    at once, so each pulls what its neighbours hold before their own steps. One record per
+    client: its neighbours (what it reports next), what it pulled and the outcome."""
+    from peerlm.agent import AcceptanceGate, AgentSettings, integrate_adapters, pull_settings
+
+    plan = world.plan
+    neighbours, similarities = overlay.step({c.name: c.host for c in clients})
+    held = {c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in clients}
+    defaults = AgentSettings.model_fields
+    settings = pull_settings(overlay.settings, defaults["round_timeout_s"].default)
+    margin = defaults["acceptance_margin"].default
+    records: list[dict[str, Any]] = []
+    for i, c in enumerate(clients):
+        near = neighbours[c.name]
+        record: dict[str, Any] = {
+            "teacher": ",".join(near),
+            "student": c.name,
+            "mode": f"overlay_{settings.method}",
+            "protocol": "overlay",
+            "neighbours": list(near),
+            "similarities": {n: round(v, 6) for n, v in similarities[c.name].items()},
+            "kilobytes": 0.0,
+        }
+        if not near:
+            records.append({**record, "outcome": "no_candidates"})
+            continue
+        pulled = {n: held[n] for n in near}
+        kb = sum(v.numel() * v.element_size() for st in pulled.values() for v in st.values())
+        gate = AcceptanceGate(c.val_examples, margin) if margin is not None else None
+        config = round_config(plan, seed, i, integration=True)
+        with c.integrating(plan, "overlay"):
+            report, verdict, _pre = integrate_adapters(
+                c.host,
+                pulled,
+                similarities[c.name],
+                settings,
+                c.name,
+                gate,
+                (world.public_pairs, config.train_settings(t)),
+            )
+        rolled_back = verdict is not None and verdict.rolled_back
+        outcome = "rolled_back" if rolled_back else "aggregated" if report.accepted else "identity"
+        records.append({**record, "kilobytes": round(kb / 1024, 2), "outcome": outcome})
+    return records
