@@ -14,13 +14,61 @@ from peerlm.exports import lazy_exports
 if TYPE_CHECKING:
     from peerlm.agent.acceptance import AcceptanceGate
     from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter
-    from peerlm.agent.code_index import code_tokens
-    from peerlm.agent.cpm_client import CpmClient, next_directive
+    from peerlm.agent.cpm.client import CpmClient, next_directive
+    from peerlm.agent.cpm.directives import DirectiveBook
+    from peerlm.agent.cpm.profile import host_parameter_space
     from peerlm.agent.daemon import AgentDaemon, AgentSummary
-    from peerlm.agent.directives import DirectiveBook
-    from peerlm.agent.evaluation import evaluate, structural_match_rate
-    from peerlm.agent.fedproxy_codec import encode_proxy, encode_update
-    from peerlm.agent.fedproxy_member import text_trainer
+    from peerlm.agent.eval.evaluation import evaluate, structural_match_rate
+    from peerlm.agent.exchange.package import build_text_package, decode_package
+    from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot, route_map
+    from peerlm.agent.exchange.rounds import (
+        Integration,
+        ProfileInputs,
+        RoundConfig,
+        build_package,
+        category_counts,
+        evaluate_pass,
+        integrate_package,
+        local_update,
+        reference_nll,
+        reward_eq3,
+        round_profile,
+        sample_completions,
+        score_completions,
+        teacher_completions,
+    )
+    from peerlm.agent.exchange.teaching import (
+        Competence,
+        TeachScope,
+        competence_of,
+        teachable_indices,
+    )
+    from peerlm.agent.fedproxy.codec import encode_proxy, encode_update
+    from peerlm.agent.fedproxy.cohort import (
+        PROXY_MERGES,
+        CompressedProxy,
+        ProxyMerge,
+        compress_by_influence,
+        merge_proxies,
+        uses_pcr,
+    )
+    from peerlm.agent.fedproxy.compress import (
+        block_influence,
+        blocks_to_keep,
+        kept_count,
+        token_batches,
+    )
+    from peerlm.agent.fedproxy.hties import (
+        CohortAnalysis,
+        HTiesResult,
+        fedavg_proxies,
+        h_ties,
+        ties_merge,
+    )
+    from peerlm.agent.fedproxy.member import text_trainer
+    from peerlm.agent.fedproxy.pcr import ConflictRegulariser, pcr_penalty
+    from peerlm.agent.fedproxy.proxy import ProxyError, build_proxy, fuse_into, proxy_info
+    from peerlm.agent.fedproxy.tuning import ProxyTunedHost
     from peerlm.agent.fedwave.assembly import AssembledModel, assembled_generate
     from peerlm.agent.fedwave.chain_tasks import score_chain_tasks
     from peerlm.agent.fedwave.code_chain import CODE_CHAIN_STAGES, build_code_chain
@@ -56,15 +104,8 @@ if TYPE_CHECKING:
     from peerlm.agent.fedwave.text_metrics import corpus_scores
     from peerlm.agent.fedwave.vclayer import VCCausalLM, VCLayer, encode_vclayer
     from peerlm.agent.fedwave.workflow import Workflow
-    from peerlm.agent.guardrail import Guardrail, agent_guardrail
-    from peerlm.agent.hties import (
-        CohortAnalysis,
-        HTiesResult,
-        fedavg_proxies,
-        h_ties,
-        ties_merge,
-    )
-    from peerlm.agent.lora_merge import (
+    from peerlm.agent.main import run_agent
+    from peerlm.agent.merging.lora_merge import (
         ClientAdapter,
         MergedAdapter,
         aggregate_fedavg_factors,
@@ -73,7 +114,8 @@ if TYPE_CHECKING:
         delta_weights,
         normalise_weights,
     )
-    from peerlm.agent.main import run_agent
+    from peerlm.agent.merging.onepeft import OneShotResult, one_shot
+    from peerlm.agent.merging.pull_aggregate import PullSettings, integrate_adapters
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.models.lora import LoraSettings, apply_lora
     from peerlm.agent.models.tiny import (
@@ -85,52 +127,14 @@ if TYPE_CHECKING:
         build_models,
     )
     from peerlm.agent.models.tiny import read_manifest as read_models_manifest
-    from peerlm.agent.onepeft import OneShotResult, one_shot
-    from peerlm.agent.overlay_step import pull_settings, signature_inputs
-    from peerlm.agent.package import build_text_package, decode_package
-    from peerlm.agent.pcr import ConflictRegulariser, pcr_penalty
-    from peerlm.agent.peer_client import (
+    from peerlm.agent.overlay_client.step import pull_settings, signature_inputs
+    from peerlm.agent.peer.client import (
         PeerExchangeError,
         fetch_package,
         pull_adapter,
         pull_adapter_with_round,
     )
-    from peerlm.agent.peer_knowledge import InputRouter, PeerSlot, route_map
-    from peerlm.agent.peer_service import PeerExchangeService, serve_peer
-    from peerlm.agent.profile import host_parameter_space
-    from peerlm.agent.proxy_cohort import (
-        PROXY_MERGES,
-        CompressedProxy,
-        ProxyMerge,
-        compress_by_influence,
-        merge_proxies,
-        uses_pcr,
-    )
-    from peerlm.agent.proxy_compress import (
-        block_influence,
-        blocks_to_keep,
-        kept_count,
-        token_batches,
-    )
-    from peerlm.agent.proxy_model import ProxyError, build_proxy, fuse_into, proxy_info
-    from peerlm.agent.proxy_tuning import ProxyTunedHost
-    from peerlm.agent.pull_aggregate import PullSettings, integrate_adapters
-    from peerlm.agent.rounds import (
-        Integration,
-        ProfileInputs,
-        RoundConfig,
-        build_package,
-        category_counts,
-        evaluate_pass,
-        integrate_package,
-        local_update,
-        reference_nll,
-        reward_eq3,
-        round_profile,
-        sample_completions,
-        score_completions,
-        teacher_completions,
-    )
+    from peerlm.agent.peer.service import PeerExchangeService, serve_peer
     from peerlm.agent.settings import AgentOverlaySettings, AgentSettings
     from peerlm.agent.tasks.bank import (
         CATEGORIES,
@@ -151,18 +155,19 @@ if TYPE_CHECKING:
         write_jsonl,
     )
     from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES, World, WorldSpec
-    from peerlm.agent.teaching import Competence, TeachScope, competence_of, teachable_indices
     from peerlm.agent.training import TrainSettings
+    from peerlm.agent.vetting.code_index import code_tokens
+    from peerlm.agent.vetting.guardrail import Guardrail, agent_guardrail
 
 #: Public name -> (module, attribute): imported on first use, so that importing the
 #: package stays cheap (no torch, numpy or grpc until a name needs them).
 _EXPORTS: dict[str, tuple[str, str]] = {
     "AgentOverlaySettings": ("peerlm.agent.settings", "AgentOverlaySettings"),
     "AgentSettings": ("peerlm.agent.settings", "AgentSettings"),
-    "pull_settings": ("peerlm.agent.overlay_step", "pull_settings"),
-    "signature_inputs": ("peerlm.agent.overlay_step", "signature_inputs"),
-    "pull_adapter_with_round": ("peerlm.agent.peer_client", "pull_adapter_with_round"),
-    "agent_guardrail": ("peerlm.agent.guardrail", "agent_guardrail"),
+    "pull_settings": ("peerlm.agent.overlay_client.step", "pull_settings"),
+    "signature_inputs": ("peerlm.agent.overlay_client.step", "signature_inputs"),
+    "pull_adapter_with_round": ("peerlm.agent.peer.client", "pull_adapter_with_round"),
+    "agent_guardrail": ("peerlm.agent.vetting.guardrail", "agent_guardrail"),
     "DEFAULT_HIDDEN": ("peerlm.agent.models.tiny", "DEFAULT_HIDDEN"),
     "ARCHITECTURES": ("peerlm.agent.models.tiny", "ARCHITECTURES"),
     "AdapterSpec": ("peerlm.agent.adapter_codec", "AdapterSpec"),
@@ -170,103 +175,103 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "AgentSummary": ("peerlm.agent.daemon", "AgentSummary"),
     "BuildEvent": ("peerlm.agent.models.tiny", "BuildEvent"),
     "CATEGORIES": ("peerlm.agent.tasks.bank", "CATEGORIES"),
-    "CpmClient": ("peerlm.agent.cpm_client", "CpmClient"),
+    "CpmClient": ("peerlm.agent.cpm.client", "CpmClient"),
     "DEFAULT_PRIVATE_CATEGORIES": ("peerlm.agent.tasks.world", "DEFAULT_PRIVATE_CATEGORIES"),
-    "DirectiveBook": ("peerlm.agent.directives", "DirectiveBook"),
-    "Guardrail": ("peerlm.agent.guardrail", "Guardrail"),
-    "Integration": ("peerlm.agent.rounds", "Integration"),
+    "DirectiveBook": ("peerlm.agent.cpm.directives", "DirectiveBook"),
+    "Guardrail": ("peerlm.agent.vetting.guardrail", "Guardrail"),
+    "Integration": ("peerlm.agent.exchange.rounds", "Integration"),
     "LoraSettings": ("peerlm.agent.models.lora", "LoraSettings"),
     "Manifest": ("peerlm.agent.tasks.dataset", "Manifest"),
     "ModelHost": ("peerlm.agent.modelhost", "ModelHost"),
     "ModelInfo": ("peerlm.agent.models.tiny", "ModelInfo"),
-    "PeerExchangeError": ("peerlm.agent.peer_client", "PeerExchangeError"),
-    "PeerExchangeService": ("peerlm.agent.peer_service", "PeerExchangeService"),
+    "PeerExchangeError": ("peerlm.agent.peer.client", "PeerExchangeError"),
+    "PeerExchangeService": ("peerlm.agent.peer.service", "PeerExchangeService"),
     "Problem": ("peerlm.agent.tasks.dataset", "Problem"),
-    "ProfileInputs": ("peerlm.agent.rounds", "ProfileInputs"),
-    "RoundConfig": ("peerlm.agent.rounds", "RoundConfig"),
+    "ProfileInputs": ("peerlm.agent.exchange.rounds", "ProfileInputs"),
+    "RoundConfig": ("peerlm.agent.exchange.rounds", "RoundConfig"),
     "TrainSettings": ("peerlm.agent.training", "TrainSettings"),
     "World": ("peerlm.agent.tasks.world", "World"),
     "WorldSpec": ("peerlm.agent.tasks.world", "WorldSpec"),
     "build_federation_data": ("peerlm.agent.tasks.dataset", "build_federation_data"),
     "build_models": ("peerlm.agent.models.tiny", "build_models"),
     "held_out_drills": ("peerlm.agent.tasks.copy_drills", "held_out_drills"),
-    "build_package": ("peerlm.agent.rounds", "build_package"),
-    "build_text_package": ("peerlm.agent.package", "build_text_package"),
-    "category_counts": ("peerlm.agent.rounds", "category_counts"),
+    "build_package": ("peerlm.agent.exchange.rounds", "build_package"),
+    "build_text_package": ("peerlm.agent.exchange.package", "build_text_package"),
+    "category_counts": ("peerlm.agent.exchange.rounds", "category_counts"),
     "category_histogram": ("peerlm.agent.tasks.dataset", "category_histogram"),
-    "code_tokens": ("peerlm.agent.code_index", "code_tokens"),
-    "decode_package": ("peerlm.agent.package", "decode_package"),
+    "code_tokens": ("peerlm.agent.vetting.code_index", "code_tokens"),
+    "decode_package": ("peerlm.agent.exchange.package", "decode_package"),
     "encode_adapter": ("peerlm.agent.adapter_codec", "encode_adapter"),
-    "evaluate": ("peerlm.agent.evaluation", "evaluate"),
-    "evaluate_pass": ("peerlm.agent.rounds", "evaluate_pass"),
-    "fetch_package": ("peerlm.agent.peer_client", "fetch_package"),
+    "evaluate": ("peerlm.agent.eval.evaluation", "evaluate"),
+    "evaluate_pass": ("peerlm.agent.exchange.rounds", "evaluate_pass"),
+    "fetch_package": ("peerlm.agent.peer.client", "fetch_package"),
     "function_key": ("peerlm.agent.tasks.bank", "function_key"),
     "generate_bank": ("peerlm.agent.tasks.bank", "generate_bank"),
-    "integrate_package": ("peerlm.agent.rounds", "integrate_package"),
-    "local_update": ("peerlm.agent.rounds", "local_update"),
-    "next_directive": ("peerlm.agent.cpm_client", "next_directive"),
+    "integrate_package": ("peerlm.agent.exchange.rounds", "integrate_package"),
+    "local_update": ("peerlm.agent.exchange.rounds", "local_update"),
+    "next_directive": ("peerlm.agent.cpm.client", "next_directive"),
     "probe_problems": ("peerlm.agent.tasks.bank", "probe_problems"),
     "public_problems": ("peerlm.agent.tasks.bank", "public_problems"),
-    "pull_adapter": ("peerlm.agent.peer_client", "pull_adapter"),
+    "pull_adapter": ("peerlm.agent.peer.client", "pull_adapter"),
     "read_jsonl": ("peerlm.agent.tasks.dataset", "read_jsonl"),
     "read_manifest": ("peerlm.agent.tasks.dataset", "read_manifest"),
     "read_models_manifest": ("peerlm.agent.models.tiny", "read_manifest"),
-    "reference_nll": ("peerlm.agent.rounds", "reference_nll"),
-    "round_profile": ("peerlm.agent.rounds", "round_profile"),
+    "reference_nll": ("peerlm.agent.exchange.rounds", "reference_nll"),
+    "round_profile": ("peerlm.agent.exchange.rounds", "round_profile"),
     "run_agent": ("peerlm.agent.main", "run_agent"),
-    "sample_completions": ("peerlm.agent.rounds", "sample_completions"),
-    "score_completions": ("peerlm.agent.rounds", "score_completions"),
-    "serve_peer": ("peerlm.agent.peer_service", "serve_peer"),
-    "structural_match_rate": ("peerlm.agent.evaluation", "structural_match_rate"),
-    "teacher_completions": ("peerlm.agent.rounds", "teacher_completions"),
+    "sample_completions": ("peerlm.agent.exchange.rounds", "sample_completions"),
+    "score_completions": ("peerlm.agent.exchange.rounds", "score_completions"),
+    "serve_peer": ("peerlm.agent.peer.service", "serve_peer"),
+    "structural_match_rate": ("peerlm.agent.eval.evaluation", "structural_match_rate"),
+    "teacher_completions": ("peerlm.agent.exchange.rounds", "teacher_completions"),
     "transfer_set_sha256": ("peerlm.agent.tasks.dataset", "transfer_set_sha256"),
     "write_jsonl": ("peerlm.agent.tasks.dataset", "write_jsonl"),
     "AcceptanceGate": ("peerlm.agent.acceptance", "AcceptanceGate"),
-    "host_parameter_space": ("peerlm.agent.profile", "host_parameter_space"),
-    "PullSettings": ("peerlm.agent.pull_aggregate", "PullSettings"),
-    "integrate_adapters": ("peerlm.agent.pull_aggregate", "integrate_adapters"),
-    "reward_eq3": ("peerlm.agent.rounds", "reward_eq3"),
-    "Competence": ("peerlm.agent.teaching", "Competence"),
-    "TeachScope": ("peerlm.agent.teaching", "TeachScope"),
-    "competence_of": ("peerlm.agent.teaching", "competence_of"),
-    "teachable_indices": ("peerlm.agent.teaching", "teachable_indices"),
-    "InputRouter": ("peerlm.agent.peer_knowledge", "InputRouter"),
-    "PeerSlot": ("peerlm.agent.peer_knowledge", "PeerSlot"),
-    "route_map": ("peerlm.agent.peer_knowledge", "route_map"),
-    "ClientAdapter": ("peerlm.agent.lora_merge", "ClientAdapter"),
-    "MergedAdapter": ("peerlm.agent.lora_merge", "MergedAdapter"),
-    "aggregate_fedavg_factors": ("peerlm.agent.lora_merge", "aggregate_fedavg_factors"),
-    "aggregate_ffa": ("peerlm.agent.lora_merge", "aggregate_ffa"),
-    "aggregate_svd": ("peerlm.agent.lora_merge", "aggregate_svd"),
-    "delta_weights": ("peerlm.agent.lora_merge", "delta_weights"),
-    "normalise_weights": ("peerlm.agent.lora_merge", "normalise_weights"),
-    "one_shot": ("peerlm.agent.onepeft", "one_shot"),
-    "OneShotResult": ("peerlm.agent.onepeft", "OneShotResult"),
-    "ProxyError": ("peerlm.agent.proxy_model", "ProxyError"),
-    "ProxyTunedHost": ("peerlm.agent.proxy_tuning", "ProxyTunedHost"),
-    "block_influence": ("peerlm.agent.proxy_compress", "block_influence"),
-    "PROXY_MERGES": ("peerlm.agent.proxy_cohort", "PROXY_MERGES"),
-    "encode_proxy": ("peerlm.agent.fedproxy_codec", "encode_proxy"),
-    "encode_update": ("peerlm.agent.fedproxy_codec", "encode_update"),
-    "text_trainer": ("peerlm.agent.fedproxy_member", "text_trainer"),
-    "CompressedProxy": ("peerlm.agent.proxy_cohort", "CompressedProxy"),
-    "ProxyMerge": ("peerlm.agent.proxy_cohort", "ProxyMerge"),
-    "compress_by_influence": ("peerlm.agent.proxy_cohort", "compress_by_influence"),
-    "merge_proxies": ("peerlm.agent.proxy_cohort", "merge_proxies"),
-    "uses_pcr": ("peerlm.agent.proxy_cohort", "uses_pcr"),
-    "blocks_to_keep": ("peerlm.agent.proxy_compress", "blocks_to_keep"),
-    "build_proxy": ("peerlm.agent.proxy_model", "build_proxy"),
-    "fuse_into": ("peerlm.agent.proxy_model", "fuse_into"),
-    "kept_count": ("peerlm.agent.proxy_compress", "kept_count"),
-    "proxy_info": ("peerlm.agent.proxy_model", "proxy_info"),
-    "token_batches": ("peerlm.agent.proxy_compress", "token_batches"),
-    "CohortAnalysis": ("peerlm.agent.hties", "CohortAnalysis"),
-    "HTiesResult": ("peerlm.agent.hties", "HTiesResult"),
-    "fedavg_proxies": ("peerlm.agent.hties", "fedavg_proxies"),
-    "h_ties": ("peerlm.agent.hties", "h_ties"),
-    "ties_merge": ("peerlm.agent.hties", "ties_merge"),
-    "ConflictRegulariser": ("peerlm.agent.pcr", "ConflictRegulariser"),
-    "pcr_penalty": ("peerlm.agent.pcr", "pcr_penalty"),
+    "host_parameter_space": ("peerlm.agent.cpm.profile", "host_parameter_space"),
+    "PullSettings": ("peerlm.agent.merging.pull_aggregate", "PullSettings"),
+    "integrate_adapters": ("peerlm.agent.merging.pull_aggregate", "integrate_adapters"),
+    "reward_eq3": ("peerlm.agent.exchange.rounds", "reward_eq3"),
+    "Competence": ("peerlm.agent.exchange.teaching", "Competence"),
+    "TeachScope": ("peerlm.agent.exchange.teaching", "TeachScope"),
+    "competence_of": ("peerlm.agent.exchange.teaching", "competence_of"),
+    "teachable_indices": ("peerlm.agent.exchange.teaching", "teachable_indices"),
+    "InputRouter": ("peerlm.agent.exchange.peer_knowledge", "InputRouter"),
+    "PeerSlot": ("peerlm.agent.exchange.peer_knowledge", "PeerSlot"),
+    "route_map": ("peerlm.agent.exchange.peer_knowledge", "route_map"),
+    "ClientAdapter": ("peerlm.agent.merging.lora_merge", "ClientAdapter"),
+    "MergedAdapter": ("peerlm.agent.merging.lora_merge", "MergedAdapter"),
+    "aggregate_fedavg_factors": ("peerlm.agent.merging.lora_merge", "aggregate_fedavg_factors"),
+    "aggregate_ffa": ("peerlm.agent.merging.lora_merge", "aggregate_ffa"),
+    "aggregate_svd": ("peerlm.agent.merging.lora_merge", "aggregate_svd"),
+    "delta_weights": ("peerlm.agent.merging.lora_merge", "delta_weights"),
+    "normalise_weights": ("peerlm.agent.merging.lora_merge", "normalise_weights"),
+    "one_shot": ("peerlm.agent.merging.onepeft", "one_shot"),
+    "OneShotResult": ("peerlm.agent.merging.onepeft", "OneShotResult"),
+    "ProxyError": ("peerlm.agent.fedproxy.proxy", "ProxyError"),
+    "ProxyTunedHost": ("peerlm.agent.fedproxy.tuning", "ProxyTunedHost"),
+    "block_influence": ("peerlm.agent.fedproxy.compress", "block_influence"),
+    "PROXY_MERGES": ("peerlm.agent.fedproxy.cohort", "PROXY_MERGES"),
+    "encode_proxy": ("peerlm.agent.fedproxy.codec", "encode_proxy"),
+    "encode_update": ("peerlm.agent.fedproxy.codec", "encode_update"),
+    "text_trainer": ("peerlm.agent.fedproxy.member", "text_trainer"),
+    "CompressedProxy": ("peerlm.agent.fedproxy.cohort", "CompressedProxy"),
+    "ProxyMerge": ("peerlm.agent.fedproxy.cohort", "ProxyMerge"),
+    "compress_by_influence": ("peerlm.agent.fedproxy.cohort", "compress_by_influence"),
+    "merge_proxies": ("peerlm.agent.fedproxy.cohort", "merge_proxies"),
+    "uses_pcr": ("peerlm.agent.fedproxy.cohort", "uses_pcr"),
+    "blocks_to_keep": ("peerlm.agent.fedproxy.compress", "blocks_to_keep"),
+    "build_proxy": ("peerlm.agent.fedproxy.proxy", "build_proxy"),
+    "fuse_into": ("peerlm.agent.fedproxy.proxy", "fuse_into"),
+    "kept_count": ("peerlm.agent.fedproxy.compress", "kept_count"),
+    "proxy_info": ("peerlm.agent.fedproxy.proxy", "proxy_info"),
+    "token_batches": ("peerlm.agent.fedproxy.compress", "token_batches"),
+    "CohortAnalysis": ("peerlm.agent.fedproxy.hties", "CohortAnalysis"),
+    "HTiesResult": ("peerlm.agent.fedproxy.hties", "HTiesResult"),
+    "fedavg_proxies": ("peerlm.agent.fedproxy.hties", "fedavg_proxies"),
+    "h_ties": ("peerlm.agent.fedproxy.hties", "h_ties"),
+    "ties_merge": ("peerlm.agent.fedproxy.hties", "ties_merge"),
+    "ConflictRegulariser": ("peerlm.agent.fedproxy.pcr", "ConflictRegulariser"),
+    "pcr_penalty": ("peerlm.agent.fedproxy.pcr", "pcr_penalty"),
     # FedWave foundations (docs/fedwave.md)
     "CODE_CHAIN_STAGES": ("peerlm.agent.fedwave.code_chain", "CODE_CHAIN_STAGES"),
     "SHIPPED_DIR": ("peerlm.agent.models.tiny", "SHIPPED_DIR"),

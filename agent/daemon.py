@@ -15,10 +15,10 @@ Algorithm 3 from the agent's side, every round t:
 The event loop never runs model code: training, generation and evaluation go to a single
 worker thread that owns the :class:`ModelHost`, so gRPC (health, peer exchange, the
 directive feed) stays responsive while a training step runs. What is done with the model in
-each phase lives in :mod:`peerlm.agent.rounds`, shared with the in-process experiment.
+each phase lives in :mod:`peerlm.agent.exchange.rounds`, shared with the in-process experiment.
 
 Merge directives (protocols ``pmix`` and ``svd_hka`` of the CPM's menu): the student pulls
-the teacher's adapter and merges it with its own (:mod:`peerlm.agent.merge_directive`),
+the teacher's adapter and merges it with its own (:mod:`peerlm.agent.merging.directive`),
 then reports Eq. 3 as for AKD; the teacher only serves its adapter (``PullAdapter``). A
 directive naming a protocol this agent does not execute is refused (counted as a failed
 exchange, reason ``unsupported_protocol``). The profile declares the agent's
@@ -27,7 +27,7 @@ parameter-space fingerprint and executed protocols so the CPM recommends only wh
 Package modes: as a teacher the agent sends text (protocol ``akd``) or, for a directive of
 protocol ``akd_logits`` (or with ``akd_mode: logits``), the top-k logits of its completions
 when the student announced the same tokenizer, text otherwise (the student announces its
-tokenizer hash with the fetch; see :mod:`peerlm.agent.rounds`).
+tokenizer hash with the fetch; see :mod:`peerlm.agent.exchange.rounds`).
 
 Stopping (SIGTERM, SIGINT): :meth:`AgentDaemon.stop` lets the round in progress finish for
 up to ``stop_grace_s``; after that, training ends at the next optimiser step, the wait for a
@@ -52,27 +52,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from peerlm.agent.acceptance import AcceptanceGate
 from peerlm.agent.checkpoint import CheckpointStore
-from peerlm.agent.cpm_client import CpmClient, next_directive
-from peerlm.agent.directives import MAX_CO_SENDERS, DirectiveBook, directive_action
-from peerlm.agent.evaluation import structural_match_rate
-from peerlm.agent.exchange_protocol import exchange_failed, report_refusal
-from peerlm.agent.exchange_registry import agent_registry
-from peerlm.agent.guardrail import agent_guardrail
-from peerlm.agent.metrics import AgentTelemetry
-from peerlm.agent.modelhost import ModelHost
-from peerlm.agent.models.lora import LoraSettings
-from peerlm.agent.peer_integration import (
-    fit_agent_router,
-    restore_slot,
-    slot_extra,
-    slot_record,
-    slot_runner,
-)
-from peerlm.agent.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
-from peerlm.agent.peer_service import PeerExchangeService, serve_peer
-from peerlm.agent.peer_stream import PeerStreamer
-from peerlm.agent.profile import host_parameter_space
-from peerlm.agent.rounds import (
+from peerlm.agent.cpm.client import CpmClient, next_directive
+from peerlm.agent.cpm.directives import MAX_CO_SENDERS, DirectiveBook, directive_action
+from peerlm.agent.cpm.profile import host_parameter_space
+from peerlm.agent.eval.evaluation import structural_match_rate
+from peerlm.agent.eval.sandbox import SandboxTelemetry, require_confinement
+from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
+from peerlm.agent.exchange.protocol import exchange_failed, report_refusal
+from peerlm.agent.exchange.registry import agent_registry
+from peerlm.agent.exchange.rounds import (
     PackageMode,
     ProfileInputs,
     RoundConfig,
@@ -87,10 +75,22 @@ from peerlm.agent.rounds import (
     score_completions,
     teacher_completions,
 )
-from peerlm.agent.sandbox import SandboxTelemetry, require_confinement
+from peerlm.agent.exchange.teaching import Competence, competence_of, teachable_indices
+from peerlm.agent.metrics import AgentTelemetry
+from peerlm.agent.modelhost import ModelHost
+from peerlm.agent.models.lora import LoraSettings
+from peerlm.agent.peer.service import PeerExchangeService, serve_peer
+from peerlm.agent.peer.stream import PeerStreamer
+from peerlm.agent.peer_integration import (
+    fit_agent_router,
+    restore_slot,
+    slot_extra,
+    slot_record,
+    slot_runner,
+)
 from peerlm.agent.settings import AgentSettings
 from peerlm.agent.tasks.dataset import read_jsonl, transfer_set_sha256
-from peerlm.agent.teaching import Competence, competence_of, teachable_indices
+from peerlm.agent.vetting.guardrail import agent_guardrail
 
 from peerlm.chunks import HashedPayload
 from peerlm.config import parse_host_port
@@ -105,7 +105,7 @@ from peerlm.wire.v1 import cpm_pb2
 # them: an agent without them would load the overlay's clustering (networkx, scikit-learn's
 # cluster, 0.5 s CPU) and FedWave's text metrics (NLTK) for nothing, on every start.
 if TYPE_CHECKING:
-    from peerlm.agent.fedproxy_member import Evaluator
+    from peerlm.agent.fedproxy.member import Evaluator
 
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
@@ -190,7 +190,7 @@ class AgentDaemon:
         self.slot: PeerSlot | None = None
         self.router: InputRouter | None = None
         # The exchange protocols this agent executes, by catalogue name: a directive's
-        # student and teacher steps (peerlm.agent.exchange_protocol).
+        # student and teacher steps (peerlm.agent.exchange.protocol).
         self.exchanges = agent_registry()
 
     # ------------------------------------------------------------------ set-up
@@ -461,7 +461,7 @@ class AgentDaemon:
             )
             extra.append((fedwave_service(self.fedwave.service), FEDWAVE_POLICY))
         if s.overlay.enabled:
-            from peerlm.agent.overlay_node import serve_agent
+            from peerlm.agent.overlay_client.node import serve_agent
             from peerlm.overlay import ImportanceTracker
 
             self.importance = ImportanceTracker(s.overlay.importance_beta)
@@ -488,9 +488,9 @@ class AgentDaemon:
         fp = self.s.fedproxy
         if not fp.enabled:
             return []
-        from peerlm.agent.fedproxy_member import ProxyMember, text_trainer
-        from peerlm.agent.fedproxy_owner import ProxyOwner
-        from peerlm.agent.fedproxy_service import FEDPROXY_POLICY, fedproxy_service
+        from peerlm.agent.fedproxy.member import ProxyMember, text_trainer
+        from peerlm.agent.fedproxy.owner import ProxyOwner
+        from peerlm.agent.fedproxy.service import FEDPROXY_POLICY, fedproxy_service
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self._cohort_loss = await self._fedproxy_evaluator()
@@ -537,7 +537,7 @@ class AgentDaemon:
     async def _fedproxy_compress(self, ratio: float) -> None:
         """The owner's proxy made at start (``fedproxy.compress_ratio``): its model by Block
         Influence on the public transfer set, written to ``fedproxy.proxy_path``."""
-        from peerlm.agent.fedproxy_agent import make_owner_proxy
+        from peerlm.agent.fedproxy.agent import make_owner_proxy
         from peerlm.agent.tasks.dataset import read_jsonl
 
         texts = [p.prompt + p.reference for p in read_jsonl(self.s.transfer_file)]
@@ -573,7 +573,7 @@ class AgentDaemon:
     async def _text_loss(self, texts: list[str]) -> Evaluator:
         """Mean token cross-entropy on ``texts`` under the model's tokenizer (which a proxy
         shares), batched and truncated as the agent trains."""
-        from peerlm.agent.fedproxy_member import text_loss
+        from peerlm.agent.fedproxy.member import text_loss
         from transformers import AutoTokenizer
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.s.model)
@@ -601,7 +601,7 @@ class AgentDaemon:
         """Run ``fedproxy.rounds`` cohort rounds beside the agent's own rounds. A member
         ends by keeping the owner's final merge. A failure ends the cohort's part (logged,
         in the summary's errors), not the agent."""
-        from peerlm.agent.fedproxy_agent import CohortReport
+        from peerlm.agent.fedproxy.agent import CohortReport
 
         fp, cohort = self.s.fedproxy, self.cohort
         report = CohortReport(
@@ -637,7 +637,7 @@ class AgentDaemon:
 
     def _fedproxy_report(self, report: Any) -> None:
         """Complete ``report`` from the cohort's records and counters into the summary."""
-        from peerlm.agent.fedproxy_agent import fedproxy_bytes
+        from peerlm.agent.fedproxy.agent import fedproxy_bytes
 
         cohort = self.cohort
         report.rounds = self.summary.fedproxy_rounds
@@ -766,7 +766,7 @@ class AgentDaemon:
         """The owner's final proxy fused into a fresh copy of its full model, written to
         ``out`` with the tokenizer (loadable with ``from_pretrained``) when set; the fused
         model's and the final proxy's held-out losses (None without validation texts)."""
-        from peerlm.agent.fedproxy_member import save_model_atomic
+        from peerlm.agent.fedproxy.member import save_model_atomic
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if out is None and self._cohort_loss is None:
@@ -899,7 +899,8 @@ class AgentDaemon:
 
     def _teachable(self) -> list[int]:
         """The X_u prompts this agent answers as a teacher (``teach_scope``,
-        :mod:`peerlm.agent.teaching`), by its last measured validation pass@1 per category."""
+        :mod:`peerlm.agent.exchange.teaching`), by its last measured validation pass@1 per
+        category."""
         saved = self.state.get("competence")
         competence = Competence.from_dict(saved) if isinstance(saved, dict) else None
         return teachable_indices(
@@ -1135,7 +1136,7 @@ class AgentDaemon:
         )
 
     async def _act_on(self, directive: cpm_pb2.Directive, t: int) -> bool:
-        """Do what the directive names (:func:`~peerlm.agent.directives.directive_action`):
+        """Do what the directive names (:func:`~peerlm.agent.cpm.directives.directive_action`):
         refuse it, or run the student's or the teacher's step of the protocol registered
         under its name (:attr:`exchanges`); True when this agent integrated (or tried to)
         as the student."""
@@ -1205,7 +1206,7 @@ class AgentDaemon:
     async def _overlay_enter(self) -> None:
         """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and
         publish a first signature, so the next overlay build places this agent."""
-        from peerlm.agent.overlay_step import publish_signature
+        from peerlm.agent.overlay_client.step import publish_signature
 
         deadline = time.monotonic() + self.s.round_timeout_s
         while not await self.overlay.join(self._stop):
@@ -1232,9 +1233,9 @@ class AgentDaemon:
             )
 
     async def _overlay_step(self, t: int) -> None:
-        """SemanticDFL pull and personalised aggregation (:mod:`peerlm.agent.overlay_step`);
+        """SemanticDFL pull and personalised aggregation (:mod:`peerlm.agent.overlay_client.step`);
         its failures are counted in the summary and never end the round."""
-        from peerlm.agent.overlay_step import overlay_round_step
+        from peerlm.agent.overlay_client.step import overlay_round_step
         from peerlm.services.cpm import MAX_OVERLAY_PEERS
 
         if not await self.overlay.join(self._stop):

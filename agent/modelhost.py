@@ -49,7 +49,7 @@ from peerlm.agent.adapter_codec import (
     decode_adapter,
     encode_adapter,
 )
-from peerlm.agent.lora_merge import ClientAdapter
+from peerlm.agent.merging.lora_merge import ClientAdapter
 from peerlm.agent.models.lora import LoraSettings, apply_lora, trainable_share
 from peerlm.agent.training import (
     IGNORE_INDEX,
@@ -478,14 +478,14 @@ class ModelHost:
 
         Minimises ``alpha * CE + (1 - alpha) * KL(sum_i lambda_i p_i || q)`` on the
         completions of ``public_examples`` (D_pub), the teachers ``p_i`` being this base
-        model with client i's adapter (:mod:`peerlm.agent.hka`: one base, the adapters
+        model with client i's adapter (:mod:`peerlm.agent.merging.hka`: one base, the adapters
         switched per forward; ranks may differ from this host's). ``weights`` are the
         lambda_i, by default the clients' data shares. ``stats.local_loss`` is the CE mean
         and ``stats.kd_loss`` the KL mean; ``stats.alpha_kd`` is ``1 - alpha`` (the KD
         share). A client that does not fit raises :class:`AdapterError` before anything
         changes.
         """
-        from peerlm.agent.hka import mixture_kl_sum, teacher_adapters
+        from peerlm.agent.merging.hka import mixture_kl_sum, teacher_adapters
 
         a = self._check_alpha(alpha)
         items = self._encode_all(list(public_examples), settings.max_length)
@@ -674,7 +674,7 @@ class ModelHost:
 
     def _scoring_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The next-token logits :meth:`sequence_logprobs` scores with; a host that decodes
-        from combined logits (:class:`~peerlm.agent.proxy_tuning.ProxyTunedHost`) overrides
+        from combined logits (:class:`~peerlm.agent.fedproxy.tuning.ProxyTunedHost`) overrides
         this and :meth:`_logit_offset` together."""
         logits: torch.Tensor = self.model(
             input_ids=ids, attention_mask=mask, use_cache=False

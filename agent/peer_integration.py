@@ -1,7 +1,7 @@
 """Where the agent daemon's integrations write: the peer slot, the router, the checkpoint.
 
 With ``integration: separate`` (the default) the daemon keeps peers' knowledge apart from
-its own as the experiment does (:mod:`peerlm.agent.peer_knowledge`): the own adapter is
+its own as the experiment does (:mod:`peerlm.agent.exchange.peer_knowledge`): the own adapter is
 trained on the agent's own data only; AKD (text or logits), a merge directive (``pmix``,
 ``svd_hka``) and the overlay's pull write to a second adapter, the peer slot; an input
 router, fitted once at start, sends an input to the slot only if it looks unlike the
@@ -14,9 +14,9 @@ left in the host across calls: :func:`slot_runner` wraps each call so that the s
 in, the call runs, and the own adapter is back before the thread takes the next job.
 
 * A call to an integration function (:data:`INTEGRATIONS`: AKD's
-  :func:`~peerlm.agent.rounds.integrate_package`, the merge's and overlay's
-  :func:`~peerlm.agent.pull_aggregate.integrate_adapters`) runs inside
-  :meth:`PeerSlot.active <peerlm.agent.peer_knowledge.PeerSlot.active>`: what it does to
+  :func:`~peerlm.agent.exchange.rounds.integrate_package`, the merge's and overlay's
+  :func:`~peerlm.agent.merging.pull_aggregate.integrate_adapters`) runs inside
+  :meth:`PeerSlot.active <peerlm.agent.exchange.peer_knowledge.PeerSlot.active>`: what it does to
   the adapter stays in the slot and counts as one integration. Its acceptance gate, which
   judges the adapter in the host against the agent's validation set, so protects the slot.
 * Any other call (the reward's probe loss, the norm bound a pulled adapter is checked
@@ -25,7 +25,7 @@ in, the call runs, and the own adapter is back before the thread takes the next 
 
 What the agent teaches, its profile and the signature it publishes in the overlay (and the
 adapter peers pull from it) are the own adapter's; only the report's evaluation per slice
-is routed (:func:`~peerlm.agent.peer_knowledge.route_map`).
+is routed (:func:`~peerlm.agent.exchange.peer_knowledge.route_map`).
 
 The slot is saved with every round's checkpoint as the extra tensor set ``peer_slot``
 (:mod:`peerlm.agent.checkpoint`) and checked on restore as a peer's adapter is
@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from peerlm.agent.peer_knowledge import InputRouter, PeerSlot
+from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +65,8 @@ _HISTORY_KEPT: Final = 64
 
 
 def _integrations() -> frozenset[Callable[..., Any]]:
-    from peerlm.agent.pull_aggregate import integrate_adapters
-    from peerlm.agent.rounds import integrate_package
+    from peerlm.agent.exchange.rounds import integrate_package
+    from peerlm.agent.merging.pull_aggregate import integrate_adapters
 
     return frozenset({integrate_package, integrate_adapters})
 

@@ -27,7 +27,7 @@ class PeerSendSettings(Section):
 
     A chunk handed to gRPC stays in memory until its reader takes it, so the peer service
     reserves every chunk's bytes from one budget before writing it
-    (:mod:`peerlm.agent.send_budget`): at most ``budget_bytes`` are unwritten at once,
+    (:mod:`peerlm.agent.peer.send_budget`): at most ``budget_bytes`` are unwritten at once,
     all streams together, and at most ``identity_bytes`` of them for one member. See
     docs/security.md ("Slow readers").
     """
@@ -293,7 +293,7 @@ class AgentSettings(ServiceSettings):
     # it can (those that need public pairs only with public_file, which they align on).
     protocols: tuple[str, ...] | None = None
     logits_top_k: int = Field(default=16, ge=1, le=1024)
-    # What this agent answers of X_u as a teacher (peerlm.agent.teaching): "all" (the
+    # What this agent answers of X_u as a teacher (peerlm.agent.exchange.teaching): "all" (the
     # paper's Eq. 2), or "competent": the prompts of categories where the Wilson lower bound
     # of its last validation pass@1 is at least teach_min_pass (needs eval_every rounds'
     # pass@1; before the first measurement it answers all).
@@ -326,7 +326,7 @@ class AgentSettings(ServiceSettings):
     # What the peer server may hold for slow readers of adapters and packages.
     peer_send: PeerSendSettings = PeerSendSettings()
     # One completion in a package a teacher sends us (UTF-8 bytes); with the transfer set's
-    # size it bounds what a student parses and tokenises (agent.package.student_limits).
+    # size it bounds what a student parses and tokenises (agent.exchange.package.student_limits).
     package_max_item_bytes: int = Field(default=64 * 1024, ge=1024, le=64 * MiB)
     # Acceptance gate: an AKD update or overlay aggregate that raises the validation loss by
     # more than this many nats is rolled back (and, for AKD, reported as a negative reward).

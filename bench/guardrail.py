@@ -5,7 +5,7 @@
 Private set: ``N`` bank problems per category (the agent's D_i: prompt + reference, as the
 agent indexes them). Honest set: ``N`` *other* problems per category (distinct functions,
 the same templates), whose own references stand for honest completions. The guardrail is
-built as the agent builds it (:func:`peerlm.agent.guardrail.agent_guardrail`), or with
+built as the agent builds it (:func:`peerlm.agent.vetting.guardrail.agent_guardrail`), or with
 ``--baseline FILE`` from an older ``guardrail.py`` as ``Guardrail(private, ngram=8)``, the
 earlier construction.
 
@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--per-category", type=int, default=40)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--baseline", help="an older agent/guardrail.py to measure instead")
+    parser.add_argument("--baseline", help="an older agent/vetting/guardrail.py to measure instead")
     args = parser.parse_args(argv)
     # The filter logs one line per redaction; the figures are what this command is for.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -1,4 +1,4 @@
-"""OnePeFT's SVD aggregation (:func:`peerlm.agent.lora_merge.aggregate_svd`) beside peft's.
+"""OnePeFT's SVD aggregation (:func:`peerlm.agent.merging.lora_merge.aggregate_svd`) beside peft's.
 
 peft merges LoRA adapters with ``PeftModel.add_weighted_adapter(adapters, weights, name,
 combination_type="svd", svd_rank=r)``: per module ``Σ w_i · get_delta_weight(i)`` (the

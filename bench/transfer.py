@@ -12,7 +12,7 @@ opens its own channel):
   of ``chunk_bytes`` (identity serialisers: no protobuf, no hashing, no proof);
 * ``peerlm``: ``PeerExchange.PullAdapter`` against the real peer service and server
   (interceptors, authorisation, sender proof signed by the server's certificate key), pulled
-  by :func:`~peerlm.agent.peer_client.pull_adapter_with_round` with the sender proof
+  by :func:`~peerlm.agent.peer.client.pull_adapter_with_round` with the sender proof
   checked and the SHA-256 verified.
 
 Each method runs ``repeats`` times (interleaved, so drift hits all alike); the table shows

@@ -1,7 +1,7 @@
 """The one builder of a running overlay node: keys, core, delivery pool, host and service.
 
 A dedicated overlay node (``peerlm overlay-node``, :mod:`peerlm.overlay.main`) and an
-agent that is an overlay node (:mod:`peerlm.agent.overlay_node`) run the same stack::
+agent that is an overlay node (:mod:`peerlm.agent.overlay_client.node`) run the same stack::
 
     KeyDirectory -> OverlayNode -> PeerPool -> OverlayHost -> OverlayService
 

@@ -23,7 +23,7 @@ from peerlm.agent.fedwave.router import MoERouter
 from peerlm.agent.fedwave.router_codec import encode_router, router_shapes
 from peerlm.agent.fedwave.settings import FedWaveSettings
 from peerlm.agent.fedwave.vclayer import VCLayer, encode_vclayer
-from peerlm.agent.peer_stream import PeerStreamer
+from peerlm.agent.peer.stream import PeerStreamer
 
 from peerlm.node import NodeContext
 

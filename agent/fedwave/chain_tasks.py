@@ -8,7 +8,7 @@ MSCoRe's outputs can only be compared with references; the code chain's can also
   against the reference function; the share that run and pass (a generated test that
   fails on the reference is a wrong test). Output without any ``assert`` line scores 0 of 0.
 
-Programs run through :func:`peerlm.agent.sandbox.run_many` (confined child processes; never
+Programs run through :func:`peerlm.agent.eval.sandbox.run_many` (confined child processes; never
 in this process). The program builders are pure and tested on their own.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Unpack
 
+from peerlm.agent.eval.sandbox import LimitOptions, run_many
 from peerlm.agent.fedwave.code_chain import ChainItem
-from peerlm.agent.sandbox import LimitOptions, run_many
 
 __all__ = [
     "MAX_ASSERTS",

@@ -6,7 +6,7 @@ and the router aggregate (Eq. 9) over what arrived.
 the peer service, kind ``fedwave-router`` / ``fedwave-vclayer``), retrying while the peer
 says the round is not published yet (UNAVAILABLE) or cannot be reached, until the time
 left. The chunks are assembled by the peer service's receiver
-(:func:`~peerlm.agent.peer_client.receive_chunks`): an announced size over the bound is
+(:func:`~peerlm.agent.peer.client.receive_chunks`): an announced size over the bound is
 refused at the first chunk.
 
 :func:`pull_round` runs every pull the round needs
@@ -44,7 +44,7 @@ from peerlm.agent.fedwave.exchange_service import proof_kind
 from peerlm.agent.fedwave.resume import PeerPosition
 from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_WEIGHT_RATIO, RouterRule
 from peerlm.agent.fedwave.workflow import Workflow
-from peerlm.agent.peer_client import PeerExchangeError, receive_chunks
+from peerlm.agent.peer.client import PeerExchangeError, receive_chunks
 from prometheus_client import Gauge
 
 from peerlm.metrics import get_collector

@@ -18,7 +18,7 @@ proof in the initial metadata (kind ``fedwave-router``, ``fedwave-vclayer`` or
 The parts are small (a router is tens of KiB, a VCLayer on the tiny models 130-200 KiB,
 both bounded by ``fedwave.max_*_bytes``), but a workflow member that opens many pulls and
 reads none would still make this agent hold every one of them. So the stream goes
-through the peer port's :class:`~peerlm.agent.peer_stream.PeerStreamer`, under the send
+through the peer port's :class:`~peerlm.agent.peer.stream.PeerStreamer`, under the send
 budget shared with ``PeerExchange`` and FedProxy: one identity's share and one total, cut-offs
 in ``peerlm_agent_peer_send_cutoffs_total{rpc="PullPart", reason}``.
 """
@@ -38,7 +38,7 @@ from peerlm.agent.fedwave.exchange import (
     part_content_type,
 )
 from peerlm.agent.fedwave.workflow import Workflow
-from peerlm.agent.peer_stream import PeerStreamer
+from peerlm.agent.peer.stream import PeerStreamer
 from prometheus_client import CollectorRegistry
 
 from peerlm.chunks import iter_chunks

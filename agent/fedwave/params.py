@@ -117,5 +117,5 @@ class AssemblySettings(BaseModel):
     dpo_lr: float = Field(default=DEFAULT_DPO_LR, gt=0, le=1)
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=4096)
     # A pulled adapter's L2 norm at most this x our own (null: no bound): the overlay
-    # pull's rule and default (agent/pull_aggregate.py); finite-but-huge is refused `norm`.
+    # pull's rule and default (agent/merging/pull_aggregate.py); finite-but-huge is refused `norm`.
     max_adapter_norm_ratio: float | None = Field(default=10.0, gt=0, le=1e6)

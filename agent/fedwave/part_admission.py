@@ -47,10 +47,10 @@ rejected ones (reason ``norm``) before the round is concluded, with no I/O:
 * **an expert's LoRA adapter** (π_SFT's assembly after the last round, docs/fedwave.md
   section 5): its L2 norm may be at most ``fedwave.assembly.max_adapter_norm_ratio ×``
   this agent's own adapter's (floored at 1e-3: peft starts B at zero), the overlay pull's
-  rule and default (10; :mod:`~peerlm.agent.pull_aggregate`). Like a neighbour's VCLayer
+  rule and default (10; :mod:`~peerlm.agent.merging.pull_aggregate`). Like a neighbour's VCLayer
   it enters only this agent's π_SFT.
 
-Norms are float64 over every floating tensor (:func:`~peerlm.agent.fedproxy_admission.
+Norms are float64 over every floating tensor (:func:`~peerlm.agent.fedproxy.admission.
 state_norm`), so 1e30 entries do not overflow to inf; a NaN norm is refused too.
 
 The aggregate itself is screened after the round by the routing check
@@ -68,7 +68,7 @@ import math
 from collections.abc import Mapping
 
 import torch
-from peerlm.agent.fedproxy_admission import state_norm, update_norm
+from peerlm.agent.fedproxy.admission import state_norm, update_norm
 from peerlm.agent.fedwave.exchange import PartKind, PullTarget, RoundParts
 from peerlm.agent.fedwave.settings import DEFAULT_MAX_ROUTER_UPDATE_ABS
 from peerlm.agent.fedwave.vclayer import VCLayer

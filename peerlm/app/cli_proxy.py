@@ -2,7 +2,7 @@
 
 ``compress`` measures Block Influence (FedProxy Eq. 4) of every transformer block of a
 ``from_pretrained`` model on public data and saves the proxy made of the most influential
-blocks (:mod:`peerlm.agent.proxy_compress`, :mod:`peerlm.agent.proxy_model`). ``fuse``
+blocks (:mod:`peerlm.agent.fedproxy.compress`, :mod:`peerlm.agent.fedproxy.proxy`). ``fuse``
 writes a (trained) proxy back into the model it came from (Section 4.3). Both save a
 ``from_pretrained`` directory (model and tokenizer), written beside the target and renamed
 into place, so a killed run leaves no half-written model. Progress goes to stderr, a table

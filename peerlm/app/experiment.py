@@ -2,7 +2,7 @@
 
 Pairing strategies run the same rounds on the same world, models and seeds, in one process
 over :class:`~peerlm.agent.modelhost.ModelHost` instances. Every model operation is the
-agent daemon's own (:mod:`peerlm.agent.rounds`: local update, teacher predictions,
+agent daemon's own (:mod:`peerlm.agent.exchange.rounds`: local update, teacher predictions,
 guardrailed packages encoded and decoded as on the wire, AKD per Eq. 2 with the Table 6
 schedule, the reward); only the transport is missing. The strategies and what each does are
 listed in :mod:`~peerlm.app.experiment_strategies`.

@@ -156,7 +156,7 @@ def _menu_exchange(
         else:
             # The teacher and the pairing's co-senders (merge_senders > 1): every adapter
             # the directive names, each counted like one neighbour of similarity 1, as the
-            # agent does (agent/merge_directive.py).
+            # agent does (agent/merging/directive.py).
             senders = [teacher, *(by_name[c] for c in pairing.co_senders)]
             states = {
                 c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in senders
@@ -215,7 +215,7 @@ def _overlay_exchange(
     world: World, clients: list[Client], overlay: OverlayView, seed: int, t: int
 ) -> list[dict[str, Any]]:
     """Every client's overlay step, as the agent runs it after its directive
-    (:func:`peerlm.agent.overlay_step.overlay_round_step`, in process): publish its
+    (:func:`peerlm.agent.overlay_client.step.overlay_round_step`, in process): publish its
     signature, find its ``k`` nearest peers, pull their adapters and aggregate them with
     the agent's own code and settings (the PDFL step weighted by the similarities, the
     acceptance gate on its validation set at the agent's default margin). The agents step

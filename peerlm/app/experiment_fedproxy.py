@@ -37,7 +37,7 @@ exactly matched; against the others they carry that difference.
 ``fedproxy_proxytuning`` is Table 9's alternative to fusion: the same cohort as
 ``fedproxy_hties`` (H-TIES + PCR, the same seeds, so the same proxies round by round), but
 what is evaluated is ``M`` itself, untouched, decoded by ProxyTuning from the logits
-``s_M + s_φ(t) − s_φ(0)`` (:class:`~peerlm.agent.proxy_tuning.ProxyTunedHost`; the
+``s_M + s_φ(t) − s_φ(0)`` (:class:`~peerlm.agent.fedproxy.tuning.ProxyTunedHost`; the
 anti-expert ``φ(0)`` is the proxy as compressed). Its difference with ``fedproxy_hties`` is
 the plug-in alone.
 

@@ -2,7 +2,7 @@
 
 In a deployment an agent with the overlay enabled joins it by publishing its adapter's
 signature, and after each round's directive runs its overlay step
-(:func:`~peerlm.agent.overlay_step.overlay_round_step`): it publishes the signature of its
+(:func:`~peerlm.agent.overlay_client.step.overlay_round_step`): it publishes the signature of its
 adapter as it now is, searches the overlay for its ``k`` most similar peers, pulls their
 adapters and aggregates them (the PDFL step, ``pmix``, by default). The neighbours it found
 are the list it reports with its next profile (``SubmitProfileRequest.overlay_peers``), and
@@ -16,7 +16,7 @@ first overlay step an agent reports no list, and nothing is narrowed.
 announces from the members' reported P_min (as in the overlay, the P a round publishes at
 is the one announced from the reports before it; a client's own P_min before the first
 announcement), and the lists the clients report next. Signatures are computed by the
-agent's own step (:func:`~peerlm.agent.overlay_step.signature_inputs`).
+agent's own step (:func:`~peerlm.agent.overlay_client.step.signature_inputs`).
 
 Choices made here: the neighbours are the **exact** ``k`` nearest of the same parameter
 space by the signatures' cosine (ties: the lower name), where a deployment's beam search

@@ -100,7 +100,8 @@ class ExperimentPlan:
     probe_scope: ProbeScope = "all"
     probe_per_category: int = 2
     reward_delta: float = 0.001
-    # What a teacher answers (peerlm.agent.teaching): "competent", the prompts of categories
+    # What a teacher answers (peerlm.agent.exchange.teaching): "competent", the prompts of
+    # categories
     # whose validation pass@1 has a Wilson lower bound >= teach_min_pass (our choice beyond
     # the paper); "all", every prompt of X_u (the paper's Eq. 2).
     teach_scope: TeachScope = "competent"
@@ -128,10 +129,10 @@ class ExperimentPlan:
     proxy_ratio: float = 0.5
     proxy_learning_rate: float = 1e-3
     proxy_lambda_reg: float = 1e-5
-    # fedproxy_proxytuning's offset weight β: s_M + β (s_φT − s_φ0) (agent/proxy_tuning.py;
+    # fedproxy_proxytuning's offset weight β: s_M + β (s_φT − s_φ0) (agent/fedproxy/tuning.py;
     # 1 is ProxyTuning's own sum, our knob beyond it).
     proxy_tuning_beta: float = 1.0
-    # Where a client puts what peers send (peerlm.agent.peer_knowledge): "separate", a
+    # Where a client puts what peers send (peerlm.agent.exchange.peer_knowledge): "separate", a
     # peer slot beside its own adapter with a router calibrated on its own validation
     # prompts (our choice: the no-regret default); "shared", the papers' one adapter.
     integration: Literal["separate", "shared"] = "separate"

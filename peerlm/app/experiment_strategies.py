@@ -36,7 +36,7 @@ fedavg_lora     FedAvg-LoRA (FedIT): every round each client pulls its family's 
 onepeft         OnePeFT one-shot: local rounds only, then in the last round each client
                 pulls its family's adapters once, aggregates them by SVD (Eq. 3) to its
                 rank and refines by HKA (Eq. 4-6) on the public pairs
-                (:func:`peerlm.agent.onepeft.one_shot`, ``local_steps`` HKA steps).
+                (:func:`peerlm.agent.merging.onepeft.one_shot`, ``local_steps`` HKA steps).
 onepeft_svd     the same, SVD without HKA (Table 5).
 onepeft_hka     the same, HKA from the FedAvg of factors (Table 5).
 onepeft_fedavg  the same, FedAvg of factors once, no HKA (Table 5's "neither").

@@ -58,10 +58,10 @@ class Client:
     rewards: list[float] = field(default_factory=list)
     exchanges: int = 0
     # Greedy validation pass counts per category of the last local phase (what the client
-    # may teach: :mod:`peerlm.agent.teaching`); None before the first.
+    # may teach: :mod:`peerlm.agent.exchange.teaching`); None before the first.
     competence: Competence | None = None
     # What peers sent, beside the own adapter, and which inputs it answers
-    # (``plan.integration == "separate"``; :mod:`peerlm.agent.peer_knowledge`).
+    # (``plan.integration == "separate"``; :mod:`peerlm.agent.exchange.peer_knowledge`).
     slot: PeerSlot = field(default_factory=_new_slot)
     router: InputRouter | None = None
     # Optimiser steps spent on own data and on distillation or merging (per client, the
@@ -256,7 +256,7 @@ def build_clients(
 
 
 def _router(world: World, train: Sequence[Problem], val: Sequence[Problem]) -> InputRouter:
-    """A client's input router (:class:`~peerlm.agent.peer_knowledge.InputRouter`): its own
+    """A client's input router (:class:`~peerlm.agent.exchange.peer_knowledge.InputRouter`): its own
     training prompts and X_u's by category, calibrated on its own validation prompts."""
     from peerlm.agent import InputRouter
 

@@ -460,7 +460,7 @@ class CpmCore:
         previous = self._profiles.get(agent)
         if previous is not None and round_ < previous.round:
             # The agent restarted with fresh state or an older checkpoint: tell it the last
-            # round we hold, so it can resynchronise (agent.cpm_client) instead of ending.
+            # round we hold, so it can resynchronise (agent.cpm.client) instead of ending.
             raise CpmError(
                 "FAILED_PRECONDITION",
                 "stale_round",

@@ -468,7 +468,7 @@ def test_package_request_without_directive_is_refused(world: World) -> None:
             "agent ready",
         )
         endpoint = str(next(e for e in _events(log) if e.get("event") == "agent_ready")["endpoint"])
-        from peerlm.agent.peer_client import PeerExchangeError, fetch_package
+        from peerlm.agent.peer.client import PeerExchangeError, fetch_package
 
         from tests.node_contexts import kit_context
 

@@ -143,7 +143,7 @@ async def test_bad_overlay_lists_are_refused_and_change_nothing(
 async def test_the_agent_client_drops_a_refused_overlay_list(cpm: CpmProcess) -> None:
     """A neighbour the CPM does not know yet (it has sent no profile) must not cost the
     agent its profile: the client submits again without the list, and counts it."""
-    from peerlm.agent.cpm_client import CpmClient
+    from peerlm.agent.cpm.client import CpmClient
 
     from peerlm.config import GrpcLimits
     from peerlm.pki.identity import Role

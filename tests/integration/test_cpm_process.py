@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from peerlm.agent.cpm_client import CpmClient
+from peerlm.agent.cpm.client import CpmClient
 
 from peerlm.config import GrpcLimits
 from peerlm.pki.identity import PeerIdentity, Role
@@ -411,7 +411,7 @@ async def test_insecure_dev_on_loopback_uses_metadata_identity(tmp_path: Path) -
     import subprocess
     import sys
 
-    from peerlm.agent.cpm_client import CpmClient
+    from peerlm.agent.cpm.client import CpmClient
 
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
@@ -458,7 +458,7 @@ async def test_insecure_dev_on_loopback_uses_metadata_identity(tmp_path: Path) -
 async def test_the_agent_client_counts_handshake_refusals(cpm: CpmProcess) -> None:
     """The CPM refuses a foreign certificate in the handshake, where no server code runs:
     the agent's CPM client is the side that counts it."""
-    from peerlm.agent.cpm_client import CpmClient
+    from peerlm.agent.cpm.client import CpmClient
 
     from peerlm.metrics import new_registry
 

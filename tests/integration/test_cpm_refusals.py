@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from peerlm.agent.cpm_client import CpmClient
+from peerlm.agent.cpm.client import CpmClient
 
 from peerlm.config import GrpcLimits
 from peerlm.pki.identity import Role

@@ -254,7 +254,7 @@ async def test_sigkill_mid_reward_streams_keeps_every_acknowledged_reward_once(
 
 
 async def test_agent_client_reports_over_one_stream_and_raises_refusals(cpm: CpmProcess) -> None:
-    from peerlm.agent.cpm_client import CpmClient
+    from peerlm.agent.cpm.client import CpmClient
     from prometheus_client import CollectorRegistry
 
     from tests.node_contexts import kit_context

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
-from peerlm.agent.cpm_client import CpmClient
+from peerlm.agent.cpm.client import CpmClient
 from prometheus_client import CollectorRegistry
 
 from peerlm.pki.identity import Role

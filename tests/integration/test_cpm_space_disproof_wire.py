@@ -2,7 +2,7 @@
 
 Merges only (``pmix``): two agents declare one fingerprint and are paired; the student
 finds the teacher's adapter of another space and names it in
-``ReportRewardRequest.space_mismatch`` through :class:`~peerlm.agent.cpm_client.CpmClient`.
+``ReportRewardRequest.space_mismatch`` through :class:`~peerlm.agent.cpm.client.CpmClient`.
 The CPM records the disproof (``peerlm_cpm_space_disproofs_total``) and never pairs the
 two for a merge again. A report naming an agent that is not a sender of the directive is
 refused (INVALID_ARGUMENT, reason ``space_mismatch``, counted), the state unchanged.
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from peerlm.agent.cpm_client import CpmClient
+from peerlm.agent.cpm.client import CpmClient
 
 from peerlm.config import GrpcLimits
 from peerlm.pki.identity import Role

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from peerlm.agent.fedproxy.proxy import build_proxy
 from peerlm.agent.models.tiny import SHIPPED_DIR
-from peerlm.agent.proxy_model import build_proxy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peerlm.app.devfed import AGENT_ENV

@@ -14,20 +14,20 @@ import grpc
 import pytest
 import structlog
 import torch
-from peerlm.agent.fedproxy_admission import state_norm, update_norm
-from peerlm.agent.fedproxy_codec import encode_update
-from peerlm.agent.fedproxy_member import Evaluator, ProxyMember, Trainer, text_loss, text_trainer
-from peerlm.agent.fedproxy_owner import ProxyOwner
-from peerlm.agent.fedproxy_service import (
+from peerlm.agent.fedproxy.admission import state_norm, update_norm
+from peerlm.agent.fedproxy.codec import encode_update
+from peerlm.agent.fedproxy.hties import h_ties
+from peerlm.agent.fedproxy.member import Evaluator, ProxyMember, Trainer, text_loss, text_trainer
+from peerlm.agent.fedproxy.owner import ProxyOwner
+from peerlm.agent.fedproxy.proxy import ProxyError, ProxyInfo, build_proxy
+from peerlm.agent.fedproxy.service import (
     FEDPROXY_POLICY,
     fedproxy_service,
     pull_proxy,
     pull_update,
 )
-from peerlm.agent.hties import h_ties
 from peerlm.agent.models.tiny import SHIPPED_DIR
-from peerlm.agent.peer_client import PeerExchangeError
-from peerlm.agent.proxy_model import ProxyError, ProxyInfo, build_proxy
+from peerlm.agent.peer.client import PeerExchangeError
 from peerlm.agent.settings import FedProxySettings
 from prometheus_client import CollectorRegistry
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel

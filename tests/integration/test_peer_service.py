@@ -15,24 +15,24 @@ import structlog
 import torch
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from peerlm.agent.directives import (
+from peerlm.agent.cpm.directives import (
     DirectiveBook,
     DirectiveExpired,
     FetchLimitReached,
     NotTeacher,
     UnknownDirective,
 )
-from peerlm.agent.guardrail import Guardrail
-from peerlm.agent.package import TextPackage, build_text_package, decode_package
-from peerlm.agent.peer_client import (
+from peerlm.agent.exchange.package import TextPackage, build_text_package, decode_package
+from peerlm.agent.peer.client import (
     PeerExchangeError,
     fetch_package,
     pull_adapter,
     pull_adapter_with_round,
 )
-from peerlm.agent.peer_service import PEER_POLICY, PeerExchangeService, serve_peer
-from peerlm.agent.peer_stream import PeerStreamer
+from peerlm.agent.peer.service import PEER_POLICY, PeerExchangeService, serve_peer
+from peerlm.agent.peer.stream import PeerStreamer
 from peerlm.agent.settings import PeerSendSettings
+from peerlm.agent.vetting.guardrail import Guardrail
 from prometheus_client import CollectorRegistry
 
 from peerlm.config import GrpcLimits

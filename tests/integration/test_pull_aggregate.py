@@ -23,12 +23,12 @@ import safetensors.torch
 import structlog
 import torch
 from peerlm.agent.acceptance import AcceptanceGate
-from peerlm.agent.directives import DirectiveBook
+from peerlm.agent.cpm.directives import DirectiveBook
+from peerlm.agent.merging.pull_aggregate import Candidate, PullSettings, pull_and_aggregate
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
 from peerlm.agent.models.tiny import build_models
-from peerlm.agent.peer_service import PeerExchangeService, serve_peer
-from peerlm.agent.pull_aggregate import Candidate, PullSettings, pull_and_aggregate
+from peerlm.agent.peer.service import PeerExchangeService, serve_peer
 from peerlm.overlay.aggregation import neighbour_weights, proximal_alpha
 from prometheus_client import CollectorRegistry
 
@@ -389,8 +389,8 @@ async def test_svd_hka_aggregates_the_pulled_adapters_as_one_shot_does(
 ) -> None:
     """Aggregation "svd_hka" is OnePeFT's one-shot step on what was pulled, with the
     similarity weights; bad neighbours are refused by the same checks first."""
-    from peerlm.agent.lora_merge import ClientAdapter
-    from peerlm.agent.onepeft import one_shot
+    from peerlm.agent.merging.lora_merge import ClientAdapter
+    from peerlm.agent.merging.onepeft import one_shot
     from peerlm.agent.training import TrainSettings
 
     student = world.student
@@ -531,8 +531,8 @@ async def test_a_pmix_directive_merges_the_teacher_and_measures_eq3(
 ) -> None:
     """The directive's teacher is pulled under its name and merged by the PDFL step; the
     reward is Eq. 3 from the gate's two held-out losses and the kilobytes pulled."""
-    from peerlm.agent.merge_directive import merge_from_teacher
-    from peerlm.agent.rounds import reward_eq3
+    from peerlm.agent.exchange.rounds import reward_eq3
+    from peerlm.agent.merging.directive import merge_from_teacher
 
     student = world.student
     before = student.adapter_state()
@@ -563,8 +563,8 @@ async def test_a_merge_with_a_probe_reward_measures_it_on_the_probe(
 ) -> None:
     """With ``reward_examples`` (the agent's ``reward_file``) the merge's reward is Eq. 3 on
     the probe, right before the pull and right after the merge, as AKD's is."""
-    from peerlm.agent.merge_directive import merge_from_teacher
-    from peerlm.agent.rounds import reward_eq3
+    from peerlm.agent.exchange.rounds import reward_eq3
+    from peerlm.agent.merging.directive import merge_from_teacher
 
     probe = [("def twice(x):\n", "    return 2 * x\n"), ("def first(xs):\n", "    return xs[0]\n")]
     student = world.student
@@ -596,7 +596,7 @@ async def test_a_merge_directive_refuses_an_adapter_of_another_space(
 ) -> None:
     """A teacher whose adapter turns out to be of another shape, backbone or scaling (or
     who is unreachable) fails the directive with the pull's reason; nothing changes."""
-    from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
+    from peerlm.agent.merging.directive import MergeRefused, merge_from_teacher
 
     student = world.student
     before = student.adapter_state()
@@ -617,7 +617,7 @@ async def test_a_merge_directive_signed_by_another_member_is_refused(
     world: World, pki: Path
 ) -> None:
     """The directive names t2, but the endpoint serves t1's adapter under t1's proof."""
-    from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
+    from peerlm.agent.merging.directive import MergeRefused, merge_from_teacher
 
     with pytest.raises(MergeRefused) as err:
         await merge_from_teacher(
@@ -630,7 +630,7 @@ async def test_a_harmful_merge_is_rolled_back_and_still_rewarded(world: World, p
     """With the norm bound off, the 1e30 adapter is merged, the gate undoes it, and the
     directive still gets its (bounded, negative) reward, as an AKD rollback does."""
     from peerlm.agent.acceptance import LOSS_PENALTY_NATS
-    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.merging.directive import merge_from_teacher
 
     student = world.student
     before = student.adapter_state()
@@ -656,7 +656,7 @@ async def test_a_rolled_back_merge_reports_the_gates_loss_whatever_the_probe(
     bounded, negative), never the probe's, so an adapter tuned to the probe cannot buy a
     good reward with a merge the student did not keep (as AKD: test_rounds.py)."""
     from peerlm.agent.acceptance import LOSS_PENALTY_NATS
-    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.merging.directive import merge_from_teacher
 
     probe = [("def twice(x):\n", "    return 2 * x\n"), ("def first(xs):\n", "    return xs[0]\n")]
     student = world.student
@@ -681,7 +681,7 @@ async def test_a_rolled_back_merge_reports_the_gates_loss_whatever_the_probe(
 
 
 async def test_a_merge_directive_checks_its_protocol_first(world: World, pki: Path) -> None:
-    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.merging.directive import merge_from_teacher
 
     target = world.teachers["t1"].target
     with pytest.raises(ValueError, match="not a merge"):
@@ -695,7 +695,7 @@ async def test_a_merge_directive_checks_its_protocol_first(world: World, pki: Pa
 
 
 async def test_an_svd_hka_directive_merges_by_onepeft(world: World, pki: Path) -> None:
-    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.merging.directive import merge_from_teacher
     from peerlm.agent.training import TrainSettings
 
     student = world.student
@@ -721,7 +721,7 @@ async def test_equal_fingerprints_are_exactly_the_mergeable_adapters(
 ) -> None:
     """The fingerprint agents declare to the CPM agrees with the codec's checks: same
     backbone and LoRA shape, same fingerprint; another rank, scaling or model, another."""
-    from peerlm.agent.profile import host_parameter_space as fingerprint
+    from peerlm.agent.cpm.profile import host_parameter_space as fingerprint
 
     [qwen] = build_models(micro_models_dir, ("qwen2",), size="micro")
     same = fingerprint(world.student)
@@ -745,9 +745,9 @@ async def test_an_svd_hka_directive_merges_every_usable_sender_and_skips_poisone
     exactly as one_shot on those adapters. A poisoned co-sender (NaN, 1e30 norm, another
     shape) and an unreachable one are refused by the codec or the pull, skipped, never
     merged, and counted by reason."""
-    from peerlm.agent.lora_merge import ClientAdapter
-    from peerlm.agent.merge_directive import merge_from_teacher
-    from peerlm.agent.onepeft import one_shot
+    from peerlm.agent.merging.directive import merge_from_teacher
+    from peerlm.agent.merging.lora_merge import ClientAdapter
+    from peerlm.agent.merging.onepeft import one_shot
     from peerlm.agent.training import TrainSettings
 
     student = world.student
@@ -801,7 +801,7 @@ async def test_a_pmix_directive_mixes_the_teacher_and_its_co_senders(
     world: World, pki: Path
 ) -> None:
     """pmix with co-senders is the PDFL step over all of them, each of similarity 1."""
-    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.merging.directive import merge_from_teacher
 
     student = world.student
     before = student.adapter_state()
@@ -829,7 +829,7 @@ async def test_a_pmix_directive_mixes_the_teacher_and_its_co_senders(
 async def test_a_merge_directive_whose_senders_all_fail_is_refused(world: World, pki: Path) -> None:
     """No usable adapter: MergeRefused with the teacher's reason, the adapter untouched,
     every sender counted as skipped."""
-    from peerlm.agent.merge_directive import MergeRefused, merge_from_teacher
+    from peerlm.agent.merging.directive import MergeRefused, merge_from_teacher
 
     student = world.student
     before = student.adapter_state()
@@ -857,7 +857,7 @@ async def test_a_merge_directive_whose_senders_all_fail_is_refused(world: World,
 async def test_co_senders_beyond_the_fan_out_are_skipped(world: World, pki: Path) -> None:
     """The pull's max_peers bounds a directive's senders: the teacher first, then the
     co-senders in the directive's order; the rest are skipped as over_limit."""
-    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.merging.directive import merge_from_teacher
 
     t = world.teachers
     out = await merge_from_teacher(
@@ -882,7 +882,7 @@ async def test_a_sender_named_twice_or_the_student_itself_is_merged_at_most_once
     (none of which an honest CPM sends) must not weigh one adapter twice or merge the
     student with itself: each sender is pulled once, the rest skipped (``duplicate``,
     ``self``) and counted."""
-    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.merging.directive import merge_from_teacher
 
     t = world.teachers
     registry = new_registry()
@@ -943,7 +943,7 @@ async def test_an_adapter_splitting_the_norm_budget_between_a_and_b_is_refused(
     (``update_norm``, counted), in an overlay pull and as a merge directive's co-sender;
     the honest teachers still pass. Without the update bound it was integrated."""
     from peerlm.agent.adapter_codec import adapter_norm, lora_update_norms
-    from peerlm.agent.merge_directive import merge_from_teacher
+    from peerlm.agent.merging.directive import merge_from_teacher
 
     student, t = world.student, world.teachers
     before = student.adapter_state()
@@ -997,7 +997,7 @@ async def test_a_neighbour_advertising_more_similarity_than_its_adapter_has_is_r
     ``signature_mismatch`` and counted; t1, advertised at what its adapter is, is pulled.
     Without the check t2 was integrated, with the largest weight of the anchor."""
     import numpy as np
-    from peerlm.agent.advertised_signature import recomputed_similarity
+    from peerlm.agent.overlay_client.advertised_signature import recomputed_similarity
     from peerlm.overlay import flatten_adapter, make_signature
 
     student, t = world.student, world.teachers

@@ -1,7 +1,7 @@
 """A stand-alone ``PeerExchange`` server process for the RPC fuzz tests.
 
-It serves the product's :class:`~peerlm.agent.peer_service.PeerExchangeService` through
-:func:`~peerlm.agent.peer_service.serve_peer` (the agent's own server assembly: metrics,
+It serves the product's :class:`~peerlm.agent.peer.service.PeerExchangeService` through
+:func:`~peerlm.agent.peer.service.serve_peer` (the agent's own server assembly: metrics,
 authorisation, limits) over mTLS on loopback, with a real :class:`DirectiveBook` holding
 one directive (``teacher`` -> ``student``) and a fixed adapter of round 3, and beside it on
 the same port FedWave's :class:`~peerlm.agent.fedwave.exchange_service.FedWaveExchangeService`
@@ -11,7 +11,7 @@ package, the adapter and the parts are fixed bytes, so a fuzz run never waits fo
 and the adapter version (the state a refused request must leave alone) only changes when
 something in the server is wrong.
 
-All three services stream through one :class:`~peerlm.agent.peer_stream.PeerStreamer`, as
+All three services stream through one :class:`~peerlm.agent.peer.stream.PeerStreamer`, as
 on the agent's peer port: one send budget for the port.
 
 Run: ``python -m tests.security.peer_server_process --pki DIR --name teacher --port-file F
@@ -34,7 +34,7 @@ from typing import Any
 
 import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
-from peerlm.agent.directives import DirectiveBook
+from peerlm.agent.cpm.directives import DirectiveBook
 from peerlm.agent.fedwave.exchange import PartKind, PartStore
 from peerlm.agent.fedwave.exchange_service import (
     FEDWAVE_POLICY,
@@ -42,8 +42,8 @@ from peerlm.agent.fedwave.exchange_service import (
     fedwave_service,
 )
 from peerlm.agent.fedwave.workflow import Workflow
-from peerlm.agent.peer_service import PeerExchangeService, serve_peer
-from peerlm.agent.peer_stream import PeerStreamer
+from peerlm.agent.peer.service import PeerExchangeService, serve_peer
+from peerlm.agent.peer.stream import PeerStreamer
 from peerlm.agent.settings import PeerSendSettings
 
 from peerlm.chunks import HashedPayload
@@ -155,7 +155,7 @@ async def _main(args: argparse.Namespace) -> None:
     if args.fedproxy:
         # Imported here: the FedProxy service pulls in torch, which the slow-reader test's
         # server does not need to start.
-        from peerlm.agent.fedproxy_service import (
+        from peerlm.agent.fedproxy.service import (
             FEDPROXY_POLICY,
             ProxyExchangeService,
             RoundBoard,

@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from peerlm.agent.cpm_client import CpmClient
+from peerlm.agent.cpm.client import CpmClient
 from prometheus_client import CollectorRegistry
 
 from peerlm.wire.v1 import cpm_pb2

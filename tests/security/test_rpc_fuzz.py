@@ -49,9 +49,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peerlm.agent.fedproxy_service import FEDPROXY_POLICY
+from peerlm.agent.fedproxy.service import FEDPROXY_POLICY
 from peerlm.agent.fedwave.exchange_service import FEDWAVE_POLICY
-from peerlm.agent.peer_service import PEER_POLICY, STUDENT_TOKENIZER_METADATA
+from peerlm.agent.peer.service import PEER_POLICY, STUDENT_TOKENIZER_METADATA
 from peerlm.overlay import codec
 from peerlm.overlay import messages as om
 from peerlm.overlay.service import OVERLAY_POLICY

@@ -27,8 +27,8 @@ from typing import Any
 
 import prometheus_client
 import pytest
-from peerlm.agent import sandbox
-from peerlm.agent.sandbox import SandboxUnavailable, probe_confinement, run_program
+from peerlm.agent.eval import sandbox
+from peerlm.agent.eval.sandbox import SandboxUnavailable, probe_confinement, run_program
 
 from tests.security import sandbox_battery
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import prometheus_client
 import pytest
-from peerlm.agent import sandbox
+from peerlm.agent.eval import sandbox
 
 from tests.security import sandbox_process_battery
 from tests.security.test_sandbox_confinement import (

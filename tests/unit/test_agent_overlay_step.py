@@ -13,7 +13,7 @@ from peerlm.agent import AgentOverlaySettings
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
 from peerlm.agent.models.tiny import build_models
-from peerlm.agent.overlay_step import (
+from peerlm.agent.overlay_client.step import (
     choose_p,
     overlay_round_step,
     publish_signature,

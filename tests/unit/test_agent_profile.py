@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from peerlm.agent.cpm.profile import FAMILIES, AgentMetrics, build_profile, family_index
 from peerlm.agent.daemon import linear_schedule
-from peerlm.agent.profile import FAMILIES, AgentMetrics, build_profile, family_index
 from peerlm.services.cpm.profile import PERFORMANCE_INDEX, validate_profile
 
 
@@ -61,7 +61,7 @@ def test_linear_schedules_match_table_6() -> None:
 
 
 def _fp(**change: object) -> str:
-    from peerlm.agent.profile import parameter_space_fingerprint
+    from peerlm.agent.cpm.profile import parameter_space_fingerprint
 
     args: dict[str, object] = {
         "model_config": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "vocab_size": 300},

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peerlm.agent.directives import directive_action
+from peerlm.agent.cpm.directives import directive_action
 from peerlm.services.cpm import (
     MAX_MERGE_SENDERS,
     MENU,
@@ -345,7 +345,7 @@ def test_an_agent_refuses_more_co_senders_than_any_cpm_sends(
     bound, the proto's "at most 15"). One naming more (a compromised or buggy control
     plane: tens of thousands fit one message) is refused whole, before the student walks
     the list, instead of being deduplicated name by name on its event loop."""
-    from peerlm.agent.directives import MAX_CO_SENDERS
+    from peerlm.agent.cpm.directives import MAX_CO_SENDERS
     from peerlm.services.cpm import MAX_MERGE_SENDERS
 
     most = MAX_MERGE_SENDERS - 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from peerlm.agent.directives import directive_action, refusal_failure, space_mismatches
+from peerlm.agent.cpm.directives import directive_action, refusal_failure, space_mismatches
 from peerlm.agent.settings import AgentSettings
 from peerlm.services.cpm.menu import MENU, MERGE_PROTOCOLS
 
@@ -72,7 +72,7 @@ def test_a_refused_directive_is_reported_by_its_reason(
 
 
 def test_every_reported_failure_is_one_the_cpm_accepts() -> None:
-    from peerlm.agent import directives
+    from peerlm.agent.cpm import directives
     from peerlm.services.cpm.refusals import FAILURE_REASONS
 
     assert set(directives._REFUSALS.values()) == set(FAILURE_REASONS)

@@ -9,7 +9,7 @@ from math import comb
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from peerlm.agent.evaluation import evaluate, pass_at_k
+from peerlm.agent.eval.evaluation import evaluate, pass_at_k
 from peerlm.agent.tasks.bank import generate_bank
 
 
@@ -124,7 +124,7 @@ _PROMPT = 'def repeat(s: str) -> list[str]:\n    """Return s repeated 3 times.""
 
 
 def test_structural_match_ignores_literals_and_renamed_identifiers() -> None:
-    from peerlm.agent.evaluation import structural_match
+    from peerlm.agent.eval.evaluation import structural_match
 
     reference = "return [s] * 3\n"
     assert structural_match(_PROMPT, "return [s] * 2\n", reference)  # wrong constant
@@ -135,7 +135,7 @@ def test_structural_match_ignores_literals_and_renamed_identifiers() -> None:
 
 
 def test_structural_match_sees_structure() -> None:
-    from peerlm.agent.evaluation import structural_match
+    from peerlm.agent.eval.evaluation import structural_match
 
     reference = "return [s] * 3\n"
     assert not structural_match(_PROMPT, "return [s] + 3\n", reference)  # another operator
@@ -149,14 +149,14 @@ def test_structural_match_sees_structure() -> None:
 
 
 def test_structural_match_of_untokenizable_code_is_false() -> None:
-    from peerlm.agent.evaluation import structural_form, structural_match
+    from peerlm.agent.eval.evaluation import structural_form, structural_match
 
     assert structural_form('return "unterminated\n') is None
     assert not structural_match(_PROMPT, 'return """open\n', "return [s] * 3\n")
 
 
 def test_structural_match_rate_counts_samples() -> None:
-    from peerlm.agent.evaluation import structural_match_rate
+    from peerlm.agent.eval.evaluation import structural_match_rate
 
     problem = generate_bank(1, 0)[0]
     ref = problem.reference

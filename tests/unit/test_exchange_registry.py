@@ -1,5 +1,5 @@
 """The agent's exchange protocols: one per catalogue entry, dispatched by name, each step
-given one context (peerlm.agent.exchange_protocol)."""
+given one context (peerlm.agent.exchange.protocol)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from peerlm.agent.exchange_protocol import ExchangeProtocol, ProtocolRegistry
-from peerlm.agent.exchange_registry import agent_registry
+from peerlm.agent.exchange.protocol import ExchangeProtocol, ProtocolRegistry
+from peerlm.agent.exchange.registry import agent_registry
 
 from peerlm.protocols import CATALOGUE, UnknownProtocolError, lookup
 from peerlm.wire.v1 import cpm_pb2

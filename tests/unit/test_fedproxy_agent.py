@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from peerlm.agent.fedproxy_agent import fedproxy_bytes, make_owner_proxy
+from peerlm.agent.fedproxy.agent import fedproxy_bytes, make_owner_proxy
+from peerlm.agent.fedproxy.compress import block_influence, blocks_to_keep, token_batches
+from peerlm.agent.fedproxy.proxy import proxy_info
 from peerlm.agent.models.tiny import SHIPPED_DIR
-from peerlm.agent.proxy_compress import block_influence, blocks_to_keep, token_batches
-from peerlm.agent.proxy_model import proxy_info
 from prometheus_client import CollectorRegistry, Counter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

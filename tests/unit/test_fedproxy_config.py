@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-from peerlm.agent import fedproxy_config
-from peerlm.agent.fedproxy_codec import HarmReport, decode_update, encode_update
-from peerlm.agent.fedproxy_config import member_proxy_config
+from peerlm.agent.fedproxy import config as fedproxy_config
+from peerlm.agent.fedproxy.codec import HarmReport, decode_update, encode_update
+from peerlm.agent.fedproxy.config import member_proxy_config
+from peerlm.agent.fedproxy.proxy import PROXY_CONFIG_KEY, ProxyError, ProxyInfo, build_proxy
 from peerlm.agent.models.tiny import SHIPPED_DIR
-from peerlm.agent.proxy_model import PROXY_CONFIG_KEY, ProxyError, ProxyInfo, build_proxy
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 

@@ -7,15 +7,15 @@ import json
 
 import pytest
 import torch
-from peerlm.agent.fedproxy_codec import (
+from peerlm.agent.fedproxy.codec import (
     CONFLICT_ENCODING_KEY,
     CONFLICT_PREFIX,
     PROXY_FORMAT,
     decode_proxy,
     encode_proxy,
 )
-from peerlm.agent.hties import analyse, conflict_scores, task_vectors
-from peerlm.agent.proxy_model import PROXY_CONFIG_KEY, ProxyError, ProxyInfo
+from peerlm.agent.fedproxy.hties import analyse, conflict_scores, task_vectors
+from peerlm.agent.fedproxy.proxy import PROXY_CONFIG_KEY, ProxyError, ProxyInfo
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 

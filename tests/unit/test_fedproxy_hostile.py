@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peerlm.agent.fedproxy_admission import (
+from peerlm.agent.fedproxy.admission import (
     frozen_refusal,
     group_refusal,
     norm_refusal,
@@ -17,10 +17,10 @@ from peerlm.agent.fedproxy_admission import (
     token_embedding_keys,
     update_norm,
 )
-from peerlm.agent.fedproxy_member import frozen_embeddings, proxy_from, text_loss, text_trainer
-from peerlm.agent.hties import h_ties, support_clip, task_vectors
+from peerlm.agent.fedproxy.hties import h_ties, support_clip, task_vectors
+from peerlm.agent.fedproxy.member import frozen_embeddings, proxy_from, text_loss, text_trainer
+from peerlm.agent.fedproxy.proxy import build_proxy
 from peerlm.agent.models.tiny import SHIPPED_DIR
-from peerlm.agent.proxy_model import build_proxy
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 State = dict[str, torch.Tensor]

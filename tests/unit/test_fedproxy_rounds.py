@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peerlm.agent.fedproxy_codec import (
+from peerlm.agent.fedproxy.codec import (
     decode_proxy,
     decode_update,
     encode_proxy,
@@ -12,8 +12,8 @@ from peerlm.agent.fedproxy_codec import (
     parse_round,
     payload_content_type,
 )
-from peerlm.agent.fedproxy_rounds import CohortRound, RoundAnswer, RoundError, round_answer
-from peerlm.agent.proxy_model import PROXY_CONFIG_KEY, ProxyError, ProxyInfo
+from peerlm.agent.fedproxy.proxy import PROXY_CONFIG_KEY, ProxyError, ProxyInfo
+from peerlm.agent.fedproxy.rounds import CohortRound, RoundAnswer, RoundError, round_answer
 
 COHORT = ("a", "b", "c")
 INFO = ProxyInfo("gpt2", 4, (0, 3), "transformer.h", 0.5)
@@ -243,7 +243,7 @@ def _weights() -> dict[str, torch.Tensor]:
 
 
 def test_update_norms_are_float64_and_ignore_non_floating_tensors() -> None:
-    from peerlm.agent.fedproxy_admission import state_norm, update_norm
+    from peerlm.agent.fedproxy.admission import state_norm, update_norm
 
     base = _weights()
     flat = torch.cat([base["w"].reshape(-1), base["b"]]).double()
@@ -255,7 +255,7 @@ def test_update_norms_are_float64_and_ignore_non_floating_tensors() -> None:
 
 
 def test_the_norm_bound_refuses_huge_and_nan_updates_and_admits_the_rest() -> None:
-    from peerlm.agent.fedproxy_admission import norm_refusal
+    from peerlm.agent.fedproxy.admission import norm_refusal
 
     base = _weights()
     small = {k: (v * 1.05 if v.is_floating_point() else v) for k, v in base.items()}

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter
-from peerlm.agent.fedproxy_admission import state_norm
+from peerlm.agent.fedproxy.admission import state_norm
 from peerlm.agent.fedwave.assembly import AssembledModel, assembled_generate
 from peerlm.agent.fedwave.code_chain import StageExample
 from peerlm.agent.fedwave.dpo_phase import build_preference_pairs

@@ -5,7 +5,7 @@ collaborative loss see it; honest parts pass; every agent refuses the same route
 from __future__ import annotations
 
 import torch
-from peerlm.agent.fedproxy_admission import state_norm
+from peerlm.agent.fedproxy.admission import state_norm
 from peerlm.agent.fedwave.exchange import (
     PartKind,
     PullTarget,

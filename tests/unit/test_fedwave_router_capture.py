@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from peerlm.agent.fedproxy_admission import state_norm
+from peerlm.agent.fedproxy.admission import state_norm
 from peerlm.agent.fedwave.exchange import RoundParts
 from peerlm.agent.fedwave.expert_round import conclude_round
 from peerlm.agent.fedwave.part_admission import router_norm_refusal, screen_round

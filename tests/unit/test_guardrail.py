@@ -19,8 +19,8 @@ import pytest
 import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peerlm.agent.code_index import PromptVocabulary, code_tokens
-from peerlm.agent.guardrail import (
+from peerlm.agent.vetting.code_index import PromptVocabulary, code_tokens
+from peerlm.agent.vetting.guardrail import (
     KINDS,
     Guardrail,
     is_high_entropy,

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from peerlm.agent.adapter_codec import AdapterError
-from peerlm.agent.hka import TEACHER_PREFIX, mixture_kl_sum, teacher_adapters
-from peerlm.agent.lora_merge import ClientAdapter
+from peerlm.agent.merging.hka import TEACHER_PREFIX, mixture_kl_sum, teacher_adapters
+from peerlm.agent.merging.lora_merge import ClientAdapter
+from peerlm.agent.merging.onepeft import one_shot
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
 from peerlm.agent.models.tiny import build_models
-from peerlm.agent.onepeft import one_shot
 from peerlm.agent.training import TrainSettings, collate
 
 PUBLIC = [

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peerlm.agent.hties import (
+from peerlm.agent.fedproxy.hties import (
     analyse,
     dominant_sign_merge,
     fedavg_proxies,
@@ -17,7 +17,7 @@ from peerlm.agent.hties import (
     task_vectors,
     ties_merge,
 )
-from peerlm.agent.proxy_model import ProxyError
+from peerlm.agent.fedproxy.proxy import ProxyError
 
 PROPS = settings(max_examples=30, deadline=None)
 T = torch.tensor

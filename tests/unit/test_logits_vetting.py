@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from peerlm.agent.guardrail import Guardrail
-from peerlm.agent.logits_vetting import mass_texts, vet_logits_package, vet_student_package
-from peerlm.agent.package import LogitsItem, LogitsPackage
+from peerlm.agent.exchange.package import LogitsItem, LogitsPackage
+from peerlm.agent.vetting.guardrail import Guardrail
+from peerlm.agent.vetting.logits import mass_texts, vet_logits_package, vet_student_package
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 

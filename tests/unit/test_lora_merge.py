@@ -1,4 +1,5 @@
-"""OnePeFT's SVD aggregation (Eq. 3) and the LoRA-factor baselines (peerlm.agent.lora_merge)."""
+"""OnePeFT's SVD aggregation (Eq. 3) and the LoRA-factor baselines
+(peerlm.agent.merging.lora_merge)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peerlm.agent.adapter_codec import AdapterError, encode_adapter
-from peerlm.agent.lora_merge import (
+from peerlm.agent.merging.lora_merge import (
     ClientAdapter,
     aggregate_fedavg_factors,
     aggregate_ffa,
@@ -59,7 +60,7 @@ def ideal(clients: Sequence[ClientAdapter], lam: Sequence[float]) -> dict[str, t
 
 
 def merged_delta(merged: object) -> dict[str, torch.Tensor]:
-    from peerlm.agent.lora_merge import MergedAdapter
+    from peerlm.agent.merging.lora_merge import MergedAdapter
 
     assert isinstance(merged, MergedAdapter)
     return delta_weights(merged.state, r=merged.r, alpha=merged.alpha)

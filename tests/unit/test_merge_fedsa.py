@@ -1,4 +1,4 @@
-"""FedSA-LoRA as a merge protocol (peerlm.agent.merge_fedsa): only the LoRA A factors are
+"""FedSA-LoRA as a merge protocol (peerlm.agent.merging.fedsa): only the LoRA A factors are
 averaged, B stays the student's own; end to end through the agent's adapter aggregation."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from peerlm.agent.merge_fedsa import fedsa_update
+from peerlm.agent.merging.fedsa import fedsa_update
+from peerlm.agent.merging.pull_aggregate import PullSettings, integrate_adapters
 from peerlm.agent.modelhost import LoraSettings, ModelHost
-from peerlm.agent.pull_aggregate import PullSettings, integrate_adapters
 from peerlm.overlay import AggregationError
 
 from peerlm.protocols import FEDSA, lookup

@@ -140,7 +140,7 @@ def _factors(h: ModelHost, kind: str) -> dict[str, torch.Tensor]:
 def test_frozen_lora_a_trains_only_b_in_every_training_call(models: dict[str, Path]) -> None:
     """FFA-LoRA's freeze: local, AKD and HKA training leave A bit-identical and move B; the
     default host trains both, and unfreezing trains A again."""
-    from peerlm.agent.lora_merge import ClientAdapter
+    from peerlm.agent.merging.lora_merge import ClientAdapter
 
     default = host(models)
     assert not default.frozen_lora_a

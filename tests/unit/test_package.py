@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import safetensors.numpy
-from peerlm.agent import package as pkg_module
-from peerlm.agent.guardrail import Guardrail, placeholder
-from peerlm.agent.package import (
+from peerlm.agent.exchange import package as pkg_module
+from peerlm.agent.exchange.package import (
     PACKAGE_CONTENT_TYPE,
     LogitsItem,
     LogitsPackage,
@@ -30,6 +29,7 @@ from peerlm.agent.package import (
     student_limits,
     text_pairs,
 )
+from peerlm.agent.vetting.guardrail import Guardrail, placeholder
 
 ROOT = Path(__file__).resolve().parents[2]
 TRANSFER = "ab" * 32
@@ -348,7 +348,7 @@ def test_encode_refuses_what_decode_would_refuse() -> None:
 def test_no_pickle_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """Neither the source nor a round trip touches pickle (or torch.load/np.load)."""
     forbidden = {"pickle", "cPickle", "dill", "joblib", "marshal", "shelve"}
-    for name in ("package.py", "peer_service.py", "peer_client.py", "checkpoint.py"):
+    for name in ("exchange/package.py", "peer/service.py", "peer/client.py", "checkpoint.py"):
         tree = ast.parse((ROOT / "agent" / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

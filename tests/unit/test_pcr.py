@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peerlm.agent.hties import analyse, task_vectors
-from peerlm.agent.pcr import DEFAULT_LAMBDA_REG, ConflictRegulariser, pcr_penalty
-from peerlm.agent.proxy_model import ProxyError
+from peerlm.agent.fedproxy.hties import analyse, task_vectors
+from peerlm.agent.fedproxy.pcr import DEFAULT_LAMBDA_REG, ConflictRegulariser, pcr_penalty
+from peerlm.agent.fedproxy.proxy import ProxyError
 from torch import nn
 
 T = torch.tensor

@@ -11,7 +11,10 @@ import pytest
 import torch
 from peerlm.agent import AgentSettings, LoraSettings, ModelHost, TrainSettings
 from peerlm.agent.checkpoint import CheckpointStore
-from peerlm.agent.package import TextItem, TextPackage, prompt_sha256
+from peerlm.agent.exchange.package import TextItem, TextPackage, prompt_sha256
+from peerlm.agent.exchange.peer_knowledge import PeerSlot
+from peerlm.agent.exchange.rounds import RoundConfig, integrate_package
+from peerlm.agent.merging.pull_aggregate import PullSettings, integrate_adapters
 from peerlm.agent.peer_integration import (
     SLOT_EXTRA,
     fit_agent_router,
@@ -21,9 +24,6 @@ from peerlm.agent.peer_integration import (
     slot_record,
     slot_runner,
 )
-from peerlm.agent.peer_knowledge import PeerSlot
-from peerlm.agent.pull_aggregate import PullSettings, integrate_adapters
-from peerlm.agent.rounds import RoundConfig, integrate_package
 
 from peerlm.app.devfed import _peer_slot
 

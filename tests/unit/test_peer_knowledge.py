@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from peerlm.agent import LoraSettings, ModelHost, TrainSettings
-from peerlm.agent.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
+from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
 
 OWN = [f'def add_{k}(x: int) -> int:\n    """Return x plus {k}."""\n    ' for k in range(30)]
 VAL = [f'def add_{k}(y: int) -> int:\n    """Return y plus {k}."""\n    ' for k in range(30, 40)]

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peerlm.agent.hties import fedavg_proxies, h_ties, ties_merge
-from peerlm.agent.proxy_cohort import (
+from peerlm.agent.fedproxy.cohort import (
     PROXY_MERGES,
     compress_by_influence,
     merge_proxies,
     uses_pcr,
 )
-from peerlm.agent.proxy_compress import block_influence, blocks_to_keep, token_batches
-from peerlm.agent.proxy_model import proxy_info
+from peerlm.agent.fedproxy.compress import block_influence, blocks_to_keep, token_batches
+from peerlm.agent.fedproxy.hties import fedavg_proxies, h_ties, ties_merge
+from peerlm.agent.fedproxy.proxy import proxy_info
 
 
 @pytest.fixture(autouse=True)

@@ -11,15 +11,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peerlm.agent.models.tiny import ARCHITECTURES, SHIPPED_DIR
-from peerlm.agent.proxy_compress import (
+from peerlm.agent.fedproxy.compress import (
     block_influence,
     blocks_to_keep,
     cosine_sums,
     kept_count,
     token_batches,
 )
-from peerlm.agent.proxy_model import (
+from peerlm.agent.fedproxy.proxy import (
     ProxyError,
     ProxyInfo,
     block_list,
@@ -29,6 +28,7 @@ from peerlm.agent.proxy_model import (
     proxy_info,
     proxy_state,
 )
+from peerlm.agent.models.tiny import ARCHITECTURES, SHIPPED_DIR
 from peerlm.agent.tasks.dataset import Problem, write_jsonl
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from typer.testing import CliRunner

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from peerlm.agent.fedproxy.proxy import build_proxy
+from peerlm.agent.fedproxy.tuning import ProxyTunedHost
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
-from peerlm.agent.proxy_model import build_proxy
-from peerlm.agent.proxy_tuning import ProxyTunedHost
 from peerlm.agent.training import TrainSettings, encode_example
 from transformers import AutoModelForCausalLM
 

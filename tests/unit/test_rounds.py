@@ -10,11 +10,7 @@ import pytest
 import torch
 from peerlm.agent import AgentSettings
 from peerlm.agent.acceptance import LOSS_PENALTY_NATS, Verdict, judge
-from peerlm.agent.guardrail import Guardrail
-from peerlm.agent.modelhost import ModelHost, TokenizerMismatchError
-from peerlm.agent.models.lora import LoraSettings
-from peerlm.agent.models.tiny import build_models
-from peerlm.agent.package import (
+from peerlm.agent.exchange.package import (
     KnowledgePackage,
     LogitsPackage,
     TextItem,
@@ -22,7 +18,7 @@ from peerlm.agent.package import (
     decode_package,
     prompt_sha256,
 )
-from peerlm.agent.rounds import (
+from peerlm.agent.exchange.rounds import (
     Integration,
     RoundConfig,
     build_package,
@@ -33,7 +29,11 @@ from peerlm.agent.rounds import (
     reward_eq3,
     teacher_completions,
 )
+from peerlm.agent.modelhost import ModelHost, TokenizerMismatchError
+from peerlm.agent.models.lora import LoraSettings
+from peerlm.agent.models.tiny import build_models
 from peerlm.agent.training import TrainSettings
+from peerlm.agent.vetting.guardrail import Guardrail
 from prometheus_client import CollectorRegistry
 
 PROMPTS = [
@@ -229,7 +229,7 @@ def test_teacher_completions_are_greedy_and_cut(models: dict[str, Path]) -> None
 
 
 def test_redacted_and_empty_completions_are_not_learnt_from(models: dict[str, Path]) -> None:
-    from peerlm.agent.guardrail import placeholder
+    from peerlm.agent.vetting.guardrail import placeholder
 
     def learn(texts: list[str]) -> Integration:
         return integrate(host(models, "gpt2"), text_package(texts), round_config=config(steps=2))
@@ -244,7 +244,7 @@ def test_redacted_and_empty_completions_are_not_learnt_from(models: dict[str, Pa
 def test_incoming_text_items_are_vetted_before_the_student_learns(
     models: dict[str, Path],
 ) -> None:
-    from peerlm.agent.package import build_text_package
+    from peerlm.agent.exchange.package import build_text_package
 
     student = host(models, "gpt2", seed=2)
     # A teacher whose completions open sockets and shells: its own guardrail lets them
@@ -368,7 +368,7 @@ def test_judge_bounds_the_reported_loss() -> None:
 def test_reference_nll_is_per_byte_and_falls_when_the_reference_is_learnt(
     models: dict[str, Path],
 ) -> None:
-    from peerlm.agent.rounds import reference_nll
+    from peerlm.agent.exchange.rounds import reference_nll
     from peerlm.agent.tasks.dataset import Problem
 
     problems = [

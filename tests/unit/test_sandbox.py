@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from peerlm.agent import sandbox as sandbox_module
-from peerlm.agent.sandbox import SANDBOX_UID_BASE, check_solution, run_many, run_program
+from peerlm.agent.eval import sandbox as sandbox_module
+from peerlm.agent.eval.sandbox import SANDBOX_UID_BASE, check_solution, run_many, run_program
 from peerlm.agent.tasks.dataset import Problem
 
 IS_ROOT = os.geteuid() == 0

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peerlm.agent.send_budget import SendBudget, SendLedger
+from peerlm.agent.peer.send_budget import SendBudget, SendLedger
 from peerlm.agent.settings import PeerSendSettings
 from pydantic import ValidationError
 

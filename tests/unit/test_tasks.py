@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peerlm.agent.sandbox import run_many
+from peerlm.agent.eval.sandbox import run_many
 from peerlm.agent.tasks.bank import CATEGORIES, TEMPLATES, choose_inputs, generate_bank, render
 from peerlm.agent.tasks.dataset import (
     MAX_FIELD_BYTES,

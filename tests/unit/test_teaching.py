@@ -1,4 +1,4 @@
-"""What a teacher teaches (peerlm.agent.teaching): Wilson bounds, competence, the scope."""
+"""What a teacher teaches (peerlm.agent.exchange.teaching): Wilson bounds, competence, the scope."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from peerlm.agent.teaching import (
+from peerlm.agent.exchange.teaching import (
     Competence,
     competence_of,
     teachable_indices,

@@ -1,0 +1,1 @@
+"""The agent's side of the CPM: the client, the directives it delivered, the profile sent."""

@@ -1,0 +1,1 @@
+"""Functional-correctness evaluation (pass@k) and the sandbox that runs model code."""

@@ -1,0 +1,1 @@
+"""OnePeFT and the LoRA merges a student runs over the adapters it pulled."""

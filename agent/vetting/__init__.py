@@ -1,0 +1,1 @@
+"""What an agent shares and receives is vetted here: the Guardrail and incoming-package checks."""
