@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS, Matchmaker, Pairing
+from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS, Pairing
 from peerlm.services.cpm.menu import (
     Capabilities,
     check_overlay_peers,
@@ -267,7 +267,7 @@ class CpmCore:
         self._s = settings
         self._store = store
         self._clock = clock
-        self.matchmaker = self._new_matchmaker()
+        self.matchmaker = self._s.new_matchmaker()
         fingerprint = settings_fingerprint(settings)
         stored = store.get_meta("fingerprint")
         if stored is None and not settings.init:
@@ -331,9 +331,6 @@ class CpmCore:
         self.rewards_observed = 0
         self.directives_issued = 0
 
-    def _new_matchmaker(self) -> Matchmaker:
-        return self._s.new_matchmaker()
-
     # ------------------------------------------------------------ bandit state
 
     def _recover_bandit(self) -> None:
@@ -351,7 +348,7 @@ class CpmCore:
                 start = covered
                 self.bandit_recovery = "snapshot"
             except ValueError as exc:
-                self.matchmaker = self._new_matchmaker()
+                self.matchmaker = self._s.new_matchmaker()
                 self.bandit_recovery = f"rebuilt: {exc}"
         for _, directive in self._store.rewards_after(start):
             assert directive.reward is not None
@@ -379,7 +376,7 @@ class CpmCore:
         """
         if not self.matchmaker.check():
             self.snapshots_refused += 1
-            self.matchmaker = self._new_matchmaker()
+            self.matchmaker = self._s.new_matchmaker()
             for _, directive in self._store.rewards_after(0):
                 assert directive.reward is not None
                 with contextlib.suppress(ValueError):
