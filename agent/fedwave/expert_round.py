@@ -254,6 +254,18 @@ class ExpertTrainer:
         when the interrupt was set)."""
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}")
+        # The round's torch seed (LoRA dropout) comes from the checkpointed sampler RNG: an
+        # expert killed after publishing round t but before saving it replays t from its
+        # checkpoint of t−1 and must publish the same bits, which the others may already
+        # have averaged (docs/fedwave.md, section 5).
+        seed = self._rng.getrandbits(63)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return self._train(steps, predecessor=predecessor, successor=successor)
+
+    def _train(
+        self, steps: int, *, predecessor: VCLayer | None, successor: VCLayer | None
+    ) -> list[float]:
         self.model.train()
         optimizer = expert_optimiser(
             self._parameters(), self.router, lr=self.learning_rate, router_lr=self.router_lr

@@ -238,3 +238,56 @@ def test_an_honest_router_of_a_round_passes_the_default_norm_bound(offline_hub: 
         )
         is None
     )
+
+
+def test_a_round_replayed_from_its_checkpointed_state_trains_the_same_bits(
+    offline_hub: None,
+) -> None:
+    """An expert killed after publishing round t's part but before saving round t replays
+    round t from its round t−1 checkpoint; the others may already have averaged its first
+    part, so the replay must publish the same router bits or the workflow ends split (as
+    test_fedwave_resume once did in CI). With LoRA dropout on, the trainer draws its torch
+    seed from the checkpointed sampler RNG, whatever the process's global torch RNG did."""
+    import copy
+
+    path = SHIPPED_DIR / "tiny" / "gpt2"
+    torch.manual_seed(0)
+    lm = apply_lora(AutoModelForCausalLM.from_pretrained(path), LoraSettings(r=4, dropout=0.1))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    width = int(lm.config.hidden_size)
+    chain = Workflow.model_validate(
+        {"stages": [{"name": n, "agents": [n]} for n in ("specify", "implement", "test")]}
+    )
+    settings = FedWaveSettings(workflow=chain, vclayer=SIZE)
+    split = build_code_chain(chain, per_stage=8, n_test=2, n_public=0, seed=0)
+    router = settings.initial_router(width)
+    trainer = ExpertTrainer(
+        lm, tokenizer, settings.initial_vclayer(width, 1), router, stage_index=1,
+        examples=split.of_agent("implement"), learning_rate=5e-3, batch_size=4, max_length=64,
+    )  # fmt: skip
+    trainer.train(2, predecessor=None, successor=None)  # rounds before the checkpoint
+    saved = (
+        copy.deepcopy(lm.state_dict()),
+        copy.deepcopy(router.state_dict()),
+        copy.deepcopy(trainer.vclayer.state_dict()),
+        trainer.rng.getstate(),
+    )
+
+    def play() -> tuple[str, str, str]:
+        trainer.train(3, predecessor=None, successor=None)
+        lora = {k: v for k, v in lm.state_dict().items() if "lora_" in k}
+        return (
+            router_digest(router.state_dict()),
+            router_digest(trainer.vclayer.state_dict()),
+            router_digest(lora),
+        )
+
+    first = play()
+    lm.load_state_dict(saved[0])
+    router.load_state_dict(saved[1])
+    trainer.vclayer.load_state_dict(saved[2])
+    trainer.rng.setstate(saved[3])
+    torch.manual_seed(12345)  # a new process: its global RNG is anywhere
+    assert play() == first
+    # And the draw moves on: the next round is not the same round again.
+    assert all(a != b for a, b in zip(play(), first, strict=True))
