@@ -282,7 +282,7 @@ def _mount_operations() -> None:
 
 
 def _mount_dev() -> None:
-    from peerlm.app.devfed import up_command
+    from peerlm.app.cli_up import up_command
     from peerlm.app.experiment_cli import run_experiment_command
     from peerlm.app.simulated import sim_agent_command
     from peerlm.app.workflow_experiment_cli import run_workflow_experiment_command

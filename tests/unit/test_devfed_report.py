@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
-from peerlm.app.devfed import _agent_rows, _print_report, _vertical
+from peerlm.app.devfed_report import _agent_rows, _vertical, print_report
 
 _AGENT: dict[str, Any] = {
     "name": "agent-0",
@@ -46,7 +46,7 @@ def test_rows_of_an_agent_without_slices_or_rewards() -> None:
 
 def test_narrow_or_piped_output_is_vertical_and_fits_100_columns() -> None:
     buf = io.StringIO()
-    _print_report(Console(file=buf, width=100), _RESULT)  # a file: not a terminal
+    print_report(Console(file=buf, width=100), _RESULT)  # a file: not a terminal
     text = buf.getvalue()
     assert text == _vertical(_RESULT) + "\n"
     assert "agent-0:" in text and "lacked pass@1" in text
@@ -56,7 +56,7 @@ def test_narrow_or_piped_output_is_vertical_and_fits_100_columns() -> None:
 def test_wide_terminal_gets_a_table() -> None:
     buf = io.StringIO()
     console = Console(file=buf, width=160, force_terminal=True, color_system=None)
-    _print_report(console, _RESULT)
+    print_report(console, _RESULT)
     text = buf.getvalue()
     assert "lacked NLL" in text and "1.500→1.200" in text
     assert "agent-0:" not in text  # not the vertical layout

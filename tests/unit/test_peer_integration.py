@@ -25,7 +25,7 @@ from peerlm.agent.peer_integration import (
     slot_runner,
 )
 
-from peerlm.app.devfed import _peer_slot
+from peerlm.app.devfed_report import _peer_slot
 
 OWN = [f'def add_{k}(x: int) -> int:\n    """Return x plus {k}."""\n    ' for k in range(20)]
 VAL = [f'def add_{k}(y: int) -> int:\n    """Return y plus {k}."""\n    ' for k in range(20, 26)]

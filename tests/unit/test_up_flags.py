@@ -20,6 +20,9 @@ from peerlm.app.cli import app
         ["--aggregation", "svd_hka"],  # aggregation is of overlay pulls
         ["--aggregation", "svd_hka", "--one-shot"],  # the one shot is an overlay pull's
         ["--fedproxy", "--one-shot"],
+        ["--overlay-startup", "30"],  # the overlay's first build: needs --overlay
+        ["--overlay", "--overlay-startup", "0"],
+        ["--overlay", "--overlay-startup", "nan"],
         ["--protocols", "akd,h_ties"],  # not on the CPM's menu
         ["--protocols", "pmix,pmix"],
         ["--protocols", ","],
