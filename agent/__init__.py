@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         score_completions,
         teacher_completions,
     )
+    from peerlm.agent.exchange.self_check import self_check
     from peerlm.agent.exchange.teaching import (
         Competence,
         TeachScope,
@@ -222,6 +223,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "sample_completions": ("peerlm.agent.exchange.rounds", "sample_completions"),
     "score_completions": ("peerlm.agent.exchange.rounds", "score_completions"),
     "serve_peer": ("peerlm.agent.peer.service", "serve_peer"),
+    "self_check": ("peerlm.agent.exchange.self_check", "self_check"),
     "structural_match_rate": ("peerlm.agent.eval.evaluation", "structural_match_rate"),
     "teacher_completions": ("peerlm.agent.exchange.rounds", "teacher_completions"),
     "transfer_set_sha256": ("peerlm.agent.tasks.dataset", "transfer_set_sha256"),
@@ -443,6 +445,7 @@ __all__ = [
     "score_chain_tasks",
     "score_completions",
     "score_fedwave_strategy",
+    "self_check",
     "serve_fedwave",
     "serve_peer",
     "signature_inputs",

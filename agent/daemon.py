@@ -75,6 +75,7 @@ from peerlm.agent.exchange.rounds import (
     score_completions,
     teacher_completions,
 )
+from peerlm.agent.exchange.self_check import self_check
 from peerlm.agent.exchange.teaching import Competence, competence_of, teachable_indices
 from peerlm.agent.metrics import AgentTelemetry
 from peerlm.agent.modelhost import ModelHost
@@ -813,8 +814,31 @@ class AgentDaemon:
 
         chosen = self._teachable()
         prompts = [self.transfer_prompts[k] for k in chosen]
+        completions = teacher_completions(self.host, prompts, self.s.max_new_tokens)
+        if self.s.teach_self_check:
+            checked = self_check(
+                prompts,
+                completions,
+                timeout_s=self.s.sandbox_timeout_s,
+                memory_mb=self.s.sandbox_memory_mb,
+                allow_unconfined=self.s.sandbox_allow_unconfined,
+                telemetry=self.sandbox_telemetry,
+            )
+            counts = self.telemetry.self_checked
+            counts.labels("failed").inc(checked.failed)
+            counts.labels("passed").inc(checked.checked - checked.failed)
+            counts.labels("unchecked").inc(len(prompts) - checked.checked)
+            chosen = [chosen[i] for i in checked.kept]
+            completions = [completions[i] for i in checked.kept]
+            self.log.info(
+                "teacher_self_checked",
+                answers=len(prompts),
+                checked=checked.checked,
+                failed=checked.failed,
+                sent=len(chosen),
+            )
         self.telemetry.taught_prompts.observe(len(chosen))
-        return chosen, teacher_completions(self.host, prompts, self.s.max_new_tokens)
+        return chosen, completions
 
     async def _package_for(
         self, directive: cpm_pb2.Directive, student_tokenizer: str | None

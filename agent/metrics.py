@@ -38,6 +38,14 @@ class AgentTelemetry:
             ["mode"],
             registry=registry,
         )
+        self.self_checked = Counter(
+            "peerlm_agent_teacher_self_checked_total",
+            "A teacher's answers run against their prompt's docstring example before its "
+            "package is built (teach_self_check), by outcome: passed (sent), failed (not "
+            "sent), unchecked (no example to run; sent)",
+            ("outcome",),
+            registry=registry,
+        )
         self.taught_prompts = Histogram(
             "peerlm_agent_teacher_prompts_count",
             "Prompts of X_u a teacher answered per directive (teach_scope: all, or the "

@@ -299,6 +299,10 @@ class AgentSettings(ServiceSettings):
     # pass@1; before the first measurement it answers all).
     teach_scope: Literal["all", "competent"] = "all"
     teach_min_pass: float = Field(default=0.2, ge=0, le=1)
+    # As a teacher, run each answer against its prompt's docstring example in the sandbox
+    # (its limits below) and send only those that pass (peerlm.agent.exchange.self_check;
+    # our choice beyond the paper, whose Eq. 2 sends the predictions as they are).
+    teach_self_check: bool = False
     transfer_limit: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=96, ge=1, le=4096)
     # Reward (Eq. 3): gamma * (L_pre - L_post) - delta * KB, with L_pre and L_post measured

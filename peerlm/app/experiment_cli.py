@@ -132,6 +132,14 @@ _OwnStepsEveryRoundOption = Annotated[
         "round (default), or only students train in the exchange phase (the old harness).",
     ),
 ]
+_TeachSelfCheckOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--teach-self-check/--no-teach-self-check",
+        help="A teacher sends only the answers that pass their prompt's docstring example "
+        "in its sandbox (default: off, the paper's Eq. 2 sends them all).",
+    ),
+]
 _TeachMinPassOption = Annotated[
     float | None,
     typer.Option(
@@ -230,6 +238,7 @@ _PLAN_FIELDS: dict[str, str] = {
     "akd_steps": "akd_steps",
     "teach_scope": "teach_scope",
     "teach_min_pass": "teach_min_pass",
+    "teach_self_check": "teach_self_check",
     "integration": "integration",
     "val_every": "val_every",
     "teach_limit": "teach_limit",
@@ -278,6 +287,7 @@ def run_experiment_command(
     peer_alpha: _PeerAlphaOption = None,
     own_steps_every_round: _OwnStepsEveryRoundOption = None,
     teach_min_pass: _TeachMinPassOption = None,
+    teach_self_check: _TeachSelfCheckOption = None,
     lr: _LrOption = None,
     grad_accumulation: _GradAccumulationOption = None,
     transfer_limit: _TransferLimitOption = None,

@@ -84,12 +84,20 @@ def integrate(
 
 
 def teacher_answers(world: World, teacher: Client, t: int) -> tuple[list[int], list[str]]:
-    """What ``teacher`` answers of X_u (:meth:`World.teachable`) and its greedy answers."""
-    from peerlm.agent import teacher_completions
+    """What ``teacher`` answers of X_u (:meth:`World.teachable`) and its greedy answers;
+    with ``teach_self_check`` only those that pass their prompt's example, as the agent's
+    teacher step keeps them (:func:`~peerlm.agent.exchange.self_check.self_check`)."""
+    from peerlm.agent import self_check, teacher_completions
 
     chosen = world.teachable(teacher, t)
     prompts = [world.transfer[k] for k in chosen]
-    return chosen, teacher_completions(teacher.host, prompts, world.plan.max_new_tokens)
+    completions = teacher_completions(teacher.host, prompts, world.plan.max_new_tokens)
+    if not world.plan.teach_self_check:
+        return chosen, completions
+    checked = self_check(prompts, completions, max_workers=1)
+    teacher.self_checked += checked.checked
+    teacher.self_check_failed += checked.failed
+    return [chosen[i] for i in checked.kept], [completions[i] for i in checked.kept]
 
 
 def teacher_package(

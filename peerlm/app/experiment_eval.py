@@ -76,6 +76,8 @@ def final_eval(world: World, client: Client, seed: int) -> dict[str, Any]:
         "peer_routed": peer,
         "own_steps": client.own_steps,
         "peer_steps": client.peer_steps,
+        "self_checked": client.self_checked,
+        "self_check_failed": client.self_check_failed,
         "peer_integrations": client.slot.integrations,
     }
 

@@ -106,6 +106,10 @@ class ExperimentPlan:
     # the paper); "all", every prompt of X_u (the paper's Eq. 2).
     teach_scope: TeachScope = "competent"
     teach_min_pass: float = 0.2
+    # A teacher runs each answer against its prompt's docstring example in the sandbox and
+    # sends only those that pass (peerlm.agent.exchange.self_check; our choice beyond the
+    # paper, whose Eq. 2 distils the predictions as they are).
+    teach_self_check: bool = False
     cpm_interaction_features: bool = True
     # The profile entries the CPM's context sees (``CpmSettings.context_columns``; None:
     # all 32) and its exploration weight (None: the service's default, 1.0).

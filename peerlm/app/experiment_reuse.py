@@ -41,6 +41,7 @@ _COLLABORATION_ONLY_FIELDS: tuple[str, ...] = (
     "peer_alpha",
     "own_steps_every_round",
     "teach_limit",
+    "teach_self_check",
 )
 
 

@@ -68,6 +68,10 @@ class Client:
     # compute each strategy spends; part of the run's record).
     own_steps: int = 0
     peer_steps: int = 0
+    # As teacher with ``teach_self_check``: answers run against their prompt's example,
+    # and those that failed it (not sent).
+    self_checked: int = 0
+    self_check_failed: int = 0
 
     def integrating(self, plan: ExperimentPlan, what: str = "integration") -> Any:
         """Where an integration writes: the peer slot (``separate``) or the one adapter."""

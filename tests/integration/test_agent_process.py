@@ -678,12 +678,23 @@ def test_after_an_akd_exchange_the_own_adapter_is_own_training_alone(slot_world:
     """``integration: separate`` over the wire: two agents with the same data, seed and
     configuration exchange by text AKD. Whatever each learnt from the other is in its peer
     slot; its own adapter is exactly what own-data training alone produced, so the two own
-    adapters are equal (training is seeded per round), and a student's slot differs."""
+    adapters are equal (training is seeded per round), and a student's slot differs.
+
+    The teachers run with ``teach_self_check`` (which changes nothing of the above): each
+    package holds exactly the answers that passed their prompt's example in the teacher's
+    sandbox, and the counter says how many failed."""
     w = slot_world
     summaries, events = _run_together(
         w, "slot", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
-        acceptance_margin=None,
+        acceptance_margin=None, teach_self_check=True,
     )  # fmt: skip
+    checked = [e for e in events if e.get("event") == "teacher_self_checked"]
+    built = [e for e in events if e.get("event") == "package_built"]
+    assert checked and len(built) == len(checked)
+    for c in checked:
+        # Every X_u prompt of the bank shows an example, so every answer was run.
+        assert c["checked"] == c["answers"] and c["sent"] == c["answers"] - c["failed"]
+    assert sorted(e["prompts"] for e in built) == sorted(c["sent"] for c in checked)
     assert [e for e in events if e.get("event") == "exchange_integrated"]
     a0, a1 = (_checkpoint(w.tmp / "slot" / name / "state") for name in ("a0", "a1"))
     assert a0.round == a1.round == 2

@@ -124,6 +124,7 @@ def test_a_proxy_tuning_beta_without_the_proxy_tuned_strategy_is_refused() -> No
         {"peer_alpha": None},
         {"own_steps_every_round": False},
         {"teach_limit": 8},
+        {"teach_self_check": True},
     ],
 )
 def test_an_ablation_of_the_collaboration_reuses_only_the_runs_that_train_alone(
