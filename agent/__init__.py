@@ -21,6 +21,13 @@ if TYPE_CHECKING:
     from peerlm.agent.eval.evaluation import evaluate, structural_match_rate
     from peerlm.agent.exchange.package import build_text_package, decode_package
     from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot, route_map
+    from peerlm.agent.exchange.protocol import (
+        CpmReporter,
+        ExchangeContext,
+        ExchangeProtocol,
+        ProtocolRegistry,
+    )
+    from peerlm.agent.exchange.registry import agent_registry
     from peerlm.agent.exchange.rounds import (
         Integration,
         ProfileInputs,
@@ -117,6 +124,7 @@ if TYPE_CHECKING:
     )
     from peerlm.agent.merging.onepeft import OneShotResult, one_shot
     from peerlm.agent.merging.pull_aggregate import PullSettings, integrate_adapters
+    from peerlm.agent.metrics import AgentTelemetry
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.models.lora import LoraSettings, apply_lora
     from peerlm.agent.models.tiny import (
@@ -136,6 +144,8 @@ if TYPE_CHECKING:
         pull_adapter_with_round,
     )
     from peerlm.agent.peer.service import PeerExchangeService, serve_peer
+    from peerlm.agent.peer.transport import GrpcPeers, PeerTransport
+    from peerlm.agent.peer_integration import INTEGRATIONS, slot_runner
     from peerlm.agent.settings import AgentOverlaySettings, AgentSettings
     from peerlm.agent.tasks.bank import (
         CATEGORIES,
@@ -163,6 +173,16 @@ if TYPE_CHECKING:
 #: Public name -> (module, attribute): imported on first use, so that importing the
 #: package stays cheap (no torch, numpy or grpc until a name needs them).
 _EXPORTS: dict[str, tuple[str, str]] = {
+    "AgentTelemetry": ("peerlm.agent.metrics", "AgentTelemetry"),
+    "CpmReporter": ("peerlm.agent.exchange.protocol", "CpmReporter"),
+    "ExchangeContext": ("peerlm.agent.exchange.protocol", "ExchangeContext"),
+    "ExchangeProtocol": ("peerlm.agent.exchange.protocol", "ExchangeProtocol"),
+    "ProtocolRegistry": ("peerlm.agent.exchange.protocol", "ProtocolRegistry"),
+    "agent_registry": ("peerlm.agent.exchange.registry", "agent_registry"),
+    "GrpcPeers": ("peerlm.agent.peer.transport", "GrpcPeers"),
+    "PeerTransport": ("peerlm.agent.peer.transport", "PeerTransport"),
+    "INTEGRATIONS": ("peerlm.agent.peer_integration", "INTEGRATIONS"),
+    "slot_runner": ("peerlm.agent.peer_integration", "slot_runner"),
     "AgentOverlaySettings": ("peerlm.agent.settings", "AgentOverlaySettings"),
     "AgentSettings": ("peerlm.agent.settings", "AgentSettings"),
     "pull_settings": ("peerlm.agent.overlay_client.step", "pull_settings"),
@@ -322,6 +342,7 @@ __all__ = [
     "FEDWAVE_BASELINES",
     "FEDWAVE_DEFAULT_STRATEGIES",
     "FEDWAVE_STRATEGIES",
+    "INTEGRATIONS",
     "PROXY_MERGES",
     "SHIPPED_DIR",
     "AcceptanceGate",
@@ -330,6 +351,7 @@ __all__ = [
     "AgentOverlaySettings",
     "AgentSettings",
     "AgentSummary",
+    "AgentTelemetry",
     "AssembledModel",
     "BuildEvent",
     "ClientAdapter",
@@ -338,11 +360,15 @@ __all__ = [
     "CompressedProxy",
     "ConflictRegulariser",
     "CpmClient",
+    "CpmReporter",
     "DirectiveBook",
+    "ExchangeContext",
+    "ExchangeProtocol",
     "FedWaveExchangeService",
     "FedWaveSettings",
     "FedWaveSimulationConfig",
     "FedWaveStrategyResult",
+    "GrpcPeers",
     "Guardrail",
     "HTiesResult",
     "InputRouter",
@@ -358,8 +384,10 @@ __all__ = [
     "PeerExchangeError",
     "PeerExchangeService",
     "PeerSlot",
+    "PeerTransport",
     "Problem",
     "ProfileInputs",
+    "ProtocolRegistry",
     "ProxyError",
     "ProxyMerge",
     "ProxyTunedHost",
@@ -374,6 +402,7 @@ __all__ = [
     "World",
     "WorldSpec",
     "agent_guardrail",
+    "agent_registry",
     "aggregate_fedavg_factors",
     "aggregate_ffa",
     "aggregate_round_routers",
@@ -450,6 +479,7 @@ __all__ = [
     "serve_peer",
     "signature_inputs",
     "simulate_fedwave_strategy",
+    "slot_runner",
     "structural_match_rate",
     "teachable_indices",
     "teacher_completions",

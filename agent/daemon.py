@@ -82,6 +82,7 @@ from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.models.lora import LoraSettings
 from peerlm.agent.peer.service import PeerExchangeService, serve_peer
 from peerlm.agent.peer.stream import PeerStreamer
+from peerlm.agent.peer.transport import GrpcPeers
 from peerlm.agent.peer_integration import (
     fit_agent_router,
     restore_slot,
@@ -242,6 +243,8 @@ class AgentDaemon:
         )
         self.identity = self.ctx.identity
         self.registry = self.ctx.registry
+        # The exchange protocols' way to their peers: the peer service over mTLS.
+        self.peers = GrpcPeers(self.ctx)
 
     def _load_data(self) -> None:
         """The private sets and the pinned public transfer set X_u (its SHA-256 checked)."""

@@ -37,13 +37,11 @@ class Distillation(ExchangeProtocol):
         from peerlm.agent.exchange.package import PackageError, decode_package, student_limits
         from peerlm.agent.exchange.rounds import integrate_package
         from peerlm.agent.modelhost import TokenizerMismatchError
-        from peerlm.agent.peer.client import fetch_package
         from peerlm.agent.vetting.logits import vet_student_package
 
         s = ctx.s
         try:
-            data = await fetch_package(
-                ctx.ctx,
+            data = await ctx.peers.fetch_package(
                 d.peer.endpoint,
                 d.directive_id,
                 expect=d.teacher,

@@ -54,6 +54,7 @@ class AdapterMerge(ExchangeProtocol):
                 round_=t,
                 reward_examples=ctx.reward_examples,
                 co_senders=[(c.name, c.endpoint) for c in d.co_senders],
+                peers=ctx.peers,
             )
         except MergeRefused as exc:
             exchange_failed(ctx, d, "adapter_refused", exc)

@@ -29,16 +29,17 @@ from peerlm.protocols import ProtocolEntry, lookup
 from peerlm.wire.v1 import cpm_pb2
 
 if TYPE_CHECKING:
-    from peerlm.agent.cpm.client import CpmClient
     from peerlm.agent.daemon import AgentSummary
     from peerlm.agent.exchange.rounds import RoundConfig
     from peerlm.agent.metrics import AgentTelemetry
     from peerlm.agent.modelhost import ModelHost
+    from peerlm.agent.peer.transport import PeerTransport
     from peerlm.agent.settings import AgentSettings
 
     from peerlm.node import NodeContext
 
 __all__ = [
+    "CpmReporter",
     "ExchangeContext",
     "ExchangeProtocol",
     "ProtocolRegistry",
@@ -51,6 +52,25 @@ __all__ = [
 T = TypeVar("T")
 #: Runs a model call on the agent's model thread (or the peer slot's runner).
 ModelRunner = Callable[..., Awaitable[Any]]
+
+
+class CpmReporter(Protocol):
+    """What a student's step calls of the CPM (:class:`~peerlm.agent.cpm.client.CpmClient`
+    is one): report a directive's Eq. 3 reward, or its refusal (``failure``)."""
+
+    async def report_reward(
+        self,
+        directive_id: str,
+        reward: float,
+        *,
+        loss_pre: float = 0.0,
+        loss_post: float = 0.0,
+        kilobytes: int = 0,
+        failure: int = 0,
+        space_mismatch: Sequence[str] = (),
+    ) -> cpm_pb2.ReportRewardResponse:
+        """Report it; raises ``grpc.aio.AioRpcError`` when the CPM refuses it."""
+        ...
 
 
 class ExchangeContext(Protocol):
@@ -68,8 +88,13 @@ class ExchangeContext(Protocol):
         """The node context: peer channels (mTLS), metrics registry, logger, name."""
 
     @property
-    def cpm(self) -> CpmClient:
-        """The CPM client the student reports to."""
+    def peers(self) -> PeerTransport:
+        """How the student fetches a package or pulls an adapter from a directive's peers
+        (the daemon: the peer service over ``ctx``'s mTLS channels)."""
+
+    @property
+    def cpm(self) -> CpmReporter:
+        """Where the student reports Eq. 3 or its refusal (the daemon: its CPM client)."""
 
     @property
     def log(self) -> Any:

@@ -71,6 +71,7 @@ from peerlm.agent.merging.pull_aggregate import (
     pull_and_aggregate,
 )
 from peerlm.agent.modelhost import ModelHost
+from peerlm.agent.peer.transport import PeerTransport
 from peerlm.agent.training import TrainSettings
 from peerlm.overlay import Refusal
 
@@ -134,6 +135,7 @@ async def merge_from_teacher(
     round_: int = 0,
     reward_examples: Sequence[tuple[str, str]] | None = None,
     co_senders: Sequence[tuple[str, str]] = (),
+    peers: PeerTransport | None = None,
 ) -> MergeOutcome:
     """Pull ``teacher``'s adapter from ``endpoint`` (and each of ``co_senders``, ``(name,
     endpoint)``) and merge them by ``protocol``.
@@ -146,6 +148,7 @@ async def merge_from_teacher(
     anything is pulled otherwise, as for a protocol that is not a merge. A sender whose
     adapter cannot be used is skipped and counted (module docstring); raises
     :class:`MergeRefused` when no sender's adapter was merged (the host unchanged).
+    ``peers``: how the adapters are pulled (default: over ``ctx``'s channels).
     """
     merges = [entry.name for entry in CATALOGUE if entry.is_merge]
     if protocol not in merges:
@@ -195,6 +198,7 @@ async def merge_from_teacher(
         gate=gate,
         hka=hka,
         kind="merge",
+        peers=peers,
     )
     names = {teacher, *(name for name, _ in co_senders)}
     skipped = tuple(

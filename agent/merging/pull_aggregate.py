@@ -84,7 +84,8 @@ from peerlm.agent.merging.fedsa import fedsa_update
 from peerlm.agent.merging.lora_merge import ClientAdapter
 from peerlm.agent.modelhost import ModelHost
 from peerlm.agent.overlay_client.advertised_signature import SignatureMismatch, check_advertised
-from peerlm.agent.peer.client import PeerExchangeError, pull_adapter_with_round
+from peerlm.agent.peer.client import PeerExchangeError
+from peerlm.agent.peer.transport import GrpcPeers, PeerTransport
 from peerlm.agent.training import TrainSettings
 from peerlm.overlay import (
     DEFAULT_ETA,
@@ -435,6 +436,7 @@ async def pull_and_aggregate(
     hka: tuple[Sequence[tuple[str, str]], TrainSettings] | None = None,
     kind: str = "overlay",
     query: Signature | None = None,
+    peers: PeerTransport | None = None,
 ) -> PullReport:
     """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
 
@@ -471,13 +473,12 @@ async def pull_and_aggregate(
     if cfg.max_adapter_bytes is not None:
         max_bytes = min(max_bytes, cfg.max_adapter_bytes)
     slots = asyncio.Semaphore(cfg.concurrency)
+    transport: PeerTransport = peers if peers is not None else GrpcPeers(ctx)
 
     async def pull_one(cand: Candidate) -> tuple[Candidate, int, bytes]:
         async with slots:
-            sent_round, payload = await pull_adapter_with_round(
-                ctx,
+            sent_round, payload = await transport.pull_adapter(
                 cand.address,
-                0,
                 # The search named this peer; the adapter must come from it (signed).
                 expect=cand.peer,
                 max_bytes=max_bytes,

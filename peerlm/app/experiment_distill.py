@@ -38,6 +38,7 @@ __all__ = [
     "reward_examples",
     "teacher_answers",
     "teacher_package",
+    "teacher_package_bytes",
 ]
 
 
@@ -100,20 +101,19 @@ def teacher_answers(world: World, teacher: Client, t: int) -> tuple[list[int], l
     return [chosen[i] for i in checked.kept], [completions[i] for i in checked.kept]
 
 
-def teacher_package(
+def teacher_package_bytes(
     world: World,
     teacher: Client,
     predictions: tuple[list[int], list[str]],
     directive: str,
     mode: Literal["text", "logits"] = "text",
-) -> tuple[Any, float]:
-    """The teacher's package of ``predictions`` (:func:`teacher_answers`): text, or top-k
-    logits for a student of the teacher's tokenizer; encoded and decoded as on the wire;
-    (package, KB)."""
-    from peerlm.agent import build_package, decode_package
+) -> bytes:
+    """The teacher's package of ``predictions`` (:func:`teacher_answers`) as the wire
+    carries it: text, or top-k logits for a student of the teacher's tokenizer."""
+    from peerlm.agent import build_package
 
     chosen, completions = predictions
-    data = build_package(
+    return build_package(
         teacher.host,
         mode=mode,
         prompts=[world.transfer[k] for k in chosen],
@@ -124,6 +124,20 @@ def teacher_package(
         transfer_sha256=world.transfer_sha256,
         guardrail=teacher.guardrail,
     )
+
+
+def teacher_package(
+    world: World,
+    teacher: Client,
+    predictions: tuple[list[int], list[str]],
+    directive: str,
+) -> tuple[Any, float]:
+    """The teacher's text package (:func:`teacher_package_bytes`) decoded as a student
+    decodes it; (package, KB). For the strategies that are no protocol of the catalogue
+    (Oracle pairing's trials)."""
+    from peerlm.agent import decode_package
+
+    data = teacher_package_bytes(world, teacher, predictions, directive)
     package = decode_package(
         data,
         expect_transfer_sha256=world.transfer_sha256,

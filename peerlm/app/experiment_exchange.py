@@ -6,19 +6,12 @@ do (distillation, merges, the CPM over the protocol menu, the overlay step).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from peerlm.app.experiment_distill import (
-    central_kd,
-    exchange_record,
-    integrate,
-    oracle_exchange,
-    reward_examples,
-    teacher_answers,
-    teacher_package,
-)
+from peerlm.app.experiment_agent import InProcessCpm, InProcessFederation
+from peerlm.app.experiment_distill import central_kd, oracle_exchange
 from peerlm.app.experiment_merge import merge_exchange, semantic_dfl_exchange
 from peerlm.app.experiment_overlay import OverlayView
 from peerlm.app.experiment_plan import ExperimentPlan
@@ -29,7 +22,7 @@ from peerlm.app.experiment_strategies import (
     OVERLAY_STRATEGIES,
 )
 from peerlm.app.experiment_world import Client, World, round_config
-from peerlm.protocols import lookup
+from peerlm.protocols import DEFAULT_PROTOCOL, lookup
 
 if TYPE_CHECKING:
     from peerlm.services.cpm import Pairing
@@ -61,7 +54,6 @@ def exchange(
     *,
     overlay: OverlayView | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
-    by_name = {c.name: c for c in clients}
     if strategy == "local":
         return [], None
     if strategy == "local_plus":  # its own-data steps are the round loop's
@@ -74,30 +66,18 @@ def exchange(
         return semantic_dfl_exchange(world, clients), None
     if strategy in MERGE_STRATEGIES:
         return merge_exchange(world, strategy, clients, seed, t), None
-    if strategy in MENU_STRATEGIES:
-        directed = _menu_exchange(world, policy, clients, profiles, seed, t, overlay)
-        if overlay is not None:
-            directed += _overlay_exchange(world, clients, overlay, seed, t)
-        return directed, None
     if strategy in OVERLAY_STRATEGIES:
         assert overlay is not None
         return _overlay_exchange(world, clients, overlay, seed, t), None
-    records: list[dict[str, Any]] = []
-    pairings: list[Pairing] = policy.select(profiles)
-    for pairing in pairings:
-        teacher, student = by_name[pairing.sender], by_name[pairing.receiver]
-        directive = f"{strategy}-{t}-{teacher.name}-{student.name}"
-        package, kb = teacher_package(world, teacher, teacher_answers(world, teacher, t), directive)
-        result = integrate(world, student, package, kb, seed, clients.index(student), t)
-        normalised = policy.observe(pairing, result.reward)
-        student.rewards.append(result.reward)
-        student.exchanges += 1
-        records.append(exchange_record(teacher.name, student.name, result, float(normalised)))
-    return records, None
+    directed = _directed_exchange(world, strategy, policy, clients, profiles, seed, t, overlay)
+    if overlay is not None:
+        directed += _overlay_exchange(world, clients, overlay, seed, t)
+    return directed, None
 
 
-def _menu_exchange(
+def _directed_exchange(
     world: World,
+    strategy: str,
     policy: Any,
     clients: list[Client],
     profiles: Mapping[str, np.ndarray],
@@ -105,109 +85,61 @@ def _menu_exchange(
     t: int,
     overlay: OverlayView | None = None,
 ) -> list[dict[str, Any]]:
-    """``cpm_menu``: the CPM chooses a protocol of the whole menu per pair (the
+    """A pairing strategy's round: the policy's pairs, each executed as a directive by the
+    agent's own protocol objects (:mod:`~peerlm.app.experiment_agent`), the student's Eq. 3
+    reward (measured where the plan measures it, ``reward_examples``) fed back to the policy.
+
+    Random-P2P, Heuristic-P2P and ``cpm`` pair for the default protocol (AKD by text).
+    ``cpm_menu``: the CPM chooses a protocol of the whole menu per pair (the
     ``cpm_<protocol>`` strategies: of one protocol, forced for everyone), among those
     admissible for it (each client declares its parameter-space fingerprint and every
-    protocol, as an agent does), and the student executes it as the daemon would: AKD by
-    text or top-k logits, or the teacher's adapter merged by PDFL (``pmix``) or OnePeFT's
-    SVD + HKA (``svd_hka``) through the agent's own aggregation code. Each reward is Eq. 3
-    measured where the plan measures it (``reward_examples``). With ``overlay``
+    protocol, as an agent does): AKD by text or top-k logits, or the teacher's adapter
+    merged by PDFL (``pmix``) or OnePeFT's SVD + HKA (``svd_hka``). With ``overlay``
     (``cpm_menu_overlay``) every client reports the list of its last overlay step, and a
     merge protocol is admissible only from a sender on the student's list
     (:mod:`~peerlm.app.experiment_overlay`; no list before the first step)."""
-    from peerlm.agent import (
-        AcceptanceGate,
-        PullSettings,
-        host_parameter_space,
-        integrate_adapters,
-        reward_eq3,
-    )
+    from peerlm.agent import host_parameter_space
     from peerlm.services.cpm import MENU, Capabilities
 
     plan = world.plan
-    by_name = {c.name: c for c in clients}
     listed = overlay.listed if overlay is not None else {}
-    capabilities = {
-        c.name: Capabilities(
-            host_parameter_space(c.host),
-            MENU,
-            frozenset(listed[c.name]) if listed.get(c.name) else None,
-        )
-        for c in clients
-    }
+    menu = strategy in MENU_STRATEGIES
+    pairings: list[Pairing]
+    if menu:
+        capabilities = {
+            c.name: Capabilities(
+                host_parameter_space(c.host),
+                MENU,
+                frozenset(listed[c.name]) if listed.get(c.name) else None,
+            )
+            for c in clients
+        }
+        pairings = policy.select(profiles, capabilities)
+    else:
+        pairings = policy.select(profiles)
+    cpm_settings = plan.cpm_settings(seed, CPM_PROTOCOLS.get(strategy, (DEFAULT_PROTOCOL,)))
+    federation = InProcessFederation(
+        world, clients, seed, t, InProcessCpm(policy, cpm_settings.refusal_reward)
+    )
+    by_name = {c.name: c for c in clients}
     records: list[dict[str, Any]] = []
-    pairings: list[Pairing] = policy.select(profiles, capabilities)
     for pairing in pairings:
-        teacher, student = by_name[pairing.sender], by_name[pairing.receiver]
-        i = clients.index(student)
-        config = round_config(plan, seed, i, integration=True)
-        record: dict[str, Any]
+        prefix = f"cpm-{pairing.protocol}" if menu else strategy
+        record = federation.execute(pairing, f"{prefix}-{t}-{pairing.sender}-{pairing.receiver}")
+        student = by_name[pairing.receiver]
         entry = lookup(pairing.protocol)
-        if entry.kind == "distillation":
-            directive = f"cpm-{pairing.protocol}-{t}-{teacher.name}-{student.name}"
-            mode: Literal["text", "logits"] = (
-                "logits" if entry.payload == "logits_package" else "text"
-            )
-            predictions = teacher_answers(world, teacher, t)
-            package, kb = teacher_package(world, teacher, predictions, directive, mode)
-            result = integrate(world, student, package, kb, seed, i, t)
-            reward = result.reward
-            record = exchange_record(teacher.name, student.name, result, None)
-        else:
-            # The teacher and the pairing's co-senders (merge_senders > 1): every adapter
-            # the directive names, each counted like one neighbour of similarity 1, as the
-            # agent does (agent/merging/directive.py).
-            senders = [teacher, *(by_name[c] for c in pairing.co_senders)]
-            states = {
-                c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in senders
-            }
-            kb = (
-                sum(
-                    v.numel() * v.element_size()
-                    for state in states.values()
-                    for v in state.values()
-                )
-                / 1024
-            )
-            settings = PullSettings.model_validate(
-                {"method": pairing.protocol, "hka_steps": plan.integration_steps}
-            )
-            gate = AcceptanceGate(reward_examples(world, student, i), None)
-            with student.integrating(plan, pairing.protocol):
-                _report, verdict, pre = integrate_adapters(
-                    student.host,
-                    states,
-                    dict.fromkeys(states, 1.0),
-                    settings,
-                    student.name,
-                    gate,
-                    (world.public_pairs, config.train_settings(t)),
-                )
-            if entry.needs_public_pairs:  # HKA's optimiser steps on the public pairs
-                student.peer_steps += plan.integration_steps
-            if verdict is None:  # the aggregation refused the teacher: no reward, as an agent
-                continue
-            reward = reward_eq3(
-                pre, verdict.loss_post, kb, config.reward_gamma, config.reward_delta
-            )
-            record = {
-                "teacher": teacher.name,
-                "co_senders": list(pairing.co_senders),
-                "student": student.name,
-                "mode": pairing.protocol,
-                "loss_pre": round(pre, 5),
-                "loss_post": round(verdict.loss_post, 5),
-                "kilobytes": round(kb, 2),
-                "reward": round(reward, 6),
-            }
-        normalised = policy.observe(pairing, reward)
-        student.rewards.append(reward)
+        if entry.kind == "distillation" or entry.needs_public_pairs:
+            # AKD's steps, or HKA's optimiser steps on the public pairs.
+            student.peer_steps += plan.integration_steps
+        if record is None:  # refused (reported to the policy): no exchange, as an agent
+            continue
+        student.rewards.append(record["reward"])
         student.exchanges += 1
+        if menu:
+            record["protocol"] = pairing.protocol
         if overlay is not None:
             record["overlay_listed"] = list(listed.get(student.name, ()))
-        records.append(
-            {**record, "protocol": pairing.protocol, "normalised_reward": round(normalised, 5)}
-        )
+        records.append(record)
     return records
 
 

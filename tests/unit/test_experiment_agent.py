@@ -1,0 +1,228 @@
+"""The experiment executes a pairing's directive by the agent's own protocol objects
+(:mod:`peerlm.app.experiment_agent`): the in-process transport and CPM, an honest AKD and
+merge, and a hostile teacher whose package or adapter the student's checks refuse."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from peerlm.agent import (
+    Guardrail,
+    LoraSettings,
+    ModelHost,
+    PeerExchangeError,
+    Problem,
+    encode_adapter,
+)
+from peerlm.services.cpm import Pairing
+
+from peerlm.app.experiment_agent import InProcessCpm, InProcessFederation, InProcessPeers
+from peerlm.app.experiment_plan import ExperimentPlan
+from peerlm.app.experiment_slices import ClientSlices
+from peerlm.app.experiment_world import Client, World
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _offline(offline_hub: None) -> None:
+    """Every load here is from a local directory (tests/conftest.py)."""
+
+
+def _problem(category: str, k: int) -> Problem:
+    return Problem(
+        task_id=f"{category}-{k}",
+        category=category,
+        prompt=f"def {category}_{k}(x):\n    ",
+        reference=f"return x + {k}\n",
+        tests=f"assert {category}_{k}(1) == {k + 1}\n",
+        entry_point=f"{category}_{k}",
+    )
+
+
+class RecordingPolicy:
+    """A pairing policy that learns nothing and remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.observed: list[tuple[str, str, float]] = []
+
+    def observe(self, pairing: Pairing, reward: float) -> float:
+        self.observed.append((pairing.sender, pairing.receiver, reward))
+        return 2.0 * reward
+
+
+def _pairing(sender: str, receiver: str, protocol: str) -> Pairing:
+    return Pairing(sender, receiver, protocol, "one_way", np.zeros(1), 0.0, 0.0)
+
+
+def _client(path: Path, i: int) -> Client:
+    host = ModelHost.load(str(path), LoraSettings(r=4, alpha=8.0), device="cpu", seed=i)
+    # A trained-looking adapter (a fresh one's B is zero: every merge would be the identity).
+    state = host.adapter_state()
+    gen = torch.Generator().manual_seed(10 + i)
+    for k, v in state.items():
+        if "lora_B" in k:
+            state[k] = 0.01 * torch.randn(v.shape, generator=gen)
+    host.load_adapter_state(state)
+    train = [_problem("dict", k) for k in range(4)]
+    val = [_problem("dict", k) for k in range(4, 6)]
+    guard = Guardrail([p.prompt + p.reference for p in train])
+    return Client(f"agent-{i}", "gpt2", host, train, val, guard)
+
+
+@pytest.fixture
+def world(micro_gpt2: Path) -> tuple[World, list[Client]]:
+    plan = ExperimentPlan(
+        agents=2,
+        teach_scope="all",
+        teach_limit=4,
+        max_new_tokens=8,
+        integration="separate",
+        local_steps=1,
+        seeds=(0,),
+    )
+    transfer = [_problem("string", k).prompt for k in range(4)]
+    public = [(p.prompt, p.reference) for p in (_problem("string", k) for k in range(4))]
+    slices = [ClientSlices(frozenset({"dict"}), frozenset({"format"}), frozenset({"string"}))] * 2
+    w = World(
+        plan=plan,
+        models=micro_gpt2.parent,
+        clients_data=[],
+        transfer=transfer,
+        transfer_sha256="ab" * 32,
+        test=[],
+        probe=[_problem("format", k) for k in range(2)],
+        slices=slices,
+        public=("string",),
+        public_pairs=public,
+        transfer_categories=["string"] * len(transfer),
+    )
+    return w, [_client(micro_gpt2, 0), _client(micro_gpt2, 1)]
+
+
+def _federation(w: World, clients: list[Client], policy: Any) -> InProcessFederation:
+    return InProcessFederation(w, clients, 0, 1, InProcessCpm(policy, -0.5))
+
+
+def test_an_akd_directive_runs_the_agents_protocol_into_the_students_slot(
+    world: tuple[World, list[Client]],
+) -> None:
+    w, (teacher, student) = world
+    own_before = {k: v.clone() for k, v in student.host.adapter_state().items()}
+    policy = RecordingPolicy()
+    fed = _federation(w, [teacher, student], policy)
+    record = fed.execute(_pairing(teacher.name, student.name, "akd"), "d-akd")
+    assert record is not None
+    assert record["teacher"] == teacher.name and record["student"] == student.name
+    assert record["mode"] == "text" and 0 <= record["alpha_kd"] <= 1
+    # Eq. 3 with gamma 1, on the bytes the teacher's package really took on the wire.
+    kb = fed.peers.bytes_served / 1024
+    assert record["kilobytes"] == pytest.approx(kb, abs=0.01)
+    expected = record["loss_pre"] - record["loss_post"] - w.plan.reward_delta * kb
+    assert record["reward"] == pytest.approx(expected, abs=1e-4)
+    assert policy.observed == [
+        (teacher.name, student.name, pytest.approx(record["reward"], abs=1e-6))
+    ]
+    assert record["normalised_reward"] == pytest.approx(2 * record["reward"], abs=1e-4)
+    # ``separate``: the peer slot took the exchange; the own adapter is untouched.
+    assert student.slot.integrations == 1 and student.slot.state is not None
+    for k, v in student.host.adapter_state().items():
+        assert torch.equal(v, own_before[k]), k
+
+
+def test_a_merge_directive_pulls_the_senders_adapter_through_the_codec(
+    world: tuple[World, list[Client]],
+) -> None:
+    w, (teacher, student) = world
+    fed = _federation(w, [teacher, student], RecordingPolicy())
+    record = fed.execute(_pairing(teacher.name, student.name, "pmix"), "d-pmix")
+    assert record is not None and record["mode"] == "pmix" and record["co_senders"] == []
+    encoded = len(teacher.host.encoded_adapter().data)
+    assert record["kilobytes"] == pytest.approx(encoded / 1024, abs=0.01)
+    assert student.slot.integrations == 1
+
+
+def test_a_corrupt_package_is_refused_and_learnt_as_a_refusal(
+    world: tuple[World, list[Client]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w, (teacher, student) = world
+    policy = RecordingPolicy()
+    fed = _federation(w, [teacher, student], policy)
+    honest = InProcessPeers.offer
+
+    def truncated(self: InProcessPeers, directive_id: str, who: str, data: bytes) -> None:
+        honest(self, directive_id, who, data[: len(data) // 2])
+
+    monkeypatch.setattr(InProcessPeers, "offer", truncated)
+    assert fed.execute(_pairing(teacher.name, student.name, "akd"), "d-bad") is None
+    # The CPM learnt the configured refusal reward; nothing reached the student.
+    assert policy.observed == [(teacher.name, student.name, -0.5)]
+    assert fed.cpm.reports["d-bad"].failure != 0
+    assert student.slot.integrations == 0 and student.slot.state is None
+
+
+def test_a_poisoned_adapter_is_refused_by_the_students_checks(
+    world: tuple[World, list[Client]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w, (teacher, student) = world
+    state = teacher.host.adapter_state()
+    first = next(k for k in state if "lora_B" in k)
+    state[first] = torch.full_like(state[first], math.nan)
+    # A hostile teacher serves it (its own host would refuse to load it).
+    poisoned = SimpleNamespace(data=encode_adapter(state, teacher.host.adapter_spec()))
+    monkeypatch.setattr(teacher.host, "encoded_adapter", lambda: poisoned)
+    policy = RecordingPolicy()
+    fed = _federation(w, [teacher, student], policy)
+    assert fed.execute(_pairing(teacher.name, student.name, "pmix"), "d-nan") is None
+    assert policy.observed == [(teacher.name, student.name, -0.5)]
+    assert student.slot.integrations == 0
+
+
+def test_the_transport_refuses_what_a_peer_would_not_serve(
+    world: tuple[World, list[Client]],
+) -> None:
+    _w, (teacher, student) = world
+    peers = InProcessPeers({c.name: c for c in (teacher, student)}, 3)
+    peers.offer("d", teacher.name, b"x" * 100)
+
+    async def fetch(endpoint: str, directive: str, max_bytes: int = 1000) -> bytes:
+        return await peers.fetch_package(
+            endpoint, directive, expect=endpoint, max_bytes=max_bytes, timeout_s=1.0
+        )
+
+    assert asyncio.run(fetch(teacher.name, "d")) == b"x" * 100
+    assert peers.bytes_served == 100
+    for endpoint, directive, limit, reason in (
+        (student.name, "d", 1000, "refused"),  # not the teacher that built it
+        (teacher.name, "other", 1000, "refused"),  # no such directive
+        (teacher.name, "d", 99, "too_large"),
+    ):
+        with pytest.raises(PeerExchangeError) as err:
+            asyncio.run(fetch(endpoint, directive, limit))
+        assert err.value.reason == reason
+    assert peers.bytes_served == 100
+    with pytest.raises(PeerExchangeError) as err:
+        asyncio.run(peers.pull_adapter("nobody", expect="nobody", max_bytes=10**9, timeout_s=1))
+    assert err.value.reason == "unavailable"
+    round_, data = asyncio.run(
+        peers.pull_adapter(teacher.name, expect=teacher.name, max_bytes=10**9, timeout_s=1)
+    )
+    assert round_ == 3 and data == teacher.host.encoded_adapter().data
+
+
+def test_the_cpm_takes_one_report_per_directive_it_issued() -> None:
+    policy = RecordingPolicy()
+    cpm = InProcessCpm(policy, 0.0)
+    cpm.pairings["d"] = _pairing("a", "b", "akd")
+    with pytest.raises(ValueError, match="not issued"):
+        asyncio.run(cpm.report_reward("unknown", 0.1))
+    ack = asyncio.run(cpm.report_reward("d", 0.25, loss_pre=1.0, loss_post=0.75))
+    assert ack.normalised_reward == 0.5 and policy.observed == [("a", "b", 0.25)]
+    with pytest.raises(ValueError, match="twice"):
+        asyncio.run(cpm.report_reward("d", 0.1))
+    assert len(policy.observed) == 1
