@@ -123,7 +123,13 @@ if TYPE_CHECKING:
         normalise_weights,
     )
     from peerlm.agent.merging.onepeft import OneShotResult, one_shot
-    from peerlm.agent.merging.pull_aggregate import PullSettings, integrate_adapters
+    from peerlm.agent.merging.pull_aggregate import (
+        Candidate,
+        PullReport,
+        PullSettings,
+        integrate_adapters,
+        pull_and_aggregate,
+    )
     from peerlm.agent.metrics import AgentTelemetry
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.models.lora import LoraSettings, apply_lora
@@ -173,6 +179,9 @@ if TYPE_CHECKING:
 #: Public name -> (module, attribute): imported on first use, so that importing the
 #: package stays cheap (no torch, numpy or grpc until a name needs them).
 _EXPORTS: dict[str, tuple[str, str]] = {
+    "Candidate": ("peerlm.agent.merging.pull_aggregate", "Candidate"),
+    "PullReport": ("peerlm.agent.merging.pull_aggregate", "PullReport"),
+    "pull_and_aggregate": ("peerlm.agent.merging.pull_aggregate", "pull_and_aggregate"),
     "AgentTelemetry": ("peerlm.agent.metrics", "AgentTelemetry"),
     "CpmReporter": ("peerlm.agent.exchange.protocol", "CpmReporter"),
     "ExchangeContext": ("peerlm.agent.exchange.protocol", "ExchangeContext"),
@@ -354,6 +363,7 @@ __all__ = [
     "AgentTelemetry",
     "AssembledModel",
     "BuildEvent",
+    "Candidate",
     "ClientAdapter",
     "CohortAnalysis",
     "Competence",
@@ -391,6 +401,7 @@ __all__ = [
     "ProxyError",
     "ProxyMerge",
     "ProxyTunedHost",
+    "PullReport",
     "PullSettings",
     "RoundConfig",
     "ShapeBounds",
@@ -458,6 +469,7 @@ __all__ = [
     "public_problems",
     "pull_adapter",
     "pull_adapter_with_round",
+    "pull_and_aggregate",
     "pull_round",
     "pull_settings",
     "read_jsonl",

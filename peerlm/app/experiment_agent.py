@@ -44,7 +44,15 @@ from peerlm.protocols import lookup
 from peerlm.wire.v1 import common_pb2, cpm_pb2
 
 if TYPE_CHECKING:
-    from peerlm.agent import AgentSettings, ExchangeProtocol, ProtocolRegistry
+    from peerlm.agent import (
+        AcceptanceGate,
+        AgentSettings,
+        Candidate,
+        ExchangeProtocol,
+        ProtocolRegistry,
+        PullReport,
+        PullSettings,
+    )
     from peerlm.services.cpm import Pairing
 
 __all__ = ["ClientAgent", "EventLog", "InProcessCpm", "InProcessFederation", "InProcessPeers"]
@@ -88,10 +96,16 @@ class InProcessPeers:
     round_: int
     packages: dict[str, tuple[str, bytes]] = field(default_factory=dict)
     bytes_served: int = 0
+    frozen: dict[str, bytes] | None = None
 
     def offer(self, directive_id: str, teacher: str, data: bytes) -> None:
         """The package ``teacher`` built for ``directive_id`` (the teacher's step)."""
         self.packages[directive_id] = (teacher, data)
+
+    def freeze(self) -> None:
+        """Serve every client's adapter as it is now, whatever it becomes (agents that
+        step at once: each pulls what the others held before their own steps)."""
+        self.frozen = {n: c.host.encoded_adapter().data for n, c in self.clients.items()}
 
     def _hand_out(self, what: str, data: bytes, max_bytes: int) -> bytes:
         from peerlm.agent import PeerExchangeError
@@ -139,7 +153,9 @@ class InProcessPeers:
         client = self.clients.get(endpoint)
         if client is None or (expect is not None and expect != endpoint):
             raise PeerExchangeError(f"no client {endpoint!r} to pull from", reason="unavailable")
-        data = client.host.encoded_adapter().data
+        data = (
+            self.frozen[endpoint] if self.frozen is not None else client.host.encoded_adapter().data
+        )
         return self.round_, self._hand_out("adapter", data, max_bytes)
 
 
@@ -358,6 +374,36 @@ class InProcessFederation:
             telemetry=AgentTelemetry(ctx.registry),
             summary=AgentSummary(name=client.name, model=client.arch, family=client.host.family),
             log=log,
+        )
+
+    def pull(
+        self,
+        client: Client,
+        candidates: Sequence[Candidate],
+        settings: PullSettings,
+        gate: AcceptanceGate | None,
+        hka: tuple[Sequence[tuple[str, str]], Any] | None,
+    ) -> PullReport:
+        """``client``'s overlay pull of ``candidates`` (endpoint: the client's name) by the
+        agent's :func:`~peerlm.agent.pull_and_aggregate`, into the slot under
+        ``separate``."""
+        import asyncio
+
+        from peerlm.agent import pull_and_aggregate
+
+        agent = self.agent(client)
+        return asyncio.run(
+            pull_and_aggregate(
+                agent.ctx,
+                client.host,
+                candidates,
+                settings=settings,
+                run_model=agent.integrating("overlay"),
+                round_=self.t,
+                gate=gate,
+                hka=hka,
+                peers=self.peers,
+            )
         )
 
     def execute(self, pairing: Pairing, directive_id: str) -> dict[str, Any] | None:

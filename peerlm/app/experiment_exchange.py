@@ -148,19 +148,23 @@ def _overlay_exchange(
 ) -> list[dict[str, Any]]:
     """Every client's overlay step, as the agent runs it after its directive
     (:func:`peerlm.agent.overlay_client.step.overlay_round_step`, in process): publish its
-    signature, find its ``k`` nearest peers, pull their adapters and aggregate them with
-    the agent's own code and settings (the PDFL step weighted by the similarities, the
-    acceptance gate on its validation set at the agent's default margin). The agents step
-    at once, so each pulls what its neighbours hold before their own steps. One record per
-    client: its neighbours (what it reports next), what it pulled and the outcome."""
-    from peerlm.agent import AcceptanceGate, AgentSettings, integrate_adapters, pull_settings
+    signature, find its ``k`` nearest peers, pull their adapters and aggregate them by the
+    agent's own pull (:func:`~peerlm.agent.merging.pull_aggregate.pull_and_aggregate`: the
+    codec's checks and norm bounds, the PDFL step weighted by the similarities, the
+    acceptance gate on its validation set at the agent's default margin) over the
+    in-process transport (:mod:`~peerlm.app.experiment_agent`). The agents step at once,
+    so each pulls what its neighbours held before anyone's step. One record per client:
+    its neighbours (what it reports next), what it pulled and the outcome."""
+    from peerlm.agent import AcceptanceGate, AgentSettings, Candidate, pull_settings
 
     plan = world.plan
     neighbours, similarities = overlay.step({c.name: c.host for c in clients})
-    held = {c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in clients}
     defaults = AgentSettings.model_fields
     settings = pull_settings(overlay.settings, defaults["round_timeout_s"].default)
     margin = defaults["acceptance_margin"].default
+    # No directive's reward here: the policy is never asked.
+    federation = InProcessFederation(world, clients, seed, t, InProcessCpm(None, 0.0))
+    federation.peers.freeze()
     records: list[dict[str, Any]] = []
     for i, c in enumerate(clients):
         near = neighbours[c.name]
@@ -176,21 +180,19 @@ def _overlay_exchange(
         if not near:
             records.append({**record, "outcome": "no_candidates"})
             continue
-        pulled = {n: held[n] for n in near}
-        kb = sum(v.numel() * v.element_size() for st in pulled.values() for v in st.values())
         gate = AcceptanceGate(c.val_examples, margin) if margin is not None else None
         config = round_config(plan, seed, i, integration=True)
-        with c.integrating(plan, "overlay"):
-            report, verdict, _pre = integrate_adapters(
-                c.host,
-                pulled,
-                similarities[c.name],
-                settings,
-                c.name,
-                gate,
-                (world.public_pairs, config.train_settings(t)),
-            )
-        rolled_back = verdict is not None and verdict.rolled_back
-        outcome = "rolled_back" if rolled_back else "aggregated" if report.accepted else "identity"
-        records.append({**record, "kilobytes": round(kb / 1024, 2), "outcome": outcome})
+        report = federation.pull(
+            c,
+            [Candidate(n, n, similarities[c.name][n]) for n in near],
+            settings,
+            gate,
+            (world.public_pairs, config.train_settings(t)),
+        )
+        outcome = (
+            "rolled_back" if report.rolled_back else "aggregated" if report.applied else "identity"
+        )
+        records.append(
+            {**record, "kilobytes": round(report.bytes_received / 1024, 2), "outcome": outcome}
+        )
     return records

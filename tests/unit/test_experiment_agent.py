@@ -226,3 +226,27 @@ def test_the_cpm_takes_one_report_per_directive_it_issued() -> None:
     with pytest.raises(ValueError, match="twice"):
         asyncio.run(cpm.report_reward("d", 0.1))
     assert len(policy.observed) == 1
+
+
+def test_the_overlay_pull_aggregates_what_the_neighbours_held_before_anyones_step(
+    world: tuple[World, list[Client]],
+) -> None:
+    from peerlm.agent import Candidate, PullSettings
+
+    w, (a, b) = world
+    fed = _federation(w, [a, b], RecordingPolicy())
+    fed.peers.freeze()
+    held = a.host.encoded_adapter().data
+    # a changes after the freeze: b still pulls what a held before (agents step at once).
+    state = a.host.adapter_state()
+    first = next(k for k in state if "lora_B" in k)
+    state[first] = state[first] + 1.0
+    a.host.load_adapter_state(state)
+    _round, data = asyncio.run(
+        fed.peers.pull_adapter(a.name, expect=a.name, max_bytes=10**9, timeout_s=1)
+    )
+    assert data == held != a.host.encoded_adapter().data
+    report = fed.pull(b, [Candidate(a.name, a.name, 0.9)], PullSettings(max_peers=2), None, None)
+    assert report.applied and [p.peer for p in report.pulled] == [a.name]
+    assert report.bytes_received == len(held)
+    assert b.slot.integrations == 1  # ``separate``: into the peer slot
