@@ -24,6 +24,7 @@ __all__ = [
     "Section",
     "ServiceSettings",
     "TlsSettings",
+    "explicit_settings",
     "load_settings",
     "parse_host_port",
 ]
@@ -141,6 +142,23 @@ def _format_errors(exc: ValidationError, origin: str) -> str:
         where = ".".join(str(p) for p in err["loc"]) or "(root)"
         lines.append(f"  - {where}: {err['msg']}")
     return "\n".join(lines)
+
+
+def explicit_settings(cls: type[S], values: Mapping[str, Any] | None = None) -> S:
+    """``cls`` from ``values`` and its defaults alone: no environment variable, dotenv or
+    secrets file is read (pydantic-settings reads them even in ``model_validate``). For a
+    harness whose results must not depend on the shell it runs in (``run-experiment``).
+    Raises pydantic's ``ValidationError`` for invalid values."""
+
+    class Given(cls):  # type: ignore[valid-type,misc]
+        @classmethod
+        def settings_customise_sources(
+            cls, settings_cls: Any, init_settings: Any, **_sources: Any
+        ) -> Any:
+            return (init_settings,)
+
+    Given.__name__ = Given.__qualname__ = cls.__name__
+    return Given(**dict(values or {}))
 
 
 def load_settings(

@@ -1,11 +1,12 @@
 """KNEXA-FL's adaptive knowledge distillation as exchange protocols (``akd``,
 ``akd_logits``; :mod:`peerlm.protocols`).
 
-Student: fetch the teacher's knowledge package over mTLS, decode and vet it, integrate it by
-AKD (Eq. 2) behind the acceptance gate (:func:`peerlm.agent.exchange.rounds.integrate_package`), and
-report Eq. 3 to the CPM. Teacher: generate the package's predictions at once, ahead of the
-next round's training, so the student does not wait behind it; the peer server answers the
-student's fetch (text or top-k logits by the entry's payload, ``akd_mode``).
+Student: fetch the teacher's knowledge package (``ctx.peers``: over mTLS in a deployment),
+decode and vet it, integrate it by AKD (Eq. 2) behind the acceptance gate
+(:func:`peerlm.agent.exchange.rounds.integrate_package`), and report Eq. 3 to the CPM.
+Teacher: generate the package's predictions at once, ahead of the next round's training, so
+the student does not wait behind it; the peer server answers the student's fetch (text or
+top-k logits by the entry's payload, ``akd_mode``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The adapter merges as exchange protocols (``pmix``, SemanticDFL's PDFL step, and
 ``svd_hka``, OnePeFT's SVD aggregation with HKA; :mod:`peerlm.protocols`).
 
-Student: pull the teacher's adapter and each co-sender's over mTLS, merge the usable ones
+Student: pull the teacher's adapter and each co-sender's (``ctx.peers``: over mTLS in a
+deployment), merge the usable ones
 by the directive's protocol behind the acceptance gate, report Eq. 3 once
 (:mod:`peerlm.agent.merging.directive`), naming any sender whose adapter disproved its
 parameter-space fingerprint. Teacher: nothing to build; the peer server serves the adapter,

@@ -6,7 +6,8 @@ co-senders (``Directive.co_senders``), whose adapters the student merges with it
 This is the overlay's pull-and-aggregate step
 (:func:`~peerlm.agent.merging.pull_aggregate.pull_and_aggregate`) with the directive's senders as
 the candidates, at the addresses and under the names the directive gives: the same pull
-(``PeerExchange.PullAdapter`` over mTLS, each sender's proof required), the same adapter
+(``PeerExchange.PullAdapter`` over mTLS, each sender's proof required, unless ``peers``
+says otherwise: the experiment's in-process transport), the same adapter
 checks (base model type, tokenizer, LoRA ``r``/``alpha``, tensor names and shapes, finite
 values, norm bound), the same aggregation code (PDFL step, or OnePeFT's SVD + HKA on the
 student's public pairs, Eq. 3 over its own and every usable sender's adapter) and the same

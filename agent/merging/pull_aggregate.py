@@ -396,7 +396,7 @@ def integrate_adapters(
     useful, and with a ``gate`` stays changed only if the held-out loss allows. Returns
     the report, the gate's verdict and the held-out loss before (NaN without a gate).
     ``neighbours`` must already have passed the codec's checks (:func:`pull_and_aggregate`
-    does that; the in-process experiment hands over adapters of its own clients)."""
+    does that, over the network or the experiment's in-process transport)."""
     own = host.adapter_state()
     if settings.method == SVD_HKA.name:
         if hka is None:
@@ -441,9 +441,10 @@ async def pull_and_aggregate(
     """Pull the candidates' latest adapters and apply the PDFL step to ``host``'s adapter.
 
     ``ctx`` is the agent's node context: its channels, metrics, logger and its name (the
-    client's own id in the weights); every adapter must carry the sender proof of the peer
-    the search named. ``run_model`` runs host calls on the model thread (default: inline,
-    for callers that own the host on the event loop's thread). ``round_`` only labels log
+    client's own id in the weights); over the default transport every adapter must carry
+    the sender proof of the peer the search named. ``run_model`` runs host calls on the
+    model thread (default: inline, for callers that own the host on the event loop's
+    thread). ``round_`` only labels log
     lines. Failures of single peers are reported, never raised; an invalid local adapter
     (non-finite) raises :class:`~peerlm.overlay.aggregation.AggregationError`. With a
     ``gate`` (:mod:`peerlm.agent.acceptance`) an aggregate that makes the held-out loss worse

@@ -24,8 +24,8 @@ What an agent has, each client has here (:class:`ClientAgent`, an
   runner (:func:`~peerlm.agent.slot_runner`), or the one adapter (``shared``).
 
 A student's step never raises for a failed exchange (it reports the refusal);
-:func:`execute` returns None for a directive that integrated nothing, as the agent then
-counts no exchange.
+:meth:`InProcessFederation.execute` records no exchange for a directive that integrated
+nothing, as the agent then counts none.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from peerlm.app.experiment_distill import (
     teacher_package_bytes,
 )
 from peerlm.app.experiment_world import Client, World, round_config
+from peerlm.config import explicit_settings
 from peerlm.protocols import lookup
 from peerlm.wire.v1 import common_pb2, cpm_pb2
 
@@ -47,15 +48,28 @@ if TYPE_CHECKING:
     from peerlm.agent import (
         AcceptanceGate,
         AgentSettings,
+        AgentSummary,
+        AgentTelemetry,
         Candidate,
         ExchangeProtocol,
+        Guardrail,
+        ModelHost,
         ProtocolRegistry,
         PullReport,
         PullSettings,
+        RoundConfig,
     )
-    from peerlm.services.cpm import Pairing
+    from peerlm.node import NodeContext
+    from peerlm.services.cpm import Pairing, PairingPolicy
 
-__all__ = ["ClientAgent", "EventLog", "InProcessCpm", "InProcessFederation", "InProcessPeers"]
+__all__ = [
+    "ClientAgent",
+    "EventLog",
+    "Executed",
+    "InProcessCpm",
+    "InProcessFederation",
+    "InProcessPeers",
+]
 
 T = TypeVar("T")
 
@@ -175,7 +189,7 @@ class InProcessCpm:
     """The students' CPM: each report feeds ``policy`` (a refusal as ``refusal_reward``, as
     the CPM service's core learns it); one report per directive it issued."""
 
-    policy: Any
+    policy: PairingPolicy | None
     refusal_reward: float
     pairings: dict[str, Pairing] = field(default_factory=dict)
     reports: dict[str, Report] = field(default_factory=dict)
@@ -194,7 +208,7 @@ class InProcessCpm:
         """Learn from the report; ``ValueError`` for a directive not issued or reported
         twice (a step that does that is a bug, not a peer's fault)."""
         pairing = self.pairings.get(directive_id)
-        if pairing is None or directive_id in self.reports:
+        if self.policy is None or pairing is None or directive_id in self.reports:
             raise ValueError(f"directive {directive_id!r} was not issued or is reported twice")
         normalised = float(self.policy.observe(pairing, self.refusal_reward if failure else reward))
         self.reports[directive_id] = Report(reward, loss_pre, loss_post, failure, normalised)
@@ -214,24 +228,24 @@ class ClientAgent:
     peers: InProcessPeers
     cpm: InProcessCpm
     s: AgentSettings
-    ctx: Any
-    telemetry: Any
-    summary: Any
+    ctx: NodeContext
+    telemetry: AgentTelemetry
+    summary: AgentSummary
     log: EventLog = field(default_factory=EventLog)
     integrations: list[Any] = field(default_factory=list)
 
     @property
-    def host(self) -> Any:
+    def host(self) -> ModelHost:
         """The client's model host."""
         return self.client.host
 
     @property
-    def config(self) -> Any:
+    def config(self) -> RoundConfig:
         """The client's round configuration for an integration."""
         return round_config(self.world.plan, self.seed, self.index, integration=True)
 
     @property
-    def guardrail(self) -> Any:
+    def guardrail(self) -> Guardrail:
         """The client's guardrail."""
         return self.client.guardrail
 
@@ -310,6 +324,16 @@ class ClientAgent:
         """Nothing: the adapter is encoded when the student pulls it."""
 
 
+@dataclass(frozen=True)
+class Executed:
+    """One directive's outcome: its exchange record (None when the student integrated
+    nothing: refused, or a merge that changed nothing) and how many integration calls the
+    student's step made (each spends its optimiser steps)."""
+
+    record: dict[str, Any] | None
+    integrations: int
+
+
 @dataclass
 class InProcessFederation:
     """One round's directives among ``clients``, executed by the agent's protocols."""
@@ -329,18 +353,22 @@ class InProcessFederation:
         plan = self.world.plan
         self.registry = agent_registry()
         self.peers = InProcessPeers({c.name: c for c in self.clients}, self.t)
-        # An agent's defaults, but: no merge margin (the experiment measures, module
-        # docstring), Eq. 3's KB penalty and HKA's steps of the plan, every co-sender pulled.
-        defaults = AgentSettings.model_validate({})
-        self.settings = AgentSettings.model_validate(
+        # An agent's defaults (never the shell's PEERLM_AGENT_* variables), but: no merge
+        # margin (the experiment measures, module docstring), Eq. 3's coefficients, the
+        # length and HKA's steps of the plan's round configuration, every co-sender pulled.
+        config = round_config(plan, self.seed, 0, integration=True)
+        self.settings = explicit_settings(
+            AgentSettings,
             {
                 "acceptance_margin": None,
-                "reward_delta": plan.reward_delta,
+                "reward_gamma": config.reward_gamma,
+                "reward_delta": config.reward_delta,
+                "max_length": config.train.max_length,
                 "overlay": {
                     "hka_steps": plan.integration_steps,
-                    "k": max(defaults.overlay.k, plan.cpm_merge_senders),
+                    "k": max(explicit_settings(AgentSettings).overlay.k, plan.cpm_merge_senders),
                 },
-            }
+            },
         )
 
     def agent(self, client: Client) -> ClientAgent:
@@ -392,7 +420,7 @@ class InProcessFederation:
         from peerlm.agent import pull_and_aggregate
 
         agent = self.agent(client)
-        return asyncio.run(
+        report: PullReport = asyncio.run(
             pull_and_aggregate(
                 agent.ctx,
                 client.host,
@@ -405,10 +433,20 @@ class InProcessFederation:
                 peers=self.peers,
             )
         )
+        # A neighbour's fault is an outcome; the aggregate failing to load is the harness's.
+        broken = [r for r in report.refused if r.reason in ("load", "error")]
+        if broken:
+            raise RuntimeError(f"{client.name}'s overlay pull failed: {broken}")
+        return report
 
-    def execute(self, pairing: Pairing, directive_id: str) -> dict[str, Any] | None:
-        """Run ``pairing`` as a directive: the teacher's step, then the student's; the
-        exchange's record, or None when the student integrated nothing."""
+    def execute(self, pairing: Pairing, directive_id: str) -> Executed:
+        """Run ``pairing`` as a directive: the teacher's step, then the student's.
+
+        A refusal the student reports (a package or adapter its checks reject) is an
+        outcome; a failure an agent keeps to itself (an internal error: nothing reported,
+        :func:`~peerlm.agent.cpm.directives.refusal_failure`) is the harness's own and
+        raises ``RuntimeError``, so that no run quietly loses exchanges. A merge that
+        changed nothing (``not_integrated``) is an outcome too."""
         import asyncio
 
         by_name = {c.name: c for c in self.clients}
@@ -428,8 +466,14 @@ class InProcessFederation:
         served = self.peers.bytes_served
         asyncio.run(protocol.student(learner, d, self.t))
         report = self.cpm.reports.get(directive_id)
-        if report is None or report.failure or not learner.integrations:
-            return None
+        if report is None:
+            failed = [f for _, event, f in learner.log.lines if event == "exchange_failed"]
+            unchanged = [f for f in failed if str(f.get("error")).startswith("not_integrated")]
+            if not failed or len(unchanged) != len(failed):
+                raise RuntimeError(f"directive {directive_id} failed in the student: {failed}")
+        integrated = len(learner.integrations)
+        if report is None or report.failure or not integrated:
+            return Executed(None, integrated)
         kilobytes = (self.peers.bytes_served - served) / 1024
         record: dict[str, Any] = {"teacher": teacher.name, "student": student.name}
         if protocol.entry.kind == "distillation":
@@ -437,11 +481,14 @@ class InProcessFederation:
             record |= {"mode": result.mode, "alpha_kd": round(result.alpha_kd, 4)}
         else:
             record |= {"co_senders": list(pairing.co_senders), "mode": pairing.protocol}
-        return {
-            **record,
-            "loss_pre": round(report.loss_pre, 5),
-            "loss_post": round(report.loss_post, 5),
-            "kilobytes": round(kilobytes, 2),
-            "reward": round(report.reward, 6),
-            "normalised_reward": round(report.normalised, 5),
-        }
+        return Executed(
+            {
+                **record,
+                "loss_pre": round(report.loss_pre, 5),
+                "loss_post": round(report.loss_post, 5),
+                "kilobytes": round(kilobytes, 2),
+                "reward": round(report.reward, 6),
+                "normalised_reward": round(report.normalised, 5),
+            },
+            integrated,
+        )

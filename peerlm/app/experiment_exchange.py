@@ -125,13 +125,14 @@ def _directed_exchange(
     records: list[dict[str, Any]] = []
     for pairing in pairings:
         prefix = f"cpm-{pairing.protocol}" if menu else strategy
-        record = federation.execute(pairing, f"{prefix}-{t}-{pairing.sender}-{pairing.receiver}")
+        done = federation.execute(pairing, f"{prefix}-{t}-{pairing.sender}-{pairing.receiver}")
         student = by_name[pairing.receiver]
         entry = lookup(pairing.protocol)
-        if entry.kind == "distillation" or entry.needs_public_pairs:
+        if done.integrations and (entry.kind == "distillation" or entry.needs_public_pairs):
             # AKD's steps, or HKA's optimiser steps on the public pairs.
             student.peer_steps += plan.integration_steps
-        if record is None:  # refused (reported to the policy): no exchange, as an agent
+        record = done.record
+        if record is None:  # refused (the policy learnt it) or changed nothing: no exchange
             continue
         student.rewards.append(record["reward"])
         student.exchanges += 1

@@ -19,6 +19,8 @@ def semantic_dfl_exchange(world: World, clients: list[Client]) -> list[dict[str,
     from peerlm.overlay import personalised_update
 
     states = {c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in clients}
+    # What each adapter weighs on the wire (encoded), as the agents' pulls count it.
+    sizes = {c.name: len(c.host.encoded_adapter().data) for c in clients}
     records: list[dict[str, Any]] = []
     for c in clients:
         peers = {o.name: states[o.name] for o in clients if o is not c and o.arch == c.arch}
@@ -31,10 +33,7 @@ def semantic_dfl_exchange(world: World, clients: list[Client]) -> list[dict[str,
             )
             c.host.load_adapter_state(new)
         c.exchanges += 1
-        kb = (
-            sum(sum(t.numel() * t.element_size() for t in s.values()) for s in peers.values())
-            / 1024
-        )
+        kb = sum(sizes[name] for name in peers) / 1024
         records.append({"teacher": ",".join(sorted(peers)), "student": c.name, "kilobytes": kb})
     return records
 
@@ -91,7 +90,7 @@ def merge_exchange(
             )
             for c in group
         ]
-        sizes = [sum(x.numel() * x.element_size() for x in a.state.values()) for a in adapters]
+        sizes = [len(c.host.encoded_adapter().data) for c in group]  # as on the wire
         for k, c in enumerate(group):
             # The family-merge baselines (FedAvg-LoRA, FFA-LoRA, OnePeFT) keep the papers'
             # one adapter: their point is the shared model (docs/experiment.md).

@@ -17,6 +17,7 @@ from peerlm.app.experiment_strategies import (
     PROXY_TUNED,
     STRATEGIES,
 )
+from peerlm.config import explicit_settings
 from peerlm.protocols import DEFAULT_PROTOCOL
 
 if TYPE_CHECKING:
@@ -258,12 +259,13 @@ class ExperimentPlan:
         if self.cpm_co_sender_scoring != "pair":
             given["co_sender_scoring"] = self.cpm_co_sender_scoring
         given["reward_normaliser"] = self.cpm_reward_normaliser
+        given |= {
+            "interaction_features": self.cpm_interaction_features,
+            "context_columns": self.cpm_context_columns,
+        }
         try:
-            return CpmSettings(
-                **given,
-                interaction_features=self.cpm_interaction_features,
-                context_columns=self.cpm_context_columns,
-            )
+            # The plan alone decides: no PEERLM_CPM_* variable of the shell reaches the runs.
+            return explicit_settings(CpmSettings, given)
         except ValueError as exc:  # pydantic's ValidationError is one
             raise ValueError(f"CPM settings: {exc}") from None
 

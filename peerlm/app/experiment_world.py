@@ -24,7 +24,15 @@ from peerlm.app.experiment_plan import Event, ExperimentPlan
 from peerlm.app.experiment_slices import ClientSlices, slices_of_world
 
 if TYPE_CHECKING:
-    from peerlm.agent import Competence, Guardrail, InputRouter, ModelHost, PeerSlot, Problem
+    from peerlm.agent import (
+        Competence,
+        Guardrail,
+        InputRouter,
+        ModelHost,
+        PeerSlot,
+        Problem,
+        RoundConfig,
+    )
 
 __all__ = ["Client", "World", "build_clients", "prepare_world", "round_config", "warm_up"]
 
@@ -339,7 +347,9 @@ def _warm_one(
     return c.name, c.host.adapter_state(), stats.mean_loss
 
 
-def round_config(plan: ExperimentPlan, seed: int, i: int, *, integration: bool = False) -> Any:
+def round_config(
+    plan: ExperimentPlan, seed: int, i: int, *, integration: bool = False
+) -> RoundConfig:
     """Client ``i``'s round configuration; with ``integration`` its ``local_steps`` are the
     AKD integration's steps (``plan.integration_steps``)."""
     from peerlm.agent import RoundConfig, TrainSettings

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from peerlm import __version__
 from peerlm.app.cli import app
-from peerlm.config import ConfigError, load_settings
+from peerlm.config import ConfigError, explicit_settings, load_settings
 
 
 def test_precedence_file_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,6 +24,19 @@ def test_precedence_file_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert s.seed == 4  # env beats file
     assert s.listen == "127.0.0.1:2000"  # flag beats file
     assert str(s.tls.cert) == "/from/file" and str(s.tls.key) == "/from/env"  # nested merge
+
+
+def test_explicit_settings_read_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PEERLM_CPM_SEED", "4")
+    monkeypatch.setenv("PEERLM_CPM_BETA", "7")
+    monkeypatch.setenv("PEERLM_CPM_TLS__KEY", "/from/env")
+    assert CpmSettings().seed == 4  # what the harness must not pick up
+    s = explicit_settings(CpmSettings, {"beta": 0.5})
+    assert isinstance(s, CpmSettings) and type(s).__name__ == "CpmSettings"
+    assert s.beta == 0.5 and s.seed == CpmSettings.model_fields["seed"].default
+    assert s.tls.key is None
+    with pytest.raises(ValueError, match="beta"):
+        explicit_settings(CpmSettings, {"beta": -1})
 
 
 def test_invalid_config_fails_fast_with_every_field(tmp_path: Path) -> None:

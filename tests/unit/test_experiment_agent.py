@@ -27,6 +27,7 @@ from peerlm.app.experiment_agent import InProcessCpm, InProcessFederation, InPro
 from peerlm.app.experiment_plan import ExperimentPlan
 from peerlm.app.experiment_slices import ClientSlices
 from peerlm.app.experiment_world import Client, World
+from peerlm.wire.v1 import cpm_pb2
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -116,7 +117,7 @@ def test_an_akd_directive_runs_the_agents_protocol_into_the_students_slot(
     own_before = {k: v.clone() for k, v in student.host.adapter_state().items()}
     policy = RecordingPolicy()
     fed = _federation(w, [teacher, student], policy)
-    record = fed.execute(_pairing(teacher.name, student.name, "akd"), "d-akd")
+    record = fed.execute(_pairing(teacher.name, student.name, "akd"), "d-akd").record
     assert record is not None
     assert record["teacher"] == teacher.name and record["student"] == student.name
     assert record["mode"] == "text" and 0 <= record["alpha_kd"] <= 1
@@ -140,7 +141,7 @@ def test_a_merge_directive_pulls_the_senders_adapter_through_the_codec(
 ) -> None:
     w, (teacher, student) = world
     fed = _federation(w, [teacher, student], RecordingPolicy())
-    record = fed.execute(_pairing(teacher.name, student.name, "pmix"), "d-pmix")
+    record = fed.execute(_pairing(teacher.name, student.name, "pmix"), "d-pmix").record
     assert record is not None and record["mode"] == "pmix" and record["co_senders"] == []
     encoded = len(teacher.host.encoded_adapter().data)
     assert record["kilobytes"] == pytest.approx(encoded / 1024, abs=0.01)
@@ -159,28 +160,95 @@ def test_a_corrupt_package_is_refused_and_learnt_as_a_refusal(
         honest(self, directive_id, who, data[: len(data) // 2])
 
     monkeypatch.setattr(InProcessPeers, "offer", truncated)
-    assert fed.execute(_pairing(teacher.name, student.name, "akd"), "d-bad") is None
+    done = fed.execute(_pairing(teacher.name, student.name, "akd"), "d-bad")
+    assert done.record is None and done.integrations == 0
     # The CPM learnt the configured refusal reward; nothing reached the student.
     assert policy.observed == [(teacher.name, student.name, -0.5)]
     assert fed.cpm.reports["d-bad"].failure != 0
     assert student.slot.integrations == 0 and student.slot.state is None
 
 
+@pytest.mark.parametrize("poison", ["nan", "norm"])
 def test_a_poisoned_adapter_is_refused_by_the_students_checks(
-    world: tuple[World, list[Client]], monkeypatch: pytest.MonkeyPatch
+    world: tuple[World, list[Client]], monkeypatch: pytest.MonkeyPatch, poison: str
 ) -> None:
     w, (teacher, student) = world
     state = teacher.host.adapter_state()
     first = next(k for k in state if "lora_B" in k)
-    state[first] = torch.full_like(state[first], math.nan)
-    # A hostile teacher serves it (its own host would refuse to load it).
+    if poison == "nan":
+        state[first] = torch.full_like(state[first], math.nan)
+    else:  # finite, but far over the bound the student derives from its own adapter
+        state[first] = state[first] * 1e4 + 1.0
+    # A hostile teacher serves it (its own host would refuse to load a NaN).
     poisoned = SimpleNamespace(data=encode_adapter(state, teacher.host.adapter_spec()))
     monkeypatch.setattr(teacher.host, "encoded_adapter", lambda: poisoned)
     policy = RecordingPolicy()
     fed = _federation(w, [teacher, student], policy)
-    assert fed.execute(_pairing(teacher.name, student.name, "pmix"), "d-nan") is None
+    done = fed.execute(_pairing(teacher.name, student.name, "pmix"), "d-bad")
+    assert done.record is None and done.integrations == 0
     assert policy.observed == [(teacher.name, student.name, -0.5)]
+    assert fed.cpm.reports["d-bad"].failure == cpm_pb2.EXCHANGE_FAILURE_INVALID_PAYLOAD
     assert student.slot.integrations == 0
+
+
+def test_an_internal_error_in_the_student_stops_the_run(
+    world: tuple[World, list[Client]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import peerlm.agent.exchange.rounds as rounds
+
+    w, (teacher, student) = world
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rounds, "integrate_package", broken)
+    policy = RecordingPolicy()
+    fed = _federation(w, [teacher, student], policy)
+    # An agent keeps its own trouble from the CPM; the harness must not lose it quietly.
+    with pytest.raises(RuntimeError, match="boom"):
+        fed.execute(_pairing(teacher.name, student.name, "akd"), "d-err")
+    assert policy.observed == []
+
+
+def test_a_pairing_strategy_counts_steps_and_exchanges_only_for_what_was_integrated(
+    world: tuple[World, list[Client]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peerlm.services.cpm import PROFILE_DIM, RandomMatchmaker
+
+    from peerlm.app.experiment_exchange import exchange
+
+    w, clients = world
+    profiles = {c.name: np.ones(PROFILE_DIM) for c in clients}
+    records, _ = exchange(w, "random", RandomMatchmaker(seed=0), clients, profiles, 0, 1)
+    [student] = [c for c in clients if c.name == records[0]["student"]]
+    assert student.peer_steps == w.plan.integration_steps and student.exchanges == 1
+    assert len(student.rewards) == 1
+    honest = InProcessPeers.offer
+
+    def truncated(self: InProcessPeers, directive_id: str, who: str, data: bytes) -> None:
+        honest(self, directive_id, who, data[:10])
+
+    monkeypatch.setattr(InProcessPeers, "offer", truncated)
+    before = [(c.peer_steps, c.exchanges) for c in clients]
+    records, _ = exchange(w, "random", RandomMatchmaker(seed=0), clients, profiles, 0, 2)
+    assert records == [] and [(c.peer_steps, c.exchanges) for c in clients] == before
+
+
+def test_the_harness_settings_ignore_the_shell(
+    world: tuple[World, list[Client]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w, clients = world
+    monkeypatch.setenv("PEERLM_AGENT_ACCEPTANCE_MARGIN", "0.5")
+    monkeypatch.setenv("PEERLM_AGENT_MAX_LENGTH", "64")
+    monkeypatch.setenv("PEERLM_AGENT_OVERLAY__K", "7")
+    monkeypatch.setenv("PEERLM_CPM_REFUSAL_REWARD", "-0.7")
+    monkeypatch.setenv("PEERLM_CPM_BETA", "9")
+    settings = _federation(w, clients, RecordingPolicy()).settings
+    assert settings.acceptance_margin is None and settings.max_length == 256
+    assert settings.overlay.k == 2
+    cpm = ExperimentPlan().cpm_settings(0, ("akd",))
+    assert cpm.refusal_reward == 0.0 and cpm.beta == ExperimentPlan().cpm_settings(0).beta
+    assert ExperimentPlan(cpm_beta=3.0).cpm_settings(0).beta == 3.0
 
 
 def test_the_transport_refuses_what_a_peer_would_not_serve(
