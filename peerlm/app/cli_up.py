@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from peerlm.app.devfed import (
     ARCHS,
@@ -294,7 +295,16 @@ def up_command(
         raise typer.Exit(code=1) from None
     _add_summaries(opts, result)
     _print_result(opts, fed, result)
-    if any(r.get("errors") for r in result["agents"]) or result["cpm_exit_code"] != 0:
+    failed = [r for r in result["agents"] if r.get("errors")]
+    if failed or result["cpm_exit_code"] != 0:
+        # Why the exit code is 1, on stderr even with --json (stdout holds the report).
+        err = Console(stderr=True)
+        for r in failed:
+            err.print(
+                f"[bold red]{escape(str(r.get('name', '?')))}:[/]", escape("; ".join(r["errors"]))
+            )
+        if result["cpm_exit_code"] != 0:
+            err.print(f"[bold red]cpm:[/] exited with {result['cpm_exit_code']}")
         raise typer.Exit(code=1)
 
 

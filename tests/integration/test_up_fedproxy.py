@@ -132,6 +132,8 @@ def test_a_member_killed_mid_round_is_merged_without_after_the_deadline(tmp_path
             up.kill()
             up.wait()
     assert up.returncode == 1, stderr[-3000:]
+    # Why it exits 1, on stderr beside the JSON report: the member and its error.
+    assert "member-2: no report (exit" in stderr
     cohort = json.loads(stdout)["fedproxy"]
     first, second = cohort["merges"]
     assert first["outcome"] == "complete"
