@@ -206,10 +206,19 @@ class InProcessCpm:
         space_mismatch: Sequence[str] = (),
     ) -> cpm_pb2.ReportRewardResponse:
         """Learn from the report; ``ValueError`` for a directive not issued or reported
-        twice (a step that does that is a bug, not a peer's fault)."""
+        twice (a step that does that is a bug, not a peer's fault), and for a
+        ``space_mismatch``: the experiment's clients declare the parameter space they hold
+        and its policy pairs only admissible ones, so a sender's adapter of another space
+        is the harness's bug, where the CPM service would store a disproof
+        (:mod:`peerlm.services.cpm.core`)."""
         pairing = self.pairings.get(directive_id)
         if self.policy is None or pairing is None or directive_id in self.reports:
             raise ValueError(f"directive {directive_id!r} was not issued or is reported twice")
+        if space_mismatch:
+            raise ValueError(
+                f"directive {directive_id!r}: senders {list(space_mismatch)} sent an adapter"
+                " of another parameter space than the one the experiment paired them by"
+            )
         normalised = float(self.policy.observe(pairing, self.refusal_reward if failure else reward))
         self.reports[directive_id] = Report(reward, loss_pre, loss_post, failure, normalised)
         return cpm_pb2.ReportRewardResponse(normalised_reward=normalised)

@@ -12,9 +12,39 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from peerlm.app.experiment_plan import ExperimentPlan
-from peerlm.app.experiment_strategies import CPM_PROTOCOLS, PROXY_TUNED
+from peerlm.app.experiment_strategies import (
+    CPM_PROTOCOLS,
+    MERGE_STRATEGIES,
+    OVERLAY_STRATEGIES,
+    PROXY_TUNED,
+)
+from peerlm.protocols import CATALOGUE
 
-__all__ = ["PROGRESS_FILE", "reusable_runs", "save_progress"]
+__all__ = ["ADAPTER_KILOBYTES", "PROGRESS_FILE", "reusable_runs", "save_progress"]
+
+
+#: How a run counts an adapter transfer's kilobytes, written into ``results.json``: the
+#: encoded safetensors bytes the wire carries (header and metadata included), since the
+#: harness pulls through the agent's transport (2026-12-05). A result without the key
+#: counted the tensors' bytes (1.8 % fewer per adapter, and Eq. 3's KB penalty with them).
+ADAPTER_KILOBYTES: Final[str] = "encoded"
+
+
+#: The strategies that move adapters, whose kilobytes (and, for a CPM, rewards and so
+#: pairings) depend on :data:`ADAPTER_KILOBYTES`.
+_MOVES_ADAPTERS: frozenset[str] = frozenset(
+    {
+        *MERGE_STRATEGIES,
+        *OVERLAY_STRATEGIES,
+        "semantic_dfl",
+        "cpm_menu_overlay",
+        *(
+            strategy
+            for strategy, protocols in CPM_PROTOCOLS.items()
+            if any(e.is_merge for e in CATALOGUE if e.name in protocols)
+        ),
+    }
+)
 
 
 #: Plan fields that only CPM strategies read: a run of another strategy is reusable
@@ -108,6 +138,7 @@ def save_progress(
         "plan": {**asdict(plan), "strategies": list(plan.strategies), "seeds": list(plan.seeds)},
         "initial_nll": dict(initial_nll),
         "runs": by_strategy,
+        "adapter_kilobytes": ADAPTER_KILOBYTES,
         "partial": True,
     }
     write_atomic(work / PROGRESS_FILE, json.dumps(partial).encode(), mode=0o644)
@@ -123,7 +154,8 @@ def reusable_runs(
 
     The same world and models are checked by the round-0 test NLL per slice, which every
     run measures on them (equal to the last bit, or the earlier result is not used); the
-    same plan by :func:`_reuse_key`. Raises ``ValueError`` for an earlier result that
+    same plan by :func:`_reuse_key`; a strategy that moves adapters also needs the same
+    :data:`ADAPTER_KILOBYTES`. Raises ``ValueError`` for an earlier result that
     does not match at all (another world, models or plan), so a wrong file is not
     silently ignored.
     """
@@ -140,9 +172,12 @@ def reusable_runs(
                 f"(round-0 NLL {old_nll} against {dict(initial_nll)})"
             )
         matched = False
+        counted = old.get("adapter_kilobytes")
         for strategy in plan.strategies:
             if strategy not in old_runs:
                 continue
+            if strategy in _MOVES_ADAPTERS and counted != ADAPTER_KILOBYTES:
+                continue  # its kilobytes (and a CPM's rewards) were counted otherwise
             if _reuse_key(old_plan, strategy) != _reuse_key(mine, strategy):
                 continue
             for seed in plan.seeds:

@@ -294,6 +294,11 @@ def test_the_cpm_takes_one_report_per_directive_it_issued() -> None:
     with pytest.raises(ValueError, match="twice"):
         asyncio.run(cpm.report_reward("d", 0.1))
     assert len(policy.observed) == 1
+    # A disproof of a sender's space is the harness pairing wrongly: raised, nothing learnt.
+    cpm.pairings["e"] = _pairing("a", "b", "pmix")
+    with pytest.raises(ValueError, match="another parameter space"):
+        asyncio.run(cpm.report_reward("e", 0.0, failure=1, space_mismatch=["a"]))
+    assert len(policy.observed) == 1 and "e" not in cpm.reports
 
 
 def test_the_overlay_pull_aggregates_what_the_neighbours_held_before_anyones_step(

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from peerlm.app.experiment import ExperimentPlan, reusable_runs
+from peerlm.app.experiment_reuse import ADAPTER_KILOBYTES
 from tests.cli import assert_run_experiment_refuses
 
 NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
@@ -21,6 +22,7 @@ def _stored(plan: ExperimentPlan, nll: dict[str, float] = NLL) -> dict[str, Any]
         "runs": {
             s: {str(k): {"strategy": s, "seed": k} for k in plan.seeds} for s in plan.strategies
         },
+        "adapter_kilobytes": ADAPTER_KILOBYTES,
     }
 
 
@@ -30,6 +32,20 @@ def test_runs_of_the_same_plan_are_reused_per_strategy_and_seed() -> None:
     got = reusable_runs(plan, [old], NLL)
     assert sorted(got) == [("local_plus", 1), ("oracle", 1)]
     assert got[("oracle", 1)] == {"strategy": "oracle", "seed": 1}
+
+
+def test_runs_that_moved_adapters_need_their_kilobytes_counted_as_today() -> None:
+    """A result written before transfers counted the encoded bytes (no marker): its merge,
+    menu and overlay runs are run again, the others still stand in."""
+    plan = ExperimentPlan(
+        strategies=("local_plus", "cpm", "cpm_menu", "cpm_svd_hka", "overlay_topk"),
+        seeds=(0,),
+        family="gpt2",
+    )
+    old = _stored(plan)
+    assert len(reusable_runs(plan, [old], NLL)) == 5
+    del old["adapter_kilobytes"]
+    assert sorted(reusable_runs(plan, [old], NLL)) == [("cpm", 0), ("local_plus", 0)]
 
 
 def test_cpm_settings_matter_only_to_cpm_runs() -> None:
