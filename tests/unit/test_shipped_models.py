@@ -44,6 +44,20 @@ def test_every_architecture_is_shipped_for_the_default_request(arch: str) -> Non
     assert info.extra["hidden_categories"] == list(DEFAULT_HIDDEN)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_shipped_architecture_copies_a_constant_from_its_prompt(arch: str) -> None:
+    """Heterogeneity without a client that cannot copy a literal: each tiny model predicts
+    held-out copy drills' bodies exactly, from its prompt's constants (the copy phase,
+    docs/models.md: gpt2 65 %, bloom 77 %, gpt_neox 62 %, qwen2 23 %; gpt_neox copied
+    none and qwen2 1 of 60 before their longer phase and qwen2's third layer)."""
+    from peerlm.app.expert_probe import copy_rate
+
+    info = shipped_model(arch, "tiny", TINY_STEPS, 0, DEFAULT_HIDDEN)
+    assert info is not None
+    rate = copy_rate(info.path, int(info.extra["copy_drills"]))
+    assert rate["n"] == 60 and rate["exact"] >= 0.2, rate
+
+
 def test_a_different_request_gets_no_shipped_model() -> None:
     assert shipped_model("gpt2", "tiny", TINY_STEPS, 1, DEFAULT_HIDDEN) is None
     assert shipped_model("gpt2", "tiny", TINY_STEPS + 1, 0, DEFAULT_HIDDEN) is None
