@@ -15,8 +15,8 @@ from peerlm.app.experiment_plan import ExperimentPlan
 from peerlm.app.experiment_strategies import (
     CPM_PROTOCOLS,
     MERGE_STRATEGIES,
-    OVERLAY_STRATEGIES,
     PROXY_TUNED,
+    WITH_OVERLAY,
 )
 from peerlm.protocols import CATALOGUE
 
@@ -35,9 +35,8 @@ ADAPTER_KILOBYTES: Final[str] = "encoded"
 _MOVES_ADAPTERS: frozenset[str] = frozenset(
     {
         *MERGE_STRATEGIES,
-        *OVERLAY_STRATEGIES,
+        *WITH_OVERLAY,
         "semantic_dfl",
-        "cpm_menu_overlay",
         *(
             strategy
             for strategy, protocols in CPM_PROTOCOLS.items()
