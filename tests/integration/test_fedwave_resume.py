@@ -247,9 +247,9 @@ def _fedwave_reports(
 
 @dataclass
 class Restart:
-    """What :func:`_restart_together` leaves: each agent's newest checkpoint at the kill,
-    the round the agents in ``behind_agents`` were rolled back to, the restarted
-    processes' logs and reports."""
+    """What :func:`_restart_together` leaves: each agent's newest checkpoint at the restart
+    (the smallest newest at the kill, for all), the round the agents in ``behind_agents``
+    were rolled back to, the restarted processes' logs and reports."""
 
     newest: dict[str, int]
     behind: int
@@ -266,9 +266,9 @@ def _restart_together(
     tamper: Callable[[dict[str, int], int], None] | None = None,
 ) -> Restart:
     """Run the workflow, SIGKILL every agent at once after round ``KILLED_AFTER``'s
-    checkpoints, roll ``behind_agents`` back to the round before the smallest newest one,
-    let ``tamper(newest, behind)`` change the disk, restart all three together and run them
-    to the end."""
+    checkpoints, roll every agent back to the smallest newest round among them and
+    ``behind_agents`` to the round before it, let ``tamper(newest, behind)`` change the
+    disk, restart all three together and run them to the end."""
     fed = _federation(tmp_path, deadline_s=deadline_s)
     fed.cpm.start()
     logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
@@ -276,9 +276,18 @@ def _restart_together(
     relogs = {a: tmp_path / f"{a}-restarted.log" for a in AGENTS}
     try:
         _kill_all_after(procs, logs)
-        newest = {a: _newest_checkpoint(tmp_path, a) for a in AGENTS}
-        behind = min(newest.values()) - 1
-        assert behind >= 1 and max(newest.values()) < ROUNDS, newest
+        at_kill = {a: _newest_checkpoint(tmp_path, a) for a in AGENTS}
+        assert min(at_kill.values()) >= 2 and max(at_kill.values()) < ROUNDS, at_kill
+        # The kill lands at a different point of each agent's round, so one may have
+        # concluded a round more than another. Even them out first: rolling an agent that
+        # was already a round behind back once more would put it two rounds behind, an
+        # outlier the agreement rightly leaves out (it skips to the others' round instead).
+        even = min(at_kill.values())
+        for a in AGENTS:
+            if at_kill[a] > even:
+                CheckpointStore(_checkpoints(tmp_path, a)).roll_back(even)
+        newest = dict.fromkeys(AGENTS, even)
+        behind = even - 1
         for a in behind_agents:
             CheckpointStore(_checkpoints(tmp_path, a)).roll_back(behind)
         if tamper is not None:
