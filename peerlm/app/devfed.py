@@ -135,6 +135,16 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:
 AgentArgv = Callable[[int, str, str], list[str]]
 
 
+#: Dev pace: the CPM's timer matches whoever is waiting after this many seconds (30 in
+#: production) when an agent is missing; shorter fragments rounds when agents of different
+#: speeds finish apart.
+DEV_ROUND_INTERVAL_S = 15.0
+#: How long a simulated agent waits for a round's directive: the timer's interval and
+#: slack. With the sim-agent's own default (5 s), agents that started seconds apart on a
+#: loaded machine gave up rounds the CPM matched later, and played them alone.
+SIM_DIRECTIVE_WAIT_S = DEV_ROUND_INTERVAL_S + 15.0
+
+
 async def run_federation(
     fed: DevFederation,
     agents: list[str],
@@ -162,9 +172,10 @@ async def run_federation(
         metrics_port=metrics_port,
         init=True,  # `peerlm up` starts a new local federation every time
     )
-    # Dev pace: the timer matches whoever is waiting after 15 s (30 s in production) when an
-    # agent is missing; shorter fragments rounds when agents of different speeds finish apart.
-    dev_env = {"PEERLM_CPM_ROUND_INTERVAL_S": "15", "PEERLM_CPM_PROTOCOLS": json.dumps(protocols)}
+    dev_env = {
+        "PEERLM_CPM_ROUND_INTERVAL_S": f"{DEV_ROUND_INTERVAL_S:g}",
+        "PEERLM_CPM_PROTOCOLS": json.dumps(protocols),
+    }
     if merge_senders != 1:
         dev_env["PEERLM_CPM_MERGE_SENDERS"] = str(merge_senders)
     if co_sender_scoring != "pair":
@@ -308,6 +319,9 @@ async def _watch(
 def sim_argv(
     fed: DevFederation, agents: list[str], rounds: int, seed: int, heterogeneity: str
 ) -> AgentArgv:
+    """The command of each simulated agent. It waits for a round's directive as long as the
+    CPM's timer may take to match it (:data:`SIM_DIRECTIVE_WAIT_S`)."""
+
     def argv(i: int, name: str, target: str) -> list[str]:
         t = fed.tls(name)
         return [
@@ -315,6 +329,7 @@ def sim_argv(
             "--peers", ",".join(agents), "--cpm", target, "--ca-cert", str(t.ca_cert),
             "--cert", str(t.cert), "--key", str(t.key), "--federation", FEDERATION,
             "--rounds", str(rounds), "--seed", str(seed), "--heterogeneity", heterogeneity,
+            "--round-timeout", f"{SIM_DIRECTIVE_WAIT_S:g}",
         ]  # fmt: skip
 
     return argv

@@ -312,7 +312,9 @@ def test_temporary_directory_is_removed(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_run_many_keeps_order_and_isolation() -> None:
     programs = [f"assert {i} % 3 != 0\n" for i in range(9)] + ["while True:\n    pass\n"]
-    results = run_many(programs, max_workers=3, timeout_s=1.0)
+    # 5 s: a sandboxed interpreter starts in well under a second, but not always on a loaded
+    # machine (a 1 s limit timed a trivial program out beside three test workers).
+    results = run_many(programs, max_workers=3, timeout_s=5.0)
     statuses = [r.status for r in results]
     expected = ["failed" if i % 3 == 0 else "passed" for i in range(9)] + ["timeout"]
     assert statuses == expected
