@@ -72,6 +72,8 @@ def _federation(tmp_path: Path, deadline_s: float = DEADLINE_S) -> Federation:
     data = tmp_path / "data"
     transfer = write_stage_data(data, workflow, AGENTS)
     peers = {a: f"127.0.0.1:{_free_port()}" for a in AGENTS}
+    # Metrics on a port the kernel picks (0): nothing here scrapes them, and a port chosen
+    # in advance was taken by another test worker's process before one agent bound it.
     configs = {
         a: agent_config(
             tmp_path,
@@ -79,7 +81,7 @@ def _federation(tmp_path: Path, deadline_s: float = DEADLINE_S) -> Federation:
             cpm,
             a,
             peers,
-            _free_port(),
+            0,
             models,
             data,
             transfer,
