@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from peerlm.app.experiment_ceiling import render_ceiling
 from peerlm.app.experiment_participant import render_participant
 from peerlm.app.experiment_strategies import LABELS
 
@@ -89,6 +90,9 @@ def render_table(result: Mapping[str, Any]) -> str:
     participant = summary.get("participant")
     if participant:
         lines.append(render_participant(participant, LABELS))
+    ceiling = render_ceiling(summary.get("teaching_ceiling"), LABELS)
+    if ceiling:
+        lines.append(ceiling)
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from peerlm.app.experiment_ceiling import teaching_ceiling
 from peerlm.app.experiment_participant import participant_report
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import paired_bootstrap, paired_share
@@ -161,6 +162,7 @@ def summarise(result: Mapping[str, Any]) -> dict[str, Any]:
         "cpm_share_of_oracle_gain_ci": shares,
         "cpm_learning": _cpm_learning(result),
         "participant": participant_report(result),
+        "teaching_ceiling": teaching_ceiling(result),
         "steps_per_client": _steps_per_client(result),
         "bootstrap": "paired two-level percentile bootstrap (numpy), 2000 replicates",
     }
