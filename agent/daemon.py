@@ -43,7 +43,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -357,6 +357,14 @@ class AgentDaemon:
     async def run_model(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the model thread (the exchange protocols' model executor)."""
         return await self._model(fn, *args, **kwargs)
+
+    @property
+    def slot_learns(self) -> Callable[[Sequence[str]], Sequence[bool]] | None:
+        """With ``slot_scope: routed`` and a peer slot, the router's peer side: what the
+        slot distils of a package (:func:`~peerlm.agent.exchange.peer_knowledge.learnt_items`)."""
+        if self.slot is None or self.router is None or self.s.slot_scope != "routed":
+            return None
+        return self.router.to_peer
 
     def integrating(self, what: str) -> Callable[..., Awaitable[Any]]:
         """How an integration's model calls run: in the peer slot (``separate``, labelled

@@ -339,6 +339,12 @@ class AgentSettings(ServiceSettings):
     # peer slot beside the own adapter with an input router (peerlm.agent.peer_integration;
     # our choice beyond the papers), or "shared", the papers' one adapter.
     integration: Literal["separate", "shared"] = "separate"
+    # With integration "separate": what the peer slot distils of a package. "all" its
+    # every item; "routed" only the items whose prompt the router sends to the slot (the
+    # categories this agent holds, public ones included, stay the own adapter's and are
+    # not learnt; a package with nothing left teaches nothing and earns Eq. 3's KB
+    # penalty alone). Ours (peerlm.agent.exchange.peer_knowledge.learnt_items).
+    slot_scope: Literal["all", "routed"] = "all"
     # SIGTERM: finish the current round within this grace, else stop training at the next
     # optimiser step, checkpoint and exit 0.
     stop_grace_s: float = Field(default=30.0, ge=0)

@@ -75,6 +75,7 @@ class Distillation(ExchangeProtocol):
                 t=t,
                 guardrail=ctx.guardrail,
                 reward_examples=ctx.reward_examples,
+                learns=ctx.slot_learns,
             )
         except (PackageError, TokenizerMismatchError) as exc:
             reason = "package" if isinstance(exc, PackageError) else "tokenizer_mismatch"

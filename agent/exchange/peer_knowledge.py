@@ -35,6 +35,7 @@ choices (docs/experiment.md).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,9 +47,10 @@ from sklearn.linear_model import LogisticRegression
 
 if TYPE_CHECKING:
     import torch
+    from peerlm.agent.exchange.package import KnowledgePackage
     from peerlm.agent.modelhost import ModelHost
 
-__all__ = ["InputRouter", "PeerSlot", "route_map", "routed_share"]
+__all__ = ["InputRouter", "PeerSlot", "learnt_items", "route_map", "routed_share"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -204,6 +206,34 @@ def route_map(
     finally:
         host.load_adapter_state(own)
     return [out[k] for k in range(len(items))]
+
+
+def learnt_items(
+    package: KnowledgePackage,
+    transfer_prompts: Sequence[str],
+    learns: Callable[[Sequence[str]], Sequence[bool]],
+) -> KnowledgePackage:
+    """``package`` with only the items whose prompt ``learns`` accepts (with
+    ``slot_scope: routed``, the router's :meth:`InputRouter.to_peer`: the slot distils
+    only what it will answer, not the categories the own adapter keeps).
+
+    Why: a teacher answers every category it is competent in, public ones and the
+    student's own included, and the router never sends those to the slot; distilling them
+    spends the exchange's steps on text the slot is never asked for. An item that answers
+    a prompt outside ``transfer_prompts`` is kept, so that the integration refuses the
+    package for it exactly as without this filter.
+    """
+    from peerlm.agent.exchange.package import prompt_sha256
+
+    by_hash = {prompt_sha256(p): p for p in transfer_prompts}
+    prompts = [by_hash.get(item.prompt_sha256) for item in package.items]
+    accepted = iter(learns([p for p in prompts if p is not None]))
+    kept = tuple(
+        item
+        for item, prompt in zip(package.items, prompts, strict=True)
+        if prompt is None or next(accepted)
+    )
+    return dataclasses.replace(package, items=kept)  # type: ignore[arg-type]
 
 
 def routed_share(router: InputRouter | None, prompts: Sequence[str]) -> float:

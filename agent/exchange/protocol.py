@@ -144,6 +144,11 @@ class ExchangeContext(Protocol):
     def public_pairs(self) -> list[tuple[str, str]]:
         """Public (prompt, completion) pairs, D_pub of OnePeFT's HKA."""
 
+    @property
+    def slot_learns(self) -> Callable[[Sequence[str]], Sequence[bool]] | None:
+        """With ``slot_scope: routed``, which of a package's prompts the peer slot learns
+        (the router's peer side); None: every one."""
+
     async def run_model(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the model thread."""
         ...

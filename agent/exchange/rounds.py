@@ -32,7 +32,7 @@ distils on that k-token support (KL at temperature T, re-tempered from the teach
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -407,6 +407,7 @@ def integrate_package(
     t: int,
     guardrail: Guardrail | None = None,
     reward_examples: Sequence[tuple[str, str]] | None = None,
+    learns: Callable[[Sequence[str]], Sequence[bool]] | None = None,
 ) -> Integration:
     """Integrate a decoded package by AKD (Eq. 2) and compute the reward of Eq. 3.
 
@@ -432,9 +433,16 @@ def integrate_package(
     personal data, or code importing networking, process, file-system or introspection
     modules, is not learnt from (and counted). A logits item is vetted through the text its
     completion tokens (column 0) decode to.
+
+    With ``learns`` (the peer slot's scope, ``slot_scope: routed``:
+    :func:`~peerlm.agent.exchange.peer_knowledge.learnt_items`), an item whose prompt it
+    rejects is not learnt from; a package with nothing left trains nothing at all, so
+    L_post = L_pre and the reward is Eq. 3's -delta * KB: the CPM hears that the exchange
+    taught this student nothing it would use.
     """
     from peerlm.agent.acceptance import AcceptanceGate, judge
     from peerlm.agent.exchange.package import TextPackage, text_pairs
+    from peerlm.agent.exchange.peer_knowledge import learnt_items
     from peerlm.agent.vetting.guardrail import placeholder
 
     alpha = config.alpha_kd(t)
@@ -445,6 +453,10 @@ def integrate_package(
         if reward_examples
         else None
     )
+    if learns is not None:
+        package = learnt_items(package, transfer_prompts, learns)
+        if not package.items:
+            return _taught_nothing(package, alpha, config, t, pre, probe_pre, kilobytes)
     before = host.adapter_state() if config.acceptance_margin is not None else None
     temperature: float | None = None
     if isinstance(package, TextPackage):
@@ -511,6 +523,24 @@ def integrate_package(
     return Integration(
         mode, alpha, temperature, pre, post, kilobytes, reward, stats, verdict.rolled_back
     )
+
+
+def _taught_nothing(
+    package: KnowledgePackage,
+    alpha: float,
+    config: RoundConfig,
+    t: int,
+    pre: float,
+    probe_pre: float | None,
+    kilobytes: float,
+) -> Integration:
+    """The integration of a package none of whose items the student learns from: no step,
+    the losses unchanged, Eq. 3's reward the KB penalty alone."""
+    loss = pre if probe_pre is None else probe_pre
+    reward = reward_eq3(loss, loss, kilobytes, config.reward_gamma, config.reward_delta)
+    temperature = None if package.mode == "text" else config.kd_temperature(t)
+    stats = TrainStats(mean_loss=0.0, steps=0, micro_batches=0, examples=0, tokens=0, seconds=0.0)
+    return Integration(package.mode, alpha, temperature, loss, loss, kilobytes, reward, stats)
 
 
 @dataclass(frozen=True)

@@ -288,6 +288,11 @@ class ClientAgent:
         """D_pub, OnePeFT's HKA pairs."""
         return self.world.public_pairs
 
+    @property
+    def slot_learns(self) -> Callable[[Sequence[str]], Sequence[bool]] | None:
+        """What the peer slot distils of a package (``slot_scope``, as the daemon)."""
+        return self.client.slot_learns(self.world.plan)
+
     async def run_model(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Inline: the experiment's process owns its hosts."""
         return fn(*args, **kwargs)
@@ -337,10 +342,12 @@ class ClientAgent:
 class Executed:
     """One directive's outcome: its exchange record (None when the student integrated
     nothing: refused, or a merge that changed nothing) and how many integration calls the
-    student's step made (each spends its optimiser steps)."""
+    student's step made, and how many of them took optimiser steps (an AKD package the
+    peer slot learns nothing of, ``slot_scope: routed``, takes none)."""
 
     record: dict[str, Any] | None
     integrations: int
+    stepped: int
 
 
 @dataclass
@@ -481,8 +488,9 @@ class InProcessFederation:
             if not failed or len(unchanged) != len(failed):
                 raise RuntimeError(f"directive {directive_id} failed in the student: {failed}")
         integrated = len(learner.integrations)
+        stepped = sum(1 for x in learner.integrations if _steps(x))
         if report is None or report.failure or not integrated:
-            return Executed(None, integrated)
+            return Executed(None, integrated, stepped)
         kilobytes = (self.peers.bytes_served - served) / 1024
         record: dict[str, Any] = {"teacher": teacher.name, "student": student.name}
         if protocol.entry.kind == "distillation":
@@ -500,4 +508,12 @@ class InProcessFederation:
                 "normalised_reward": round(report.normalised, 5),
             },
             integrated,
+            stepped,
         )
+
+
+def _steps(integration: Any) -> int:
+    """The optimiser steps an integration call took (a merge's result has no training
+    statistics: it counts as stepping)."""
+    stats = getattr(integration, "stats", None)
+    return 1 if stats is None else int(stats.steps)

@@ -124,6 +124,13 @@ _PeerAlphaOption = Annotated[
     float | None,
     typer.Option(min=0.01, max=1.0, help="Eq. 2's alpha_KD for the peer slot (default 0.8)."),
 ]
+_SlotScopeOption = Annotated[
+    str | None,
+    typer.Option(
+        help="What the peer slot distils of a package: all its items (default) or routed "
+        "(only those whose prompt the router sends to the slot)."
+    ),
+]
 _OwnStepsEveryRoundOption = Annotated[
     bool | None,
     typer.Option(
@@ -245,6 +252,7 @@ _PLAN_FIELDS: dict[str, str] = {
     "curve_every": "curve_every",
     "own_steps_every_round": "own_steps_every_round",
     "peer_alpha": "peer_alpha",
+    "slot_scope": "slot_scope",
     "learning_rate": "lr",
     "grad_accumulation": "grad_accumulation",
     "transfer_limit": "transfer_limit",
@@ -285,6 +293,7 @@ def run_experiment_command(
     teach_limit: _TeachLimitOption = None,
     integration: _IntegrationOption = None,
     peer_alpha: _PeerAlphaOption = None,
+    slot_scope: _SlotScopeOption = None,
     own_steps_every_round: _OwnStepsEveryRoundOption = None,
     teach_min_pass: _TeachMinPassOption = None,
     teach_self_check: _TeachSelfCheckOption = None,

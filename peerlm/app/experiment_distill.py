@@ -79,8 +79,9 @@ def integrate(
             transfer_prompts=world.transfer,
             config=round_config(world.plan, seed, i, integration=True),
             t=t,
+            learns=student.slot_learns(world.plan),
         )
-    student.peer_steps += world.plan.integration_steps
+    student.peer_steps += result.stats.steps and world.plan.integration_steps
     return result
 
 

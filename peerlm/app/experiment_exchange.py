@@ -128,7 +128,7 @@ def _directed_exchange(
         done = federation.execute(pairing, f"{prefix}-{t}-{pairing.sender}-{pairing.receiver}")
         student = by_name[pairing.receiver]
         entry = lookup(pairing.protocol)
-        if done.integrations and (entry.kind == "distillation" or entry.needs_public_pairs):
+        if done.stepped and (entry.kind == "distillation" or entry.needs_public_pairs):
             # AKD's steps, or HKA's optimiser steps on the public pairs.
             student.peer_steps += plan.integration_steps
         record = done.record

@@ -145,6 +145,10 @@ class ExperimentPlan:
     # the own-data share there only keeps the slot's format, the own adapter keeps the
     # skills; None: Table 6's schedule, 0.2 -> 0.5.
     peer_alpha: float | None = 0.8
+    # With "separate": what the peer slot distils of a package, "all" its items or
+    # "routed" only those its router sends to the slot (peerlm.agent.exchange.peer_knowledge
+    # .learnt_items; ours).
+    slot_scope: Literal["all", "routed"] = "all"
     # Whether every client of a collaborative strategy also spends LocalOnly+'s extra
     # own-data steps every round (an agent keeps training on its own data whatever its
     # role); False: the earlier harness, where only students trained in the exchange phase.
@@ -193,6 +197,8 @@ class ExperimentPlan:
             raise ValueError(
                 f"integration must be 'separate' or 'shared', not {self.integration!r}"
             )
+        if self.slot_scope not in ("all", "routed"):
+            raise ValueError(f"slot_scope must be 'all' or 'routed', not {self.slot_scope!r}")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise ValueError("strategies must be a non-empty list without repeats")
         if self.warmup_steps < 0:

@@ -68,6 +68,7 @@ _CPM_ONLY_FIELDS: tuple[str, ...] = (
 _COLLABORATION_ONLY_FIELDS: tuple[str, ...] = (
     "integration",
     "peer_alpha",
+    "slot_scope",
     "own_steps_every_round",
     "teach_limit",
     "teach_self_check",

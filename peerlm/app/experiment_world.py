@@ -87,6 +87,13 @@ class Client:
             return self.slot.active(self.host, what)
         return contextlib.nullcontext()
 
+    def slot_learns(self, plan: ExperimentPlan) -> Callable[[Sequence[str]], Sequence[bool]] | None:
+        """With ``slot_scope: routed`` (and a peer slot), the router's peer side: what the
+        slot distils of a package; None: every item."""
+        if plan.integration != "separate" or plan.slot_scope != "routed" or self.router is None:
+            return None
+        return self.router.to_peer
+
     def routed(
         self, problems: Sequence[_P2], run: Callable[[Sequence[_P2]], Sequence[_R]]
     ) -> list[_R]:

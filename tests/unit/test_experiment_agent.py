@@ -323,3 +323,39 @@ def test_the_overlay_pull_aggregates_what_the_neighbours_held_before_anyones_ste
     assert report.applied and [p.peer for p in report.pulled] == [a.name]
     assert report.bytes_received == len(held)
     assert b.slot.integrations == 1  # ``separate``: into the peer slot
+
+
+class _RejectAll:
+    """A router that keeps every input with the own adapter."""
+
+    def to_peer(self, prompts: Any) -> list[bool]:
+        return [False] * len(prompts)
+
+
+def test_a_slot_scoped_student_learns_nothing_the_router_keeps_and_earns_the_kb_penalty(
+    world: tuple[World, list[Client]],
+) -> None:
+    from dataclasses import replace
+
+    from peerlm.services.cpm import PROFILE_DIM, RandomMatchmaker
+
+    from peerlm.app.experiment_exchange import exchange
+
+    w, clients = world
+    for c in clients:
+        c.router = _RejectAll()  # type: ignore[assignment]
+    assert clients[0].slot_learns(w.plan) is None  # slot_scope "all": every item
+    w.plan = replace(w.plan, slot_scope="routed")
+    assert clients[0].slot_learns(w.plan) is not None
+    profiles = {c.name: np.ones(PROFILE_DIM) for c in clients}
+    records, _ = exchange(w, "random", RandomMatchmaker(seed=0), clients, profiles, 0, 1)
+    [record] = records
+    [student] = [c for c in clients if c.name == record["student"]]
+    # The exchange happened and was rewarded (the CPM hears it taught nothing), but no
+    # optimiser step was spent and the slot holds nothing new.
+    assert record["loss_pre"] == record["loss_post"]
+    assert record["reward"] == pytest.approx(-w.plan.reward_delta * record["kilobytes"], abs=1e-4)
+    assert student.exchanges == 1 and student.peer_steps == 0
+    own = student.host.adapter_state()
+    assert student.slot.state is not None
+    assert all(torch.equal(student.slot.state[k], own[k]) for k in own)

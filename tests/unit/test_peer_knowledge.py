@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 from peerlm.agent import LoraSettings, ModelHost, TrainSettings
-from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
+from peerlm.agent.exchange.package import TextItem, TextPackage, prompt_sha256
+from peerlm.agent.exchange.peer_knowledge import (
+    InputRouter,
+    PeerSlot,
+    learnt_items,
+    route_map,
+    routed_share,
+)
 
 OWN = [f'def add_{k}(x: int) -> int:\n    """Return x plus {k}."""\n    ' for k in range(30)]
 VAL = [f'def add_{k}(y: int) -> int:\n    """Return y plus {k}."""\n    ' for k in range(30, 40)]
@@ -25,6 +32,29 @@ def test_the_router_never_sends_an_own_validation_prompt_to_the_peer_slot() -> N
     assert all(router.to_peer(fresh))
     assert routed_share(router, fresh) == 1.0
     assert routed_share(None, fresh) == 0.0
+
+
+def test_the_slot_learns_the_items_its_router_sends_it_and_keeps_a_foreign_one() -> None:
+    router = InputRouter.fit(OWN, OTHER, VAL)
+    transfer = [*OWN[:3], *OTHER[:3]]
+    foreign = TextItem("x", prompt_sha256("not in X_u"), "return 0\n")
+    package = TextPackage(
+        teacher="t",
+        directive_id="d" * 32,
+        transfer_sha256="ab" * 32,
+        model_family="gpt2",
+        items=(
+            *(TextItem(str(i), prompt_sha256(p), "pass\n") for i, p in enumerate(transfer)),
+            foreign,
+        ),
+        created_at=1.0,
+    )
+    kept = learnt_items(package, transfer, router.to_peer)
+    # The own category's items go; the others' stay, and so does the item answering a
+    # prompt outside X_u, so that the integration still refuses the package for it.
+    assert [i.prompt_id for i in kept.items] == ["3", "4", "5", "x"]
+    assert kept.teacher == package.teacher and kept.created_at == package.created_at
+    assert learnt_items(package, transfer, lambda ps: [False] * len(ps)).items == (foreign,)
 
 
 def test_a_router_needs_every_set() -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -113,6 +115,7 @@ def integrate(
     t: int = 1,
     guardrail: Guardrail | None = None,
     reward_examples: list[tuple[str, str]] | None = None,
+    learns: Any = None,
 ) -> Integration:
     """:func:`integrate_package` of ``package`` in round ``t`` with the local set
     :data:`LOCAL` (also the validation set) and the transfer set :data:`PROMPTS`."""
@@ -127,6 +130,7 @@ def integrate(
         t=t,
         guardrail=guardrail,
         reward_examples=reward_examples,
+        learns=learns,
     )
 
 
@@ -239,6 +243,42 @@ def test_redacted_and_empty_completions_are_not_learnt_from(models: dict[str, Pa
     assert nothing.stats.kd_loss is None  # local only
     one_good = learn([spoiled[0], "return x * 2\n", ""])
     assert one_good.stats.kd_loss is not None
+
+
+def test_the_slot_scope_learns_only_the_accepted_items_and_nothing_when_none_is(
+    models: dict[str, Path],
+) -> None:
+    seen: list[list[str]] = []
+
+    def only_double(prompts: Sequence[str]) -> list[bool]:
+        seen.append(list(prompts))
+        return ["double" in p for p in prompts]
+
+    student = host(models, "gpt2")
+    kept = integrate(student, text_package(TEXTS), round_config=config(steps=2), learns=only_double)
+    assert seen == [PROMPTS] and kept.stats.steps == 2 and kept.stats.kd_loss is not None
+    # Every item refused: no step at all, the adapter as it was, the losses unchanged and
+    # Eq. 3's reward the KB penalty alone.
+    before = {k: v.clone() for k, v in student.adapter_state().items()}
+    none = integrate(
+        student,
+        text_package(TEXTS),
+        kilobytes=3.0,
+        round_config=config(steps=2),
+        learns=lambda prompts: [False] * len(prompts),
+    )
+    assert none.stats.steps == 0 and not none.rolled_back
+    assert none.loss_pre == none.loss_post
+    assert none.reward == pytest.approx(reward_eq3(1.0, 1.0, 3.0, 1.0, 0.001))
+    after = student.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # A logits package is filtered the same way.
+    teacher = host(models, "gpt2", seed=1)
+    logits = decode_package(package_bytes(teacher, "logits"))
+    got = integrate(
+        student, logits, round_config=config(steps=2), learns=lambda ps: [False] * len(ps)
+    )
+    assert got.mode == "logits" and got.stats.steps == 0 and got.temperature is not None
 
 
 def test_incoming_text_items_are_vetted_before_the_student_learns(
