@@ -151,7 +151,7 @@ if TYPE_CHECKING:
     )
     from peerlm.agent.peer.service import PeerExchangeService, serve_peer
     from peerlm.agent.peer.transport import GrpcPeers, PeerTransport
-    from peerlm.agent.peer_integration import INTEGRATIONS, slot_runner
+    from peerlm.agent.peer_integration import INTEGRATIONS, learnt_anything, slot_runner
     from peerlm.agent.settings import AgentOverlaySettings, AgentSettings
     from peerlm.agent.tasks.bank import (
         CATEGORIES,
@@ -192,6 +192,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "PeerTransport": ("peerlm.agent.peer.transport", "PeerTransport"),
     "INTEGRATIONS": ("peerlm.agent.peer_integration", "INTEGRATIONS"),
     "slot_runner": ("peerlm.agent.peer_integration", "slot_runner"),
+    "learnt_anything": ("peerlm.agent.peer_integration", "learnt_anything"),
     "AgentOverlaySettings": ("peerlm.agent.settings", "AgentOverlaySettings"),
     "AgentSettings": ("peerlm.agent.settings", "AgentSettings"),
     "pull_settings": ("peerlm.agent.overlay_client.step", "pull_settings"),
@@ -458,6 +459,7 @@ __all__ = [
     "integrate_adapters",
     "integrate_package",
     "kept_count",
+    "learnt_anything",
     "local_update",
     "merge_proxies",
     "next_directive",

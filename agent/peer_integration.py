@@ -50,6 +50,7 @@ __all__ = [
     "SLOT_EXTRA",
     "fit_agent_router",
     "in_slot",
+    "learnt_anything",
     "restore_slot",
     "slot_extra",
     "slot_record",
@@ -82,8 +83,10 @@ def in_slot(
     back afterwards. An integration (:data:`INTEGRATIONS`) keeps its effect in the slot and
     counts as ``what``; any other call leaves the slot as it was (module docstring)."""
     if fn in INTEGRATIONS:
-        with slot.active(host, what):
-            return fn(*args, **kw)
+        with slot.active(host, what) as write:
+            out = fn(*args, **kw)
+            write.kept = learnt_anything(out)
+            return out
     if slot.state is None:
         own = host.adapter_state()
         try:
@@ -96,6 +99,14 @@ def in_slot(
         return fn(*args, **kw)
     finally:
         host.load_adapter_state(own)
+
+
+def learnt_anything(integration: Any) -> bool:
+    """Whether an integration call's result trained the adapter: False only for an AKD
+    integration that took no optimiser step (``slot_scope: routed`` with nothing left of
+    the package); a merge's result carries no training statistics and counts as learnt."""
+    stats = getattr(integration, "stats", None)
+    return stats is None or int(stats.steps) > 0
 
 
 def slot_runner(

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from peerlm.agent.exchange.package import KnowledgePackage
     from peerlm.agent.modelhost import ModelHost
 
-__all__ = ["InputRouter", "PeerSlot", "learnt_items", "route_map", "routed_share"]
+__all__ = ["InputRouter", "PeerSlot", "SlotWrite", "learnt_items", "route_map", "routed_share"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -131,6 +131,13 @@ class InputRouter:
 
 
 @dataclass
+class SlotWrite:
+    """What one :meth:`PeerSlot.active` block did: ``kept`` False when it learnt nothing."""
+
+    kept: bool = True
+
+
+@dataclass
 class PeerSlot:
     """The adapter that holds what a participant learnt from peers (module docstring).
 
@@ -145,17 +152,22 @@ class PeerSlot:
     history: list[str] = field(default_factory=list)
 
     @contextmanager
-    def active(self, host: ModelHost, what: str = "integration") -> Iterator[None]:
+    def active(self, host: ModelHost, what: str = "integration") -> Iterator[SlotWrite]:
         """The slot in ``host`` inside the block; the own adapter restored after it, even
-        when the block raises (the slot then keeps its state from before the block)."""
+        when the block raises (the slot then keeps its state from before the block). The
+        block may set the yielded :class:`SlotWrite`'s ``kept`` to False when it learnt
+        nothing (an AKD package the slot learns none of): the slot then stays as it was,
+        uncounted."""
         own = host.adapter_state()
         before = self.state
         host.load_adapter_state(self.state if self.state is not None else own)
+        write = SlotWrite()
         try:
-            yield
-            self.state = host.adapter_state()
-            self.integrations += 1
-            self.history.append(what)
+            yield write
+            if write.kept:
+                self.state = host.adapter_state()
+                self.integrations += 1
+                self.history.append(what)
         except BaseException:
             self.state = before
             raise

@@ -465,6 +465,8 @@ class InProcessFederation:
         changed nothing (``not_integrated``) is an outcome too."""
         import asyncio
 
+        from peerlm.agent import learnt_anything
+
         by_name = {c.name: c for c in self.clients}
         teacher, student = by_name[pairing.sender], by_name[pairing.receiver]
         d = cpm_pb2.Directive(
@@ -488,7 +490,7 @@ class InProcessFederation:
             if not failed or len(unchanged) != len(failed):
                 raise RuntimeError(f"directive {directive_id} failed in the student: {failed}")
         integrated = len(learner.integrations)
-        stepped = sum(1 for x in learner.integrations if _steps(x))
+        stepped = sum(1 for x in learner.integrations if learnt_anything(x))
         if report is None or report.failure or not integrated:
             return Executed(None, integrated, stepped)
         kilobytes = (self.peers.bytes_served - served) / 1024
@@ -510,10 +512,3 @@ class InProcessFederation:
             integrated,
             stepped,
         )
-
-
-def _steps(integration: Any) -> int:
-    """The optimiser steps an integration call took (a merge's result has no training
-    statistics: it counts as stepping)."""
-    stats = getattr(integration, "stats", None)
-    return 1 if stats is None else int(stats.steps)

@@ -67,9 +67,9 @@ def integrate(
     i: int,
     t: int,
 ) -> Integration:
-    from peerlm.agent import integrate_package
+    from peerlm.agent import integrate_package, learnt_anything
 
-    with student.integrating(world.plan, f"akd-{package.__class__.__name__}"):
+    with student.integrating(world.plan, f"akd-{package.__class__.__name__}") as write:
         result = integrate_package(
             student.host,
             package,
@@ -81,7 +81,10 @@ def integrate(
             t=t,
             learns=student.slot_learns(world.plan),
         )
-    student.peer_steps += result.stats.steps and world.plan.integration_steps
+        if write is not None:
+            write.kept = learnt_anything(result)
+    if learnt_anything(result):
+        student.peer_steps += world.plan.integration_steps
     return result
 
 

@@ -110,6 +110,32 @@ def test_a_direct_akd_integration_through_the_runner_counts_and_stays_in_the_slo
     assert slot.integrations == 1 and slot.state is not None and not _same(slot.state, own)
 
 
+def test_an_akd_package_the_slot_learns_nothing_of_leaves_it_as_it_was(host: ModelHost) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot()
+    run = slot_runner(inline, slot, host, "akd")
+    nothing = asyncio.run(
+        run(
+            integrate_package, host, _package(), **_akd_args(2), learns=lambda ps: [False] * len(ps)
+        )
+    )
+    assert nothing.stats.steps == 0 and nothing.loss_pre == nothing.loss_post
+    assert slot.state is None and slot.integrations == 0 and slot.history == []
+    assert _same(host.adapter_state(), own)
+    # One item learnt: the slot takes it and counts it.
+    learnt = asyncio.run(
+        run(
+            integrate_package,
+            host,
+            _package(),
+            **_akd_args(2),
+            learns=lambda ps: [p == OTHER[0] for p in ps],
+        )
+    )
+    assert learnt.stats.steps == 2 and slot.integrations == 1 and slot.state is not None
+    assert _same(host.adapter_state(), own)
+
+
 def test_a_merge_through_the_runner_writes_the_slot_and_measurements_leave_it(
     host: ModelHost,
 ) -> None:

@@ -91,6 +91,17 @@ def test_what_an_integration_does_stays_in_the_slot_and_the_own_adapter_is_untou
         assert _same(host.adapter_state(), first)
 
 
+def test_a_block_that_learnt_nothing_leaves_the_slot_as_it_was(host: ModelHost) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot()
+    pairs = [(p, "return x\n") for p in OTHER[:8]]
+    with slot.active(host, "akd") as write:
+        host.train_local(pairs, TrainSettings(learning_rate=5e-2, seed=1), steps=1)
+        write.kept = False
+    assert slot.state is None and slot.integrations == 0 and slot.history == []
+    assert _same(host.adapter_state(), own)
+
+
 def test_a_failed_integration_keeps_the_slot_and_restores_the_own_adapter(
     host: ModelHost,
 ) -> None:
