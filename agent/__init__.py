@@ -151,7 +151,12 @@ if TYPE_CHECKING:
     )
     from peerlm.agent.peer.service import PeerExchangeService, serve_peer
     from peerlm.agent.peer.transport import GrpcPeers, PeerTransport
-    from peerlm.agent.peer_integration import INTEGRATIONS, learnt_anything, slot_runner
+    from peerlm.agent.peer_integration import (
+        INTEGRATIONS,
+        learnt_anything,
+        slot_learns,
+        slot_runner,
+    )
     from peerlm.agent.settings import AgentOverlaySettings, AgentSettings
     from peerlm.agent.tasks.bank import (
         CATEGORIES,
@@ -193,6 +198,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "INTEGRATIONS": ("peerlm.agent.peer_integration", "INTEGRATIONS"),
     "slot_runner": ("peerlm.agent.peer_integration", "slot_runner"),
     "learnt_anything": ("peerlm.agent.peer_integration", "learnt_anything"),
+    "slot_learns": ("peerlm.agent.peer_integration", "slot_learns"),
     "AgentOverlaySettings": ("peerlm.agent.settings", "AgentOverlaySettings"),
     "AgentSettings": ("peerlm.agent.settings", "AgentSettings"),
     "pull_settings": ("peerlm.agent.overlay_client.step", "pull_settings"),
@@ -493,6 +499,7 @@ __all__ = [
     "serve_peer",
     "signature_inputs",
     "simulate_fedwave_strategy",
+    "slot_learns",
     "slot_runner",
     "structural_match_rate",
     "teachable_indices",

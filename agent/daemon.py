@@ -87,6 +87,7 @@ from peerlm.agent.peer_integration import (
     fit_agent_router,
     restore_slot,
     slot_extra,
+    slot_learns,
     slot_record,
     slot_runner,
 )
@@ -362,9 +363,9 @@ class AgentDaemon:
     def slot_learns(self) -> Callable[[Sequence[str]], Sequence[bool]] | None:
         """With ``slot_scope: routed`` and a peer slot, the router's peer side: what the
         slot distils of a package (:func:`~peerlm.agent.exchange.peer_knowledge.learnt_items`)."""
-        if self.slot is None or self.router is None or self.s.slot_scope != "routed":
+        if self.slot is None:
             return None
-        return self.router.to_peer
+        return slot_learns(self.router, self.s.slot_scope)
 
     def integrating(self, what: str) -> Callable[..., Awaitable[Any]]:
         """How an integration's model calls run: in the peer slot (``separate``, labelled

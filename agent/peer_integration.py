@@ -53,6 +53,7 @@ __all__ = [
     "learnt_anything",
     "restore_slot",
     "slot_extra",
+    "slot_learns",
     "slot_record",
     "slot_runner",
 ]
@@ -99,6 +100,19 @@ def in_slot(
         return fn(*args, **kw)
     finally:
         host.load_adapter_state(own)
+
+
+def slot_learns(
+    router: InputRouter | None, slot_scope: str
+) -> Callable[[Sequence[str]], Sequence[bool]] | None:
+    """What a peer slot distils of a package (``slot_scope``): None for ``"all"`` (every
+    item); for ``"routed"``, what ``router`` sends to the slot, and nothing at all without
+    a router (then no input ever reaches the slot)."""
+    if slot_scope != "routed":
+        return None
+    if router is None:
+        return lambda prompts: [False] * len(prompts)
+    return router.to_peer
 
 
 def learnt_anything(integration: Any) -> bool:

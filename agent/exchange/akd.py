@@ -105,7 +105,8 @@ class Distillation(ExchangeProtocol):
         ack = await report_reward(ctx, d, result.reward, result.loss_pre, result.loss_post, kb)
         if ack is None:
             return
-        ctx.telemetry.packages_integrated.labels(result.mode).inc()
+        if result.stats.steps:  # slot_scope routed: a package the slot learns none of
+            ctx.telemetry.packages_integrated.labels(result.mode).inc()
         ctx.summary.exchanges += 1
         ctx.summary.bytes_received += len(data)
         ctx.summary.rewards.append(round(result.reward, 6))
@@ -118,6 +119,7 @@ class Distillation(ExchangeProtocol):
             result.loss_post,
             result.reward,
             mode=result.mode,
+            steps=result.stats.steps,
             alpha_kd=round(result.alpha_kd, 3),
             temperature=None if result.temperature is None else round(result.temperature, 3),
             kilobytes=round(kb, 1),

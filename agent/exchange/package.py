@@ -75,6 +75,7 @@ __all__ = [
     "build_text_package",
     "decode_package",
     "encode_package",
+    "item_prompts",
     "package_size_kb",
     "prompt_sha256",
     "student_limits",
@@ -308,6 +309,13 @@ def build_logits_package(
     return encode_package(package), withheld
 
 
+def item_prompts(package: KnowledgePackage, prompts: Sequence[str]) -> list[str | None]:
+    """Per item of ``package``, the prompt of ``prompts`` it answers (matched by hash: a
+    package carries hashes, not prompts), or None for one it does not know."""
+    by_hash = {prompt_sha256(p): p for p in prompts}
+    return [by_hash.get(item.prompt_sha256) for item in package.items]
+
+
 def text_pairs(package: TextPackage, prompts: Sequence[str]) -> list[tuple[str, str]]:
     """(prompt, completion) pairs, each prompt taken from the student's own copy of X_u.
 
@@ -315,10 +323,8 @@ def text_pairs(package: TextPackage, prompts: Sequence[str]) -> list[tuple[str, 
     is not one of ``prompts`` raises :class:`PackageError` (the teacher answered something
     that is not our transfer set).
     """
-    by_hash = {prompt_sha256(p): p for p in prompts}
     pairs: list[tuple[str, str]] = []
-    for item in package.items:
-        prompt = by_hash.get(item.prompt_sha256)
+    for item, prompt in zip(package.items, item_prompts(package, prompts), strict=True):
         if prompt is None:
             raise PackageError(
                 f"item {item.prompt_id!r} answers a prompt (sha256 {item.prompt_sha256[:12]}…) "

@@ -235,11 +235,14 @@ def learnt_items(
     a prompt outside ``transfer_prompts`` is kept, so that the integration refuses the
     package for it exactly as without this filter.
     """
-    from peerlm.agent.exchange.package import prompt_sha256
+    from peerlm.agent.exchange.package import item_prompts
 
-    by_hash = {prompt_sha256(p): p for p in transfer_prompts}
-    prompts = [by_hash.get(item.prompt_sha256) for item in package.items]
-    accepted = iter(learns([p for p in prompts if p is not None]))
+    prompts = item_prompts(package, transfer_prompts)
+    known = [p for p in prompts if p is not None]
+    verdicts = list(learns(known))
+    if len(verdicts) != len(known):
+        raise ValueError(f"learns gave {len(verdicts)} answers for {len(known)} prompts")
+    accepted = iter(verdicts)
     kept = tuple(
         item
         for item, prompt in zip(package.items, prompts, strict=True)

@@ -349,12 +349,10 @@ def logit_entries(
     the teacher's text. Raises :class:`~peerlm.agent.exchange.package.PackageError` for an item
     that answers a prompt outside ``prompts``.
     """
-    from peerlm.agent.exchange.package import PackageError, prompt_sha256
+    from peerlm.agent.exchange.package import PackageError, item_prompts
 
-    by_hash = {prompt_sha256(p): p for p in prompts}
     entries: list[dict[str, Any]] = []
-    for item in package.items:
-        prompt = by_hash.get(item.prompt_sha256)
+    for item, prompt in zip(package.items, item_prompts(package, prompts), strict=True):
         if prompt is None:
             raise PackageError(
                 f"item {item.prompt_id!r} answers a prompt that is not in our transfer set"
@@ -436,13 +434,15 @@ def integrate_package(
 
     With ``learns`` (the peer slot's scope, ``slot_scope: routed``:
     :func:`~peerlm.agent.exchange.peer_knowledge.learnt_items`), an item whose prompt it
-    rejects is not learnt from; a package with nothing left trains nothing at all, so
+    rejects is not learnt from; a package with nothing left to learn (after that filter,
+    the empty and redacted items and the guardrail) trains nothing at all, so
     L_post = L_pre and the reward is Eq. 3's -delta * KB: the CPM hears that the exchange
     taught this student nothing it would use.
     """
     from peerlm.agent.acceptance import AcceptanceGate, judge
     from peerlm.agent.exchange.package import TextPackage, text_pairs
     from peerlm.agent.exchange.peer_knowledge import learnt_items
+    from peerlm.agent.modelhost import TokenizerMismatchError
     from peerlm.agent.vetting.guardrail import placeholder
 
     alpha = config.alpha_kd(t)
@@ -453,10 +453,15 @@ def integrate_package(
         if reward_examples
         else None
     )
+    if not isinstance(package, TextPackage) and package.tokenizer_sha256 != host.tokenizer_hash:
+        # Refused whatever its items: so also when the slot's scope would leave none.
+        raise TokenizerMismatchError(
+            "logit distillation needs the teacher's tokenizer to be the student's "
+            f"(teacher {package.tokenizer_sha256[:12]}, student {host.tokenizer_hash[:12]}); "
+            "use text distillation across tokenizers"
+        )
     if learns is not None:
         package = learnt_items(package, transfer_prompts, learns)
-        if not package.items:
-            return _taught_nothing(package, alpha, config, t, pre, probe_pre, kilobytes)
     before = host.adapter_state() if config.acceptance_margin is not None else None
     temperature: float | None = None
     if isinstance(package, TextPackage):
@@ -473,6 +478,8 @@ def integrate_package(
         if guardrail is not None and pairs:
             verdicts = guardrail.vet_incoming([c for _, c in pairs])
             pairs = [pair for pair, verdict in zip(pairs, verdicts, strict=True) if not verdict]
+        if not pairs and learns is not None:  # nothing the slot would use: no step
+            return _taught_nothing(package, alpha, config, t, pre, probe_pre, kilobytes)
         if not pairs:  # nothing to learn from the teacher: local data only
             stats = host.train_local(local_examples, settings, steps=config.local_steps)
         else:
@@ -496,6 +503,8 @@ def integrate_package(
             ]
             verdicts = guardrail.vet_incoming(texts)
             entries = [e for e, verdict in zip(entries, verdicts, strict=True) if not verdict]
+        if not entries and learns is not None:
+            return _taught_nothing(package, alpha, config, t, pre, probe_pre, kilobytes)
         if not entries:
             stats = host.train_local(local_examples, settings, steps=config.local_steps)
         else:

@@ -497,7 +497,11 @@ class InProcessFederation:
         record: dict[str, Any] = {"teacher": teacher.name, "student": student.name}
         if protocol.entry.kind == "distillation":
             result = learner.integrations[-1]
-            record |= {"mode": result.mode, "alpha_kd": round(result.alpha_kd, 4)}
+            record |= {
+                "mode": result.mode,
+                "alpha_kd": round(result.alpha_kd, 4),
+                "steps": result.stats.steps,
+            }
         else:
             record |= {"co_senders": list(pairing.co_senders), "mode": pairing.protocol}
         return Executed(

@@ -32,6 +32,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from peerlm.app.experiment_participant import unit_matrix
 from peerlm.app.experiment_stats import paired_bootstrap, paired_share
 
 __all__ = ["CEILING", "render_ceiling", "teaching_ceiling", "transfer_table"]
@@ -54,13 +55,7 @@ def _matrices(
 ) -> dict[str, np.ndarray]:
     names = [c["name"] for c in result["clients"]]
     holders = _holders(result["units"])
-    values: dict[str, np.ndarray] = {}
-    for strategy in result["plan"]["strategies"]:
-        rows = []
-        for seed in result["plan"]["seeds"]:
-            clients = result["runs"][strategy][str(seed)]["clients"]
-            rows.append([clients[names[i]][metric][j] for i, j in units])
-        values[strategy] = np.asarray(rows, dtype=np.float64)
+    values = {s: unit_matrix(result, s, metric, units) for s in result["plan"]["strategies"]}
     rows = []
     for seed in result["plan"]["seeds"]:
         alone = result["runs"][_BASELINE][str(seed)]["clients"]
@@ -122,12 +117,15 @@ def teaching_ceiling(
 
 def _taught(run: Mapping[str, Any], teacher: str, student: str) -> int:
     """Exchanges of ``run`` in which ``teacher`` taught ``student`` (an overlay pull names
-    its senders comma-separated)."""
+    its senders comma-separated); not one that took no step (``slot_scope: routed`` with
+    nothing of the package for the slot)."""
     return sum(
         1
         for r in run["rounds"]
         for x in r["exchanges"]
-        if x.get("student") == student and teacher in str(x.get("teacher", "")).split(",")
+        if x.get("student") == student
+        and teacher in str(x.get("teacher", "")).split(",")
+        and x.get("steps", 1) != 0
     )
 
 
@@ -152,16 +150,7 @@ def transfer_table(
             ]
             if not units:
                 continue
-            values = {
-                s: np.asarray(
-                    [
-                        [result["runs"][s][k]["clients"][student][metric][j] for _a, j in units]
-                        for k in seeds
-                    ],
-                    dtype=np.float64,
-                )
-                for s in (strategy, _BASELINE)
-            }
+            values = {s: unit_matrix(result, s, metric, units) for s in (strategy, _BASELINE)}
             _means, diffs = paired_bootstrap(values, [(strategy, _BASELINE)])
             est = diffs[(strategy, _BASELINE)]
             alone = [result["runs"][_BASELINE][k]["clients"][holder][metric] for k in seeds]

@@ -25,7 +25,7 @@ from scipy import stats as scipy_stats
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import paired_bootstrap
 
-__all__ = ["NET", "participant_report", "seed_interval"]
+__all__ = ["NET", "participant_report", "seed_interval", "unit_matrix"]
 
 #: The name of the whole-participant "slice".
 NET = "net"
@@ -39,12 +39,13 @@ def _units(result: Mapping[str, Any], slice_name: str) -> list[tuple[int, int]]:
     return [tuple(u) for u in result["units"].get(slice_name, [])]  # type: ignore[misc]
 
 
-def _matrix(
+def unit_matrix(
     result: Mapping[str, Any],
     strategy: str,
     metric: str,
     units: Sequence[tuple[int, int]],
 ) -> np.ndarray:
+    """[seeds, units] of one metric of one strategy over ``units`` (client, problem)."""
     names = [c["name"] for c in result["clients"]]
     rows = []
     for seed in result["plan"]["seeds"]:
@@ -83,7 +84,7 @@ def participant_report(
     if not units:
         return out
     for metric in metrics:
-        values = {s: _matrix(result, s, metric, units) for s in strategies}
+        values = {s: unit_matrix(result, s, metric, units) for s in strategies}
         pairs = [(s, BASELINE) for s in others] if BASELINE in strategies else []
         means, diffs = paired_bootstrap(values, pairs)
         for s in strategies:
@@ -101,7 +102,7 @@ def participant_report(
         if not slice_units:
             continue
         for metric in metrics:
-            values = {s: _matrix(result, s, metric, slice_units) for s in strategies}
+            values = {s: unit_matrix(result, s, metric, slice_units) for s in strategies}
             _means, diffs = paired_bootstrap(values, [(s, BASELINE) for s in others])
             for (a, b), est in diffs.items():
                 out["slice_vs_local_plus"].setdefault(slice_name, {}).setdefault(a, {})[metric] = {
@@ -116,7 +117,7 @@ def participant_report(
             if not mine:
                 continue
             for metric in metrics:
-                values = {s: _matrix(result, s, metric, mine) for s in strategies}
+                values = {s: unit_matrix(result, s, metric, mine) for s in strategies}
                 _means, diffs = paired_bootstrap(values, [(s, BASELINE) for s in others])
                 for (a, _b), est in diffs.items():
                     out["per_client"].setdefault(name, {}).setdefault(a, {}).setdefault(

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from peerlm.app.experiment_ceiling import teaching_ceiling
-from peerlm.app.experiment_participant import participant_report
+from peerlm.app.experiment_participant import participant_report, unit_matrix
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import paired_bootstrap, paired_share
 from peerlm.app.experiment_strategies import COLLABORATIVE, COMPARISONS, LABELS, METRICS
@@ -20,12 +20,7 @@ __all__ = ["metric_matrix", "summarise"]
 
 def metric_matrix(result: Mapping[str, Any], strategy: str, metric: str, slice_name: str) -> Any:
     """[seeds, units] of one metric of one strategy on one slice."""
-    names = [c["name"] for c in result["clients"]]
-    rows = []
-    for seed in result["plan"]["seeds"]:
-        clients = result["runs"][strategy][str(seed)]["clients"]
-        rows.append([clients[names[i]][metric][j] for i, j in result["units"][slice_name]])
-    return np.asarray(rows, dtype=np.float64)
+    return unit_matrix(result, strategy, metric, result["units"][slice_name])
 
 
 def _cpm_learning(result: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -90,9 +90,11 @@ class Client:
     def slot_learns(self, plan: ExperimentPlan) -> Callable[[Sequence[str]], Sequence[bool]] | None:
         """With ``slot_scope: routed`` (and a peer slot), the router's peer side: what the
         slot distils of a package; None: every item."""
-        if plan.integration != "separate" or plan.slot_scope != "routed" or self.router is None:
+        from peerlm.agent import slot_learns
+
+        if plan.integration != "separate":
             return None
-        return self.router.to_peer
+        return slot_learns(self.router, plan.slot_scope)
 
     def routed(
         self, problems: Sequence[_P2], run: Callable[[Sequence[_P2]], Sequence[_R]]

@@ -43,6 +43,8 @@ def _result(scores: dict[str, list[list[list[float]]]], metric: str = "pass@1") 
                             "exchanges": [
                                 {"teacher": "agent-0,agent-1", "student": "agent-2"},
                                 {"teacher": "agent-1", "student": "agent-0"},
+                                # Taught nothing (slot_scope routed): not counted.
+                                {"teacher": "agent-1", "student": "agent-0", "steps": 0},
                             ]
                         },
                     ],

@@ -21,6 +21,7 @@ from peerlm.agent.peer_integration import (
     in_slot,
     restore_slot,
     slot_extra,
+    slot_learns,
     slot_record,
     slot_runner,
 )
@@ -134,6 +135,19 @@ def test_an_akd_package_the_slot_learns_nothing_of_leaves_it_as_it_was(host: Mod
     )
     assert learnt.stats.steps == 2 and slot.integrations == 1 and slot.state is not None
     assert _same(host.adapter_state(), own)
+
+
+def test_the_slot_scope_is_the_routers_peer_side_and_nothing_without_a_router() -> None:
+    router, _how = fit_agent_router(OWN, ["add"] * len(OWN), OTHER, ["pal"] * len(OTHER), VAL)
+    assert router is not None
+    assert slot_learns(router, "all") is None and slot_learns(None, "all") is None
+    learns = slot_learns(router, "routed")
+    assert learns is not None and list(learns([OTHER[0], VAL[0]])) == [True, False]
+    # No router: no input ever reaches the slot, so it learns nothing either.
+    nothing = slot_learns(None, "routed")
+    assert nothing is not None and list(nothing([OTHER[0], VAL[0]])) == [False, False]
+    with pytest.raises(ValueError):
+        AgentSettings(slot_scope="everything")  # type: ignore[arg-type]
 
 
 def test_a_merge_through_the_runner_writes_the_slot_and_measurements_leave_it(

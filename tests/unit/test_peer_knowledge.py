@@ -55,6 +55,8 @@ def test_the_slot_learns_the_items_its_router_sends_it_and_keeps_a_foreign_one()
     assert [i.prompt_id for i in kept.items] == ["3", "4", "5", "x"]
     assert kept.teacher == package.teacher and kept.created_at == package.created_at
     assert learnt_items(package, transfer, lambda ps: [False] * len(ps)).items == (foreign,)
+    with pytest.raises(ValueError, match="answers for 6 prompts"):
+        learnt_items(package, transfer, lambda ps: [True])
 
 
 def test_a_router_needs_every_set() -> None:

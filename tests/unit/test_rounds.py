@@ -279,6 +279,15 @@ def test_the_slot_scope_learns_only_the_accepted_items_and_nothing_when_none_is(
         student, logits, round_config=config(steps=2), learns=lambda ps: [False] * len(ps)
     )
     assert got.mode == "logits" and got.stats.steps == 0 and got.temperature is not None
+    # Nothing left once the empty and redacted items are dropped: no step either (no
+    # fall-back to training the slot on own data).
+    blank = integrate(
+        student, text_package(["", " ", ""]), round_config=config(steps=2), learns=only_double
+    )
+    assert blank.stats.steps == 0
+    # Logits of another tokenizer are refused whatever the scope leaves of them.
+    with pytest.raises(TokenizerMismatchError):
+        integrate(host(models, "qwen2"), logits, learns=lambda ps: [False] * len(ps))
 
 
 def test_incoming_text_items_are_vetted_before_the_student_learns(
