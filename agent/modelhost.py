@@ -506,15 +506,19 @@ class ModelHost:
         stats.local_loss, stats.kd_loss, stats.alpha_kd = ce_src.mean(), kl_src.mean(), 1.0 - a
         return stats
 
-    def _logit_target(self, entry: Mapping[str, Any], limit: int) -> LogitTarget:
-        their = str(entry.get("tokenizer_hash", ""))
-        if their != self.tokenizer_hash:
+    def check_logit_tokenizer(self, teacher_hash: str) -> None:
+        """Raise :class:`TokenizerMismatchError` unless logits of a teacher whose tokenizer
+        hashes to ``teacher_hash`` index this model's vocabulary (the same tokenizer)."""
+        if teacher_hash != self.tokenizer_hash:
             raise TokenizerMismatchError(
                 "logit distillation needs the teacher's tokenizer to be the student's "
-                f"(teacher vocabulary {their[:12] or 'unknown'}, student "
+                f"(teacher vocabulary {teacher_hash[:12] or 'unknown'}, student "
                 f"{self.tokenizer_hash[:12]}); use text distillation (train_akd) across "
                 "tokenizers"
             )
+
+    def _logit_target(self, entry: Mapping[str, Any], limit: int) -> LogitTarget:
+        self.check_logit_tokenizer(str(entry.get("tokenizer_hash", "")))
         ids = [int(i) for i in np.asarray(entry["input_ids"]).tolist()]
         prompt_length = int(entry["prompt_length"])
         top_ids = np.asarray(entry["ids"], dtype=np.int64)

@@ -442,7 +442,6 @@ def integrate_package(
     from peerlm.agent.acceptance import AcceptanceGate, judge
     from peerlm.agent.exchange.package import TextPackage, text_pairs
     from peerlm.agent.exchange.peer_knowledge import learnt_items
-    from peerlm.agent.modelhost import TokenizerMismatchError
     from peerlm.agent.vetting.guardrail import placeholder
 
     alpha = config.alpha_kd(t)
@@ -453,13 +452,9 @@ def integrate_package(
         if reward_examples
         else None
     )
-    if not isinstance(package, TextPackage) and package.tokenizer_sha256 != host.tokenizer_hash:
+    if not isinstance(package, TextPackage):
         # Refused whatever its items: so also when the slot's scope would leave none.
-        raise TokenizerMismatchError(
-            "logit distillation needs the teacher's tokenizer to be the student's "
-            f"(teacher {package.tokenizer_sha256[:12]}, student {host.tokenizer_hash[:12]}); "
-            "use text distillation across tokenizers"
-        )
+        host.check_logit_tokenizer(package.tokenizer_sha256)
     if learns is not None:
         package = learnt_items(package, transfer_prompts, learns)
     before = host.adapter_state() if config.acceptance_margin is not None else None

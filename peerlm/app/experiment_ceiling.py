@@ -35,7 +35,14 @@ import numpy as np
 from peerlm.app.experiment_participant import unit_matrix
 from peerlm.app.experiment_stats import paired_bootstrap, paired_share
 
-__all__ = ["CEILING", "render_ceiling", "teaching_ceiling", "transfer_table"]
+__all__ = [
+    "CEILING",
+    "ceiling_matrices",
+    "held_lacked_units",
+    "render_ceiling",
+    "teaching_ceiling",
+    "transfer_table",
+]
 
 #: The pseudo-strategy name of the holders' scores.
 CEILING: Final = "holders"
@@ -50,12 +57,30 @@ def _holders(units: Mapping[str, Sequence[Sequence[int]]]) -> dict[int, list[int
     return out
 
 
-def _matrices(
-    result: Mapping[str, Any], metric: str, units: Sequence[tuple[int, int]]
+def held_lacked_units(result: Mapping[str, Any]) -> tuple[list[tuple[int, int]], int]:
+    """The lacked units whose problem some client holds (the units a ceiling exists for),
+    and how many lacked units have no holder."""
+    holders = _holders(result["units"])
+    lacked = [(int(i), int(j)) for i, j in result["units"].get("lacked", [])]
+    units = [u for u in lacked if holders.get(u[1])]
+    return units, len(lacked) - len(units)
+
+
+def ceiling_matrices(
+    result: Mapping[str, Any],
+    metric: str,
+    strategies: Sequence[str],
+    units: Sequence[tuple[int, int]] | None = None,
 ) -> dict[str, np.ndarray]:
+    """``{name: [seeds, units]}`` of ``metric`` on the held lacked units (or ``units``):
+    each of ``strategies`` and, under :data:`CEILING`, the holders' mean LocalOnly+ score
+    of each unit (module docstring). ``strategies`` may name :data:`CEILING` itself; the
+    result must hold a LocalOnly+ run."""
+    if units is None:
+        units = held_lacked_units(result)[0]
     names = [c["name"] for c in result["clients"]]
     holders = _holders(result["units"])
-    values = {s: unit_matrix(result, s, metric, units) for s in result["plan"]["strategies"]}
+    values = {s: unit_matrix(result, s, metric, units) for s in strategies if s != CEILING}
     rows = []
     for seed in result["plan"]["seeds"]:
         alone = result["runs"][_BASELINE][str(seed)]["clients"]
@@ -78,20 +103,18 @@ def teaching_ceiling(
     """
     if _BASELINE not in result["plan"]["strategies"]:
         return None
-    holders = _holders(result["units"])
-    lacked = [(int(i), int(j)) for i, j in result["units"].get("lacked", [])]
-    units = [u for u in lacked if holders.get(u[1])]
+    units, without = held_lacked_units(result)
     if not units:
         return None
     others = [s for s in result["plan"]["strategies"] if s != _BASELINE]
     out: dict[str, Any] = {
         "units": len(units),
-        "units_without_holder": len(lacked) - len(units),
+        "units_without_holder": without,
         "metrics": {},
         "transfer": {s: transfer_table(result, s) for s in others},
     }
     for metric in metrics:
-        values = _matrices(result, metric, units)
+        values = ceiling_matrices(result, metric, result["plan"]["strategies"], units)
         pairs = [(CEILING, _BASELINE)] + [(s, _BASELINE) for s in others]
         means, diffs = paired_bootstrap(values, pairs)
         gap = diffs[(CEILING, _BASELINE)]

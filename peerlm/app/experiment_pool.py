@@ -10,6 +10,12 @@ each world and averages the worlds with equal weight.
 ``python -m peerlm.app.experiment_pool W0/results.json W1/results.json
 --pair cpm:random --pair cpm:local_plus --share cpm:local_plus:oracle [--slice lacked]``
 prints, per slice and metric, each world's difference and the pooled one, or ``--json``.
+
+The teaching ceiling (:mod:`~peerlm.app.experiment_ceiling`) pools too: name it
+``holders`` (``--pair holders:local_plus`` for the gap it leaves, ``--share
+cpm:local_plus:holders`` for a strategy's share of that gap). It exists only on the lacked
+units that some client holds, so every pair and share naming it is reported under a slice
+of its own, ``lacked_held``, where the strategies are compared on those units too.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ from typing import Any
 import numpy as np
 from scipy import stats as scipy_stats
 
+from peerlm.app.experiment_ceiling import CEILING, ceiling_matrices, held_lacked_units
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import stratified_bootstrap
 from peerlm.app.experiment_strategies import METRICS
 from peerlm.app.experiment_summary import metric_matrix
 
-__all__ = ["main", "pool_results"]
+__all__ = ["HELD_SLICE", "main", "pool_results"]
+
+#: The slice of the lacked units some client holds: where the teaching ceiling is defined.
+HELD_SLICE = "lacked_held"
 
 
 def _names(text: str, parts: int, what: str) -> tuple[str, ...]:
@@ -58,23 +68,48 @@ def pool_results(
             "with run-experiment --reuse first"
         )
     needed = sorted({n for p in pairs for n in p} | {n for s in shares for n in s})
+    ceiling = CEILING in needed
+    runs_needed = sorted(
+        {n for n in needed if n != CEILING} | ({"local_plus"} if ceiling else set())
+    )
     for r, w in zip(results, worlds, strict=True):
-        missing = [n for n in needed if n not in r["runs"]]
+        missing = [n for n in runs_needed if n not in r["runs"]]
         if missing:
             raise ValueError(f"world {w} has no run of {missing}")
     out: dict[str, dict[str, dict[str, Any]]] = {}
+    plain_pairs = [p for p in pairs if CEILING not in p]
+    plain_shares = [s for s in shares if CEILING not in s]
     for slice_name in slices:
         if not all(r["units"].get(slice_name) for r in results):
             continue
+        if not plain_pairs and not plain_shares:
+            break
+        names = sorted({n for p in plain_pairs for n in p} | {n for s in plain_shares for n in s})
         for metric in METRICS:
-            strata = [{n: metric_matrix(r, n, metric, slice_name) for n in needed} for r in results]
-            rows: dict[str, Any] = {"worlds": []}
-            for w, stratum in zip(worlds, strata, strict=True):
-                rows["worlds"].append({"world_seed": w, **_estimates([stratum], pairs, shares)})
-            rows["pooled"] = _estimates(strata, pairs, shares)
-            rows["world_level"] = _world_level(rows["worlds"], pairs)
-            out.setdefault(slice_name, {})[metric] = rows
+            strata = [{n: metric_matrix(r, n, metric, slice_name) for n in names} for r in results]
+            out.setdefault(slice_name, {})[metric] = _rows(
+                worlds, strata, plain_pairs, plain_shares
+            )
+    if ceiling and all(held_lacked_units(r)[0] for r in results):
+        for metric in METRICS:
+            strata = [ceiling_matrices(r, metric, needed) for r in results]
+            out.setdefault(HELD_SLICE, {})[metric] = _rows(worlds, strata, pairs, shares)
     return out
+
+
+def _rows(
+    worlds: Sequence[int],
+    strata: Sequence[Mapping[str, Any]],
+    pairs: Sequence[tuple[str, str]],
+    shares: Sequence[tuple[str, str, str]],
+) -> dict[str, Any]:
+    """Each world's estimates, the pooled ones and the world-level interval of ``strata``."""
+    rows: dict[str, Any] = {"worlds": []}
+    for w, stratum in zip(worlds, strata, strict=True):
+        rows["worlds"].append({"world_seed": w, **_estimates([stratum], pairs, shares)})
+    rows["pooled"] = _estimates(strata, pairs, shares)
+    rows["world_level"] = _world_level(rows["worlds"], pairs)
+    return rows
 
 
 def _estimates(
@@ -132,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pair", action="append", default=[], help="A:B for A - B")
     parser.add_argument("--share", action="append", default=[], help="A:BASE:TOP")
     parser.add_argument("--slice", action="append", dest="slices", choices=SLICES)
+    # (the lacked_held slice is reported whenever a pair or share names the ceiling)
     parser.add_argument("--json", action="store_true", dest="as_json")
     args = parser.parse_args(argv)
     try:

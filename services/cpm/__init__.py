@@ -13,17 +13,7 @@ from typing import TYPE_CHECKING
 from peerlm.exports import lazy_exports
 
 from .allocator import retain_freed_memory
-from .baselines import (
-    HeteroGreedyMatchmaker,
-    OracleMatchmaker,
-    RandomMatchmaker,
-    js_divergence,
-    js_divergence_matrix,
-)
 from .features import ContextFeatures, FeatureLayout
-from .linucb import LinUCB
-from .matching import greedy_disjoint, max_weight_disjoint
-from .matchmaker import MAX_MERGE_SENDERS, Matchmaker, MatchmakerState, Pairing, PairingPolicy
 from .menu import (
     MAX_OVERLAY_PEERS,
     MENU,
@@ -32,13 +22,6 @@ from .menu import (
     Capabilities,
 )
 from .normalise import EPS, RewardNormaliser
-from .prefilter import (
-    CheapScore,
-    cheap_pair_scores,
-    exact_top_k,
-    prefilter_pairs,
-    top_k_partners,
-)
 from .profile import (
     COLUMN_GROUPS,
     DISTRIBUTION_SLICE,
@@ -57,7 +40,30 @@ from .robust_normalise import RobustRewardNormaliser
 from .trust import TrustLedger
 
 if TYPE_CHECKING:
+    from .baselines import (
+        HeteroGreedyMatchmaker,
+        OracleMatchmaker,
+        RandomMatchmaker,
+        js_divergence,
+        js_divergence_matrix,
+    )
     from .core import open_database
+    from .linucb import LinUCB
+    from .matching import greedy_disjoint, max_weight_disjoint
+    from .matchmaker import (
+        MAX_MERGE_SENDERS,
+        Matchmaker,
+        MatchmakerState,
+        Pairing,
+        PairingPolicy,
+    )
+    from .prefilter import (
+        CheapScore,
+        cheap_pair_scores,
+        exact_top_k,
+        prefilter_pairs,
+        top_k_partners,
+    )
     from .server import cpm_command, run_cpm
     from .settings import CpmSettings
 
@@ -111,8 +117,43 @@ __all__ = [
 ]
 
 
-#: Loaded on first use: the process side (grpc, sqlite) stays out of ``import`` of the library.
+#: Loaded on first use: the process side (grpc, sqlite) stays out of ``import`` of the library,
+#: and so do the matchmaking modules (scipy, scikit-learn, networkx: about 1.5 CPU seconds)
+#: that an agent, which only builds its profile against ``PROFILE_LAYOUT``, never runs.
 _LAZY: dict[str, tuple[str, str]] = {
+    **{
+        name: ("peerlm.services.cpm.baselines", name)
+        for name in (
+            "HeteroGreedyMatchmaker",
+            "OracleMatchmaker",
+            "RandomMatchmaker",
+            "js_divergence",
+            "js_divergence_matrix",
+        )
+    },
+    "LinUCB": ("peerlm.services.cpm.linucb", "LinUCB"),
+    "greedy_disjoint": ("peerlm.services.cpm.matching", "greedy_disjoint"),
+    "max_weight_disjoint": ("peerlm.services.cpm.matching", "max_weight_disjoint"),
+    **{
+        name: ("peerlm.services.cpm.matchmaker", name)
+        for name in (
+            "MAX_MERGE_SENDERS",
+            "Matchmaker",
+            "MatchmakerState",
+            "Pairing",
+            "PairingPolicy",
+        )
+    },
+    **{
+        name: ("peerlm.services.cpm.prefilter", name)
+        for name in (
+            "CheapScore",
+            "cheap_pair_scores",
+            "exact_top_k",
+            "prefilter_pairs",
+            "top_k_partners",
+        )
+    },
     "CpmSettings": ("peerlm.services.cpm.settings", "CpmSettings"),
     "cpm_command": ("peerlm.services.cpm.server", "cpm_command"),
     "open_database": ("peerlm.services.cpm.core", "open_database"),

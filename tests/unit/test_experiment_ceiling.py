@@ -147,3 +147,43 @@ def test_no_share_where_the_holders_are_no_better_than_the_students() -> None:
     nll = got["metrics"]["nll"]
     assert nll["gap"]["delta"] > 0
     assert nll["strategies"]["cpm"]["share_of_gap"] is None
+
+
+def test_the_ceiling_pools_over_worlds_on_the_held_lacked_units() -> None:
+    """``experiment_pool`` pools the ceiling's gap and a strategy's share of it under the
+    ``lacked_held`` slice; the pairs that do not name it keep their own slices."""
+    from peerlm.app.experiment_pool import HELD_SLICE, pool_results
+
+    worlds = []
+    for w in (0, 17):
+        result = _result(
+            {
+                "local_plus": [_alone(0), _alone(1)],
+                "cpm": [_as_good_as_holders(0), _as_good_as_holders(1)],
+            }
+        )
+        result["plan"]["world_seed"] = w
+        for run in result["runs"].values():
+            for seed_run in run.values():
+                for row in seed_run["clients"].values():
+                    row["struct"] = row["pass@1"]
+        worlds.append(result)
+    out = pool_results(
+        worlds,
+        [("holders", "local_plus"), ("cpm", "local_plus")],
+        shares=[("cpm", "local_plus", "holders")],
+    )
+    held = out[HELD_SLICE]["pass@1"]
+    single = teaching_ceiling(worlds[0], metrics=("pass@1",))
+    assert single is not None
+    gap = single["metrics"]["pass@1"]["gap"]["delta"]
+    # Two copies of one world: the pooled gap is that world's, and cpm reaches all of it.
+    assert held["pooled"]["holders_vs_local_plus"]["delta"] == pytest.approx(gap)
+    assert held["pooled"]["share_cpm_local_plus_holders"]["share"] == pytest.approx(1.0)
+    assert [w["world_seed"] for w in held["worlds"]] == [0, 17]
+    # The plain slices carry only the pair that does not name the ceiling.
+    assert set(out["lacked"]["pass@1"]["pooled"]) == {"cpm_vs_local_plus"}
+    # A ceiling needs LocalOnly+: a world without it is refused by name.
+    del worlds[1]["runs"]["local_plus"]
+    with pytest.raises(ValueError, match="no run of"):
+        pool_results(worlds, [("holders", "cpm")])
