@@ -49,7 +49,7 @@ _StrategiesOption = Annotated[
     ),
 ]
 _SeedsOption = Annotated[
-    str | None, typer.Option(help="Run seeds, comma-separated (default 0,1,2).")
+    str | None, typer.Option(help="Run seeds, comma-separated (default 0,1,2,3,4).")
 ]
 _WorldSeedOption = Annotated[
     int, typer.Option(help="Seed of the data split, test/transfer/probe sets and models.")

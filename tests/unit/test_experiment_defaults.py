@@ -31,6 +31,8 @@ def test_the_default_runs_the_key_comparisons_and_quick_the_whole_table() -> Non
         assert (a, b) in COMPARISONS
         assert {a, b} - {"best"} <= set(DEFAULT_STRATEGIES)
     assert quick_plan().strategies == STRATEGIES
+    # At least five run seeds by default: three gave intervals that moved with the seed set.
+    assert len(ExperimentPlan().seeds) >= 5
     assert quick_plan(strategies=("cpm",)).strategies == ("cpm",)
 
 
