@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
-from sklearn.cluster import KMeans
 
 from .features import FeatureLayout
 
@@ -426,6 +425,10 @@ def clustered_top_k(
     seed = int(rng.integers(0, 2**31 - 1))
     fit_n = min(n, _FIT_PER_CELL * n_cells)
     sample = rng.choice(n, size=fit_n, replace=False) if fit_n < n else np.arange(n)
+    # Imported here: scikit-learn is 1.3 of the 2.6 CPU seconds a `peerlm cpm` start
+    # costs, and only rounds of thousands of agents take the clustered search.
+    from sklearn.cluster import KMeans
+
     km = KMeans(n_clusters=n_cells, init="random", n_init=1, max_iter=10, random_state=seed)
     km.fit(feats[sample])
     labels = km.predict(feats).astype(np.intp)
