@@ -401,11 +401,13 @@ def _cpm_overrides(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _earlier_results(paths: Sequence[Path]) -> list[Any]:
-    """The ``--reuse`` files, read; one that is not JSON is a ``BadParameter``."""
+    """The ``--reuse`` files (JSON, or gzipped JSON), read; another is a ``BadParameter``."""
+    from peerlm.app.experiment_reuse import read_results
+
     earlier: list[Any] = []
     for path in paths:
         try:
-            earlier.append(json.loads(path.read_text()))
+            earlier.append(read_results(path))
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(f"--reuse {path}: {exc}") from None
     return earlier

@@ -30,6 +30,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from peerlm.app.experiment_ceiling import CEILING, ceiling_matrices, held_lacked_units
+from peerlm.app.experiment_reuse import read_results
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import stratified_bootstrap
 from peerlm.app.experiment_strategies import METRICS
@@ -175,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shares = [_names(s, 3, "--share") for s in args.share]
         if not pairs and not shares:
             raise ValueError("name at least one --pair or --share")
-        results = [json.loads(p.read_text()) for p in args.results]
+        results = [read_results(p) for p in args.results]
         table = pool_results(results, pairs, shares, args.slices or SLICES)  # type: ignore[arg-type]
     except (ValueError, OSError, KeyError) as exc:
         parser.error(str(exc))

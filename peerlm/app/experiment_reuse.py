@@ -4,6 +4,7 @@ progress file a stopped command leaves for it.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -20,7 +21,23 @@ from peerlm.app.experiment_strategies import (
 )
 from peerlm.protocols import CATALOGUE
 
-__all__ = ["ADAPTER_KILOBYTES", "PROGRESS_FILE", "reusable_runs", "save_progress"]
+__all__ = [
+    "ADAPTER_KILOBYTES",
+    "PROGRESS_FILE",
+    "read_results",
+    "reusable_runs",
+    "save_progress",
+]
+
+
+def read_results(path: Path) -> Any:
+    """A ``results.json`` as written by ``run-experiment --out``, or gzipped (``.gz``: how
+    docs/results keeps the per-problem records of a run). Raises ``OSError`` or
+    ``ValueError`` for a file that is neither."""
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        data = gzip.decompress(data)
+    return json.loads(data)
 
 
 #: How a run counts an adapter transfer's kilobytes, written into ``results.json``: the

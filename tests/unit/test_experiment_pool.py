@@ -126,6 +126,19 @@ def test_the_command_line_refuses_a_malformed_pair(tmp_path: Any, capsys: Any) -
     assert main([*paths, "--pair", "a:b", "--slice", "lacked", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["lacked"]["nll"]["pooled"]["a_vs_b"]["delta"] == pytest.approx(-1.0)
+    # A gzipped results file (how docs/results keeps a run's records) reads the same; a
+    # file that is neither JSON nor gzip is refused with exit 2, naming the cause.
+    import gzip
+
+    zipped = tmp_path / "w1.json.gz"
+    zipped.write_bytes(gzip.compress((tmp_path / "w1.json").read_bytes()))
+    assert main([paths[0], str(zipped), "--pair", "a:b", "--slice", "lacked", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == out
+    broken = tmp_path / "w2.json.gz"
+    broken.write_bytes(b"not gzip")
+    with pytest.raises(SystemExit) as exc:
+        main([paths[0], str(broken), "--pair", "a:b"])
+    assert exc.value.code == 2 and "gzip" in capsys.readouterr().err.lower()
 
 
 def test_a_share_of_an_unresolved_gain_is_not_reported() -> None:
