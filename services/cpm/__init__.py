@@ -117,47 +117,41 @@ __all__ = [
 ]
 
 
-#: Loaded on first use: the process side (grpc, sqlite) stays out of ``import`` of the library,
-#: and so do the matchmaking modules (scipy, scikit-learn, networkx: about 1.5 CPU seconds)
-#: that an agent, which only builds its profile against ``PROFILE_LAYOUT``, never runs.
+#: Loaded on first use, by module: the process side (grpc, sqlite) stays out of ``import``
+#: of the library, and so do the matchmaking modules (scipy, networkx, scikit-learn's
+#: KMeans), which an agent, importing the package only for ``PROFILE_LAYOUT``, never runs.
+_LAZY_MODULES: dict[str, tuple[str, ...]] = {
+    "baselines": (
+        "HeteroGreedyMatchmaker",
+        "OracleMatchmaker",
+        "RandomMatchmaker",
+        "js_divergence",
+        "js_divergence_matrix",
+    ),
+    "linucb": ("LinUCB",),
+    "matching": ("greedy_disjoint", "max_weight_disjoint"),
+    "matchmaker": (
+        "MAX_MERGE_SENDERS",
+        "Matchmaker",
+        "MatchmakerState",
+        "Pairing",
+        "PairingPolicy",
+    ),
+    "prefilter": (
+        "CheapScore",
+        "cheap_pair_scores",
+        "exact_top_k",
+        "prefilter_pairs",
+        "top_k_partners",
+    ),
+    "settings": ("CpmSettings",),
+    "server": ("cpm_command", "run_cpm"),
+    "core": ("open_database",),
+}
 _LAZY: dict[str, tuple[str, str]] = {
-    **{
-        name: ("peerlm.services.cpm.baselines", name)
-        for name in (
-            "HeteroGreedyMatchmaker",
-            "OracleMatchmaker",
-            "RandomMatchmaker",
-            "js_divergence",
-            "js_divergence_matrix",
-        )
-    },
-    "LinUCB": ("peerlm.services.cpm.linucb", "LinUCB"),
-    "greedy_disjoint": ("peerlm.services.cpm.matching", "greedy_disjoint"),
-    "max_weight_disjoint": ("peerlm.services.cpm.matching", "max_weight_disjoint"),
-    **{
-        name: ("peerlm.services.cpm.matchmaker", name)
-        for name in (
-            "MAX_MERGE_SENDERS",
-            "Matchmaker",
-            "MatchmakerState",
-            "Pairing",
-            "PairingPolicy",
-        )
-    },
-    **{
-        name: ("peerlm.services.cpm.prefilter", name)
-        for name in (
-            "CheapScore",
-            "cheap_pair_scores",
-            "exact_top_k",
-            "prefilter_pairs",
-            "top_k_partners",
-        )
-    },
-    "CpmSettings": ("peerlm.services.cpm.settings", "CpmSettings"),
-    "cpm_command": ("peerlm.services.cpm.server", "cpm_command"),
-    "open_database": ("peerlm.services.cpm.core", "open_database"),
-    "run_cpm": ("peerlm.services.cpm.server", "run_cpm"),
+    name: (f"{__name__}.{module}", name)
+    for module, names in _LAZY_MODULES.items()
+    for name in names
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
