@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from peerlm.app.devfed import (
+    AGENT_PRELOAD,
     ARCHS,
     OVERLAY_STARTUP_S,
     DevFederation,
@@ -284,6 +285,8 @@ def up_command(
                 merge_senders=merge_senders,
                 co_sender_scoring=co_sender_scoring,
                 reward_normaliser=reward_normaliser,
+                # Simulated agents import no model libraries: nothing to share.
+                preload=() if opts.simulated else AGENT_PRELOAD,
             )
         )
     except KeyboardInterrupt:

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -32,6 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from peerlm.app.agent_launch import agent_argv
 from peerlm.app.private_state import PRIVATE_UMASK
+from peerlm.forkserver import ChildProcess, ForkServer
 from peerlm.node import NodeContext
 from peerlm.pki.ca import init_ca, issue_certificate
 from peerlm.pki.identity import Role
@@ -78,20 +79,29 @@ class DevFederation:
 
 
 def _spawn(
-    args: list[str], log: Path, stdout: int | IO[Any] | None, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
+    args: list[str],
+    log: Path,
+    stdout: int | IO[Any] | None,
+    env: dict[str, str] | None = None,
+    forks: ForkServer | None = None,
+) -> ChildProcess:
+    """Start one of the federation's processes, forked from ``forks`` where it can serve
+    the command (:mod:`peerlm.forkserver`), else as a new interpreter."""
     # Owner-only whatever the umask: a log holds peers' names, rounds and errors.
     handle = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    full_env = {**os.environ, **(env or {})}
     # Own process group: Ctrl-C in the terminal reaches only `peerlm up`, which then stops
     # the children in order (agents first, CPM last) instead of all dying at once.
-    return subprocess.Popen(
-        args,
-        stdout=stdout,
-        stderr=handle,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-        umask=PRIVATE_UMASK,
-    )
+    launch: Callable[..., ChildProcess] = subprocess.Popen if forks is None else forks.spawn
+    with handle:
+        return launch(
+            args,
+            stdout=stdout,
+            stderr=handle,
+            env=full_env,
+            start_new_session=True,
+            umask=PRIVATE_UMASK,
+        )
 
 
 async def _wait_serving(target: str, tls: TlsFiles, timeout: float) -> None:
@@ -121,15 +131,14 @@ async def _stats(stub: Any) -> cpm_pb2.CpmStats | None:
         return None
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:
+def _stop(proc: ChildProcess, timeout: float = 10) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
-    return proc.returncode
+    return proc.wait()
 
 
 AgentArgv = Callable[[int, str, str], list[str]]
@@ -157,7 +166,11 @@ async def run_federation(
     merge_senders: int = 1,
     co_sender_scoring: str = "pair",
     reward_normaliser: str = "robust",
+    preload: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """Run the CPM and the agents to their end; the federation's report. With ``preload``
+    (the modules the agents import, :data:`AGENT_PRELOAD`) the agents are forked from one
+    process that imported them once, started before the CPM so the imports overlap it."""
     # Imported here: the CPM package loads the matchmaking library (scikit-learn, SciPy),
     # seconds that every `peerlm` process would pay when the CLI mounts `up`.
     from peerlm.services.cpm import cpm_command
@@ -182,8 +195,12 @@ async def run_federation(
         dev_env["PEERLM_CPM_CO_SENDER_SCORING"] = co_sender_scoring
     dev_env["PEERLM_CPM_REWARD_NORMALISER"] = reward_normaliser
     started = time.monotonic()
+    forks = None
+    if preload:
+        forks = ForkServer({**os.environ, **AGENT_ENV}, preload, fed.logs / "forkserver.log")
+        forks.start()
     cpm = _spawn(cpm_args, fed.logs / "cpm.log", subprocess.DEVNULL, dev_env)
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[ChildProcess] = []
     try:
         deadline = time.monotonic() + 60
         while not port_file.exists():
@@ -201,6 +218,7 @@ async def run_federation(
                     fed.logs / f"{name}.log",
                     subprocess.PIPE,
                     AGENT_ENV,
+                    forks,
                 )
             )
         admin = NodeContext.client(fed.tls("admin"), role=Role.ADMIN).dial(target).channel
@@ -222,6 +240,8 @@ async def run_federation(
         for p in procs:
             _stop(p)
         cpm_rc = _stop(cpm)
+        if forks is not None:
+            forks.close()
     rewards = sum(len(r.get("rewards", [])) for r in reports)
     pulled = sum(int(r.get("adapters_pulled", 0)) for r in reports)
     return {
@@ -246,7 +266,7 @@ async def run_federation(
 
 async def _watch(
     stub: Any,
-    procs: list[subprocess.Popen[bytes]],
+    procs: Sequence[ChildProcess],
     agents: list[str],
     rounds: int,
     console: Console | None,
@@ -346,6 +366,17 @@ AGENT_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
 }
+
+#: What a model-hosting agent imports before it serves: about 7 CPU seconds per agent
+#: (torch 1.2, peft and transformers 3.3, scikit-learn 1.8; ``python -X importtime``,
+#: 2026-12-06) that ``peerlm up`` pays once for all its agents.
+AGENT_PRELOAD: tuple[str, ...] = (
+    "torch",
+    "transformers",
+    "peft",
+    "sklearn.feature_extraction.text",
+    "peerlm.agent.daemon",
+)
 
 #: Architectures of the bundled tiny models, assigned to agents round-robin.
 ARCHS: tuple[str, ...] = ("gpt2", "gpt_neox", "bloom", "qwen2")

@@ -21,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from peerlm.agent.models.tiny import build_models
 
 from peerlm.app.devfed import AGENT_ENV
+from peerlm.forkserver import ChildProcess, ForkServer
+from tests.agent_harness import start_agent
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -34,10 +36,11 @@ class World:
     models: Path
     data: Path
     transfer_sha256: str
+    forks: ForkServer
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, agent_forks: ForkServer) -> Iterator[World]:
     from peerlm.agent.tasks.dataset import build_federation_data
 
     tmp = tmp_path_factory.mktemp("agent")
@@ -48,7 +51,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     # last round, so every test that submits profiles needs names of its own).
     pki = Pki.create(tmp, agents=4)
     cpm = CpmProcess(pki, tmp / "cpm.db", tmp, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"}).start()
-    yield World(tmp, pki, cpm, models, tmp / "data", manifest.transfer_sha256)
+    yield World(tmp, pki, cpm, models, tmp / "data", manifest.transfer_sha256, agent_forks)
     cpm.terminate()
 
 
@@ -82,14 +85,8 @@ def _config(w: World, name: str, state: Path, **overrides: object) -> Path:
     return path
 
 
-def _start(config: Path, log: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "peerlm", "agent", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=log.open("a"),
-        text=True,
-        env={**os.environ, **AGENT_ENV},
-    )
+def _start(w: World, config: Path, log: Path) -> ChildProcess:
+    return start_agent(w.forks, config, log)
 
 
 def _events(log: Path) -> list[dict[str, object]]:
@@ -112,7 +109,7 @@ def _run_together(
         state = w.tmp / folder / name / "state"
         config = _config(w, name, state, **overrides)
         logs.append(w.tmp / folder / name / f"{name}.log")
-        procs.append(_start(config, logs[-1]))
+        procs.append(_start(w, config, logs[-1]))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log.read_text()[-3000:]
@@ -132,7 +129,7 @@ def test_agent_resumes_at_the_saved_round_after_sigkill(world: World) -> None:
     state = world.tmp / "resume" / "state"
     config = _config(world, "a0", state)
     log = world.tmp / "resume" / "a0.log"
-    proc = _start(config, log)
+    proc = _start(world, config, log)
     checkpoints = state / "checkpoints"
     # The checkpoint is written before the round's "round_done" line: wait for both, so the
     # kill cannot land between them.
@@ -153,7 +150,7 @@ def test_agent_resumes_at_the_saved_round_after_sigkill(world: World) -> None:
     first_run = [e for e in _events(log) if e.get("event") == "round_done"]
     done_before = max(int(e["round"]) for e in first_run)  # type: ignore[call-overload]
 
-    proc = _start(config, log)
+    proc = _start(world, config, log)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log.read_text()[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
@@ -169,7 +166,7 @@ def test_agent_resumes_at_the_saved_round_after_sigkill(world: World) -> None:
     assert second_rounds and second_rounds[0] == int(restored[-1]["round"]) + 1  # type: ignore[call-overload]
 
 
-def _wait_round_started(log: Path, proc: subprocess.Popen[str]) -> None:
+def _wait_round_started(log: Path, proc: ChildProcess) -> None:
     _wait_for(
         lambda: (
             any(e.get("event") == "round_started" for e in _events(log)) or proc.poll() is not None
@@ -186,7 +183,7 @@ def test_sigterm_cuts_training_at_a_step_after_the_grace_and_exits_0(world: Worl
     state = world.tmp / "sigterm" / "state"
     config = _config(world, "a2", state, local_steps=1_000_000, rounds=3, stop_grace_s=1.0)
     log = world.tmp / "sigterm" / "a2.log"
-    proc = _start(config, log)
+    proc = _start(world, config, log)
     try:
         _wait_round_started(log, proc)
         time.sleep(0.5)  # inside the million-step training call
@@ -207,7 +204,7 @@ def test_sigterm_cuts_training_at_a_step_after_the_grace_and_exits_0(world: Worl
 
     # The checkpoint is a clean one: a restart resumes at round 2.
     config = _config(world, "a2", state, local_steps=2, rounds=2, stop_grace_s=1.0)
-    proc = _start(config, log)
+    proc = _start(world, config, log)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log.read_text()[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["rounds_completed"] == 2
@@ -217,7 +214,7 @@ def test_sigterm_within_the_grace_finishes_the_round(world: World) -> None:
     state = world.tmp / "sigterm-grace" / "state"
     config = _config(world, "a3", state, local_steps=20, rounds=50, stop_grace_s=600.0)
     log = world.tmp / "sigterm-grace" / "a3.log"
-    proc = _start(config, log)
+    proc = _start(world, config, log)
     try:
         _wait_round_started(log, proc)
         proc.send_signal(signal.SIGTERM)
@@ -247,7 +244,7 @@ def _menu_world(world: World, folder: str, protocols: list[str]) -> Iterator[Wor
         tmp,
         {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": json.dumps(protocols)},
     ).start()
-    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
+    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256, world.forks)
     cpm.terminate()
 
 
@@ -289,7 +286,7 @@ def test_logits_mode_falls_back_to_text_for_another_tokenizer(logits_world: Worl
             model=str(w.models / arch), akd_mode="logits",
         )  # fmt: skip
         logs.append(w.tmp / f"mixed-{name}" / f"{name}.log")
-        procs.append(_start(config, logs[-1]))
+        procs.append(_start(logits_world, config, logs[-1]))
     for p, log in zip(procs, logs, strict=True):
         p.communicate(timeout=600)
         assert p.returncode == 0, log.read_text()[-3000:]
@@ -367,7 +364,7 @@ def test_health_answers_while_a_training_step_runs(world: World) -> None:
     state = world.tmp / "health" / "state"
     config = _config(world, "a1", state, local_steps=400, rounds=1)
     log = world.tmp / "health" / "a1.log"
-    proc = _start(config, log)
+    proc = _start(world, config, log)
     try:
         _wait_for(
             lambda: (
@@ -410,20 +407,24 @@ async def _probe_health(world: World, endpoint: str, seconds: float) -> list[flo
 def test_agent_refuses_a_different_transfer_set(world: World) -> None:
     state = world.tmp / "hash" / "state"
     config = _config(world, "a0", state, transfer_sha256="0" * 64)
-    proc = _run_to_exit(config)
-    assert proc.returncode == 2
-    assert "transfer set" in proc.stderr
+    code, stderr = _run_to_exit(world, config)
+    assert code == 2
+    assert "transfer set" in stderr
 
 
-def _run_to_exit(config: Path) -> subprocess.CompletedProcess[str]:
-    """An agent process that is expected to stop at start (a refused configuration)."""
-    return subprocess.run(
-        [sys.executable, "-m", "peerlm", "agent", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **AGENT_ENV},
-    )
+def _run_to_exit(w: World, config: Path) -> tuple[int, str]:
+    """An agent process that is expected to stop at start (a refused configuration): its
+    exit code and standard error."""
+    err_path = config.with_suffix(".stderr")
+    with err_path.open("w") as err:
+        proc = w.forks.spawn(
+            [sys.executable, "-m", "peerlm", "agent", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, **AGENT_ENV},
+        )
+    code = proc.wait(120)
+    return code, err_path.read_text()
 
 
 @pytest.mark.parametrize(
@@ -447,9 +448,9 @@ def test_agent_refuses_an_empty_or_malformed_reward_file(
     probe.parent.mkdir(parents=True, exist_ok=True)
     probe.write_text(content)
     config = _config(world, "a0", world.tmp / "reward" / "state", reward_file=str(probe))
-    proc = _run_to_exit(config)
-    assert proc.returncode == 2
-    assert named in proc.stderr
+    code, stderr = _run_to_exit(world, config)
+    assert code == 2
+    assert named in stderr
 
 
 def test_package_request_without_directive_is_refused(world: World) -> None:
@@ -457,7 +458,7 @@ def test_package_request_without_directive_is_refused(world: World) -> None:
     state = world.tmp / "refuse" / "state"
     config = _config(world, "a1", state, local_steps=200, rounds=1)
     log = world.tmp / "refuse" / "a1.log"
-    proc = _start(config, log)
+    proc = _start(world, config, log)
     try:
         _wait_for(
             lambda: (
@@ -527,7 +528,7 @@ def test_a_fedwave_agent_serves_its_parts_to_the_workflow_only(world: World) -> 
 
     config = _config(world, "a1", base / "state", local_steps=200, rounds=1, fedwave=FEDWAVE)
     log = base / "a1.log"
-    proc = _start(config, log)
+    proc = _start(world, config, log)
     try:
         _wait_for(
             lambda: (
@@ -629,7 +630,7 @@ def multi_merge_world(world: World) -> Iterator[World]:
             "PEERLM_CPM_MERGE_SENDERS": "3",
         },
     ).start()
-    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256)
+    yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256, world.forks)
     cpm.terminate()
 
 

@@ -4,10 +4,7 @@ their `fedproxy` sections, over mTLS on 127.0.0.1, beside the agents' own rounds
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +15,8 @@ from peerlm.agent.fedproxy.proxy import build_proxy
 from peerlm.agent.models.tiny import SHIPPED_DIR
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peerlm.app.devfed import AGENT_ENV
+from peerlm.forkserver import ForkServer
+from tests.agent_harness import start_agent
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -99,7 +97,9 @@ def _events(log: Path) -> list[dict[str, object]]:
     return out
 
 
-def test_an_owner_and_two_member_agents_run_their_cohort_rounds(world: World) -> None:
+def test_an_owner_and_two_member_agents_run_their_cohort_rounds(
+    world: World, agent_forks: ForkServer
+) -> None:
     ports = {name: _free_port() for name in ("a0", "a1", "a2")}
     at = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     configs = {
@@ -132,13 +132,7 @@ def test_an_owner_and_two_member_agents_run_their_cohort_rounds(world: World) ->
     procs, logs = {}, {}
     for name, config in configs.items():
         logs[name] = world.tmp / f"{name}.log"
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "peerlm", "agent", "--config", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=logs[name].open("a"),
-            text=True,
-            env={**os.environ, **AGENT_ENV},
-        )
+        procs[name] = start_agent(agent_forks, config, logs[name])
     summaries = {}
     try:
         for name, proc in procs.items():

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -23,7 +20,8 @@ from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.models.tiny import build_models
 from prometheus_client.parser import text_string_to_metric_families
 
-from peerlm.app.devfed import AGENT_ENV
+from peerlm.forkserver import ChildProcess, ForkServer
+from tests.agent_harness import start_agent
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -106,7 +104,7 @@ def _outsider_pull(pki: Path, endpoint: str) -> grpc.StatusCode | None:
 
 
 def test_experts_end_every_round_with_the_same_router_without_the_late_agent(
-    tmp_path: Path,
+    tmp_path: Path, agent_forks: ForkServer
 ) -> None:
     models = tmp_path / "models"
     build_models(models, ("gpt2",), size="micro")
@@ -157,13 +155,7 @@ def test_experts_end_every_round_with_the_same_router_without_the_late_agent(
             path = tmp_path / f"{name}.yaml"
             path.write_text(json.dumps(config))
             logs[name] = tmp_path / f"{name}.log"
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "peerlm", "agent", "--config", str(path)],
-                stdout=subprocess.PIPE,
-                stderr=logs[name].open("a"),
-                text=True,
-                env={**os.environ, **AGENT_ENV},
-            )
+            procs[name] = start_agent(agent_forks, path, logs[name])
         after_round_1 = {}
         for name in RUNNING:
             # Scraped as soon as the agent concluded round 1: it then waits at least the
@@ -231,8 +223,8 @@ def test_experts_end_every_round_with_the_same_router_without_the_late_agent(
 
 
 def _lone_expert(
-    tmp_path: Path, config: dict[str, Any], fedwave: dict[str, Any]
-) -> tuple[subprocess.Popen[str], Path, CpmProcess]:
+    forks: ForkServer, tmp_path: Path, config: dict[str, Any], fedwave: dict[str, Any]
+) -> tuple[ChildProcess, Path, CpmProcess]:
     """Agent a1 (implement) of the workflow started alone (its peers never listen): micro
     gpt2, its stage's examples, ``config`` and ``fedwave`` over the defaults here; the
     process, its log and the CPM (the caller terminates both)."""
@@ -270,24 +262,17 @@ def _lone_expert(
     path = tmp_path / "a1.yaml"
     path.write_text(json.dumps(full))
     log = tmp_path / "a1.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "peerlm", "agent", "--config", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=log.open("a"),
-        text=True,
-        env={**os.environ, **AGENT_ENV},
-    )
-    return proc, log, cpm
+    return start_agent(forks, path, log), log, cpm
 
 
-def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
+def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path, agent_forks: ForkServer) -> None:
     """SIGTERM while the expert waits out a round's pulls (its peers never come): the round
     is cut when the stop grace runs out, not at the round's deadline, and the agent exits
     0 with a summary that says it was interrupted."""
     import signal
 
     proc, log, cpm = _lone_expert(
-        tmp_path, {"rounds": 3, "stop_grace_s": 1}, {"round_deadline_s": 600}
+        agent_forks, tmp_path, {"rounds": 3, "stop_grace_s": 1}, {"round_deadline_s": 600}
     )
     try:
         _wait_for(
@@ -317,7 +302,7 @@ def test_a_stop_cuts_a_round_waiting_for_its_peers(tmp_path: Path) -> None:
 
 
 def test_an_expert_whose_other_stages_never_answer_assembles_from_what_arrived(
-    tmp_path: Path,
+    tmp_path: Path, agent_forks: ForkServer
 ) -> None:
     """π_SFT in the daemon with the other stages down (``fedwave.assembly``): the expert's
     pulls of their adapters and VCLayers run out at the assembly's deadline, π_SFT is
@@ -325,6 +310,7 @@ def test_an_expert_whose_other_stages_never_answer_assembles_from_what_arrived(
     report), no DPO step is taken (one expert makes no preference), the scores are reported
     and the agent ends cleanly."""
     proc, log, cpm = _lone_expert(
+        agent_forks,
         tmp_path,
         {"rounds": 1, "batch_size": 4, "max_length": 128},
         {

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -31,7 +28,8 @@ from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.models.tiny import build_models
 from transformers import AutoConfig
 
-from peerlm.app.devfed import AGENT_ENV
+from peerlm.forkserver import ForkServer
+from tests.agent_harness import start_agent
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
 from tests.integration.test_fedwave_agents import (
     _events,
@@ -189,19 +187,8 @@ def write_stage_data(data: Path, workflow: Workflow, names: tuple[str, ...]) -> 
     return transfer
 
 
-def start_agent(config: Path, log: Path) -> subprocess.Popen[str]:
-    """``peerlm agent --config config``, its log (JSON lines) to ``log``."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "peerlm", "agent", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=log.open("a"),
-        text=True,
-        env={**os.environ, **AGENT_ENV},
-    )
-
-
 def test_honest_experts_refuse_a_hostile_members_parts_and_keep_one_router(
-    tmp_path: Path,
+    tmp_path: Path, agent_forks: ForkServer
 ) -> None:
     models = tmp_path / "models"
     build_models(models, ("gpt2",), size="micro")
@@ -226,7 +213,7 @@ def test_honest_experts_refuse_a_hostile_members_parts_and_keep_one_router(
                 rounds=ROUNDS, deadline_s=DEADLINE_S, workflow=WORKFLOW,
             )  # fmt: skip
             logs[name] = tmp_path / f"{name}.log"
-            procs[name] = start_agent(config, logs[name])
+            procs[name] = start_agent(agent_forks, config, logs[name])
         for name in HONEST:
             # Scraped while it lingers after its last round (waiting for a4 to pull, which
             # it never does: up to the round's deadline).

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +17,12 @@ from peerlm.agent.checkpoint import CheckpointStore
 from peerlm.agent.fedwave.workflow import Workflow
 from peerlm.agent.models.tiny import build_models
 
+from peerlm.forkserver import ChildProcess, ForkServer
+from tests.agent_harness import start_agent
 from tests.cpm_harness import CpmProcess, Pki
 from tests.integration.test_fedwave_agents import _events, _free_port, _wait_for
 from tests.integration.test_fedwave_hostile_member import (
     agent_config,
-    start_agent,
     write_stage_data,
 )
 
@@ -48,7 +48,7 @@ def _saved(log: Path, round_: int) -> bool:
     )
 
 
-def _stop_all(procs: dict[str, subprocess.Popen[str]], cpm: CpmProcess) -> None:
+def _stop_all(procs: dict[str, ChildProcess], cpm: CpmProcess) -> None:
     for p in procs.values():
         if p.poll() is None:
             p.kill()
@@ -94,12 +94,14 @@ def _federation(tmp_path: Path, deadline_s: float = DEADLINE_S) -> Federation:
     return Federation(cpm, configs)
 
 
-def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path: Path) -> None:
+def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(
+    tmp_path: Path, agent_forks: ForkServer
+) -> None:
     fed = _federation(tmp_path)
     cpm, configs = fed.cpm, fed.configs
     cpm.start()
     logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
-    procs = {a: start_agent(configs[a], logs[a]) for a in AGENTS}
+    procs = {a: start_agent(agent_forks, configs[a], logs[a]) for a in AGENTS}
     restarted_log = tmp_path / f"{VICTIM}-restarted.log"
     try:
         _wait_for(
@@ -117,7 +119,7 @@ def test_a_killed_expert_resumes_rejoins_and_ends_with_the_same_router(tmp_path:
             e["round"] for e in _events(logs[VICTIM]) if e.get("event") == "checkpoint_saved"
         )
         assert KILLED_AFTER <= killed_after < ROUNDS, killed_after
-        procs[VICTIM] = start_agent(configs[VICTIM], restarted_log)
+        procs[VICTIM] = start_agent(agent_forks, configs[VICTIM], restarted_log)
         outs = {a: p.communicate(timeout=400)[0] for a, p in procs.items()}
     finally:
         _stop_all(procs, cpm)
@@ -215,7 +217,7 @@ def _checkpoints(tmp_path: Path, agent: str) -> Path:
     return tmp_path / "state" / agent / "fedwave" / "checkpoints"
 
 
-def _kill_all_after(procs: dict[str, subprocess.Popen[str]], logs: dict[str, Path]) -> None:
+def _kill_all_after(procs: dict[str, ChildProcess], logs: dict[str, Path]) -> None:
     """Wait until every agent saved its checkpoint of round ``KILLED_AFTER``, then SIGKILL
     them all at once."""
     _wait_for(
@@ -234,7 +236,7 @@ def _kill_all_after(procs: dict[str, subprocess.Popen[str]], logs: dict[str, Pat
 
 
 def _fedwave_reports(
-    procs: dict[str, subprocess.Popen[str]], outs: dict[str, str], logs: dict[str, Path]
+    procs: dict[str, ChildProcess], outs: dict[str, str], logs: dict[str, Path]
 ) -> dict[str, dict[str, Any]]:
     """Each agent's FedWave report from its summary line, after checking that it exited 0
     without errors."""
@@ -260,6 +262,7 @@ class Restart:
 
 
 def _restart_together(
+    agent_forks: ForkServer,
     tmp_path: Path,
     behind_agents: tuple[str, ...],
     *,
@@ -274,7 +277,7 @@ def _restart_together(
     fed = _federation(tmp_path, deadline_s=deadline_s)
     fed.cpm.start()
     logs = {a: tmp_path / f"{a}.log" for a in AGENTS}
-    procs = {a: start_agent(fed.configs[a], logs[a]) for a in AGENTS}
+    procs = {a: start_agent(agent_forks, fed.configs[a], logs[a]) for a in AGENTS}
     relogs = {a: tmp_path / f"{a}-restarted.log" for a in AGENTS}
     try:
         _kill_all_after(procs, logs)
@@ -294,7 +297,7 @@ def _restart_together(
             CheckpointStore(_checkpoints(tmp_path, a)).roll_back(behind)
         if tamper is not None:
             tamper(newest, behind)
-        procs = {a: start_agent(fed.configs[a], relogs[a]) for a in AGENTS}
+        procs = {a: start_agent(agent_forks, fed.configs[a], relogs[a]) for a in AGENTS}
         outs = {a: p.communicate(timeout=timeout_s)[0] for a, p in procs.items()}
     finally:
         _stop_all(procs, fed.cpm)
@@ -302,13 +305,13 @@ def _restart_together(
 
 
 def test_a_workflow_restarted_together_agrees_on_one_round_and_stays_in_phase(
-    tmp_path: Path,
+    tmp_path: Path, agent_forks: ForkServer
 ) -> None:
     # Every expert is killed at once, then a0 loses its newest checkpoint (a crash before
     # its save landed): it is a round behind the others. Restarted together, all three
     # wait for each other's checkpoints, agree on a0's round + 1 (the others roll back),
     # and every round after the restart is complete: nobody waits out a deadline.
-    run = _restart_together(tmp_path, ("a0",))
+    run = _restart_together(agent_forks, tmp_path, ("a0",))
     newest, behind, relogs, reports = run.newest, run.behind, run.relogs, run.reports
     modes = []
     for a in AGENTS:
@@ -339,7 +342,7 @@ def test_a_workflow_restarted_together_agrees_on_one_round_and_stays_in_phase(
 
 
 def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on(
-    tmp_path: Path,
+    tmp_path: Path, agent_forks: ForkServer
 ) -> None:
     # As above, but a0 and a2 both restart a round behind a1, so a1 must roll back whoever
     # of them it hears (a restart skew past the positions' wait leaves out at most one);
@@ -361,7 +364,7 @@ def test_an_agent_whose_older_checkpoint_is_damaged_keeps_its_state_and_plays_on
                 damaged.write_bytes(bytes(blob))
 
     run = _restart_together(
-        tmp_path, ("a0", "a2"), deadline_s=20.0, timeout_s=600, tamper=damage_older
+        agent_forks, tmp_path, ("a0", "a2"), deadline_s=20.0, timeout_s=600, tamper=damage_older
     )
     newest, behind, relogs, reports = run.newest, run.behind, run.relogs, run.reports
     for a in AGENTS:
