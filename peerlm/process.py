@@ -67,14 +67,39 @@ def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
     ``start``): a daemon thread ends this process once ``parent`` (the pid of the process
     that started it) is gone. Without it a SIGTERM or SIGKILL to the command (a
     ``timeout``, a process manager, a killed shell) leaves its spawned workers running
-    their jobs to the end on every core, with nobody to read their results."""
+    their jobs to the end on every core, with nobody to read their results.
+
+    ``parent`` need not be this process's parent: a worker forked by multiprocessing's
+    fork server is the server's child. The watch holds a pidfd of ``parent`` (readable
+    once it exits, no polling); where pidfds are missing it checks every ``poll_s``
+    seconds that ``parent`` still exists."""
     import os
+    import select
     import threading
     import time
 
+    try:
+        pidfd: int | None = os.pidfd_open(parent)
+    except ProcessLookupError:
+        os._exit(1)
+    except (OSError, AttributeError):
+        pidfd = None
+
+    def alive() -> bool:
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while alive():
+                time.sleep(poll_s)
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

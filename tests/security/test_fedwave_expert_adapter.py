@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from peerlm.forkserver import ForkServer
 from peerlm.pki.ca import issue_certificate
 from peerlm.pki.identity import Role
 from peerlm.wire.v1 import peer_pb2, peer_pb2_grpc
@@ -52,9 +53,11 @@ def _pull_adapter(pki: Path, name: str, endpoint: str) -> tuple[grpc.StatusCode,
     return asyncio.run(pull())
 
 
-def test_a_fedwave_experts_adapter_is_not_served_by_pull_adapter(tmp_path: Path) -> None:
+def test_a_fedwave_experts_adapter_is_not_served_by_pull_adapter(
+    tmp_path: Path, agent_forks: ForkServer
+) -> None:
     proc, log, cpm = _lone_expert(
-        tmp_path, {"rounds": 3, "stop_grace_s": 1}, {"round_deadline_s": 600}
+        agent_forks, tmp_path, {"rounds": 3, "stop_grace_s": 1}, {"round_deadline_s": 600}
     )
     pki = tmp_path / "pki"
     issue_certificate(pki, Role.AGENT, "outsider", sans=["127.0.0.1"])
@@ -110,7 +113,7 @@ def _pull_part(pki: Path, name: str, endpoint: str, round_: int) -> tuple[grpc.S
     return asyncio.run(pull())
 
 
-def test_only_the_last_rounds_adapter_is_published(tmp_path: Path) -> None:
+def test_only_the_last_rounds_adapter_is_published(tmp_path: Path, agent_forks: ForkServer) -> None:
     """The other stages assemble π_SFT from the expert's *last* adapter; the adapters of
     the rounds before would give them its training step by step (one round's update is a
     round's gradients on the stage's private examples). a1 plays 2 rounds with the
@@ -118,6 +121,7 @@ def test_only_the_last_rounds_adapter_is_published(tmp_path: Path) -> None:
     for the adapter of round 1 (still kept: the newest 2 rounds are) and of round 2:
     round 1 has none (NOT_FOUND, ``no_part``), round 2's is served."""
     proc, log, cpm = _lone_expert(
+        agent_forks,
         tmp_path,
         {"rounds": 2, "batch_size": 4, "max_length": 128, "stop_grace_s": 1},
         {

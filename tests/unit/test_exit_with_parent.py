@@ -1,5 +1,6 @@
-"""``peerlm.process.exit_with_parent``: a spawned worker ends once the process that
-started it is gone, and not before."""
+"""``peerlm.process.exit_with_parent``: a worker ends once the process that started it is
+gone, and not before: a spawned worker (its child) and one forked by multiprocessing's fork
+server (the server's child)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.proc_table import alive
 
@@ -19,7 +22,11 @@ def child(parent):
     time.sleep(600)
 
 if __name__ == "__main__":
-    p = multiprocessing.get_context("spawn").Process(target=child, args=(os.getpid(),))
+    how = sys.argv[1]
+    ctx = multiprocessing.get_context(how)
+    if how == "forkserver":
+        ctx.set_forkserver_preload([])
+    p = ctx.Process(target=child, args=(os.getpid(),))
     p.start()
     print(p.pid, flush=True)
     sys.stdin.readline()
@@ -27,11 +34,12 @@ if __name__ == "__main__":
 """
 
 
-def test_a_worker_lives_with_its_parent_and_ends_after_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["spawn", "forkserver"])
+def test_a_worker_lives_with_its_parent_and_ends_after_it(tmp_path: Path, how: str) -> None:
     script = tmp_path / "parent.py"
     script.write_text(SCRIPT)
     proc = subprocess.Popen(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), how],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
