@@ -7,7 +7,8 @@ TLS socket and plain gRPC streaming (:mod:`peerlm.bench.transfer`); ``peerlm ben
 OnePeFT's SVD aggregation beside peft's merge (:mod:`peerlm.bench.lora_merge`); ``peerlm bench
 fedproxy`` H-TIES against FedAvg of proxies on a tiny model (:mod:`peerlm.bench.fedproxy`);
 ``peerlm bench cpm-replay`` the CPM on an experiment's measured pair gains
-(:mod:`peerlm.bench.cpm_replay`).
+(:mod:`peerlm.bench.cpm_replay`); ``peerlm bench agent-start`` N agents started as new
+interpreters beside forks of one warm fork server (:mod:`peerlm.bench.agent_start`).
 All: progress on stderr, rich tables (or one JSON object with ``--json``) on stdout, optional
 PNG plots with ``--plots DIR`` (cpm, overlay).
 """
@@ -26,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 __all__ = [
+    "agent_start_command",
     "app",
     "cpm_ack_command",
     "cpm_command",
@@ -453,5 +455,26 @@ def experiment_round_command(
         lambda progress: run_benchmark(
             models_dir, work_dir, micro=micro, rounds=rounds, cores=cores, progress=progress
         ),
+        lambda r, p: [], render_report, None, as_json, {},
+    )  # fmt: skip
+
+
+@app.command("agent-start")
+def agent_start_command(
+    agents: Annotated[int, typer.Option(min=1, max=64, help="Agents started at once.")] = 4,
+    repeats: Annotated[int, typer.Option(min=1, help="Starts per mode.")] = 3,
+    preload: Annotated[
+        str | None,
+        typer.Option(help="Modules each command imports, comma-separated (default: an agent's)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """Starting N agents: new interpreters beside forks of one warm fork server."""
+    from peerlm.bench.agent_start import render_report, run_benchmark
+
+    modules = None if preload is None else tuple(m for m in preload.split(",") if m.strip())
+    _run_and_report(
+        "bench agent-start",
+        lambda progress: run_benchmark(agents, repeats, progress, modules),
         lambda r, p: [], render_report, None, as_json, {},
     )  # fmt: skip
