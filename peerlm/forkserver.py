@@ -373,11 +373,13 @@ class ForkServer:
     ) -> ChildProcess:
         """Start ``argv`` forked from the server, or as a new interpreter where forking
         could differ (module docstring). Stream arguments as :class:`subprocess.Popen`'s:
-        None (inherit), ``DEVNULL``, ``PIPE`` (``stdout`` only), an fd or a file object."""
+        None (inherit), ``DEVNULL``, ``PIPE`` (forked for ``stdout`` only), ``STDOUT``
+        (``stderr``), an fd or a file object."""
         env = dict(os.environ if env is None else env)
         refusal = self._refusal(argv, env)
-        if refusal is None and stdin == subprocess.PIPE:
-            refusal = "stdin=PIPE"
+        if refusal is None and subprocess.PIPE in (stdin, stderr):
+            # Only stdout has a pipe here; reading two pipes needs Popen.communicate.
+            refusal = "a stdin or stderr pipe"
         if refusal is None and not self._await_ready():
             refusal = self.fallback_reason
         if refusal is not None:

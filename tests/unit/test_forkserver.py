@@ -129,6 +129,11 @@ def test_what_forking_could_change_starts_a_new_interpreter(forks: ForkServer) -
     other_env = forks.spawn(PROBE, stdout=subprocess.PIPE, text=True, env=_env(OMP_NUM_THREADS="7"))
     assert isinstance(other_env, subprocess.Popen)
     assert _report(other_env)["argv"] == [] and other_env.returncode == 0
+    # Two pipes to read need Popen.communicate.
+    piped = forks.spawn(
+        PROBE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
+    assert isinstance(piped, subprocess.Popen) and piped.communicate(timeout=60)[1] == ""
     # PEERLM_* settings are read when the command runs: those may differ.
     assert isinstance(
         forks.spawn(PROBE, stdout=subprocess.DEVNULL, env=_env(PEERLM_X="1")), ForkedProcess
@@ -248,3 +253,16 @@ def test_a_command_that_cannot_start_exits_70_and_says_why(
         )
     assert isinstance(proc, ForkedProcess) and proc.wait(60) == 70
     assert "cannot start the command" in err.read_text() and "gone" in err.read_text()
+
+
+def test_stderr_may_join_the_stdout_pipe(forks: ForkServer) -> None:
+    proc = forks.spawn(
+        [*PROBE, "message", "to stderr"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+    )
+    assert isinstance(proc, ForkedProcess)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and out.rstrip().endswith("to stderr")
