@@ -97,20 +97,24 @@ def _recv_message(sock: socket.socket, maxfds: int = 0) -> tuple[dict[str, Any],
     fds: list[int] = []
     if maxfds:
         head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, maxfds)
+    else:
+        head = _recv_exact(sock, _HEADER.size)
+    try:
         if not head:
             raise EOFError("connection closed")
         if len(head) < _HEADER.size:
             head += _recv_exact(sock, _HEADER.size - len(head))
-    else:
-        head = _recv_exact(sock, _HEADER.size)
-    (length,) = _HEADER.unpack(head)
-    if length > _MAX_REQUEST:
+        (length,) = _HEADER.unpack(head)
+        if length > _MAX_REQUEST:
+            raise ValueError(f"message of {length} bytes is over {_MAX_REQUEST}")
+        payload = json.loads(_recv_exact(sock, length))
+        if not isinstance(payload, dict):
+            raise ValueError("message is not a JSON object")
+    except BaseException:
+        # Descriptors that came with a message nobody will use must not pile up.
         for fd in fds:
             os.close(fd)
-        raise ValueError(f"message of {length} bytes is over {_MAX_REQUEST}")
-    payload = json.loads(_recv_exact(sock, length))
-    if not isinstance(payload, dict):
-        raise ValueError("message is not a JSON object")
+        raise
     return payload, fds
 
 

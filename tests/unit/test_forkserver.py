@@ -172,6 +172,23 @@ def test_malformed_requests_are_refused_and_the_server_keeps_serving(forks: Fork
     assert isinstance(proc, ForkedProcess) and proc.wait(60) == 0
 
 
+def test_descriptors_sent_with_a_refused_request_are_closed(forks: ForkServer) -> None:
+    forks.spawn([*PROBE, "exit", "0"], stdout=subprocess.DEVNULL, env=_env()).wait(60)
+    held = Path(f"/proc/{forks.info['pid']}/fd")
+    before = len(list(held.iterdir()))
+    for body in (b"not json", b'["a list"]', b'{"module": 3}'):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(forks.socket_path))
+            socket.send_fds(conn, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+            conn.settimeout(30)
+            conn.recv(1024)
+    # The server closes them right after its reply: give it that moment.
+    until = time.monotonic() + 10
+    while len(list(held.iterdir())) != before and time.monotonic() < until:
+        time.sleep(0.05)
+    assert len(list(held.iterdir())) == before
+
+
 def test_close_kills_what_is_still_running_and_names_it() -> None:
     server = ForkServer(_env(), []).start()
     proc = server.spawn([*PROBE, "sleep", "600"], stdout=subprocess.DEVNULL, env=_env())
