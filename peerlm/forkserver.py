@@ -42,6 +42,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -272,6 +273,7 @@ class ForkServer:
     _ready: bool = field(default=False, repr=False)
     _info: dict[str, Any] = field(default_factory=dict, repr=False)
     _children: list[ForkedProcess] = field(default_factory=list, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def socket_path(self) -> Path:
@@ -321,6 +323,11 @@ class ForkServer:
                 os.close(err)
 
     def _await_ready(self) -> bool:
+        # One reader of the server's ready line, whichever thread spawns first.
+        with self._lock:
+            return self._read_ready()
+
+    def _read_ready(self) -> bool:
         if self._ready:
             return True
         if self.fallback_reason is not None:
@@ -586,7 +593,6 @@ def _run_child(
     """Become the requested command (in the forked child); its exit code."""
     import atexit
     import runpy
-    import threading
     import traceback
 
     server.release_in_child()
