@@ -13,7 +13,9 @@ The child of a fork server behaves as ``subprocess.Popen([sys.executable, "-m", 
 handlers and non-daemon threads run at its end, and :class:`ForkedProcess` offers Popen's
 ``pid``, ``returncode``, ``stdout``, ``poll``, ``wait``, ``send_signal``, ``terminate`` and
 ``kill``. Signals go through a pidfd, so a signal never reaches a reused pid. The exit
-status comes from the server, the child's parent.
+status comes from the server, the child's parent. One difference stays: a child started
+without ``start_new_session`` is in the server's session (its own, so that a terminal's
+Ctrl-C does not end the server), not the caller's process group; the caller stops it.
 
 Where forking could differ from a fresh interpreter the client starts one instead (a plain
 :class:`subprocess.Popen`) and says why in :attr:`ForkServer.fallback_reason`: an argv that
