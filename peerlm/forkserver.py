@@ -121,6 +121,10 @@ def _recv_message(sock: socket.socket, maxfds: int = 0) -> tuple[dict[str, Any],
     return payload, fds
 
 
+class _ServerGone(OSError):
+    """The fork server could not be reached; nothing was sent to it."""
+
+
 class ForkedProcess:
     """A command forked by a :class:`ForkServer`, driven like a :class:`subprocess.Popen`."""
 
@@ -354,6 +358,9 @@ class ForkServer:
         self._info = info
         if info.get("threads", 1) > 1:
             self.fallback_reason = f"server holds {info['threads']} threads after its imports"
+            # Nothing will be forked from it: its memory (the imports) goes back now.
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
             return False
         self._ready = True
         return True
@@ -409,9 +416,24 @@ class ForkServer:
                 umask=umask,
                 text=text,
             )
-        return self._fork(
-            list(argv), stdin, stdout, stderr, env, cwd, start_new_session, umask, text
-        )
+        try:
+            return self._fork(
+                list(argv), stdin, stdout, stderr, env, cwd, start_new_session, umask, text
+            )
+        except _ServerGone as gone:
+            self._ready = False
+            self.fallback_reason = str(gone)
+            return self.spawn(
+                argv,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                env=env,
+                cwd=cwd,
+                start_new_session=start_new_session,
+                umask=umask,
+                text=text,
+            )
 
     def _fork(
         self,
@@ -450,7 +472,11 @@ class ForkServer:
             err_fd = out_fd if stderr == subprocess.STDOUT else fd_of(stderr, 2)
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                conn.connect(str(self.socket_path))
+                try:
+                    conn.connect(str(self.socket_path))
+                except OSError as error:
+                    # Nothing was sent: the server is gone (killed, out of memory).
+                    raise _ServerGone(f"server gone: {error}") from error
                 request = {
                     "module": module_of(argv),
                     "args": argv[3:],
@@ -476,6 +502,8 @@ class ForkServer:
             if reader is not None:
                 reader.close()
             raise OSError(f"fork server refused {argv[2:4]}: {reply['error']}")
+        for fd in fds:
+            os.set_inheritable(fd, False)  # this process's later children need no pidfd
         self.forked += 1
         child = ForkedProcess(argv, int(reply["pid"]), conn, fds[0] if fds else None, reader)
         self._children.append(child)
@@ -570,7 +598,13 @@ def _reopen_stdio() -> None:
 
     def text(fd: int, mode: str, errors: str, line: bool) -> io.TextIOWrapper:
         raw = io.FileIO(fd, mode, closefd=False)
-        buffered: Any = io.BufferedWriter(raw) if mode == "w" else io.BufferedReader(raw)
+        buffered: Any
+        if mode == "r":
+            buffered = io.BufferedReader(raw)
+        elif unbuffered:
+            buffered = raw  # as `python -u`: text straight to the descriptor
+        else:
+            buffered = io.BufferedWriter(raw)
         return io.TextIOWrapper(
             buffered,
             encoding=sys.stdout.encoding or "utf-8",
@@ -632,10 +666,10 @@ def _run_child(
     except BaseException:
         traceback.print_exc()
         code = 1
-    # What an interpreter does at its end: wait for non-daemon threads, run atexit.
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What an interpreter does at its end: threading's shutdown (its exit hooks, such as
+    # concurrent.futures stopping idle pool workers, then a join of non-daemon threads),
+    # then atexit.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -669,10 +703,21 @@ def _serve_one(server: _Server, conn: socket.socket) -> None:
                     os.write(2, f"forkserver: cannot start the command: {error}\n".encode())
             finally:
                 os._exit(code)
-        pidfd = os.pidfd_open(pid)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            # A command nobody can follow must not run: end it before saying "refused".
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise
         server.children[pidfd] = _Child(pid, pidfd, conn)
         server.selector.register(pidfd, selectors.EVENT_READ, pidfd)
-        _send_message(conn, {"pid": pid}, [pidfd])
+        try:
+            _send_message(conn, {"pid": pid}, [pidfd])
+        except OSError:
+            # The client is gone before it learnt the pid: end the child (reaped below).
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            raise
     except (OSError, ValueError) as error:
         print(f"forkserver: refused: {error}", file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
@@ -687,10 +732,14 @@ def _serve_one(server: _Server, conn: socket.socket) -> None:
 def _reap(server: _Server, pidfd: int) -> None:
     child = server.children.pop(pidfd)
     server.selector.unregister(pidfd)
-    _, status = os.waitpid(child.pid, 0)
+    try:
+        _, status = os.waitpid(child.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+    except ChildProcessError:  # reaped by someone else: its status is gone
+        code = UNKNOWN_EXIT
     with contextlib.suppress(OSError):
         child.conn.settimeout(5)
-        _send_message(child.conn, {"exit": os.waitstatus_to_exitcode(status)})
+        _send_message(child.conn, {"exit": code})
     child.conn.close()
     os.close(pidfd)
 
@@ -701,6 +750,9 @@ def serve(socket_path: Path, preload: Sequence[str]) -> None:
     import importlib
 
     retitle([sys.executable, "-m", "peerlm.forkserver", "--socket", str(socket_path)])
+    # An ignored SIGCHLD survives exec and would let the kernel reap the children before
+    # their status is read; the children get the default back with it, as a fresh one has.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     started = time.process_time()
     for name in preload:
         importlib.import_module(name)
@@ -721,7 +773,12 @@ def serve(socket_path: Path, preload: Sequence[str]) -> None:
     while server.listener is not None or server.children:
         for key, _ in server.selector.select():
             if key.data == "accept" and server.listener is not None:
-                conn, _ = server.listener.accept()
+                try:
+                    conn, _ = server.listener.accept()
+                except OSError as error:  # out of descriptors: refuse this one, live on
+                    print(f"forkserver: accept failed: {error}", file=sys.stderr, flush=True)
+                    time.sleep(0.1)
+                    continue
                 _serve_one(server, conn)
             elif key.data == "lifeline":
                 if os.read(sys.stdin.fileno(), 4096):

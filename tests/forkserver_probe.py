@@ -11,6 +11,9 @@ import threading
 import time
 from pathlib import Path
 
+#: Pools kept alive to the end, as a library's global would keep them.
+POOLS: list[object] = []
+
 
 def main() -> None:
     action, arg = [*sys.argv[1:], "report", ""][:2]
@@ -38,6 +41,15 @@ def main() -> None:
         time.sleep(float(arg))
     if action == "atexit":
         atexit.register(Path(arg).write_text, "atexit ran")
+    if action == "pool":
+        # A pool nobody shut down: the interpreter's end stops its idle workers.
+        from concurrent.futures import ThreadPoolExecutor
+
+        POOLS.append(ThreadPoolExecutor(2))
+        POOLS[-1].submit(time.sleep, 0.1).result()
+    if action == "unflushed":
+        sys.stdout.write("early\n")  # no flush: seen at once only when unbuffered
+        time.sleep(float(arg))
     if action == "thread":
 
         def late() -> None:

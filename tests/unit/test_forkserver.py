@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -118,6 +119,39 @@ def test_the_end_waits_for_threads_and_runs_atexit(forks: ForkServer, tmp_path: 
         proc = forks.spawn([*PROBE, action, str(marker)], stdout=subprocess.DEVNULL, env=_env())
         assert proc.wait(60) == 0
         assert marker.exists(), action
+
+
+def test_a_pool_left_open_ends_with_the_command(forks: ForkServer) -> None:
+    proc = forks.spawn([*PROBE, "pool"], stdout=subprocess.DEVNULL, env=_env())
+    assert isinstance(proc, ForkedProcess) and proc.wait(60) == 0
+
+
+def test_an_unbuffered_server_gives_unbuffered_children() -> None:
+    env = _env(PYTHONUNBUFFERED="1")
+    with ForkServer(env, []) as server:
+        proc = server.spawn([*PROBE, "unflushed", "30"], stdout=subprocess.PIPE, env=env)
+        assert isinstance(proc, ForkedProcess) and proc.stdout is not None
+        try:
+            seen = b""
+            until = time.monotonic() + 10  # the child sleeps 30 s after writing
+            fd = proc.stdout.fileno()
+            while b"early\n" not in seen and time.monotonic() < until:
+                if select.select([fd], [], [], 0.5)[0]:
+                    seen += os.read(fd, 4096)
+            assert seen.endswith(b"early\n"), seen
+        finally:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_a_server_gone_after_it_was_ready_leaves_new_interpreters() -> None:
+    with ForkServer(_env(), []) as server:
+        assert isinstance(server.spawn(PROBE, stdout=subprocess.DEVNULL, env=_env()), ForkedProcess)
+        os.kill(int(server.info["pid"]), signal.SIGKILL)
+        time.sleep(0.5)
+        proc = server.spawn(PROBE, stdout=subprocess.PIPE, text=True, env=_env())
+        assert isinstance(proc, subprocess.Popen) and _report(proc)["argv"] == []
+        assert "server gone" in (server.fallback_reason or "")
 
 
 def test_what_forking_could_change_starts_a_new_interpreter(forks: ForkServer) -> None:
