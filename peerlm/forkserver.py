@@ -402,38 +402,27 @@ class ForkServer:
             refusal = "a stdin or stderr pipe"
         if refusal is None and not self._await_ready():
             refusal = self.fallback_reason
-        if refusal is not None:
-            self.started += 1
-            self.last_refusal = refusal
-            return subprocess.Popen(
-                list(argv),
-                stdin=stdin,
-                stdout=stdout,
-                stderr=stderr,
-                env=env,
-                cwd=cwd,
-                start_new_session=start_new_session,
-                umask=umask,
-                text=text,
-            )
-        try:
-            return self._fork(
-                list(argv), stdin, stdout, stderr, env, cwd, start_new_session, umask, text
-            )
-        except _ServerGone as gone:
-            self._ready = False
-            self.fallback_reason = str(gone)
-            return self.spawn(
-                argv,
-                stdin=stdin,
-                stdout=stdout,
-                stderr=stderr,
-                env=env,
-                cwd=cwd,
-                start_new_session=start_new_session,
-                umask=umask,
-                text=text,
-            )
+        if refusal is None:
+            try:
+                return self._fork(
+                    list(argv), stdin, stdout, stderr, env, cwd, start_new_session, umask, text
+                )
+            except _ServerGone as gone:
+                self._ready = False
+                self.fallback_reason = refusal = str(gone)
+        self.started += 1
+        self.last_refusal = refusal
+        return subprocess.Popen(
+            list(argv),
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            env=env,
+            cwd=cwd,
+            start_new_session=start_new_session,
+            umask=umask,
+            text=text,
+        )
 
     def _fork(
         self,
