@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["ForkServer", "ForkedProcess", "module_of"]
+__all__ = ["UNKNOWN_EXIT", "ChildProcess", "ForkServer", "ForkedProcess", "retitle"]
 
 #: Environment keys a child may set differently from the server's: peerlm reads its own
 #: settings when a command runs, never at import; pytest rewrites ``PYTEST_CURRENT_TEST``
@@ -70,7 +70,7 @@ _HEADER = struct.Struct("!I")
 _MAX_REQUEST = 4 << 20
 
 
-def module_of(argv: Sequence[str]) -> str | None:
+def _module_of(argv: Sequence[str]) -> str | None:
     """The module ``argv`` runs when it is ``[sys.executable, "-m", module, ...]`` (this
     interpreter, no other flag), else None."""
     if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2]:
@@ -366,7 +366,7 @@ class ForkServer:
         return True
 
     def _refusal(self, argv: Sequence[str], env: Mapping[str, str]) -> str | None:
-        if module_of(argv) is None:
+        if _module_of(argv) is None:
             return "not `<this python> -m <module>`"
         keys = set(env) | set(self.env)
         differ = sorted(
@@ -467,7 +467,7 @@ class ForkServer:
                     # Nothing was sent: the server is gone (killed, out of memory).
                     raise _ServerGone(f"server gone: {error}") from error
                 request = {
-                    "module": module_of(argv),
+                    "module": _module_of(argv),
                     "args": argv[3:],
                     "env": env,
                     "cwd": str(cwd) if cwd is not None else os.getcwd(),
