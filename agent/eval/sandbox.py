@@ -57,6 +57,13 @@ memory for it: the sandbox protects the host, it does not make the score tamper-
 Everything the sandbox writes (program, status, stdout, stderr, working directory) lives
 in one fresh temporary directory that is removed after the run.
 
+:func:`run_many` parses each program in the caller first (the parser only, ``ast``: no
+compile stage, nothing of the program runs) and reports one the parser rejects as
+``failed`` without starting a process, as the child would after its own ``compile`` raised
+the same ``SyntaxError``. Untrained models write mostly such programs, and a sandboxed
+start costs ~55 CPU ms (measured, micro experiment: 277 of 300 programs did not parse).
+Anything else the parser raises (``MemoryError``, a null byte) goes to the sandbox as before.
+
 This file has two halves. The child half comes first and imports almost nothing, because
 every module it imports is paid for by every sandboxed run; the child never gets past
 ``if __name__ == "__main__"``. The caller's half follows, with its own imports.
@@ -591,6 +598,7 @@ if __name__ == "__main__":
 
 # --------------------------------------------------------------------------- caller half
 
+import ast
 import contextlib
 import importlib.util
 import math
@@ -600,6 +608,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypedDict, Unpack
@@ -657,6 +666,11 @@ class SandboxTelemetry:
             "peerlm_agent_sandbox_runs_total",
             "sandboxed runs by outcome",
             ["status"],
+            registry=registry,
+        )
+        self.unparsed = Counter(
+            "peerlm_agent_sandbox_unparsed_total",
+            "programs that failed without a sandboxed run: the parser rejected them",
             registry=registry,
         )
 
@@ -814,6 +828,7 @@ class SandboxResult:
     confined: bool = True
     notes: tuple[str, ...] = ()
     forbidden_call: bool = False
+    ran: bool = True
 
     @property
     def passed(self) -> bool:
@@ -904,9 +919,40 @@ def run_many(
         raise ValueError(f"max_workers must be at least 1, got {max_workers}")
     if not programs:
         return []
-    # Threads only wait on child processes; each child is an independent sandbox.
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(programs))) as pool:
-        return list(pool.map(lambda code: run_program(code, **limits), programs))
+    results: list[SandboxResult | None] = [_unparsed(code) for code in programs]
+    telemetry = limits.get("telemetry")
+    if telemetry is not None:
+        telemetry.unparsed.inc(sum(r is not None for r in results))
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+        # Threads only wait on child processes; each child is an independent sandbox.
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(todo))) as pool:
+            ran = pool.map(lambda i: run_program(programs[i], **limits), todo)
+            for i, result in zip(todo, ran, strict=True):
+                results[i] = result
+    return [r for r in results if r is not None]
+
+
+def _unparsed(code: str) -> SandboxResult | None:
+    """``failed`` for a program the parser rejects (what the child's ``compile`` would
+    raise), without a process; None for one that parses or that the parser cannot judge."""
+    try:
+        ast.parse(code, "<program>")
+    except SyntaxError as exc:
+        message = "".join(traceback.format_exception_only(type(exc), exc))
+        return SandboxResult(
+            status="failed",
+            returncode=None,
+            duration_s=0.0,
+            stderr_tail=message[-TAIL_BYTES:],
+            stdout_tail="",
+            network_isolated=True,
+            privileges_dropped=True,
+            ran=False,
+        )
+    except Exception:  # MemoryError, RecursionError, a null byte: the sandbox decides
+        return None
+    return None
 
 
 def _run_in(private: str, code: str, control: dict[str, Any], timeout_s: float) -> SandboxResult:

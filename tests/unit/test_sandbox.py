@@ -10,11 +10,13 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from peerlm.agent.eval import sandbox as sandbox_module
 from peerlm.agent.eval.sandbox import SANDBOX_UID_BASE, check_solution, run_many, run_program
 from peerlm.agent.tasks.dataset import Problem
+from prometheus_client import CollectorRegistry
 
 IS_ROOT = os.geteuid() == 0
 
@@ -319,6 +321,52 @@ def test_run_many_keeps_order_and_isolation() -> None:
     expected = ["failed" if i % 3 == 0 else "passed" for i in range(9)] + ["timeout"]
     assert statuses == expected
     assert run_many([]) == []
+
+
+UNPARSABLE = [
+    "def f(:\n    pass\n",
+    "x = (\n",
+    "if True:\npass\n",  # IndentationError
+    "a\x00b\n",  # a null byte: the child's compile refuses it as well
+    "(" * 20_000 + ")" * 20_000,  # past the parser's nesting limit: refused, nothing crashes
+    "[" * 200 + "1" + "]" * 199,  # nested and unclosed
+]
+
+
+def test_a_program_that_does_not_parse_fails_without_a_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """run_many fails a program the parser rejects without a sandbox (nothing of it runs),
+    with the status a sandboxed run gives it; programs that parse still run, in order."""
+    registry = CollectorRegistry()
+    telemetry = sandbox_module.SandboxTelemetry(registry)
+    started: list[str] = []
+    real = sandbox_module.run_program
+
+    def counting(code: str, **limits: Any) -> sandbox_module.SandboxResult:
+        started.append(code)
+        return real(code, **limits)
+
+    monkeypatch.setattr(sandbox_module, "run_program", counting)
+    programs = [*UNPARSABLE, "assert 1 == 1\n", "return 5\n", "assert 1 == 2\n"]
+    results = run_many(programs, telemetry=telemetry)
+    assert [r.status for r in results] == ["failed"] * len(UNPARSABLE) + [
+        "passed", "failed", "failed"
+    ]  # fmt: skip
+    # The compiler's own refusal ("return" outside a function) still runs: the parser
+    # accepts it, and only what the parser rejects is decided here.
+    assert started == programs[len(UNPARSABLE) :]
+    for r in results[: len(UNPARSABLE)]:
+        assert not r.ran and r.returncode is None and "Error" in r.stderr_tail, r
+    assert all(r.ran for r in results[len(UNPARSABLE) :])
+    assert registry.get_sample_value("peerlm_agent_sandbox_unparsed_total") == len(UNPARSABLE)
+    assert registry.get_sample_value("peerlm_agent_sandbox_runs_total", {"status": "passed"}) == 1
+
+
+def test_the_parser_check_agrees_with_a_sandboxed_run() -> None:
+    """Each program the check fails, the sandbox fails too (run_program always starts one)."""
+    for code in UNPARSABLE[:4]:
+        assert run_program(code).status == "failed", code
 
 
 def test_interpreter_is_isolated_from_the_caller_environment(
