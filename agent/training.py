@@ -245,7 +245,12 @@ def text_budget(token_chars: int, max_length: int) -> int:
 
 
 def encode_pair(
-    tokenizer: Any, prompt: str, completion: str, *, max_chars: int | None = None
+    tokenizer: Any,
+    prompt: str,
+    completion: str,
+    *,
+    max_chars: int | None = None,
+    split: Callable[[str], tuple[str, str]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Prompt ids (with the tokenizer's special prefix, if any) and completion ids + EOS.
 
@@ -254,8 +259,9 @@ def encode_pair(
     the completion is cut to that many characters *before* it is tokenised: a teacher's
     text is untrusted, and tokenising a 16 MiB completion costs gigabytes to keep a few
     hundred tokens (:func:`text_budget` gives a cut that keeps every token used).
+    ``split`` is :func:`split_prompt` for ``tokenizer`` (a caller's cached copy).
     """
-    head, indent = split_prompt(tokenizer, prompt)
+    head, indent = split_prompt(tokenizer, prompt) if split is None else split(prompt)
     p = token_ids(tokenizer, head, special=True)
     if max_chars is not None:
         completion = completion[:max_chars]
@@ -264,12 +270,17 @@ def encode_pair(
 
 
 def encode_example(
-    tokenizer: Any, example: Example, max_length: int, *, max_chars: int | None = None
+    tokenizer: Any,
+    example: Example,
+    max_length: int,
+    *,
+    max_chars: int | None = None,
+    split: Callable[[str], tuple[str, str]] | None = None,
 ) -> Encoded | None:
     """Token ids and labels of one example (see the module docstring); None if no target.
 
-    ``max_chars`` cuts a text (the completion of a pair) before tokenising
-    (:func:`encode_pair`).
+    ``max_chars`` cuts a text (the completion of a pair) before tokenising, and ``split``
+    cuts a pair's prompt (:func:`encode_pair`).
     """
     if isinstance(example, str):
         text = example if max_chars is None else example[:max_chars]
@@ -278,7 +289,7 @@ def encode_example(
         encoded = Encoded(ids, list(ids))
     else:
         prompt, completion = example
-        p, c = encode_pair(tokenizer, prompt, completion, max_chars=max_chars)
+        p, c = encode_pair(tokenizer, prompt, completion, max_chars=max_chars, split=split)
         keep_p, keep_c = fit_lengths(p, c, max_length)
         p = p[len(p) - keep_p :]
         c = c[:keep_c]

@@ -293,11 +293,13 @@ def build_package(
     top_k: int = 16,
     max_length: int = 256,
     prompt_ids: Sequence[str] | None = None,
+    created_at: float | None = None,
 ) -> bytes:
     """The encoded knowledge package of ``completions`` to ``prompts`` (X_u), guardrailed.
 
     ``prompts`` may be a subset of X_u (what the teacher answers, :mod:`.teaching`);
     ``prompt_ids`` then name each one's position in X_u (default: ``"0"``, ``"1"``, ...).
+    ``created_at``: the package's time stamp (default: now).
 
     Logits mode: the top-k of :meth:`ModelHost.topk_logits` at temperature 1 (the student
     re-tempers to its schedule); an item whose text the guardrail would change is withheld.
@@ -314,6 +316,7 @@ def build_package(
             family=host.family,
             guardrail=guardrail,
             prompt_ids=prompt_ids,
+            created_at=created_at,
         )
     entries = host.topk_logits(
         prompts, completions, k=top_k, temperature=1.0, max_length=max_length
@@ -332,6 +335,7 @@ def build_package(
         guardrail=guardrail,
         detokenize=lambda ids: str(host.tokenizer.decode(list(ids), skip_special_tokens=True)),
         prompt_ids=prompt_ids,
+        created_at=created_at,
     )
     return data
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from peerlm.agent import Integration, ModelHost
 
 __all__ = [
+    "PACKAGE_TIME",
     "central_kd",
     "consensus_texts",
     "exchange_record",
@@ -40,6 +41,11 @@ __all__ = [
     "teacher_package",
     "teacher_package_bytes",
 ]
+
+#: The time stamp of every package the experiment builds: a fixed one, of a real clock's
+#: length, so that a package's measured bytes (its KB and the probe reward's penalty) do not
+#: depend on the digits of ``time.time()``'s repr (they made two runs of a seed differ).
+PACKAGE_TIME = 1_800_000_000.123456
 
 
 def reward_examples(world: World, student: Client, i: int) -> list[tuple[str, str]]:
@@ -127,6 +133,7 @@ def teacher_package_bytes(
         directive_id=directive,
         transfer_sha256=world.transfer_sha256,
         guardrail=teacher.guardrail,
+        created_at=PACKAGE_TIME,
     )
 
 

@@ -205,6 +205,33 @@ def test_split_prompt_gives_the_tokens_of_the_whole_text(
     assert pair.input_ids == whole.input_ids
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_a_hosts_cached_encodings_are_those_of_encode_example(
+    models: dict[str, Path], arch: str
+) -> None:
+    """The host keeps each example's encoding and each prompt's cut (they recur every
+    round); what it hands out, again and again, is what encode_example computes."""
+    h = host(models, arch)
+    tok = h.tokenizer
+    examples: list[Any] = [
+        ('def f(x):\n    """Double x."""\n    ', "return x * 2\n"),
+        ("def g():\n    ", "pass\n"),
+        "plain text, trained on every token",
+        ("p" * 5000, "a long prompt is cut to the budget\n"),
+        ("", ""),  # nothing to learn: dropped
+    ]
+    direct = [
+        encode_example(tok, ex, 64, max_chars=text_budget(max_token_chars(tok), 64))
+        for ex in examples
+    ]
+    expected = [(e.input_ids, e.labels) for e in direct if e is not None]
+    for _ in range(2):  # the second pass comes from the caches
+        got = h._encode_all(examples, 64)
+        assert [(e.input_ids, e.labels) for e in got] == expected
+    got[0].input_ids.append(7)  # a caller's list is its own: the cache is not changed
+    assert [(e.input_ids, e.labels) for e in h._encode_all(examples, 64)] == expected
+
+
 @pytest.mark.slow
 def test_akd_student_with_another_tokenizer_learns_the_teacher_text(
     models: dict[str, Path],
