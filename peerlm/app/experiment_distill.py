@@ -218,6 +218,7 @@ def central_kd(world: World, clients: list[Client], seed: int, t: int) -> list[d
         transfer_sha256=world.transfer_sha256,
         family="other",
         guardrail=Guardrail([]),  # the clients vetted their texts before sending
+        created_at=PACKAGE_TIME,
     )
     package = decode_package(data, expect_transfer_sha256=world.transfer_sha256)
     records = []

@@ -142,9 +142,10 @@ class World:
     ffa_warm: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The category of each prompt of ``transfer`` (what a competent teacher selects by).
     transfer_categories: list[str] = field(default_factory=list)
-    # Each client's input router, by client index, once fitted in this process: a router is
-    # a function of the world's data alone and immutable, and every strategy and seed
-    # builds the same clients again (20 of a micro --quick run's 94 CPU s went to refits).
+    # Each client's guardrail and input router, by client index, once built in this
+    # process: functions of the world's data alone and immutable, while every strategy and
+    # seed builds the same clients again (28 of a micro --quick run's 94 CPU s were rebuilds).
+    guardrails: dict[int, Guardrail] = field(default_factory=dict, repr=False, compare=False)
     routers: dict[int, InputRouter] = field(default_factory=dict, repr=False, compare=False)
 
     def teachable(self, client: Client, t: int = 1) -> list[int]:
@@ -269,7 +270,11 @@ def build_clients(
             seed=seed if ffa else seed + i,
         )
         host.frozen_lora_a = ffa
-        guard = Guardrail([p.prompt + p.reference for p in train], public_texts=world.transfer)
+        if i not in world.guardrails:
+            world.guardrails[i] = Guardrail(
+                [p.prompt + p.reference for p in train], public_texts=world.transfer
+            )
+        guard = world.guardrails[i]
         name = f"agent-{i}"
         if name in warm:
             host.load_adapter_state(warm[name])
