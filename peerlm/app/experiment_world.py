@@ -148,6 +148,11 @@ class World:
     guardrails: dict[int, Guardrail] = field(default_factory=dict, repr=False, compare=False)
     routers: dict[int, InputRouter] = field(default_factory=dict, repr=False, compare=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # What goes to a worker process: a guardrail holds a bound logger, which does not
+        # pickle, so each worker builds its own (the routers travel).
+        return {**self.__dict__, "guardrails": {}}
+
     def teachable(self, client: Client, t: int = 1) -> list[int]:
         """Indices of the X_u prompts ``client`` answers as a teacher in round ``t``
         (``teach_scope``; at most ``teach_limit`` of them, a window that moves on each

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,8 @@ def test_every_build_of_a_client_shares_its_one_router(
     # Without routers nothing is fitted or attached.
     bare = build_clients(world, 0, routers=False)
     assert all(c.router is None for c in bare)
+    # What a worker process receives: the routers, and no guardrail (a guardrail's bound
+    # logger does not pickle; the worker builds its own).
+    sent = pickle.loads(pickle.dumps(world))
+    assert sent.guardrails == {} and sorted(sent.routers) == [0, 1]
+    assert [c.guardrail is not None for c in build_clients(sent, 0)] == [True, True]
