@@ -20,7 +20,7 @@ from peerlm.app.devfed import (
     OVERLAY_STARTUP_S,
     DevFederation,
     RealPlan,
-    free_port,
+    free_ports,
     prepare_real,
     run_federation,
     sim_argv,
@@ -475,7 +475,7 @@ def _agent_argvs(
             ratio=0.5 if opts.proxy_ratio is None else opts.proxy_ratio,
             round_deadline_s=opts.round_deadline,
             console=console,
-            free_port=free_port,
+            free_ports=free_ports,
             stop_grace_s=RealPlan.stop_grace_s,
         )
     if opts.workflow:
@@ -488,7 +488,7 @@ def _agent_argvs(
             size=opts.size,
             family=opts.family or "gpt2",
             console=console,
-            free_port=free_port,
+            free_ports=free_ports,
             stop_grace_s=RealPlan.stop_grace_s,
         )
     if opts.simulated:

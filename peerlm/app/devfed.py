@@ -13,6 +13,7 @@ steps) is :mod:`peerlm.app.cli_up`; the final report, :mod:`peerlm.app.devfed_re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -439,12 +440,38 @@ OVERLAY_STARTUP_S = RealPlan.overlay_startup_s
 OVERLAY_PLACEMENT_SLACK_S = 90.0
 
 
-def free_port() -> int:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports on 127.0.0.1, each free now, drawn at random outside the
+    kernel's ephemeral range (``ip_local_port_range``), from which ``bind(0)`` and every
+    outgoing connection take theirs. A port taken from that range is free again once this
+    returns, and the kernel gave one to another process's connection before the agent bound
+    it (an agent of ``up --overlay`` failed to start so, beside three test workers)."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    spans = [(a, b) for a, b in ((10_000, low - 1), (high + 1, 65_535)) if a <= b]
+    pool = [port for a, b in spans for port in range(a, b + 1)]
+    chosen: list[int] = []
+    for port in random.SystemRandom().sample(pool, min(len(pool), 64 * n + 64)):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+        if len(chosen) == n:
+            return chosen
+    # No span outside the ephemeral range (an unusual kernel setting): the kernel's choice.
+    while len(chosen) < n:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in chosen:
+            chosen.append(port)
+    return chosen
 
 
 def _write_slice_files(
@@ -539,7 +566,7 @@ def prepare_real(
     configs = fed.root / "agents"
     configs.mkdir(parents=True, exist_ok=True)
     # With the overlay every agent serves on a known port, and all bootstrap through agent-0.
-    ports = [free_port() if plan.overlay else 0 for _ in agents]
+    ports = free_ports(len(agents)) if plan.overlay else [0] * len(agents)
     protocol = {**DEV_OVERLAY_PROTOCOL, "genesis_time": time.time() + plan.overlay_startup_s}
     for i, name in enumerate(agents):
         t = fed.tls(name)

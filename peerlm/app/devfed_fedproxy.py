@@ -61,7 +61,7 @@ def prepare_cohort(
     ratio: float,
     round_deadline_s: float | None = None,
     console: Console | None,
-    free_port: Callable[[], int],
+    free_ports: Callable[[int], list[int]],
     stop_grace_s: float,
 ) -> Callable[[int, str, str], list[str]]:
     """Build (or reuse) the family's model and the default world's data (one client per
@@ -92,9 +92,11 @@ def prepare_cohort(
         [p for p in read_jsonl(data / "test.jsonl") if p.category in public],
     )
     steps, texts = _PLAN[model_size]
-    at = {name: f"127.0.0.1:{free_port()}" for name in names}
-    # Each agent's Prometheus endpoint, to watch the peerlm_agent_fedproxy_* series live.
-    metrics = {name: free_port() for name in names}
+    # Each agent's gRPC port, then its Prometheus endpoint (the peerlm_agent_fedproxy_* series).
+    ports = free_ports(2 * len(names))
+    grpc_ports, metric_ports = ports[: len(names)], ports[len(names) :]
+    at = {name: f"127.0.0.1:{port}" for name, port in zip(names, grpc_ports, strict=True)}
+    metrics = dict(zip(names, metric_ports, strict=True))
     configs = fed.root / "agents"
     configs.mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(names):

@@ -109,7 +109,7 @@ def prepare_workflow(
     size: str,
     family: str,
     console: Console | None,
-    free_port: Callable[[], int],
+    free_ports: Callable[[int], list[int]],
     stop_grace_s: float,
 ) -> Callable[[int, str, str], list[str]]:
     """Build (or reuse) the models and the chain's data; write one configuration per
@@ -147,7 +147,7 @@ def prepare_workflow(
         for k, text in enumerate(chain.public)
     ]
     write_jsonl(data / "transfer.jsonl", transfer)
-    ports = {agent: free_port() for agent in WORKFLOW_AGENTS}
+    ports = dict(zip(WORKFLOW_AGENTS, free_ports(len(WORKFLOW_AGENTS)), strict=True))
     peers = {agent: f"127.0.0.1:{port}" for agent, port in ports.items()}
     configs = fed.root / "agents"
     configs.mkdir(parents=True, exist_ok=True)
