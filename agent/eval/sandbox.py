@@ -62,7 +62,8 @@ compile stage, nothing of the program runs) and reports one the parser rejects a
 ``failed`` without starting a process, as the child would after its own ``compile`` raised
 the same ``SyntaxError``. Untrained models write mostly such programs, and a sandboxed
 start costs ~55 CPU ms (measured, micro experiment: 277 of 300 programs did not parse).
-Anything else the parser raises (``MemoryError``, a null byte) goes to the sandbox as before.
+Anything else the parser raises (``MemoryError``), and any program longer than
+``PARSE_LIMIT``, goes to the sandbox as before.
 
 This file has two halves. The child half comes first and imports almost nothing, because
 every module it imports is paid for by every sandboxed run; the child never gets past
@@ -618,6 +619,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 __all__ = [
     "MIN_LANDLOCK_ABI",
+    "PARSE_LIMIT",
     "SANDBOX_UID_BASE",
     "STATUSES",
     "Confinement",
@@ -632,6 +634,11 @@ __all__ = [
     "run_many",
     "run_program",
 ]
+
+#: The longest program (characters) :func:`run_many` parses in the caller: a parse takes
+#: memory in proportion, and a peer's text can be as long as a package allows, so a longer
+#: program is parsed in the sandbox, under its memory limit. Generated programs are a few KB.
+PARSE_LIMIT = 64 * 1024
 
 #: The third-party bindings the bootstrap imports to confine itself (see _lock_down).
 _BINDINGS = ("landlockpy", "pyseccomp")
@@ -935,7 +942,10 @@ def run_many(
 
 def _unparsed(code: str) -> SandboxResult | None:
     """``failed`` for a program the parser rejects (what the child's ``compile`` would
-    raise), without a process; None for one that parses or that the parser cannot judge."""
+    raise), without a process; None for one that parses, that the parser cannot judge, or
+    that is longer than :data:`PARSE_LIMIT` (the sandbox's memory limit bounds its parse)."""
+    if len(code) > PARSE_LIMIT:
+        return None
     try:
         ast.parse(code, "<program>")
     except SyntaxError as exc:

@@ -348,10 +348,13 @@ def test_a_program_that_does_not_parse_fails_without_a_process(
         return real(code, **limits)
 
     monkeypatch.setattr(sandbox_module, "run_program", counting)
-    programs = [*UNPARSABLE, "assert 1 == 1\n", "return 5\n", "assert 1 == 2\n"]
+    # Too long to parse here: a peer's text may be as long as a package allows, and a parse
+    # takes memory in proportion, so the sandbox parses it under its memory limit.
+    long_broken = "x = (\n" + "#" * sandbox_module.PARSE_LIMIT + "\n"
+    programs = [*UNPARSABLE, "assert 1 == 1\n", "return 5\n", "assert 1 == 2\n", long_broken]
     results = run_many(programs, telemetry=telemetry)
     assert [r.status for r in results] == ["failed"] * len(UNPARSABLE) + [
-        "passed", "failed", "failed"
+        "passed", "failed", "failed", "failed"
     ]  # fmt: skip
     # The compiler's own refusal ("return" outside a function) still runs: the parser
     # accepts it, and only what the parser rejects is decided here.
