@@ -493,8 +493,8 @@ def _agent_argvs(
         )
     if opts.simulated:
         return sim_argv(fed, names, opts.rounds, opts.seed, opts.heterogeneity)
-    plan = RealPlan(
-        size=opts.size,
+    plan = RealPlan.of_size(
+        opts.size,
         overlay=opts.overlay,
         family=opts.family,
         aggregation=opts.aggregation,

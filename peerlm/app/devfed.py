@@ -414,6 +414,24 @@ class RealPlan:
     # Below _stop's 10 s before SIGKILL: Ctrl-C lets each agent cut its round and checkpoint.
     stop_grace_s: float = 5.0
 
+    @classmethod
+    def of_size(cls, size: str, **options: Any) -> RealPlan:
+        """The plan of ``size``: tiny models get the defaults above, micro models
+        :data:`MICRO_BUDGET`'s smaller per-round work (``options`` override either)."""
+        budget = MICRO_BUDGET if size == "micro" else {}
+        return cls(size=size, **{**budget, **options})
+
+
+#: A micro federation's per-round work (``peerlm up --micro``): micro models are a smoke run
+#: of the wiring, and what they write passes no test whatever its length, so they train,
+#: answer and are evaluated on less (local steps, X_u answers, evaluation problems per slice,
+#: tokens per completion). Measured on ``peerlm up --micro --overlay -n 4 -r 3 --family gpt2``
+#: (2026-12-06): generation, distillation and evaluation were 40 % of the federation's CPU
+#: seconds at the tiny budgets.
+MICRO_BUDGET: Mapping[str, Any] = MappingProxyType(
+    {"local_steps": 4, "transfer_limit": 8, "eval_limit": 6, "max_new_tokens": 24}
+)
+
 
 #: Dev overlay schedule (``peerlm up --overlay``): short hops and leases so a handful of
 #: agents build the overlay within seconds; the build starts ``OVERLAY_STARTUP_S`` after the

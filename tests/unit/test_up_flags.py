@@ -108,3 +108,16 @@ def test_a_protocol_off_by_default_on_the_menu_is_executed_by_the_agents() -> No
     for extra in names(on_by_default=False):
         executed = agent_protocols(RealPlan(extra_protocols=(extra,)))
         assert executed == [*names(on_by_default=True), extra]
+
+
+def test_a_micro_plan_does_a_smoke_runs_work_and_a_tiny_one_the_defaults() -> None:
+    """`--micro` agents train, answer and are evaluated on MICRO_BUDGET's smaller amounts;
+    tiny ones keep RealPlan's defaults; an explicit option wins over either."""
+    from peerlm.app.devfed import MICRO_BUDGET, RealPlan
+
+    micro, tiny = RealPlan.of_size("micro"), RealPlan.of_size("tiny")
+    assert micro.size == "micro" and tiny == RealPlan(size="tiny")
+    for field, value in MICRO_BUDGET.items():
+        assert getattr(micro, field) == value < getattr(tiny, field), field
+    assert RealPlan.of_size("micro", max_new_tokens=64, overlay=True).max_new_tokens == 64
+    assert RealPlan.of_size("micro", overlay=True).overlay
