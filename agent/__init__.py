@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         ProtocolRegistry,
     )
     from peerlm.agent.exchange.registry import agent_registry
+    from peerlm.agent.exchange.reward_probe import AnsweredProbe
     from peerlm.agent.exchange.rounds import (
         Integration,
         ProfileInputs,
@@ -276,6 +277,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "InputRouter": ("peerlm.agent.exchange.peer_knowledge", "InputRouter"),
     "PeerSlot": ("peerlm.agent.exchange.peer_knowledge", "PeerSlot"),
     "route_map": ("peerlm.agent.exchange.peer_knowledge", "route_map"),
+    "AnsweredProbe": ("peerlm.agent.exchange.reward_probe", "AnsweredProbe"),
     "ClientAdapter": ("peerlm.agent.merging.lora_merge", "ClientAdapter"),
     "MergedAdapter": ("peerlm.agent.merging.lora_merge", "MergedAdapter"),
     "aggregate_fedavg_factors": ("peerlm.agent.merging.lora_merge", "aggregate_fedavg_factors"),
@@ -368,6 +370,7 @@ __all__ = [
     "AgentSettings",
     "AgentSummary",
     "AgentTelemetry",
+    "AnsweredProbe",
     "AssembledModel",
     "BuildEvent",
     "Candidate",

@@ -60,6 +60,7 @@ from peerlm.agent.eval.sandbox import SandboxTelemetry, require_confinement
 from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
 from peerlm.agent.exchange.protocol import exchange_failed, report_refusal
 from peerlm.agent.exchange.registry import agent_registry
+from peerlm.agent.exchange.reward_probe import AnsweredProbe
 from peerlm.agent.exchange.rounds import (
     PackageMode,
     ProfileInputs,
@@ -273,11 +274,20 @@ class AgentDaemon:
         self.train_examples = [(p.prompt, p.reference) for p in self.train]
         self.val_examples = [(p.prompt, p.reference) for p in self.val]
         # Where Eq. 3's losses are measured when not on val (``reward_file``): public pairs.
-        self.reward_examples = (
-            [(p.prompt, p.reference) for p in read_jsonl(s.reward_file)] if s.reward_file else None
-        )
+        probe = read_jsonl(s.reward_file) if s.reward_file else []
+        self.reward_examples = [(p.prompt, p.reference) for p in probe] or None
         if s.reward_file and not self.reward_examples:
             raise ValueError(f"reward_file {s.reward_file} holds no problem to measure on")
+        # reward_scope "answered": a package's reward on the probe's problems of its categories.
+        self.reward_scope = (
+            AnsweredProbe.of(
+                ((p.prompt, p.reference, p.category) for p in probe),
+                self.transfer_prompts,
+                self.transfer_categories,
+            )
+            if s.reward_scope == "answered"
+            else None
+        )
         # D_pub of OnePeFT's HKA (an overlay aggregation that needs public pairs).
         self.public_pairs = (
             [(p.prompt, p.reference) for p in read_jsonl(s.public_file)] if s.public_file else []

@@ -311,6 +311,11 @@ class AgentSettings(ServiceSettings):
     # teacher's gain on a skill this agent lacks shows in the reward; None: on val_file
     # (the paper). The acceptance gate judges on val_file either way.
     reward_file: Path | None = None
+    # Which of reward_file's problems an AKD package's reward is measured on: "all", or
+    # "answered": those of the categories the package answers (peerlm.agent.exchange.
+    # reward_probe; our choice beyond the paper); a package that answers none of them earns
+    # Eq. 3's -delta * KB alone. Merges are measured on the whole file either way.
+    reward_scope: Literal["all", "answered"] = "all"
     reward_gamma: float = Field(default=1.0, ge=0)
     reward_delta: float = Field(default=0.001, ge=0)
     # Evaluation (pass@k in the sandbox) and profile privacy.
@@ -367,6 +372,14 @@ class AgentSettings(ServiceSettings):
         if v is not None:
             parse_host_port(v)
         return v
+
+    @model_validator(mode="after")
+    def _answered_scope_has_a_probe(self) -> AgentSettings:
+        if self.reward_scope == "answered" and self.reward_file is None:
+            raise ValueError(
+                "reward_scope 'answered' measures on reward_file's problems: set reward_file"
+            )
+        return self
 
     @model_validator(mode="after")
     def _hka_has_public_pairs(self) -> AgentSettings:

@@ -76,6 +76,7 @@ class Distillation(ExchangeProtocol):
                 guardrail=ctx.guardrail,
                 reward_examples=ctx.reward_examples,
                 learns=ctx.slot_learns,
+                reward_scope=ctx.reward_scope,
             )
         except (PackageError, TokenizerMismatchError) as exc:
             reason = "package" if isinstance(exc, PackageError) else "tokenizer_mismatch"

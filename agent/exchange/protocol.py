@@ -141,6 +141,12 @@ class ExchangeContext(Protocol):
         """Where Eq. 3's losses are measured when not on ``val_examples``."""
 
     @property
+    def reward_scope(self) -> Callable[[Sequence[str]], Sequence[tuple[str, str]]] | None:
+        """With ``reward_scope: answered``, the probe problems of the categories a package's
+        prompts belong to (:class:`~peerlm.agent.exchange.reward_probe.AnsweredProbe`): where
+        an AKD package's reward is measured; None: on :attr:`reward_examples` whole."""
+
+    @property
     def public_pairs(self) -> list[tuple[str, str]]:
         """Public (prompt, completion) pairs, D_pub of OnePeFT's HKA."""
 

@@ -410,6 +410,7 @@ def integrate_package(
     guardrail: Guardrail | None = None,
     reward_examples: Sequence[tuple[str, str]] | None = None,
     learns: Callable[[Sequence[str]], Sequence[bool]] | None = None,
+    reward_scope: Callable[[Sequence[str]], Sequence[tuple[str, str]]] | None = None,
 ) -> Integration:
     """Integrate a decoded package by AKD (Eq. 2) and compute the reward of Eq. 3.
 
@@ -442,25 +443,37 @@ def integrate_package(
     the empty and redacted items and the guardrail) trains nothing at all, so
     L_post = L_pre and the reward is Eq. 3's -delta * KB: the CPM hears that the exchange
     taught this student nothing it would use.
+
+    With ``reward_scope`` (``probe_scope: answered``,
+    :class:`~peerlm.agent.exchange.reward_probe.AnsweredProbe`), the reward's probe is
+    ``reward_scope(the prompts the package's items answer)`` (after ``learns``): the probe
+    problems of the categories the package teaches. A package that teaches no category of
+    the probe is measured on nothing: L_post = L_pre (the validation loss before) and the
+    reward is Eq. 3's -delta * KB, whatever it trained.
     """
     from peerlm.agent.acceptance import AcceptanceGate, judge
-    from peerlm.agent.exchange.package import TextPackage, text_pairs
+    from peerlm.agent.exchange.package import TextPackage, item_prompts, text_pairs
     from peerlm.agent.exchange.peer_knowledge import learnt_items
     from peerlm.agent.vetting.guardrail import placeholder
 
     alpha = config.alpha_kd(t)
     settings = config.train_settings(t)
     pre, _ = host.eval_loss(val_examples, max_length=config.train.max_length)
-    probe_pre = (
-        host.eval_loss(reward_examples, max_length=config.train.max_length)[0]
-        if reward_examples
-        else None
-    )
     if not isinstance(package, TextPackage):
         # Refused whatever its items: so also when the slot's scope would leave none.
         host.check_logit_tokenizer(package.tokenizer_sha256)
     if learns is not None:
         package = learnt_items(package, transfer_prompts, learns)
+    unmeasured = False
+    if reward_scope is not None:
+        answered = [p for p in item_prompts(package, transfer_prompts) if p is not None]
+        reward_examples = list(reward_scope(answered))
+        unmeasured = not reward_examples
+    probe_pre = (
+        host.eval_loss(reward_examples, max_length=config.train.max_length)[0]
+        if reward_examples
+        else None
+    )
     before = host.adapter_state() if config.acceptance_margin is not None else None
     temperature: float | None = None
     if isinstance(package, TextPackage):
@@ -525,6 +538,8 @@ def integrate_package(
     if probe_pre is not None and reward_examples and not verdict.rolled_back:
         probe_post = host.eval_loss(reward_examples, max_length=config.train.max_length)[0]
         pre, post = probe_pre, judge(probe_pre, probe_post, None).loss_post
+    elif unmeasured and not verdict.rolled_back:
+        post = pre  # nothing of the probe was taught: the KB penalty alone
     reward = reward_eq3(pre, post, kilobytes, config.reward_gamma, config.reward_delta)
     if not math.isfinite(reward):
         raise ValueError(f"reward is not finite (L_pre={pre}, L_post={post})")

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from peerlm.app.experiment_distill import (
     reward_examples,
+    reward_scope,
     teacher_answers,
     teacher_package_bytes,
 )
@@ -282,6 +283,11 @@ class ClientAgent:
     def reward_examples(self) -> list[tuple[str, str]] | None:
         """None: Eq. 3 is measured on :attr:`val_examples` (module docstring)."""
         return None
+
+    @property
+    def reward_scope(self) -> Callable[[Sequence[str]], Sequence[tuple[str, str]]] | None:
+        """``probe_scope: answered``: the probe of a package's categories (as the daemon)."""
+        return reward_scope(self.world)
 
     @property
     def public_pairs(self) -> list[tuple[str, str]]:

@@ -62,8 +62,9 @@ _RewardOption = Annotated[
 _ProbeScopeOption = Annotated[
     str | None,
     typer.Option(
-        help="With --reward probe: measure on the whole probe (all) or on the student's "
-        "lacked categories only (lacked)."
+        help="With --reward probe: measure on the whole probe (all), on the student's "
+        "lacked categories only (lacked), or on the categories each AKD package answers "
+        "(answered)."
     ),
 ]
 _ProbePerCategoryOption = Annotated[int | None, typer.Option(min=1, help=_DEFAULTS_HELP)]

@@ -27,7 +27,7 @@ from peerlm.app.experiment_eval import probe_loss
 from peerlm.app.experiment_world import Client, World, round_config
 
 if TYPE_CHECKING:
-    from peerlm.agent import Integration, ModelHost
+    from peerlm.agent import AnsweredProbe, Integration, ModelHost
 
 __all__ = [
     "PACKAGE_TIME",
@@ -37,6 +37,7 @@ __all__ = [
     "integrate",
     "oracle_exchange",
     "reward_examples",
+    "reward_scope",
     "teacher_answers",
     "teacher_package",
     "teacher_package_bytes",
@@ -51,16 +52,32 @@ PACKAGE_TIME = 1_800_000_000.123456
 def reward_examples(world: World, student: Client, i: int) -> list[tuple[str, str]]:
     """Where student ``i`` measures L_pre and L_post: its validation data (Eq. 3 as in the
     paper), the public probe set, or the probe problems of its lacked categories
-    (``probe_scope``; our choices, :mod:`peerlm.app.experiment`)."""
+    (``probe_scope``; our choices, :mod:`peerlm.app.experiment`). Under ``answered`` the
+    whole probe: where the gate judges and a merge is measured; an AKD package's reward is
+    measured on :func:`reward_scope`'s part of it."""
     if world.plan.reward != "probe":
         return student.val_examples
-    if world.plan.probe_scope == "all":
+    if world.plan.probe_scope in ("all", "answered"):
         return world.probe_examples
     lacked = world.slices[i].lacked
     # A client that lacks nothing (every private skill its own) has no such probe: the
     # whole probe then, so that it still measures what an exchange did.
     return [(p.prompt, p.reference) for p in world.probe if p.category in lacked] or (
         world.probe_examples
+    )
+
+
+def reward_scope(world: World) -> AnsweredProbe | None:
+    """With ``probe_scope: answered``, the probe problems of the categories a package answers
+    (the agent's ``reward_scope``); None otherwise."""
+    from peerlm.agent import AnsweredProbe
+
+    if world.plan.reward != "probe" or world.plan.probe_scope != "answered":
+        return None
+    return AnsweredProbe.of(
+        ((p.prompt, p.reference, p.category) for p in world.probe),
+        world.transfer,
+        world.transfer_categories,
     )
 
 
@@ -86,6 +103,7 @@ def integrate(
             config=round_config(world.plan, seed, i, integration=True),
             t=t,
             learns=student.slot_learns(world.plan),
+            reward_scope=reward_scope(world),
         )
         if write is not None:
             write.kept = learnt_anything(result)

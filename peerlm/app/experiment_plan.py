@@ -41,7 +41,7 @@ Event = Callable[[str, Mapping[str, Any]], None]
 RewardMode = Literal["val", "probe"]
 
 
-ProbeScope = Literal["all", "lacked"]
+ProbeScope = Literal["all", "lacked", "answered"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,9 @@ class ExperimentPlan:
     reward: RewardMode = "probe"
     # Which probe problems a student's reward is measured on (``reward="probe"``): "all",
     # or "lacked", those of the categories it holds no data of and that are not public
-    # (what only a teacher can bring it; :mod:`peerlm.app.experiment`).
+    # (what only a teacher can bring it; :mod:`peerlm.app.experiment`), or "answered",
+    # those of the categories the AKD package answers (the agent's ``reward_scope``,
+    # :mod:`peerlm.agent.exchange.reward_probe`; merges measure on the whole probe).
     probe_scope: ProbeScope = "all"
     probe_per_category: int = 2
     reward_delta: float = 0.001
@@ -227,10 +229,12 @@ class ExperimentPlan:
             raise ValueError("probe_per_category must be positive")
         if self.reward not in ("val", "probe"):
             raise ValueError(f"reward must be 'val' or 'probe', not {self.reward!r}")
-        if self.probe_scope not in ("all", "lacked"):
-            raise ValueError(f"probe_scope must be 'all' or 'lacked', not {self.probe_scope!r}")
-        if self.probe_scope == "lacked" and self.reward != "probe":
-            raise ValueError("probe_scope 'lacked' needs reward 'probe'")
+        if self.probe_scope not in ("all", "lacked", "answered"):
+            raise ValueError(
+                f"probe_scope must be 'all', 'lacked' or 'answered', not {self.probe_scope!r}"
+            )
+        if self.probe_scope != "all" and self.reward != "probe":
+            raise ValueError(f"probe_scope {self.probe_scope!r} needs reward 'probe'")
         if not self.sample_temperature > 0:
             raise ValueError("sample_temperature must be > 0")
         if self.teach_scope not in ("competent", "all"):

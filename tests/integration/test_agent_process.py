@@ -604,15 +604,27 @@ def scope_world(world: World) -> Iterator[World]:
 def test_a_teacher_without_shown_skill_answers_no_prompt(scope_world: World) -> None:
     """``teach_scope: competent`` over the wire: with a bound no validation result can reach
     (1.0), a teacher answers no prompt of X_u, the empty package travels and decodes, and
-    the student trains on its own data instead (an exchange all the same)."""
+    the student trains on its own data instead (an exchange all the same). Under
+    ``reward_scope: answered`` the empty package is measured on nothing of the probe: its
+    losses are unchanged and its reward is Eq. 3's KB penalty alone."""
+    probe = scope_world.tmp / "scope" / "probe.jsonl"
+    probe.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_text(
+        "".join((scope_world.data / "transfer.jsonl").read_text().splitlines(True)[:6])
+    )
     summaries, events = _run_together(
         scope_world, "scope", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
-        teach_scope="competent", teach_min_pass=1.0,
+        teach_scope="competent", teach_min_pass=1.0, reward_file=str(probe),
+        reward_scope="answered",
     )  # fmt: skip
     assert sum(s["exchanges"] for s in summaries) >= 1
     built = [e for e in events if e.get("event") == "package_built"]
     assert built and all(e["prompts"] == 0 for e in built)
-    assert [e for e in events if e.get("event") == "exchange_integrated"]
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    assert integrated
+    for e in integrated:
+        assert e["loss_pre"] == e["loss_post"]
+        assert e["reward"] == pytest.approx(-0.001 * float(e["kilobytes"]), abs=1e-4)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

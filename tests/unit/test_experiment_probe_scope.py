@@ -10,7 +10,7 @@ import pytest
 from peerlm.agent import Problem
 
 from peerlm.app.experiment import ExperimentPlan
-from peerlm.app.experiment_distill import reward_examples
+from peerlm.app.experiment_distill import reward_examples, reward_scope
 from peerlm.app.experiment_slices import ClientSlices
 from peerlm.app.experiment_world import World
 
@@ -69,6 +69,28 @@ def test_all_scope_is_the_whole_probe_and_val_is_the_students_own_data() -> None
     assert reward_examples(val, STUDENT, 0) == STUDENT.val_examples
 
 
+def test_the_answered_scope_measures_a_package_on_the_probe_of_its_categories() -> None:
+    """Under ``answered`` the gate and merges see the whole probe; an AKD package's reward
+    is measured on the probe problems of the categories its prompts are labelled with in
+    X_u (the agent's ``reward_scope``); the other scopes have no such function."""
+    slices = [_slices("dict", ("format", "boolean"))]
+    world = _world(ExperimentPlan(probe_scope="answered"), slices)
+    world.transfer = ["def a():\n    ", "def b():\n    ", "def c():\n    "]
+    world.transfer_categories = ["format", "string", "format"]
+    assert reward_examples(world, STUDENT, 0) == world.probe_examples
+    scope = reward_scope(world)
+    assert scope is not None
+    want = [(p.prompt, p.reference) for p in world.probe if p.category == "format"]
+    assert scope(["def a():\n    ", "def c():\n    "]) == want and len(want) == 2
+    both = scope(world.transfer)
+    assert [p.category for p in world.probe if (p.prompt, p.reference) in both] == [
+        "format", "format", "string", "string",
+    ]  # fmt: skip
+    assert scope([]) == []
+    for other in ("all", "lacked"):
+        assert reward_scope(_world(ExperimentPlan(probe_scope=other), slices)) is None
+
+
 def test_a_student_lacking_nothing_measures_on_the_whole_probe() -> None:
     world = _world(ExperimentPlan(probe_scope="lacked"), [_slices("dict", ())])
     assert reward_examples(world, STUDENT, 0) == world.probe_examples
@@ -79,6 +101,7 @@ def test_a_student_lacking_nothing_measures_on_the_whole_probe() -> None:
     [
         ({"probe_scope": "own"}, "probe_scope must be"),
         ({"probe_scope": "lacked", "reward": "val"}, "needs reward 'probe'"),
+        ({"probe_scope": "answered", "reward": "val"}, "needs reward 'probe'"),
     ],
 )
 def test_bad_scopes_are_refused(fields: dict[str, Any], message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,6 +117,7 @@ def integrate(
     guardrail: Guardrail | None = None,
     reward_examples: list[tuple[str, str]] | None = None,
     learns: Any = None,
+    reward_scope: Any = None,
 ) -> Integration:
     """:func:`integrate_package` of ``package`` in round ``t`` with the local set
     :data:`LOCAL` (also the validation set) and the transfer set :data:`PROMPTS`."""
@@ -131,6 +133,7 @@ def integrate(
         guardrail=guardrail,
         reward_examples=reward_examples,
         learns=learns,
+        reward_scope=reward_scope,
     )
 
 
@@ -472,3 +475,54 @@ def test_a_rolled_back_update_reports_the_gates_loss_whatever_the_probe(
     result = _poison(student, 0.05, reward_examples=PROBE)
     assert result.rolled_back and result.reward < 0
     assert result.loss_pre == pytest.approx(val_pre)
+
+
+def test_an_answered_scope_measures_a_package_on_the_probe_of_what_it_answers(
+    models: dict[str, Path],
+) -> None:
+    """``reward_scope`` (``answered``): a package is measured on the probe problems of the
+    categories its items answer; one that answers none of the probe's categories earns
+    Eq. 3's KB penalty alone, with its losses unchanged, whatever it trained."""
+    from peerlm.agent.exchange.reward_probe import AnsweredProbe
+
+    # X_u's labels: the first prompt is of "strings", the others of "numbers"; the probe
+    # holds one problem of each and one of a category X_u does not have.
+    other = ('def upper(s: str) -> str:\n    """Upper case.\n    """\n    ', "return s.upper()\n")
+    probe = [(*PROBE[0], "strings"), (*PROBE[1], "numbers"), (*other, "dates")]
+    scope = AnsweredProbe.of(probe, PROMPTS, ["strings", "numbers", "numbers"])
+    assert scope([PROMPTS[1], PROMPTS[2]]) == [PROBE[1]]
+    assert scope([PROMPTS[0], "a prompt outside X_u"]) == [PROBE[0]]
+    assert scope([]) == []
+    with pytest.raises(ValueError, match="labels"):
+        AnsweredProbe.of(probe, PROMPTS, ["strings"])
+
+    # One item, answering the "strings" prompt: measured on the "strings" probe problem.
+    student = host(models, "gpt2", seed=4)
+    strings_pre = student.eval_loss([PROBE[0]])[0]
+    whole = text_package(TEXTS)
+    one = dataclasses.replace(whole, items=whole.items[:1])
+    result = integrate(student, one, reward_examples=[p[:2] for p in probe], reward_scope=scope)
+    assert result.loss_pre == pytest.approx(strings_pre)
+    assert result.loss_post == pytest.approx(student.eval_loss([PROBE[0]])[0])
+    assert result.loss_post < result.loss_pre
+    assert result.reward == reward_eq3(result.loss_pre, result.loss_post, 1.0, 1.0, 0.001)
+
+    # No item: trained on local data (the slot's Eq. 2 without a teacher) but measured on
+    # nothing of the probe: the reward is the KB penalty alone.
+    empty = dataclasses.replace(whole, items=())
+    again = host(models, "gpt2", seed=4)
+    val_pre = again.eval_loss(LOCAL)[0]
+    nothing = integrate(again, empty, kilobytes=2.0, reward_scope=scope)
+    assert nothing.stats.steps > 0
+    assert nothing.loss_pre == nothing.loss_post == pytest.approx(val_pre)
+    assert nothing.reward == pytest.approx(-0.002)
+
+
+def test_an_answered_reward_scope_needs_a_reward_file(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="reward_file"):
+        AgentSettings(reward_scope="answered")
+    probe = tmp_path / "probe.jsonl"
+    assert AgentSettings(reward_scope="answered", reward_file=probe).reward_scope == "answered"
+    assert AgentSettings().reward_scope == "all"
