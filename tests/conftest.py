@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,27 +124,80 @@ def _cmdline(proc: psutil.Process) -> str:
 
 
 class _ModuleClock:
-    """Seconds spent per test module (set-up, call and tear-down), summed on the controller.
+    """Seconds spent per test module (set-up, call and tear-down), summed on the controller,
+    with the CPU seconds they cost (:class:`_PhaseCpu`).
 
     The ``--durations`` table names single tests; where a suite's minutes go is a question
     about modules (their fixtures, their federations), so the end of a run lists those too.
+    On a loaded machine a module's wall time says little about what it costs the others; its
+    CPU seconds do (the suite is CPU-bound on two cores).
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         module = report.nodeid.split("::", 1)[0]
         self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
+        cpu = dict(report.user_properties).get(_CPU_PROPERTY, 0.0)
+        self.cpu[module] = self.cpu.get(module, 0.0) + float(cpu)  # type: ignore[arg-type]
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.seconds:
             return
-        total = sum(self.seconds.values())
-        terminalreporter.write_sep("=", f"slowest modules ({total:.0f} s in all tests)")
+        total, cpu = sum(self.seconds.values()), sum(self.cpu.values())
+        terminalreporter.write_sep(
+            "=", f"slowest modules ({total:.0f} s in all tests, {cpu:.0f} CPU s)"
+        )
         ranked = sorted(self.seconds.items(), key=lambda kv: -kv[1])
         for module, seconds in ranked[:MODULE_CLOCK_LINES]:
-            terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {module}")
+            terminalreporter.write_line(
+                f"{seconds:8.1f}s {100 * seconds / total:5.1f}% {self.cpu.get(module, 0.0):7.1f} "
+                f"CPU s  {module}"
+            )
+
+
+#: The user property of a test report holding the CPU seconds of its phase.
+_CPU_PROPERTY = "cpu_s"
+_PHASE_CPU = pytest.StashKey[float]()
+
+
+def _cpu_now() -> float:
+    """CPU seconds of this process (every thread) and of its children waited for: a process
+    a test started counts once it is reaped (a module's fork server and its agents at the
+    module's end)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+class _PhaseCpu:
+    """In the process that runs the tests: the CPU seconds of each phase (set-up, call,
+    tear-down) go with its report, as the user property ``cpu_s``, to whoever sums them."""
+
+    def _measured(self, item: pytest.Item) -> Iterator[None]:
+        start = _cpu_now()
+        yield
+        item.stash[_PHASE_CPU] = _cpu_now() - start
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Iterator[None]:
+        yield from self._measured(item)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
+        yield from self._measured(item)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Iterator[None]:
+        yield from self._measured(item)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item) -> Iterator[None]:
+        outcome = yield
+        report = outcome.get_result()  # type: ignore[attr-defined]
+        report.user_properties.append((_CPU_PROPERTY, round(item.stash.get(_PHASE_CPU, 0.0), 3)))
+        item.stash[_PHASE_CPU] = 0.0
 
 
 #: How many modules the end-of-run summary lists.
@@ -154,3 +209,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # which receives every worker's reports.
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(_ModuleClock(), "peerlm-module-clock")
+    # The processes that run tests measure their phases' CPU: the workers under xdist, this
+    # process without it (the controller runs none).
+    if hasattr(config, "workerinput") or not _distributed(config):
+        config.pluginmanager.register(_PhaseCpu(), "peerlm-phase-cpu")
+
+
+def _distributed(config: pytest.Config) -> bool:
+    """Whether xdist hands the tests to worker processes (``-n N`` with N > 0)."""
+    return bool(getattr(config.option, "numprocesses", None))

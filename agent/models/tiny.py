@@ -42,22 +42,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from peerlm.agent.tasks.copy_drills import CORPUS_SEED, copy_drills
 from peerlm.agent.tasks.world import DEFAULT_PRIVATE_CATEGORIES
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    BloomConfig,
-    GPT2Config,
-    GPTNeoXConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-)
+
+# torch, tokenizers and transformers are imported where a model is built, not here: a
+# request that the cache or the shipped models answer (every `peerlm up` after the first,
+# `peerlm models list`) then costs no ~5 CPU seconds of imports.
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 __all__ = [
     "ARCHITECTURES",
@@ -330,6 +325,9 @@ def _train_tokenizer(
     GPT-2, GPT-NeoX and BLOOM use GPT-2's byte-level pre-tokenisation; Qwen2 its own split
     regex with NFC normalisation, as the real families do.
     """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     if arch == "qwen2":
         tok.normalizer = normalizers.NFC()  # type: ignore[assignment]
@@ -382,6 +380,8 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None
 
 def _check_reload(directory: Path, trained: PreTrainedTokenizerFast, texts: Sequence[str]) -> None:
     """Fail the build if ``AutoTokenizer`` would give agents a different tokenizer."""
+    from transformers import AutoTokenizer
+
     loaded = AutoTokenizer.from_pretrained(directory)
     for text in texts:
         a = trained.backend_tokenizer.encode(text, add_special_tokens=False).ids
@@ -397,6 +397,8 @@ def _check_reload(directory: Path, trained: PreTrainedTokenizerFast, texts: Sequ
 
 
 def _model_config(arch: str, shape: _Shape, vocab: int, special_id: int) -> PretrainedConfig:
+    from transformers import BloomConfig, GPT2Config, GPTNeoXConfig, Qwen2Config
+
     ids: dict[str, Any] = {
         "bos_token_id": special_id,
         "eos_token_id": special_id,
@@ -517,6 +519,8 @@ class _Stream:
 
 
 def _token_stream(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str]) -> _Stream:
+    import torch
+
     eos = int(tokenizer.eos_token_id)  # type: ignore[arg-type]
     ids: list[int] = []
     starts: list[int] = []
@@ -549,6 +553,8 @@ def _windows(
     """One batch: ``public_share`` of the rows start at a public function (the model sees
     whole functions from their ``def``), ``drill_share`` at a copy drill, the others
     anywhere in the standard library."""
+    import torch
+
     rows: list[torch.Tensor] = []
     n_public = n_drills = 0
     if public is not None and recipe.public_share > 0:
@@ -571,6 +577,8 @@ def _function_windows(
     source: _Stream, count: int, seq: int, generator: torch.Generator
 ) -> list[torch.Tensor]:
     """``count`` windows of ``seq`` tokens, each starting at a random document of ``source``."""
+    import torch
+
     picks = torch.randint(0, source.starts.numel(), (count,), generator=generator)
     eos = int(source.ids[-1])
     rows: list[torch.Tensor] = []
@@ -585,6 +593,8 @@ def _function_windows(
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
     """One causal-LM optimiser step on ``batch`` (clipped at 1.0); the step's loss."""
+    import torch
+
     logits = model(input_ids=batch).logits
     loss_t = torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
@@ -606,6 +616,8 @@ def _pretrain(
     public: _Stream | None = None,
 ) -> float | None:
     """Full-parameter causal-LM training on random windows; mean loss of the last 10 %."""
+    import torch
+
     if steps <= 0:
         return None
     seq = min(recipe.seq_len, stream.numel() - 1)
@@ -641,6 +653,8 @@ def _copy_phase(
     main phase (1 of 60, also when the drills are mixed into a 3,000-step main phase at a
     45 % share) and appears after 1,000-1,500 steps of this phase (0.13 → 0.60).
     """
+    import torch
+
     phase = replace(recipe, public_share=1.0 - recipe.drill_share)
     seq = min(recipe.seq_len, stream.numel() - 1)
     optimizer = torch.optim.AdamW(
@@ -673,6 +687,9 @@ def _build_one(
     *,
     threads: int = 1,
 ) -> ModelInfo:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     started = time.perf_counter()
     # CPU time as well as wall time: on a shared machine the wall time says more about the
     # neighbours than about the build; with one thread, CPU time is what an idle core needs.
@@ -944,6 +961,8 @@ def _run_job(
     job: _Job, threads: int, corpus: _Corpus | None, emit: Callable[[BuildEvent], None]
 ) -> ModelInfo:
     """One build with ``threads`` torch threads (restored afterwards)."""
+    import torch
+
     if corpus is None:
         corpus = _corpus(_RECIPES[job.size], job.hidden)
     before = torch.get_num_threads()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,8 +66,12 @@ def _models() -> None:
 
 def quiet_transformers() -> None:
     # A CLI process owns its logging: the library's per-file tqdm bars and info notices
-    # would interleave with the rich progress display.
+    # would interleave with the rich progress display. Not imported yet, transformers reads
+    # both settings from the environment when it is (a cached build never imports it).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "transformers" not in sys.modules:
+        return
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]

@@ -26,8 +26,10 @@ def test_quick_run_reports_every_strategy_per_slice_with_intervals(tmp_path: Pat
         "-n", "4", "--local-steps", "1", "--transfer-limit", "3", "--test-limit", "12",
         "--max-new-tokens", "8",
         "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
-        "--out", str(out), "--jobs", "2",
+        "--out", str(out), "--jobs", "1",
     ]  # fmt: skip
+    # One process: worker processes (the tests below run them) would each import the model
+    # libraries again, ~35 CPU s of a suite that is CPU-bound.
     proc = subprocess.run(
         args, capture_output=True, text=True, timeout=900, env={**os.environ, **AGENT_ENV}
     )
@@ -273,6 +275,8 @@ def test_the_cpm_over_the_menu_chooses_a_protocol_per_pair_quick(tmp_path: Path)
         "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
         "--out", str(out), "--jobs", "1",
     ]  # fmt: skip
+    # One process: worker processes (the tests below run them) would each import the model
+    # libraries again, ~35 CPU s of a suite that is CPU-bound.
     proc = subprocess.run(
         args, capture_output=True, text=True, timeout=900, env={**os.environ, **AGENT_ENV}
     )
@@ -479,7 +483,7 @@ def test_a_killed_command_ends_its_workers_and_keeps_its_finished_runs(tmp_path:
     work = tmp_path / "work"
     common = [
         sys.executable, "-m", "peerlm", "run-experiment", "--quick", "--micro", "--json",
-        "-n", "2", "--strategies", "local_plus,random", "--seeds", "0,1,2", "--rounds", "2",
+        "-n", "2", "--strategies", "local_plus,random", "--seeds", "0,1", "--rounds", "2",
         "--models-dir", str(tmp_path / "models"), "--work-dir", str(work),
     ]  # fmt: skip
     env = {**os.environ, **AGENT_ENV}
@@ -515,7 +519,7 @@ def test_a_killed_command_ends_its_workers_and_keeps_its_finished_runs(tmp_path:
     saved = json.loads(progress.read_text())
     assert saved["partial"] is True
     kept = sorted(f"{s}:{seed}" for s, runs in saved["runs"].items() for seed in runs)
-    assert 1 <= len(kept) < 6, kept
+    assert 1 <= len(kept) < 4, kept
     again = subprocess.run(
         [*common, "--out", str(tmp_path / "second"), "--jobs", "1", "--reuse", str(progress)],
         capture_output=True,
@@ -526,8 +530,6 @@ def test_a_killed_command_ends_its_workers_and_keeps_its_finished_runs(tmp_path:
     assert again.returncode == 0, again.stderr[-3000:]
     result = json.loads((tmp_path / "second" / "results.json").read_text())
     assert result["reused"] == kept
-    assert all(
-        str(seed) in result["runs"][s] for s in ("local_plus", "random") for seed in (0, 1, 2)
-    )
-    # The second command's own progress file now holds all six.
-    assert sum(len(r) for r in json.loads(progress.read_text())["runs"].values()) == 6
+    assert all(str(seed) in result["runs"][s] for s in ("local_plus", "random") for seed in (0, 1))
+    # The second command's own progress file now holds all four.
+    assert sum(len(r) for r in json.loads(progress.read_text())["runs"].values()) == 4
