@@ -97,7 +97,7 @@ def reap_leftover_children(request: pytest.FixtureRequest) -> Iterator[None]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules with the largest time budget first, each module's tests in their own order.
 
-    With parallel workers (scripts/test: ``-n 2 --dist loadfile``) modules are handed out in
+    With parallel workers (scripts/test: ``-n 4 --dist loadfile``) modules are handed out in
     this order, so the longest ones (a from-scratch model build, the federations) start at
     once instead of last, and the short ones fill the other worker. A module's budget is the
     largest ``timeout`` marker among its tests; a ``slow`` test counts as the default timeout.
