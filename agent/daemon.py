@@ -4,7 +4,9 @@ Algorithm 3 from the agent's side, every round t:
 
 1. local epochs on private data (off the event loop, in the model worker thread);
 2. evaluate (validation loss, perplexity, pass@1 in the sandbox) and build the profile p_i;
-3. submit the profile to the CPM and wait (bounded) for a directive of this round;
+3. submit the profile to the CPM and wait (bounded) for this round's directives: one, or
+   under the CPM's ``pairing: per_student`` one as student and one per student taught,
+   acted on as teacher first (docs/matchmaker.md, "A student every round");
 4. as a student: fetch the teacher's knowledge package over mTLS, integrate it by AKD
    (Eq. 2), measure L_pre and L_post on the validation set and report the reward of Eq. 3;
    as a teacher: serve the package to the named student from the peer server (it is
@@ -115,6 +117,13 @@ __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
 T = TypeVar("T")
 
+#: After a round's first directive, how long further ones of its matchmaking round may
+#: take to arrive (the CPM sends them together; ``pairing: per_student`` gives an agent
+#: several), and the most one round acts on (a bound against a feed that floods; a
+#: federation's round gives an agent one directive as student and one per student taught).
+_SETTLE_S = 0.25
+_MAX_DIRECTIVES_PER_ROUND = 64
+
 
 @dataclass
 class AgentSummary:
@@ -175,11 +184,13 @@ class AgentDaemon:
         # Set when the stop grace has run out: cut whatever the round is doing.
         self._abort = asyncio.Event()
         self._grace: asyncio.TimerHandle | None = None
-        self._prebuild: asyncio.Task[tuple[list[int], list[str]]] | None = None
-        self._last_taught: str | None = None
-        # The student of our latest merge directive as a teacher, and its adapter pulls
-        # from us before it (the linger waits for one more).
-        self._last_merge: tuple[str, int] | None = None
+        # The latest round's teacher directives: their predictions, being generated, and
+        # their ids (the linger after the last round waits for each one's first fetch).
+        self._prebuild: list[asyncio.Task[tuple[list[int], list[str]]]] = []
+        self._last_taught: list[str] = []
+        # The students of the latest round's merge directives as a teacher, and the adapter
+        # pulls each made from us before (the linger waits for one more each).
+        self._last_merge: list[tuple[str, int]] = []
         # The matchmaking round our latest profile is considered in (SubmitProfile's answer).
         self._awaited_round = 0
         self.overlay: Any = None  # AgentOverlay when overlay.enabled
@@ -436,7 +447,7 @@ class AgentDaemon:
         checks requests against, and the metrics endpoint."""
         s = self.s
         self.book = DirectiveBook(time.time)
-        self._predictions: dict[str, asyncio.Future[tuple[list[int], list[str]]]] = {}
+        self._predictions: dict[int, asyncio.Future[tuple[list[int], list[str]]]] = {}
         # One send budget for the port: every service on it streams through this streamer,
         # so a member is metered by one share whichever service it pulls from.
         streamer = PeerStreamer(self.registry, s.peer_send, log=self.log)
@@ -820,16 +831,16 @@ class AgentDaemon:
         directive, as (prompt indices, completions), generated once and shared.
 
         The round loop starts this when the directive arrives; the peer server's fetch
-        awaits the same future, so the model generates once per directive.
+        awaits the same future, so the model generates once per matchmaking round: every
+        student this agent teaches in it (``pairing: per_student`` gives a teacher several)
+        gets the same answers.
         """
-        task = self._predictions.get(directive.directive_id)
+        key = int(directive.matchmaking_round)
+        task = self._predictions.get(key)
         if task is None:
             task = asyncio.ensure_future(self._model(self._predict_teachable))
-            # Keep only the latest few: predictions are worth nothing after their directive.
-            self._predictions = {
-                **dict(list(self._predictions.items())[-3:]),
-                directive.directive_id: task,
-            }
+            # Keep only the latest few: predictions are worth nothing after their round.
+            self._predictions = {**dict(list(self._predictions.items())[-3:]), key: task}
         return await asyncio.shield(task)
 
     def _predict_teachable(self) -> tuple[list[int], list[str]]:
@@ -1071,16 +1082,14 @@ class AgentDaemon:
     async def _linger(self) -> None:
         """After the last round, keep serving until the last student has started its fetch
         (bounded by ``round_timeout_s``); the server's graceful stop lets it finish."""
-        if self._prebuild is not None:
-            await asyncio.gather(self._prebuild, return_exceptions=True)
+        await asyncio.gather(*self._prebuild, return_exceptions=True)
         if self._stop.is_set():
             return
         deadline = time.monotonic() + self.s.round_timeout_s
-        if self._last_taught is not None:
-            while self.book.fetches(self._last_taught) == 0 and time.monotonic() < deadline:
+        for taught in self._last_taught:
+            while self.book.fetches(taught) == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
-        if self._last_merge is not None:
-            student, before = self._last_merge
+        for student, before in self._last_merge:
             while (
                 self.peer_service.adapter_pulls(student) <= before and time.monotonic() < deadline
             ):
@@ -1147,18 +1156,17 @@ class AgentDaemon:
             pass_at_1=pass1,
         )
         wait_started = time.monotonic()
-        directive = await self._next_directive(inbox, feed) if submitted else None
+        directives = await self._next_directives(inbox, feed) if submitted else []
         waited = time.monotonic() - wait_started
         lap("wait")
-        if directive is not None and self._abort.is_set():
-            self.log.info("directive_skipped", round=t, directive=directive.directive_id)
-        elif directive is not None and await self._act_on(directive, t):
+        if directives and await self._act_on_all(directives, t):
             lap("integrate")
         if self.overlay is not None and not self._abort.is_set():
             await self._overlay_step(t)
             lap("overlay")
-        if directive is not None:
-            self.state["processed"] = [*self.state["processed"][-255:], directive.directive_id]
+        if directives:
+            ids = [d.directive_id for d in directives]
+            self.state["processed"] = [*self.state["processed"], *ids][-256:]
         if not math.isnan(pass1):
             self.telemetry.pass_at_1.set(pass1)
         self.summary.loss_after, self.summary.pass_at_1_after = loss, pass1
@@ -1180,6 +1188,20 @@ class AgentDaemon:
             seconds=round(time.monotonic() - started, 2),
             waited_s=round(waited, 2),  # for a directive: the idle share of the round
         )
+
+    async def _act_on_all(self, directives: Sequence[cpm_pb2.Directive], t: int) -> bool:
+        """This round's directives: as a teacher first (each only starts its package, so
+        the students' fetches are served while this agent learns), then as a student; True
+        when this agent integrated (or tried to). Skipped once the stop grace has run out."""
+        self._prebuild, self._last_taught, self._last_merge = [], [], []
+        integrated = False
+        teaching_first = sorted(directives, key=lambda d: d.role == cpm_pb2.EXCHANGE_ROLE_STUDENT)
+        for directive in teaching_first:
+            if self._abort.is_set():
+                self.log.info("directive_skipped", round=t, directive=directive.directive_id)
+                continue
+            integrated |= await self._act_on(directive, t)
+        return integrated
 
     async def _act_on(self, directive: cpm_pb2.Directive, t: int) -> bool:
         """Do what the directive names (:func:`~peerlm.agent.cpm.directives.directive_action`):
@@ -1241,13 +1263,13 @@ class AgentDaemon:
         """As teacher: generate the package's predictions now, ahead of the next round's
         training in the model worker's queue, so the student does not wait behind it; the
         linger after the last round waits for the student's fetch."""
-        self._last_taught = directive.directive_id
-        self._prebuild = asyncio.create_task(self._teacher_predictions(directive))
+        self._last_taught.append(directive.directive_id)
+        self._prebuild.append(asyncio.create_task(self._teacher_predictions(directive)))
 
     def expect_adapter_pull(self, student: str) -> None:
         """As teacher of a merge: the linger after the last round waits for one more
         adapter pull by ``student``."""
-        self._last_merge = (student, self.peer_service.adapter_pulls(student))
+        self._last_merge.append((student, self.peer_service.adapter_pulls(student)))
 
     async def _overlay_enter(self) -> None:
         """Join the overlay (retrying the bootstrap nodes for up to ``round_timeout_s``) and
@@ -1374,6 +1396,39 @@ class AgentDaemon:
         if interrupted:
             self.summary.interrupted = True
             self.log.warning("training_interrupted", round=t, phase=what, steps_done=steps)
+
+    async def _next_directives(
+        self, inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None]
+    ) -> list[cpm_pb2.Directive]:
+        """This round's directives: the first (:meth:`_next_directive`) and every further
+        one of its matchmaking round that is here or arrives within ``_SETTLE_S``. Under
+        ``pairing: per_student`` the CPM gives an agent several in one round (it may teach
+        several students and learn from one teacher); it sends a round's directives
+        together. A directive of another round is left for the next round; a notice is
+        dropped (this round has its pairing)."""
+        first = await self._next_directive(inbox, feed)
+        if first is None:
+            return []
+        batch = [first]
+        settle = time.monotonic() + _SETTLE_S
+        while len(batch) < _MAX_DIRECTIVES_PER_ROUND:
+            try:
+                d = inbox.get_nowait()
+            except asyncio.QueueEmpty:
+                remaining = settle - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    d = await asyncio.wait_for(inbox.get(), remaining)
+                except TimeoutError:
+                    break
+            if d.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
+                continue  # a notice: this round has its pairing
+            if d.matchmaking_round != first.matchmaking_round:
+                inbox.put_nowait(d)  # another round's: the next round takes it
+                break
+            batch.append(d)
+        return batch
 
     async def _next_directive(
         self, inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None]

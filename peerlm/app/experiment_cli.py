@@ -132,6 +132,19 @@ _SlotScopeOption = Annotated[
         "(only those whose prompt the router sends to the slot)."
     ),
 ]
+_PairingOption = Annotated[
+    str | None,
+    typer.Option(
+        help="How Random-P2P, KNEXA-FL and the Oracle pair: disjoint (default, Algorithm 2: "
+        "at most N/2 pairs a round) or per_student (every client a student each round).",
+    ),
+]
+_TeacherCapacityOption = Annotated[
+    int | None,
+    typer.Option(
+        min=1, help="With --pairing per_student: students one teacher serves a round (any)."
+    ),
+]
 _OwnStepsEveryRoundOption = Annotated[
     bool | None,
     typer.Option(
@@ -254,6 +267,8 @@ _PLAN_FIELDS: dict[str, str] = {
     "own_steps_every_round": "own_steps_every_round",
     "peer_alpha": "peer_alpha",
     "slot_scope": "slot_scope",
+    "pairing": "pairing",
+    "teacher_capacity": "teacher_capacity",
     "learning_rate": "lr",
     "grad_accumulation": "grad_accumulation",
     "transfer_limit": "transfer_limit",
@@ -295,6 +310,8 @@ def run_experiment_command(
     integration: _IntegrationOption = None,
     peer_alpha: _PeerAlphaOption = None,
     slot_scope: _SlotScopeOption = None,
+    pairing: _PairingOption = None,
+    teacher_capacity: _TeacherCapacityOption = None,
     own_steps_every_round: _OwnStepsEveryRoundOption = None,
     teach_min_pass: _TeachMinPassOption = None,
     teach_self_check: _TeachSelfCheckOption = None,

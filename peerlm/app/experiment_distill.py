@@ -18,7 +18,7 @@ consensus package, with the same alpha schedule as the P2P strategies.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -115,7 +115,17 @@ def integrate(
 def teacher_answers(world: World, teacher: Client, t: int) -> tuple[list[int], list[str]]:
     """What ``teacher`` answers of X_u (:meth:`World.teachable`) and its greedy answers;
     with ``teach_self_check`` only those that pass their prompt's example, as the agent's
-    teacher step keeps them (:func:`~peerlm.agent.exchange.self_check.self_check`)."""
+    teacher step keeps them (:func:`~peerlm.agent.exchange.self_check.self_check`).
+
+    Generated once a round: a teacher of several students (``pairing: per_student``)
+    sends each the answers of its first teaching step of round ``t`` (greedy decoding of
+    the own adapter, which no exchange writes under ``separate``)."""
+    if teacher.answered is None or teacher.answered[0] != t:
+        teacher.answered = (t, _generate_answers(world, teacher, t))
+    return teacher.answered[1]
+
+
+def _generate_answers(world: World, teacher: Client, t: int) -> tuple[list[int], list[str]]:
     from peerlm.agent import self_check, teacher_completions
 
     chosen = world.teachable(teacher, t)
@@ -285,16 +295,8 @@ def oracle_exchange(
                 after = {k: v.clone() for k, v in student.host.adapter_state().items()}
                 student.host.load_adapter_state(before)
             trials[(ti, si)] = (pre - post, after, result, kb)
-    used: set[int] = set()
     records: list[dict[str, Any]] = []
-    for (ti, si), (gain, after, result, _kb) in sorted(
-        trials.items(), key=lambda kv: (-kv[1][0], kv[0])
-    ):
-        if len(records) >= len(clients) // 2:
-            break
-        if ti in used or si in used:
-            continue
-        used |= {ti, si}
+    for (ti, si), (gain, after, result, _kb) in _oracle_keeps(world.plan, len(clients), trials):
         student = clients[si]
         if separate:
             student.slot.state = after
@@ -313,3 +315,24 @@ def oracle_exchange(
         f"{clients[ti].name}>{clients[si].name}": round(g[0], 6) for (ti, si), g in trials.items()
     }
     return records, gains
+
+
+def _oracle_keeps(
+    plan: Any, n: int, trials: Mapping[tuple[int, int], tuple[float, Any, Any, float]]
+) -> list[tuple[tuple[int, int], tuple[float, Any, Any, float]]]:
+    """The trials the Oracle keeps, by the walk of the plan's ``pairing``: largest gain
+    first, disjoint pairs (at most N/2), or under ``per_student`` each student's best
+    teacher within ``teacher_capacity`` (:func:`peerlm.services.cpm.matching`'s walks)."""
+    from peerlm.services.cpm import greedy_disjoint_sequential, greedy_students
+
+    walk = sorted(trials.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    senders = np.asarray([ti for (ti, _), _ in walk], dtype=np.intp)
+    receivers = np.asarray([si for (_, si), _ in walk], dtype=np.intp)
+    if plan.pairing == "per_student":
+        capacity = n if plan.teacher_capacity is None else plan.teacher_capacity
+        served, load = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.intp)
+        kept = greedy_students(senders, receivers, n, served, load, capacity)
+    else:
+        order = np.arange(len(walk), dtype=np.intp)
+        kept = greedy_disjoint_sequential(senders, receivers, order, n // 2, n)
+    return [walk[k] for k in kept]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from peerlm.app.experiment_agent import InProcessCpm, InProcessFederation
-from peerlm.app.experiment_distill import central_kd, oracle_exchange
+from peerlm.app.experiment_distill import central_kd, oracle_exchange, teacher_answers
 from peerlm.app.experiment_merge import merge_exchange, semantic_dfl_exchange
 from peerlm.app.experiment_overlay import OverlayView
 from peerlm.app.experiment_plan import ExperimentPlan
@@ -34,7 +34,9 @@ def pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
     from peerlm.services.cpm import CpmSettings, HeteroGreedyMatchmaker, RandomMatchmaker
 
     if strategy == "random":
-        return RandomMatchmaker(seed=seed)
+        return RandomMatchmaker(
+            seed=seed, pairing=plan.pairing, teacher_capacity=plan.teacher_capacity
+        )
     if strategy == "heuristic":
         return HeteroGreedyMatchmaker()
     if strategy in CPM_PROTOCOLS:
@@ -122,6 +124,13 @@ def _directed_exchange(
         world, clients, seed, t, InProcessCpm(policy, cpm_settings.refusal_reward)
     )
     by_name = {c.name: c for c in clients}
+    if plan.pairing == "per_student":
+        # A client may teach and learn in one round: every teacher answers X_u once, with
+        # its state at the start of the exchange phase, before any student step writes
+        # (which matters under ``shared`` integration: the slot leaves the own adapter be).
+        teaching = (p.sender for p in pairings if lookup(p.protocol).kind == "distillation")
+        for name in dict.fromkeys(teaching):
+            teacher_answers(world, by_name[name], t)
     records: list[dict[str, Any]] = []
     for pairing in pairings:
         prefix = f"cpm-{pairing.protocol}" if menu else strategy

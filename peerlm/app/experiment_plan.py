@@ -157,6 +157,12 @@ class ExperimentPlan:
     # own-data steps every round (an agent keeps training on its own data whatever its
     # role); False: the earlier harness, where only students trained in the exchange phase.
     own_steps_every_round: bool = True
+    # How a pairing strategy (Random-P2P, KNEXA-FL, the Oracle) pairs: "disjoint", at most
+    # N/2 disjoint pairs a round (Algorithm 2); "per_student" (ours), every client the
+    # student of one teacher each round, a teacher serving up to teacher_capacity students
+    # (None: any number) (``CpmSettings.pairing``; docs/matchmaker.md).
+    pairing: Literal["disjoint", "per_student"] = "disjoint"
+    teacher_capacity: int | None = None
 
     def arch(self, i: int) -> str:
         """The architecture client ``i`` hosts."""
@@ -201,6 +207,12 @@ class ExperimentPlan:
             raise ValueError(
                 f"integration must be 'separate' or 'shared', not {self.integration!r}"
             )
+        if self.pairing not in ("disjoint", "per_student"):
+            raise ValueError(f"pairing must be 'disjoint' or 'per_student', not {self.pairing!r}")
+        if self.teacher_capacity is not None and self.teacher_capacity < 1:
+            raise ValueError(f"teacher_capacity must be >= 1, not {self.teacher_capacity!r}")
+        if "heuristic" in self.strategies and self.pairing != "disjoint":
+            raise ValueError("Heuristic-P2P (Algorithm 4) pairs disjointly: pairing 'disjoint'")
         if self.slot_scope not in ("all", "routed"):
             raise ValueError(f"slot_scope must be 'all' or 'routed', not {self.slot_scope!r}")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
@@ -271,6 +283,10 @@ class ExperimentPlan:
         if self.cpm_co_sender_scoring != "pair":
             given["co_sender_scoring"] = self.cpm_co_sender_scoring
         given["reward_normaliser"] = self.cpm_reward_normaliser
+        if self.pairing != "disjoint":
+            given["pairing"] = self.pairing
+        if self.teacher_capacity is not None:
+            given["teacher_capacity"] = self.teacher_capacity
         given |= {
             "interaction_features": self.cpm_interaction_features,
             "context_columns": self.cpm_context_columns,

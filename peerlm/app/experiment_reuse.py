@@ -88,6 +88,8 @@ _COLLABORATION_ONLY_FIELDS: tuple[str, ...] = (
     "slot_scope",
     "own_steps_every_round",
     "teach_limit",
+    "pairing",
+    "teacher_capacity",
     "teach_self_check",
 )
 

@@ -9,7 +9,8 @@ Pairing strategies:
 local          LocalOnly: local training only, no exchange.
 local_plus     LocalOnly+: local training, plus in the exchange phase as many optimiser
                steps on its own data as a student spends on AKD (compute-matched control).
-random         Random-P2P: disjoint random pairs, random direction (``RandomMatchmaker``).
+random         Random-P2P: disjoint random pairs, random direction (``RandomMatchmaker``);
+               with the plan's ``pairing: per_student``, a random teacher for every client.
 heuristic      Heuristic-P2P: Algorithm 4, greedy max JS divergence of the category
                histograms, the higher validation pass@1 teaches (``HeteroGreedyMatchmaker``).
 central_kd     Central-KD: a server averages all clients' predictions into one ensemble
@@ -18,7 +19,8 @@ cpm            KNEXA-FL: the CPM's LinUCB ``Matchmaker`` (the service's defaults
                students' real rewards after each exchange.
 oracle         Oracle pairing: every ordered pair is tried each round and the disjoint
                pairs with the largest true gain on the probe set are kept (the upper bound
-               of matchmaking; its trials cost N(N-1) integrations a round).
+               of matchmaking; its trials cost N(N-1) integrations a round); with
+               ``pairing: per_student``, each student's largest-gain teacher.
 semantic_dfl   SemanticDFL pull-and-aggregate: after its local phase each client averages
                its LoRA adapter with those of the clients of its own model family (the
                PDFL step of :func:`peerlm.overlay.aggregation.personalised_update`, equal

@@ -80,6 +80,9 @@ class Client:
     # and those that failed it (not sent).
     self_checked: int = 0
     self_check_failed: int = 0
+    # What it answered of X_u as a teacher, and in which round: one generation a round,
+    # however many students it teaches (:func:`~peerlm.app.experiment_distill.teacher_answers`).
+    answered: tuple[int, tuple[list[int], list[str]]] | None = None
 
     def integrating(self, plan: ExperimentPlan, what: str = "integration") -> Any:
         """Where an integration writes: the peer slot (``separate``) or the one adapter."""

@@ -49,7 +49,12 @@ if TYPE_CHECKING:
     )
     from .core import open_database
     from .linucb import LinUCB
-    from .matching import greedy_disjoint, max_weight_disjoint
+    from .matching import (
+        greedy_disjoint,
+        greedy_disjoint_sequential,
+        greedy_students,
+        max_weight_disjoint,
+    )
     from .matchmaker import (
         MAX_MERGE_SENDERS,
         Matchmaker,
@@ -104,6 +109,8 @@ __all__ = [
     "cpm_command",
     "exact_top_k",
     "greedy_disjoint",
+    "greedy_disjoint_sequential",
+    "greedy_students",
     "js_divergence",
     "js_divergence_matrix",
     "max_weight_disjoint",
@@ -129,7 +136,12 @@ _LAZY_MODULES: dict[str, tuple[str, ...]] = {
         "js_divergence_matrix",
     ),
     "linucb": ("LinUCB",),
-    "matching": ("greedy_disjoint", "max_weight_disjoint"),
+    "matching": (
+        "greedy_disjoint",
+        "greedy_disjoint_sequential",
+        "greedy_students",
+        "max_weight_disjoint",
+    ),
     "matchmaker": (
         "MAX_MERGE_SENDERS",
         "Matchmaker",

@@ -14,6 +14,7 @@ the JS divergence for Hetero-Greedy, the true reward for the oracle).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -75,6 +76,12 @@ class RandomMatchmaker:
     Seeded: two instances with the same seed return the same sequence of rounds for the
     same profiles. Agents are shuffled from sorted-id order, so the mapping's iteration
     order does not matter.
+
+    ``pairing="per_student"`` is the random counterpart of the
+    :class:`~.matchmaker.Matchmaker`'s: every agent, in a random order, is the student of a
+    teacher drawn uniformly among the other agents that teach fewer than
+    ``teacher_capacity`` students (``None``: any number); ``K_p`` bounds the pairings up
+    to ``N``.
     """
 
     def __init__(
@@ -84,9 +91,17 @@ class RandomMatchmaker:
         seed: int = 0,
         *,
         profile_dim: int = 32,
+        pairing: Literal["disjoint", "per_student"] = "disjoint",
+        teacher_capacity: int | None = None,
     ) -> None:
         if not protocols:
             raise ValueError("at least one protocol is required")
+        if pairing not in ("disjoint", "per_student"):
+            raise ValueError(f"pairing must be 'disjoint' or 'per_student', got {pairing!r}")
+        if teacher_capacity is not None and teacher_capacity < 1:
+            raise ValueError(f"teacher_capacity must be >= 1, got {teacher_capacity!r}")
+        self._pairing = pairing
+        self._capacity = teacher_capacity
         self._pair_budget = pair_budget
         self._protocols = tuple(protocols)
         self._rng = np.random.default_rng(seed)
@@ -95,6 +110,8 @@ class RandomMatchmaker:
     def select(self, profiles: Mapping[str, ArrayLike]) -> list[Pairing]:
         """``K_p`` disjoint random pairs; the first of each shuffled pair teaches."""
         ids, mat = _sorted_matrix(profiles, self._dim)
+        if self._pairing == "per_student":
+            return self._per_student(ids, mat)
         budget = _budget(self._pair_budget, len(ids))
         if budget == 0:
             return []
@@ -111,6 +128,24 @@ class RandomMatchmaker:
             )
             for k in range(budget)
         ]
+
+    def _per_student(self, ids: Sequence[str], mat: NDArray[np.float64]) -> list[Pairing]:
+        n = len(ids)
+        if n < 2:
+            return []
+        budget = n if self._pair_budget is None else max(0, min(self._pair_budget, n))
+        capacity = n if self._capacity is None else self._capacity
+        load = np.zeros(n, dtype=np.intp)
+        out: list[Pairing] = []
+        for r in self._rng.permutation(n)[:budget].tolist():
+            room = [s for s in range(n) if s != r and load[s] < capacity]
+            if not room:
+                continue
+            s = room[int(self._rng.integers(0, len(room)))]
+            load[s] += 1
+            protocol = self._protocols[int(self._rng.integers(0, len(self._protocols)))]
+            out.append(_make(ids, mat, s, r, protocol, 0.0))
+        return out
 
     def observe(self, pairing: Pairing, reward: float) -> float:
         """Validates ``reward`` and returns it; nothing is learnt."""

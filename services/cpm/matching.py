@@ -33,7 +33,12 @@ import networkx as nx
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["greedy_disjoint", "greedy_disjoint_sequential", "max_weight_disjoint"]
+__all__ = [
+    "greedy_disjoint",
+    "greedy_disjoint_sequential",
+    "greedy_students",
+    "max_weight_disjoint",
+]
 
 
 def greedy_disjoint(
@@ -153,6 +158,38 @@ def greedy_disjoint_sequential(
         used[s] = used[r] = 1
         chosen.append(cand)
         if len(chosen) == limit:
+            break
+    return chosen
+
+
+def greedy_students(
+    senders: NDArray[np.intp],
+    receivers: NDArray[np.intp],
+    budget: int,
+    served: NDArray[np.bool_],
+    load: NDArray[np.intp],
+    capacity: int,
+) -> list[int]:
+    """Positions kept by the greedy walk of ``pairing="per_student"`` (ours, beyond
+    Algorithm 2; docs/matchmaker.md, "A student every round").
+
+    ``senders`` and ``receivers`` are the candidates' agents already in walk order (best
+    first). A candidate is kept when its receiver has no teacher yet this round
+    (``served``), its sender teaches fewer than ``capacity`` students (``load``) and the
+    two differ; at most ``budget`` are kept. An agent may be a teacher and a student in
+    the same round. ``served`` and ``load`` are updated in place, so that refill passes
+    continue from this one.
+    """
+    chosen: list[int] = []
+    if budget <= 0 or capacity <= 0:
+        return chosen
+    for k, (s, r) in enumerate(zip(senders.tolist(), receivers.tolist(), strict=True)):
+        if s == r or served[r] or load[s] >= capacity:
+            continue
+        served[r] = True
+        load[s] += 1
+        chosen.append(k)
+        if len(chosen) == budget:
             break
     return chosen
 

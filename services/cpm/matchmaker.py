@@ -63,7 +63,7 @@ from peerlm.protocols import DEFAULT_PROTOCOL
 
 from .features import ContextFeatures
 from .linucb import LinUCB, PairTables
-from .matching import greedy_disjoint, max_weight_disjoint
+from .matching import greedy_disjoint, greedy_students, max_weight_disjoint
 from .menu import MERGE_PROTOCOLS, AdmissibilityMask, Capabilities
 from .normalise import DEFAULT_REWARD_CLIP_SIGMAS, Normaliser, RewardNormaliser, check_reward
 from .prefilter import (
@@ -283,7 +283,8 @@ class PairingPolicy(Protocol):
     """What a benchmark or the service needs from a matchmaker (learnt or baseline)."""
 
     def select(self, profiles: Mapping[str, ArrayLike]) -> list[Pairing]:
-        """Disjoint pairing directives for this round's profiles."""
+        """Pairing directives for this round's profiles: disjoint pairs (the paper's), or
+        one teacher per student (``pairing="per_student"``)."""
         ...
 
     def observe(self, pairing: Pairing, reward: float) -> float:
@@ -339,6 +340,15 @@ class Matchmaker:
             ``reward_window`` rewards (:mod:`.robust_normalise`), which a hostile member
             filing fewer than half of them cannot flatten.
         reward_window: rewards the robust normaliser keeps (unused under ``"zscore"``).
+        pairing: ``"disjoint"`` (default, Algorithm 2): at most ``floor(N / 2)`` pairs, no
+            agent in two; ``"per_student"`` (ours; docs/matchmaker.md, "A student every
+            round"): every agent may be the student of one pairing a round, the walk
+            keeping, best UCB first, a tuple whose receiver has no teacher yet and whose
+            sender teaches fewer than ``teacher_capacity`` students; an agent may teach
+            and learn in the same round. ``K_p`` then bounds the pairings up to ``N``.
+            Greedy matching only.
+        teacher_capacity: students one sender may teach a round under ``"per_student"``;
+            ``None``: any number.
     """
 
     def __init__(
@@ -365,6 +375,8 @@ class Matchmaker:
         co_sender_scoring: Literal["pair", "group"] = "pair",
         reward_normaliser: Literal["zscore", "robust"] = "zscore",
         reward_window: int = DEFAULT_REWARD_WINDOW,
+        pairing: Literal["disjoint", "per_student"] = "disjoint",
+        teacher_capacity: int | None = None,
     ) -> None:
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError("beta must be a finite number >= 0")
@@ -374,6 +386,14 @@ class Matchmaker:
             raise ValueError("seed must be >= 0")
         if matching not in ("greedy", "blossom"):
             raise ValueError(f"matching must be 'greedy' or 'blossom', got {matching!r}")
+        if pairing not in ("disjoint", "per_student"):
+            raise ValueError(f"pairing must be 'disjoint' or 'per_student', got {pairing!r}")
+        if pairing == "per_student" and matching != "greedy":
+            raise ValueError("pairing 'per_student' is walked greedily: matching must be 'greedy'")
+        if teacher_capacity is not None and (
+            not isinstance(teacher_capacity, int) or teacher_capacity < 1
+        ):
+            raise ValueError(f"teacher_capacity must be an integer >= 1, got {teacher_capacity!r}")
         if prefilter_k < 1 or prefilter_random < 0:
             raise ValueError("prefilter_k must be >= 1 and prefilter_random >= 0")
         if prefilter_min_agents < 2:
@@ -418,6 +438,8 @@ class Matchmaker:
         self._pair_budget = pair_budget
         self._seed = int(seed)
         self._matching = matching
+        self._pairing = pairing
+        self._teacher_capacity = teacher_capacity
         self._prefilter_k = int(prefilter_k)
         self._prefilter_min_agents = int(prefilter_min_agents)
         self._prefilter_random = int(prefilter_random)
@@ -509,7 +531,8 @@ class Matchmaker:
         profiles: Mapping[str, ArrayLike],
         capabilities: Mapping[str, Capabilities] | None = None,
     ) -> list[Pairing]:
-        """Pick up to ``K_p`` disjoint pairings for the agents in ``profiles``.
+        """Pick up to ``K_p`` pairings for the agents in ``profiles``: disjoint ones, or
+        one teacher per student under ``pairing="per_student"``.
 
         ``capabilities``: what each agent declared (:class:`.menu.Capabilities`; an agent
         missing from it counts as undeclared); only admissible (pair, protocol) tuples are
@@ -528,7 +551,9 @@ class Matchmaker:
         # Contexts are built from bounded profiles only (see .features: the norm cap).
         mat = self._features.bound_profiles(mat)
         n = len(ids)
-        budget = n // 2 if self._pair_budget is None else min(self._pair_budget, n // 2)
+        per_student = self._pairing == "per_student"
+        most = n if per_student else n // 2
+        budget = most if self._pair_budget is None else min(self._pair_budget, most)
         self._last_candidates = 0
         if n < 2 or budget == 0:
             return []
@@ -560,6 +585,11 @@ class Matchmaker:
             cluster_min = min(cluster_min, _REFILL_CLUSTER_MIN_AGENTS)
         free = np.arange(n, dtype=np.intp)
         taken = np.zeros(n, dtype=bool)
+        # per_student: who has a teacher this round, and how many each sender teaches.
+        served = np.zeros(n, dtype=bool)
+        load = np.zeros(n, dtype=np.intp)
+        capacity = n if self._teacher_capacity is None else self._teacher_capacity
+        students = (served, load, capacity) if per_student else None
         # The per-agent pieces of the exact UCB, once for all passes.
         tables = self._bandit.pair_tables(
             self._features.layout, mat, trust, dtype=self._score_dtype
@@ -571,7 +601,16 @@ class Matchmaker:
         )
         for _ in range(_MAX_PASSES):
             picked = self._select_pass(
-                free, mat, trust, tables, budget - n_chosen, rng, cluster_min, admissible, seen
+                free,
+                mat,
+                trust,
+                tables,
+                budget - n_chosen,
+                rng,
+                cluster_min,
+                admissible,
+                seen,
+                students,
             )
             if not len(picked.senders):
                 break
@@ -579,6 +618,15 @@ class Matchmaker:
             n_chosen += len(picked.senders)
             if n_chosen >= budget:
                 break
+            if per_student:
+                # Refill among the students still without a teacher and the senders with
+                # room; the walk keeps the rest of its rules.
+                if served.all():
+                    break
+                free = np.flatnonzero(~served | (load < capacity)).astype(np.intp)
+                if len(free) < 2:
+                    break
+                continue
             taken[picked.senders] = True
             taken[picked.receivers] = True
             free = free[~taken[free]]
@@ -824,11 +872,14 @@ class Matchmaker:
         cluster_min: int,
         admissible: AdmissibilityMask | None = None,
         seen: list[tuple[NDArray[np.intp], NDArray[np.intp]]] | None = None,
+        students: tuple[NDArray[np.bool_], NDArray[np.intp], int] | None = None,
     ) -> _Picked:
         """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat`` and
         ``tables`` (the bandit's pair tables of all of ``mat``). The prefilter's top-k
         search is clustered from ``cluster_min`` agents on. With ``admissible``, only its
-        admissible tuples can be picked. ``seen`` collects the pass's candidate pairs."""
+        admissible tuples can be picked. ``seen`` collects the pass's candidate pairs.
+        ``students``: ``(served, load, capacity)`` of ``pairing="per_student"``, indexed
+        like ``mat`` and updated by the walk (:func:`.matching.greedy_students`)."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
@@ -866,7 +917,18 @@ class Matchmaker:
 
         # Descending UCB; exact ties fall to a seeded random permutation (never to input order).
         perm = rng.permutation(len(ucb))
-        if self._matching == "greedy":
+        if students is not None:
+            # Every direction of every pair is a candidate of its own (a and b may teach
+            # each other); forbidden tuples (-inf) are never kept.
+            order = perm[_descending(ucb[perm])]
+            order = order[np.isfinite(ucb[order])]
+            s_order, r_order = ends(order)
+            served, load, capacity = students
+            walked = greedy_students(
+                agents[s_order], agents[r_order], budget, served, load, capacity
+            )
+            picked = order[np.asarray(walked, dtype=np.intp)]
+        elif self._matching == "greedy":
             # Only each pair's best tuple can be kept by the greedy walk (its other tuples
             # come later, with the same two agents), so only those are ranked and walked:
             # the walk over all tuples in the full order keeps the same candidates.

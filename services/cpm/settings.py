@@ -50,6 +50,12 @@ class CpmSettings(ServiceSettings):
     # "Context columns"). Part of the database's fingerprint when set.
     context_columns: tuple[int, ...] | None = None
     matching: Literal["greedy", "blossom"] = "greedy"
+    # "disjoint" (Algorithm 2): at most N/2 pairs a round, no agent in two. "per_student"
+    # (ours; docs/matchmaker.md, "A student every round"): every agent may be the student
+    # of one directive a round, a teacher serving up to teacher_capacity students (null:
+    # any number); an agent may teach and learn in one round. Greedy matching only.
+    pairing: Literal["disjoint", "per_student"] = "disjoint"
+    teacher_capacity: int | None = Field(default=None, ge=1)
     # Most senders one merge directive (pmix, svd_hka) names: the pairing's teacher and up
     # to merge_senders - 1 co-senders ranked by UCB (docs/matchmaker.md, "Several senders
     # per merge directive"). 1: one sender, as before. Part of the database's fingerprint
@@ -133,7 +139,15 @@ class CpmSettings(ServiceSettings):
             co_sender_scoring=self.co_sender_scoring,
             reward_normaliser=self.reward_normaliser,
             reward_window=self.reward_window,
+            pairing=self.pairing,
+            teacher_capacity=self.teacher_capacity,
         )
+
+    @model_validator(mode="after")
+    def _per_student_is_greedy(self) -> CpmSettings:
+        if self.pairing == "per_student" and self.matching != "greedy":
+            raise ValueError("pairing 'per_student' is walked greedily: matching must be 'greedy'")
+        return self
 
     @model_validator(mode="after")
     def _refusal_reward_bounded(self) -> CpmSettings:

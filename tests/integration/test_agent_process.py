@@ -234,7 +234,9 @@ def test_sigterm_within_the_grace_finishes_the_round(world: World) -> None:
     assert "stop_requested" in kinds and "stop_grace_over" not in kinds
 
 
-def _menu_world(world: World, folder: str, protocols: list[str]) -> Iterator[World]:
+def _menu_world(
+    world: World, folder: str, protocols: list[str], env: dict[str, str] | None = None
+) -> Iterator[World]:
     """A CPM of its own recommending ``protocols`` (K_rec), with fresh agent names."""
     tmp = world.tmp / folder
     pki = Pki.create(tmp, agents=4)
@@ -242,7 +244,11 @@ def _menu_world(world: World, folder: str, protocols: list[str]) -> Iterator[Wor
         pki,
         tmp / "cpm.db",
         tmp,
-        {"PEERLM_CPM_ROUND_INTERVAL_S": "3600", "PEERLM_CPM_PROTOCOLS": json.dumps(protocols)},
+        {
+            "PEERLM_CPM_ROUND_INTERVAL_S": "3600",
+            "PEERLM_CPM_PROTOCOLS": json.dumps(protocols),
+            **(env or {}),
+        },
     ).start()
     yield World(tmp, pki, cpm, world.models, world.data, world.transfer_sha256, world.forks)
     cpm.terminate()
@@ -720,3 +726,33 @@ def test_after_an_akd_exchange_the_own_adapter_is_own_training_alone(slot_world:
             slot = ck.extras["peer_slot"]
             assert not all(torch_equal(slot[k], ck.tensors[k]) for k in ck.tensors)
             assert ck.state["peer_slot"]["integrations"] >= summary["exchanges"]
+
+
+@pytest.fixture(scope="module")
+def per_student_world(world: World) -> Iterator[World]:
+    """A CPM of its own that pairs per student (``pairing: per_student``)."""
+    yield from _menu_world(world, "per-student", ["akd"], {"PEERLM_CPM_PAIRING": "per_student"})
+
+
+def test_a_per_student_round_makes_each_agent_a_teacher_and_a_student(
+    per_student_world: World,
+) -> None:
+    """Two agents under ``pairing: per_student``: every matchmaking gives each agent two
+    directives, as the teacher of the other and as its student. Each acts on both in the
+    same round: it serves the other its package (one generation for the round's
+    directives) and learns from the other's, and reports the reward of its student
+    directive; nothing is left for the next round."""
+    w = per_student_world
+    summaries, events = _run_together(
+        w, "ps", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2
+    )
+    for summary in summaries:
+        assert summary["exchanges"] == summary["as_teacher"] == 2, summary
+        assert len(summary["rewards"]) == 2
+    taught = [e for e in events if e.get("event") == "directive_teacher"]
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    built = [e for e in events if e.get("event") == "package_built"]
+    assert len(taught) == len(integrated) == len(built) == 4
+    # A teacher's round: its directive as teacher and the other's package, in one round.
+    assert sorted(int(e["round"]) for e in taught) == [1, 1, 2, 2]  # type: ignore[call-overload]
+    assert not [e for e in events if e.get("event") == "directive_skipped"]
