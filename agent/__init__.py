@@ -14,7 +14,7 @@ from peerlm.exports import lazy_exports
 if TYPE_CHECKING:
     from peerlm.agent.acceptance import AcceptanceGate
     from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter
-    from peerlm.agent.cpm.client import CpmClient, next_directive
+    from peerlm.agent.cpm.client import CpmClient, next_directive, rest_of_round
     from peerlm.agent.cpm.directives import DirectiveBook
     from peerlm.agent.cpm.profile import host_parameter_space
     from peerlm.agent.daemon import AgentDaemon, AgentSummary
@@ -248,6 +248,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "integrate_package": ("peerlm.agent.exchange.rounds", "integrate_package"),
     "local_update": ("peerlm.agent.exchange.rounds", "local_update"),
     "next_directive": ("peerlm.agent.cpm.client", "next_directive"),
+    "rest_of_round": ("peerlm.agent.cpm.client", "rest_of_round"),
     "probe_problems": ("peerlm.agent.tasks.bank", "probe_problems"),
     "public_problems": ("peerlm.agent.tasks.bank", "public_problems"),
     "pull_adapter": ("peerlm.agent.peer.client", "pull_adapter"),
@@ -487,6 +488,7 @@ __all__ = [
     "read_manifest",
     "read_models_manifest",
     "reference_nll",
+    "rest_of_round",
     "reward_eq3",
     "round_profile",
     "route_map",

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from peerlm.agent.acceptance import AcceptanceGate
 from peerlm.agent.checkpoint import CheckpointStore
-from peerlm.agent.cpm.client import CpmClient, next_directive
+from peerlm.agent.cpm.client import CpmClient, next_directive, rest_of_round
 from peerlm.agent.cpm.directives import MAX_CO_SENDERS, DirectiveBook, directive_action
 from peerlm.agent.cpm.profile import host_parameter_space
 from peerlm.agent.eval.evaluation import structural_match_rate
@@ -116,13 +116,6 @@ if TYPE_CHECKING:
 __all__ = ["AgentDaemon", "AgentSummary", "linear_schedule"]
 
 T = TypeVar("T")
-
-#: After a round's first directive, how long further ones of its matchmaking round may
-#: take to arrive (the CPM sends them together; ``pairing: per_student`` gives an agent
-#: several), and the most one round acts on (a bound against a feed that floods; a
-#: federation's round gives an agent one directive as student and one per student taught).
-_SETTLE_S = 0.25
-_MAX_DIRECTIVES_PER_ROUND = 64
 
 
 @dataclass
@@ -1400,35 +1393,14 @@ class AgentDaemon:
     async def _next_directives(
         self, inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None]
     ) -> list[cpm_pb2.Directive]:
-        """This round's directives: the first (:meth:`_next_directive`) and every further
-        one of its matchmaking round that is here or arrives within ``_SETTLE_S``. Under
-        ``pairing: per_student`` the CPM gives an agent several in one round (it may teach
-        several students and learn from one teacher); it sends a round's directives
-        together. A directive of another round is left for the next round; a notice is
-        dropped (this round has its pairing)."""
+        """This round's directives: the first (:meth:`_next_directive`) and the rest of its
+        matchmaking round (:func:`~peerlm.agent.cpm.client.rest_of_round`; under
+        ``pairing: per_student`` an agent may teach several students and learn from one
+        teacher in one round)."""
         first = await self._next_directive(inbox, feed)
         if first is None:
             return []
-        batch = [first]
-        settle = time.monotonic() + _SETTLE_S
-        while len(batch) < _MAX_DIRECTIVES_PER_ROUND:
-            try:
-                d = inbox.get_nowait()
-            except asyncio.QueueEmpty:
-                remaining = settle - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    d = await asyncio.wait_for(inbox.get(), remaining)
-                except TimeoutError:
-                    break
-            if d.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
-                continue  # a notice: this round has its pairing
-            if d.matchmaking_round != first.matchmaking_round:
-                inbox.put_nowait(d)  # another round's: the next round takes it
-                break
-            batch.append(d)
-        return batch
+        return [first, *await rest_of_round(inbox, first)]
 
     async def _next_directive(
         self, inbox: asyncio.Queue[cpm_pb2.Directive], feed: asyncio.Task[None]

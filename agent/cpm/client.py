@@ -49,7 +49,20 @@ from peerlm.pki.identity import Role
 from peerlm.pki.proof import FEED_NONCE_METADATA, ProofError
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 
-__all__ = ["DEV_IDENTITY_METADATA", "LAST_ROUND_METADATA", "CpmClient"]
+__all__ = [
+    "DEV_IDENTITY_METADATA",
+    "LAST_ROUND_METADATA",
+    "CpmClient",
+    "next_directive",
+    "rest_of_round",
+]
+
+#: After a round's first directive, how long further ones of its matchmaking round may
+#: take to arrive (the CPM sends a round's directives together), and the most one round
+#: takes (a bound against a feed that floods; a round gives an agent one directive as
+#: student and one per student it teaches).
+ROUND_SETTLE_S = 0.25
+MAX_DIRECTIVES_PER_ROUND = 64
 
 #: Trailing metadata of the CPM's ``stale_round`` refusal (the last round it holds for us);
 #: the same name as ``peerlm.services.cpm.core.LAST_ROUND_METADATA`` (agents do not import
@@ -415,6 +428,39 @@ async def next_directive(
             return await asyncio.wait_for(inbox.get(), min(remaining, 0.5))
         except TimeoutError:
             continue
+
+
+async def rest_of_round(
+    inbox: asyncio.Queue[cpm_pb2.Directive],
+    first: cpm_pb2.Directive,
+    settle_s: float = ROUND_SETTLE_S,
+    limit: int = MAX_DIRECTIVES_PER_ROUND,
+) -> list[cpm_pb2.Directive]:
+    """The further directives of ``first``'s matchmaking round: those queued in ``inbox``
+    or arriving within ``settle_s``, at most ``limit - 1``. Under the CPM's ``pairing:
+    per_student`` an agent gets several in one round (one as student, one per student it
+    teaches). A directive of another round goes back to the queue for the next round; a
+    "not matched" notice is dropped (this round has its pairing)."""
+    rest: list[cpm_pb2.Directive] = []
+    settle = time.monotonic() + settle_s
+    while len(rest) < limit - 1:
+        try:
+            d = inbox.get_nowait()
+        except asyncio.QueueEmpty:
+            remaining = settle - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                d = await asyncio.wait_for(inbox.get(), remaining)
+            except TimeoutError:
+                break
+        if d.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
+            continue
+        if d.matchmaking_round != first.matchmaking_round:
+            inbox.put_nowait(d)
+            break
+        rest.append(d)
+    return rest
 
 
 async def _final_status(call: Any) -> grpc.aio.AioRpcError:

@@ -161,6 +161,13 @@ _RewardNormaliserOption = Annotated[
         "running z-score, winsorised).",
     ),
 ]
+_PairingOption = Annotated[
+    str,
+    typer.Option(
+        help="How the CPM pairs: disjoint (Algorithm 2, at most N/2 pairs a round) or "
+        "per_student (every agent a student each round; docs/matchmaker.md).",
+    ),
+]
 _WorkflowOption = Annotated[
     bool,
     typer.Option(
@@ -222,6 +229,7 @@ class _UpOptions:
     merge_senders: int
     co_sender_scoring: str
     reward_normaliser: str
+    pairing: str
     workflow: bool
     fedproxy: bool
     proxy_ratio: float | None
@@ -253,6 +261,7 @@ def up_command(
     merge_senders: _MergeSendersOption = 1,
     co_sender_scoring: _CoSenderScoringOption = "pair",
     reward_normaliser: _RewardNormaliserOption = "robust",
+    pairing: _PairingOption = "disjoint",
     workflow: _WorkflowOption = False,
     fedproxy: _FedproxyOption = False,
     proxy_ratio: _ProxyRatioOption = None,
@@ -285,6 +294,7 @@ def up_command(
                 merge_senders=merge_senders,
                 co_sender_scoring=co_sender_scoring,
                 reward_normaliser=reward_normaliser,
+                pairing=pairing,
                 # Simulated agents import no model libraries: nothing to share.
                 preload=() if opts.simulated else AGENT_PRELOAD,
             )
@@ -358,7 +368,8 @@ def _checked_menu(opts: _UpOptions) -> tuple[str, ...]:
 
 
 def _check_cpm_options(opts: _UpOptions, menu: tuple[str, ...]) -> None:
-    """``--merge-senders``, ``--co-sender-scoring`` and ``--reward-normaliser``."""
+    """``--merge-senders``, ``--co-sender-scoring``, ``--reward-normaliser`` and
+    ``--pairing``."""
     if opts.merge_senders != 1 and not any(lookup(p).co_senders for p in menu):
         merges = " or ".join(protocol_names(co_senders=True))
         raise typer.BadParameter(f"--merge-senders applies to merge protocols: add {merges}")
@@ -368,6 +379,8 @@ def _check_cpm_options(opts: _UpOptions, menu: tuple[str, ...]) -> None:
         raise typer.BadParameter("--co-sender-scoring group needs --merge-senders > 1")
     if opts.reward_normaliser not in ("zscore", "robust"):
         raise typer.BadParameter("--reward-normaliser must be 'zscore' or 'robust'")
+    if opts.pairing not in ("disjoint", "per_student"):
+        raise typer.BadParameter("--pairing must be 'disjoint' or 'per_student'")
 
 
 def _check_fedproxy_options(opts: _UpOptions) -> None:

@@ -167,6 +167,7 @@ async def run_federation(
     merge_senders: int = 1,
     co_sender_scoring: str = "pair",
     reward_normaliser: str = "robust",
+    pairing: str = "disjoint",
     preload: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the CPM and the agents to their end; the federation's report. With ``preload``
@@ -195,6 +196,8 @@ async def run_federation(
     if co_sender_scoring != "pair":
         dev_env["PEERLM_CPM_CO_SENDER_SCORING"] = co_sender_scoring
     dev_env["PEERLM_CPM_REWARD_NORMALISER"] = reward_normaliser
+    if pairing != "disjoint":
+        dev_env["PEERLM_CPM_PAIRING"] = pairing
     started = time.monotonic()
     forks = None
     if preload:

@@ -21,7 +21,7 @@ import grpc
 import structlog
 import typer
 
-from peerlm.agent import CpmClient, next_directive
+from peerlm.agent import CpmClient, next_directive, rest_of_round
 from peerlm.config import GrpcLimits
 from peerlm.node import NodeContext
 from peerlm.pki.identity import Role
@@ -99,21 +99,23 @@ async def run_sim_agent(
                 directive = await next_directive(inbox, feed, round_timeout_s)
             if directive is not None and directive.role == cpm_pb2.EXCHANGE_ROLE_UNMATCHED:
                 directive = None
-            if directive is None:
-                env.step([])
-            elif directive.role == cpm_pb2.EXCHANGE_ROLE_STUDENT:
-                teacher = env_name.get(directive.teacher)
-                if teacher is None:
-                    report.errors.append(f"unknown teacher {directive.teacher}")
-                    env.step([])
+            # The round's directives (several under the CPM's pairing: per_student).
+            batch = [] if directive is None else [directive, *await rest_of_round(inbox, directive)]
+            learnt: list[tuple[cpm_pb2.Directive, str]] = []
+            for d in batch:
+                if d.role != cpm_pb2.EXCHANGE_ROLE_STUDENT:
+                    report.as_teacher += 1
+                elif (teacher := env_name.get(d.teacher)) is None:
+                    report.errors.append(f"unknown teacher {d.teacher}")
+                elif learnt:  # the simulation steps a client in one pair a round
+                    report.errors.append(f"a second student directive in round {r}")
                 else:
-                    [reward] = env.step([(teacher, me)])
-                    await client.report_reward(directive.directive_id, reward)
-                    report.as_student += 1
-                    report.rewards.append(round(reward, 6))
-            else:
-                report.as_teacher += 1
-                env.step([])
+                    learnt.append((d, teacher))
+            rewards = env.step([(teacher, me) for _, teacher in learnt])
+            for (d, _), reward in zip(learnt, rewards, strict=True):
+                await client.report_reward(d.directive_id, reward)
+                report.as_student += 1
+                report.rewards.append(round(reward, 6))
             report.rounds = r
     except grpc.aio.AioRpcError as err:
         report.errors.append(f"{err.code().name}: {err.details()}")

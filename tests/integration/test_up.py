@@ -37,6 +37,28 @@ def test_up_with_simulated_agents(tmp_path: Path) -> None:
     assert '"security_mode"' in logs and "mtls" in logs
 
 
+def test_up_per_student_makes_every_agent_a_student_each_round(tmp_path: Path) -> None:
+    """``--pairing per_student``: the CPM gives each agent a teacher every round, so the
+    rewards exceed what disjoint pairs allow (N/2 a round); each agent acts on all of a
+    round's directives (as teacher and as student) and reports every one it learnt from."""
+    result = _up(tmp_path / "fed", "--simulated", "-n", "4", "-r", "3", "--pairing", "per_student")
+    assert result["rounds_completed"] == 3
+    agents = result["agents"]
+    assert all(not a["errors"] for a in agents), [a["errors"] for a in agents]
+    assert result["rewards_observed"] == result["rewards_reported"] > 2 * 3
+    assert sum(a["as_student"] for a in agents) == result["rewards_reported"]
+    assert sum(a["as_teacher"] for a in agents) == result["rewards_reported"]
+
+
+def test_up_refuses_an_unknown_pairing(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "peerlm", "up", "--simulated", "--state-dir", str(tmp_path),
+         "--pairing", "all"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--pairing" in out.stderr
+
+
 def test_up_with_model_hosting_agents(tmp_path: Path) -> None:
     """Micro models of four architectures, Dirichlet data, AKD over mTLS, rewards to the CPM."""
     state = tmp_path / "fed"
