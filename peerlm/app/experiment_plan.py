@@ -101,8 +101,10 @@ class ExperimentPlan:
     # or "lacked", those of the categories it holds no data of and that are not public
     # (what only a teacher can bring it; :mod:`peerlm.app.experiment`), or "answered",
     # those of the categories the AKD package answers (the agent's ``reward_scope``,
-    # :mod:`peerlm.agent.exchange.reward_probe`; merges measure on the whole probe).
-    probe_scope: ProbeScope = "all"
+    # :mod:`peerlm.agent.exchange.reward_probe`; merges measure on the whole probe; the
+    # default since 2026-12-07, docs/experiment.md "A student every round"). Under
+    # ``reward="val"`` "answered" is moot (no probe): only "lacked" is refused there.
+    probe_scope: ProbeScope = "answered"
     probe_per_category: int = 2
     reward_delta: float = 0.001
     # What a teacher answers (peerlm.agent.exchange.teaching): "competent", the prompts of
@@ -158,10 +160,12 @@ class ExperimentPlan:
     # role); False: the earlier harness, where only students trained in the exchange phase.
     own_steps_every_round: bool = True
     # How a pairing strategy (Random-P2P, KNEXA-FL, the Oracle) pairs: "disjoint", at most
-    # N/2 disjoint pairs a round (Algorithm 2); "per_student" (ours), every client the
-    # student of one teacher each round, a teacher serving up to teacher_capacity students
-    # (None: any number) (``CpmSettings.pairing``; docs/matchmaker.md).
-    pairing: Literal["disjoint", "per_student"] = "disjoint"
+    # N/2 disjoint pairs a round (Algorithm 2); "per_student" (ours; the default since
+    # 2026-12-07, docs/experiment.md "A student every round"), every client the student of
+    # one teacher each round, a teacher serving up to teacher_capacity students (None: any
+    # number) (``CpmSettings.pairing``; docs/matchmaker.md). Heuristic-P2P (Algorithm 4)
+    # pairs disjointly whatever this says.
+    pairing: Literal["disjoint", "per_student"] = "per_student"
     teacher_capacity: int | None = None
 
     def arch(self, i: int) -> str:
@@ -211,8 +215,6 @@ class ExperimentPlan:
             raise ValueError(f"pairing must be 'disjoint' or 'per_student', not {self.pairing!r}")
         if self.teacher_capacity is not None and self.teacher_capacity < 1:
             raise ValueError(f"teacher_capacity must be >= 1, not {self.teacher_capacity!r}")
-        if "heuristic" in self.strategies and self.pairing != "disjoint":
-            raise ValueError("Heuristic-P2P (Algorithm 4) pairs disjointly: pairing 'disjoint'")
         if self.slot_scope not in ("all", "routed"):
             raise ValueError(f"slot_scope must be 'all' or 'routed', not {self.slot_scope!r}")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
@@ -245,7 +247,7 @@ class ExperimentPlan:
             raise ValueError(
                 f"probe_scope must be 'all', 'lacked' or 'answered', not {self.probe_scope!r}"
             )
-        if self.probe_scope != "all" and self.reward != "probe":
+        if self.probe_scope == "lacked" and self.reward != "probe":
             raise ValueError(f"probe_scope {self.probe_scope!r} needs reward 'probe'")
         if not self.sample_temperature > 0:
             raise ValueError("sample_temperature must be > 0")

@@ -115,6 +115,8 @@ _PREDATED: Mapping[str, Any] = MappingProxyType(
         "val_every": 1,
         "curve_every": 1,
         "teach_limit": None,
+        # Before ``pairing`` (2026-12-07) every pairing strategy paired disjointly.
+        "pairing": "disjoint",
     }
 )
 

@@ -12,7 +12,9 @@ local_plus     LocalOnly+: local training, plus in the exchange phase as many op
 random         Random-P2P: disjoint random pairs, random direction (``RandomMatchmaker``);
                with the plan's ``pairing: per_student``, a random teacher for every client.
 heuristic      Heuristic-P2P: Algorithm 4, greedy max JS divergence of the category
-               histograms, the higher validation pass@1 teaches (``HeteroGreedyMatchmaker``).
+               histograms, the higher validation pass@1 teaches (``HeteroGreedyMatchmaker``);
+               disjoint pairs whatever the plan's ``pairing`` (half the lessons of a
+               per-student strategy: not compute-matched to them).
 central_kd     Central-KD: a server averages all clients' predictions into one ensemble
                teacher and every client distils from it (:mod:`~peerlm.app.experiment_distill`).
 cpm            KNEXA-FL: the CPM's LinUCB ``Matchmaker`` (the service's defaults), fed the

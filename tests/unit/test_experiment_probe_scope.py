@@ -101,9 +101,16 @@ def test_a_student_lacking_nothing_measures_on_the_whole_probe() -> None:
     [
         ({"probe_scope": "own"}, "probe_scope must be"),
         ({"probe_scope": "lacked", "reward": "val"}, "needs reward 'probe'"),
-        ({"probe_scope": "answered", "reward": "val"}, "needs reward 'probe'"),
     ],
 )
 def test_bad_scopes_are_refused(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ExperimentPlan(**fields)
+
+
+def test_the_default_answered_scope_is_moot_without_a_probe() -> None:
+    """``answered`` is the default; under ``reward="val"`` there is no probe to scope, so
+    the plan is valid and no package is measured on a probe subset."""
+    plan = ExperimentPlan(reward="val")
+    assert plan.probe_scope == "answered"
+    assert reward_scope(_world(plan, [_slices("dict", ())])) is None

@@ -163,18 +163,30 @@ def test_the_oracle_keeps_each_students_best_teacher() -> None:
     assert kept == [(0, 1), (0, 2), (1, 0)]
     capped = ExperimentPlan(pairing="per_student", teacher_capacity=1)
     assert [k for k, _ in _oracle_keeps(capped, 3, trials)] == [(0, 1), (1, 2), (2, 0)]
-    assert [k for k, _ in _oracle_keeps(ExperimentPlan(), 3, trials)] == [(0, 1)]
+    disjoint = ExperimentPlan(pairing="disjoint")
+    assert [k for k, _ in _oracle_keeps(disjoint, 3, trials)] == [(0, 1)]
 
 
-def test_the_plan_refuses_heuristic_per_student_and_bad_values() -> None:
+def test_the_plan_pairs_per_student_by_default_and_refuses_bad_values() -> None:
+    from peerlm.services.cpm import HeteroGreedyMatchmaker
+
+    from peerlm.app.experiment_exchange import pairing_policy
     from peerlm.app.experiment_plan import ExperimentPlan
 
-    with pytest.raises(ValueError, match="Heuristic"):
-        ExperimentPlan(pairing="per_student", strategies=("local_plus", "heuristic"))
     with pytest.raises(ValueError, match="pairing"):
         ExperimentPlan(pairing="all")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="teacher_capacity"):
         ExperimentPlan(pairing="per_student", teacher_capacity=0)
-    settings_ = ExperimentPlan(pairing="per_student", teacher_capacity=2).cpm_settings(1)
-    assert (settings_.pairing, settings_.teacher_capacity) == ("per_student", 2)
-    assert ExperimentPlan().cpm_settings(1).pairing == "disjoint"
+    plan = ExperimentPlan(teacher_capacity=2)
+    assert plan.pairing == "per_student"
+    assert (plan.cpm_settings(1).pairing, plan.cpm_settings(1).teacher_capacity) == (
+        "per_student",
+        2,
+    )
+    assert ExperimentPlan(pairing="disjoint").cpm_settings(1).pairing == "disjoint"
+    # Random-P2P follows the plan; Heuristic-P2P stays Algorithm 4's disjoint pairs.
+    profiles = profiles_of(np.random.default_rng(5), 6)
+    random = pairing_policy("random", plan, 0).select(profiles)
+    assert_per_student(random, set(profiles), 2)
+    assert len(random) == 6
+    assert isinstance(pairing_policy("heuristic", plan, 0), HeteroGreedyMatchmaker)

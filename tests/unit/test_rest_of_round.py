@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from peerlm.agent.cpm.client import rest_of_round
+
 from peerlm.wire.v1 import cpm_pb2
 
 
