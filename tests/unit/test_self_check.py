@@ -81,11 +81,15 @@ def test_the_experiments_teacher_sends_only_what_passed_and_counts_the_rest() ->
 
     answers = {PROMPT: RIGHT, PROMPT.replace("render_list", "render_two"): WRONG}
     prompts = list(answers)
-    host = SimpleNamespace(
-        generate=lambda ps, max_new_tokens, temperature: [[answers[p]] for p in ps]
-    )
-    teacher = SimpleNamespace(host=host, self_checked=0, self_check_failed=0)
+    generated: list[str] = []
+
+    def generate(ps: list[str], max_new_tokens: int, temperature: float) -> list[list[str]]:
+        generated.extend(ps)
+        return [[answers[p]] for p in ps]
+
+    host = SimpleNamespace(generate=generate)
     for on, kept in ((False, [0, 1]), (True, [0])):
+        teacher = SimpleNamespace(host=host, self_checked=0, self_check_failed=0, answered=None)
         world = SimpleNamespace(
             plan=ExperimentPlan(teach_self_check=on),
             transfer=prompts,
@@ -93,4 +97,11 @@ def test_the_experiments_teacher_sends_only_what_passed_and_counts_the_rest() ->
         )
         chosen, completions = teacher_answers(world, teacher, 1)  # type: ignore[arg-type]
         assert chosen == kept and completions == [answers[prompts[k]] for k in kept]
-    assert teacher.self_checked == 2 and teacher.self_check_failed == 1
+        # A teacher of several students answers once a round: the same answers, no new
+        # generation, no second check; the next round answers again.
+        generated.clear()
+        assert teacher_answers(world, teacher, 1) == (chosen, completions)  # type: ignore[arg-type]
+        assert generated == []
+        teacher_answers(world, teacher, 2)  # type: ignore[arg-type]
+        assert generated == prompts
+    assert teacher.self_checked == 4 and teacher.self_check_failed == 2
