@@ -1186,7 +1186,10 @@ class AgentDaemon:
         """This round's directives: as a teacher first (each only starts its package, so
         the students' fetches are served while this agent learns), then as a student; True
         when this agent integrated (or tried to). Skipped once the stop grace has run out."""
-        self._prebuild, self._last_taught, self._last_merge = [], [], []
+        if any(d.role != cpm_pb2.EXCHANGE_ROLE_STUDENT for d in directives):
+            # The linger waits for the latest round we taught in (as before, whatever
+            # rounds we only learnt in since).
+            self._prebuild, self._last_taught, self._last_merge = [], [], []
         integrated = False
         teaching_first = sorted(directives, key=lambda d: d.role == cpm_pb2.EXCHANGE_ROLE_STUDENT)
         for directive in teaching_first:
