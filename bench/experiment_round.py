@@ -32,6 +32,8 @@ BEFORE: Mapping[str, Any] = {
     "curve_every": 1,
     "own_steps_every_round": False,
     "integration": "shared",
+    "pairing": "disjoint",
+    "probe_scope": "all",
 }
 
 

@@ -27,7 +27,8 @@ def round_costs(
     experiment-round``): ``rounds`` rounds of every client, each phase timed on its own, in
     this process on one thread. Every client teaches its successor and learns from its
     predecessor each round, so the AKD and teaching phases count as a student's and a
-    teacher's (a pairing strategy has half the clients in each role); the final
+    teacher's (a pairing strategy has every client a student under ``pairing:
+    per_student``, half of them under ``disjoint``, and about half teach); the final
     evaluation is timed once per client. Returns seconds per phase, per client-round
     (``per_client_round``: the mean over clients of the phases a client-round of a pairing
     strategy spends) and per client (``final``)."""
@@ -70,14 +71,16 @@ def round_costs(
         timed("final evaluation", final_eval, world, c, seed)
     n = len(clients) * rounds
     per = {k: sum(v) / n for k, v in phases.items() if k != "final evaluation"}
-    # Averaged over the plan's strategies: in a pairing strategy half the clients teach and
-    # half learn in a round, LocalOnly+ does neither; the own-data steps are every
-    # strategy's, or LocalOnly+'s alone in the earlier harness; the curve is measured every
-    # curve_every rounds.
+    # Averaged over the plan's strategies: in a pairing strategy every client learns in a
+    # round (per_student) or half of them (disjoint), about half teach (a teacher answers
+    # once a round however many it teaches), LocalOnly+ does neither; the own-data steps
+    # are every strategy's, or LocalOnly+'s alone in the earlier harness; the curve is
+    # measured every curve_every rounds.
     strategies = plan.strategies
     collaborative = sum(st in COLLABORATIVE for st in strategies) / len(strategies)
+    students = 1.0 if plan.pairing == "per_student" else 0.5
     per["teacher answers X_u"] *= collaborative / 2
-    per["AKD integration"] *= collaborative / 2
+    per["AKD integration"] *= collaborative * students
     if not plan.own_steps_every_round:
         per["own-data steps"] *= strategies.count("local_plus") / len(strategies)
     # Runs that replay LocalOnly+'s own track train and validate nothing themselves.
