@@ -13,7 +13,7 @@ from peerlm.exports import lazy_exports
 
 if TYPE_CHECKING:
     from peerlm.agent.acceptance import AcceptanceGate
-    from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter
+    from peerlm.agent.adapter_codec import AdapterSpec, encode_adapter, state_digest
     from peerlm.agent.cpm.client import CpmClient, next_directive, rest_of_round
     from peerlm.agent.cpm.directives import DirectiveBook
     from peerlm.agent.cpm.profile import host_parameter_space
@@ -240,6 +240,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "code_tokens": ("peerlm.agent.vetting.code_index", "code_tokens"),
     "decode_package": ("peerlm.agent.exchange.package", "decode_package"),
     "encode_adapter": ("peerlm.agent.adapter_codec", "encode_adapter"),
+    "state_digest": ("peerlm.agent.adapter_codec", "state_digest"),
     "evaluate": ("peerlm.agent.eval.evaluation", "evaluate"),
     "evaluate_pass": ("peerlm.agent.exchange.rounds", "evaluate_pass"),
     "fetch_package": ("peerlm.agent.peer.client", "fetch_package"),
@@ -506,6 +507,7 @@ __all__ = [
     "simulate_fedwave_strategy",
     "slot_learns",
     "slot_runner",
+    "state_digest",
     "structural_match_rate",
     "teachable_indices",
     "teacher_completions",

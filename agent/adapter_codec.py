@@ -42,6 +42,7 @@ what we send, unless the operator sets a smaller one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -75,6 +76,7 @@ __all__ = [
     "lora_update_norms",
     "read_metadata",
     "read_safetensors_header",
+    "state_digest",
     "update_bounds",
 ]
 
@@ -375,6 +377,17 @@ def _check_names(spec: AdapterSpec, names: set[str]) -> None:
             f"({len(spec.shapes)} tensors expected); " + _names_message(missing, unexpected),
             reason="keys",
         )
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over a tensor state's float32 values (names sorted, name and shape included):
+    equal for two states exactly when they hold the same values in float32."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to(device="cpu", dtype=torch.float32).contiguous()
+        h.update(f"{name}:{tuple(tensor.shape)};".encode())
+        h.update(tensor.numpy().tobytes())
+    return h.hexdigest()
 
 
 def adapter_norm(state: Mapping[str, torch.Tensor]) -> float:

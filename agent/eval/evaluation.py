@@ -22,7 +22,7 @@ import builtins
 import io
 import keyword
 import tokenize
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
 
@@ -129,12 +129,15 @@ def evaluate(
     completions: Mapping[str, Sequence[str]],
     ks: Iterable[int] = (1, 5, 10),
     max_workers: int = 2,
+    known: MutableMapping[str, Status] | None = None,
     **limits: Unpack[LimitOptions],
 ) -> EvalReport:
     """Run every completion against its problem's tests in the sandbox; pass@k per problem.
 
     Identical programs (the same completion to the same problem) are run once and their
-    outcome counted for each sample.
+    outcome counted for each sample. ``known`` maps programs to the status an earlier
+    evaluation *under the same limits* measured: those are not run again, and the programs
+    this call runs are added to it (the caller keeps one map per set of limits).
 
     ``completions`` maps task ids to samples; every problem needs at least one sample and
     every key must name a problem (``ValueError`` otherwise). ``limits`` go to
@@ -162,15 +165,17 @@ def evaluate(
     programs = [p.program(s) for p in problems for s in completions[p.task_id]]
     # Identical programs (greedy copies, repeated samples of a small model) run once: the
     # sandbox is deterministic for a given program and limits, and a run costs a process.
-    unique = list(dict.fromkeys(programs))
-    ran = dict(zip(unique, run_many(unique, max_workers=max_workers, **limits), strict=True))
-    outcomes = iter([ran[program] for program in programs])
+    known = {} if known is None else known
+    unique = [p for p in dict.fromkeys(programs) if p not in known]
+    ran = zip(unique, run_many(unique, max_workers=max_workers, **limits), strict=True)
+    known.update((program, result.status) for program, result in ran)
+    outcomes = iter([known[program] for program in programs])
     results: list[ProblemResult] = []
     totals = dict.fromkeys(STATUSES, 0)
     for problem in problems:
         statuses = dict.fromkeys(STATUSES, 0)
         for _ in completions[problem.task_id]:
-            statuses[next(outcomes).status] += 1
+            statuses[next(outcomes)] += 1
         for status, count in statuses.items():
             totals[status] += count
         n, c = sum(statuses.values()), statuses["passed"]

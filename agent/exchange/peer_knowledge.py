@@ -189,6 +189,7 @@ def route_map(
     run: Callable[[Sequence[_T]], Sequence[_R]],
     *,
     own_runs_all: bool = False,
+    own_results: Sequence[_R] | None = None,
 ) -> list[_R]:
     """``run`` over ``items`` with each item answered by the adapter the router picks for it
     (the own one when the slot is empty or there is no router); results in ``items``' order.
@@ -197,15 +198,21 @@ def route_map(
     the own adapter answers every item in one call (its answers to the items it keeps are
     then exactly those of the same call without a peer slot, sampled batches and random
     draws included: common random numbers for a comparison with training alone), and the
-    peer slot answers its items on top.
+    peer slot answers its items on top. ``own_results`` (implies ``own_runs_all``) is that
+    call's result, already known (the same own adapter answered the same items before):
+    the own adapter runs nothing, and only the peer slot's items are computed.
     """
+    if own_results is not None and len(own_results) != len(items):
+        raise ValueError(f"own_results has {len(own_results)} results for {len(items)} items")
     peer = router.to_peer([prompt_of(x) for x in items]) if router and slot.ready else []
     if not any(peer):
-        return list(run(items))
+        return list(run(items) if own_results is None else own_results)
     own_idx = [k for k, p in enumerate(peer) if not p]
     peer_idx = [k for k, p in enumerate(peer) if p]
     out: dict[int, _R] = {}
-    if own_runs_all:
+    if own_results is not None:
+        out.update((k, own_results[k]) for k in own_idx)
+    elif own_runs_all:
         everything = list(run(items))
         out.update((k, everything[k]) for k in own_idx)
     elif own_idx:

@@ -32,7 +32,7 @@ distils on that k-token support (KL at temperature T, re-tempered from the teach
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,7 +41,7 @@ from peerlm.agent.training import TrainSettings, TrainStats, split_prompt, token
 
 if TYPE_CHECKING:
     from peerlm.agent.eval.evaluation import EvalReport
-    from peerlm.agent.eval.sandbox import SandboxTelemetry
+    from peerlm.agent.eval.sandbox import SandboxTelemetry, Status
     from peerlm.agent.exchange.package import KnowledgePackage, LogitsPackage
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.settings import AgentSettings
@@ -197,8 +197,11 @@ def score_completions(
     max_workers: int = 2,
     allow_unconfined: bool = False,
     telemetry: SandboxTelemetry | None = None,
+    known: MutableMapping[str, Status] | None = None,
 ) -> EvalReport:
     """Run ``completions`` in the sandbox: pass@k per problem (unbiased estimator), means.
+    ``known``: programs already run under these limits, and their status
+    (:func:`~peerlm.agent.eval.evaluation.evaluate`).
 
     Raises :class:`~peerlm.agent.eval.sandbox.SandboxUnavailable` when the sandbox cannot
     confine the code and ``allow_unconfined`` (the operator's opt-out) is false.
@@ -214,6 +217,7 @@ def score_completions(
         memory_mb=memory_mb,
         allow_unconfined=allow_unconfined,
         telemetry=telemetry,
+        known=known,
     )
 
 

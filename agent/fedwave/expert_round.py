@@ -25,7 +25,6 @@ arrived the previous round's is kept.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from peerlm.agent.adapter_codec import state_digest
 from peerlm.agent.fedwave.code_chain import StageExample
 from peerlm.agent.fedwave.collab_loss import CollabLossSettings
 from peerlm.agent.fedwave.exchange import RoundParts, aggregate_routers, router_weights
@@ -57,12 +57,7 @@ __all__ = [
 def router_digest(state: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over a router's float32 tensors (names sorted, name and shape included):
     equal for two agents exactly when their routers hold the same bits."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach().to(device="cpu", dtype=torch.float32).contiguous()
-        h.update(f"{name}:{tuple(tensor.shape)};".encode())
-        h.update(tensor.numpy().tobytes())
-    return h.hexdigest()
+    return state_digest(state)
 
 
 def mean_vclayer(layers: Sequence[VCLayer]) -> VCLayer:

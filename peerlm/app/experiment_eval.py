@@ -25,7 +25,7 @@ __all__ = ["final_eval", "finish_run", "nll_on_test", "probe_loss", "slice_means
 def nll_on_test(world: World, client: Client) -> list[float]:
     from peerlm.agent import reference_nll
 
-    return client.routed(world.test, lambda ps: reference_nll(client.host, ps))
+    return client.routed(world.test, lambda ps: reference_nll(client.host, ps), key="test-nll")
 
 
 def slice_means(world: World, per_client: Mapping[int, Sequence[float]]) -> dict[str, float]:
@@ -59,19 +59,23 @@ def final_eval(world: World, client: Client, seed: int) -> dict[str, Any]:
         )
         return [got[p.task_id] for p in problems]
 
-    answers = client.routed(world.test, sample)
+    drawn = f"sample|{seed}|{plan.samples}|{plan.sample_temperature}|{plan.max_new_tokens}"
+    answers = client.routed(world.test, sample, key=drawn)
     completions = {p.task_id: a for p, a in zip(world.test, answers, strict=True)}
-    report = score_completions(world.test, completions, ks=(1,))
+    known = client.memo.outcomes if client.memo is not None else None
+    report = score_completions(world.test, completions, ks=(1,), known=known)
     # Which adapter answered each test problem (1: the peer slot); the router never sees
     # the test set's categories.
     peer = _peer_routes(client, world.test)
-    return {
+    out = {
         "arch": client.arch,
         "pass@1": [r.pass_at[1] for r in report.problems],
         "struct": [structural_match_rate(p, completions[p.task_id]) for p in world.test],
         "nll": nll_on_test(world, client),
         # The probe set's NLL (not test data): what "best" is chosen by.
-        "probe_nll": client.routed(world.probe, lambda ps: reference_nll(client.host, ps)),
+        "probe_nll": client.routed(
+            world.probe, lambda ps: reference_nll(client.host, ps), key="probe-nll"
+        ),
         "status_counts": dict(report.status_counts),
         "peer_routed": peer,
         "own_steps": client.own_steps,
@@ -80,6 +84,10 @@ def final_eval(world: World, client: Client, seed: int) -> dict[str, Any]:
         "self_check_failed": client.self_check_failed,
         "peer_integrations": client.slot.integrations,
     }
+    # Evaluations of the own adapter taken from LocalOnly+'s run of the seed (the curve's
+    # and these): the same values, not computed again.
+    out["own_reused"] = client.memo.reused if client.memo is not None else 0
+    return out
 
 
 def _peer_routes(client: Client, problems: Sequence[Problem]) -> list[int]:

@@ -25,7 +25,7 @@ from peerlm.app.experiment_strategies import (
     MERGE_STRATEGIES,
     WITH_OVERLAY,
 )
-from peerlm.app.experiment_world import Client, World, build_clients, round_config
+from peerlm.app.experiment_world import Client, OwnMemo, World, build_clients, round_config
 
 if TYPE_CHECKING:
     from peerlm.agent import Competence
@@ -73,6 +73,9 @@ class OwnRound:
 
     phase: LocalPhase
     trained: dict[str, Any]
+    #: What the own adapter computed in LocalOnly+'s run (its evaluations), filled to the
+    #: end of that run: the replaying runs reuse it instead of computing it again.
+    memo: OwnMemo | None = None
 
 
 #: Per round (index t - 1), every client's :class:`OwnRound`.
@@ -182,6 +185,11 @@ def run_strategy(
         return run_fedproxy(world, strategy, seed, event)
     plan = world.plan
     clients = build_clients(world, seed, ffa=strategy == "ffa_lora")
+    for c in clients:
+        if record is not None:
+            c.memo = OwnMemo(records=True)
+        elif track is not None and (recorded := track[-1][c.name].memo) is not None:
+            c.memo = recorded.replay()
     policy = pairing_policy(strategy, plan, seed)
     overlay = OverlayView.defaults() if strategy in WITH_OVERLAY else None
     if overlay is not None:
@@ -237,7 +245,10 @@ def run_strategy(
                 own_data_steps(world, clients, seed, t)
             if record is not None:
                 record.append(
-                    {c.name: OwnRound(phases[c.name], c.host.adapter_state()) for c in clients}
+                    {
+                        c.name: OwnRound(phases[c.name], c.host.adapter_state(), c.memo)
+                        for c in clients
+                    }
                 )
         exchanges, gains = exchange(
             world, strategy, policy, clients, profiles, seed, t, overlay=overlay

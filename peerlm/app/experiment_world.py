@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,15 @@ if TYPE_CHECKING:
         RoundConfig,
     )
 
-__all__ = ["Client", "World", "build_clients", "prepare_world", "round_config", "warm_up"]
+__all__ = [
+    "Client",
+    "OwnMemo",
+    "World",
+    "build_clients",
+    "prepare_world",
+    "round_config",
+    "warm_up",
+]
 
 
 _R = TypeVar("_R")
@@ -52,6 +61,30 @@ def _new_slot() -> PeerSlot:
     from peerlm.agent import PeerSlot
 
     return PeerSlot()
+
+
+@dataclass
+class OwnMemo:
+    """What a client's own adapter computed in LocalOnly+'s run of a seed, for the runs that
+    replay its own track (:class:`~peerlm.app.experiment_run.OwnRound`).
+
+    Their own adapter is LocalOnly+'s, bit for bit, and it answers every evaluated item
+    (:meth:`Client.routed`, common random numbers), so what it computed there is what it
+    would compute again: ``results`` holds each keyed computation's results under the key,
+    the items' prompts and the own adapter's :func:`~peerlm.agent.state_digest` (a replay
+    whose own adapter differs finds nothing and computes), and ``outcomes`` the sandbox's
+    status of each program run under the experiment's limits.
+    """
+
+    results: dict[str, list[Any]] = field(default_factory=dict)
+    outcomes: dict[str, Any] = field(default_factory=dict)
+    records: bool = False
+    #: Keyed computations a replay found here instead of running.
+    reused: int = 0
+
+    def replay(self) -> OwnMemo:
+        """A copy a replaying run reads (and adds its own sandbox outcomes to)."""
+        return OwnMemo(dict(self.results), dict(self.outcomes))
 
 
 @dataclass
@@ -83,6 +116,8 @@ class Client:
     # What it answered of X_u as a teacher, and in which round: one generation a round,
     # however many students it teaches (:func:`~peerlm.app.experiment_distill.teacher_answers`).
     answered: tuple[int, tuple[list[int], list[str]]] | None = None
+    #: LocalOnly+'s own computations: recorded by its run, read by the replaying ones.
+    memo: OwnMemo | None = None
 
     def integrating(self, plan: ExperimentPlan, what: str = "integration") -> Any:
         """Where an integration writes: the peer slot (``separate``) or the one adapter."""
@@ -100,14 +135,26 @@ class Client:
         return slot_learns(self.router, plan.slot_scope)
 
     def routed(
-        self, problems: Sequence[_P2], run: Callable[[Sequence[_P2]], Sequence[_R]]
+        self,
+        problems: Sequence[_P2],
+        run: Callable[[Sequence[_P2]], Sequence[_R]],
+        key: str | None = None,
     ) -> list[_R]:
-        """``run`` over ``problems``, each answered by the adapter the router picks."""
-        from peerlm.agent import route_map
+        """``run`` over ``problems``, each answered by the adapter the router picks. With
+        ``key`` (naming the computation and every parameter of ``run``) and a
+        :class:`OwnMemo`, the own adapter's results are recorded, or read instead of run."""
+        from peerlm.agent import route_map, state_digest
 
+        memo = self.memo if key is not None else None
+        memo_key, own = "", None
+        if memo is not None:
+            prompts = hashlib.sha256("\0".join(p.prompt for p in problems).encode()).hexdigest()
+            memo_key = f"{key}|{prompts}|{state_digest(self.host.adapter_state())}"
+            own = memo.results.get(memo_key)
+            memo.reused += own is not None
         # The own adapter answers every problem as LocalOnly+'s does (same batches, same
         # draws), so a problem it keeps is compared with common random numbers.
-        return route_map(
+        out = route_map(
             self.host,
             self.slot,
             self.router,
@@ -115,7 +162,11 @@ class Client:
             lambda p: p.prompt,
             run,
             own_runs_all=True,
+            own_results=own,
         )
+        if memo is not None and memo.records and own is None and not self.slot.ready:
+            memo.results[memo_key] = list(out)
+        return out
 
     @property
     def train_examples(self) -> list[tuple[str, str]]:

@@ -429,6 +429,47 @@ def test_the_warm_up_gives_every_strategy_and_seed_the_same_trained_start(tmp_pa
     assert curves[0]["own"][0] == curves[1]["own"][0] == warm["initial_nll"]["own"]
 
 
+@pytest.mark.timeout(900)
+def test_runs_replaying_local_plus_take_its_own_evaluations_and_give_the_same_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The own adapter's evaluations (final samples and their sandbox outcomes, test and
+    probe NLL, the curve) come from LocalOnly+'s run of the seed: the records are those of
+    computing them again."""
+    from peerlm.app.experiment import ExperimentPlan, run_experiment
+    from peerlm.app.experiment_world import OwnMemo
+
+    plan = ExperimentPlan(
+        agents=3, rounds=2, strategies=("local_plus", "random"), seeds=(0,), size="micro",
+        local_steps=1, transfer_limit=4, val_limit=2, test_limit=48, samples=2,
+        max_new_tokens=8, probe_per_category=1, learning_rate=5e-2, warmup_steps=2,
+        akd_steps=2, curve_every=1,
+    )  # fmt: skip
+    models = tmp_path / "models"
+    memo = run_experiment(plan, models=models, work=tmp_path / "memo")
+    monkeypatch.setattr(OwnMemo, "replay", lambda self: None)
+    fresh = run_experiment(plan, models=models, work=tmp_path / "fresh")
+
+    def records(run: dict[str, Any], strategy: str) -> dict[str, Any]:
+        seeded = dict(run["runs"][strategy]["0"])
+        seeded.pop("seconds"), seeded.pop("cpu_seconds")
+        clients = {k: dict(v) for k, v in seeded.pop("clients").items()}
+        reused = {k: v.pop("own_reused") for k, v in clients.items()}
+        return {"run": seeded, "clients": clients, "reused": reused}
+
+    replayed, computed = records(memo, "random"), records(fresh, "random")
+    # Each client's final samples, test NLL and probe NLL, and 2 curve points, reused.
+    assert set(replayed["reused"].values()) == {5}
+    assert set(computed["reused"].values()) == {0}
+    # LocalOnly+'s final test NLL is its last curve point (the same adapter): taken too.
+    assert set(records(memo, "local_plus")["reused"].values()) == {1}
+    # The peer slot answered some test problems: the merge of reused and computed ran.
+    assert sum(sum(c["peer_routed"]) for c in replayed["clients"].values()) > 0
+    assert replayed["run"] == computed["run"]
+    assert replayed["clients"] == computed["clients"]
+    assert memo["summary"] == fresh["summary"]
+
+
 def test_akd_steps_default_to_the_local_steps_and_must_be_positive() -> None:
     from peerlm.app.experiment import ExperimentPlan
 

@@ -164,3 +164,19 @@ def test_structural_match_rate_counts_samples() -> None:
     assert structural_match_rate(problem, []) == 0.0
     with pytest.raises(TypeError):
         structural_match_rate(problem, ref)
+
+
+def test_evaluate_takes_known_outcomes_and_adds_what_it_ran() -> None:
+    bank = generate_bank(2, seed=3)
+    a, b = bank[0], bank[1]
+    wrong = "return None\n"
+    # A known status stands for its program: the wrong completion counts as passed here,
+    # which only a lookup (not a sandbox run) can give.
+    known = {a.program(wrong): "passed"}
+    report = evaluate([a, b], {a.task_id: [wrong], b.task_id: [b.reference]}, ks=(1,), known=known)
+    by_id = {p.task_id: p for p in report.problems}
+    assert by_id[a.task_id].c == 1 and by_id[b.task_id].c == 1
+    assert known == {a.program(wrong): "passed", b.program(b.reference): "passed"}
+    # Without the map the same wrong completion fails: the sandbox judged it.
+    fresh = evaluate([a], {a.task_id: [wrong]}, ks=(1,))
+    assert fresh.problems[0].c == 0

@@ -221,3 +221,30 @@ def test_with_own_runs_all_the_own_adapter_answers_everything_in_one_call(
     assert got == [p[:5] for p in items]
     # One call with every item (the own adapter's), then the peer slot's items.
     assert calls == [items, [items[1]]]
+
+
+def test_with_own_results_the_own_adapter_runs_nothing_and_the_slot_its_items(
+    host: ModelHost,
+) -> None:
+    router = InputRouter.fit(OWN, OTHER, VAL)
+    slot = PeerSlot()
+    items = [OWN[0], OTHER[0].replace("is_even", "check_word"), OWN[1]]
+    calls: list[list[str]] = []
+
+    def record(prompts: list[str]) -> list[str]:
+        calls.append(list(prompts))
+        return ["computed"] * len(prompts)
+
+    known = ["own-0", "own-1", "own-2"]
+    # Empty slot: the known results are the answer, nothing runs.
+    assert route_map(host, slot, router, items, str, record, own_results=known) == known
+    assert calls == []
+    with slot.active(host):
+        host.train_local(
+            [(OTHER[0], "return 2\n")], TrainSettings(learning_rate=5e-2, seed=4), steps=2
+        )
+    got = route_map(host, slot, router, items, str, record, own_results=known)
+    assert got == ["own-0", "computed", "own-2"]
+    assert calls == [[items[1]]]
+    with pytest.raises(ValueError, match="2 results for 3 items"):
+        route_map(host, slot, router, items, str, record, own_results=known[:2])
