@@ -1,10 +1,16 @@
 """The experiment's (strategy, seed) runs in worker processes (``--jobs``): which runs can
 start at once, which wait for LocalOnly+'s own track, and the event queue back to the
 command.
+
+A track crosses processes as pickled bytes (:func:`pack_track`), not as a result of
+tensors: multiprocessing's pickler shares each tensor through a file descriptor (torch's
+reducer), and a run's track holds about ten thousand (rounds x clients x adapter tensors),
+so the third seed's track exhausted the descriptor limit.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,7 +18,7 @@ from peerlm.app.experiment_plan import Event, ExperimentPlan
 from peerlm.app.experiment_run import LocalPhase, Start, Track, run_strategy, shares_track
 from peerlm.app.experiment_world import World
 
-__all__ = ["records_track", "run_parallel", "schedule"]
+__all__ = ["pack_track", "records_track", "run_parallel", "schedule", "unpack_track"]
 
 
 def _strategy_job(
@@ -23,10 +29,10 @@ def _strategy_job(
     first: Mapping[str, LocalPhase],
     events: Any,
     threads: int,
-    track: Track | None = None,
-) -> tuple[dict[str, Any], Track | None]:
+    track: bytes | None = None,
+) -> tuple[dict[str, Any], bytes | None]:
     """One (strategy, seed) in a worker process; events go back through a queue. Returns the
-    run and, for LocalOnly+ when others replay it, its own track."""
+    run and, for LocalOnly+ when others replay it, its own track (:func:`pack_track`)."""
     import torch
 
     from peerlm.logs import configure_logging
@@ -43,10 +49,22 @@ def _strategy_job(
         initial,
         first,
         lambda k, d: events.put((k, dict(d))),
-        track=track,
+        track=unpack_track(track) if track is not None else None,
         record=record,
     )
-    return run, record
+    return run, pack_track(record) if record is not None else None
+
+
+def pack_track(track: Track) -> bytes:
+    """``track`` as bytes for another process: the standard pickler writes each tensor's
+    data inline (the module docstring says why not multiprocessing's)."""
+    return pickle.dumps(track, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_track(packed: bytes) -> Track:
+    """The track :func:`pack_track` wrote (our own workers' bytes, never a peer's)."""
+    track: Track = pickle.loads(packed)
+    return track
 
 
 def records_track(plan: ExperimentPlan, strategy: str) -> bool:
@@ -102,7 +120,7 @@ def run_parallel(
         events = manager.Queue()
         ready, waits = schedule(world.plan, todo)
 
-        def submit(name: str, seed: int, track: Track | None = None) -> Any:
+        def submit(name: str, seed: int, track: bytes | None = None) -> Any:
             return pool.submit(
                 _strategy_job,
                 world,
