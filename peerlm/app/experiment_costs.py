@@ -13,9 +13,18 @@ from peerlm.app.experiment_eval import final_eval, nll_on_test, validate
 from peerlm.app.experiment_plan import Event, ExperimentPlan
 from peerlm.app.experiment_run import own_data_steps, shares_track
 from peerlm.app.experiment_strategies import COLLABORATIVE
-from peerlm.app.experiment_world import build_clients, prepare_world, round_config, warm_up
+from peerlm.app.experiment_world import (
+    OwnMemo,
+    build_clients,
+    prepare_world,
+    round_config,
+    warm_up,
+)
 
 _R = TypeVar("_R")
+
+#: A final evaluation that takes the own adapter's part from LocalOnly+'s record.
+_REPLAYING = "final evaluation, replaying"
 
 __all__ = ["round_costs"]
 
@@ -29,9 +38,11 @@ def round_costs(
     predecessor each round, so the AKD and teaching phases count as a student's and a
     teacher's (a pairing strategy has every client a student under ``pairing:
     per_student``, half of them under ``disjoint``, and about half teach); the final
-    evaluation is timed once per client. Returns seconds per phase, per client-round
-    (``per_client_round``: the mean over clients of the phases a client-round of a pairing
-    strategy spends) and per client (``final``)."""
+    evaluation is timed twice per client, as LocalOnly+'s (the own adapter alone) and as a
+    run's that replays LocalOnly+'s track (:class:`OwnMemo`; only the peer slot's problems
+    computed). Returns seconds per phase, per client-round (``per_client_round``: the mean
+    over clients of the phases a client-round of a pairing strategy spends) and per client
+    (``final``, averaged over the plan's strategies)."""
     from peerlm.agent import local_update
 
     world = prepare_world(plan, models, data, event)
@@ -68,9 +79,15 @@ def round_costs(
         for c in clients:
             timed("test NLL curve", nll_on_test, world, c)
     for c in clients:
+        # LocalOnly+'s evaluation (the own adapter alone, recorded), then a run's that
+        # replays its track: the own adapter's part taken from the record, the slot's run.
+        taught, c.slot.state = c.slot.state, None
+        c.memo = OwnMemo(records=True)
         timed("final evaluation", final_eval, world, c, seed)
+        c.slot.state, c.memo = taught, c.memo.replay()
+        timed(_REPLAYING, final_eval, world, c, seed)
     n = len(clients) * rounds
-    per = {k: sum(v) / n for k, v in phases.items() if k != "final evaluation"}
+    per = {k: sum(v) / n for k, v in phases.items() if k not in ("final evaluation", _REPLAYING)}
     # Averaged over the plan's strategies: in a pairing strategy every client learns in a
     # round (per_student) or half of them (disjoint), about half teach (a teacher answers
     # once a round however many it teaches), LocalOnly+ does neither; the own-data steps
@@ -90,7 +107,11 @@ def round_costs(
     per["test NLL curve"] /= plan.curve_every
     per["validation generation"] /= plan.val_every
     total = sum(per.values())
-    final = sum(phases["final evaluation"]) / len(clients)
+    alone = sum(phases["final evaluation"]) / len(clients)
+    replaying = sum(phases[_REPLAYING]) / len(clients)
+    final = sum(replaying if shares_track(plan, st) else alone for st in strategies) / len(
+        strategies
+    )
     runs = len(plan.strategies) * len(plan.seeds)
     cpu = runs * plan.agents * (plan.rounds * total + final)
     return {
@@ -98,6 +119,9 @@ def round_costs(
         "per_client_round": per,
         "seconds_per_client_round": total,
         "final_seconds_per_client": final,
+        "final_alone_seconds_per_client": alone,
+        "final_replaying_seconds_per_client": replaying,
+        "replays_own_track": any(shares_track(plan, st) for st in strategies),
         "projected_cpu_seconds": cpu,
         "client_rounds": runs * plan.agents * plan.rounds,
     }
