@@ -137,7 +137,10 @@ def evaluate(
     Identical programs (the same completion to the same problem) are run once and their
     outcome counted for each sample. ``known`` maps programs to the status an earlier
     evaluation *under the same limits* measured: those are not run again, and the programs
-    this call runs are added to it (the caller keeps one map per set of limits).
+    this call runs are added to it (the caller keeps one map per set of limits). A program
+    near a limit may time out on one run and not on another: with ``known`` a later
+    evaluation inherits the first one's outcome (the same draw for both, as for common
+    random numbers) instead of measuring again.
 
     ``completions`` maps task ids to samples; every problem needs at least one sample and
     every key must name a problem (``ValueError`` otherwise). ``limits`` go to

@@ -84,8 +84,9 @@ def final_eval(world: World, client: Client, seed: int) -> dict[str, Any]:
         "self_check_failed": client.self_check_failed,
         "peer_integrations": client.slot.integrations,
     }
-    # Evaluations of the own adapter taken from LocalOnly+'s run of the seed (the curve's
-    # and these): the same values, not computed again.
+    # Evaluations of the own adapter not computed again (the curve's and these): taken from
+    # LocalOnly+'s record in a run that replays it, or from the same run's earlier one of
+    # the same adapter (LocalOnly+'s final test NLL is its last curve point).
     out["own_reused"] = client.memo.reused if client.memo is not None else 0
     return out
 
