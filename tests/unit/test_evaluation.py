@@ -74,7 +74,9 @@ def test_evaluate_counts_statuses_and_pass_at_k() -> None:
         # 1 of 1 correct
         arith.task_id: [arith.reference],
     }
-    report = evaluate([string_a, string_b, arith], completions, ks=(1, 2, 5), timeout_s=1.0)
+    # 3 s: a correct program under a loaded machine (a test suite beside an experiment)
+    # once took more than 1 s to start, pass and end.
+    report = evaluate([string_a, string_b, arith], completions, ks=(1, 2, 5), timeout_s=3.0)
     by_id = {p.task_id: p for p in report.problems}
     a, b, c = by_id[string_a.task_id], by_id[string_b.task_id], by_id[arith.task_id]
     assert (a.n, a.c, b.n, b.c, c.n, c.c) == (3, 2, 2, 0, 1, 1)
