@@ -375,8 +375,9 @@ class AgentDaemon:
 
     @property
     def slot_learns(self) -> Callable[[Sequence[str]], Sequence[bool]] | None:
-        """With ``slot_scope: routed`` and a peer slot, the router's peer side: what the
-        slot distils of a package (:func:`~peerlm.agent.exchange.peer_knowledge.learnt_items`)."""
+        """What the peer slot distils of a package (every item, or with ``slot_scope:
+        routed`` the router's peer side; :func:`~peerlm.agent.peer_integration.slot_learns`);
+        None without a slot."""
         if self.slot is None:
             return None
         return slot_learns(self.router, self.s.slot_scope)

@@ -105,11 +105,17 @@ def in_slot(
 def slot_learns(
     router: InputRouter | None, slot_scope: str
 ) -> Callable[[Sequence[str]], Sequence[bool]] | None:
-    """What a peer slot distils of a package (``slot_scope``): None for ``"all"`` (every
-    item); for ``"routed"``, what ``router`` sends to the slot, and nothing at all without
-    a router (then no input ever reaches the slot)."""
+    """What a peer slot distils of a package (``slot_scope``): for ``"all"`` every item;
+    for ``"routed"``, what ``router`` sends to the slot, and nothing at all without a
+    router (then no input ever reaches the slot).
+
+    Never None: a slot holds only what peers taught, so a package with nothing left to
+    learn (empty, redacted, refused by the guardrail) takes no step in it under either
+    scope, instead of the one adapter's fallback of an own-data step (Eq. 2 with
+    nothing to distil), which would spend the exchange's compute moving the slot towards
+    the own adapter's data, which the router never sends it."""
     if slot_scope != "routed":
-        return None
+        return lambda prompts: [True] * len(prompts)
     if router is None:
         return lambda prompts: [False] * len(prompts)
     return router.to_peer
@@ -117,8 +123,9 @@ def slot_learns(
 
 def learnt_anything(integration: Any) -> bool:
     """Whether an integration call's result trained the adapter: False only for an AKD
-    integration that took no optimiser step (``slot_scope: routed`` with nothing left of
-    the package); a merge's result carries no training statistics and counts as learnt."""
+    integration that took no optimiser step (a package the peer slot learns nothing of:
+    :func:`slot_learns`); a merge's result carries no training statistics and counts as
+    learnt."""
     stats = getattr(integration, "stats", None)
     return stats is None or int(stats.steps) > 0
 

@@ -282,6 +282,12 @@ class AgentSettings(ServiceSettings):
     # AKD (Eq. 2); alpha_KD and the KD temperature linear over the rounds (Table 6).
     alpha_kd_start: float = Field(default=0.2, ge=0, le=1)
     alpha_kd_end: float = Field(default=0.5, ge=0, le=1)
+    # With integration "separate": alpha_KD for the peer slot, every round (ours;
+    # run-experiment's --peer-alpha). None (the default): the schedule above. The
+    # experiment measures 1.0 without the acceptance gate; the agent's gate judges the
+    # slot on its own validation set, whose loss a slot trained on no own data may raise
+    # beyond the margin (docs/configuration.md).
+    peer_alpha_kd: float | None = Field(default=None, gt=0, le=1)
     kd_temperature_start: float = Field(default=2.5, gt=0, le=100)
     kd_temperature_end: float = Field(default=1.5, gt=0, le=100)
     # What this agent sends as a teacher: "directive" follows the directive's protocol

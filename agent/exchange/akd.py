@@ -106,7 +106,7 @@ class Distillation(ExchangeProtocol):
         ack = await report_reward(ctx, d, result.reward, result.loss_pre, result.loss_post, kb)
         if ack is None:
             return
-        if result.stats.steps:  # slot_scope routed: a package the slot learns none of
+        if result.stats.steps:  # not a package the peer slot learns none of
             ctx.telemetry.packages_integrated.labels(result.mode).inc()
         ctx.summary.exchanges += 1
         ctx.summary.bytes_received += len(data)

@@ -152,8 +152,9 @@ class ExchangeContext(Protocol):
 
     @property
     def slot_learns(self) -> Callable[[Sequence[str]], Sequence[bool]] | None:
-        """With ``slot_scope: routed``, which of a package's prompts the peer slot learns
-        (the router's peer side); None: every one."""
+        """Which of a package's prompts the peer slot learns (every one, or with
+        ``slot_scope: routed`` the router's peer side); None without a slot: the one
+        adapter, which falls back to an own-data step when a package teaches nothing."""
 
     async def run_model(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the model thread."""

@@ -116,7 +116,10 @@ class RoundConfig:
 
     @classmethod
     def from_settings(cls, s: AgentSettings) -> RoundConfig:
-        """The agent's settings as a round configuration."""
+        """The agent's settings as a round configuration (with a peer slot and
+        ``peer_alpha_kd``, alpha_KD is that constant: the slot's integrations are the
+        only ones that read it)."""
+        peer_alpha = s.peer_alpha_kd if s.integration == "separate" else None
         return cls(
             total_rounds=s.rounds,
             train=TrainSettings(
@@ -127,8 +130,8 @@ class RoundConfig:
                 seed=s.seed,
             ),
             local_steps=s.local_steps,
-            alpha_kd_start=s.alpha_kd_start,
-            alpha_kd_end=s.alpha_kd_end,
+            alpha_kd_start=s.alpha_kd_start if peer_alpha is None else peer_alpha,
+            alpha_kd_end=s.alpha_kd_end if peer_alpha is None else peer_alpha,
             kd_temperature_start=s.kd_temperature_start,
             kd_temperature_end=s.kd_temperature_end,
             reward_gamma=s.reward_gamma,
@@ -424,10 +427,10 @@ def integrate_package(
     before is restored, :mod:`peerlm.agent.acceptance`) and still reported with its
     negative reward: the gate that protects the student from poisoned text. Empty and
     guardrail-redacted completions are skipped; with none left the step is local training
-    only. Text packages are re-tokenised (:meth:`ModelHost.train_akd`); logits packages are
-    distilled on the teacher's top-k at the round's temperature
-    (:meth:`ModelHost.train_akd_logits`), which raises
-    :class:`~peerlm.agent.modelhost.TokenizerMismatchError` for another tokenizer.
+    only on the one adapter, no step in a peer slot (``learns``, below). Text packages are
+    re-tokenised (:meth:`ModelHost.train_akd`); logits packages are distilled on the
+    teacher's top-k at the round's temperature (:meth:`ModelHost.train_akd_logits`), which
+    raises :class:`~peerlm.agent.modelhost.TokenizerMismatchError` for another tokenizer.
 
     With ``reward_examples`` (a labelled public probe: the agent's ``reward_file``), L_pre
     and L_post of the reward are measured on them instead, while the gate still judges on
@@ -441,12 +444,13 @@ def integrate_package(
     modules, is not learnt from (and counted). A logits item is vetted through the text its
     completion tokens (column 0) decode to.
 
-    With ``learns`` (the peer slot's scope, ``slot_scope: routed``:
-    :func:`~peerlm.agent.exchange.peer_knowledge.learnt_items`), an item whose prompt it
-    rejects is not learnt from; a package with nothing left to learn (after that filter,
-    the empty and redacted items and the guardrail) trains nothing at all, so
-    L_post = L_pre and the reward is Eq. 3's -delta * KB: the CPM hears that the exchange
-    taught this student nothing it would use.
+    With ``learns`` (a peer slot's scope, :func:`~peerlm.agent.peer_integration.slot_learns`:
+    every item, or under ``slot_scope: routed`` what the router sends to the slot), an
+    item whose prompt it rejects is not learnt from; a package with nothing left to learn
+    (after that filter, the empty and redacted items and the guardrail) trains nothing at
+    all, so L_post = L_pre and the reward is Eq. 3's -delta * KB: the CPM hears that the
+    exchange taught this student nothing it would use. Without ``learns`` (the one
+    adapter) such a package is Eq. 2 with nothing to distil: local training only.
 
     With ``reward_scope`` (``probe_scope: answered``,
     :class:`~peerlm.agent.exchange.reward_probe.AnsweredProbe`), the reward's probe is

@@ -349,7 +349,7 @@ class Executed:
     """One directive's outcome: its exchange record (None when the student integrated
     nothing: refused, or a merge that changed nothing) and how many integration calls the
     student's step made, and how many of them took optimiser steps (an AKD package the
-    peer slot learns nothing of, ``slot_scope: routed``, takes none)."""
+    peer slot learns nothing of takes none: :func:`~peerlm.agent.slot_learns`)."""
 
     record: dict[str, Any] | None
     integrations: int

@@ -140,8 +140,8 @@ def teaching_ceiling(
 
 def _taught(run: Mapping[str, Any], teacher: str, student: str) -> int:
     """Exchanges of ``run`` in which ``teacher`` taught ``student`` (an overlay pull names
-    its senders comma-separated); not one that took no step (``slot_scope: routed`` with
-    nothing of the package for the slot)."""
+    its senders comma-separated); not one that took no step (a package with nothing for
+    the peer slot)."""
     return sum(
         1
         for r in run["rounds"]

@@ -123,7 +123,7 @@ _IntegrationOption = Annotated[
 ]
 _PeerAlphaOption = Annotated[
     float | None,
-    typer.Option(min=0.01, max=1.0, help="Eq. 2's alpha_KD for the peer slot (default 0.8)."),
+    typer.Option(min=0.01, max=1.0, help="Eq. 2's alpha_KD for the peer slot (default 1.0)."),
 ]
 _SlotScopeOption = Annotated[
     str | None,

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from peerlm.app.experiment_reuse import read_results
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import paired_bootstrap
 from peerlm.app.experiment_strategies import METRICS
@@ -71,7 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--strategy-b", default=None)
     parser.add_argument("--json", action="store_true", dest="as_json")
     args = parser.parse_args(argv)
-    a, b = (json.loads(p.read_text()) for p in (args.a, args.b))
+    try:
+        a, b = (read_results(p) for p in (args.a, args.b))
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot read the results: {exc}")
     try:
         table = compare_results(a, b, args.strategy, strategy_b=args.strategy_b)
     except ValueError as exc:

@@ -199,6 +199,8 @@ def exchange_record(
         "kilobytes": round(result.kilobytes, 2),
         "reward": round(result.reward, 6),
         "normalised_reward": None if normalised is None else round(normalised, 5),
+        # 0: a package the peer slot learnt nothing of (not a lesson: experiment_ceiling).
+        "steps": result.stats.steps,
     }
 
 
@@ -269,6 +271,8 @@ def oracle_exchange(
     adapter, the others are restored. Returns the records and every pair's gain
     (``"teacher>student"``), for the CPM's figures.
     """
+    from peerlm.agent import learnt_anything
+
     predictions = {c.name: teacher_answers(world, c, t) for c in clients}
     probe = world.probe_examples
     trials: dict[tuple[int, int], tuple[float, Any, Integration, float]] = {}
@@ -287,10 +291,11 @@ def oracle_exchange(
             result = integrate(world, student, package, kb, seed, si, t)
             post = probe_loss(student, probe)
             if separate:
-                assert student.slot.state is not None
+                # A package the slot learns nothing of leaves it as it was, uncounted.
                 after = student.slot.state
                 student.slot.state = before_slot
-                student.slot.integrations -= 1
+                if learnt_anything(result):
+                    student.slot.integrations -= 1
             else:
                 after = {k: v.clone() for k, v in student.host.adapter_state().items()}
                 student.host.load_adapter_state(before)
@@ -300,7 +305,7 @@ def oracle_exchange(
         student = clients[si]
         if separate:
             student.slot.state = after
-            student.slot.integrations += 1
+            student.slot.integrations += int(learnt_anything(result))
         else:
             student.host.load_adapter_state(after)
         student.rewards.append(result.reward)

@@ -148,9 +148,11 @@ class ExperimentPlan:
     # prompts (our choice: the no-regret default); "shared", the papers' one adapter.
     integration: Literal["separate", "shared"] = "separate"
     # Eq. 2's teacher share alpha_KD when the knowledge goes to the peer slot (our choice):
-    # the own-data share there only keeps the slot's format, the own adapter keeps the
-    # skills; None: Table 6's schedule, 0.2 -> 0.5.
-    peer_alpha: float | None = 0.8
+    # the router sends the slot none of the client's own skills, so an own-data share keeps
+    # nothing there; 1 (the default since 2026-12-07, docs/experiment.md "The teacher's
+    # signal alone") halves an integration's work, and its 8 steps of 16 answers match
+    # LocalOnly+'s 8 extra own-data steps of 16 examples; None: Table 6's 0.2 -> 0.5.
+    peer_alpha: float | None = 1.0
     # With "separate": what the peer slot distils of a package, "all" its items or
     # "routed" only those its router sends to the slot (peerlm.agent.exchange.peer_knowledge
     # .learnt_items; ours).

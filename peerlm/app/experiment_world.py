@@ -126,8 +126,8 @@ class Client:
         return contextlib.nullcontext()
 
     def slot_learns(self, plan: ExperimentPlan) -> Callable[[Sequence[str]], Sequence[bool]] | None:
-        """With ``slot_scope: routed`` (and a peer slot), the router's peer side: what the
-        slot distils of a package; None: every item."""
+        """What the peer slot distils of a package (every item, or with ``slot_scope:
+        routed`` the router's peer side); None without a slot (``integration: shared``)."""
         from peerlm.agent import slot_learns
 
         if plan.integration != "separate":

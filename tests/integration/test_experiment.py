@@ -443,8 +443,10 @@ def test_runs_replaying_local_plus_take_its_own_evaluations_and_give_the_same_re
         agents=3, rounds=2, strategies=("local_plus", "random"), seeds=(0,), size="micro",
         local_steps=1, transfer_limit=4, val_limit=2, test_limit=48, samples=2,
         max_new_tokens=8, probe_per_category=1, learning_rate=5e-2, warmup_steps=2,
-        akd_steps=2, curve_every=1,
+        akd_steps=2, curve_every=1, teach_scope="all",
     )  # fmt: skip
+    # teach_scope "all": micro teachers are competent in nothing, and an empty package
+    # leaves the peer slot empty (nothing routed to it, nothing to merge below).
     models = tmp_path / "models"
     memo = run_experiment(plan, models=models, work=tmp_path / "memo")
     monkeypatch.setattr(OwnMemo, "replay", lambda self: None)

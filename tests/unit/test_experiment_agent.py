@@ -344,9 +344,12 @@ def test_a_slot_scoped_student_learns_nothing_the_router_keeps_and_earns_the_kb_
     w, clients = world
     for c in clients:
         c.router = _RejectAll()  # type: ignore[assignment]
-    assert clients[0].slot_learns(w.plan) is None  # slot_scope "all": every item
+    everything = clients[0].slot_learns(w.plan)  # slot_scope "all": every item
+    assert everything is not None and list(everything(["a", "b"])) == [True, True]
     w.plan = replace(w.plan, slot_scope="routed")
-    assert clients[0].slot_learns(w.plan) is not None
+    routed = clients[0].slot_learns(w.plan)
+    assert routed is not None and list(routed(["a"])) == [False]
+    assert clients[0].slot_learns(replace(w.plan, integration="shared")) is None
     profiles = {c.name: np.ones(PROFILE_DIM) for c in clients}
     records, _ = exchange(w, "random", RandomMatchmaker(seed=0), clients, profiles, 0, 1)
     [record] = records

@@ -156,6 +156,18 @@ def test_schedules_follow_table_6() -> None:
     assert c.train_settings(1).seed != c.train_settings(2).seed
 
 
+def test_a_peer_alpha_is_constant_for_the_slot_and_ignored_by_the_one_adapter() -> None:
+    slot = RoundConfig.from_settings(AgentSettings(rounds=5, peer_alpha_kd=1.0))
+    assert [slot.alpha_kd(t) for t in (1, 3, 5)] == [1.0, 1.0, 1.0]
+    shared = RoundConfig.from_settings(
+        AgentSettings(rounds=5, peer_alpha_kd=1.0, integration="shared")
+    )
+    assert round(shared.alpha_kd(5), 3) == 0.5  # Table 6's schedule
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError):
+            AgentSettings(peer_alpha_kd=bad)
+
+
 def test_reward_is_eq_3() -> None:
     assert reward_eq3(2.0, 1.5, 10.0, 1.0, 0.001) == pytest.approx(0.49)
     assert reward_eq3(1.0, 1.2, 0.0, 2.0, 0.0) == pytest.approx(-0.4)
