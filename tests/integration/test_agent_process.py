@@ -697,14 +697,44 @@ def test_after_an_akd_exchange_the_own_adapter_is_own_training_alone(slot_world:
     """``integration: separate`` over the wire: two agents with the same data, seed and
     configuration exchange by text AKD. Whatever each learnt from the other is in its peer
     slot; its own adapter is exactly what own-data training alone produced, so the two own
-    adapters are equal (training is seeded per round), and a student's slot differs.
-
-    The teachers run with ``teach_self_check`` (which changes nothing of the above): each
-    package holds exactly the answers that passed their prompt's example in the teacher's
-    sandbox, and the counter says how many failed."""
+    adapters are equal (training is seeded per round), and a student's slot differs."""
     w = slot_world
     summaries, events = _run_together(
         w, "slot", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
+        acceptance_margin=None,
+    )  # fmt: skip
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    learnt = [e for e in integrated if int(e["steps"]) > 0]  # type: ignore[call-overload]
+    assert learnt
+    a0, a1 = (_checkpoint(w.tmp / "slot" / name / "state") for name in ("a0", "a1"))
+    assert a0.round == a1.round == 2
+    assert a0.tensors.keys() == a1.tensors.keys()
+    assert all(torch_equal(a0.tensors[k], a1.tensors[k]) for k in a0.tensors)
+    # Every lesson that took a step is one slot integration, and nothing else is.
+    assert sum(s["peer_slot_integrations"] for s in summaries) == len(learnt)
+    for summary, ck in zip(summaries, (a0, a1), strict=True):
+        assert ck.state["peer_slot"]["integrations"] == summary["peer_slot_integrations"]
+        if summary["peer_slot_integrations"] >= 1:
+            slot = ck.extras["peer_slot"]
+            assert not all(torch_equal(slot[k], ck.tensors[k]) for k in ck.tensors)
+
+
+@pytest.fixture(scope="module")
+def self_check_world(world: World) -> Iterator[World]:
+    """Text AKD only, fresh names: the self-checking teacher's test."""
+    yield from _menu_world(world, "selfcheck", ["akd"])
+
+
+def test_a_self_checking_teacher_sends_only_what_passed_and_the_slot_learns_no_empty_package(
+    self_check_world: World,
+) -> None:
+    """``teach_self_check`` over the wire: each package holds exactly the answers that passed
+    their prompt's example in the teacher's sandbox, and the counter says how many failed.
+    A package left empty is an exchange all the same, but its student's peer slot takes no
+    step and counts no integration."""
+    w = self_check_world
+    summaries, events = _run_together(
+        w, "selfcheck", ("a0", "a1"), rounds=2, round_timeout_s=120, local_steps=2,
         acceptance_margin=None, teach_self_check=True,
     )  # fmt: skip
     checked = [e for e in events if e.get("event") == "teacher_self_checked"]
@@ -715,20 +745,11 @@ def test_after_an_akd_exchange_the_own_adapter_is_own_training_alone(slot_world:
         assert c["checked"] == c["answers"] and c["sent"] == c["answers"] - c["failed"]
     assert sorted(e["prompts"] for e in built) == sorted(c["sent"] for c in checked)
     integrated = [e for e in events if e.get("event") == "exchange_integrated"]
-    # A package with nothing left after the check takes no step in the slot (and is not
-    # counted as a slot integration); at least one lesson was learnt.
+    assert integrated
     learnt = [e for e in integrated if int(e["steps"]) > 0]  # type: ignore[call-overload]
-    assert learnt
-    a0, a1 = (_checkpoint(w.tmp / "slot" / name / "state") for name in ("a0", "a1"))
-    assert a0.round == a1.round == 2
-    assert a0.tensors.keys() == a1.tensors.keys()
-    assert all(torch_equal(a0.tensors[k], a1.tensors[k]) for k in a0.tensors)
     assert sum(s["peer_slot_integrations"] for s in summaries) == len(learnt)
-    for summary, ck in zip(summaries, (a0, a1), strict=True):
-        assert ck.state["peer_slot"]["integrations"] == summary["peer_slot_integrations"]
-        if summary["peer_slot_integrations"] >= 1:
-            slot = ck.extras["peer_slot"]
-            assert not all(torch_equal(slot[k], ck.tensors[k]) for k in ck.tensors)
+    if not any(e["prompts"] for e in built):  # every answer failed: nothing was learnt
+        assert not learnt and all(s["peer_slot_integrations"] == 0 for s in summaries)
 
 
 @pytest.fixture(scope="module")
