@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from peerlm.agent.cpm.profile import host_parameter_space
     from peerlm.agent.daemon import AgentDaemon, AgentSummary
     from peerlm.agent.eval.evaluation import evaluate, structural_match_rate
+    from peerlm.agent.exchange.answer_check import (
+        ANSWER_CHECKS,
+        AnswerCheck,
+        CheckedAnswers,
+        check_answers,
+    )
     from peerlm.agent.exchange.package import build_text_package, decode_package
     from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot, route_map
     from peerlm.agent.exchange.protocol import (
@@ -45,7 +51,7 @@ if TYPE_CHECKING:
         score_completions,
         teacher_completions,
     )
-    from peerlm.agent.exchange.self_check import self_check
+    from peerlm.agent.exchange.self_check import example_verdicts, self_check
     from peerlm.agent.exchange.teaching import (
         Competence,
         TeachScope,
@@ -263,6 +269,11 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "score_completions": ("peerlm.agent.exchange.rounds", "score_completions"),
     "serve_peer": ("peerlm.agent.peer.service", "serve_peer"),
     "self_check": ("peerlm.agent.exchange.self_check", "self_check"),
+    "example_verdicts": ("peerlm.agent.exchange.self_check", "example_verdicts"),
+    "AnswerCheck": ("peerlm.agent.exchange.answer_check", "AnswerCheck"),
+    "ANSWER_CHECKS": ("peerlm.agent.exchange.answer_check", "ANSWER_CHECKS"),
+    "CheckedAnswers": ("peerlm.agent.exchange.answer_check", "CheckedAnswers"),
+    "check_answers": ("peerlm.agent.exchange.answer_check", "check_answers"),
     "structural_match_rate": ("peerlm.agent.eval.evaluation", "structural_match_rate"),
     "teacher_completions": ("peerlm.agent.exchange.rounds", "teacher_completions"),
     "transfer_set_sha256": ("peerlm.agent.tasks.dataset", "transfer_set_sha256"),
@@ -354,6 +365,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 }
 
 __all__ = [
+    "ANSWER_CHECKS",
     "ARCHITECTURES",
     "CATEGORIES",
     "CODE_CHAIN_STAGES",
@@ -372,10 +384,12 @@ __all__ = [
     "AgentSettings",
     "AgentSummary",
     "AgentTelemetry",
+    "AnswerCheck",
     "AnsweredProbe",
     "AssembledModel",
     "BuildEvent",
     "Candidate",
+    "CheckedAnswers",
     "ClientAdapter",
     "CohortAnalysis",
     "Competence",
@@ -443,6 +457,7 @@ __all__ = [
     "build_text_package",
     "category_counts",
     "category_histogram",
+    "check_answers",
     "code_tokens",
     "competence_of",
     "compress_by_influence",
@@ -457,6 +472,7 @@ __all__ = [
     "encode_vclayer",
     "evaluate",
     "evaluate_pass",
+    "example_verdicts",
     "expert_loss",
     "fedavg_proxies",
     "fetch_package",

@@ -59,6 +59,7 @@ from peerlm.agent.cpm.directives import MAX_CO_SENDERS, DirectiveBook, directive
 from peerlm.agent.cpm.profile import host_parameter_space
 from peerlm.agent.eval.evaluation import structural_match_rate
 from peerlm.agent.eval.sandbox import SandboxTelemetry, require_confinement
+from peerlm.agent.exchange.answer_check import check_answers
 from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
 from peerlm.agent.exchange.protocol import exchange_failed, report_refusal
 from peerlm.agent.exchange.registry import agent_registry
@@ -78,7 +79,7 @@ from peerlm.agent.exchange.rounds import (
     score_completions,
     teacher_completions,
 )
-from peerlm.agent.exchange.self_check import self_check
+from peerlm.agent.exchange.self_check import example_verdicts, self_check
 from peerlm.agent.exchange.teaching import Competence, competence_of, teachable_indices
 from peerlm.agent.metrics import AgentTelemetry
 from peerlm.agent.modelhost import ModelHost
@@ -972,6 +973,32 @@ class AgentDaemon:
         def routed(problems: list[Any], run: Callable[[Any], Any]) -> list[Any]:
             return route_map(host, slot, router, problems, lambda p: p.prompt, run)
 
+        def verdicts(prompts: Sequence[str], answers: Sequence[str]) -> list[bool | None]:
+            return example_verdicts(
+                prompts,
+                answers,
+                timeout_s=self.s.sandbox_timeout_s,
+                memory_mb=self.s.sandbox_memory_mb,
+                allow_unconfined=self.s.sandbox_allow_unconfined,
+                telemetry=self.sandbox_telemetry,
+            )
+
+        def answered(problems: list[Any], run: Callable[[Any], Any]) -> tuple[list[Any], int]:
+            # Answers (not losses): a routed input keeps the slot's answer or the own
+            # adapter's as answer_check picks; the count is of the own adapter's.
+            taken: list[int] = []
+
+            def choose(items: Any, own: Any, peer: Any) -> list[list[str]]:
+                checked = check_answers(
+                    self.s.answer_check, [p.prompt for p in items], own, peer, verdicts
+                )
+                taken.append(checked.from_own)
+                return checked.answers
+
+            check = choose if self.s.answer_check != "off" else None
+            got = route_map(host, slot, router, problems, lambda p: p.prompt, run, choose=check)
+            return got, sum(taken)
+
         def greedy(problems: list[Any]) -> list[list[str]]:
             got = sample_completions(host, problems, max_new_tokens=self.s.max_new_tokens)
             return [got[p.task_id] for p in problems]
@@ -981,7 +1008,8 @@ class AgentDaemon:
             if not problems:
                 continue
             nll = await self._model(routed, problems, functools.partial(reference_nll, host))
-            answers = await self._model(routed, problems, greedy)
+            answers, from_own = await self._model(answered, problems, greedy)
+            self.telemetry.peer_slot_own_answers.labels(name).inc(from_own)
             completions = {p.task_id: c for p, c in zip(problems, answers, strict=True)}
             share = routed_share(router, [p.prompt for p in problems]) if slot.ready else 0.0
             self.telemetry.peer_slot_routed.labels(name).set(share)

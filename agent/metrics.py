@@ -105,6 +105,13 @@ class AgentTelemetry:
             ["slice"],
             registry=registry,
         )
+        self.peer_slot_own_answers = Counter(
+            "peerlm_agent_peer_slot_own_answers_total",
+            "Routed answers the own adapter gave in the peer slot's place (answer_check: "
+            "the slot's failed its prompt's example, or the own one passed it), by slice.",
+            ["slice"],
+            registry=registry,
+        )
         self.peer_slot_quarantined = Counter(
             "peerlm_agent_peer_slot_quarantined_total",
             "Checkpointed peer slots set aside on restore (damaged file, or tensors that do "

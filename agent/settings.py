@@ -356,6 +356,12 @@ class AgentSettings(ServiceSettings):
     # not learnt; a package with nothing left teaches nothing and earns Eq. 3's KB
     # penalty alone). Ours (peerlm.agent.exchange.peer_knowledge.learnt_items).
     slot_scope: Literal["all", "routed"] = "all"
+    # With integration "separate": which adapter's answer a routed input keeps, judged in
+    # the sandbox (its limits below) by the worked example the input's own prompt shows:
+    # "own_first" the own adapter's unless it fails it, "peer_first" the slot's unless it
+    # fails and the own one passes, "off" the router alone (peerlm.agent.exchange
+    # .answer_check; ours).
+    answer_check: Literal["off", "own_first", "peer_first"] = "own_first"
     # SIGTERM: finish the current round within this grace, else stop training at the next
     # optimiser step, checkpoint and exit 0.
     stop_grace_s: float = Field(default=30.0, ge=0)

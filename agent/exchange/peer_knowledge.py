@@ -190,6 +190,7 @@ def route_map(
     *,
     own_runs_all: bool = False,
     own_results: Sequence[_R] | None = None,
+    choose: Callable[[Sequence[_T], Sequence[_R], Sequence[_R]], Sequence[_R]] | None = None,
 ) -> list[_R]:
     """``run`` over ``items`` with each item answered by the adapter the router picks for it
     (the own one when the slot is empty or there is no router); results in ``items``' order.
@@ -201,6 +202,10 @@ def route_map(
     peer slot answers its items on top. ``own_results`` (implies ``own_runs_all``) is that
     call's result, already known (the same own adapter answered the same items before):
     the own adapter runs nothing, and only the peer slot's items are computed.
+
+    ``choose`` (implies ``own_runs_all``) gets the items the router sends to the slot, the
+    own adapter's results for them and the slot's, and returns the results they keep
+    (:mod:`.answer_check`: the own adapter's answer where the slot's is demonstrably worse).
     """
     if own_results is not None and len(own_results) != len(items):
         raise ValueError(f"own_results has {len(own_results)} results for {len(items)} items")
@@ -210,20 +215,28 @@ def route_map(
     own_idx = [k for k, p in enumerate(peer) if not p]
     peer_idx = [k for k, p in enumerate(peer) if p]
     out: dict[int, _R] = {}
-    if own_results is not None:
-        out.update((k, own_results[k]) for k in own_idx)
-    elif own_runs_all:
-        everything = list(run(items))
-        out.update((k, everything[k]) for k in own_idx)
+    own_all: Sequence[_R] | None = own_results
+    if own_all is None and (own_runs_all or choose is not None):
+        own_all = list(run(items))
+    if own_all is not None:
+        out.update((k, own_all[k]) for k in own_idx)
     elif own_idx:
         out.update(zip(own_idx, run([items[k] for k in own_idx]), strict=True))
     assert slot.state is not None
     own = host.adapter_state()
     host.load_adapter_state(slot.state)
+    peer_items = [items[k] for k in peer_idx]
     try:
-        out.update(zip(peer_idx, run([items[k] for k in peer_idx]), strict=True))
+        peer_results = list(run(peer_items))
     finally:
         host.load_adapter_state(own)
+    if choose is not None:
+        assert own_all is not None
+        own_of_peer = [own_all[k] for k in peer_idx]
+        peer_results = list(choose(peer_items, own_of_peer, peer_results))
+        if len(peer_results) != len(peer_idx):
+            raise ValueError(f"choose gave {len(peer_results)} results for {len(peer_idx)}")
+    out.update(zip(peer_idx, peer_results, strict=True))
     return [out[k] for k in range(len(items))]
 
 

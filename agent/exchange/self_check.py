@@ -30,7 +30,7 @@ from typing import Unpack
 
 from peerlm.agent.eval.sandbox import LimitOptions, run_many
 
-__all__ = ["SelfCheck", "example_program", "self_check"]
+__all__ = ["SelfCheck", "example_program", "example_verdicts", "self_check"]
 
 
 def _expression(text: str) -> str | None:
@@ -82,6 +82,27 @@ class SelfCheck:
     failed: int
 
 
+def example_verdicts(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    max_workers: int = 2,
+    **limits: Unpack[LimitOptions],
+) -> list[bool | None]:
+    """Per completion: whether it reproduces its prompt's docstring examples in the sandbox
+    (None: the prompt shows no example that can be checked). ``limits`` go to
+    :func:`~peerlm.agent.eval.sandbox.run_program` (``SandboxUnavailable`` if it cannot
+    confine and ``allow_unconfined`` is false)."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    programs = [example_program(p, c) for p, c in zip(prompts, completions, strict=True)]
+    # Identical programs (a small model repeats itself) run once.
+    unique = list(dict.fromkeys(p for p in programs if p is not None))
+    results = run_many(unique, max_workers=max_workers, **limits) if unique else []
+    passed = {program: r.status == "passed" for program, r in zip(unique, results, strict=True)}
+    return [None if program is None else passed[program] for program in programs]
+
+
 def self_check(
     prompts: Sequence[str],
     completions: Sequence[str],
@@ -93,17 +114,10 @@ def self_check(
     of those that pass or cannot be checked. ``limits`` go to
     :func:`~peerlm.agent.eval.sandbox.run_program` (``SandboxUnavailable`` if it cannot
     confine and ``allow_unconfined`` is false)."""
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-    programs = {
-        i: program
-        for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
-        if (program := example_program(p, c)) is not None
-    }
-    # Identical programs (a small model repeats itself) run once.
-    unique = list(dict.fromkeys(programs.values()))
-    results = run_many(unique, max_workers=max_workers, **limits) if unique else []
-    passed = {program: r.status == "passed" for program, r in zip(unique, results, strict=True)}
-    failed = {i for i, program in programs.items() if not passed[program]}
-    kept = tuple(i for i in range(len(prompts)) if i not in failed)
-    return SelfCheck(kept=kept, checked=len(programs), failed=len(failed))
+    verdicts = example_verdicts(prompts, completions, max_workers=max_workers, **limits)
+    kept = tuple(i for i, v in enumerate(verdicts) if v is not False)
+    return SelfCheck(
+        kept=kept,
+        checked=sum(v is not None for v in verdicts),
+        failed=sum(v is False for v in verdicts),
+    )

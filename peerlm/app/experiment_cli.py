@@ -132,6 +132,14 @@ _SlotScopeOption = Annotated[
         "(only those whose prompt the router sends to the slot)."
     ),
 ]
+_AnswerCheckOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Which adapter's answer a routed input keeps, judged by its prompt's example: "
+        "own_first (default: the own adapter's unless it fails), peer_first (the slot's "
+        "unless it fails and the own one passes) or off (the router alone)."
+    ),
+]
 _PairingOption = Annotated[
     str | None,
     typer.Option(
@@ -267,6 +275,7 @@ _PLAN_FIELDS: dict[str, str] = {
     "own_steps_every_round": "own_steps_every_round",
     "peer_alpha": "peer_alpha",
     "slot_scope": "slot_scope",
+    "answer_check": "answer_check",
     "pairing": "pairing",
     "teacher_capacity": "teacher_capacity",
     "learning_rate": "lr",
@@ -310,6 +319,7 @@ def run_experiment_command(
     integration: _IntegrationOption = None,
     peer_alpha: _PeerAlphaOption = None,
     slot_scope: _SlotScopeOption = None,
+    answer_check: _AnswerCheckOption = None,
     pairing: _PairingOption = None,
     teacher_capacity: _TeacherCapacityOption = None,
     own_steps_every_round: _OwnStepsEveryRoundOption = None,

@@ -17,7 +17,8 @@ from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_world import Client, World
 
 if TYPE_CHECKING:
-    from peerlm.agent import Competence, Problem
+    from peerlm.agent import AnswerCheck, CheckedAnswers, Competence, Problem
+
 
 __all__ = ["final_eval", "finish_run", "nll_on_test", "probe_loss", "slice_means", "validate"]
 
@@ -60,16 +61,22 @@ def final_eval(world: World, client: Client, seed: int) -> dict[str, Any]:
         return [got[p.task_id] for p in problems]
 
     drawn = f"sample|{seed}|{plan.samples}|{plan.sample_temperature}|{plan.max_new_tokens}"
-    answers = client.routed(world.test, sample, key=drawn)
+    checks = _AnswerChecks(plan.answer_check)
+    answers = client.routed(world.test, sample, key=drawn, choose=checks)
     completions = {p.task_id: a for p, a in zip(world.test, answers, strict=True)}
-    known = client.memo.outcomes if client.memo is not None else None
+    known = client.memo.outcomes if client.memo is not None else {}
     report = score_completions(world.test, completions, ks=(1,), known=known)
+    passed = [r.pass_at[1] for r in report.problems]
     # Which adapter answered each test problem (1: the peer slot); the router never sees
     # the test set's categories.
     peer = _peer_routes(client, world.test)
     out = {
         "arch": client.arch,
-        "pass@1": [r.pass_at[1] for r in report.problems],
+        "pass@1": passed,
+        # Each answer_check policy's pass@1 from the same answers (the plan's is "pass@1"),
+        # and how many routed answers the plan's policy took from the own adapter.
+        "answer_checks": checks.pass_at_1(world.test, passed, known),
+        "answers_from_own": checks.from_own,
         "struct": [structural_match_rate(p, completions[p.task_id]) for p in world.test],
         "nll": nll_on_test(world, client),
         # The probe set's NLL (not test data): what "best" is chosen by.
@@ -89,6 +96,64 @@ def final_eval(world: World, client: Client, seed: int) -> dict[str, Any]:
     # the same adapter (LocalOnly+'s final test NLL is its last curve point).
     out["own_reused"] = client.memo.reused if client.memo is not None else 0
     return out
+
+
+class _AnswerChecks:
+    """``route_map``'s ``choose`` for the final evaluation: the plan's ``answer_check``
+    over the routed problems' answers, keeping what the check saw so that every policy's
+    pass@1 follows from the same answers (:mod:`peerlm.agent.exchange.answer_check`)."""
+
+    def __init__(self, policy: AnswerCheck) -> None:
+        self.policy = policy
+        self.from_own = 0
+        self.seen: tuple[list[Problem], list[list[str]], list[list[str]], CheckedAnswers] | None
+        self.seen = None
+
+    def __call__(
+        self,
+        problems: Sequence[Problem],
+        own: Sequence[Sequence[str]],
+        peer: Sequence[Sequence[str]],
+    ) -> list[list[str]]:
+        from peerlm.agent import check_answers, example_verdicts
+
+        def verdicts(prompts: Sequence[str], answers: Sequence[str]) -> list[bool | None]:
+            return example_verdicts(prompts, answers, max_workers=1)
+
+        # Every policy is checked (not only the plan's): the run is its own ablation.
+        checked = check_answers("peer_first", [p.prompt for p in problems], own, peer, verdicts)
+        picks = checked.picks(self.policy)
+        self.from_own = sum(not take for takes in picks for take in takes)
+        self.seen = ([*problems], [list(a) for a in own], [list(a) for a in peer], checked)
+        return checked.pick(picks, own, peer)
+
+    def pass_at_1(
+        self, test: Sequence[Problem], passed: Sequence[float], known: dict[str, Any]
+    ) -> dict[str, list[float]]:
+        """Per policy, pass@1 per test problem: the plan's ``passed`` where nothing was
+        routed or the policy answers the same, the others scored (``known`` reused)."""
+        from peerlm.agent import ANSWER_CHECKS, score_completions
+
+        out = {str(policy): list(passed) for policy in ANSWER_CHECKS}
+        if self.seen is None:
+            return out
+        problems, own, peer, checked = self.seen
+        index = {p.task_id: j for j, p in enumerate(test)}
+        mine = checked.picks(self.policy)
+        for policy in ANSWER_CHECKS:
+            picks = checked.picks(policy)  # type: ignore[arg-type]
+            if policy == self.policy or picks == mine:
+                continue
+            answers = checked.pick(picks, own, peer)
+            report = score_completions(
+                problems,
+                {p.task_id: a for p, a in zip(problems, answers, strict=True)},
+                ks=(1,),
+                known=known,
+            )
+            for r in report.problems:
+                out[policy][index[r.task_id]] = r.pass_at[1]
+        return out
 
 
 def _peer_routes(client: Client, problems: Sequence[Problem]) -> list[int]:

@@ -157,6 +157,13 @@ class ExperimentPlan:
     # "routed" only those its router sends to the slot (peerlm.agent.exchange.peer_knowledge
     # .learnt_items; ours).
     slot_scope: Literal["all", "routed"] = "all"
+    # With "separate": which adapter's answer a routed test input keeps, judged by the
+    # worked example its own prompt shows (peerlm.agent.exchange.answer_check; ours):
+    # "own_first" the own adapter's unless it fails the example, "peer_first" the slot's
+    # unless it fails and the own one passes, "off" the router alone. Every run records
+    # each policy's pass@1 from the same answers (``answer_checks``), so one run is also
+    # the ablation of the others.
+    answer_check: Literal["off", "own_first", "peer_first"] = "own_first"
     # Whether every client of a collaborative strategy also spends LocalOnly+'s extra
     # own-data steps every round (an agent keeps training on its own data whatever its
     # role); False: the earlier harness, where only students trained in the exchange phase.
@@ -219,6 +226,10 @@ class ExperimentPlan:
             raise ValueError(f"teacher_capacity must be >= 1, not {self.teacher_capacity!r}")
         if self.slot_scope not in ("all", "routed"):
             raise ValueError(f"slot_scope must be 'all' or 'routed', not {self.slot_scope!r}")
+        if self.answer_check not in ("off", "own_first", "peer_first"):
+            raise ValueError(
+                f"answer_check must be off, own_first or peer_first, not {self.answer_check!r}"
+            )
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise ValueError("strategies must be a non-empty list without repeats")
         if self.warmup_steps < 0:

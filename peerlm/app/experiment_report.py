@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from peerlm.app.experiment_answer_check import render_answer_check
 from peerlm.app.experiment_ceiling import render_ceiling
 from peerlm.app.experiment_participant import render_participant
 from peerlm.app.experiment_strategies import LABELS
@@ -93,6 +94,9 @@ def render_table(result: Mapping[str, Any]) -> str:
     ceiling = render_ceiling(summary.get("teaching_ceiling"), LABELS)
     if ceiling:
         lines.append(ceiling)
+    checked = render_answer_check(summary.get("answer_check"), LABELS)
+    if checked:
+        lines.append(checked)
     return "\n".join(lines)
 
 

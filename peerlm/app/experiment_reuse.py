@@ -91,6 +91,7 @@ _COLLABORATION_ONLY_FIELDS: tuple[str, ...] = (
     "pairing",
     "teacher_capacity",
     "teach_self_check",
+    "answer_check",
 )
 
 
@@ -117,6 +118,8 @@ _PREDATED: Mapping[str, Any] = MappingProxyType(
         "teach_limit": None,
         # Before ``pairing`` (2026-12-07) every pairing strategy paired disjointly.
         "pairing": "disjoint",
+        # Before ``answer_check`` (2026-12-07) a routed input kept the slot's answer.
+        "answer_check": "off",
     }
 )
 

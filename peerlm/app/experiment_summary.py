@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from peerlm.app.experiment_answer_check import answer_check_ablation
 from peerlm.app.experiment_ceiling import teaching_ceiling
 from peerlm.app.experiment_participant import participant_report, unit_matrix
 from peerlm.app.experiment_slices import SLICES
@@ -159,6 +160,7 @@ def summarise(result: Mapping[str, Any]) -> dict[str, Any]:
         "participant": participant_report(result),
         "teaching_ceiling": teaching_ceiling(result),
         "steps_per_client": _steps_per_client(result),
+        "answer_check": answer_check_ablation(result),
         "bootstrap": "paired two-level percentile bootstrap (numpy), 2000 replicates",
     }
 

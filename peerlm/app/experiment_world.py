@@ -139,10 +139,12 @@ class Client:
         problems: Sequence[_P2],
         run: Callable[[Sequence[_P2]], Sequence[_R]],
         key: str | None = None,
+        choose: Callable[[Sequence[_P2], Sequence[_R], Sequence[_R]], Sequence[_R]] | None = None,
     ) -> list[_R]:
         """``run`` over ``problems``, each answered by the adapter the router picks. With
         ``key`` (naming the computation and every parameter of ``run``) and a
-        :class:`OwnMemo`, the own adapter's results are recorded, or read instead of run."""
+        :class:`OwnMemo`, the own adapter's results are recorded, or read instead of run.
+        ``choose``: :func:`~peerlm.agent.exchange.peer_knowledge.route_map`'s."""
         from peerlm.agent import route_map, state_digest
 
         memo = self.memo if key is not None else None
@@ -163,6 +165,7 @@ class Client:
             run,
             own_runs_all=True,
             own_results=own,
+            choose=choose,
         )
         if memo is not None and memo.records and own is None and not self.slot.ready:
             memo.results[memo_key] = list(out)

@@ -470,6 +470,19 @@ def test_runs_replaying_local_plus_take_its_own_evaluations_and_give_the_same_re
     assert replayed["run"] == computed["run"]
     assert replayed["clients"] == computed["clients"]
     assert memo["summary"] == fresh["summary"]
+    # The answer check (own_first, the default): its pass@1 is the record's; every policy
+    # agrees where nothing was routed; and where the bank's example is a test, a routed
+    # problem never scores below the same own adapter alone (LocalOnly+, same draws).
+    alone = memo["runs"]["local_plus"]["0"]["clients"]
+    for name, client in replayed["clients"].items():
+        checks = client["answer_checks"]
+        assert set(checks) == {"off", "own_first", "peer_first"}
+        assert checks["own_first"] == client["pass@1"]
+        for j, routed in enumerate(client["peer_routed"]):
+            if not routed:
+                assert {checks[k][j] for k in checks} == {client["pass@1"][j]}
+            assert checks["own_first"][j] >= alone[name]["pass@1"][j]
+        assert client["answers_from_own"] >= 0
 
 
 def test_akd_steps_default_to_the_local_steps_and_must_be_positive() -> None:

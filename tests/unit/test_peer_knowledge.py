@@ -248,3 +248,35 @@ def test_with_own_results_the_own_adapter_runs_nothing_and_the_slot_its_items(
     assert calls == [[items[1]]]
     with pytest.raises(ValueError, match="2 results for 3 items"):
         route_map(host, slot, router, items, str, record, own_results=known[:2])
+
+
+def test_choose_gets_the_slots_items_with_both_adapters_results_and_decides_them(
+    host: ModelHost,
+) -> None:
+    """``choose`` (the answer check's hook): the own adapter answers every item, the slot
+    its items, and what ``choose`` returns for those is what they keep."""
+    router = InputRouter.fit(OWN, OTHER, VAL)
+    slot = PeerSlot()
+    with slot.active(host):
+        host.train_local(
+            [(OTHER[0], "return 2\n")], TrainSettings(learning_rate=5e-2, seed=4), steps=2
+        )
+    items = [OWN[0], OTHER[0].replace("is_even", "check_word"), OWN[1]]
+    calls: list[list[str]] = []
+    seen: list[tuple[list[str], list[str], list[str]]] = []
+
+    def record(prompts: list[str]) -> list[str]:
+        calls.append(list(prompts))
+        return [f"{len(calls)}:{p[:4]}" for p in prompts]
+
+    def choose(peer_items: list[str], own: list[str], peer: list[str]) -> list[str]:
+        seen.append((list(peer_items), list(own), list(peer)))
+        return [f"chosen {o}" for o in own]
+
+    got = route_map(host, slot, router, items, str, record, choose=choose)  # type: ignore[arg-type]
+    assert calls == [items, [items[1]]]
+    assert seen == [([items[1]], [f"1:{items[1][:4]}"], [f"2:{items[1][:4]}"])]
+    assert got == [f"1:{items[0][:4]}", f"chosen 1:{items[1][:4]}", f"1:{items[2][:4]}"]
+    # A choose that loses an answer is refused, not zipped short.
+    with pytest.raises(ValueError, match="choose gave 0 results for 1"):
+        route_map(host, slot, router, items, str, record, choose=lambda i, o, p: [])
