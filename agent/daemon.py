@@ -1031,6 +1031,8 @@ class AgentDaemon:
                 "nll": sum(nll) / len(nll),
                 "n": float(len(problems)),
                 "peer_share": share,
+                # Routed answers the own adapter gave in the slot's place (answer_check).
+                "own_answers": float(from_own),
             }
         return out
 

@@ -24,9 +24,11 @@ def _before_after(r: Mapping[str, Any], slice_name: str, metric: str, fmt: str) 
 
 def _peer_slot(r: Mapping[str, Any]) -> str:
     """Integrations the agent's peer slot holds and, per slice, the share of its problems
-    the router sent there at the end (``integration: separate``); "-" without a slot."""
+    the router sent there at the end (``integration: separate``) with the routed answers
+    the own adapter kept (``answer_check``); "-" without a slot."""
     shares = [
         f"{name} {v['peer_share']:.2f}"
+        + (f" [{int(v['own_answers'])} kept by own adapter]" if v.get("own_answers") else "")
         for name, v in r.get("slices_after", {}).items()
         if isinstance(v, Mapping) and "peer_share" in v
     ]

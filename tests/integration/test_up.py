@@ -82,6 +82,9 @@ def test_up_with_model_hosting_agents(tmp_path: Path) -> None:
                 assert figures["nll"] > 0 and figures["n"] >= 1
                 # integration: separate: the share the router sent to the peer slot.
                 assert 0 <= figures["peer_share"] <= 1
+                # answer_check own_first: a routed answer may be the own adapter's.
+                routed = round(figures["peer_share"] * figures["n"])
+                assert 0 <= figures["own_answers"] <= routed
         assert a["peer_slot_integrations"] >= a["exchanges"]
     assert result["rewards_reported"] >= 2
     assert result["rewards_observed"] == result["rewards_reported"]

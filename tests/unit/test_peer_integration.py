@@ -255,3 +255,7 @@ def test_integration_setting_and_report_row() -> None:
         }
     )
     assert row == "2 (routed lacked 0.75, own 0.00)"
+    # answer_check: the routed answers the own adapter kept, where there are any.
+    checked = {"lacked": {"peer_share": 0.75, "own_answers": 2.0}, "own": {"peer_share": 0.0}}
+    row = _peer_slot({"peer_slot_integrations": 2, "slices_after": checked})
+    assert row == "2 (routed lacked 0.75 [2 kept by own adapter], own 0.00)"
