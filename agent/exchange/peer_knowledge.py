@@ -50,7 +50,15 @@ if TYPE_CHECKING:
     from peerlm.agent.exchange.package import KnowledgePackage
     from peerlm.agent.modelhost import ModelHost
 
-__all__ = ["InputRouter", "PeerSlot", "SlotWrite", "learnt_items", "route_map", "routed_share"]
+__all__ = [
+    "InputRouter",
+    "PeerSlot",
+    "SlotSaved",
+    "SlotWrite",
+    "learnt_items",
+    "route_map",
+    "routed_share",
+]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -137,6 +145,15 @@ class SlotWrite:
     kept: bool = True
 
 
+@dataclass(frozen=True)
+class SlotSaved:
+    """What a :class:`PeerSlot` holds at one moment (:meth:`PeerSlot.saved`)."""
+
+    state: dict[str, torch.Tensor] | None
+    integrations: int
+    history: tuple[str, ...]
+
+
 @dataclass
 class PeerSlot:
     """The adapter that holds what a participant learnt from peers (module docstring).
@@ -173,6 +190,19 @@ class PeerSlot:
             raise
         finally:
             host.load_adapter_state(own)
+
+    def saved(self) -> SlotSaved:
+        """The slot as it is now, for :meth:`restore`: a trial integration (the Oracle's,
+        which tries every teacher and keeps the best) is undone by restoring what was saved
+        before it, and kept by restoring what was saved after it. The tensors are shared,
+        not copied: an integration replaces the slot's state, it never writes into it."""
+        return SlotSaved(self.state, self.integrations, tuple(self.history))
+
+    def restore(self, saved: SlotSaved) -> None:
+        """The slot back to ``saved`` (state, integration count and history)."""
+        self.state = saved.state
+        self.integrations = saved.integrations
+        self.history = list(saved.history)
 
     @property
     def ready(self) -> bool:

@@ -271,7 +271,6 @@ def oracle_exchange(
     adapter, the others are restored. Returns the records and every pair's gain
     (``"teacher>student"``), for the CPM's figures.
     """
-    from peerlm.agent import learnt_anything
 
     predictions = {c.name: teacher_answers(world, c, t) for c in clients}
     probe = world.probe_examples
@@ -280,7 +279,7 @@ def oracle_exchange(
     for si, student in enumerate(clients):
         # The trials start from what integrations write to (the peer slot, or the adapter),
         # and the gain is measured on the model that answers (routed, or the adapter).
-        before_slot = student.slot.state
+        before_slot = student.slot.saved()
         before = {k: v.clone() for k, v in student.host.adapter_state().items()}
         pre = probe_loss(student, probe)
         for ti, teacher in enumerate(clients):
@@ -290,12 +289,11 @@ def oracle_exchange(
             package, kb = teacher_package(world, teacher, predictions[teacher.name], directive)
             result = integrate(world, student, package, kb, seed, si, t)
             post = probe_loss(student, probe)
+            after: Any
             if separate:
-                # A package the slot learns nothing of leaves it as it was, uncounted.
-                after = student.slot.state
-                student.slot.state = before_slot
-                if learnt_anything(result):
-                    student.slot.integrations -= 1
+                # A package the slot learns nothing of left it as it was, uncounted.
+                after = student.slot.saved()
+                student.slot.restore(before_slot)
             else:
                 after = {k: v.clone() for k, v in student.host.adapter_state().items()}
                 student.host.load_adapter_state(before)
@@ -304,8 +302,7 @@ def oracle_exchange(
     for (ti, si), (gain, after, result, _kb) in _oracle_keeps(world.plan, len(clients), trials):
         student = clients[si]
         if separate:
-            student.slot.state = after
-            student.slot.integrations += int(learnt_anything(result))
+            student.slot.restore(after)
         else:
             student.host.load_adapter_state(after)
         student.rewards.append(result.reward)

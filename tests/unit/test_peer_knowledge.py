@@ -280,3 +280,24 @@ def test_choose_gets_the_slots_items_with_both_adapters_results_and_decides_them
     # A choose that loses an answer is refused, not zipped short.
     with pytest.raises(ValueError, match="choose gave 0 results for 1"):
         route_map(host, slot, router, items, str, record, choose=lambda i, o, p: [])
+
+
+def test_a_saved_slot_undoes_a_trial_and_keeps_it_when_restored(host: ModelHost) -> None:
+    """The Oracle's trials: every teacher is tried from the same slot, the best kept."""
+    slot = PeerSlot()
+    empty = slot.saved()
+    with slot.active(host, "akd"):
+        host.train_local(
+            [(OTHER[0], "return 2\n")], TrainSettings(learning_rate=5e-2, seed=4), steps=1
+        )
+    tried = slot.saved()
+    assert tried.integrations == 1 and tried.history == ("akd",) and tried.state is not None
+    slot.restore(empty)
+    assert slot.state is None and slot.integrations == 0 and slot.history == []
+    assert not slot.ready
+    slot.restore(tried)
+    assert slot.integrations == 1 and slot.history == ["akd"]
+    assert slot.state is tried.state
+    # The saved history is the slot's at that moment, not a view of the live list.
+    slot.history.append("later")
+    assert tried.history == ("akd",)
