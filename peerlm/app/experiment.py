@@ -67,6 +67,7 @@ from peerlm.app.experiment_plan import (
 from peerlm.app.experiment_report import render_table, write_outputs
 from peerlm.app.experiment_reuse import (
     ADAPTER_KILOBYTES,
+    COLLABORATION_HARNESS,
     PROGRESS_FILE,
     reusable_runs,
     save_progress,
@@ -249,6 +250,7 @@ def _run_experiment(
         "runs": {s: {str(seed): runs[(s, seed)] for seed in plan.seeds} for s in plan.strategies},
         "reused": sorted(f"{s}:{seed}" for s, seed in runs if (s, seed) not in todo),
         "adapter_kilobytes": ADAPTER_KILOBYTES,
+        "collaboration_harness": COLLABORATION_HARNESS,
         "seconds": round(time.perf_counter() - started, 1),
         # What this command computed (reused runs not included; the worker processes are
         # joined by now, so their time is among this process's children's): the budget on

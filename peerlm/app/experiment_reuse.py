@@ -23,6 +23,7 @@ from peerlm.protocols import CATALOGUE
 
 __all__ = [
     "ADAPTER_KILOBYTES",
+    "COLLABORATION_HARNESS",
     "PROGRESS_FILE",
     "read_results",
     "reusable_runs",
@@ -45,6 +46,14 @@ def read_results(path: Path) -> Any:
 #: harness pulls through the agent's transport (2026-12-05). A result without the key
 #: counted the tensors' bytes (1.8 % fewer per adapter, and Eq. 3's KB penalty with them).
 ADAPTER_KILOBYTES: Final[str] = "encoded"
+
+
+#: How the collaborative runs' harness behaves where no plan field says so, written into
+#: ``results.json``: since 2026-12-07 a package the peer slot learns nothing of takes no
+#: step (before, under ``slot_scope: all`` it took Eq. 2's own-data steps in the slot),
+#: and the final evaluation records every ``answer_check`` policy. A stored collaborative
+#: run with another marker (or none) is run again; one that trains alone still stands in.
+COLLABORATION_HARNESS: Final[str] = "2026-12-07"
 
 
 #: The strategies that move adapters, whose kilobytes (and, for a CPM, rewards and so
@@ -163,6 +172,7 @@ def save_progress(
         "initial_nll": dict(initial_nll),
         "runs": by_strategy,
         "adapter_kilobytes": ADAPTER_KILOBYTES,
+        "collaboration_harness": COLLABORATION_HARNESS,
         "partial": True,
     }
     write_atomic(work / PROGRESS_FILE, json.dumps(partial).encode(), mode=0o644)
@@ -179,7 +189,8 @@ def reusable_runs(
     The same world and models are checked by the round-0 test NLL per slice, which every
     run measures on them (equal to the last bit, or the earlier result is not used); the
     same plan by :func:`_reuse_key`; a strategy that moves adapters also needs the same
-    :data:`ADAPTER_KILOBYTES`. Raises ``ValueError`` for an earlier result that
+    :data:`ADAPTER_KILOBYTES`, and a collaborative one the same
+    :data:`COLLABORATION_HARNESS`. Raises ``ValueError`` for an earlier result that
     does not match at all (another world, models or plan), so a wrong file is not
     silently ignored.
     """
@@ -197,11 +208,14 @@ def reusable_runs(
             )
         matched = False
         counted = old.get("adapter_kilobytes")
+        harness = old.get("collaboration_harness")
         for strategy in plan.strategies:
             if strategy not in old_runs:
                 continue
             if strategy in _MOVES_ADAPTERS and counted != ADAPTER_KILOBYTES:
                 continue  # its kilobytes (and a CPM's rewards) were counted otherwise
+            if strategy not in _ALONE and harness != COLLABORATION_HARNESS:
+                continue  # its collaboration ran under an earlier harness
             if _reuse_key(old_plan, strategy) != _reuse_key(mine, strategy):
                 continue
             for seed in plan.seeds:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from peerlm.app.experiment import ExperimentPlan, reusable_runs
-from peerlm.app.experiment_reuse import ADAPTER_KILOBYTES
+from peerlm.app.experiment_reuse import ADAPTER_KILOBYTES, COLLABORATION_HARNESS
 from tests.cli import assert_run_experiment_refuses
 
 NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
@@ -23,6 +23,7 @@ def _stored(plan: ExperimentPlan, nll: dict[str, float] = NLL) -> dict[str, Any]
             s: {str(k): {"strategy": s, "seed": k} for k in plan.seeds} for s in plan.strategies
         },
         "adapter_kilobytes": ADAPTER_KILOBYTES,
+        "collaboration_harness": COLLABORATION_HARNESS,
     }
 
 
@@ -46,6 +47,19 @@ def test_runs_that_moved_adapters_need_their_kilobytes_counted_as_today() -> Non
     assert len(reusable_runs(plan, [old], NLL)) == 5
     del old["adapter_kilobytes"]
     assert sorted(reusable_runs(plan, [old], NLL)) == [("cpm", 0), ("local_plus", 0)]
+
+
+def test_collaborative_runs_need_todays_harness_and_runs_alone_do_not() -> None:
+    """A result written before the 2026-12-07 harness (no marker: a package with nothing
+    to learn still trained the slot, no answer check was recorded): its collaborative runs
+    are run again, LocalOnly+ still stands in."""
+    plan = ExperimentPlan(strategies=("local_plus", "random", "cpm"), seeds=(0,))
+    old = _stored(plan)
+    assert len(reusable_runs(plan, [old], NLL)) == 3
+    old["collaboration_harness"] = "2026-12-05"
+    assert sorted(reusable_runs(plan, [old], NLL)) == [("local_plus", 0)]
+    del old["collaboration_harness"]
+    assert sorted(reusable_runs(plan, [old], NLL)) == [("local_plus", 0)]
 
 
 def test_cpm_settings_matter_only_to_cpm_runs() -> None:

@@ -13,6 +13,7 @@ from peerlm.services.cpm import CpmSettings
 
 from peerlm.app.experiment import ExperimentPlan, reusable_runs
 from peerlm.app.experiment_exchange import pairing_policy
+from peerlm.app.experiment_reuse import COLLABORATION_HARNESS
 from tests.cli import assert_run_experiment_refuses
 
 NLL = {"own": 0.28, "lacked": 2.61, "public": 0.18}
@@ -45,6 +46,7 @@ def _stored(plan: ExperimentPlan) -> dict[str, Any]:
         "runs": {
             s: {str(k): {"strategy": s, "seed": k} for k in plan.seeds} for s in plan.strategies
         },
+        "collaboration_harness": COLLABORATION_HARNESS,
     }
 
 
