@@ -45,21 +45,24 @@ Verdicts = Callable[[Sequence[str], Sequence[str]], Sequence["bool | None"]]
 def takes_peer(policy: AnswerCheck, own_ok: bool | None, peer_ok: bool | None) -> bool:
     """Whether a routed input's answer is the peer slot's under ``policy``, given whether
     the own adapter's and the slot's answers reproduce the prompt's example (None: the
-    prompt shows none to check)."""
-    if policy == "off" or own_ok is None or peer_ok is None:
+    prompt shows none to check, or the answer was not judged; a prompt without a checkable
+    example is the router's)."""
+    if policy == "off" or own_ok is None:
         return True
     if policy == "own_first":
         return not own_ok
     if policy == "peer_first":
-        return peer_ok or not own_ok
+        return peer_ok is not False or not own_ok
     raise ValueError(f"answer_check must be one of {ANSWER_CHECKS}, not {policy!r}")
 
 
 @dataclass(frozen=True)
 class CheckedAnswers:
     """The answers chosen per input (per sample), and what the check saw: ``own_ok`` and
-    ``peer_ok`` per input and sample (None: nothing to check), ``from_own`` the answers
-    the own adapter gave in the slot's place."""
+    ``peer_ok`` per input and sample (None: nothing to check, or not run because no policy
+    needs it: the slot's answer is judged only where the own one passed, and only under
+    ``peer_first``), ``from_own`` the answers the own adapter gave in the slot's place.
+    Every policy's choice follows from a ``peer_first`` check (:meth:`picks`)."""
 
     answers: list[list[str]]
     own_ok: list[list[bool | None]]
@@ -106,14 +109,31 @@ def check_answers(
         unchecked: list[list[bool | None]] = [[None] * len(p) for p in peer]
         return CheckedAnswers([list(p) for p in peer], unchecked, unchecked, 0)
     flat_prompts = [prompt for prompt, p in zip(prompts, peer, strict=True) for _ in p]
-    answers_flat = [*(a for o in own for a in o), *(a for p in peer for a in p)]
-    both = list(verdicts([*flat_prompts, *flat_prompts], answers_flat))
-    if len(both) != 2 * len(flat_prompts):
-        raise ValueError(f"verdicts gave {len(both)} answers for {2 * len(flat_prompts)}")
-    own_flat, peer_flat = iter(both[: len(flat_prompts)]), iter(both[len(flat_prompts) :])
-    own_ok = [[next(own_flat) for _ in p] for p in peer]
-    peer_ok = [[next(peer_flat) for _ in p] for p in peer]
+    own_flat = [a for o in own for a in o]
+    peer_flat = [a for p in peer for a in p]
+    own_checked = _judged(verdicts, flat_prompts, own_flat)
+    # The slot's answer matters only where the own one passes (peer_first keeps the slot's
+    # unless it fails there; own_first never asks): each sandbox run costs a process.
+    peer_checked: list[bool | None] = [None] * len(peer_flat)
+    if policy == "peer_first":
+        ask = [k for k, ok in enumerate(own_checked) if ok]
+        judged = _judged(verdicts, [flat_prompts[k] for k in ask], [peer_flat[k] for k in ask])
+        for k, ok in zip(ask, judged, strict=True):
+            peer_checked[k] = ok
+    own_iter, peer_iter = iter(own_checked), iter(peer_checked)
+    own_ok = [[next(own_iter) for _ in p] for p in peer]
+    peer_ok = [[next(peer_iter) for _ in p] for p in peer]
     picks = CheckedAnswers([], own_ok, peer_ok, 0).picks(policy)
     answers = CheckedAnswers.pick(picks, own, peer)
     from_own = sum(not take for takes in picks for take in takes)
     return CheckedAnswers(answers, own_ok, peer_ok, from_own)
+
+
+def _judged(verdicts: Verdicts, prompts: list[str], answers: list[str]) -> list[bool | None]:
+    """``verdicts`` of ``answers``, checked to give one per answer."""
+    if not answers:
+        return []
+    got = list(verdicts(prompts, answers))
+    if len(got) != len(answers):
+        raise ValueError(f"verdicts gave {len(got)} answers for {len(answers)}")
+    return got

@@ -38,7 +38,9 @@ PLAIN = 'def f(x: int) -> int:\n    """Return x plus one."""\n    '
         ("peer_first", False, False, True),
         # Nothing to check: the router decides.
         ("own_first", None, True, True),
-        ("peer_first", True, None, True),
+        ("peer_first", None, None, True),
+        # The slot's answer not judged (own_first never asks): the own answer passed.
+        ("own_first", True, None, False),
     ],
 )
 def test_which_answer_each_policy_takes(
@@ -67,24 +69,37 @@ def test_own_first_keeps_the_own_answer_where_it_passes_and_counts_it() -> None:
     """The public-slice regression the check exists for: a "divisible by" prompt the router
     sends to the slot, which answers it wrongly while the own adapter answers it right."""
     other = PROMPT.replace("is_multiple", "fits")
+    prompts = [PROMPT, other, PLAIN]
     own = [[RIGHT, WRONG], [WRONG, WRONG], ["return x + 1\n"]]
     peer = [[WRONG, RIGHT], [RIGHT, WRONG], ["return 0\n"]]
-    checked = check_answers(
-        "own_first", [PROMPT, other, PLAIN], own, peer, lambda p, a: example_verdicts(p, a)
-    )
+    judged: list[str] = []
+
+    def verdicts(ps: Sequence[str], answers: Sequence[str]) -> list[bool | None]:
+        judged.extend(answers)
+        return example_verdicts(ps, answers)
+
+    checked = check_answers("own_first", prompts, own, peer, verdicts)
     # Sample by sample: own passes -> own; own fails -> the slot (whatever it does);
     # nothing to check -> the slot, as the router said.
     assert checked.answers == [[RIGHT, RIGHT], [RIGHT, WRONG], ["return 0\n"]]
     assert checked.from_own == 1
     assert checked.own_ok == [[True, False], [False, False], [None]]
-    assert checked.peer_ok == [[False, True], [True, False], [None]]
-    # Another policy from the same check, nothing run again.
-    assert checked.pick(checked.picks("peer_first"), own, peer) == [
-        [RIGHT, RIGHT],
-        [RIGHT, WRONG],
-        ["return 0\n"],
-    ]
-    assert checked.pick(checked.picks("off"), own, peer) == [list(p) for p in peer]
+    # own_first never runs the slot's answers.
+    assert checked.peer_ok == [[None, None], [None, None], [None]]
+    assert judged == [a for o in own for a in o]
+    # A peer_first check judges the slot's answer only where the own one passed, and every
+    # policy's choice follows from it without running anything again.
+    judged.clear()
+    full = check_answers("peer_first", prompts, own, peer, verdicts)
+    assert full.peer_ok == [[False, None], [None, None], [None]]
+    assert judged == [*(a for o in own for a in o), WRONG]
+    assert full.answers == [[RIGHT, RIGHT], [RIGHT, WRONG], ["return 0\n"]]
+    assert full.pick(full.picks("own_first"), own, peer) == checked.answers
+    assert full.pick(full.picks("off"), own, peer) == [list(p) for p in peer]
+    # Where both pass, peer_first keeps the slot's answer and own_first the own one.
+    both = check_answers("peer_first", [PROMPT], [[RIGHT]], [["return not n % 2\n"]], verdicts)
+    assert both.answers == [["return not n % 2\n"]] and both.from_own == 0
+    assert both.pick(both.picks("own_first"), [[RIGHT]], [["return not n % 2\n"]]) == [[RIGHT]]
 
 
 def test_off_runs_nothing_and_answers_must_pair_up() -> None:
@@ -100,8 +115,8 @@ def test_off_runs_nothing_and_answers_must_pair_up() -> None:
         check_answers("own_first", [PROMPT], [[RIGHT], [RIGHT]], [[WRONG]], verdicts)
     with pytest.raises(ValueError, match="input 0: 2 own answers but 1 from the slot"):
         check_answers("own_first", [PROMPT], [[RIGHT, RIGHT]], [[WRONG]], verdicts)
-    with pytest.raises(ValueError, match="verdicts gave 1 answers for 2"):
-        check_answers("own_first", [PROMPT], [[RIGHT]], [[WRONG]], lambda p, a: [True])
+    with pytest.raises(ValueError, match="verdicts gave 2 answers for 1"):
+        check_answers("own_first", [PROMPT], [[RIGHT]], [[WRONG]], lambda p, a: [True, True])
 
 
 def test_every_policy_is_named() -> None:
