@@ -29,9 +29,35 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1", **extra}
 
 
+#: Where every server of this module writes its own standard error: shown with a failing
+#: test (an intermittent BrokenPipeError on a spawn request, seen twice in CI, would say
+#: here whether the server refused the request, stopped listening or died).
+SERVER_LOGS = Path(os.environ.get("TMPDIR", "/tmp")) / f"peerlm-forkserver-test-{os.getpid()}"
+
+
+def _server(env: dict[str, str], preload: list[str]) -> ForkServer:
+    SERVER_LOGS.mkdir(exist_ok=True)
+    return ForkServer(env, preload, log=SERVER_LOGS / f"{time.monotonic_ns()}.log")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _server_logs_removed() -> Iterator[None]:
+    yield
+    shutil.rmtree(SERVER_LOGS, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _server_logs_on_failure() -> Iterator[None]:
+    before = set(SERVER_LOGS.glob("*.log")) if SERVER_LOGS.exists() else set()
+    yield
+    # Printed at teardown: pytest shows it only for a test that failed.
+    for log in sorted(set(SERVER_LOGS.glob("*.log")) - before) if SERVER_LOGS.exists() else []:
+        print(f"--- fork server log {log.name} ---\n{log.read_text()}", file=sys.stderr)
+
+
 @pytest.fixture(scope="module")
 def forks() -> Iterator[ForkServer]:
-    server = ForkServer(_env(), ["numpy"]).start()
+    server = _server(_env(), ["numpy"]).start()
     yield server
     server.close()
 
@@ -128,7 +154,7 @@ def test_a_pool_left_open_ends_with_the_command(forks: ForkServer) -> None:
 
 def test_an_unbuffered_server_gives_unbuffered_children() -> None:
     env = _env(PYTHONUNBUFFERED="1")
-    with ForkServer(env, []) as server:
+    with _server(env, []) as server:
         proc = server.spawn([*PROBE, "unflushed", "30"], stdout=subprocess.PIPE, env=env)
         assert isinstance(proc, ForkedProcess) and proc.stdout is not None
         try:
@@ -145,7 +171,7 @@ def test_an_unbuffered_server_gives_unbuffered_children() -> None:
 
 
 def test_a_server_gone_after_it_was_ready_leaves_new_interpreters() -> None:
-    with ForkServer(_env(), []) as server:
+    with _server(_env(), []) as server:
         assert isinstance(server.spawn(PROBE, stdout=subprocess.DEVNULL, env=_env()), ForkedProcess)
         os.kill(int(server.info["pid"]), signal.SIGKILL)
         time.sleep(0.5)
@@ -180,7 +206,7 @@ def test_a_server_holding_threads_after_its_imports_is_not_forked_from(tmp_path:
         "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
     )
     env = _env(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
-    with ForkServer(env, ["threaded_import"]) as server:
+    with _server(env, ["threaded_import"]) as server:
         proc = server.spawn(PROBE, stdout=subprocess.PIPE, text=True, env=env)
         assert isinstance(proc, subprocess.Popen)
         assert "threads" in (server.fallback_reason or "")
@@ -188,7 +214,7 @@ def test_a_server_holding_threads_after_its_imports_is_not_forked_from(tmp_path:
 
 
 def test_a_server_that_cannot_start_leaves_new_interpreters(tmp_path: Path) -> None:
-    with ForkServer(_env(), ["no_such_module_anywhere"]) as server:
+    with _server(_env(), ["no_such_module_anywhere"]) as server:
         proc = server.spawn(PROBE, stdout=subprocess.PIPE, text=True, env=_env())
         assert isinstance(proc, subprocess.Popen) and _report(proc)["argv"] == []
         assert "did not start" in (server.fallback_reason or "")
@@ -231,7 +257,7 @@ def _settled(folder: Path) -> int:
 
 
 def test_close_kills_what_is_still_running_and_names_it() -> None:
-    server = ForkServer(_env(), []).start()
+    server = _server(_env(), []).start()
     proc = server.spawn([*PROBE, "sleep", "600"], stdout=subprocess.DEVNULL, env=_env())
     assert isinstance(proc, ForkedProcess)
     killed = server.close(timeout=0.5)
@@ -239,7 +265,7 @@ def test_close_kills_what_is_still_running_and_names_it() -> None:
 
 
 def test_a_killed_server_leaves_a_child_that_runs_on_and_an_unknown_status() -> None:
-    server = ForkServer(_env(), []).start()
+    server = _server(_env(), []).start()
     proc = server.spawn([*PROBE, "sleep", "1"], stdout=subprocess.DEVNULL, env=_env())
     assert isinstance(proc, ForkedProcess)
     os.kill(int(server.info["pid"]), signal.SIGKILL)
@@ -255,7 +281,7 @@ def test_a_server_that_cannot_be_launched_leaves_new_interpreters(
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
-    with ForkServer(_env(), []) as server:
+    with _server(_env(), []) as server:
         proc = server.spawn(PROBE, stdout=subprocess.PIPE, text=True, env=_env())
         assert isinstance(proc, subprocess.Popen) and _report(proc)["argv"] == []
         assert "not launched" in (server.fallback_reason or "")
