@@ -983,21 +983,40 @@ class AgentDaemon:
                 telemetry=self.sandbox_telemetry,
             )
 
-        def answered(problems: list[Any], run: Callable[[Any], Any]) -> tuple[list[Any], int]:
-            # Answers (not losses): a routed input keeps the slot's answer or the own
-            # adapter's as answer_check picks; the count is of the own adapter's.
-            taken: list[int] = []
+        def answered(problems: list[Any], run: Callable[[Any], Any]) -> tuple[list[Any], Any]:
+            # The model's part of an answer_check: every answer, and for the inputs routed
+            # to the slot both adapters' (judged after, outside the model worker).
+            seen: list[tuple[list[Any], list[Any], list[Any]]] = []
 
-            def choose(items: Any, own: Any, peer: Any) -> list[list[str]]:
-                checked = check_answers(
-                    self.s.answer_check, [p.prompt for p in items], own, peer, verdicts
-                )
-                taken.append(checked.from_own)
-                return checked.answers
+            def keep(items: Any, own: Any, peer: Any) -> Any:
+                seen.append((list(items), list(own), list(peer)))
+                return peer
 
-            check = choose if self.s.answer_check != "off" else None
+            check = keep if self.s.answer_check != "off" else None
             got = route_map(host, slot, router, problems, lambda p: p.prompt, run, choose=check)
-            return got, sum(taken)
+            return got, seen[0] if seen else None
+
+        async def checked(problems: list[Any], answers: list[Any], to_check: Any) -> int:
+            # answer_check on the routed inputs (sandbox runs in the default executor);
+            # their answers replaced in place; the count of the own adapter's kept.
+            if to_check is None:
+                return 0
+            items, own, peer = to_check
+            result = await asyncio.get_running_loop().run_in_executor(
+                None,
+                functools.partial(
+                    check_answers,
+                    self.s.answer_check,
+                    [p.prompt for p in items],
+                    own,
+                    peer,
+                    verdicts,
+                ),
+            )
+            index = {p.task_id: k for k, p in enumerate(problems)}
+            for p, answer in zip(items, result.answers, strict=True):
+                answers[index[p.task_id]] = answer
+            return result.from_own
 
         def greedy(problems: list[Any]) -> list[list[str]]:
             got = sample_completions(host, problems, max_new_tokens=self.s.max_new_tokens)
@@ -1008,7 +1027,8 @@ class AgentDaemon:
             if not problems:
                 continue
             nll = await self._model(routed, problems, functools.partial(reference_nll, host))
-            answers, from_own = await self._model(answered, problems, greedy)
+            answers, to_check = await self._model(answered, problems, greedy)
+            from_own = await checked(problems, answers, to_check)
             self.telemetry.peer_slot_own_answers.labels(name).inc(from_own)
             completions = {p.task_id: c for p, c in zip(problems, answers, strict=True)}
             share = routed_share(router, [p.prompt for p in problems]) if slot.ready else 0.0

@@ -107,8 +107,9 @@ class AgentTelemetry:
         )
         self.peer_slot_own_answers = Counter(
             "peerlm_agent_peer_slot_own_answers_total",
-            "Routed answers the own adapter gave in the peer slot's place (answer_check: "
-            "the slot's failed its prompt's example, or the own one passed it), by slice.",
+            "Routed answers the own adapter gave in the peer slot's place (answer_check "
+            "own_first: the own answer passed its prompt's example; peer_first: the slot's "
+            "failed it and the own one passed), by slice.",
             ["slice"],
             registry=registry,
         )

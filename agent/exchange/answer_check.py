@@ -9,8 +9,8 @@ own adapter, may fail one the own adapter passes: a regression against training 
 that no gate on validation data sees. Every bank prompt shows a worked example in its
 docstring (``>>> call`` and the result; :mod:`.self_check`), and an answer that does not
 reproduce it is wrong whatever the hidden tests say. So before a routed input's answer
-leaves the participant, both adapters' answers are run against that example in the
-participant's sandbox:
+leaves the participant, the own adapter's answer (and under ``peer_first``, where that
+passes, the slot's) is run against that example in the participant's sandbox:
 
 * ``own_first`` (the default): the own adapter's answer, unless it fails its prompt's
   example; then the slot's. Where the example is among the tests (as in the bank), a
@@ -68,10 +68,17 @@ class CheckedAnswers:
     own_ok: list[list[bool | None]]
     peer_ok: list[list[bool | None]]
     from_own: int
+    #: The policy the check ran under: it judged what that policy needs, so it answers
+    #: for that policy and the weaker ones (``off`` < ``own_first`` < ``peer_first``).
+    checked_as: AnswerCheck = "peer_first"
 
     def picks(self, policy: AnswerCheck) -> list[list[bool]]:
         """Per input and sample, whether ``policy`` takes the slot's answer (what another
-        policy would have answered, from the same check, without running anything again)."""
+        policy would have answered, from the same check, without running anything again).
+        Raises :class:`ValueError` for a policy that needs verdicts the check did not run
+        (``peer_first`` from an ``own_first`` check: the slot's answers were not judged)."""
+        if ANSWER_CHECKS.index(policy) > ANSWER_CHECKS.index(self.checked_as):
+            raise ValueError(f"a check run as {self.checked_as!r} cannot answer for {policy!r}")
         return [
             [takes_peer(policy, o, p) for o, p in zip(own_i, peer_i, strict=True)]
             for own_i, peer_i in zip(self.own_ok, self.peer_ok, strict=True)
@@ -107,7 +114,7 @@ def check_answers(
             raise ValueError(f"input {i}: {len(o)} own answers but {len(p)} from the slot")
     if policy == "off":
         unchecked: list[list[bool | None]] = [[None] * len(p) for p in peer]
-        return CheckedAnswers([list(p) for p in peer], unchecked, unchecked, 0)
+        return CheckedAnswers([list(p) for p in peer], unchecked, unchecked, 0, "off")
     flat_prompts = [prompt for prompt, p in zip(prompts, peer, strict=True) for _ in p]
     own_flat = [a for o in own for a in o]
     peer_flat = [a for p in peer for a in p]
@@ -123,10 +130,10 @@ def check_answers(
     own_iter, peer_iter = iter(own_checked), iter(peer_checked)
     own_ok = [[next(own_iter) for _ in p] for p in peer]
     peer_ok = [[next(peer_iter) for _ in p] for p in peer]
-    picks = CheckedAnswers([], own_ok, peer_ok, 0).picks(policy)
+    picks = CheckedAnswers([], own_ok, peer_ok, 0, policy).picks(policy)
     answers = CheckedAnswers.pick(picks, own, peer)
     from_own = sum(not take for takes in picks for take in takes)
-    return CheckedAnswers(answers, own_ok, peer_ok, from_own)
+    return CheckedAnswers(answers, own_ok, peer_ok, from_own, policy)
 
 
 def _judged(verdicts: Verdicts, prompts: list[str], answers: list[str]) -> list[bool | None]:

@@ -19,7 +19,9 @@ from typing import Any
 from peerlm.app.experiment_participant import participant_report, unit_matrix
 from peerlm.app.experiment_slices import SLICES
 from peerlm.app.experiment_stats import paired_bootstrap
-from peerlm.app.experiment_strategies import COLLABORATIVE
+
+#: Strategies whose clients have no peer slot (their records hold the checks too, equal).
+_ALONE = frozenset({"local", "local_plus"})
 
 __all__ = [
     "answer_check_ablation",
@@ -30,12 +32,13 @@ __all__ = [
 
 
 def checked_strategies(result: Mapping[str, Any]) -> list[str]:
-    """The collaborative strategies whose every client record holds ``answer_checks``."""
+    """The strategies with a peer slot (SemanticDFL's pulls included) whose every client
+    record holds ``answer_checks``."""
     seeds = [str(s) for s in result["plan"]["seeds"]]
     return [
         s
         for s in result["plan"]["strategies"]
-        if s in COLLABORATIVE
+        if s not in _ALONE
         and all(
             "answer_checks" in client
             for seed in seeds

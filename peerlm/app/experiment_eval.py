@@ -67,8 +67,8 @@ def final_eval(world: World, client: Client, seed: int) -> dict[str, Any]:
     known = client.memo.outcomes if client.memo is not None else {}
     report = score_completions(world.test, completions, ks=(1,), known=known)
     passed = [r.pass_at[1] for r in report.problems]
-    # Which adapter answered each test problem (1: the peer slot); the router never sees
-    # the test set's categories.
+    # Which test problems the router sent to the peer slot (1; the answer check may still
+    # have kept the own adapter's answer); the router never sees the test set's categories.
     peer = _peer_routes(client, world.test)
     out = {
         "arch": client.arch,

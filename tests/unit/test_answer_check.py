@@ -87,6 +87,9 @@ def test_own_first_keeps_the_own_answer_where_it_passes_and_counts_it() -> None:
     # own_first never runs the slot's answers.
     assert checked.peer_ok == [[None, None], [None, None], [None]]
     assert judged == [a for o in own for a in o]
+    # ... so it cannot say what peer_first would have answered.
+    with pytest.raises(ValueError, match="cannot answer for 'peer_first'"):
+        checked.picks("peer_first")
     # A peer_first check judges the slot's answer only where the own one passed, and every
     # policy's choice follows from it without running anything again.
     judged.clear()

@@ -48,10 +48,10 @@ def _server_logs_removed() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _server_logs_on_failure() -> Iterator[None]:
-    before = set(SERVER_LOGS.glob("*.log")) if SERVER_LOGS.exists() else set()
     yield
-    # Printed at teardown: pytest shows it only for a test that failed.
-    for log in sorted(set(SERVER_LOGS.glob("*.log")) - before) if SERVER_LOGS.exists() else []:
+    # Printed at teardown, every server's log (the module's shared one too): pytest shows
+    # it only for a test that failed.
+    for log in sorted(SERVER_LOGS.glob("*.log")) if SERVER_LOGS.exists() else []:
         print(f"--- fork server log {log.name} ---\n{log.read_text()}", file=sys.stderr)
 
 
