@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,15 +31,10 @@ from peerlm.pki.identity import Role, load_vrf_secret
 from peerlm.rpc import create_channel
 from peerlm.security.credentials import TlsFiles, channel_credentials
 from peerlm.wire.v1 import overlay_pb2, overlay_pb2_grpc
+from tests.ports import free_port
 
 FEDERATION = "otest"
 LOOPBACK_SANS = ("127.0.0.1", "localhost")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

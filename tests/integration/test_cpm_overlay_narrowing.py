@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import urllib.request
 from collections.abc import Iterator
 
@@ -19,17 +18,12 @@ import pytest
 
 from peerlm.wire.v1 import cpm_pb2
 from tests.cpm_harness import CpmProcess, Pki
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
 N = 6
 NAMES = [f"a{k}" for k in range(N)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +34,7 @@ def cpm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpmProcess]:
         "PEERLM_CPM_ROUND_INTERVAL_S": "3600",
         "PEERLM_CPM_PROTOCOLS": json.dumps(["pmix", "svd_hka"]),
     }
-    proc = CpmProcess(
-        Pki.create(tmp, agents=N), tmp / "cpm.db", tmp, env, metrics_port=_free_port()
-    )
+    proc = CpmProcess(Pki.create(tmp, agents=N), tmp / "cpm.db", tmp, env, metrics_port=free_port())
     proc.start()
     yield proc
     assert proc.terminate() == 0, proc.log()[-3000:]
@@ -179,9 +171,7 @@ def cpm_multi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpmProcess]:
         "PEERLM_CPM_PROTOCOLS": json.dumps(["pmix", "svd_hka"]),
         "PEERLM_CPM_MERGE_SENDERS": "3",
     }
-    proc = CpmProcess(
-        Pki.create(tmp, agents=N), tmp / "cpm.db", tmp, env, metrics_port=_free_port()
-    )
+    proc = CpmProcess(Pki.create(tmp, agents=N), tmp / "cpm.db", tmp, env, metrics_port=free_port())
     proc.start()
     yield proc
     assert proc.terminate() == 0, proc.log()[-3000:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,23 +21,18 @@ from peerlm.security.credentials import channel_credentials
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
 from tests.node_contexts import credentials_context, dev_context, kit_context
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
 MANUAL = {"PEERLM_CPM_MIN_QUORUM": "1000", "PEERLM_CPM_ROUND_INTERVAL_S": "3600"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def cpm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpmProcess]:
     tmp = tmp_path_factory.mktemp("cpm")
     proc = CpmProcess(
-        Pki.create(tmp, agents=13), tmp / "cpm.db", tmp, MANUAL, metrics_port=_free_port()
+        Pki.create(tmp, agents=13), tmp / "cpm.db", tmp, MANUAL, metrics_port=free_port()
     )
     proc.start()
     yield proc

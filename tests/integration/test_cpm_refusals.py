@@ -8,7 +8,6 @@ with ``refusal_reward``. Bad refusals leave the state unchanged and are counted.
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from collections.abc import Iterator
 
@@ -22,6 +21,7 @@ from peerlm.pki.identity import Role
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 from tests.cpm_harness import CpmProcess, Pki
 from tests.node_contexts import kit_context
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -29,19 +29,11 @@ MANUAL = {"PEERLM_CPM_MIN_QUORUM": "1000", "PEERLM_CPM_ROUND_INTERVAL_S": "3600"
 FAILED = cpm_pb2.EXCHANGE_FAILURE_PARAMETER_SPACE
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def cpm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpmProcess]:
     tmp = tmp_path_factory.mktemp("cpm")
     env = {**MANUAL, "PEERLM_CPM_REFUSAL_REWARD": "-0.5"}
-    proc = CpmProcess(
-        Pki.create(tmp, agents=8), tmp / "cpm.db", tmp, env, metrics_port=_free_port()
-    )
+    proc = CpmProcess(Pki.create(tmp, agents=8), tmp / "cpm.db", tmp, env, metrics_port=free_port())
     proc.start()
     yield proc
     assert proc.terminate() == 0, proc.log()[-3000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 from peerlm.wire.v1 import cpm_pb2
 from tests.cpm_harness import CpmProcess, Pki
 from tests.integration.test_cpm_restart import _issue_directives, _ledger, _report
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -29,13 +29,6 @@ ENV = {
     "PEERLM_CPM_ROUND_INTERVAL_S": "3600",
     "PEERLM_CPM_REWARD_STREAM_WINDOW": str(WINDOW),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _rejected(cpm: CpmProcess, reason: str) -> float:
@@ -81,7 +74,7 @@ async def _stream(
 @pytest.fixture
 async def cpm(tmp_path: Path) -> Any:
     proc = CpmProcess(
-        Pki.create(tmp_path), tmp_path / "cpm.db", tmp_path, ENV, metrics_port=_free_port()
+        Pki.create(tmp_path), tmp_path / "cpm.db", tmp_path, ENV, metrics_port=free_port()
     ).start()
     yield proc
     proc.terminate()

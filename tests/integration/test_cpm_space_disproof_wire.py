@@ -11,7 +11,6 @@ refused (INVALID_ARGUMENT, reason ``space_mismatch``, counted), the state unchan
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 from collections.abc import Iterator
 
@@ -25,17 +24,12 @@ from peerlm.pki.identity import Role
 from peerlm.wire.v1 import cpm_pb2, cpm_pb2_grpc
 from tests.cpm_harness import CpmProcess, Pki
 from tests.node_contexts import kit_context
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
 SPACE = "ps1:declared-by-both"
 FAILED = cpm_pb2.EXCHANGE_FAILURE_PARAMETER_SPACE
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +40,7 @@ def cpm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpmProcess]:
         "PEERLM_CPM_ROUND_INTERVAL_S": "3600",
         "PEERLM_CPM_PROTOCOLS": json.dumps(["pmix"]),
     }
-    proc = CpmProcess(
-        Pki.create(tmp, agents=4), tmp / "cpm.db", tmp, env, metrics_port=_free_port()
-    )
+    proc = CpmProcess(Pki.create(tmp, agents=4), tmp / "cpm.db", tmp, env, metrics_port=free_port())
     proc.start()
     yield proc
     assert proc.terminate() == 0, proc.log()[-3000:]

@@ -4,7 +4,6 @@ their `fedproxy` sections, over mTLS on 127.0.0.1, beside the agents' own rounds
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from peerlm.forkserver import ForkServer
 from tests.agent_harness import start_agent
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -49,13 +49,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     cpm = CpmProcess(pki, tmp / "cpm.db", tmp, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"}).start()
     yield World(tmp, pki, cpm, model, proxy, tmp / "data", manifest.transfer_sha256)
     cpm.terminate()
-
-
-def _free_port() -> int:
-    # The owner's configuration names its members' addresses before they start.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _config(w: World, name: str, port: int, client: int, fedproxy: dict[str, object]) -> Path:
@@ -100,7 +93,7 @@ def _events(log: Path) -> list[dict[str, object]]:
 def test_an_owner_and_two_member_agents_run_their_cohort_rounds(
     world: World, agent_forks: ForkServer
 ) -> None:
-    ports = {name: _free_port() for name in ("a0", "a1", "a2")}
+    ports = {name: free_port() for name in ("a0", "a1", "a2")}
     at = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     configs = {
         "a0": _config(

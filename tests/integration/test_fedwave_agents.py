@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from peerlm.forkserver import ChildProcess, ForkServer
 from tests.agent_harness import start_agent
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -38,12 +38,6 @@ WORKFLOW = {
 RUNNING = ("a0", "a1", "a2")
 DEADLINE_S = 20.0
 ROUNDS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _stage_problems(examples: Any, stage: str) -> list[Problem]:
@@ -119,8 +113,8 @@ def test_experts_end_every_round_with_the_same_router_without_the_late_agent(
         for k, text in enumerate(chain.public)
     ]
     write_jsonl(data / "transfer.jsonl", transfer)
-    ports = {a: _free_port() for a in workflow.agents}
-    metrics_ports = {a: _free_port() for a in RUNNING}
+    ports = {a: free_port() for a in workflow.agents}
+    metrics_ports = {a: free_port() for a in RUNNING}
     peers = {a: f"127.0.0.1:{p}" for a, p in ports.items()}
     procs, logs = {}, {}
     try:
@@ -241,7 +235,7 @@ def _lone_expert(
     write_jsonl(data / "train.jsonl", _stage_problems(chain.of_agent("a1"), "implement"))
     held_out = [item.example(1, "implement") for item in chain.test]
     write_jsonl(data / "val.jsonl", _stage_problems(held_out, "implement"))
-    peers = {a: f"127.0.0.1:{_free_port()}" for a in workflow.agents}  # only a1 will listen
+    peers = {a: f"127.0.0.1:{free_port()}" for a in workflow.agents}  # only a1 will listen
     t = pki.tls("a1")
     full = {
         "federation": FEDERATION,

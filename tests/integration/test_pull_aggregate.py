@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from peerlm.pki.identity import PeerIdentity, Role
 from peerlm.wire.v1 import cpm_pb2
 from tests.foreign_pki import foreign_member_credentials
 from tests.node_contexts import credentials_context, kit_context
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -137,9 +137,7 @@ async def _serve(pki: Path, name: str, payload: bytes | None) -> Teacher:
 
 
 def _closed_port() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,11 @@ from prometheus_client import CollectorRegistry
 from peerlm.wire.v1 import cpm_pb2
 from tests.cpm_harness import CpmProcess, Pki
 from tests.node_contexts import kit_context
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
 MANUAL = {"PEERLM_CPM_MIN_QUORUM": "1000", "PEERLM_CPM_ROUND_INTERVAL_S": "3600"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _client(cpm: CpmProcess, name: str, registry: CollectorRegistry) -> CpmClient:
@@ -56,7 +50,7 @@ async def test_a_reward_in_flight_survives_a_cpm_restart(tmp_path: Path) -> None
         tmp_path / "cpm.db",
         tmp_path,
         MANUAL,
-        listen=f"127.0.0.1:{_free_port()}",
+        listen=f"127.0.0.1:{free_port()}",
     ).start()
     registries = {a: CollectorRegistry() for a in ("a0", "a1")}  # one per agent process
     clients = {a: _client(cpm, a, registries[a]) for a in ("a0", "a1")}

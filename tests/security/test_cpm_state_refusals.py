@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import socket
 import sqlite3
 import urllib.request
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from peerlm.wire.v1 import cpm_pb2
 from tests.cpm_harness import CpmProcess, Pki
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,7 @@ async def test_uint64_beyond_sqlite_is_invalid_argument(tmp_path: Path) -> None:
         tmp_path / "cpm.db",
         tmp_path,
         MANUAL,
-        metrics_port=_free_port(),
+        metrics_port=free_port(),
     )
     cpm.start()
     ch, stub = cpm.pki.stub(cpm.target, "a0")
@@ -119,12 +119,6 @@ async def test_uint64_beyond_sqlite_is_invalid_argument(tmp_path: Path) -> None:
         await ch.close()
         await admin_ch.close()
         assert cpm.terminate() == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rejected(cpm: CpmProcess, rpc: str) -> float:
