@@ -58,7 +58,7 @@ from peerlm.agent.cpm.client import CpmClient, next_directive, rest_of_round
 from peerlm.agent.cpm.directives import MAX_CO_SENDERS, DirectiveBook, directive_action
 from peerlm.agent.cpm.profile import host_parameter_space
 from peerlm.agent.eval.evaluation import structural_match_rate
-from peerlm.agent.eval.sandbox import SandboxTelemetry, require_confinement
+from peerlm.agent.eval.sandbox import LimitOptions, SandboxTelemetry, require_confinement
 from peerlm.agent.exchange.answer_check import check_answers
 from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot, route_map, routed_share
 from peerlm.agent.exchange.protocol import exchange_failed, report_refusal
@@ -847,10 +847,7 @@ class AgentDaemon:
             checked = self_check(
                 prompts,
                 completions,
-                timeout_s=self.s.sandbox_timeout_s,
-                memory_mb=self.s.sandbox_memory_mb,
-                allow_unconfined=self.s.sandbox_allow_unconfined,
-                telemetry=self.sandbox_telemetry,
+                **self._sandbox_limits(),
             )
             counts = self.telemetry.self_checked
             counts.labels("failed").inc(checked.failed)
@@ -939,15 +936,22 @@ class AgentDaemon:
                 problems,
                 completions,
                 ks=(1,),
-                timeout_s=self.s.sandbox_timeout_s,
-                memory_mb=self.s.sandbox_memory_mb,
-                allow_unconfined=self.s.sandbox_allow_unconfined,
-                telemetry=self.sandbox_telemetry,
+                **self._sandbox_limits(),
             ),
         )
         competence = competence_of((r.category, r.c, r.n) for r in report.problems)
         self.state["competence"] = competence.to_dict()
         return loss, float(report.mean.get(1, 0.0))
+
+    def _sandbox_limits(self) -> LimitOptions:
+        """The sandbox's limits from the settings, for every run of generated code (one
+        place, so no call site forgets the opt-out or the telemetry)."""
+        return LimitOptions(
+            timeout_s=self.s.sandbox_timeout_s,
+            memory_mb=self.s.sandbox_memory_mb,
+            allow_unconfined=self.s.sandbox_allow_unconfined,
+            telemetry=self.sandbox_telemetry,
+        )
 
     def _teachable(self) -> list[int]:
         """The X_u prompts this agent answers as a teacher (``teach_scope``,
@@ -977,10 +981,7 @@ class AgentDaemon:
             return example_verdicts(
                 prompts,
                 answers,
-                timeout_s=self.s.sandbox_timeout_s,
-                memory_mb=self.s.sandbox_memory_mb,
-                allow_unconfined=self.s.sandbox_allow_unconfined,
-                telemetry=self.sandbox_telemetry,
+                **self._sandbox_limits(),
             )
 
         def answered(problems: list[Any], run: Callable[[Any], Any]) -> tuple[list[Any], Any]:
@@ -1040,8 +1041,7 @@ class AgentDaemon:
                     problems,
                     completions,
                     ks=(1,),
-                    timeout_s=self.s.sandbox_timeout_s,
-                    memory_mb=self.s.sandbox_memory_mb,
+                    **self._sandbox_limits(),
                 ),
             )
             out[name] = {

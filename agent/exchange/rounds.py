@@ -34,14 +34,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 import numpy as np
 from peerlm.agent.training import TrainSettings, TrainStats, split_prompt, token_ids
 
 if TYPE_CHECKING:
     from peerlm.agent.eval.evaluation import EvalReport
-    from peerlm.agent.eval.sandbox import SandboxTelemetry, Status
+    from peerlm.agent.eval.sandbox import LimitOptions, Status
     from peerlm.agent.exchange.package import KnowledgePackage, LogitsPackage
     from peerlm.agent.modelhost import ModelHost
     from peerlm.agent.settings import AgentSettings
@@ -195,16 +195,14 @@ def score_completions(
     completions: Mapping[str, Sequence[str]],
     *,
     ks: Sequence[int] = (1,),
-    timeout_s: float = 5.0,
-    memory_mb: int = 256,
     max_workers: int = 2,
-    allow_unconfined: bool = False,
-    telemetry: SandboxTelemetry | None = None,
     known: MutableMapping[str, Status] | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> EvalReport:
     """Run ``completions`` in the sandbox: pass@k per problem (unbiased estimator), means.
     ``known``: programs already run under these limits, and their status
-    (:func:`~peerlm.agent.eval.evaluation.evaluate`).
+    (:func:`~peerlm.agent.eval.evaluation.evaluate`); ``limits`` go to
+    :func:`~peerlm.agent.eval.sandbox.run_program`.
 
     Raises :class:`~peerlm.agent.eval.sandbox.SandboxUnavailable` when the sandbox cannot
     confine the code and ``allow_unconfined`` (the operator's opt-out) is false.
@@ -216,11 +214,8 @@ def score_completions(
         completions,
         ks=tuple(ks),
         max_workers=max_workers,
-        timeout_s=timeout_s,
-        memory_mb=memory_mb,
-        allow_unconfined=allow_unconfined,
-        telemetry=telemetry,
         known=known,
+        **limits,
     )
 
 
