@@ -122,7 +122,8 @@ def _recv_message(sock: socket.socket, maxfds: int = 0) -> tuple[dict[str, Any],
 
 
 class _ServerGone(OSError):
-    """The fork server could not be reached; nothing was sent to it."""
+    """The fork server could not be reached, or closed the connection before a request was
+    whole: no child was forked for it."""
 
 
 class ForkedProcess:
@@ -474,7 +475,13 @@ class ForkServer:
                     "session": session,
                     "umask": umask,
                 }
-                _send_message(conn, request, [in_fd, out_fd, err_fd])
+                try:
+                    _send_message(conn, request, [in_fd, out_fd, err_fd])
+                except (BrokenPipeError, ConnectionResetError) as error:
+                    # The server closed the connection before the request was whole in its
+                    # socket (it died, or stopped listening, after it was ready): it can
+                    # have forked nothing, so a new interpreter runs the command instead.
+                    raise _ServerGone(f"server gone: {error}") from error
                 reply, fds = _recv_message(conn, maxfds=1)
             except BaseException:
                 conn.close()

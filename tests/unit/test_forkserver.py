@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from peerlm import forkserver
 from peerlm.forkserver import UNKNOWN_EXIT, ForkedProcess, ForkServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,6 +179,25 @@ def test_a_server_gone_after_it_was_ready_leaves_new_interpreters() -> None:
         proc = server.spawn(PROBE, stdout=subprocess.PIPE, text=True, env=_env())
         assert isinstance(proc, subprocess.Popen) and _report(proc)["argv"] == []
         assert "server gone" in (server.fallback_reason or "")
+
+
+def test_a_request_the_server_closed_on_unsent_runs_in_a_new_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A server that dies or stops listening after it was ready closes the connection before
+    # the request is whole in its socket (EPIPE, seen in CI): it forked nothing, so the
+    # command must still run, not fail.
+    with _server(_env(), []) as server:
+        assert server.spawn(PROBE, stdout=subprocess.DEVNULL, env=_env()).wait() == 0
+
+        def closed(sock: socket.socket, payload: object, fds: object = ()) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        monkeypatch.setattr(forkserver, "_send_message", closed)
+        proc = server.spawn(PROBE, stdout=subprocess.PIPE, text=True, env=_env())
+        assert isinstance(proc, subprocess.Popen) and _report(proc)["argv"] == []
+        assert "server gone: [Errno 32] Broken pipe" in (server.fallback_reason or "")
+        assert (server.forked, server.started) == (1, 1)
 
 
 def test_what_forking_could_change_starts_a_new_interpreter(forks: ForkServer) -> None:
