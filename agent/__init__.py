@@ -160,6 +160,7 @@ if TYPE_CHECKING:
     from peerlm.agent.peer.transport import GrpcPeers, PeerTransport
     from peerlm.agent.peer_integration import (
         INTEGRATIONS,
+        in_slot,
         learnt_anything,
         slot_learns,
         slot_runner,
@@ -204,6 +205,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "PeerTransport": ("peerlm.agent.peer.transport", "PeerTransport"),
     "INTEGRATIONS": ("peerlm.agent.peer_integration", "INTEGRATIONS"),
     "slot_runner": ("peerlm.agent.peer_integration", "slot_runner"),
+    "in_slot": ("peerlm.agent.peer_integration", "in_slot"),
     "learnt_anything": ("peerlm.agent.peer_integration", "learnt_anything"),
     "slot_learns": ("peerlm.agent.peer_integration", "slot_learns"),
     "AgentOverlaySettings": ("peerlm.agent.settings", "AgentOverlaySettings"),
@@ -483,6 +485,7 @@ __all__ = [
     "h_ties",
     "held_out_drills",
     "host_parameter_space",
+    "in_slot",
     "integrate_adapters",
     "integrate_package",
     "kept_count",

@@ -344,7 +344,7 @@ class AgentDaemon:
 
         if self.s.integration != "separate":
             return
-        self.slot = PeerSlot()
+        self.slot = PeerSlot(rehearsal=self.s.slot_rehearsal, seed=self.s.seed)
         self.router, how = await asyncio.to_thread(
             fit_agent_router,
             [p.prompt for p in self.train],

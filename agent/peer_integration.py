@@ -38,7 +38,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from peerlm.agent.exchange.peer_knowledge import InputRouter, PeerSlot
+from peerlm.agent.exchange.peer_knowledge import (
+    REHEARSAL_LESSONS,
+    REHEARSAL_PAIRS_PER_LESSON,
+    InputRouter,
+    PeerSlot,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -84,10 +89,17 @@ def in_slot(
     back afterwards. An integration (:data:`INTEGRATIONS`) keeps its effect in the slot and
     counts as ``what``; any other call leaves the slot as it was (module docstring)."""
     if fn in INTEGRATIONS:
+        from peerlm.agent.exchange.rounds import integrate_package
+
+        rehearses = fn is integrate_package and slot.rehearsal > 0
+        if rehearses:
+            kw.setdefault("rehearsal", slot.rehearse())
         with slot.active(host, what) as write:
             out = fn(*args, **kw)
             write.kept = learnt_anything(out)
-            return out
+        if rehearses and write.kept and not getattr(out, "rolled_back", False):
+            slot.remember(getattr(out, "learnt", ()))
+        return out
     if slot.state is None:
         own = host.adapter_state()
         try:
@@ -184,8 +196,34 @@ def slot_extra(slot: PeerSlot | None) -> dict[str, Mapping[str, torch.Tensor]] |
 
 
 def slot_record(slot: PeerSlot) -> dict[str, Any]:
-    """What the checkpoint's JSON state keeps of the slot beside its tensors."""
-    return {"integrations": slot.integrations, "history": slot.history[-_HISTORY_KEPT:]}
+    """What the checkpoint's JSON state keeps of the slot beside its tensors: its count,
+    history and the lessons it rehearses."""
+    return {
+        "integrations": slot.integrations,
+        "history": slot.history[-_HISTORY_KEPT:],
+        "lessons": [[list(pair) for pair in lesson] for lesson in slot.lessons],
+    }
+
+
+def _lessons(record: Any) -> list[tuple[tuple[str, str], ...]]:
+    """The lessons of a checkpoint's slot record, as :meth:`PeerSlot.remember` keeps them;
+    whatever is not a list of (prompt, completion) string pairs is dropped."""
+    if not isinstance(record, list):
+        return []
+    lessons = []
+    for lesson in record[-REHEARSAL_LESSONS:]:
+        if not isinstance(lesson, list):
+            continue
+        pairs = tuple(
+            (pair[0], pair[1])
+            for pair in lesson[:REHEARSAL_PAIRS_PER_LESSON]
+            if isinstance(pair, list)
+            and len(pair) == 2
+            and all(isinstance(text, str) for text in pair)
+        )
+        if pairs:
+            lessons.append(pairs)
+    return lessons
 
 
 def restore_slot(
@@ -225,4 +263,5 @@ def restore_slot(
         history = record.get("history")
         slot.integrations = count if isinstance(count, int) and count >= 0 else 0
         slot.history = [str(h) for h in history] if isinstance(history, list) else []
+        slot.lessons = _lessons(record.get("lessons"))
     return True

@@ -362,6 +362,10 @@ class AgentSettings(ServiceSettings):
     # fails and the own one passes, "off" the router alone (peerlm.agent.exchange
     # .answer_check; ours).
     answer_check: Literal["off", "own_first", "peer_first"] = "own_first"
+    # With integration "separate": pairs of earlier text lessons (the newest 16 accepted,
+    # 64 pairs of each) distilled beside each new one in the same steps, so that a lesson
+    # does not overwrite the ones before (experience replay; ours). 0: none.
+    slot_rehearsal: int = Field(default=0, ge=0, le=256)
     # SIGTERM: finish the current round within this grace, else stop training at the next
     # optimiser step, checkpoint and exit 0.
     stop_grace_s: float = Field(default=30.0, ge=0)

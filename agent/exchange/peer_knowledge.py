@@ -36,10 +36,11 @@ choices (docs/experiment.md).
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 
 import numpy as np
 from sklearn.feature_extraction.text import TfidfVectorizer
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from peerlm.agent.modelhost import ModelHost
 
 __all__ = [
+    "REHEARSAL_LESSONS",
+    "REHEARSAL_PAIRS_PER_LESSON",
     "InputRouter",
     "PeerSlot",
     "SlotSaved",
@@ -145,6 +148,15 @@ class SlotWrite:
     kept: bool = True
 
 
+#: Lessons a peer slot remembers for its rehearsal (the newest), and (prompt, completion)
+#: pairs it keeps of one lesson: one peer's lessons, however many or large, fill at most
+#: this share of what is rehearsed.
+REHEARSAL_LESSONS: Final = 16
+REHEARSAL_PAIRS_PER_LESSON: Final = 64
+
+Lesson = tuple[tuple[str, str], ...]
+
+
 @dataclass(frozen=True)
 class SlotSaved:
     """What a :class:`PeerSlot` holds at one moment (:meth:`PeerSlot.saved`)."""
@@ -152,6 +164,7 @@ class SlotSaved:
     state: dict[str, torch.Tensor] | None
     integrations: int
     history: tuple[str, ...]
+    lessons: tuple[Lesson, ...] = ()
 
 
 @dataclass
@@ -167,6 +180,15 @@ class PeerSlot:
     #: Integrations written to the slot (accepted or rolled back by their own gate).
     integrations: int = 0
     history: list[str] = field(default_factory=list)
+    #: Pairs of earlier lessons distilled beside each new text lesson (``slot_rehearsal``;
+    #: 0: none, the papers' Eq. 2). The slot learns one peer's lesson after another in the
+    #: same few steps, and a lesson overwrites what the one before taught; rehearsing
+    #: earlier lessons (experience replay, ours) keeps them without extra steps.
+    rehearsal: int = 0
+    #: The draws' seed (with the integration count: the same draws on a replay).
+    seed: int = 0
+    #: The accepted text lessons' pairs, oldest first (:meth:`remember`).
+    lessons: list[Lesson] = field(default_factory=list)
 
     @contextmanager
     def active(self, host: ModelHost, what: str = "integration") -> Iterator[SlotWrite]:
@@ -196,13 +218,32 @@ class PeerSlot:
         which tries every teacher and keeps the best) is undone by restoring what was saved
         before it, and kept by restoring what was saved after it. The tensors are shared,
         not copied: an integration replaces the slot's state, it never writes into it."""
-        return SlotSaved(self.state, self.integrations, tuple(self.history))
+        return SlotSaved(self.state, self.integrations, tuple(self.history), tuple(self.lessons))
 
     def restore(self, saved: SlotSaved) -> None:
-        """The slot back to ``saved`` (state, integration count and history)."""
+        """The slot back to ``saved`` (state, integration count, history and lessons)."""
         self.state = saved.state
         self.integrations = saved.integrations
         self.history = list(saved.history)
+        self.lessons = list(saved.lessons)
+
+    def rehearse(self) -> list[tuple[str, str]]:
+        """Up to ``rehearsal`` pairs drawn without replacement from the remembered lessons,
+        to distil beside the next lesson (empty with ``rehearsal`` 0 or nothing learnt)."""
+        pool = [pair for lesson in self.lessons for pair in lesson]
+        if not self.rehearsal or not pool:
+            return []
+        draw = random.Random(f"{self.seed}:{self.integrations}")
+        return draw.sample(pool, min(self.rehearsal, len(pool)))
+
+    def remember(self, pairs: Sequence[tuple[str, str]]) -> None:
+        """Keep an accepted lesson's pairs for rehearsal (the first
+        :data:`REHEARSAL_PAIRS_PER_LESSON`; the newest :data:`REHEARSAL_LESSONS` lessons).
+        Nothing is kept while ``rehearsal`` is 0."""
+        if not self.rehearsal or not pairs:
+            return
+        self.lessons.append(tuple(pairs[:REHEARSAL_PAIRS_PER_LESSON]))
+        del self.lessons[:-REHEARSAL_LESSONS]
 
     @property
     def ready(self) -> bool:

@@ -397,6 +397,10 @@ class Integration:
     #: ``loss_post`` and ``reward`` are still the measured (bounded) ones, so the reward
     #: reported to the CPM is negative.
     rolled_back: bool = False
+    #: The teacher's (prompt, completion) pairs a text package was distilled on (after the
+    #: slot's scope, the empty and redacted items and the guardrail): what a peer slot
+    #: remembers of the lesson for its rehearsal (:class:`~.peer_knowledge.PeerSlot`).
+    learnt: tuple[tuple[str, str], ...] = ()
 
 
 def integrate_package(
@@ -413,6 +417,7 @@ def integrate_package(
     reward_examples: Sequence[tuple[str, str]] | None = None,
     learns: Callable[[Sequence[str]], Sequence[bool]] | None = None,
     reward_scope: Callable[[Sequence[str]], Sequence[tuple[str, str]]] | None = None,
+    rehearsal: Sequence[tuple[str, str]] = (),
 ) -> Integration:
     """Integrate a decoded package by AKD (Eq. 2) and compute the reward of Eq. 3.
 
@@ -453,6 +458,11 @@ def integrate_package(
     problems of the categories the package teaches. A package that teaches no category of
     the probe is measured on nothing: L_post = L_pre (the validation loss before) and the
     reward is Eq. 3's -delta * KB, whatever it trained.
+
+    With ``rehearsal`` (a peer slot's earlier lessons, :meth:`~.peer_knowledge.PeerSlot.rehearse`),
+    a text package that has something to teach is distilled together with those pairs in
+    the same steps; a package with nothing to teach trains nothing whatever the rehearsal
+    holds, and a logits package ignores it (its targets are token distributions).
     """
     from peerlm.agent.acceptance import AcceptanceGate, judge
     from peerlm.agent.exchange.package import TextPackage, item_prompts, text_pairs
@@ -479,6 +489,7 @@ def integrate_package(
     )
     before = host.adapter_state() if config.acceptance_margin is not None else None
     temperature: float | None = None
+    learnt: tuple[tuple[str, str], ...] = ()
     if isinstance(package, TextPackage):
         mode: PackageMode = "text"
         # Not learnt from: an empty completion (it would teach "stop at once") and one the
@@ -498,7 +509,10 @@ def integrate_package(
         if not pairs:  # nothing to learn from the teacher: local data only
             stats = host.train_local(local_examples, settings, steps=config.local_steps)
         else:
-            stats = host.train_akd(local_examples, pairs, alpha, settings, steps=config.local_steps)
+            learnt = tuple(pairs)
+            stats = host.train_akd(
+                local_examples, [*pairs, *rehearsal], alpha, settings, steps=config.local_steps
+            )
     else:
         mode = "logits"
         temperature = config.kd_temperature(t)
@@ -547,7 +561,7 @@ def integrate_package(
     if not math.isfinite(reward):
         raise ValueError(f"reward is not finite (L_pre={pre}, L_post={post})")
     return Integration(
-        mode, alpha, temperature, pre, post, kilobytes, reward, stats, verdict.rolled_back
+        mode, alpha, temperature, pre, post, kilobytes, reward, stats, verdict.rolled_back, learnt
     )
 
 

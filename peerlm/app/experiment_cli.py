@@ -140,6 +140,15 @@ _AnswerCheckOption = Annotated[
         "unless it fails and the own one passes) or off (the router alone)."
     ),
 ]
+_SlotRehearsalOption = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        max=256,
+        help="Pairs of the peer slot's earlier text lessons distilled beside each new one, "
+        "in the same steps (default 0: none).",
+    ),
+]
 _PairingOption = Annotated[
     str | None,
     typer.Option(
@@ -276,6 +285,7 @@ _PLAN_FIELDS: dict[str, str] = {
     "peer_alpha": "peer_alpha",
     "slot_scope": "slot_scope",
     "answer_check": "answer_check",
+    "slot_rehearsal": "slot_rehearsal",
     "pairing": "pairing",
     "teacher_capacity": "teacher_capacity",
     "learning_rate": "lr",
@@ -320,6 +330,7 @@ def run_experiment_command(
     peer_alpha: _PeerAlphaOption = None,
     slot_scope: _SlotScopeOption = None,
     answer_check: _AnswerCheckOption = None,
+    slot_rehearsal: _SlotRehearsalOption = None,
     pairing: _PairingOption = None,
     teacher_capacity: _TeacherCapacityOption = None,
     own_steps_every_round: _OwnStepsEveryRoundOption = None,

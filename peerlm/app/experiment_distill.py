@@ -90,23 +90,27 @@ def integrate(
     i: int,
     t: int,
 ) -> Integration:
-    from peerlm.agent import integrate_package, learnt_anything
+    from peerlm.agent import in_slot, integrate_package, learnt_anything
 
-    with student.integrating(world.plan, f"akd-{package.__class__.__name__}") as write:
-        result = integrate_package(
-            student.host,
-            package,
-            kilobytes=kilobytes,
-            local_examples=student.train_examples,
-            val_examples=reward_examples(world, student, i),
-            transfer_prompts=world.transfer,
-            config=round_config(world.plan, seed, i, integration=True),
-            t=t,
-            learns=student.slot_learns(world.plan),
-            reward_scope=reward_scope(world),
+    kwargs: dict[str, Any] = dict(
+        kilobytes=kilobytes,
+        local_examples=student.train_examples,
+        val_examples=reward_examples(world, student, i),
+        transfer_prompts=world.transfer,
+        config=round_config(world.plan, seed, i, integration=True),
+        t=t,
+        learns=student.slot_learns(world.plan),
+        reward_scope=reward_scope(world),
+    )
+    result: Integration
+    if world.plan.integration == "separate":
+        # Through the daemon's own slot runner, the slot's rehearsal included.
+        what = f"akd-{package.__class__.__name__}"
+        result = in_slot(
+            student.slot, student.host, what, integrate_package, student.host, package, **kwargs
         )
-        if write is not None:
-            write.kept = learnt_anything(result)
+    else:
+        result = integrate_package(student.host, package, **kwargs)
     if learnt_anything(result):
         student.peer_steps += world.plan.integration_steps
     return result

@@ -164,6 +164,9 @@ class ExperimentPlan:
     # each policy's pass@1 from the same answers (``answer_checks``), so one run is also
     # the ablation of the others.
     answer_check: Literal["off", "own_first", "peer_first"] = "own_first"
+    # Pairs of the peer slot's earlier text lessons distilled beside each new one, in the
+    # same steps (the agent's ``slot_rehearsal``; ours). 0: none.
+    slot_rehearsal: int = 0
     # Whether every client of a collaborative strategy also spends LocalOnly+'s extra
     # own-data steps every round (an agent keeps training on its own data whatever its
     # role); False: the earlier harness, where only students trained in the exchange phase.
@@ -226,6 +229,8 @@ class ExperimentPlan:
             raise ValueError(f"teacher_capacity must be >= 1, not {self.teacher_capacity!r}")
         if self.slot_scope not in ("all", "routed"):
             raise ValueError(f"slot_scope must be 'all' or 'routed', not {self.slot_scope!r}")
+        if not 0 <= self.slot_rehearsal <= 256:
+            raise ValueError(f"slot_rehearsal must be in [0, 256], not {self.slot_rehearsal}")
         if self.answer_check not in ("off", "own_first", "peer_first"):
             raise ValueError(
                 f"answer_check must be off, own_first or peer_first, not {self.answer_check!r}"

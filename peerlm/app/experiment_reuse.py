@@ -101,6 +101,7 @@ _COLLABORATION_ONLY_FIELDS: tuple[str, ...] = (
     "teacher_capacity",
     "teach_self_check",
     "answer_check",
+    "slot_rehearsal",
 )
 
 

@@ -341,6 +341,7 @@ def build_clients(
         if name in warm:
             host.load_adapter_state(warm[name])
         client = Client(name, arch, host, train, val, guard)
+        client.slot.rehearsal, client.slot.seed = plan.slot_rehearsal, seed + i
         if plan.integration == "separate" and routers:
             if i not in world.routers:
                 world.routers[i] = _router(world, train, val)

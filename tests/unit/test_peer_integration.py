@@ -12,7 +12,11 @@ import torch
 from peerlm.agent import AgentSettings, LoraSettings, ModelHost, TrainSettings
 from peerlm.agent.checkpoint import CheckpointStore
 from peerlm.agent.exchange.package import TextItem, TextPackage, prompt_sha256
-from peerlm.agent.exchange.peer_knowledge import PeerSlot
+from peerlm.agent.exchange.peer_knowledge import (
+    REHEARSAL_LESSONS,
+    REHEARSAL_PAIRS_PER_LESSON,
+    PeerSlot,
+)
 from peerlm.agent.exchange.rounds import RoundConfig, integrate_package
 from peerlm.agent.merging.pull_aggregate import PullSettings, integrate_adapters
 from peerlm.agent.peer_integration import (
@@ -206,6 +210,87 @@ def test_the_slot_survives_a_checkpoint(host: ModelHost, tmp_path: Path) -> None
     assert again.state is not None and _same(again.state, slot.state)
     assert again.integrations == 3 and again.history == ["akd", "pmix", "overlay"]
     assert slot_extra(PeerSlot()) is None and slot_extra(None) is None
+
+
+def test_the_slots_lessons_survive_a_checkpoint_and_a_malformed_record_loses_only_itself(
+    host: ModelHost, tmp_path: Path
+) -> None:
+    store = CheckpointStore(tmp_path / "ck")
+    slot = PeerSlot(rehearsal=4)
+    slot.state = host.adapter_state()
+    slot.remember([("p1", "c1"), ("p2", "c2")])
+    slot.remember([("p3", "c3")])
+    record = slot_record(slot)
+    store.save(1, host.adapter_state(), {SLOT_EXTRA: record}, extra=slot_extra(slot))
+    restored = store.load_latest()
+    assert restored is not None
+    again = PeerSlot(rehearsal=4)
+    assert restore_slot(again, host, restored, store)
+    assert again.lessons == slot.lessons
+    # What a damaged or hostile record holds that is not a lesson of string pairs is
+    # dropped, the rest kept.
+    record["lessons"] = [[["p", "c"], ["only one"], [1, "c"]], "text", [], [["q", "d"]]]
+    store.save(2, host.adapter_state(), {SLOT_EXTRA: record}, extra=slot_extra(slot))
+    restored = store.load_latest()
+    assert restored is not None and restore_slot(again, host, restored, store)
+    assert again.lessons == [(("p", "c"),), (("q", "d"),)]
+
+
+def test_rehearsal_draws_from_remembered_lessons_within_its_bounds() -> None:
+    off = PeerSlot()
+    off.remember([("p", "c")])
+    assert off.lessons == [] and off.rehearse() == []
+    slot = PeerSlot(rehearsal=3, seed=7)
+    assert slot.rehearse() == []
+    many = [(f"p{k}", f"c{k}") for k in range(REHEARSAL_PAIRS_PER_LESSON + 10)]
+    slot.remember(many)
+    assert slot.lessons == [tuple(many[:REHEARSAL_PAIRS_PER_LESSON])]
+    drawn = slot.rehearse()
+    assert len(drawn) == 3 == len(set(drawn)) and set(drawn) <= set(many)
+    # The same draws for the same slot (seed and integration count): a replay repeats it.
+    assert slot.rehearse() == drawn
+    slot.integrations += 1
+    for k in range(REHEARSAL_LESSONS + 5):
+        slot.remember([(f"lesson{k}", "c")])
+    assert len(slot.lessons) == REHEARSAL_LESSONS
+    assert slot.lessons[-1] == (("lesson20", "c"),) and slot.lessons[0] == (("lesson5", "c"),)
+    saved = slot.saved()
+    slot.remember([("later", "c")])
+    slot.restore(saved)
+    assert slot.lessons[-1] == (("lesson20", "c"),)
+
+
+def test_a_lesson_is_distilled_with_earlier_ones_and_remembered_only_when_kept(
+    host: ModelHost,
+) -> None:
+    seen: list[list[tuple[str, str]]] = []
+    train_akd = host.train_akd
+
+    def spy(local: Any, teacher: Any, *args: Any, **kw: Any) -> Any:
+        seen.append(list(teacher))
+        return train_akd(local, teacher, *args, **kw)
+
+    own = host.adapter_state()
+    slot = PeerSlot(rehearsal=2, seed=1)
+    host.train_akd = spy  # type: ignore[method-assign]
+    try:
+        in_slot(slot, host, "akd", integrate_package, host, _package(), **_akd_args(1))
+        first = [(p, "return s == s[::-1]\n") for p in OTHER[:4]]
+        assert seen[-1] == first and slot.lessons == [tuple(first)]
+        in_slot(slot, host, "akd", integrate_package, host, _package(), **_akd_args(1))
+        # The new lesson's four pairs and two of the remembered one's.
+        assert seen[-1][:4] == first and len(seen[-1]) == 6 and set(seen[-1][4:]) <= set(first)
+        assert len(slot.lessons) == 2
+        # A lesson its gate rolled back is not remembered: a margin below any change.
+        gated = _akd_args(1)
+        gated["config"] = RoundConfig(
+            total_rounds=2, train=FAST, local_steps=1, acceptance_margin=-1.0
+        )
+        out = in_slot(slot, host, "akd", integrate_package, host, _package(), **gated)
+        assert out.rolled_back and len(slot.lessons) == 2
+    finally:
+        del host.train_akd
+        host.load_adapter_state(own)
 
 
 def test_a_damaged_slot_file_is_set_aside_and_the_slot_starts_empty(
