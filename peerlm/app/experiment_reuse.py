@@ -221,8 +221,9 @@ def reusable_runs(
                 continue
             for seed in plan.seeds:
                 run = old_runs[strategy].get(str(seed))
-                if run is not None and (strategy, seed) not in out:
-                    out[(strategy, seed)] = run
+                if run is not None:
+                    # An earlier file's run of the same key wins; this file still matched.
+                    out.setdefault((strategy, seed), run)
                     matched = True
         if not matched:
             raise ValueError(

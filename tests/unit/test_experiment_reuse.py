@@ -35,6 +35,18 @@ def test_runs_of_the_same_plan_are_reused_per_strategy_and_seed() -> None:
     assert got[("oracle", 1)] == {"strategy": "oracle", "seed": 1}
 
 
+def test_a_run_two_files_hold_is_taken_from_the_first_and_neither_file_is_refused() -> None:
+    # A command's runs-so-far.json holds the runs it reused as well as its own: passing the
+    # file it reused too is redundant, not wrong.
+    progress = _stored(ExperimentPlan(strategies=("local_plus", "oracle"), seeds=(0, 1)))
+    original = _stored(ExperimentPlan(strategies=("local_plus",), seeds=(0, 1)))
+    original["runs"]["local_plus"]["0"]["from"] = "original"
+    plan = ExperimentPlan(strategies=("local_plus", "oracle"), seeds=(0, 1))
+    got = reusable_runs(plan, [progress, original], NLL)
+    assert sorted(got) == [("local_plus", 0), ("local_plus", 1), ("oracle", 0), ("oracle", 1)]
+    assert "from" not in got[("local_plus", 0)]
+
+
 def test_runs_that_moved_adapters_need_their_kilobytes_counted_as_today() -> None:
     """A result written before transfers counted the encoded bytes (no marker): its merge,
     menu and overlay runs are run again, the others still stand in."""
