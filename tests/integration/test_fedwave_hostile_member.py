@@ -33,13 +33,13 @@ from tests.agent_harness import start_agent
 from tests.cpm_harness import FEDERATION, CpmProcess, Pki
 from tests.integration.test_fedwave_agents import (
     _events,
-    _free_port,
     _scrape,
     _stage_problems,
     _value,
     _wait_for,
 )
 from tests.node_contexts import kit_context
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -109,7 +109,7 @@ class HostileServer:
 
     def __init__(self, pki: Path, workflow: Workflow, parts: dict[int, dict[PartKind, bytes]]):
         self._pki, self._workflow, self._parts = pki, workflow, parts
-        self.port = _free_port()
+        self.port = free_port()
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -202,9 +202,9 @@ def test_honest_experts_refuse_a_hostile_members_parts_and_keep_one_router(
     cpm.start()
     data = tmp_path / "data"
     transfer = write_stage_data(data, workflow, HONEST)
-    peers = {a: f"127.0.0.1:{_free_port()}" for a in HONEST}
+    peers = {a: f"127.0.0.1:{free_port()}" for a in HONEST}
     peers[HOSTILE] = f"127.0.0.1:{hostile.port}"
-    metrics_ports = {a: _free_port() for a in HONEST}
+    metrics_ports = {a: free_port() for a in HONEST}
     procs, logs, scraped = {}, {}, {}
     try:
         for name in HONEST:

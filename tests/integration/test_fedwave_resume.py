@@ -20,11 +20,12 @@ from peerlm.agent.models.tiny import build_models
 from peerlm.forkserver import ChildProcess, ForkServer
 from tests.agent_harness import start_agent
 from tests.cpm_harness import CpmProcess, Pki
-from tests.integration.test_fedwave_agents import _events, _free_port, _wait_for
+from tests.integration.test_fedwave_agents import _events, _wait_for
 from tests.integration.test_fedwave_hostile_member import (
     agent_config,
     write_stage_data,
 )
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -71,7 +72,7 @@ def _federation(tmp_path: Path, deadline_s: float = DEADLINE_S) -> Federation:
     cpm = CpmProcess(pki, tmp_path / "cpm.db", tmp_path, {"PEERLM_CPM_ROUND_INTERVAL_S": "3600"})
     data = tmp_path / "data"
     transfer = write_stage_data(data, workflow, AGENTS)
-    peers = {a: f"127.0.0.1:{_free_port()}" for a in AGENTS}
+    peers = {a: f"127.0.0.1:{free_port()}" for a in AGENTS}
     # Metrics on a port the kernel picks (0): nothing here scrapes them, and a port chosen
     # in advance was taken by another test worker's process before one agent bound it.
     configs = {
