@@ -83,7 +83,10 @@ def _send_message(sock: socket.socket, payload: dict[str, Any], fds: Sequence[in
     message = _HEADER.pack(len(data)) + data
     # Header and body in one call: a reader that saw the socket readable finds it whole.
     sent = socket.send_fds(sock, [message], list(fds)) if fds else sock.send(message)
-    sock.sendall(message[sent:])
+    if sent < len(message):
+        # Only what is left: a send of nothing after the whole message would still fail
+        # with EPIPE once the peer has read it and closed, and so hide that it was sent.
+        sock.sendall(message[sent:])
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -479,8 +482,9 @@ class ForkServer:
                     _send_message(conn, request, [in_fd, out_fd, err_fd])
                 except (BrokenPipeError, ConnectionResetError) as error:
                     # The server closed the connection before the request was whole in its
-                    # socket (it died, or stopped listening, after it was ready): it can
-                    # have forked nothing, so a new interpreter runs the command instead.
+                    # socket (it died, or stopped listening, after it was ready): the send
+                    # fails only while bytes of it are left, so the server can have read
+                    # none of it whole and forked nothing; a new interpreter runs it.
                     raise _ServerGone(f"server gone: {error}") from error
                 reply, fds = _recv_message(conn, maxfds=1)
             except BaseException:

@@ -200,6 +200,26 @@ def test_a_request_the_server_closed_on_unsent_runs_in_a_new_interpreter(
         assert (server.forked, server.started) == (1, 1)
 
 
+def test_a_request_sent_whole_is_not_reported_unsent_when_the_server_then_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The server may read a whole request, fork, and close before the client's send call
+    # returns; only a send with bytes left may fail then (else the command would run twice:
+    # forked, and again in a new interpreter).
+    client, server = socket.socketpair()
+    real_send_fds = socket.send_fds
+
+    def sent_then_closed(sock: socket.socket, buffers: list[bytes], fds: list[int]) -> int:
+        n = real_send_fds(sock, buffers, fds)
+        server.recv(1 << 16)
+        server.close()
+        return n
+
+    monkeypatch.setattr(socket, "send_fds", sent_then_closed)
+    with client, open(os.devnull) as null:
+        forkserver._send_message(client, {"module": "m"}, [null.fileno()])
+
+
 def test_what_forking_could_change_starts_a_new_interpreter(forks: ForkServer) -> None:
     # Another program, and an environment the server did not import under.
     plain = forks.spawn(
