@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from peerlm.agent.exchange.peer_knowledge import (
     REHEARSAL_LESSONS,
-    REHEARSAL_PAIRS_PER_LESSON,
     InputRouter,
     PeerSlot,
+    rehearsable,
 )
 
 if TYPE_CHECKING:
@@ -206,24 +206,15 @@ def slot_record(slot: PeerSlot) -> dict[str, Any]:
 
 
 def _lessons(record: Any) -> list[tuple[tuple[str, str], ...]]:
-    """The lessons of a checkpoint's slot record, as :meth:`PeerSlot.remember` keeps them;
-    whatever is not a list of (prompt, completion) string pairs is dropped."""
+    """The lessons of a checkpoint's slot record, as :meth:`PeerSlot.remember` keeps them
+    (:func:`~peerlm.agent.exchange.peer_knowledge.rehearsable`); what is not a list of
+    lessons is dropped."""
     if not isinstance(record, list):
         return []
-    lessons = []
-    for lesson in record[-REHEARSAL_LESSONS:]:
-        if not isinstance(lesson, list):
-            continue
-        pairs = tuple(
-            (pair[0], pair[1])
-            for pair in lesson[:REHEARSAL_PAIRS_PER_LESSON]
-            if isinstance(pair, list)
-            and len(pair) == 2
-            and all(isinstance(text, str) for text in pair)
-        )
-        if pairs:
-            lessons.append(pairs)
-    return lessons
+    lessons = [
+        rehearsable(lesson) for lesson in record[-REHEARSAL_LESSONS:] if isinstance(lesson, list)
+    ]
+    return [lesson for lesson in lessons if lesson]
 
 
 def restore_slot(
@@ -263,5 +254,6 @@ def restore_slot(
         history = record.get("history")
         slot.integrations = count if isinstance(count, int) and count >= 0 else 0
         slot.history = [str(h) for h in history] if isinstance(history, list) else []
-        slot.lessons = _lessons(record.get("lessons"))
+        # Peers' text stays out of the slot (and its next checkpoints) without rehearsal.
+        slot.lessons = _lessons(record.get("lessons")) if slot.rehearsal else []
     return True

@@ -54,11 +54,13 @@ if TYPE_CHECKING:
 __all__ = [
     "REHEARSAL_LESSONS",
     "REHEARSAL_PAIRS_PER_LESSON",
+    "REHEARSAL_PAIR_CHARS",
     "InputRouter",
     "PeerSlot",
     "SlotSaved",
     "SlotWrite",
     "learnt_items",
+    "rehearsable",
     "route_map",
     "routed_share",
 ]
@@ -148,13 +150,36 @@ class SlotWrite:
     kept: bool = True
 
 
-#: Lessons a peer slot remembers for its rehearsal (the newest), and (prompt, completion)
-#: pairs it keeps of one lesson: one peer's lessons, however many or large, fill at most
-#: this share of what is rehearsed.
+#: Lessons a peer slot remembers for its rehearsal (the newest), (prompt, completion)
+#: pairs it keeps of one lesson (one large lesson cannot crowd out the others; a peer that
+#: teaches every round still fills the memory with its lessons), and the characters of one
+#: kept pair (a longer one is not kept: the memory goes into every checkpoint).
 REHEARSAL_LESSONS: Final = 16
 REHEARSAL_PAIRS_PER_LESSON: Final = 64
+REHEARSAL_PAIR_CHARS: Final = 4096
 
 Lesson = tuple[tuple[str, str], ...]
+
+
+def rehearsable(pairs: Sequence[object]) -> Lesson:
+    """What a slot keeps of a lesson: its first :data:`REHEARSAL_PAIRS_PER_LESSON`
+    (prompt, completion) string pairs of at most :data:`REHEARSAL_PAIR_CHARS` characters;
+    anything else (a longer pair, or what a damaged checkpoint holds that is not a pair of
+    strings) is dropped."""
+    kept: list[tuple[str, str]] = []
+    for pair in pairs:
+        if len(kept) == REHEARSAL_PAIRS_PER_LESSON:
+            break
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            continue
+        prompt, completion = pair
+        if (
+            isinstance(prompt, str)
+            and isinstance(completion, str)
+            and len(prompt) + len(completion) <= REHEARSAL_PAIR_CHARS
+        ):
+            kept.append((prompt, completion))
+    return tuple(kept)
 
 
 @dataclass(frozen=True)
@@ -237,12 +262,12 @@ class PeerSlot:
         return draw.sample(pool, min(self.rehearsal, len(pool)))
 
     def remember(self, pairs: Sequence[tuple[str, str]]) -> None:
-        """Keep an accepted lesson's pairs for rehearsal (the first
-        :data:`REHEARSAL_PAIRS_PER_LESSON`; the newest :data:`REHEARSAL_LESSONS` lessons).
-        Nothing is kept while ``rehearsal`` is 0."""
-        if not self.rehearsal or not pairs:
+        """Keep an accepted lesson's pairs for rehearsal (:func:`rehearsable`; the newest
+        :data:`REHEARSAL_LESSONS` lessons). Nothing is kept while ``rehearsal`` is 0."""
+        kept = rehearsable(pairs)
+        if not self.rehearsal or not kept:
             return
-        self.lessons.append(tuple(pairs[:REHEARSAL_PAIRS_PER_LESSON]))
+        self.lessons.append(kept)
         del self.lessons[:-REHEARSAL_LESSONS]
 
     @property

@@ -14,6 +14,7 @@ from peerlm.agent.checkpoint import CheckpointStore
 from peerlm.agent.exchange.package import TextItem, TextPackage, prompt_sha256
 from peerlm.agent.exchange.peer_knowledge import (
     REHEARSAL_LESSONS,
+    REHEARSAL_PAIR_CHARS,
     REHEARSAL_PAIRS_PER_LESSON,
     PeerSlot,
 )
@@ -234,6 +235,10 @@ def test_the_slots_lessons_survive_a_checkpoint_and_a_malformed_record_loses_onl
     restored = store.load_latest()
     assert restored is not None and restore_slot(again, host, restored, store)
     assert again.lessons == [(("p", "c"),), (("q", "d"),)]
+    # Without rehearsal the peers' text is not taken back (nor saved again).
+    off = PeerSlot()
+    assert restore_slot(off, host, restored, store) and off.lessons == []
+    assert slot_record(off)["lessons"] == []
 
 
 def test_rehearsal_draws_from_remembered_lessons_within_its_bounds() -> None:
@@ -243,7 +248,8 @@ def test_rehearsal_draws_from_remembered_lessons_within_its_bounds() -> None:
     slot = PeerSlot(rehearsal=3, seed=7)
     assert slot.rehearse() == []
     many = [(f"p{k}", f"c{k}") for k in range(REHEARSAL_PAIRS_PER_LESSON + 10)]
-    slot.remember(many)
+    slot.remember([("p" * REHEARSAL_PAIR_CHARS, "c"), *many])
+    # A pair longer than the limit is not kept; of the rest, the first of the lesson.
     assert slot.lessons == [tuple(many[:REHEARSAL_PAIRS_PER_LESSON])]
     drawn = slot.rehearse()
     assert len(drawn) == 3 == len(set(drawn)) and set(drawn) <= set(many)
