@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from pathlib import Path
 
 import grpc
@@ -120,6 +121,12 @@ async def test_sigterm_drains_feeds_and_exits_cleanly(tmp_path: Path) -> None:
     ch, stub = cpm.pki.stub(cpm.target, "a0")
     call = stub.StreamDirectives(cpm_pb2.StreamDirectivesRequest())
     await stub.SubmitProfile(cpm_pb2.SubmitProfileRequest(round=1, features=[0.1] * 32))
+    # Stop only once the feed is open on the server: a feed that reaches the CPM after its
+    # stop began is refused as UNAVAILABLE by design (seen in CI), not drained.
+    deadline = time.monotonic() + 30
+    while "directive_feed_opened" not in cpm.log():
+        assert time.monotonic() < deadline, cpm.log()[-3000:]
+        await asyncio.sleep(0.05)
     loop = asyncio.get_running_loop()
     rc = await loop.run_in_executor(None, cpm.terminate)
     assert rc == 0
