@@ -149,6 +149,15 @@ _SlotRehearsalOption = Annotated[
         "in the same steps (default 0: none).",
     ),
 ]
+_SlotLrOption = Annotated[
+    float | None,
+    typer.Option(
+        min=1e-6,
+        max=1.0,
+        help="The peer slot's learning rate, every integration's under --integration "
+        "separate (default: --lr's).",
+    ),
+]
 _PairingOption = Annotated[
     str | None,
     typer.Option(
@@ -286,6 +295,7 @@ _PLAN_FIELDS: dict[str, str] = {
     "slot_scope": "slot_scope",
     "answer_check": "answer_check",
     "slot_rehearsal": "slot_rehearsal",
+    "slot_learning_rate": "slot_lr",
     "pairing": "pairing",
     "teacher_capacity": "teacher_capacity",
     "learning_rate": "lr",
@@ -331,6 +341,7 @@ def run_experiment_command(
     slot_scope: _SlotScopeOption = None,
     answer_check: _AnswerCheckOption = None,
     slot_rehearsal: _SlotRehearsalOption = None,
+    slot_lr: _SlotLrOption = None,
     pairing: _PairingOption = None,
     teacher_capacity: _TeacherCapacityOption = None,
     own_steps_every_round: _OwnStepsEveryRoundOption = None,

@@ -167,6 +167,11 @@ class ExperimentPlan:
     # Pairs of the peer slot's earlier text lessons distilled beside each new one, in the
     # same steps (the agent's ``slot_rehearsal``; ours). 0: none.
     slot_rehearsal: int = 0
+    # With "separate": the peer slot's learning rate, what every integration into it trains
+    # at (ours; the agent's ``slot_learning_rate``). None: ``learning_rate``, the own
+    # adapter's. The slot starts each lesson with a fresh optimiser and a linear decay over
+    # its few steps, and learns nothing else, so its rate is a choice of its own.
+    slot_learning_rate: float | None = None
     # Whether every client of a collaborative strategy also spends LocalOnly+'s extra
     # own-data steps every round (an agent keeps training on its own data whatever its
     # role); False: the earlier harness, where only students trained in the exchange phase.
@@ -215,6 +220,9 @@ class ExperimentPlan:
         object.__setattr__(self, "proxy_tuning_beta", float(beta))
         if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= 1):
             raise ValueError("learning_rate must be in (0, 1]")
+        slot_lr = self.slot_learning_rate
+        if slot_lr is not None and not (math.isfinite(slot_lr) and 0 < slot_lr <= 1):
+            raise ValueError("slot_learning_rate must be in (0, 1]")
         if self.peer_alpha is not None and not (
             math.isfinite(self.peer_alpha) and 0 < self.peer_alpha <= 1
         ):

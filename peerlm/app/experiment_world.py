@@ -434,13 +434,19 @@ def round_config(
     plan: ExperimentPlan, seed: int, i: int, *, integration: bool = False
 ) -> RoundConfig:
     """Client ``i``'s round configuration; with ``integration`` its ``local_steps`` are the
-    AKD integration's steps (``plan.integration_steps``)."""
+    AKD integration's steps (``plan.integration_steps``), and under a peer slot its
+    learning rate the slot's (``plan.slot_learning_rate``)."""
     from peerlm.agent import RoundConfig, TrainSettings
 
+    slot = integration and plan.integration == "separate"
     config = RoundConfig(
         total_rounds=plan.rounds,
         train=TrainSettings(
-            learning_rate=plan.learning_rate,
+            learning_rate=(
+                plan.slot_learning_rate
+                if slot and plan.slot_learning_rate is not None
+                else plan.learning_rate
+            ),
             grad_accumulation=plan.grad_accumulation,
             seed=seed + i,
         ),
