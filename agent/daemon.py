@@ -1367,7 +1367,11 @@ class AgentDaemon:
             round_timeout_s=self.s.round_timeout_s,
             run_model=self._model,
             gate=self._gate(),
-            hka=(self.public_pairs, self.config.train_settings(t)) if self.public_pairs else None,
+            hka=(
+                (self.public_pairs, self.config.integrating().train_settings(t))
+                if self.public_pairs
+                else None
+            ),
             pull=not (self.s.overlay.aggregate_once and self.summary.one_shot_round is not None),
             integrate_model=self.integrating("overlay"),
         )

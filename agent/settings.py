@@ -366,6 +366,11 @@ class AgentSettings(ServiceSettings):
     # 64 pairs of each) distilled beside each new one in the same steps, so that a lesson
     # does not overwrite the ones before (experience replay; ours). 0: none.
     slot_rehearsal: int = Field(default=0, ge=0, le=256)
+    # With integration "separate": the learning rate of every integration into the peer
+    # slot (AKD, a merge's HKA, the overlay's pull; ours, run-experiment's --slot-lr). None:
+    # learning_rate. The slot starts each lesson with a fresh optimiser and learns nothing
+    # else, so its rate is a choice of its own (docs/configuration.md).
+    slot_learning_rate: float | None = Field(default=None, gt=0, le=1)
     # SIGTERM: finish the current round within this grace, else stop training at the next
     # optimiser step, checkpoint and exit 0.
     stop_grace_s: float = Field(default=30.0, ge=0)
@@ -388,6 +393,17 @@ class AgentSettings(ServiceSettings):
         if v is not None:
             parse_host_port(v)
         return v
+
+    @model_validator(mode="after")
+    def _slot_settings_have_a_slot(self) -> AgentSettings:
+        # Refused, not ignored: a rehearsal asked for and never run would go unnoticed.
+        if self.slot_rehearsal and self.integration != "separate":
+            raise ValueError(
+                "slot_rehearsal rehearses a peer slot's lessons: it needs integration 'separate'"
+            )
+        if self.slot_learning_rate is not None and self.integration != "separate":
+            raise ValueError("slot_learning_rate is a peer slot's: it needs integration 'separate'")
+        return self
 
     @model_validator(mode="after")
     def _answered_scope_has_a_probe(self) -> AgentSettings:

@@ -71,7 +71,7 @@ class Distillation(ExchangeProtocol):
                 local_examples=ctx.train_examples,
                 val_examples=ctx.val_examples,
                 transfer_prompts=ctx.transfer_prompts,
-                config=ctx.config,
+                config=ctx.config.integrating(),
                 t=t,
                 guardrail=ctx.guardrail,
                 reward_examples=ctx.reward_examples,

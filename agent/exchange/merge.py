@@ -51,7 +51,9 @@ class AdapterMerge(ExchangeProtocol):
                 reward_gamma=s.reward_gamma,
                 reward_delta=s.reward_delta,
                 run_model=ctx.integrating(d.protocol),
-                hka=(ctx.public_pairs, ctx.config.train_settings(t)) if ctx.public_pairs else None,
+                hka=(ctx.public_pairs, ctx.config.integrating().train_settings(t))
+                if ctx.public_pairs
+                else None,
                 round_=t,
                 reward_examples=ctx.reward_examples,
                 co_senders=[(c.name, c.endpoint) for c in d.co_senders],

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 import numpy as np
@@ -113,12 +113,23 @@ class RoundConfig:
     #: Allowed rise of the held-out loss by one integration before it is rolled back
     #: (:mod:`peerlm.agent.acceptance`); None: no gate. The agent's setting defaults to 0.1.
     acceptance_margin: float | None = None
+    #: With a peer slot: the learning rate every integration into it trains at
+    #: (``slot_learning_rate``; :meth:`integrating`); None: ``train``'s, the own adapter's.
+    slot_learning_rate: float | None = None
+
+    def integrating(self) -> RoundConfig:
+        """The configuration an integration trains with: the slot's learning rate where one
+        is set, everything else this configuration's."""
+        if self.slot_learning_rate is None:
+            return self
+        train = self.train.model_copy(update={"learning_rate": self.slot_learning_rate})
+        return replace(self, train=train, slot_learning_rate=None)
 
     @classmethod
     def from_settings(cls, s: AgentSettings) -> RoundConfig:
         """The agent's settings as a round configuration (with a peer slot and
         ``peer_alpha_kd``, alpha_KD is that constant: the slot's integrations are the
-        only ones that read it)."""
+        only ones that read it; so is ``slot_learning_rate``, through :meth:`integrating`)."""
         peer_alpha = s.peer_alpha_kd if s.integration == "separate" else None
         return cls(
             total_rounds=s.rounds,
@@ -139,6 +150,7 @@ class RoundConfig:
             max_new_tokens=s.max_new_tokens,
             logits_top_k=s.logits_top_k,
             acceptance_margin=s.acceptance_margin,
+            slot_learning_rate=s.slot_learning_rate if s.integration == "separate" else None,
         )
 
     def alpha_kd(self, t: int) -> float:

@@ -90,9 +90,17 @@ def integrate(
     i: int,
     t: int,
 ) -> Integration:
-    from peerlm.agent import in_slot, integrate_package, learnt_anything
+    """``student`` distils ``package`` by AKD where its integrations write (the peer slot,
+    with its rehearsal, under ``separate``; :meth:`Client.integrate`), and counts the steps
+    when it learnt anything. Every pairing strategy's lesson and the Oracle's trials."""
+    from peerlm.agent import integrate_package, learnt_anything
 
-    kwargs: dict[str, Any] = dict(
+    result: Integration = student.integrate(
+        world.plan,
+        f"akd-{package.__class__.__name__}",
+        integrate_package,
+        student.host,
+        package,
         kilobytes=kilobytes,
         local_examples=student.train_examples,
         val_examples=reward_examples(world, student, i),
@@ -102,15 +110,6 @@ def integrate(
         learns=student.slot_learns(world.plan),
         reward_scope=reward_scope(world),
     )
-    result: Integration
-    if world.plan.integration == "separate":
-        # Through the daemon's own slot runner, the slot's rehearsal included.
-        what = f"akd-{package.__class__.__name__}"
-        result = in_slot(
-            student.slot, student.host, what, integrate_package, student.host, package, **kwargs
-        )
-    else:
-        result = integrate_package(student.host, package, **kwargs)
     if learnt_anything(result):
         student.peer_steps += world.plan.integration_steps
     return result

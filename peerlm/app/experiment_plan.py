@@ -239,6 +239,16 @@ class ExperimentPlan:
             raise ValueError(f"slot_scope must be 'all' or 'routed', not {self.slot_scope!r}")
         if not 0 <= self.slot_rehearsal <= 256:
             raise ValueError(f"slot_rehearsal must be in [0, 256], not {self.slot_rehearsal}")
+        slot_only = [
+            name
+            for name, given in (
+                ("slot_rehearsal", self.slot_rehearsal != 0),
+                ("slot_learning_rate", self.slot_learning_rate is not None),
+            )
+            if given
+        ]
+        if slot_only and self.integration != "separate":
+            raise ValueError(f"{', '.join(slot_only)} need a peer slot: integration 'separate'")
         if self.answer_check not in ("off", "own_first", "peer_first"):
             raise ValueError(
                 f"answer_check must be off, own_first or peer_first, not {self.answer_check!r}"

@@ -125,6 +125,18 @@ class Client:
             return self.slot.active(self.host, what)
         return contextlib.nullcontext()
 
+    def integrate(
+        self, plan: ExperimentPlan, what: str, fn: Callable[..., _R], /, *args: Any, **kw: Any
+    ) -> _R:
+        """The integration ``fn(*args, **kw)`` where it writes: through the daemon's slot
+        runner under ``separate`` (:func:`~peerlm.agent.peer_integration.in_slot`, the slot's
+        rehearsal included), on the one adapter otherwise."""
+        from peerlm.agent import in_slot
+
+        if plan.integration == "separate":
+            return in_slot(self.slot, self.host, what, fn, *args, **kw)
+        return fn(*args, **kw)
+
     def slot_learns(self, plan: ExperimentPlan) -> Callable[[Sequence[str]], Sequence[bool]] | None:
         """What the peer slot distils of a package (every item, or with ``slot_scope:
         routed`` the router's peer side); None without a slot (``integration: shared``)."""
@@ -438,24 +450,20 @@ def round_config(
     learning rate the slot's (``plan.slot_learning_rate``)."""
     from peerlm.agent import RoundConfig, TrainSettings
 
-    slot = integration and plan.integration == "separate"
     config = RoundConfig(
         total_rounds=plan.rounds,
         train=TrainSettings(
-            learning_rate=(
-                plan.slot_learning_rate
-                if slot and plan.slot_learning_rate is not None
-                else plan.learning_rate
-            ),
+            learning_rate=plan.learning_rate,
             grad_accumulation=plan.grad_accumulation,
             seed=seed + i,
         ),
         local_steps=plan.integration_steps if integration else plan.local_steps,
         reward_delta=plan.reward_delta,
         max_new_tokens=plan.max_new_tokens,
+        slot_learning_rate=plan.slot_learning_rate if plan.integration == "separate" else None,
     )
     if plan.integration == "separate" and plan.peer_alpha is not None:
         config = dataclasses.replace(
             config, alpha_kd_start=plan.peer_alpha, alpha_kd_end=plan.peer_alpha
         )
-    return config
+    return config.integrating() if integration else config

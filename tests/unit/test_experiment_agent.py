@@ -360,3 +360,53 @@ def test_a_slot_scoped_student_learns_nothing_the_router_keeps_and_earns_the_kb_
     assert record["reward"] == pytest.approx(-w.plan.reward_delta * record["kilobytes"], abs=1e-4)
     assert student.exchanges == 1 and student.peer_steps == 0
     assert student.slot.state is None and student.slot.integrations == 0
+
+
+def test_the_experiments_lessons_rehearse_through_the_slot(
+    world: tuple[World, list[Client]],
+) -> None:
+    """experiment_distill.integrate (every pairing strategy's lesson and the Oracle's
+    trials) goes through the daemon's slot runner: with slot_rehearsal a second lesson is
+    distilled beside pairs of the first, and the own adapter is never written."""
+    from dataclasses import replace
+
+    from peerlm.agent.exchange.package import TextItem, TextPackage, prompt_sha256
+
+    from peerlm.app.experiment_distill import integrate
+
+    w, (_, student) = world
+    w.plan = replace(w.plan, slot_rehearsal=2, reward="val")
+    student.slot.rehearsal = 2
+    package = TextPackage(
+        teacher="agent-0",
+        directive_id="d" * 32,
+        transfer_sha256=w.transfer_sha256,
+        model_family="gpt2",
+        items=tuple(
+            TextItem(str(k), prompt_sha256(p), f"return x * {k}\n")
+            for k, p in enumerate(w.transfer)
+        ),
+        created_at=1.0,
+    )
+    seen: list[list[tuple[str, str]]] = []
+    train_akd = student.host.train_akd
+
+    def spy(local: Any, teacher: Any, *args: Any, **kw: Any) -> Any:
+        seen.append(list(teacher))
+        return train_akd(local, teacher, *args, **kw)
+
+    own = {k: v.clone() for k, v in student.host.adapter_state().items()}
+    student.host.train_akd = spy  # type: ignore[method-assign]
+    try:
+        integrate(w, student, package, 1.0, 0, 1, 1)
+        lesson = [(p, f"return x * {k}\n") for k, p in enumerate(w.transfer)]
+        assert seen[-1] == lesson and student.slot.lessons == [tuple(lesson)]
+        integrate(w, student, package, 1.0, 0, 1, 2)
+        assert seen[-1][:4] == lesson and len(seen[-1]) == 6
+        assert set(seen[-1][4:]) <= set(lesson)
+    finally:
+        del student.host.train_akd
+    assert student.slot.integrations == 2
+    assert student.peer_steps == 2 * w.plan.integration_steps
+    after = student.host.adapter_state()
+    assert all(torch.equal(own[k], after[k]) for k in own)

@@ -350,3 +350,28 @@ def test_integration_setting_and_report_row() -> None:
     checked = {"lacked": {"peer_share": 0.75, "own_answers": 2.0}, "own": {"peer_share": 0.0}}
     row = _peer_slot({"peer_slot_integrations": 2, "slices_after": checked})
     assert row == "2 (routed lacked 0.75 [2 kept by own adapter], own 0.00)"
+
+
+def test_slot_only_settings_are_refused_without_a_slot() -> None:
+    from peerlm.app.experiment_plan import ExperimentPlan
+
+    with pytest.raises(ValueError, match=r"slot_rehearsal .* integration 'separate'"):
+        AgentSettings(slot_rehearsal=4, integration="shared")
+    assert AgentSettings(slot_rehearsal=4).slot_rehearsal == 4
+    for fields in ({"slot_rehearsal": 8}, {"slot_learning_rate": 1e-2}):
+        with pytest.raises(ValueError, match="need a peer slot"):
+            ExperimentPlan(integration="shared", **fields)  # type: ignore[arg-type]
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="slot_learning_rate"):
+            ExperimentPlan(slot_learning_rate=bad)
+
+
+def test_the_slot_learning_rate_reaches_integrations_only() -> None:
+    from peerlm.app.experiment_plan import ExperimentPlan
+    from peerlm.app.experiment_world import round_config
+
+    plan = ExperimentPlan(learning_rate=5e-3, slot_learning_rate=2e-2)
+    assert round_config(plan, 0, 1, integration=True).train.learning_rate == 2e-2
+    assert round_config(plan, 0, 1).train.learning_rate == 5e-3  # own-data steps
+    default = ExperimentPlan(learning_rate=5e-3)
+    assert round_config(default, 0, 1, integration=True).train.learning_rate == 5e-3

@@ -168,6 +168,23 @@ def test_a_peer_alpha_is_constant_for_the_slot_and_ignored_by_the_one_adapter() 
             AgentSettings(peer_alpha_kd=bad)
 
 
+def test_a_slot_learning_rate_is_the_integrations_and_needs_a_slot() -> None:
+    s = AgentSettings(rounds=5, learning_rate=5e-3, slot_learning_rate=2e-2)
+    config = RoundConfig.from_settings(s)
+    assert config.train.learning_rate == 5e-3  # the own adapter's local steps
+    integrating = config.integrating()
+    assert integrating.train.learning_rate == 2e-2
+    assert integrating.integrating() == integrating  # applied once
+    assert integrating.train.seed == config.train.seed
+    plain = RoundConfig.from_settings(AgentSettings(rounds=5))
+    assert plain.integrating() is plain
+    with pytest.raises(ValueError, match="slot_learning_rate"):
+        AgentSettings(slot_learning_rate=2e-2, integration="shared")
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError):
+            AgentSettings(slot_learning_rate=bad)
+
+
 def test_reward_is_eq_3() -> None:
     assert reward_eq3(2.0, 1.5, 10.0, 1.0, 0.001) == pytest.approx(0.49)
     assert reward_eq3(1.0, 1.2, 0.0, 2.0, 0.0) == pytest.approx(-0.4)
