@@ -283,14 +283,15 @@ class AgentDaemon:
         self.reward_examples = [(p.prompt, p.reference) for p in probe] or None
         if s.reward_file and not self.reward_examples:
             raise ValueError(f"reward_file {s.reward_file} holds no problem to measure on")
-        # reward_scope "answered": a package's reward on the probe's problems of its categories.
+        # reward_scope "answered": a package's reward on the probe's problems of its categories
+        # ("routed": narrowed to what the slot answers once the router is fitted).
         self.reward_scope = (
             AnsweredProbe.of(
                 ((p.prompt, p.reference, p.category) for p in probe),
                 self.transfer_prompts,
                 self.transfer_categories,
             )
-            if s.reward_scope == "answered"
+            if s.reward_scope in ("answered", "routed")
             else None
         )
         # D_pub of OnePeFT's HKA (an overlay aggregation that needs public pairs).
@@ -359,6 +360,10 @@ class AgentDaemon:
             how=how,
             threshold=None if self.router is None else round(self.router.threshold, 4),
         )
+        if self.s.reward_scope == "routed" and self.reward_scope is not None:
+            self.reward_scope = self.reward_scope.routed(
+                self.router.to_peer if self.router is not None else None
+            )
 
     def _executed_protocols(self) -> tuple[str, ...]:
         """The protocols this agent advertises: the settings' choice, of those it has an

@@ -320,8 +320,10 @@ class AgentSettings(ServiceSettings):
     # Which of reward_file's problems an AKD package's reward is measured on: "all", or
     # "answered": those of the categories the package answers (peerlm.agent.exchange.
     # reward_probe; our choice beyond the paper); a package that answers none of them earns
-    # Eq. 3's -delta * KB alone. Merges are measured on the whole file either way.
-    reward_scope: Literal["all", "answered"] = "all"
+    # Eq. 3's -delta * KB alone. "routed" (integration "separate"): of those, the ones the
+    # input router sends to the peer slot, what a lesson into the slot is used for
+    # (AnsweredProbe.routed; ours). Merges are measured on the whole file either way.
+    reward_scope: Literal["all", "answered", "routed"] = "all"
     reward_gamma: float = Field(default=1.0, ge=0)
     reward_delta: float = Field(default=0.001, ge=0)
     # Evaluation (pass@k in the sandbox) and profile privacy.
@@ -407,9 +409,15 @@ class AgentSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _answered_scope_has_a_probe(self) -> AgentSettings:
-        if self.reward_scope == "answered" and self.reward_file is None:
+        if self.reward_scope != "all" and self.reward_file is None:
             raise ValueError(
-                "reward_scope 'answered' measures on reward_file's problems: set reward_file"
+                f"reward_scope {self.reward_scope!r} measures on reward_file's problems: "
+                "set reward_file"
+            )
+        if self.reward_scope == "routed" and self.integration != "separate":
+            raise ValueError(
+                "reward_scope 'routed' measures what the peer slot answers: it needs "
+                "integration 'separate'"
             )
         return self
 

@@ -15,12 +15,19 @@ taught. A package that answers no category of the probe is measured on nothing: 
 is Eq. 3's −delta * KB alone (:func:`~peerlm.agent.exchange.rounds.integrate_package`).
 Categories come from X_u's labels (every agent holds X_u with its categories) and the probe's
 own; nothing about the package's text is read here.
+
+``routed`` scope (ours, with a peer slot): of those, only the probe problems the student's
+input router sends to the slot (:meth:`AnsweredProbe.routed`). A lesson into the slot only
+matters for the inputs the slot will answer; measured on a public or own category's probe
+(which the router keeps on the own adapter) a lesson the participant never uses earned a
+reward, and the bandit chose such teachers for about two fifths of world 0's exchanges
+(docs/experiment.md, "A reward on what the slot answers").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 __all__ = ["AnsweredProbe"]
 
@@ -50,3 +57,13 @@ class AnsweredProbe:
     def __call__(self, answered: Sequence[str]) -> list[tuple[str, str]]:
         taught = {self.categories[p] for p in answered if p in self.categories}
         return [(prompt, ref) for prompt, ref, category in self.probe if category in taught]
+
+    def routed(self, to_slot: Callable[[Sequence[str]], Sequence[bool]] | None) -> AnsweredProbe:
+        """The same scope over the probe problems ``to_slot`` sends to the peer slot (an
+        input router's :meth:`~peerlm.agent.exchange.peer_knowledge.InputRouter.to_peer`);
+        None (no router: nothing reaches the slot) keeps none, so every package is then
+        measured on nothing."""
+        if to_slot is None or not self.probe:
+            return replace(self, probe=())
+        kept = to_slot([prompt for prompt, _, _ in self.probe])
+        return replace(self, probe=tuple(p for p, k in zip(self.probe, kept, strict=True) if k))

@@ -286,8 +286,9 @@ class ClientAgent:
 
     @property
     def reward_scope(self) -> Callable[[Sequence[str]], Sequence[tuple[str, str]]] | None:
-        """``probe_scope: answered``: the probe of a package's categories (as the daemon)."""
-        return reward_scope(self.world)
+        """``probe_scope: answered`` or ``routed``: the probe of a package's categories (as
+        the daemon)."""
+        return reward_scope(self.world, self.client)
 
     @property
     def public_pairs(self) -> list[tuple[str, str]]:

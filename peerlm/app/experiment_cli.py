@@ -63,8 +63,9 @@ _ProbeScopeOption = Annotated[
     str | None,
     typer.Option(
         help="With --reward probe: measure on the whole probe (all), on the student's "
-        "lacked categories only (lacked), or on the categories each AKD package answers "
-        "(answered)."
+        "lacked categories only (lacked), on the categories each AKD package answers "
+        "(answered), or on those of them the student's router sends to its peer slot "
+        "(routed)."
     ),
 ]
 _ProbePerCategoryOption = Annotated[int | None, typer.Option(min=1, help=_DEFAULTS_HELP)]

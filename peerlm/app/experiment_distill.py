@@ -57,7 +57,7 @@ def reward_examples(world: World, student: Client, i: int) -> list[tuple[str, st
     measured on :func:`reward_scope`'s part of it."""
     if world.plan.reward != "probe":
         return student.val_examples
-    if world.plan.probe_scope in ("all", "answered"):
+    if world.plan.probe_scope in ("all", "answered", "routed"):
         return world.probe_examples
     lacked = world.slices[i].lacked
     # A client that lacks nothing (every private skill its own) has no such probe: the
@@ -67,18 +67,22 @@ def reward_examples(world: World, student: Client, i: int) -> list[tuple[str, st
     )
 
 
-def reward_scope(world: World) -> AnsweredProbe | None:
+def reward_scope(world: World, student: Client) -> AnsweredProbe | None:
     """With ``probe_scope: answered``, the probe problems of the categories a package answers
-    (the agent's ``reward_scope``); None otherwise."""
+    (the agent's ``reward_scope``); with ``routed``, of those the ones ``student``'s router
+    sends to its peer slot; None otherwise."""
     from peerlm.agent import AnsweredProbe
 
-    if world.plan.reward != "probe" or world.plan.probe_scope != "answered":
+    if world.plan.reward != "probe" or world.plan.probe_scope not in ("answered", "routed"):
         return None
-    return AnsweredProbe.of(
+    answered = AnsweredProbe.of(
         ((p.prompt, p.reference, p.category) for p in world.probe),
         world.transfer,
         world.transfer_categories,
     )
+    if world.plan.probe_scope == "routed":
+        return answered.routed(student.router.to_peer if student.router is not None else None)
+    return answered
 
 
 def integrate(
@@ -108,7 +112,7 @@ def integrate(
         config=round_config(world.plan, seed, i, integration=True),
         t=t,
         learns=student.slot_learns(world.plan),
-        reward_scope=reward_scope(world),
+        reward_scope=reward_scope(world, student),
     )
     if learnt_anything(result):
         student.peer_steps += world.plan.integration_steps

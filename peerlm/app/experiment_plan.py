@@ -41,7 +41,7 @@ Event = Callable[[str, Mapping[str, Any]], None]
 RewardMode = Literal["val", "probe"]
 
 
-ProbeScope = Literal["all", "lacked", "answered"]
+ProbeScope = Literal["all", "lacked", "answered", "routed"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,8 @@ class ExperimentPlan:
     # :mod:`peerlm.agent.exchange.reward_probe`; merges measure on the whole probe; the
     # default since 2026-12-07, docs/experiment.md "A student every round"). Under
     # ``reward="val"`` "answered" is moot (no probe): only "lacked" is refused there.
+    # "routed" (ours): of "answered"'s, those the student's input router sends to its
+    # peer slot (``integration="separate"`` only; AnsweredProbe.routed).
     probe_scope: ProbeScope = "answered"
     probe_per_category: int = 2
     reward_delta: float = 0.001
@@ -279,11 +281,14 @@ class ExperimentPlan:
             raise ValueError("probe_per_category must be positive")
         if self.reward not in ("val", "probe"):
             raise ValueError(f"reward must be 'val' or 'probe', not {self.reward!r}")
-        if self.probe_scope not in ("all", "lacked", "answered"):
+        if self.probe_scope not in ("all", "lacked", "answered", "routed"):
             raise ValueError(
-                f"probe_scope must be 'all', 'lacked' or 'answered', not {self.probe_scope!r}"
+                "probe_scope must be 'all', 'lacked', 'answered' or 'routed', "
+                f"not {self.probe_scope!r}"
             )
-        if self.probe_scope == "lacked" and self.reward != "probe":
+        if self.probe_scope == "routed" and self.integration != "separate":
+            raise ValueError("probe_scope 'routed' needs a peer slot: integration 'separate'")
+        if self.probe_scope in ("lacked", "routed") and self.reward != "probe":
             raise ValueError(f"probe_scope {self.probe_scope!r} needs reward 'probe'")
         if not self.sample_temperature > 0:
             raise ValueError("sample_temperature must be > 0")

@@ -78,7 +78,7 @@ def test_the_answered_scope_measures_a_package_on_the_probe_of_its_categories() 
     world.transfer = ["def a():\n    ", "def b():\n    ", "def c():\n    "]
     world.transfer_categories = ["format", "string", "format"]
     assert reward_examples(world, STUDENT, 0) == world.probe_examples
-    scope = reward_scope(world)
+    scope = reward_scope(world, STUDENT)
     assert scope is not None
     want = [(p.prompt, p.reference) for p in world.probe if p.category == "format"]
     assert scope(["def a():\n    ", "def c():\n    "]) == want and len(want) == 2
@@ -88,7 +88,40 @@ def test_the_answered_scope_measures_a_package_on_the_probe_of_its_categories() 
     ]  # fmt: skip
     assert scope([]) == []
     for other in ("all", "lacked"):
-        assert reward_scope(_world(ExperimentPlan(probe_scope=other), slices)) is None
+        assert reward_scope(_world(ExperimentPlan(probe_scope=other), slices), STUDENT) is None
+
+
+class _Router:
+    """Sends the slot the probe problems of one category (what a fitted router does with
+    the categories its client lacks)."""
+
+    def __init__(self, category: str) -> None:
+        self.category = category
+
+    def to_peer(self, prompts: list[str]) -> list[bool]:
+        return [p.startswith(f"def {self.category}_") for p in prompts]
+
+
+def test_the_routed_scope_measures_only_what_the_slot_will_answer() -> None:
+    """Under ``routed`` a package is measured on the probe problems of its categories that
+    the student's router sends to its peer slot: a lesson in a category the router keeps
+    on the own adapter (public, own) is measured on nothing, so its reward is the KB
+    penalty alone; without a router nothing is measured."""
+    slices = [_slices("dict", ("format", "boolean"))]
+    world = _world(ExperimentPlan(probe_scope="routed"), slices)
+    world.transfer = ["def a():\n    ", "def b():\n    ", "def c():\n    "]
+    world.transfer_categories = ["format", "string", "boolean"]
+    assert reward_examples(world, STUDENT, 0) == world.probe_examples  # the gate's
+    student: Any = SimpleNamespace(router=_Router("format"), val_examples=[])
+    scope = reward_scope(world, student)
+    assert scope is not None
+    fmt = [(p.prompt, p.reference) for p in world.probe if p.category == "format"]
+    assert scope(world.transfer) == fmt and len(fmt) == 2
+    assert scope(["def b():\n    "]) == []  # public: the own adapter answers it
+    assert scope(["def c():\n    "]) == []  # lacked, but the router keeps it
+    alone: Any = SimpleNamespace(router=None, val_examples=[])
+    nothing = reward_scope(world, alone)
+    assert nothing is not None and nothing(world.transfer) == []
 
 
 def test_a_student_lacking_nothing_measures_on_the_whole_probe() -> None:
@@ -101,6 +134,8 @@ def test_a_student_lacking_nothing_measures_on_the_whole_probe() -> None:
     [
         ({"probe_scope": "own"}, "probe_scope must be"),
         ({"probe_scope": "lacked", "reward": "val"}, "needs reward 'probe'"),
+        ({"probe_scope": "routed", "reward": "val"}, "needs reward 'probe'"),
+        ({"probe_scope": "routed", "integration": "shared"}, "needs a peer slot"),
     ],
 )
 def test_bad_scopes_are_refused(fields: dict[str, Any], message: str) -> None:
@@ -113,4 +148,4 @@ def test_the_default_answered_scope_is_moot_without_a_probe() -> None:
     the plan is valid and no package is measured on a probe subset."""
     plan = ExperimentPlan(reward="val")
     assert plan.probe_scope == "answered"
-    assert reward_scope(_world(plan, [_slices("dict", ())])) is None
+    assert reward_scope(_world(plan, [_slices("dict", ())]), STUDENT) is None

@@ -555,3 +555,25 @@ def test_an_answered_reward_scope_needs_a_reward_file(tmp_path: Path) -> None:
     probe = tmp_path / "probe.jsonl"
     assert AgentSettings(reward_scope="answered", reward_file=probe).reward_scope == "answered"
     assert AgentSettings().reward_scope == "all"
+
+
+def test_a_routed_reward_scope_keeps_what_the_slot_answers(tmp_path: Path) -> None:
+    """``reward_scope: routed``: the answered scope narrowed to the probe problems the input
+    router sends to the peer slot; with no router nothing is measured. It needs a probe
+    file and a slot."""
+    from peerlm.agent.exchange.reward_probe import AnsweredProbe
+    from pydantic import ValidationError
+
+    probe = [(*PROBE[0], "strings"), (*PROBE[1], "numbers")]
+    scope = AnsweredProbe.of(probe, PROMPTS, ["strings", "numbers", "numbers"])
+    to_slot = scope.routed(lambda prompts: [p == PROBE[1][0] for p in prompts])
+    assert to_slot(PROMPTS) == [PROBE[1]]
+    assert to_slot([PROMPTS[0]]) == []  # its category's probe problem stays with the own adapter
+    assert scope.routed(None)(PROMPTS) == []
+    assert scope(PROMPTS) == [PROBE[0], PROBE[1]]  # the answered scope is unchanged
+    file = tmp_path / "probe.jsonl"
+    with pytest.raises(ValidationError, match="reward_file"):
+        AgentSettings(reward_scope="routed")
+    with pytest.raises(ValidationError, match="integration 'separate'"):
+        AgentSettings(reward_scope="routed", reward_file=file, integration="shared")
+    assert AgentSettings(reward_scope="routed", reward_file=file).reward_scope == "routed"
