@@ -369,9 +369,9 @@ class AgentSettings(ServiceSettings):
     # does not overwrite the ones before (experience replay; ours). 0: none.
     slot_rehearsal: int = Field(default=0, ge=0, le=256)
     # With integration "separate": the learning rate of every integration into the peer
-    # slot (AKD, a merge's HKA, the overlay's pull; ours, run-experiment's --slot-lr). None:
-    # learning_rate. The slot starts each lesson with a fresh optimiser and learns nothing
-    # else, so its rate is a choice of its own (docs/configuration.md).
+    # slot that trains (AKD, OnePeFT's HKA in a merge or an overlay pull; ours,
+    # run-experiment's --slot-lr). None: learning_rate. The slot starts each lesson with a
+    # fresh optimiser, so its rate is a choice of its own (docs/configuration.md).
     slot_learning_rate: float | None = Field(default=None, gt=0, le=1)
     # SIGTERM: finish the current round within this grace, else stop training at the next
     # optimiser step, checkpoint and exit 0.

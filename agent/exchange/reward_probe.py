@@ -20,8 +20,8 @@ own; nothing about the package's text is read here.
 input router sends to the slot (:meth:`AnsweredProbe.routed`). A lesson into the slot only
 matters for the inputs the slot will answer; measured on a public or own category's probe
 (which the router keeps on the own adapter) a lesson the participant never uses earned a
-reward, and the bandit chose such teachers for about two fifths of world 0's exchanges
-(docs/experiment.md, "A reward on what the slot answers").
+reward, and the bandit chose such teachers for about a quarter of world 0's exchanges
+(three eighths in one seed; docs/experiment.md, "A reward on what the slot answers").
 """
 
 from __future__ import annotations

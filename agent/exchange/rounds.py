@@ -122,7 +122,10 @@ class RoundConfig:
         is set, everything else this configuration's."""
         if self.slot_learning_rate is None:
             return self
-        train = self.train.model_copy(update={"learning_rate": self.slot_learning_rate})
+        # Validated again (model_copy would not): a rate set on the dataclass by hand too.
+        train = type(self.train).model_validate(
+            {**self.train.model_dump(), "learning_rate": self.slot_learning_rate}
+        )
         return replace(self, train=train, slot_learning_rate=None)
 
     @classmethod

@@ -96,7 +96,8 @@ def integrate(
 ) -> Integration:
     """``student`` distils ``package`` by AKD where its integrations write (the peer slot,
     with its rehearsal, under ``separate``; :meth:`Client.integrate`), and counts the steps
-    when it learnt anything. Every pairing strategy's lesson and the Oracle's trials."""
+    when it learnt anything: the Oracle's trials and central KD's lessons (Random-P2P's and
+    KNEXA-FL's go through the agent's protocol, :mod:`peerlm.app.experiment_agent`)."""
     from peerlm.agent import integrate_package, learnt_anything
 
     result: Integration = student.integrate(
@@ -109,7 +110,7 @@ def integrate(
         local_examples=student.train_examples,
         val_examples=reward_examples(world, student, i),
         transfer_prompts=world.transfer,
-        config=round_config(world.plan, seed, i, integration=True),
+        config=round_config(world.plan, seed, i, integration=True).integrating(),
         t=t,
         learns=student.slot_learns(world.plan),
         reward_scope=reward_scope(world, student),

@@ -191,7 +191,7 @@ def _overlay_exchange(
             records.append({**record, "outcome": "no_candidates"})
             continue
         gate = AcceptanceGate(c.val_examples, margin) if margin is not None else None
-        config = round_config(plan, seed, i, integration=True)
+        config = round_config(plan, seed, i, integration=True).integrating()
         report = federation.pull(
             c,
             [Candidate(n, n, similarities[c.name][n]) for n in near],

@@ -103,7 +103,7 @@ class ExperimentPlan:
     # those of the categories the AKD package answers (the agent's ``reward_scope``,
     # :mod:`peerlm.agent.exchange.reward_probe`; merges measure on the whole probe; the
     # default since 2026-12-07, docs/experiment.md "A student every round"). Under
-    # ``reward="val"`` "answered" is moot (no probe): only "lacked" is refused there.
+    # ``reward="val"`` "answered" is moot (no probe): "lacked" and "routed" are refused there.
     # "routed" (ours): of "answered"'s, those the student's input router sends to its
     # peer slot (``integration="separate"`` only; AnsweredProbe.routed).
     probe_scope: ProbeScope = "answered"
@@ -172,7 +172,8 @@ class ExperimentPlan:
     # With "separate": the peer slot's learning rate, what every integration into it trains
     # at (ours; the agent's ``slot_learning_rate``). None: ``learning_rate``, the own
     # adapter's. The slot starts each lesson with a fresh optimiser and a linear decay over
-    # its few steps, and learns nothing else, so its rate is a choice of its own.
+    # its few steps (with peer_alpha 1 on the teacher's answers alone), so its rate is a
+    # choice of its own.
     slot_learning_rate: float | None = None
     # Whether every client of a collaborative strategy also spends LocalOnly+'s extra
     # own-data steps every round (an agent keeps training on its own data whatever its
@@ -223,8 +224,11 @@ class ExperimentPlan:
         if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= 1):
             raise ValueError("learning_rate must be in (0, 1]")
         slot_lr = self.slot_learning_rate
-        if slot_lr is not None and not (math.isfinite(slot_lr) and 0 < slot_lr <= 1):
-            raise ValueError("slot_learning_rate must be in (0, 1]")
+        if slot_lr is not None:
+            if isinstance(slot_lr, bool) or not (math.isfinite(slot_lr) and 0 < slot_lr <= 1):
+                raise ValueError("slot_learning_rate must be a number in (0, 1]")
+            # 1 and 1.0 are one plan: the reuse key compares the plan's JSON.
+            object.__setattr__(self, "slot_learning_rate", float(slot_lr))
         if self.peer_alpha is not None and not (
             math.isfinite(self.peer_alpha) and 0 < self.peer_alpha <= 1
         ):
@@ -250,7 +254,10 @@ class ExperimentPlan:
             if given
         ]
         if slot_only and self.integration != "separate":
-            raise ValueError(f"{', '.join(slot_only)} need a peer slot: integration 'separate'")
+            raise ValueError(
+                f"{' and '.join(slot_only)} {'needs' if len(slot_only) == 1 else 'need'} "
+                "a peer slot: integration 'separate'"
+            )
         if self.answer_check not in ("off", "own_first", "peer_first"):
             raise ValueError(
                 f"answer_check must be off, own_first or peer_first, not {self.answer_check!r}"

@@ -446,8 +446,10 @@ def round_config(
     plan: ExperimentPlan, seed: int, i: int, *, integration: bool = False
 ) -> RoundConfig:
     """Client ``i``'s round configuration; with ``integration`` its ``local_steps`` are the
-    AKD integration's steps (``plan.integration_steps``), and under a peer slot its
-    learning rate the slot's (``plan.slot_learning_rate``)."""
+    AKD integration's steps (``plan.integration_steps``). Under a peer slot it carries
+    ``plan.slot_learning_rate``, which an integration applies itself
+    (:meth:`~peerlm.agent.exchange.rounds.RoundConfig.integrating`, as the agent's
+    protocols do with theirs)."""
     from peerlm.agent import RoundConfig, TrainSettings
 
     config = RoundConfig(
@@ -466,4 +468,4 @@ def round_config(
         config = dataclasses.replace(
             config, alpha_kd_start=plan.peer_alpha, alpha_kd_end=plan.peer_alpha
         )
-    return config.integrating() if integration else config
+    return config

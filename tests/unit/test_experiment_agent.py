@@ -136,6 +136,32 @@ def test_an_akd_directive_runs_the_agents_protocol_into_the_students_slot(
         assert torch.equal(v, own_before[k]), k
 
 
+def test_the_agents_akd_protocol_trains_the_slot_at_its_own_rate(
+    world: tuple[World, list[Client]],
+) -> None:
+    """The protocol applies the slot's learning rate itself (agent/exchange/akd.py, as
+    the daemon runs it): the context's configuration carries it unapplied."""
+    from dataclasses import replace
+
+    w, (teacher, student) = world
+    w.plan = replace(w.plan, slot_learning_rate=2e-2)
+    rates: list[float] = []
+    train_akd = student.host.train_akd
+
+    def spy(local: Any, pairs: Any, alpha: float, settings: Any, **kw: Any) -> Any:
+        rates.append(settings.learning_rate)
+        return train_akd(local, pairs, alpha, settings, **kw)
+
+    student.host.train_akd = spy  # type: ignore[method-assign]
+    try:
+        fed = _federation(w, [teacher, student], RecordingPolicy())
+        assert fed.execute(_pairing(teacher.name, student.name, "akd"), "d-akd").record
+    finally:
+        del student.host.train_akd
+    assert rates == [2e-2]
+    assert w.plan.learning_rate != 2e-2
+
+
 def test_a_merge_directive_pulls_the_senders_adapter_through_the_codec(
     world: tuple[World, list[Client]],
 ) -> None:
@@ -365,9 +391,9 @@ def test_a_slot_scoped_student_learns_nothing_the_router_keeps_and_earns_the_kb_
 def test_the_experiments_lessons_rehearse_through_the_slot(
     world: tuple[World, list[Client]],
 ) -> None:
-    """experiment_distill.integrate (every pairing strategy's lesson and the Oracle's
-    trials) goes through the daemon's slot runner: with slot_rehearsal a second lesson is
-    distilled beside pairs of the first, and the own adapter is never written."""
+    """experiment_distill.integrate (the Oracle's trials, central KD's lessons) goes through
+    the daemon's slot runner: with slot_rehearsal a second lesson is distilled beside pairs
+    of the first, and the own adapter is never written."""
     from dataclasses import replace
 
     from peerlm.agent.exchange.package import TextItem, TextPackage, prompt_sha256

@@ -167,6 +167,8 @@ def test_a_proxy_tuning_beta_without_the_proxy_tuned_strategy_is_refused() -> No
         {"own_steps_every_round": False},
         {"teach_limit": 8},
         {"teach_self_check": True},
+        {"slot_rehearsal": 2},
+        {"slot_learning_rate": 1e-2},
     ],
 )
 def test_an_ablation_of_the_collaboration_reuses_only_the_runs_that_train_alone(

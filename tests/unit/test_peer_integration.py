@@ -359,11 +359,14 @@ def test_slot_only_settings_are_refused_without_a_slot() -> None:
         AgentSettings(slot_rehearsal=4, integration="shared")
     assert AgentSettings(slot_rehearsal=4).slot_rehearsal == 4
     for fields in ({"slot_rehearsal": 8}, {"slot_learning_rate": 1e-2}):
-        with pytest.raises(ValueError, match="need a peer slot"):
+        with pytest.raises(ValueError, match="needs a peer slot"):
             ExperimentPlan(integration="shared", **fields)  # type: ignore[arg-type]
-    for bad in (0.0, 1.5, float("nan")):
+    with pytest.raises(ValueError, match="slot_rehearsal and slot_learning_rate need"):
+        ExperimentPlan(integration="shared", slot_rehearsal=8, slot_learning_rate=1e-2)
+    for bad in (0.0, 1.5, float("nan"), True):
         with pytest.raises(ValueError, match="slot_learning_rate"):
             ExperimentPlan(slot_learning_rate=bad)
+    assert ExperimentPlan(slot_learning_rate=1).slot_learning_rate == 1.0
 
 
 def test_the_slot_learning_rate_reaches_integrations_only() -> None:
@@ -371,7 +374,10 @@ def test_the_slot_learning_rate_reaches_integrations_only() -> None:
     from peerlm.app.experiment_world import round_config
 
     plan = ExperimentPlan(learning_rate=5e-3, slot_learning_rate=2e-2)
-    assert round_config(plan, 0, 1, integration=True).train.learning_rate == 2e-2
+    lesson = round_config(plan, 0, 1, integration=True)
+    assert lesson.integrating().train.learning_rate == 2e-2
     assert round_config(plan, 0, 1).train.learning_rate == 5e-3  # own-data steps
     default = ExperimentPlan(learning_rate=5e-3)
-    assert round_config(default, 0, 1, integration=True).train.learning_rate == 5e-3
+    assert round_config(default, 0, 1, integration=True).integrating().train.learning_rate == 5e-3
+    shared = ExperimentPlan(learning_rate=5e-3, integration="shared")
+    assert round_config(shared, 0, 1, integration=True).slot_learning_rate is None

@@ -174,7 +174,9 @@ def test_a_slot_learning_rate_is_the_integrations_and_needs_a_slot() -> None:
     assert config.train.learning_rate == 5e-3  # the own adapter's local steps
     integrating = config.integrating()
     assert integrating.train.learning_rate == 2e-2
-    assert integrating.integrating() == integrating  # applied once
+    assert integrating.slot_learning_rate is None  # applied once
+    with pytest.raises(ValueError):  # set by hand, still validated
+        dataclasses.replace(config, slot_learning_rate=float("nan")).integrating()
     assert integrating.train.seed == config.train.seed
     plain = RoundConfig.from_settings(AgentSettings(rounds=5))
     assert plain.integrating() is plain
