@@ -364,6 +364,12 @@ class AgentDaemon:
             self.reward_scope = self.reward_scope.routed(
                 self.router.to_peer if self.router is not None else None
             )
+            if not self.reward_scope.probe:
+                # Every AKD reward is then Eq. 3's KB penalty alone: say so once, at start.
+                self.log.warning(
+                    "reward_scope_measures_nothing",
+                    reason="no probe problem reaches the peer slot (reward_scope 'routed')",
+                )
 
     def _executed_protocols(self) -> tuple[str, ...]:
         """The protocols this agent advertises: the settings' choice, of those it has an
