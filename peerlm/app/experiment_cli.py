@@ -172,6 +172,15 @@ _TeacherCapacityOption = Annotated[
         min=1, help="With --pairing per_student: students one teacher serves a round (any)."
     ),
 ]
+_TeachersPerStudentOption = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        max=16,
+        help="With --pairing per_student: teachers each student learns from a round "
+        "(default 1); LocalOnly+ spends as many lessons' steps on its own data.",
+    ),
+]
 _OwnStepsEveryRoundOption = Annotated[
     bool | None,
     typer.Option(
@@ -299,6 +308,7 @@ _PLAN_FIELDS: dict[str, str] = {
     "slot_learning_rate": "slot_lr",
     "pairing": "pairing",
     "teacher_capacity": "teacher_capacity",
+    "teachers_per_student": "teachers_per_student",
     "learning_rate": "lr",
     "grad_accumulation": "grad_accumulation",
     "transfer_limit": "transfer_limit",
@@ -345,6 +355,7 @@ def run_experiment_command(
     slot_lr: _SlotLrOption = None,
     pairing: _PairingOption = None,
     teacher_capacity: _TeacherCapacityOption = None,
+    teachers_per_student: _TeachersPerStudentOption = None,
     own_steps_every_round: _OwnStepsEveryRoundOption = None,
     teach_min_pass: _TeachMinPassOption = None,
     teach_self_check: _TeachSelfCheckOption = None,

@@ -89,13 +89,14 @@ def round_costs(
     n = len(clients) * rounds
     per = {k: sum(v) / n for k, v in phases.items() if k not in ("final evaluation", _REPLAYING)}
     # Averaged over the plan's strategies: in a pairing strategy every client learns in a
-    # round (per_student) or half of them (disjoint), about half teach (a teacher answers
-    # once a round however many it teaches), LocalOnly+ does neither; the own-data steps
-    # are every strategy's, or LocalOnly+'s alone in the earlier harness; the curve is
-    # measured every curve_every rounds.
+    # round (per_student, teachers_per_student lessons each) or half of them (disjoint),
+    # about half teach (a teacher answers once a round however many it teaches), LocalOnly+
+    # does neither; the own-data steps are every strategy's, or LocalOnly+'s alone in the
+    # earlier harness; the curve is measured every curve_every rounds.
     strategies = plan.strategies
     collaborative = sum(st in COLLABORATIVE for st in strategies) / len(strategies)
-    students = 1.0 if plan.pairing == "per_student" else 0.5
+    # A student of several teachers (teachers_per_student) runs one integration each.
+    students = float(plan.teachers_per_student) if plan.pairing == "per_student" else 0.5
     per["teacher answers X_u"] *= collaborative / 2
     per["AKD integration"] *= collaborative * students
     if not plan.own_steps_every_round:

@@ -332,7 +332,8 @@ def _oracle_keeps(
 ) -> list[tuple[tuple[int, int], tuple[float, Any, Any, float]]]:
     """The trials the Oracle keeps, by the walk of the plan's ``pairing``: largest gain
     first, disjoint pairs (at most N/2), or under ``per_student`` each student's best
-    teacher within ``teacher_capacity`` (:func:`peerlm.services.cpm.matching`'s walks)."""
+    ``teachers_per_student`` teachers within ``teacher_capacity``
+    (:func:`peerlm.services.cpm.matching`'s walks)."""
     from peerlm.services.cpm import greedy_disjoint_sequential, greedy_students
 
     walk = sorted(trials.items(), key=lambda kv: (-kv[1][0], kv[0]))
@@ -340,8 +341,9 @@ def _oracle_keeps(
     receivers = np.asarray([si for (_, si), _ in walk], dtype=np.intp)
     if plan.pairing == "per_student":
         capacity = n if plan.teacher_capacity is None else plan.teacher_capacity
-        served, load = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.intp)
-        kept = greedy_students(senders, receivers, n, served, load, capacity)
+        served, load = np.zeros(n, dtype=np.intp), np.zeros(n, dtype=np.intp)
+        k = plan.teachers_per_student
+        kept = greedy_students(senders, receivers, n * k, served, load, capacity, k)
     else:
         order = np.arange(len(walk), dtype=np.intp)
         kept = greedy_disjoint_sequential(senders, receivers, order, n // 2, n)

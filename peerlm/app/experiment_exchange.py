@@ -35,7 +35,10 @@ def pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
 
     if strategy == "random":
         return RandomMatchmaker(
-            seed=seed, pairing=plan.pairing, teacher_capacity=plan.teacher_capacity
+            seed=seed,
+            pairing=plan.pairing,
+            teacher_capacity=plan.teacher_capacity,
+            teachers_per_student=plan.teachers_per_student,
         )
     if strategy == "heuristic":
         return HeteroGreedyMatchmaker()

@@ -187,6 +187,12 @@ class ExperimentPlan:
     # pairs disjointly whatever this says.
     pairing: Literal["disjoint", "per_student"] = "per_student"
     teacher_capacity: int | None = None
+    # Under "per_student": the teachers a student learns from each round, distinct, its best
+    # ones (KNEXA-FL: by UCB; the Oracle: by trial gain; Random-P2P: drawn) (ours;
+    # docs/experiment.md "Several teachers a student"; ``CpmSettings.teachers_per_student``).
+    # LocalOnly+, and every client's own track, then spends as many extra own-data steps as
+    # a student spends on its lessons: ``teachers_per_student`` x ``integration_steps``.
+    teachers_per_student: int = 1
 
     def arch(self, i: int) -> str:
         """The architecture client ``i`` hosts."""
@@ -241,6 +247,14 @@ class ExperimentPlan:
             raise ValueError(f"pairing must be 'disjoint' or 'per_student', not {self.pairing!r}")
         if self.teacher_capacity is not None and self.teacher_capacity < 1:
             raise ValueError(f"teacher_capacity must be >= 1, not {self.teacher_capacity!r}")
+        k = self.teachers_per_student
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.agents - 1:
+            raise ValueError(
+                f"teachers_per_student must be an integer in [1, agents - 1 = {self.agents - 1}],"
+                f" not {k!r}"
+            )
+        if k > 1 and self.pairing != "per_student":
+            raise ValueError("teachers_per_student > 1 needs pairing 'per_student'")
         if self.slot_scope not in ("all", "routed"):
             raise ValueError(f"slot_scope must be 'all' or 'routed', not {self.slot_scope!r}")
         if not 0 <= self.slot_rehearsal <= 256:
@@ -337,6 +351,8 @@ class ExperimentPlan:
             given["pairing"] = self.pairing
         if self.teacher_capacity is not None:
             given["teacher_capacity"] = self.teacher_capacity
+        if self.teachers_per_student != 1:
+            given["teachers_per_student"] = self.teachers_per_student
         given |= {
             "interaction_features": self.cpm_interaction_features,
             "context_columns": self.cpm_context_columns,
@@ -351,6 +367,12 @@ class ExperimentPlan:
     def integration_steps(self) -> int:
         """Optimiser steps of one AKD integration (``akd_steps`` or ``local_steps``)."""
         return self.local_steps if self.akd_steps is None else self.akd_steps
+
+    @property
+    def exchange_own_steps(self) -> int:
+        """LocalOnly+'s extra own-data steps a round (and every collaborating client's own
+        track's): what a student spends on its lessons, ``integration_steps`` each."""
+        return self.integration_steps * self.teachers_per_student
 
 
 #: Memory one worker process of ``--jobs`` may take: four tiny models, their adapters and

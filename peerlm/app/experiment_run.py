@@ -49,8 +49,10 @@ def own_data_steps(world: World, clients: Sequence[Client], seed: int, t: int) -
     plan = world.plan
     for i, c in enumerate(clients):
         config = round_config(plan, seed, i)
-        c.host.train_local(c.train_examples, config.train_settings(t), steps=plan.integration_steps)
-        c.own_steps += plan.integration_steps
+        c.host.train_local(
+            c.train_examples, config.train_settings(t), steps=plan.exchange_own_steps
+        )
+        c.own_steps += plan.exchange_own_steps
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ def run_strategy(
             if track is not None:
                 for c in clients:
                     c.host.load_adapter_state(track[t - 1][c.name].trained)
-                    c.own_steps += plan.integration_steps
+                    c.own_steps += plan.exchange_own_steps
             else:
                 own_data_steps(world, clients, seed, t)
             if record is not None:

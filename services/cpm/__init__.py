@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     )
     from .matchmaker import (
         MAX_MERGE_SENDERS,
+        MAX_TEACHERS_PER_STUDENT,
         Matchmaker,
         MatchmakerState,
         Pairing,
@@ -80,6 +81,7 @@ __all__ = [
     "MAX_ABS_PROFILE_VALUE",
     "MAX_MERGE_SENDERS",
     "MAX_OVERLAY_PEERS",
+    "MAX_TEACHERS_PER_STUDENT",
     "MENU",
     "MERGE_PROTOCOLS",
     "PERFORMANCE_INDEX",
@@ -144,6 +146,7 @@ _LAZY_MODULES: dict[str, tuple[str, ...]] = {
     ),
     "matchmaker": (
         "MAX_MERGE_SENDERS",
+        "MAX_TEACHERS_PER_STUDENT",
         "Matchmaker",
         "MatchmakerState",
         "Pairing",

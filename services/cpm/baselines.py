@@ -81,7 +81,8 @@ class RandomMatchmaker:
     :class:`~.matchmaker.Matchmaker`'s: every agent, in a random order, is the student of a
     teacher drawn uniformly among the other agents that teach fewer than
     ``teacher_capacity`` students (``None``: any number); ``K_p`` bounds the pairings up
-    to ``N``.
+    to ``N``. With ``teachers_per_student`` k > 1 each student draws k distinct teachers
+    so (as many as have room), and ``K_p`` bounds the pairings up to ``k N``.
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class RandomMatchmaker:
         profile_dim: int = 32,
         pairing: Literal["disjoint", "per_student"] = "disjoint",
         teacher_capacity: int | None = None,
+        teachers_per_student: int = 1,
     ) -> None:
         if not protocols:
             raise ValueError("at least one protocol is required")
@@ -100,8 +102,13 @@ class RandomMatchmaker:
             raise ValueError(f"pairing must be 'disjoint' or 'per_student', got {pairing!r}")
         if teacher_capacity is not None and teacher_capacity < 1:
             raise ValueError(f"teacher_capacity must be >= 1, got {teacher_capacity!r}")
+        if isinstance(teachers_per_student, bool) or teachers_per_student < 1:
+            raise ValueError(f"teachers_per_student must be >= 1, got {teachers_per_student!r}")
+        if teachers_per_student > 1 and pairing != "per_student":
+            raise ValueError("teachers_per_student > 1 needs pairing 'per_student'")
         self._pairing = pairing
         self._capacity = teacher_capacity
+        self._teachers = int(teachers_per_student)
         self._pair_budget = pair_budget
         self._protocols = tuple(protocols)
         self._rng = np.random.default_rng(seed)
@@ -133,18 +140,25 @@ class RandomMatchmaker:
         n = len(ids)
         if n < 2:
             return []
-        budget = n if self._pair_budget is None else max(0, min(self._pair_budget, n))
+        most = n * self._teachers
+        budget = most if self._pair_budget is None else max(0, min(self._pair_budget, most))
         capacity = n if self._capacity is None else self._capacity
         load = np.zeros(n, dtype=np.intp)
         out: list[Pairing] = []
-        for r in self._rng.permutation(n)[:budget].tolist():
-            room = [s for s in range(n) if s != r and load[s] < capacity]
-            if not room:
-                continue
-            s = room[int(self._rng.integers(0, len(room)))]
-            load[s] += 1
-            protocol = self._protocols[int(self._rng.integers(0, len(self._protocols)))]
-            out.append(_make(ids, mat, s, r, protocol, 0.0))
+        for r in self._rng.permutation(n).tolist():
+            # One teacher at a time, so that with k = 1 the draws are exactly those of a
+            # single-teacher round (the same seed gives the same pairs).
+            for _ in range(self._teachers):
+                if len(out) == budget:
+                    return out
+                mine = {p.sender for p in out if p.receiver == ids[r]}
+                room = [s for s in range(n) if s != r and load[s] < capacity and ids[s] not in mine]
+                if not room:
+                    break
+                s = room[int(self._rng.integers(0, len(room)))]
+                load[s] += 1
+                protocol = self._protocols[int(self._rng.integers(0, len(self._protocols)))]
+                out.append(_make(ids, mat, s, r, protocol, 0.0))
         return out
 
     def observe(self, pairing: Pairing, reward: float) -> float:

@@ -166,28 +166,34 @@ def greedy_students(
     senders: NDArray[np.intp],
     receivers: NDArray[np.intp],
     budget: int,
-    served: NDArray[np.bool_],
+    served: NDArray[np.intp],
     load: NDArray[np.intp],
     capacity: int,
+    teachers: int = 1,
+    taken: set[tuple[int, int]] | None = None,
 ) -> list[int]:
     """Positions kept by the greedy walk of ``pairing="per_student"`` (ours, beyond
     Algorithm 2; docs/matchmaker.md, "A student every round").
 
     ``senders`` and ``receivers`` are the candidates' agents already in walk order (best
-    first). A candidate is kept when its receiver has no teacher yet this round
-    (``served``), its sender teaches fewer than ``capacity`` students (``load``) and the
-    two differ; at most ``budget`` are kept. An agent may be a teacher and a student in
-    the same round. ``served`` and ``load`` are updated in place, so that refill passes
-    continue from this one.
+    first). A candidate is kept when its receiver has fewer than ``teachers`` teachers
+    this round (``served``, a count per agent), its sender teaches fewer than ``capacity``
+    students (``load``), the two differ and the sender does not teach that receiver yet
+    this round (``taken``, the (sender, receiver) pairs kept so far: a pair has one
+    tuple a round, whatever the protocols); at most ``budget`` are kept. An agent may be
+    a teacher and a student in the same round. ``served``, ``load`` and ``taken`` are
+    updated in place, so that refill passes continue from this one.
     """
     chosen: list[int] = []
-    if budget <= 0 or capacity <= 0:
+    if budget <= 0 or capacity <= 0 or teachers <= 0:
         return chosen
+    kept = set() if taken is None else taken
     for k, (s, r) in enumerate(zip(senders.tolist(), receivers.tolist(), strict=True)):
-        if s == r or served[r] or load[s] >= capacity:
+        if s == r or served[r] >= teachers or load[s] >= capacity or (s, r) in kept:
             continue
-        served[r] = True
+        served[r] += 1
         load[s] += 1
+        kept.add((s, r))
         chosen.append(k)
         if len(chosen) == budget:
             break

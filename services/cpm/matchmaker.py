@@ -77,11 +77,21 @@ from .profile import check_context_columns, validate_profiles
 from .robust_normalise import DEFAULT_REWARD_WINDOW, RobustRewardNormaliser
 from .trust import TrustLedger
 
-__all__ = ["MAX_MERGE_SENDERS", "Matchmaker", "MatchmakerState", "Pairing", "PairingPolicy"]
+__all__ = [
+    "MAX_MERGE_SENDERS",
+    "MAX_TEACHERS_PER_STUDENT",
+    "Matchmaker",
+    "MatchmakerState",
+    "Pairing",
+    "PairingPolicy",
+]
 
 #: Most senders one merge directive may name (the primary and its co-senders): the
 #: student pulls each adapter, so this bounds one directive's fan-out.
 MAX_MERGE_SENDERS = 16
+#: Most teachers one student may learn from a round under ``pairing="per_student"``: each
+#: is a package to fetch and an integration to run, so this bounds a student's round.
+MAX_TEACHERS_PER_STUDENT = 16
 #: Seeded random partners per agent added by the prefilter (exploration beyond top-k).
 DEFAULT_PREFILTER_RANDOM = 2
 # Refill passes per select (each pairs leftovers of the previous; two or three suffice).
@@ -349,6 +359,12 @@ class Matchmaker:
             Greedy matching only.
         teacher_capacity: students one sender may teach a round under ``"per_student"``;
             ``None``: any number.
+        teachers_per_student: teachers one receiver may learn from a round under
+            ``"per_student"`` (ours; docs/matchmaker.md, "Several teachers a student"): the
+            walk keeps a receiver's best ``teachers_per_student`` distinct senders, so a
+            student is taught by its second-best teacher too instead of by its best one
+            alone. ``K_p`` then bounds the pairings up to ``N * teachers_per_student``.
+            1 (default): one teacher, exactly as without the setting.
     """
 
     def __init__(
@@ -377,6 +393,7 @@ class Matchmaker:
         reward_window: int = DEFAULT_REWARD_WINDOW,
         pairing: Literal["disjoint", "per_student"] = "disjoint",
         teacher_capacity: int | None = None,
+        teachers_per_student: int = 1,
     ) -> None:
         if not (math.isfinite(beta) and beta >= 0):
             raise ValueError("beta must be a finite number >= 0")
@@ -394,6 +411,17 @@ class Matchmaker:
             not isinstance(teacher_capacity, int) or teacher_capacity < 1
         ):
             raise ValueError(f"teacher_capacity must be an integer >= 1, got {teacher_capacity!r}")
+        if (
+            isinstance(teachers_per_student, bool)
+            or not isinstance(teachers_per_student, int)
+            or not 1 <= teachers_per_student <= MAX_TEACHERS_PER_STUDENT
+        ):
+            raise ValueError(
+                f"teachers_per_student must be an integer in [1, {MAX_TEACHERS_PER_STUDENT}], "
+                f"got {teachers_per_student!r}"
+            )
+        if teachers_per_student > 1 and pairing != "per_student":
+            raise ValueError("teachers_per_student > 1 needs pairing 'per_student'")
         if prefilter_k < 1 or prefilter_random < 0:
             raise ValueError("prefilter_k must be >= 1 and prefilter_random >= 0")
         if prefilter_min_agents < 2:
@@ -440,6 +468,7 @@ class Matchmaker:
         self._matching = matching
         self._pairing = pairing
         self._teacher_capacity = teacher_capacity
+        self._teachers_per_student = teachers_per_student
         self._prefilter_k = int(prefilter_k)
         self._prefilter_min_agents = int(prefilter_min_agents)
         self._prefilter_random = int(prefilter_random)
@@ -552,7 +581,7 @@ class Matchmaker:
         mat = self._features.bound_profiles(mat)
         n = len(ids)
         per_student = self._pairing == "per_student"
-        most = n if per_student else n // 2
+        most = n * self._teachers_per_student if per_student else n // 2
         budget = most if self._pair_budget is None else min(self._pair_budget, most)
         self._last_candidates = 0
         if n < 2 or budget == 0:
@@ -585,11 +614,14 @@ class Matchmaker:
             cluster_min = min(cluster_min, _REFILL_CLUSTER_MIN_AGENTS)
         free = np.arange(n, dtype=np.intp)
         taken = np.zeros(n, dtype=bool)
-        # per_student: who has a teacher this round, and how many each sender teaches.
-        served = np.zeros(n, dtype=bool)
+        # per_student: how many teachers each agent has this round, how many students each
+        # sender teaches, and the (sender, receiver) pairs kept.
+        served = np.zeros(n, dtype=np.intp)
         load = np.zeros(n, dtype=np.intp)
         capacity = n if self._teacher_capacity is None else self._teacher_capacity
-        students = (served, load, capacity) if per_student else None
+        teachers = self._teachers_per_student
+        kept: set[tuple[int, int]] = set()
+        students = (served, load, capacity, teachers, kept) if per_student else None
         # The per-agent pieces of the exact UCB, once for all passes.
         tables = self._bandit.pair_tables(
             self._features.layout, mat, trust, dtype=self._score_dtype
@@ -621,9 +653,9 @@ class Matchmaker:
             if per_student:
                 # Refill among the students still without a teacher and the senders with
                 # room; the walk keeps the rest of its rules.
-                if served.all():
+                if bool((served >= teachers).all()):
                     break
-                free = np.flatnonzero(~served | (load < capacity)).astype(np.intp)
+                free = np.flatnonzero((served < teachers) | (load < capacity)).astype(np.intp)
                 if len(free) < 2:
                     break
                 continue
@@ -872,14 +904,16 @@ class Matchmaker:
         cluster_min: int,
         admissible: AdmissibilityMask | None = None,
         seen: list[tuple[NDArray[np.intp], NDArray[np.intp]]] | None = None,
-        students: tuple[NDArray[np.bool_], NDArray[np.intp], int] | None = None,
+        students: tuple[NDArray[np.intp], NDArray[np.intp], int, int, set[tuple[int, int]]]
+        | None = None,
     ) -> _Picked:
         """One Algorithm-2 pass over ``agents``, best first; indices are into ``mat`` and
         ``tables`` (the bandit's pair tables of all of ``mat``). The prefilter's top-k
         search is clustered from ``cluster_min`` agents on. With ``admissible``, only its
         admissible tuples can be picked. ``seen`` collects the pass's candidate pairs.
-        ``students``: ``(served, load, capacity)`` of ``pairing="per_student"``, indexed
-        like ``mat`` and updated by the walk (:func:`.matching.greedy_students`)."""
+        ``students``: ``(served, load, capacity, teachers, kept)`` of
+        ``pairing="per_student"``, indexed like ``mat`` and updated by the walk
+        (:func:`.matching.greedy_students`)."""
         sub = mat[agents]
         sub_trust = None if trust is None else trust[agents]
         n = len(agents)
@@ -923,9 +957,9 @@ class Matchmaker:
             order = perm[_descending(ucb[perm])]
             order = order[np.isfinite(ucb[order])]
             s_order, r_order = ends(order)
-            served, load, capacity = students
+            served, load, capacity, teachers, kept = students
             walked = greedy_students(
-                agents[s_order], agents[r_order], budget, served, load, capacity
+                agents[s_order], agents[r_order], budget, served, load, capacity, teachers, kept
             )
             picked = order[np.asarray(walked, dtype=np.intp)]
         elif self._matching == "greedy":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS, Matchmaker
+from peerlm.services.cpm.matchmaker import MAX_MERGE_SENDERS, MAX_TEACHERS_PER_STUDENT, Matchmaker
 from peerlm.services.cpm.menu import MENU
 from peerlm.services.cpm.normalise import DEFAULT_REWARD_CLIP_SIGMAS
 from peerlm.services.cpm.profile import check_context_columns
@@ -56,6 +56,10 @@ class CpmSettings(ServiceSettings):
     # any number); an agent may teach and learn in one round. Greedy matching only.
     pairing: Literal["disjoint", "per_student"] = "disjoint"
     teacher_capacity: int | None = Field(default=None, ge=1)
+    # Under "per_student": directives one agent may receive as a student a round, from
+    # distinct teachers, its best ones by UCB (ours; docs/matchmaker.md, "Several teachers
+    # a student"). 1: one, as before.
+    teachers_per_student: int = Field(default=1, ge=1, le=MAX_TEACHERS_PER_STUDENT)
     # Most senders one merge directive (pmix, svd_hka) names: the pairing's teacher and up
     # to merge_senders - 1 co-senders ranked by UCB (docs/matchmaker.md, "Several senders
     # per merge directive"). 1: one sender, as before. Part of the database's fingerprint
@@ -141,12 +145,15 @@ class CpmSettings(ServiceSettings):
             reward_window=self.reward_window,
             pairing=self.pairing,
             teacher_capacity=self.teacher_capacity,
+            teachers_per_student=self.teachers_per_student,
         )
 
     @model_validator(mode="after")
     def _per_student_is_greedy(self) -> CpmSettings:
         if self.pairing == "per_student" and self.matching != "greedy":
             raise ValueError("pairing 'per_student' is walked greedily: matching must be 'greedy'")
+        if self.teachers_per_student > 1 and self.pairing != "per_student":
+            raise ValueError("teachers_per_student > 1 needs pairing 'per_student'")
         return self
 
     @model_validator(mode="after")
