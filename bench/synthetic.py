@@ -470,21 +470,32 @@ class SyntheticFederation:
         """JS divergence (base 2) between the TRUE data distributions of two clients."""
         return js_divergence(self.distribution[self._index[a]], self.distribution[self._index[b]])
 
-    def step(self, pairs: Sequence[PairLike | tuple[str, str]]) -> list[float]:
+    def step(
+        self, pairs: Sequence[PairLike | tuple[str, str]], *, several_teachers: bool = False
+    ) -> list[float]:
         """Run one round of exchanges; return the observed (noisy) reward of each pair.
 
         All exchanges use the pre-round state (they run in parallel); then every client
         trains locally, the round counter advances and fresh profiles are drawn. A client may
-        take part in at most one pair per round.
+        take part in at most one pair per round; with ``several_teachers`` a student may
+        learn from several distinct teachers in the round (a CPM's ``teachers_per_student``),
+        their skill gains added up, as long as no student also teaches in it.
         """
         ends = [_ends(p) for p in pairs]
         seen: set[str] = set()
         for s, r in ends:
             if s == r:
                 raise ValueError(f"self-pair {s!r}")
-            if s in seen or r in seen:
-                raise ValueError("pairs must be disjoint: a client appears twice in one round")
-            seen.update((s, r))
+        if several_teachers:
+            if len(set(ends)) != len(ends):
+                raise ValueError("a (teacher, student) pair appears twice in one round")
+            if {s for s, _ in ends} & {r for _, r in ends}:
+                raise ValueError("a student of several teachers cannot also teach that round")
+        else:
+            for s, r in ends:
+                if s in seen or r in seen:
+                    raise ValueError("pairs must be disjoint: a client appears twice in one round")
+                seen.update((s, r))
         senders = np.array([self._index[s] for s, _ in ends], dtype=np.intp)
         receivers = np.array([self._index[r] for _, r in ends], dtype=np.intp)
         cfg = self.config
@@ -494,7 +505,11 @@ class SyntheticFederation:
             expected = self._expected(senders, receivers)
             delta = self._skill_delta(senders, receivers)
             observed = expected + noise
-            self.skills[receivers] += delta
+            # Unbuffered: a student of several teachers gains each lesson's delta, within
+            # what one lesson may reach (each delta is bounded, their sum need not be).
+            np.add.at(self.skills, receivers, delta)
+            if several_teachers:
+                np.clip(self.skills, 0.0, self.capacity[:, None], out=self.skills)
             self._last_reward[receivers] = observed
             a = cfg.success_ema
             self._success[receivers] = (1 - a) * self._success[receivers] + a * (observed > 0)

@@ -168,6 +168,13 @@ _PairingOption = Annotated[
         "per_student (every agent a student each round; docs/matchmaker.md).",
     ),
 ]
+_TeachersPerStudentOption = Annotated[
+    int,
+    typer.Option(
+        help="With --pairing per_student: teachers each agent learns from a round, its "
+        'best ones by UCB (1 to 16; docs/matchmaker.md, "Several teachers a student").',
+    ),
+]
 _WorkflowOption = Annotated[
     bool,
     typer.Option(
@@ -230,6 +237,7 @@ class _UpOptions:
     co_sender_scoring: str
     reward_normaliser: str
     pairing: str
+    teachers_per_student: int
     workflow: bool
     fedproxy: bool
     proxy_ratio: float | None
@@ -262,6 +270,7 @@ def up_command(
     co_sender_scoring: _CoSenderScoringOption = "pair",
     reward_normaliser: _RewardNormaliserOption = "robust",
     pairing: _PairingOption = "disjoint",
+    teachers_per_student: _TeachersPerStudentOption = 1,
     workflow: _WorkflowOption = False,
     fedproxy: _FedproxyOption = False,
     proxy_ratio: _ProxyRatioOption = None,
@@ -295,6 +304,7 @@ def up_command(
                 co_sender_scoring=co_sender_scoring,
                 reward_normaliser=reward_normaliser,
                 pairing=pairing,
+                teachers_per_student=teachers_per_student,
                 # Simulated agents import no model libraries: nothing to share.
                 preload=() if opts.simulated else AGENT_PRELOAD,
             )
@@ -368,8 +378,8 @@ def _checked_menu(opts: _UpOptions) -> tuple[str, ...]:
 
 
 def _check_cpm_options(opts: _UpOptions, menu: tuple[str, ...]) -> None:
-    """``--merge-senders``, ``--co-sender-scoring``, ``--reward-normaliser`` and
-    ``--pairing``."""
+    """``--merge-senders``, ``--co-sender-scoring``, ``--reward-normaliser``, ``--pairing``
+    and ``--teachers-per-student``."""
     if opts.merge_senders != 1 and not any(lookup(p).co_senders for p in menu):
         merges = " or ".join(protocol_names(co_senders=True))
         raise typer.BadParameter(f"--merge-senders applies to merge protocols: add {merges}")
@@ -381,6 +391,15 @@ def _check_cpm_options(opts: _UpOptions, menu: tuple[str, ...]) -> None:
         raise typer.BadParameter("--reward-normaliser must be 'zscore' or 'robust'")
     if opts.pairing not in ("disjoint", "per_student"):
         raise typer.BadParameter("--pairing must be 'disjoint' or 'per_student'")
+    from peerlm.services.cpm import MAX_TEACHERS_PER_STUDENT
+
+    k = opts.teachers_per_student
+    if not 1 <= k <= MAX_TEACHERS_PER_STUDENT:
+        raise typer.BadParameter(
+            f"--teachers-per-student must be in [1, {MAX_TEACHERS_PER_STUDENT}], not {k}"
+        )
+    if k > 1 and opts.pairing != "per_student":
+        raise typer.BadParameter("--teachers-per-student > 1 needs --pairing per_student")
 
 
 def _check_fedproxy_options(opts: _UpOptions) -> None:

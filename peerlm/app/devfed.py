@@ -168,6 +168,7 @@ async def run_federation(
     co_sender_scoring: str = "pair",
     reward_normaliser: str = "robust",
     pairing: str = "disjoint",
+    teachers_per_student: int = 1,
     preload: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the CPM and the agents to their end; the federation's report. With ``preload``
@@ -198,6 +199,8 @@ async def run_federation(
     dev_env["PEERLM_CPM_REWARD_NORMALISER"] = reward_normaliser
     if pairing != "disjoint":
         dev_env["PEERLM_CPM_PAIRING"] = pairing
+    if teachers_per_student != 1:
+        dev_env["PEERLM_CPM_TEACHERS_PER_STUDENT"] = str(teachers_per_student)
     started = time.monotonic()
     forks = None
     if preload:

@@ -271,13 +271,15 @@ def central_kd(world: World, clients: list[Client], seed: int, t: int) -> list[d
 def oracle_exchange(
     world: World, clients: list[Client], seed: int, t: int
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Try every ordered pair, keep the disjoint pairs of largest true probe gain.
+    """Try every ordered pair, keep the pairs of largest true probe gain.
 
     The gain of (teacher, student) is the student's probe-loss drop from integrating the
     teacher's package (whatever ``reward`` the plan uses). Pairs are chosen greedily by
-    gain, ⌊N/2⌋ of them as the matchmakers do; the chosen students keep their trial
-    adapter, the others are restored. Returns the records and every pair's gain
-    (``"teacher>student"``), for the CPM's figures.
+    gain under the plan's ``pairing``, as the matchmakers do (:func:`_oracle_keeps`); the
+    chosen students keep their trial adapter, the others are restored (a student kept
+    with several teachers under ``teachers_per_student`` learns the further ones' lessons
+    again on top). Returns the records and every pair's gain (``"teacher>student"``), for
+    the CPM's figures.
     """
 
     predictions = {c.name: teacher_answers(world, c, t) for c in clients}
@@ -307,12 +309,23 @@ def oracle_exchange(
                 student.host.load_adapter_state(before)
             trials[(ti, si)] = (pre - post, after, result, kb)
     records: list[dict[str, Any]] = []
+    # Kept best gain first, so a student's first kept trial is its best teacher's: its
+    # trial state is taken as it is. Under teachers_per_student > 1 every further teacher's
+    # lesson (its trial started from the round's state, like the first's) is integrated
+    # again on top of the lessons kept before it, as a student of several teachers learns.
+    learnt: set[int] = set()
     for (ti, si), (gain, after, result, _kb) in _oracle_keeps(world.plan, len(clients), trials):
         student = clients[si]
-        if separate:
+        if si in learnt:
+            teacher = clients[ti]
+            directive = f"oracle-{t}-{teacher.name}-{student.name}-kept"
+            package, kb = teacher_package(world, teacher, predictions[teacher.name], directive)
+            result = integrate(world, student, package, kb, seed, si, t)
+        elif separate:
             student.slot.restore(after)
         else:
             student.host.load_adapter_state(after)
+        learnt.add(si)
         student.rewards.append(result.reward)
         student.exchanges += 1
         records.append(

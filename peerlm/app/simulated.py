@@ -107,11 +107,12 @@ async def run_sim_agent(
                     report.as_teacher += 1
                 elif (teacher := env_name.get(d.teacher)) is None:
                     report.errors.append(f"unknown teacher {d.teacher}")
-                elif learnt:  # the simulation steps a client in one pair a round
-                    report.errors.append(f"a second student directive in round {r}")
+                elif any(teacher == t for _, t in learnt):
+                    report.errors.append(f"a second directive from {d.teacher} in round {r}")
                 else:
+                    # Several under teachers_per_student: each lesson from the same state.
                     learnt.append((d, teacher))
-            rewards = env.step([(teacher, me) for _, teacher in learnt])
+            rewards = env.step([(teacher, me) for _, teacher in learnt], several_teachers=True)
             for (d, _), reward in zip(learnt, rewards, strict=True):
                 await client.report_reward(d.directive_id, reward)
                 report.as_student += 1

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -756,6 +757,44 @@ def test_a_self_checking_teacher_sends_only_what_passed_and_the_slot_learns_no_e
 def per_student_world(world: World) -> Iterator[World]:
     """A CPM of its own that pairs per student (``pairing: per_student``)."""
     yield from _menu_world(world, "per-student", ["akd"], {"PEERLM_CPM_PAIRING": "per_student"})
+
+
+@pytest.fixture(scope="module")
+def two_teachers_world(world: World) -> Iterator[World]:
+    """A CPM of its own that gives every student two teachers a round; it matches only when
+    all three agents have submitted, so every student has two others to learn from."""
+    yield from _menu_world(
+        world,
+        "two-teachers",
+        ["akd"],
+        {
+            "PEERLM_CPM_PAIRING": "per_student",
+            "PEERLM_CPM_TEACHERS_PER_STUDENT": "2",
+            "PEERLM_CPM_MIN_QUORUM": "3",
+        },
+    )
+
+
+def test_a_student_of_two_teachers_learns_from_both_in_one_round(
+    two_teachers_world: World,
+) -> None:
+    """Three agents under ``teachers_per_student: 2``: the round's matchmaking gives each
+    agent four directives, as the teacher of the two others and as their student. Each
+    serves one package generation to both its students, learns both lessons in the round
+    (one after the other, into its peer slot) and reports a reward for each directive."""
+    summaries, events = _run_together(
+        two_teachers_world, "tt", ("a0", "a1", "a2"), rounds=1, round_timeout_s=180,
+        local_steps=2,
+    )  # fmt: skip
+    for summary in summaries:
+        assert summary["exchanges"] == summary["as_teacher"] == 2, summary
+        assert len(summary["rewards"]) == 2
+    integrated = [e for e in events if e.get("event") == "exchange_integrated"]
+    assert len(integrated) == 6 and {int(e["round"]) for e in integrated} == {1}  # type: ignore[call-overload]
+    # Six distinct directives, each student's two from two distinct teachers.
+    assert len({e["directive"] for e in integrated}) == 6
+    assert Counter(e["teacher"] for e in integrated) == {"a0": 2, "a1": 2, "a2": 2}
+    assert not [e for e in events if e.get("event") == "directive_skipped"]
 
 
 def test_a_per_student_round_makes_each_agent_a_teacher_and_a_student(

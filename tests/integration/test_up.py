@@ -50,13 +50,37 @@ def test_up_per_student_makes_every_agent_a_student_each_round(tmp_path: Path) -
     assert sum(a["as_teacher"] for a in agents) == result["rewards_reported"]
 
 
-def test_up_refuses_an_unknown_pairing(tmp_path: Path) -> None:
+def test_up_gives_every_student_two_teachers_a_round(tmp_path: Path) -> None:
+    """``--teachers-per-student 2``: the CPM gives each of four agents two teachers a round
+    (eight directives), and each agent learns from both and reports both rewards."""
+    result = _up(
+        tmp_path / "fed", "--simulated", "-n", "4", "-r", "2", "--pairing", "per_student",
+        "--teachers-per-student", "2",
+    )  # fmt: skip
+    assert result["rounds_completed"] == 2
+    agents = result["agents"]
+    assert all(not a["errors"] for a in agents), [a["errors"] for a in agents]
+    assert result["rewards_observed"] == result["rewards_reported"] > 4 * 2
+    assert sum(a["as_student"] for a in agents) == result["rewards_reported"]
+    assert max(a["as_student"] for a in agents) > 2  # more than one a round for someone
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--pairing", "all"], "--pairing"),
+        (["--teachers-per-student", "2"], "--teachers-per-student"),
+        (["--pairing", "per_student", "--teachers-per-student", "17"], "--teachers-per-student"),
+    ],
+)
+def test_up_refuses_an_unknown_pairing(tmp_path: Path, args: list[str], named: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "peerlm", "up", "--simulated", "--state-dir", str(tmp_path),
-         "--pairing", "all"],
+         *args],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert out.returncode == 2 and "--pairing" in out.stderr
+    assert out.returncode == 2 and named in out.stderr
+    assert not (tmp_path / "cpm.db").exists()  # refused before anything was touched
 
 
 def test_up_with_model_hosting_agents(tmp_path: Path) -> None:

@@ -436,3 +436,45 @@ def test_the_experiments_lessons_rehearse_through_the_slot(
     assert student.peer_steps == 2 * w.plan.integration_steps
     after = student.host.adapter_state()
     assert all(torch.equal(own[k], after[k]) for k in own)
+
+
+def test_a_student_of_two_teachers_learns_both_lessons_and_loses_no_own_step(
+    world: tuple[World, list[Client]], micro_gpt2: Path
+) -> None:
+    """``teachers_per_student: 2``: Random-P2P and the Oracle give every student two
+    distinct teachers a round, each lesson integrated into the slot and rewarded; the own
+    adapter is untouched, and LocalOnly+'s own-data steps are two lessons' worth."""
+    from dataclasses import replace
+
+    from peerlm.services.cpm import PROFILE_DIM
+
+    from peerlm.app.experiment_distill import oracle_exchange
+    from peerlm.app.experiment_exchange import exchange, pairing_policy
+    from peerlm.app.experiment_run import own_data_steps
+
+    w, pair = world
+    w.plan = replace(w.plan, agents=3, teachers_per_student=2)
+    w.slices = [*w.slices, w.slices[0]]
+    clients = [*pair, _client(micro_gpt2, 2)]
+    own = {c.name: {k: v.clone() for k, v in c.host.adapter_state().items()} for c in clients}
+    profiles = {c.name: np.ones(PROFILE_DIM) for c in clients}
+    records, _ = exchange(w, "random", pairing_policy("random", w.plan, 0), clients, profiles, 0, 1)
+    taught = sorted((r["teacher"], r["student"]) for r in records)
+    assert taught == sorted((a.name, b.name) for a in clients for b in clients if a is not b)
+    for c in clients:
+        assert c.exchanges == 2 and len(c.rewards) == 2 and c.slot.integrations == 2
+        assert c.peer_steps == 2 * w.plan.integration_steps
+        after = c.host.adapter_state()
+        assert all(torch.equal(own[c.name][k], after[k]) for k in after)
+    records, gains = oracle_exchange(w, clients, 0, 2)
+    assert sorted((r["teacher"], r["student"]) for r in records) == taught
+    assert len(gains) == 6 and all(c.exchanges == 4 for c in clients)
+    # The best teacher's trial kept, the second teacher's lesson learnt on top of it.
+    assert [c.slot.integrations for c in clients] == [4, 4, 4]
+    assert all(len(c.slot.history) == 4 for c in clients)
+    before = [c.own_steps for c in clients]
+    own_data_steps(w, clients, 0, 3)
+    assert [c.own_steps - b for c, b in zip(clients, before, strict=True)] == [
+        2 * w.plan.integration_steps
+    ] * 3
+    assert w.plan.exchange_own_steps == 2 * w.plan.integration_steps

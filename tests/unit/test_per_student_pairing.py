@@ -30,15 +30,82 @@ def assert_per_student(pairings: list[Pairing], agents: set[str], capacity: int 
 def test_the_walk_keeps_a_student_once_and_a_teacher_within_its_capacity() -> None:
     senders = np.array([0, 0, 0, 1, 2, 2, 3], dtype=np.intp)
     receivers = np.array([1, 2, 3, 1, 0, 2, 3], dtype=np.intp)
-    served, load = np.zeros(4, dtype=bool), np.zeros(4, dtype=np.intp)
+    served, load = np.zeros(4, dtype=np.intp), np.zeros(4, dtype=np.intp)
     # 0 teaches 1 and 2 (capacity 2), not 3; 1 -> 1 is student 1 again; 2 -> 0 kept;
     # 2 -> 2 and 3 -> 3 are self-pairs.
     assert greedy_students(senders, receivers, 10, served, load, 2) == [0, 1, 4]
-    assert served.tolist() == [True, True, True, False]
+    assert served.tolist() == [1, 1, 1, 0]
     assert load.tolist() == [2, 0, 1, 0]
     # The state carries over: a refill walk continues from it, and the budget bounds it.
     assert greedy_students(np.array([0, 1]), np.array([3, 3]), 1, served, load, 2) == [1]
     assert greedy_students(senders, receivers, 0, served, load, 2) == []
+
+
+def test_the_walk_gives_a_student_several_distinct_teachers() -> None:
+    # Walk order: 0 -> 1 twice (under two protocols), then 2 -> 1, 3 -> 1, 0 -> 2.
+    senders = np.array([0, 0, 2, 3, 0], dtype=np.intp)
+    receivers = np.array([1, 1, 1, 1, 2], dtype=np.intp)
+    served, load = np.zeros(4, dtype=np.intp), np.zeros(4, dtype=np.intp)
+    taken: set[tuple[int, int]] = set()
+    # Student 1 takes its best two distinct teachers (0 once, then 2), not a third.
+    assert greedy_students(senders, receivers, 10, served, load, 4, 2, taken) == [0, 2, 4]
+    assert served.tolist() == [0, 2, 1, 0] and taken == {(0, 1), (2, 1), (0, 2)}
+    # A refill walk keeps the pairs kept before: 0 -> 2 again is refused, 3 -> 2 is not.
+    again = greedy_students(np.array([0, 3]), np.array([2, 2]), 10, served, load, 4, 2, taken)
+    assert again == [1] and served.tolist() == [0, 2, 2, 0]
+    assert greedy_students(senders, receivers, 10, served, load, 4, 0, taken) == []
+
+
+def assert_teachers(pairings: list[Pairing], k: int) -> None:
+    """Every student has at most ``k`` teachers, all distinct, none itself."""
+    by_student = Counter(p.receiver for p in pairings)
+    assert max(by_student.values(), default=0) <= k
+    pairs = [(p.sender, p.receiver) for p in pairings]
+    assert len(pairs) == len(set(pairs)) and all(s != r for s, r in pairs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(0, 12),
+    k=st.integers(1, 4),
+    capacity=st.one_of(st.none(), st.integers(2, 6)),
+    seed=st.integers(0, 2**16),
+)
+def test_every_agent_has_its_teachers(n: int, k: int, capacity: int | None, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    m = Matchmaker(
+        8, seed=seed, pairing="per_student", teacher_capacity=capacity, teachers_per_student=k
+    )
+    for p in m.select(profiles_of(rng, 6, dim=8)):
+        m.observe(p, float(rng.normal()))
+    pairings = m.select(profiles_of(rng, n, dim=8))
+    assert_teachers(pairings, k)
+    if capacity is not None:
+        assert max(Counter(p.sender for p in pairings).values(), default=0) <= capacity
+    if capacity is None and n >= 2:
+        # Nothing but the other agents bounds a student's teachers.
+        assert Counter(p.receiver for p in pairings) == {
+            a: min(k, n - 1) for a in profiles_of(rng, n, dim=8)
+        }
+
+
+def test_a_student_of_two_teachers_gets_its_two_best() -> None:
+    rng = np.random.default_rng(6)
+    m = Matchmaker(32, seed=6, pairing="per_student", teachers_per_student=2)
+    for _ in range(6):
+        for p in m.select(profiles_of(rng, 6)):
+            m.observe(p, float(np.sum(rng.random(3))))
+    profiles = profiles_of(rng, 6)
+    pairings = m.select(profiles)
+    assert len(pairings) == 12
+    for student in profiles:
+        mine = sorted((p.ucb for p in pairings if p.receiver == student), reverse=True)
+        rivals = sorted(
+            (ucb_of(m, profiles, s, student) for s in profiles if s != student), reverse=True
+        )
+        assert mine == pytest.approx(rivals[:2], abs=1e-5)
+    one = Matchmaker(32, seed=6, pairing="per_student", teachers_per_student=1)
+    assert len(one.select(profiles)) == 6
 
 
 @settings(max_examples=30, deadline=None)
@@ -113,6 +180,10 @@ def test_disjoint_pairing_is_unchanged_by_the_setting() -> None:
         {"pairing": "everyone"},
         {"pairing": "per_student", "matching": "blossom"},
         {"pairing": "per_student", "teacher_capacity": 0},
+        {"pairing": "per_student", "teachers_per_student": 0},
+        {"pairing": "per_student", "teachers_per_student": 17},
+        {"pairing": "per_student", "teachers_per_student": True},
+        {"pairing": "disjoint", "teachers_per_student": 2},
     ],
 )
 def test_the_matchmaker_refuses_what_it_cannot_walk(kwargs: dict[str, object]) -> None:
@@ -130,6 +201,13 @@ def test_the_service_settings_carry_the_pairing_and_refuse_blossom() -> None:
         explicit_settings(CpmSettings, {"pairing": "per_student", "matching": "blossom"})
     with pytest.raises(ValueError):
         explicit_settings(CpmSettings, {"pairing": "per_student", "teacher_capacity": 0})
+    two = explicit_settings(CpmSettings, {"pairing": "per_student", "teachers_per_student": 2})
+    assert_teachers(two.new_matchmaker().select(profiles), 2)
+    assert len(two.new_matchmaker().select(profiles)) == 12
+    with pytest.raises(ValueError, match="per_student"):
+        explicit_settings(CpmSettings, {"teachers_per_student": 2})
+    with pytest.raises(ValueError):
+        explicit_settings(CpmSettings, {"pairing": "per_student", "teachers_per_student": 17})
 
 
 @pytest.mark.parametrize("capacity", [None, 1, 2])
@@ -152,6 +230,35 @@ def test_random_p2p_per_student_draws_a_teacher_for_everyone(capacity: int | Non
         RandomMatchmaker(pairing="per_student", teacher_capacity=0)
 
 
+def test_random_p2p_draws_several_distinct_teachers_a_student() -> None:
+    profiles = profiles_of(np.random.default_rng(3), 5)
+    for seed in range(5):
+        one = RandomMatchmaker(seed=seed, pairing="per_student").select(profiles)
+        pairings = RandomMatchmaker(
+            seed=seed, pairing="per_student", teachers_per_student=3
+        ).select(profiles)
+        assert_teachers(pairings, 3)
+        assert Counter(p.receiver for p in pairings) == dict.fromkeys(profiles, 3)
+        # A student's first draw is the one a single-teacher round draws.
+        assert pairings[0] == one[0]
+    capped = RandomMatchmaker(
+        seed=0, pairing="per_student", teacher_capacity=2, teachers_per_student=2
+    ).select(profiles)
+    assert_teachers(capped, 2)
+    assert max(Counter(p.sender for p in capped).values()) <= 2
+    assert (
+        len(
+            RandomMatchmaker(pair_budget=7, pairing="per_student", teachers_per_student=2).select(
+                profiles
+            )
+        )
+        == 7
+    )
+    for bad in ({"teachers_per_student": 0}, {"pairing": "disjoint", "teachers_per_student": 2}):
+        with pytest.raises(ValueError):
+            RandomMatchmaker(**bad)  # type: ignore[arg-type]
+
+
 def test_the_oracle_keeps_each_students_best_teacher() -> None:
     from peerlm.app.experiment_distill import _oracle_keeps
     from peerlm.app.experiment_plan import ExperimentPlan
@@ -165,6 +272,15 @@ def test_the_oracle_keeps_each_students_best_teacher() -> None:
     assert [k for k, _ in _oracle_keeps(capped, 3, trials)] == [(0, 1), (1, 2), (2, 0)]
     disjoint = ExperimentPlan(pairing="disjoint")
     assert [k for k, _ in _oracle_keeps(disjoint, 3, trials)] == [(0, 1)]
+    two = ExperimentPlan(agents=3, pairing="per_student", teachers_per_student=2)
+    assert [k for k, _ in _oracle_keeps(two, 3, trials)] == [
+        (0, 1),
+        (0, 2),
+        (1, 2),
+        (1, 0),
+        (2, 0),
+        (2, 1),
+    ]
 
 
 def test_the_plan_pairs_per_student_by_default_and_refuses_bad_values() -> None:
@@ -177,6 +293,15 @@ def test_the_plan_pairs_per_student_by_default_and_refuses_bad_values() -> None:
         ExperimentPlan(pairing="all")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="teacher_capacity"):
         ExperimentPlan(pairing="per_student", teacher_capacity=0)
+    for bad in (0, 6, True, 1.5):
+        with pytest.raises(ValueError, match="teachers_per_student"):
+            ExperimentPlan(agents=6, teachers_per_student=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="per_student"):
+        ExperimentPlan(pairing="disjoint", teachers_per_student=2)
+    two = ExperimentPlan(teachers_per_student=2)
+    assert two.cpm_settings(1).teachers_per_student == 2
+    assert two.exchange_own_steps == 2 * two.integration_steps
+    assert ExperimentPlan().cpm_settings(1).teachers_per_student == 1
     plan = ExperimentPlan(teacher_capacity=2)
     assert plan.pairing == "per_student"
     assert (plan.cpm_settings(1).pairing, plan.cpm_settings(1).teacher_capacity) == (

@@ -224,6 +224,30 @@ def test_step_rejects_overlapping_pairs() -> None:
         env.step([(a, a)])
 
 
+def test_a_student_of_several_teachers_gains_every_lesson() -> None:
+    """``several_teachers``: each lesson's reward is the one it has alone (all from the
+    round's state) and the student's skills move by the lessons' deltas added up."""
+    env = SyntheticFederation(4, "high", 0, SyntheticConfig(reward_noise=0.0, local_rate=0.0))
+    a, b, c, d = env.names
+    alone = [env.expected_reward(b, a), env.expected_reward(c, a)]
+    start = env.skills[0].copy()
+    deltas = []
+    for teacher in (b, c):
+        twin = env.copy()
+        twin.step([(teacher, a)])
+        deltas.append(twin.skills[0] - start)
+    rewards = env.step([(b, a), (c, a)], several_teachers=True)
+    assert rewards == pytest.approx(alone)
+    expected = np.clip(start + deltas[0] + deltas[1], 0.0, env.capacity[0])
+    assert env.skills[0] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="twice"):
+        env.step([(b, a), (b, a)], several_teachers=True)
+    with pytest.raises(ValueError, match="also teach"):
+        env.step([(b, a), (a, d)], several_teachers=True)
+    with pytest.raises(ValueError, match="disjoint"):
+        env.step([(b, a), (c, a)])
+
+
 @pytest.mark.parametrize("n", [2, 5, 8, 13])
 def test_oracle_beats_every_pairing(n: int) -> None:
     """The oracle's total true expected reward is >= that of any disjoint pairing."""
