@@ -381,3 +381,49 @@ def test_the_slot_learning_rate_reaches_integrations_only() -> None:
     assert round_config(default, 0, 1, integration=True).integrating().train.learning_rate == 5e-3
     shared = ExperimentPlan(learning_rate=5e-3, integration="shared")
     assert round_config(shared, 0, 1, integration=True).slot_learning_rate is None
+
+
+def test_the_daemon_narrows_a_routed_reward_scope_to_what_its_router_sends_the_slot() -> None:
+    """The agent's ``_fit_router`` under ``reward_scope: routed``: the answered scope is
+    narrowed to the probe problems its fitted router sends to the peer slot (the lacked
+    category's, not the own one's); when none reaches the slot the agent warns once that
+    every AKD reward will be the KB penalty alone. ``answered`` stays unnarrowed."""
+    from types import SimpleNamespace
+
+    import structlog
+    from peerlm.agent.daemon import AgentDaemon
+    from peerlm.agent.exchange.reward_probe import AnsweredProbe
+
+    # Both labelled with X_u's category, so both are "answered"; the router keeps the
+    # own-looking one on the own adapter and sends the other to the slot.
+    own_looking = (VAL[0], "return y + 20\n", "word")
+    lacked_probe = (OTHER[5], "return w\n", "word")
+
+    def daemon(scope: str, probe: list[tuple[str, str, str]]) -> Any:
+        problem = SimpleNamespace
+        return SimpleNamespace(
+            s=SimpleNamespace(integration="separate", reward_scope=scope, slot_rehearsal=0, seed=0),
+            train=[problem(prompt=p, category="add") for p in OWN],
+            val=[problem(prompt=p, category="add") for p in VAL],
+            transfer_prompts=OTHER[:4],
+            transfer_categories=["word"] * 4,
+            reward_scope=AnsweredProbe.of(probe, OTHER[:4], ["word"] * 4),
+            log=structlog.get_logger("test"),
+        )
+
+    agent = daemon("routed", [own_looking, lacked_probe])
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(AgentDaemon._fit_router(agent))
+    assert agent.router is not None and agent.slot is not None
+    assert agent.reward_scope(OTHER[:4]) == [lacked_probe[:2]]
+    assert not [e for e in logs if e["event"] == "reward_scope_measures_nothing"]
+
+    answered = daemon("answered", [own_looking, lacked_probe])
+    asyncio.run(AgentDaemon._fit_router(answered))
+    assert answered.reward_scope(OTHER[:4]) == [own_looking[:2], lacked_probe[:2]]
+    # Only the own-looking problem: nothing reaches the slot, said once at start.
+    only_own = daemon("routed", [own_looking])
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(AgentDaemon._fit_router(only_own))
+    assert only_own.reward_scope(OTHER[:4]) == []
+    assert [e["event"] for e in logs].count("reward_scope_measures_nothing") == 1
