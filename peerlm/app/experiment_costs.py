@@ -96,7 +96,7 @@ def round_costs(
     strategies = plan.strategies
     collaborative = sum(st in COLLABORATIVE for st in strategies) / len(strategies)
     # A student of several teachers (teachers_per_student) runs one integration each.
-    students = float(plan.teachers_per_student) if plan.pairing == "per_student" else 0.5
+    students = float(plan.lessons_per_student) if plan.pairing == "per_student" else 0.5
     per["teacher answers X_u"] *= collaborative / 2
     per["AKD integration"] *= collaborative * students
     if not plan.own_steps_every_round:

@@ -355,7 +355,7 @@ def _oracle_keeps(
     if plan.pairing == "per_student":
         capacity = n if plan.teacher_capacity is None else plan.teacher_capacity
         served, load = np.zeros(n, dtype=np.intp), np.zeros(n, dtype=np.intp)
-        k = plan.teachers_per_student
+        k = plan.lessons_per_student
         kept = greedy_students(senders, receivers, n * k, served, load, capacity, k)
     else:
         order = np.arange(len(walk), dtype=np.intp)

@@ -38,7 +38,7 @@ def pairing_policy(strategy: str, plan: ExperimentPlan, seed: int) -> Any:
             seed=seed,
             pairing=plan.pairing,
             teacher_capacity=plan.teacher_capacity,
-            teachers_per_student=plan.teachers_per_student,
+            teachers_per_student=plan.lessons_per_student,
         )
     if strategy == "heuristic":
         return HeteroGreedyMatchmaker()

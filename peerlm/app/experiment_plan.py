@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from peerlm.agent import TeachScope, WorldSpec
 
 __all__ = [
+    "DEFAULT_TEACHERS_PER_STUDENT",
     "WORKER_MEMORY_BYTES",
     "Event",
     "ExperimentPlan",
@@ -42,6 +43,11 @@ RewardMode = Literal["val", "probe"]
 
 
 ProbeScope = Literal["all", "lacked", "answered", "routed"]
+
+
+#: Teachers a student learns from a round under ``pairing: per_student`` when the plan does
+#: not say (docs/experiment.md, "Several teachers a student").
+DEFAULT_TEACHERS_PER_STUDENT: Final[int] = 1
 
 
 @dataclass(frozen=True)
@@ -191,8 +197,10 @@ class ExperimentPlan:
     # ones (KNEXA-FL: by UCB; the Oracle: by trial gain; Random-P2P: drawn) (ours;
     # docs/experiment.md "Several teachers a student"; ``CpmSettings.teachers_per_student``).
     # LocalOnly+, and every client's own track, then spends as many extra own-data steps as
-    # a student spends on its lessons: ``teachers_per_student`` x ``integration_steps``.
-    teachers_per_student: int = 1
+    # a student spends on its lessons (:attr:`exchange_own_steps`). None: the pairing's
+    # default, :data:`DEFAULT_TEACHERS_PER_STUDENT` under per_student, 1 under disjoint
+    # (resolved at construction, so a stored plan names the number it ran).
+    teachers_per_student: int | None = None
 
     def arch(self, i: int) -> str:
         """The architecture client ``i`` hosts."""
@@ -248,11 +256,13 @@ class ExperimentPlan:
         if self.teacher_capacity is not None and self.teacher_capacity < 1:
             raise ValueError(f"teacher_capacity must be >= 1, not {self.teacher_capacity!r}")
         k = self.teachers_per_student
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.agents - 1:
-            raise ValueError(
-                f"teachers_per_student must be an integer in [1, agents - 1 = {self.agents - 1}],"
-                f" not {k!r}"
-            )
+        if k is None:
+            k = DEFAULT_TEACHERS_PER_STUDENT if self.pairing == "per_student" else 1
+            object.__setattr__(self, "teachers_per_student", k)
+        from peerlm.services.cpm import MAX_TEACHERS_PER_STUDENT as most
+
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= most:
+            raise ValueError(f"teachers_per_student must be an integer in [1, {most}], not {k!r}")
         if k > 1 and self.pairing != "per_student":
             raise ValueError("teachers_per_student > 1 needs pairing 'per_student'")
         if self.slot_scope not in ("all", "routed"):
@@ -369,10 +379,18 @@ class ExperimentPlan:
         return self.local_steps if self.akd_steps is None else self.akd_steps
 
     @property
+    def lessons_per_student(self) -> int:
+        """Lessons one student takes a round under ``per_student``: ``teachers_per_student``,
+        at most one from every other client."""
+        k = self.teachers_per_student
+        assert k is not None  # resolved at construction
+        return max(1, min(k, self.agents - 1))
+
+    @property
     def exchange_own_steps(self) -> int:
         """LocalOnly+'s extra own-data steps a round (and every collaborating client's own
         track's): what a student spends on its lessons, ``integration_steps`` each."""
-        return self.integration_steps * self.teachers_per_student
+        return self.integration_steps * self.lessons_per_student
 
 
 #: Memory one worker process of ``--jobs`` may take: four tiny models, their adapters and

@@ -131,6 +131,8 @@ _PREDATED: Mapping[str, Any] = MappingProxyType(
         "pairing": "disjoint",
         # Before ``answer_check`` (2026-12-07) a routed input kept the slot's answer.
         "answer_check": "off",
+        # Before ``teachers_per_student`` (2026-12-07) a student had one teacher a round.
+        "teachers_per_student": 1,
     }
 )
 

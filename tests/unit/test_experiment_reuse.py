@@ -180,3 +180,31 @@ def test_an_ablation_of_the_collaboration_reuses_only_the_runs_that_train_alone(
     old = _stored(ExperimentPlan(strategies=strategies, seeds=(0,)))
     plan = ExperimentPlan(strategies=strategies, seeds=(0,), **change)
     assert sorted(reusable_runs(plan, [old], NLL)) == [("local", 0), ("local_plus", 0)]
+
+
+def test_a_plan_of_another_number_of_teachers_reuses_no_run() -> None:
+    """``teachers_per_student`` sets LocalOnly+'s extra own-data steps (one lesson's steps
+    per teacher) and KNEXA-FL's lessons, so a plan of another number reuses neither; a
+    stored plan that predates the field ran one teacher."""
+    strategies = ("local_plus", "cpm")
+    one = ExperimentPlan(strategies=strategies, seeds=(0,), teachers_per_student=1)
+    two = ExperimentPlan(strategies=strategies, seeds=(0,), teachers_per_student=2)
+    with pytest.raises(ValueError, match="no run of this plan"):
+        reusable_runs(two, [_stored(one)], NLL)
+    assert sorted(reusable_runs(two, [_stored(two)], NLL)) == [("cpm", 0), ("local_plus", 0)]
+    before = _stored(one)
+    del before["plan"]["teachers_per_student"]
+    assert sorted(reusable_runs(one, [before], NLL)) == [("cpm", 0), ("local_plus", 0)]
+    with pytest.raises(ValueError, match="no run of this plan"):
+        reusable_runs(two, [before], NLL)
+
+
+def test_run_experiment_refuses_several_teachers_without_a_student_every_round(
+    tmp_path: Path,
+) -> None:
+    """Refused before anything runs (exit 2, nothing written)."""
+    assert_run_experiment_refuses(
+        tmp_path / "out",
+        ["--pairing", "disjoint", "--teachers-per-student", "2"],
+        "teachers_per_student",
+    )

@@ -287,13 +287,13 @@ def test_the_plan_pairs_per_student_by_default_and_refuses_bad_values() -> None:
     from peerlm.services.cpm import HeteroGreedyMatchmaker
 
     from peerlm.app.experiment_exchange import pairing_policy
-    from peerlm.app.experiment_plan import ExperimentPlan
+    from peerlm.app.experiment_plan import DEFAULT_TEACHERS_PER_STUDENT, ExperimentPlan
 
     with pytest.raises(ValueError, match="pairing"):
         ExperimentPlan(pairing="all")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="teacher_capacity"):
         ExperimentPlan(pairing="per_student", teacher_capacity=0)
-    for bad in (0, 6, True, 1.5):
+    for bad in (0, 17, True, 1.5):
         with pytest.raises(ValueError, match="teachers_per_student"):
             ExperimentPlan(agents=6, teachers_per_student=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="per_student"):
@@ -301,7 +301,12 @@ def test_the_plan_pairs_per_student_by_default_and_refuses_bad_values() -> None:
     two = ExperimentPlan(teachers_per_student=2)
     assert two.cpm_settings(1).teachers_per_student == 2
     assert two.exchange_own_steps == 2 * two.integration_steps
-    assert ExperimentPlan().cpm_settings(1).teachers_per_student == 1
+    # Unsaid, the pairing's default, resolved: a stored plan names the number it ran.
+    assert ExperimentPlan().teachers_per_student == DEFAULT_TEACHERS_PER_STUDENT
+    assert ExperimentPlan(pairing="disjoint").teachers_per_student == 1
+    # A student has at most one lesson from every other client, and so LocalOnly+.
+    pair = ExperimentPlan(agents=2, teachers_per_student=3)
+    assert pair.lessons_per_student == 1 and pair.exchange_own_steps == pair.integration_steps
     plan = ExperimentPlan(teacher_capacity=2)
     assert plan.pairing == "per_student"
     assert (plan.cpm_settings(1).pairing, plan.cpm_settings(1).teacher_capacity) == (
