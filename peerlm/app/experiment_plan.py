@@ -47,7 +47,7 @@ ProbeScope = Literal["all", "lacked", "answered", "routed"]
 
 #: Teachers a student learns from a round under ``pairing: per_student`` when the plan does
 #: not say (docs/experiment.md, "Several teachers a student").
-DEFAULT_TEACHERS_PER_STUDENT: Final[int] = 1
+DEFAULT_TEACHERS_PER_STUDENT: Final[int] = 2
 
 
 @dataclass(frozen=True)

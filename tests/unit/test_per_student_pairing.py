@@ -265,10 +265,10 @@ def test_the_oracle_keeps_each_students_best_teacher() -> None:
 
     gains = {(0, 1): 0.9, (0, 2): 0.8, (1, 2): 0.7, (2, 0): 0.5, (1, 0): 0.6, (2, 1): 0.1}
     trials = {k: (g, None, None, 1.0) for k, g in gains.items()}
-    per_student = ExperimentPlan(pairing="per_student")
+    per_student = ExperimentPlan(pairing="per_student", teachers_per_student=1)
     kept = [k for k, _ in _oracle_keeps(per_student, 3, trials)]
     assert kept == [(0, 1), (0, 2), (1, 0)]
-    capped = ExperimentPlan(pairing="per_student", teacher_capacity=1)
+    capped = ExperimentPlan(pairing="per_student", teacher_capacity=1, teachers_per_student=1)
     assert [k for k, _ in _oracle_keeps(capped, 3, trials)] == [(0, 1), (1, 2), (2, 0)]
     disjoint = ExperimentPlan(pairing="disjoint")
     assert [k for k, _ in _oracle_keeps(disjoint, 3, trials)] == [(0, 1)]
@@ -307,8 +307,8 @@ def test_the_plan_pairs_per_student_by_default_and_refuses_bad_values() -> None:
     # A student has at most one lesson from every other client, and so LocalOnly+.
     pair = ExperimentPlan(agents=2, teachers_per_student=3)
     assert pair.lessons_per_student == 1 and pair.exchange_own_steps == pair.integration_steps
-    plan = ExperimentPlan(teacher_capacity=2)
-    assert plan.pairing == "per_student"
+    assert ExperimentPlan().pairing == "per_student"
+    plan = ExperimentPlan(teacher_capacity=2, teachers_per_student=1)
     assert (plan.cpm_settings(1).pairing, plan.cpm_settings(1).teacher_capacity) == (
         "per_student",
         2,
