@@ -5,8 +5,9 @@ Algorithm 3 from the agent's side, every round t:
 1. local epochs on private data (off the event loop, in the model worker thread);
 2. evaluate (validation loss, perplexity, pass@1 in the sandbox) and build the profile p_i;
 3. submit the profile to the CPM and wait (bounded) for this round's directives: one, or
-   under the CPM's ``pairing: per_student`` one as student and one per student taught,
-   acted on as teacher first (docs/matchmaker.md, "A student every round");
+   under the CPM's ``pairing: per_student`` one per teacher (``teachers_per_student``)
+   and one per student taught, acted on as teacher first, then each student directive in
+   turn (docs/matchmaker.md, "A student every round", "Several teachers a student");
 4. as a student: fetch the teacher's knowledge package over mTLS, integrate it by AKD
    (Eq. 2), measure L_pre and L_post on the validation set and report the reward of Eq. 3;
    as a teacher: serve the package to the named student from the peer server (it is
@@ -1464,8 +1465,8 @@ class AgentDaemon:
     ) -> list[cpm_pb2.Directive]:
         """This round's directives: the first (:meth:`_next_directive`) and the rest of its
         matchmaking round (:func:`~peerlm.agent.cpm.client.rest_of_round`; under
-        ``pairing: per_student`` an agent may teach several students and learn from one
-        teacher in one round)."""
+        ``pairing: per_student`` an agent may teach several students and learn from
+        ``teachers_per_student`` teachers in one round)."""
         first = await self._next_directive(inbox, feed)
         if first is None:
             return []

@@ -438,9 +438,9 @@ async def rest_of_round(
 ) -> list[cpm_pb2.Directive]:
     """The further directives of ``first``'s matchmaking round: those queued in ``inbox``
     or arriving within ``settle_s``, at most ``limit - 1``. Under the CPM's ``pairing:
-    per_student`` an agent gets several in one round (one as student, one per student it
-    teaches). A directive of another round goes back to the queue for the next round; a
-    "not matched" notice is dropped (this round has its pairing)."""
+    per_student`` an agent gets several in one round (one per teacher it learns from, one
+    per student it teaches). A directive of another round goes back to the queue for the
+    next round; a "not matched" notice is dropped (this round has its pairing)."""
     rest: list[cpm_pb2.Directive] = []
     settle = time.monotonic() + settle_s
     while len(rest) < limit - 1:

@@ -197,10 +197,9 @@ async def run_federation(
     if co_sender_scoring != "pair":
         dev_env["PEERLM_CPM_CO_SENDER_SCORING"] = co_sender_scoring
     dev_env["PEERLM_CPM_REWARD_NORMALISER"] = reward_normaliser
-    if pairing != "disjoint":
-        dev_env["PEERLM_CPM_PAIRING"] = pairing
-    if teachers_per_student != 1:
-        dev_env["PEERLM_CPM_TEACHERS_PER_STUDENT"] = str(teachers_per_student)
+    # Always set: a PEERLM_CPM_* variable left in the shell must not override the flags.
+    dev_env["PEERLM_CPM_PAIRING"] = pairing
+    dev_env["PEERLM_CPM_TEACHERS_PER_STUDENT"] = str(teachers_per_student)
     started = time.monotonic()
     forks = None
     if preload:

@@ -162,8 +162,8 @@ _SlotLrOption = Annotated[
 _PairingOption = Annotated[
     str | None,
     typer.Option(
-        help="How Random-P2P, KNEXA-FL and the Oracle pair: disjoint (default, Algorithm 2: "
-        "at most N/2 pairs a round) or per_student (every client a student each round).",
+        help="How Random-P2P, KNEXA-FL and the Oracle pair: per_student (default: every "
+        "client a student each round) or disjoint (Algorithm 2: at most N/2 pairs a round).",
     ),
 ]
 _TeacherCapacityOption = Annotated[
@@ -178,7 +178,8 @@ _TeachersPerStudentOption = Annotated[
         min=1,
         max=16,
         help="With --pairing per_student: teachers each student learns from a round "
-        "(default 1); LocalOnly+ spends as many lessons' steps on its own data.",
+        "(default 2; 1 under --pairing disjoint); LocalOnly+ spends as many lessons' steps "
+        "on its own data.",
     ),
 ]
 _OwnStepsEveryRoundOption = Annotated[

@@ -22,7 +22,7 @@ from numpy.typing import ArrayLike, NDArray
 from peerlm.protocols import DEFAULT_PROTOCOL
 
 from .matching import max_weight_disjoint
-from .matchmaker import Pairing
+from .matchmaker import MAX_TEACHERS_PER_STUDENT, Pairing
 from .normalise import check_reward
 from .profile import PROFILE_LAYOUT, ProfileLayout, validate_profiles
 
@@ -102,8 +102,9 @@ class RandomMatchmaker:
             raise ValueError(f"pairing must be 'disjoint' or 'per_student', got {pairing!r}")
         if teacher_capacity is not None and teacher_capacity < 1:
             raise ValueError(f"teacher_capacity must be >= 1, got {teacher_capacity!r}")
-        if isinstance(teachers_per_student, bool) or teachers_per_student < 1:
-            raise ValueError(f"teachers_per_student must be >= 1, got {teachers_per_student!r}")
+        k, most = teachers_per_student, MAX_TEACHERS_PER_STUDENT
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= most:
+            raise ValueError(f"teachers_per_student must be an integer in [1, {most}], got {k!r}")
         if teachers_per_student > 1 and pairing != "per_student":
             raise ValueError("teachers_per_student > 1 needs pairing 'per_student'")
         self._pairing = pairing

@@ -561,7 +561,8 @@ class Matchmaker:
         capabilities: Mapping[str, Capabilities] | None = None,
     ) -> list[Pairing]:
         """Pick up to ``K_p`` pairings for the agents in ``profiles``: disjoint ones, or
-        one teacher per student under ``pairing="per_student"``.
+        under ``pairing="per_student"`` up to ``teachers_per_student`` distinct teachers
+        per student.
 
         ``capabilities``: what each agent declared (:class:`.menu.Capabilities`; an agent
         missing from it counts as undeclared); only admissible (pair, protocol) tuples are

@@ -254,7 +254,12 @@ def test_random_p2p_draws_several_distinct_teachers_a_student() -> None:
         )
         == 7
     )
-    for bad in ({"teachers_per_student": 0}, {"pairing": "disjoint", "teachers_per_student": 2}):
+    for bad in (
+        {"teachers_per_student": 0},
+        {"teachers_per_student": 17},
+        {"teachers_per_student": 2.7},
+        {"pairing": "disjoint", "teachers_per_student": 2},
+    ):
         with pytest.raises(ValueError):
             RandomMatchmaker(**bad)  # type: ignore[arg-type]
 
