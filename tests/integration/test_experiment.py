@@ -51,11 +51,14 @@ def test_quick_run_reports_every_strategy_per_slice_with_intervals(tmp_path: Pat
                 assert low <= est["mean"] <= high, (name, slice_name, metric)
             assert r["metrics"][slice_name]["nll"]["mean"] > 0
     assert strategies["local"]["exchanges"] == 0 and strategies["local_plus"]["kilobytes"] == 0
-    # 4 clients, 2 rounds. Every client a student each round (the default pairing,
-    # per_student) under Random-P2P, the CPM and the Oracle, and under Central-KD; 2
-    # disjoint pairs a round under Heuristic-P2P (Algorithm 4).
-    for name in ("random", "cpm", "oracle", "central_kd"):
-        assert strategies[name]["exchanges"] == 8, name
+    # 4 clients, 2 rounds. Every client a student of two teachers each round (the default
+    # pairing, per_student, and teachers_per_student 2) under Random-P2P, the CPM and the
+    # Oracle; of the one consensus under Central-KD; 2 disjoint pairs a round under
+    # Heuristic-P2P (Algorithm 4).
+    assert view["plan"]["teachers_per_student"] == 2
+    for name in ("random", "cpm", "oracle"):
+        assert strategies[name]["exchanges"] == 16, name
+    assert strategies["central_kd"]["exchanges"] == 8
     assert strategies["heuristic"]["exchanges"] == 4
     # Four architectures: no two clients share a family, so SemanticDFL has no neighbour.
     assert strategies["semantic_dfl"]["exchanges"] == 0
@@ -69,9 +72,9 @@ def test_quick_run_reports_every_strategy_per_slice_with_intervals(tmp_path: Pat
     learning = view["cpm_learning"]
     assert [r["round"] for r in learning["per_round"]] == [1, 2, 1, 2]
     for r in learning["per_round"]:
-        # The oracle keeps each student's best teacher by gain; the CPM's pairs are scored
-        # on the oracle run's matrix.
-        assert len(r["oracle_pairs"]) == 4 and len(r["cpm_pairs"]) == 4
+        # The oracle keeps each student's two best teachers by gain; the CPM's pairs are
+        # scored on the oracle run's matrix.
+        assert len(r["oracle_pairs"]) == 8 and len(r["cpm_pairs"]) == 8
         assert 0 <= r["agreement"] <= 1
         assert all(math.isfinite(r[k]) for k in ("cpm_gain", "oracle_gain", "random_gain"))
 
