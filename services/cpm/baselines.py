@@ -149,14 +149,15 @@ class RandomMatchmaker:
         for r in self._rng.permutation(n).tolist():
             # One teacher at a time, so that with k = 1 the draws are exactly those of a
             # single-teacher round (the same seed gives the same pairs).
+            mine: set[int] = set()  # this student's teachers so far
             for _ in range(self._teachers):
                 if len(out) == budget:
                     return out
-                mine = {p.sender for p in out if p.receiver == ids[r]}
-                room = [s for s in range(n) if s != r and load[s] < capacity and ids[s] not in mine]
+                room = [s for s in range(n) if s != r and load[s] < capacity and s not in mine]
                 if not room:
                     break
                 s = room[int(self._rng.integers(0, len(room)))]
+                mine.add(s)
                 load[s] += 1
                 protocol = self._protocols[int(self._rng.integers(0, len(self._protocols)))]
                 out.append(_make(ids, mat, s, r, protocol, 0.0))
