@@ -355,11 +355,14 @@ class AgentDaemon:
             self.transfer_categories,
             [p.prompt for p in self.val],
         )
+        if self.s.slot_banks == "category" and self.router is not None:
+            self.slot.classify = self.router.unheld_category
         emit = self.log.info if self.router is not None else self.log.warning
         emit(
             "peer_router_fitted",
             how=how,
             threshold=None if self.router is None else round(self.router.threshold, 4),
+            slot_banks=self.s.slot_banks if self.router is not None else "one",
         )
         if self.s.reward_scope == "routed" and self.reward_scope is not None:
             self.reward_scope = self.reward_scope.routed(
@@ -411,6 +414,7 @@ class AgentDaemon:
         if new > 0:
             self.telemetry.peer_slot_integrations.labels(kind).inc(new)
         self.summary.peer_slot_integrations = self.slot.integrations
+        self.telemetry.peer_slot_banks.set(len(self.slot.banks))
 
     async def _restore(self) -> None:
         """The latest checkpoint's adapter, round state and summary, if there is one."""
@@ -435,11 +439,12 @@ class AgentDaemon:
             if self.slot is not None:
                 await self._restore_slot(restored)
                 self.summary.peer_slot_integrations = self.slot.integrations
+                self.telemetry.peer_slot_banks.set(len(self.slot.banks))
             self.log.info("checkpoint_restored", round=self.state["round"])
 
     async def _restore_slot(self, restored: Any) -> None:
-        """The peer slot saved with ``restored``; a damaged or misfitting one is set aside
-        and counted, and the slot starts empty (never an error)."""
+        """The peer slot saved with ``restored``; a damaged or misfitting bank is set aside
+        and counted, and starts empty (never an error)."""
 
         assert self.slot is not None
 

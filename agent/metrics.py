@@ -98,6 +98,12 @@ class AgentTelemetry:
             ["kind"],
             registry=registry,
         )
+        self.peer_slot_banks = Gauge(
+            "peerlm_agent_peer_slot_banks",
+            "Adapters the peer slot holds: 0 while empty, 1 with slot_banks 'one', one per "
+            "lacked category taught (and a shared one for merges) with 'category'.",
+            registry=registry,
+        )
         self.peer_slot_routed = Gauge(
             "peerlm_agent_peer_slot_routed_ratio",
             "Share of an evaluation slice's problems the input router sends to the peer "
@@ -116,7 +122,7 @@ class AgentTelemetry:
         self.peer_slot_quarantined = Counter(
             "peerlm_agent_peer_slot_quarantined_total",
             "Checkpointed peer slots set aside on restore (damaged file, or tensors that do "
-            "not fit the model), by reason; the slot then starts empty.",
+            "not fit the model), by reason; that bank (the slot, with one) then starts empty.",
             ["reason"],
             registry=registry,
         )

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from peerlm.agent.exchange.peer_knowledge import (
     REHEARSAL_LESSONS,
+    SHARED_BANK,
     InputRouter,
     PeerSlot,
     rehearsable,
@@ -94,7 +95,8 @@ def in_slot(
         rehearses = fn is integrate_package and slot.rehearsal > 0
         if rehearses:
             kw.setdefault("rehearsal", slot.rehearse())
-        with slot.active(host, what) as write:
+        bank = _lesson_bank(slot, args, kw) if fn is integrate_package else SHARED_BANK
+        with slot.active(host, what, bank) as write:
             out = fn(*args, **kw)
             write.kept = learnt_anything(out)
         if rehearses and write.kept and not getattr(out, "rolled_back", False):
@@ -112,6 +114,21 @@ def in_slot(
         return fn(*args, **kw)
     finally:
         host.load_adapter_state(own)
+
+
+def _lesson_bank(slot: PeerSlot, args: tuple[Any, ...], kw: dict[str, Any]) -> str:
+    """The bank an AKD integration ``integrate_package(host, package, ...)`` writes to:
+    :meth:`PeerSlot.bank_for` the prompts of X_u its package answers that the slot learns
+    (``learns``); the shared bank with one bank."""
+    if slot.classify is None or len(args) < 2:
+        return SHARED_BANK
+    from peerlm.agent.exchange.package import item_prompts
+
+    known = [p for p in item_prompts(args[1], kw.get("transfer_prompts", ())) if p is not None]
+    learns = kw.get("learns")
+    if learns is not None:
+        known = [p for p, kept in zip(known, learns(known), strict=True) if kept]
+    return slot.bank_for(known)
 
 
 def slot_learns(
@@ -188,21 +205,50 @@ def fit_agent_router(
         return None, f"none: {err}"
 
 
+def _bank_extra(index: int) -> str:
+    """The checkpoint's extra set name of a slot's ``index``-th bank (the first keeps the
+    one-bank name, so a one-bank checkpoint reads as before banks existed)."""
+    return SLOT_EXTRA if index == 0 else f"{SLOT_EXTRA}_{index}"
+
+
 def slot_extra(slot: PeerSlot | None) -> dict[str, Mapping[str, torch.Tensor]] | None:
-    """The checkpoint's extra tensor sets for ``slot`` (None: nothing to save)."""
-    if slot is None or slot.state is None:
+    """The checkpoint's extra tensor sets for ``slot``, one a bank (None: nothing to save)."""
+    if slot is None or not slot.banks:
         return None
-    return {SLOT_EXTRA: slot.state}
+    return {_bank_extra(k): state for k, state in enumerate(slot.banks.values())}
 
 
 def slot_record(slot: PeerSlot) -> dict[str, Any]:
     """What the checkpoint's JSON state keeps of the slot beside its tensors: its count,
-    history and the lessons it rehearses."""
+    history, the lessons it rehearses and its banks (key, writes), in their sets' order."""
     return {
         "integrations": slot.integrations,
         "history": slot.history[-_HISTORY_KEPT:],
         "lessons": [[list(pair) for pair in lesson] for lesson in slot.lessons],
+        "banks": [[bank, slot.writes.get(bank, 0)] for bank in slot.banks],
+        "last": slot.last,
     }
+
+
+def _banks(record: Any) -> list[tuple[str, int]]:
+    """The banks a checkpoint's slot record lists, in their sets' order; one shared bank
+    for a record from before banks (or one that does not list them as written)."""
+    listed = record.get("banks") if isinstance(record, dict) else None
+    banks: list[tuple[str, int]] = []
+    if isinstance(listed, list):
+        for entry in listed:
+            if (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and isinstance(entry[0], str)
+                and isinstance(entry[1], int)
+                and entry[1] >= 0
+                and entry[0] not in dict(banks)
+            ):
+                banks.append((entry[0], entry[1]))
+            else:
+                return [(SHARED_BANK, 0)]
+    return banks or [(SHARED_BANK, 0)]
 
 
 def _lessons(record: Any) -> list[tuple[tuple[str, str], ...]]:
@@ -228,27 +274,37 @@ def restore_slot(
 
     The tensors must fit ``host`` exactly as a peer's adapter must (names, shapes, floating
     point, finite: :func:`~peerlm.agent.adapter_codec.check_state`); a set that does not is
-    set aside in the store, and a damaged file already was; then the slot starts empty and
-    ``on_damaged(reason)`` is called. Never raises for what the file holds.
+    set aside in the store, and a damaged file already was; then that bank (the slot, with
+    one bank) starts empty and ``on_damaged(reason)`` is called. Never raises for what the
+    file holds.
     """
     from peerlm.agent.adapter_codec import AdapterError, check_state
 
     record = checkpoint.state.get(SLOT_EXTRA)
-    tensors = checkpoint.extras.get(SLOT_EXTRA)
-    if SLOT_EXTRA in checkpoint.damaged:
-        if on_damaged is not None:
-            on_damaged("damaged")
+    restored: dict[str, dict[str, torch.Tensor]] = {}
+    writes: dict[str, int] = {}
+    for index, (bank, written) in enumerate(_banks(record)):
+        name = _bank_extra(index)
+        tensors = checkpoint.extras.get(name)
+        if name in checkpoint.damaged:
+            if on_damaged is not None:
+                on_damaged("damaged")
+            continue
+        if tensors is None:
+            continue
+        try:
+            check_state(tensors, host.adapter_spec())
+        except AdapterError as err:
+            store.quarantine_extra(checkpoint, name, f"does not fit the model: {err}")
+            if on_damaged is not None:
+                on_damaged(err.reason)
+            continue
+        restored[bank], writes[bank] = dict(tensors), written
+    if not restored:
         return False
-    if tensors is None:
-        return False
-    try:
-        check_state(tensors, host.adapter_spec())
-    except AdapterError as err:
-        store.quarantine_extra(checkpoint, SLOT_EXTRA, f"does not fit the model: {err}")
-        if on_damaged is not None:
-            on_damaged(err.reason)
-        return False
-    slot.state = dict(tensors)
+    slot.banks, slot.writes = restored, writes
+    last = record.get("last") if isinstance(record, dict) else None
+    slot.last = last if isinstance(last, str) and last in restored else next(iter(restored))
     if isinstance(record, dict):
         count = record.get("integrations")
         history = record.get("history")

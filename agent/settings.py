@@ -368,6 +368,12 @@ class AgentSettings(ServiceSettings):
     # 64 pairs of each) distilled beside each new one in the same steps, so that a lesson
     # does not overwrite the ones before (experience replay; ours). 0: none.
     slot_rehearsal: int = Field(default=0, ge=0, le=256)
+    # With integration "separate": "one" adapter in the peer slot, or "category": one bank
+    # (adapter) per category this agent holds no data of, each text lesson written to the
+    # bank of the category most of its learnt prompts fall in, each routed input answered
+    # by its own category's bank (a mixture of LoRAs behind the router; ours:
+    # peerlm.agent.exchange.peer_knowledge.PeerSlot). Merges and pulls write a shared bank.
+    slot_banks: Literal["one", "category"] = "one"
     # With integration "separate": the learning rate of every integration into the peer
     # slot that trains (AKD, OnePeFT's HKA in a merge or an overlay pull; ours,
     # run-experiment's --slot-lr). None: learning_rate. The slot starts each lesson with a
@@ -403,6 +409,8 @@ class AgentSettings(ServiceSettings):
             raise ValueError(
                 "slot_rehearsal rehearses a peer slot's lessons: it needs integration 'separate'"
             )
+        if self.slot_banks != "one" and self.integration != "separate":
+            raise ValueError("slot_banks divides a peer slot: it needs integration 'separate'")
         if self.slot_learning_rate is not None and self.integration != "separate":
             raise ValueError("slot_learning_rate is a peer slot's: it needs integration 'separate'")
         return self

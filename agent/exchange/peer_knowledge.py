@@ -55,6 +55,7 @@ __all__ = [
     "REHEARSAL_LESSONS",
     "REHEARSAL_PAIRS_PER_LESSON",
     "REHEARSAL_PAIR_CHARS",
+    "SHARED_BANK",
     "InputRouter",
     "PeerSlot",
     "SlotSaved",
@@ -142,6 +143,15 @@ class InputRouter:
         """Per prompt: whether the peer slot answers it."""
         return [bool(s > self.threshold) for s in self.scores(prompts)]
 
+    def unheld_category(self, prompts: Sequence[str]) -> list[str]:
+        """Per prompt, the most probable of the categories the participant holds no data
+        of (the peer slot's bank for it: :attr:`PeerSlot.classify`)."""
+        if not prompts:
+            return []
+        proba = self.classifier.predict_proba(self.vectorizer.transform(list(prompts)))
+        classes = self.classifier.classes_[self.unheld]
+        return [str(classes[k]) for k in np.argmax(proba[:, self.unheld], axis=1)]
+
 
 @dataclass
 class SlotWrite:
@@ -186,10 +196,21 @@ def rehearsable(pairs: Sequence[object]) -> Lesson:
 class SlotSaved:
     """What a :class:`PeerSlot` holds at one moment (:meth:`PeerSlot.saved`)."""
 
-    state: dict[str, torch.Tensor] | None
+    banks: tuple[tuple[str, dict[str, torch.Tensor], int], ...]
     integrations: int
     history: tuple[str, ...]
     lessons: tuple[Lesson, ...] = ()
+    last: str = ""
+
+    @property
+    def state(self) -> dict[str, torch.Tensor] | None:
+        """The bank written last (:attr:`PeerSlot.state`)."""
+        return next((state for key, state, _ in self.banks if key == self.last), None)
+
+
+#: The bank of integrations that teach no text (a merge, the overlay's pull) and of any
+#: integration when the slot has one bank.
+SHARED_BANK: Final = ""
 
 
 @dataclass
@@ -199,9 +220,21 @@ class PeerSlot:
     ``state`` is None until the first integration; :meth:`active` puts it in the host for
     the length of a ``with`` block, and everything the block does to the host's adapter
     stays in the slot, while the own adapter is back in place afterwards.
+
+    **Banks** (``classify`` set: the agent's ``slot_banks: category``, ours): the slot
+    then holds one adapter per category the participant lacks, a mixture of LoRAs behind
+    the router. A text lesson is written to the bank of the category most of its learnt
+    prompts fall in (``classify``: the router's :meth:`InputRouter.unheld_category`), and
+    an input the router sends to the slot is answered by the bank of its own category
+    (:meth:`bank_of`). Why: a student taught two skills by two teachers in alternating
+    lessons of a few steps each writes both into one adapter, and each lesson overwrites
+    part of the one before (docs/experiment.md, "A bank per lacked skill"); a bank per
+    skill keeps them apart at no extra step. The banks are bounded by the router's
+    categories, which come from the participant's own data and X_u, never from a peer.
     """
 
-    state: dict[str, torch.Tensor] | None = None
+    #: Per bank (:data:`SHARED_BANK` with one bank), its adapter state.
+    banks: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     #: Integrations written to the slot (accepted or rolled back by their own gate).
     integrations: int = 0
     history: list[str] = field(default_factory=list)
@@ -214,27 +247,72 @@ class PeerSlot:
     seed: int = 0
     #: The accepted text lessons' pairs, oldest first (:meth:`remember`).
     lessons: list[Lesson] = field(default_factory=list)
+    #: Per prompt, the category whose bank learns or answers it; None: one bank.
+    classify: Callable[[Sequence[str]], Sequence[str]] | None = None
+    #: Integrations written to each bank (the fallback bank is the most written).
+    writes: dict[str, int] = field(default_factory=dict)
+    #: The bank written last: what :attr:`state` is.
+    last: str = SHARED_BANK
+
+    @property
+    def state(self) -> dict[str, torch.Tensor] | None:
+        """The adapter the slot's last integration wrote (its only one with one bank);
+        what a call that only measures, such as the reward's probe loss, sees."""
+        return self.banks.get(self.last)
+
+    @state.setter
+    def state(self, value: dict[str, torch.Tensor] | None) -> None:
+        """The slot as one bank holding ``value`` (or empty)."""
+        self.banks = {} if value is None else {SHARED_BANK: value}
+        self.writes = {} if value is None else {SHARED_BANK: self.integrations}
+        self.last = SHARED_BANK
+
+    def bank_for(self, prompts: Sequence[str]) -> str:
+        """The bank a text lesson of ``prompts`` (what it learns) is written to: the
+        category most of them fall in (ties to the first in sort order), or the shared one
+        with one bank or no prompt."""
+        if self.classify is None or not prompts:
+            return SHARED_BANK
+        counts: dict[str, int] = {}
+        for category in self.classify(prompts):
+            counts[category] = counts.get(category, 0) + 1
+        return min(counts, key=lambda c: (-counts[c], c))
+
+    def bank_of(self, prompts: Sequence[str]) -> list[str]:
+        """Per prompt sent to the slot, the bank that answers it: its category's, else the
+        shared bank, else the most written one (ties to the first in sort order)."""
+        if not self.banks:
+            raise ValueError("an empty peer slot answers nothing")
+        fallback = (
+            SHARED_BANK
+            if SHARED_BANK in self.banks
+            else min(self.banks, key=lambda b: (-self.writes.get(b, 0), b))
+        )
+        if self.classify is None or len(self.banks) == 1:
+            return [fallback] * len(prompts)
+        return [c if c in self.banks else fallback for c in self.classify(prompts)]
 
     @contextmanager
-    def active(self, host: ModelHost, what: str = "integration") -> Iterator[SlotWrite]:
-        """The slot in ``host`` inside the block; the own adapter restored after it, even
-        when the block raises (the slot then keeps its state from before the block). The
-        block may set the yielded :class:`SlotWrite`'s ``kept`` to False when it learnt
-        nothing (an AKD package the slot learns none of): the slot then stays as it was,
-        uncounted."""
+    def active(
+        self, host: ModelHost, what: str = "integration", bank: str = SHARED_BANK
+    ) -> Iterator[SlotWrite]:
+        """Bank ``bank`` of the slot in ``host`` inside the block (a new bank starts as the
+        own adapter); the own adapter restored after it, even when the block raises (the
+        slot then keeps its state from before the block). The block may set the yielded
+        :class:`SlotWrite`'s ``kept`` to False when it learnt nothing (an AKD package the
+        slot learns none of): the slot then stays as it was, uncounted."""
         own = host.adapter_state()
-        before = self.state
-        host.load_adapter_state(self.state if self.state is not None else own)
+        before = self.banks.get(bank)
+        host.load_adapter_state(before if before is not None else own)
         write = SlotWrite()
         try:
             yield write
             if write.kept:
-                self.state = host.adapter_state()
+                self.banks[bank] = host.adapter_state()
+                self.writes[bank] = self.writes.get(bank, 0) + 1
+                self.last = bank
                 self.integrations += 1
                 self.history.append(what)
-        except BaseException:
-            self.state = before
-            raise
         finally:
             host.load_adapter_state(own)
 
@@ -242,12 +320,20 @@ class PeerSlot:
         """The slot as it is now, for :meth:`restore`: a trial integration (the Oracle's,
         which tries every teacher and keeps the best) is undone by restoring what was saved
         before it, and kept by restoring what was saved after it. The tensors are shared,
-        not copied: an integration replaces the slot's state, it never writes into it."""
-        return SlotSaved(self.state, self.integrations, tuple(self.history), tuple(self.lessons))
+        not copied: an integration replaces a bank's state, it never writes into it."""
+        return SlotSaved(
+            tuple((b, state, self.writes.get(b, 0)) for b, state in self.banks.items()),
+            self.integrations,
+            tuple(self.history),
+            tuple(self.lessons),
+            self.last,
+        )
 
     def restore(self, saved: SlotSaved) -> None:
-        """The slot back to ``saved`` (state, integration count, history and lessons)."""
-        self.state = saved.state
+        """The slot back to ``saved`` (banks, integration count, history and lessons)."""
+        self.banks = {b: state for b, state, _ in saved.banks}
+        self.writes = {b: n for b, _, n in saved.banks}
+        self.last = saved.last
         self.integrations = saved.integrations
         self.history = list(saved.history)
         self.lessons = list(saved.lessons)
@@ -273,7 +359,7 @@ class PeerSlot:
     @property
     def ready(self) -> bool:
         """Whether the slot holds anything a router could send inputs to."""
-        return self.state is not None
+        return bool(self.banks)
 
 
 def route_map(
@@ -289,7 +375,8 @@ def route_map(
     choose: Callable[[Sequence[_T], Sequence[_R], Sequence[_R]], Sequence[_R]] | None = None,
 ) -> list[_R]:
     """``run`` over ``items`` with each item answered by the adapter the router picks for it
-    (the own one when the slot is empty or there is no router); results in ``items``' order.
+    (the own one when the slot is empty or there is no router; of the slot's banks, the
+    one :meth:`PeerSlot.bank_of` picks, each bank one call); results in ``items``' order.
 
     ``run`` must return one result per item it is given, in order. With ``own_runs_all``
     the own adapter answers every item in one call (its answers to the items it keeps are
@@ -318,14 +405,20 @@ def route_map(
         out.update((k, own_all[k]) for k in own_idx)
     elif own_idx:
         out.update(zip(own_idx, run([items[k] for k in own_idx]), strict=True))
-    assert slot.state is not None
-    own = host.adapter_state()
-    host.load_adapter_state(slot.state)
     peer_items = [items[k] for k in peer_idx]
+    banks = slot.bank_of([prompt_of(x) for x in peer_items])
+    by_bank: dict[str, list[int]] = {}
+    for j, bank in enumerate(banks):
+        by_bank.setdefault(bank, []).append(j)
+    answered: dict[int, _R] = {}
+    own = host.adapter_state()
     try:
-        peer_results = list(run(peer_items))
+        for bank, idx in sorted(by_bank.items()):
+            host.load_adapter_state(slot.banks[bank])
+            answered.update(zip(idx, run([peer_items[j] for j in idx]), strict=True))
     finally:
         host.load_adapter_state(own)
+    peer_results = [answered[j] for j in range(len(peer_items))]
     if choose is not None:
         assert own_all is not None
         own_of_peer = [own_all[k] for k in peer_idx]

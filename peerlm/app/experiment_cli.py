@@ -141,6 +141,13 @@ _AnswerCheckOption = Annotated[
         "unless it fails and the own one passes) or off (the router alone)."
     ),
 ]
+_SlotBanksOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The peer slot's adapters: one (default) or category (a bank a lacked "
+        "category, each lesson written to its category's, each input answered by its own).",
+    ),
+]
 _SlotRehearsalOption = Annotated[
     int | None,
     typer.Option(
@@ -306,6 +313,7 @@ _PLAN_FIELDS: dict[str, str] = {
     "slot_scope": "slot_scope",
     "answer_check": "answer_check",
     "slot_rehearsal": "slot_rehearsal",
+    "slot_banks": "slot_banks",
     "slot_learning_rate": "slot_lr",
     "pairing": "pairing",
     "teacher_capacity": "teacher_capacity",
@@ -353,6 +361,7 @@ def run_experiment_command(
     slot_scope: _SlotScopeOption = None,
     answer_check: _AnswerCheckOption = None,
     slot_rehearsal: _SlotRehearsalOption = None,
+    slot_banks: _SlotBanksOption = None,
     slot_lr: _SlotLrOption = None,
     pairing: _PairingOption = None,
     teacher_capacity: _TeacherCapacityOption = None,

@@ -90,6 +90,8 @@ def final_eval(world: World, client: Client, seed: int) -> dict[str, Any]:
         "self_checked": client.self_checked,
         "self_check_failed": client.self_check_failed,
         "peer_integrations": client.slot.integrations,
+        # Integrations written to each of the slot's banks (one, "", without slot_banks).
+        "peer_banks": dict(sorted(client.slot.writes.items())),
     }
     # Evaluations of the own adapter not computed again (the curve's and these): taken from
     # LocalOnly+'s record in a run that replays it, or from the same run's earlier one of

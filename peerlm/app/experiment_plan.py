@@ -175,6 +175,10 @@ class ExperimentPlan:
     # Pairs of the peer slot's earlier text lessons distilled beside each new one, in the
     # same steps (the agent's ``slot_rehearsal``; ours). 0: none.
     slot_rehearsal: int = 0
+    # With "separate": "one" adapter in the peer slot, or "category": a bank a category the
+    # client lacks, each text lesson written to its learnt prompts' category's bank and
+    # each routed input answered by its category's (the agent's ``slot_banks``; ours).
+    slot_banks: Literal["one", "category"] = "one"
     # With "separate": the peer slot's learning rate, what every integration into it trains
     # at (ours; the agent's ``slot_learning_rate``). None: ``learning_rate``, the own
     # adapter's. The slot starts each lesson with a fresh optimiser and a linear decay over
@@ -267,12 +271,15 @@ class ExperimentPlan:
             raise ValueError("teachers_per_student > 1 needs pairing 'per_student'")
         if self.slot_scope not in ("all", "routed"):
             raise ValueError(f"slot_scope must be 'all' or 'routed', not {self.slot_scope!r}")
+        if self.slot_banks not in ("one", "category"):
+            raise ValueError(f"slot_banks must be 'one' or 'category', not {self.slot_banks!r}")
         if not 0 <= self.slot_rehearsal <= 256:
             raise ValueError(f"slot_rehearsal must be in [0, 256], not {self.slot_rehearsal}")
         slot_only = [
             name
             for name, given in (
                 ("slot_rehearsal", self.slot_rehearsal != 0),
+                ("slot_banks", self.slot_banks != "one"),
                 ("slot_learning_rate", self.slot_learning_rate is not None),
             )
             if given

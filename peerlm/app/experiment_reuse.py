@@ -102,6 +102,7 @@ _COLLABORATION_ONLY_FIELDS: tuple[str, ...] = (
     "teach_self_check",
     "answer_check",
     "slot_rehearsal",
+    "slot_banks",
     "slot_learning_rate",
 )
 

@@ -358,6 +358,8 @@ def build_clients(
             if i not in world.routers:
                 world.routers[i] = _router(world, train, val)
             client.router = world.routers[i]
+            if plan.slot_banks == "category":
+                client.slot.classify = client.router.unheld_category
         out.append(client)
     return out
 

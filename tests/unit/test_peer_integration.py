@@ -361,6 +361,13 @@ def test_slot_only_settings_are_refused_without_a_slot() -> None:
     for fields in ({"slot_rehearsal": 8}, {"slot_learning_rate": 1e-2}):
         with pytest.raises(ValueError, match="needs a peer slot"):
             ExperimentPlan(integration="shared", **fields)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="slot_banks divides a peer slot"):
+        AgentSettings(slot_banks="category", integration="shared")
+    with pytest.raises(ValueError, match="slot_banks needs a peer slot"):
+        ExperimentPlan(integration="shared", slot_banks="category")
+    with pytest.raises(ValueError, match="slot_banks must be"):
+        ExperimentPlan(slot_banks="teacher")  # type: ignore[arg-type]
+    assert AgentSettings(slot_banks="category").slot_banks == "category"
     with pytest.raises(ValueError, match="slot_rehearsal and slot_learning_rate need"):
         ExperimentPlan(integration="shared", slot_rehearsal=8, slot_learning_rate=1e-2)
     for bad in (0.0, 1.5, float("nan"), True):
@@ -399,10 +406,16 @@ def test_the_daemon_narrows_a_routed_reward_scope_to_what_its_router_sends_the_s
     own_looking = (VAL[0], "return y + 20\n", "word")
     lacked_probe = (OTHER[5], "return w\n", "word")
 
-    def daemon(scope: str, probe: list[tuple[str, str, str]]) -> Any:
+    def daemon(scope: str, probe: list[tuple[str, str, str]], banks: str = "one") -> Any:
         problem = SimpleNamespace
         return SimpleNamespace(
-            s=SimpleNamespace(integration="separate", reward_scope=scope, slot_rehearsal=0, seed=0),
+            s=SimpleNamespace(
+                integration="separate",
+                reward_scope=scope,
+                slot_rehearsal=0,
+                seed=0,
+                slot_banks=banks,
+            ),
             train=[problem(prompt=p, category="add") for p in OWN],
             val=[problem(prompt=p, category="add") for p in VAL],
             transfer_prompts=OTHER[:4],
@@ -415,11 +428,15 @@ def test_the_daemon_narrows_a_routed_reward_scope_to_what_its_router_sends_the_s
     with structlog.testing.capture_logs() as logs:
         asyncio.run(AgentDaemon._fit_router(agent))
     assert agent.router is not None and agent.slot is not None
+    assert agent.slot.classify is None  # slot_banks: one
     assert agent.reward_scope(OTHER[:4]) == [lacked_probe[:2]]
     assert not [e for e in logs if e["event"] == "reward_scope_measures_nothing"]
 
-    answered = daemon("answered", [own_looking, lacked_probe])
+    answered = daemon("answered", [own_looking, lacked_probe], banks="category")
     asyncio.run(AgentDaemon._fit_router(answered))
+    # slot_banks: category: the slot's banks are the router's lacked categories.
+    assert answered.slot.classify is not None
+    assert answered.slot.bank_for(OTHER[:4]) == "word"
     assert answered.reward_scope(OTHER[:4]) == [own_looking[:2], lacked_probe[:2]]
     # Only the own-looking problem: nothing reaches the slot, said once at start.
     only_own = daemon("routed", [own_looking])
@@ -427,3 +444,78 @@ def test_the_daemon_narrows_a_routed_reward_scope_to_what_its_router_sends_the_s
         asyncio.run(AgentDaemon._fit_router(only_own))
     assert only_own.reward_scope(OTHER[:4]) == []
     assert [e["event"] for e in logs].count("reward_scope_measures_nothing") == 1
+
+
+def _stem(prompts: Any) -> list[str]:
+    """A stand-in for the router's unheld category: palindromes by even index, else odd."""
+    return ["even" if int(p.split("_")[2].split("(")[0]) % 2 == 0 else "odd" for p in prompts]
+
+
+def test_with_banks_a_lesson_writes_its_categorys_bank_and_a_merge_the_shared_one(
+    host: ModelHost,
+) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot(classify=_stem)
+    args = _akd_args(1)
+    # Three of the package's four prompts are learnt (the scope drops OTHER[1]): 0, 2
+    # even, 3 odd, so the lesson is the "even" bank's.
+    learns = lambda ps: [p != OTHER[1] for p in ps]  # noqa: E731
+    in_slot(slot, host, "akd", integrate_package, host, _package(), **args, learns=learns)
+    assert slot.writes == {"even": 1} and slot.last == "even"
+    odd_only = lambda ps: [p in (OTHER[1], OTHER[3]) for p in ps]  # noqa: E731
+    in_slot(slot, host, "akd", integrate_package, host, _package(), **args, learns=odd_only)
+    assert slot.writes == {"even": 1, "odd": 1} and slot.last == "odd"
+    even = slot.banks["even"]
+    peer = {k: v + 0.01 for k, v in own.items()}
+    in_slot(
+        slot, host, "pmix", integrate_adapters, host, {"p": peer}, {"p": 1.0}, PullSettings(), "me"
+    )
+    assert slot.writes == {"even": 1, "odd": 1, "": 1} and slot.last == ""
+    # Each write started from its own bank: the "even" bank is untouched by the others.
+    assert slot.banks["even"] is even and not _same(slot.banks["even"], slot.banks["odd"])
+    # A measurement sees the bank written last and leaves every bank as it was.
+    before = {b: dict(s) for b, s in slot.banks.items()}
+    in_slot(slot, host, "probe", host.train_local, LOCAL, FAST, steps=1)
+    assert all(_same(slot.banks[b], before[b]) for b in before)
+    assert _same(host.adapter_state(), own) and slot.integrations == 3
+
+
+def test_every_bank_survives_a_checkpoint_and_a_damaged_one_loses_only_itself(
+    host: ModelHost, tmp_path: Path
+) -> None:
+    store = CheckpointStore(tmp_path / "ck")
+    own = host.adapter_state()
+    slot = PeerSlot(classify=_stem)
+    slot.banks = {b: {k: v + d for k, v in own.items()} for b, d in (("even", 0.1), ("", 0.2))}
+    slot.writes, slot.last, slot.integrations = {"even": 2, "": 1}, "even", 3
+    record = slot_record(slot)
+    assert record["banks"] == [["even", 2], ["", 1]] and record["last"] == "even"
+    extra = slot_extra(slot)
+    assert extra is not None and sorted(extra) == [SLOT_EXTRA, f"{SLOT_EXTRA}_1"]
+    path = store.save(1, own, {SLOT_EXTRA: record}, extra=extra)
+    restored = store.load_latest()
+    assert restored is not None
+    again = PeerSlot(classify=_stem)
+    assert restore_slot(again, host, restored, store)
+    assert again.writes == slot.writes and again.last == "even" and again.integrations == 3
+    assert all(_same(again.banks[b], slot.banks[b]) for b in slot.banks)
+    # The second bank's file damaged: the first comes back alone, the reason reported.
+    second = path / f"{SLOT_EXTRA}_1.safetensors"
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0xFF
+    second.write_bytes(bytes(data))
+    restored = store.load_latest()
+    assert restored is not None
+    reasons: list[str] = []
+    alone = PeerSlot(classify=_stem)
+    assert restore_slot(alone, host, restored, store, reasons.append)
+    assert list(alone.banks) == ["even"] and reasons == ["damaged"] and alone.last == "even"
+    # A record that lists its banks wrongly (or none: before banks) reads as one shared bank.
+    for listed in ("x", [["a", -1]], [["a", 1], ["a", 2]], [[1, 2]], None):
+        bad = {**record, "banks": listed}
+        store.save(2, own, {SLOT_EXTRA: bad}, extra={SLOT_EXTRA: slot.banks["even"]})
+        restored = store.load_latest()
+        assert restored is not None
+        shared = PeerSlot()
+        assert restore_slot(shared, host, restored, store)
+        assert list(shared.banks) == [""] and shared.last == ""

@@ -301,3 +301,75 @@ def test_a_saved_slot_undoes_a_trial_and_keeps_it_when_restored(host: ModelHost)
     # The saved history is the slot's at that moment, not a view of the live list.
     slot.history.append("later")
     assert tried.history == ("akd",)
+
+
+def _category(prompts: list[str] | tuple[str, ...]) -> list[str]:
+    """A stand-in for the router's unheld category: the function name's stem."""
+    return ["pal" if "is_even" in p else "sum" if "add_" in p else "other" for p in prompts]
+
+
+def test_a_lesson_goes_to_the_bank_of_most_of_its_prompts_and_ties_to_the_first() -> None:
+    one = PeerSlot()
+    assert one.bank_for(OTHER[:3]) == ""  # one bank: always the shared one
+    slot = PeerSlot(classify=_category)
+    assert slot.bank_for([]) == ""
+    assert slot.bank_for([*OTHER[:2], OWN[0]]) == "pal"
+    assert slot.bank_for([OTHER[0], OWN[0]]) == "pal"  # a tie: sort order
+    with pytest.raises(ValueError, match="answers nothing"):
+        slot.bank_of(OTHER[:1])
+
+
+def test_each_routed_input_is_answered_by_its_categorys_bank(host: ModelHost) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot(classify=_category)
+    with slot.active(host, "akd", "pal"):
+        host.train_local([(OTHER[0], "return 1\n")], TrainSettings(learning_rate=5e-2), steps=1)
+    with slot.active(host, "akd", "other"):
+        host.train_local([(OTHER[1], "return 2\n")], TrainSettings(learning_rate=5e-2), steps=2)
+    with slot.active(host, "akd", "other"):
+        host.train_local([(OTHER[2], "return 3\n")], TrainSettings(learning_rate=5e-2), steps=1)
+    assert _same(host.adapter_state(), own)
+    assert slot.writes == {"pal": 1, "other": 2} and slot.last == "other"
+    assert slot.integrations == 3 and slot.state is slot.banks["other"]
+    # A category without a bank goes to the most written one.
+    assert slot.bank_of([OTHER[0], "def g():", OWN[0]]) == ["pal", "other", "other"]
+
+    def which(prompts: list[str]) -> list[str]:
+        state = host.adapter_state()
+        bank = next((b for b, s in slot.banks.items() if _same(s, state)), "own")
+        return [bank] * len(prompts)
+
+    router = InputRouter.fit(OWN, OTHER, VAL)
+    fresh = OTHER[0].replace("is_even", "is_even_word")
+    items = [OWN[0], fresh, "def check_word(s: str) -> bool:\n    ", OWN[1]]
+    got = route_map(host, slot, router, items, str, which)
+    assert got == ["own", "pal", "other", "own"]
+    assert _same(host.adapter_state(), own)
+    # Saved and restored with its banks: a trial in a new bank is undone.
+    saved = slot.saved()
+    assert saved.state is slot.banks["other"]
+    with slot.active(host, "trial", "sum"):
+        host.train_local([(OWN[0], "return 4\n")], TrainSettings(learning_rate=5e-2), steps=1)
+    assert set(slot.banks) == {"pal", "other", "sum"} and slot.last == "sum"
+    slot.restore(saved)
+    assert set(slot.banks) == {"pal", "other"} and slot.writes == {"pal": 1, "other": 2}
+    assert slot.last == "other" and slot.integrations == 3
+    # One bank set as the slot's state: everything answered by it.
+    slot.state = dict(own)
+    assert slot.banks.keys() == {""} and slot.bank_of(items) == [""] * 4
+
+
+def test_the_routers_unheld_category_is_one_the_participant_holds_no_data_of() -> None:
+    sums = [
+        f'def total_{k}(xs: list[int]) -> int:\n    """Sum of xs, {k}."""\n    ' for k in range(20)
+    ]
+    router = InputRouter.fit(
+        OWN,
+        [*OTHER[:20], *sums, *OWN[:5]],
+        VAL,
+        own_categories=["add"] * len(OWN),
+        other_categories=["pal"] * 20 + ["sum"] * 20 + ["add"] * 5,
+    )
+    assert router.unheld_category([]) == []
+    assert router.unheld_category([OTHER[21], sums[3]]) == ["pal", "sum"]
+    assert set(router.unheld_category(OWN[:5])) <= {"pal", "sum"}
