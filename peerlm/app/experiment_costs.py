@@ -81,10 +81,11 @@ def round_costs(
     for c in clients:
         # LocalOnly+'s evaluation (the own adapter alone, recorded), then a run's that
         # replays its track: the own adapter's part taken from the record, the slot's run.
-        taught, c.slot.state = c.slot.state, None
-        c.memo = OwnMemo(records=True)
+        taught = c.slot.saved()
+        c.slot.state, c.memo = None, OwnMemo(records=True)
         timed("final evaluation", final_eval, world, c, seed)
-        c.slot.state, c.memo = taught, c.memo.replay()
+        c.slot.restore(taught)
+        c.memo = c.memo.replay()
         timed(_REPLAYING, final_eval, world, c, seed)
     n = len(clients) * rounds
     per = {k: sum(v) / n for k, v in phases.items() if k not in ("final evaluation", _REPLAYING)}

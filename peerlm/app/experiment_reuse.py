@@ -109,6 +109,9 @@ _COLLABORATION_ONLY_FIELDS: tuple[str, ...] = (
 
 #: The strategies whose clients train alone (:data:`_COLLABORATION_ONLY_FIELDS`).
 _ALONE: frozenset[str] = frozenset({"local", "local_plus"})
+#: What LocalOnly reads of neither: it spends no lesson's own-data steps (LocalOnly+ spends
+#: as many as a student's lessons, so ``teachers_per_student`` stays in its key).
+_LOCAL_ONLY_IGNORES: tuple[str, ...] = ("teachers_per_student",)
 
 
 #: Plan fields that only ProxyTuning's decoding reads (:data:`PROXY_TUNED`).
@@ -150,6 +153,8 @@ def _reuse_key(plan: Mapping[str, Any], strategy: str) -> str:
         drop |= set(_PROXY_TUNING_ONLY_FIELDS)
     if strategy in _ALONE:
         drop |= set(_COLLABORATION_ONLY_FIELDS)
+    if strategy == "local":
+        drop |= set(_LOCAL_ONLY_IGNORES)
     return json.dumps(
         {k: v for k, v in full.items() if k not in drop}, sort_keys=True, default=list
     )

@@ -168,6 +168,7 @@ def test_a_proxy_tuning_beta_without_the_proxy_tuned_strategy_is_refused() -> No
         {"teach_limit": 8},
         {"teach_self_check": True},
         {"slot_rehearsal": 2},
+        {"slot_banks": "category"},
         {"slot_learning_rate": 1e-2},
     ],
 )
@@ -191,6 +192,11 @@ def test_a_plan_of_another_number_of_teachers_reuses_no_run() -> None:
     two = ExperimentPlan(strategies=strategies, seeds=(0,), teachers_per_student=2)
     with pytest.raises(ValueError, match="no run of this plan"):
         reusable_runs(two, [_stored(one)], NLL)
+    # LocalOnly spends no lesson's steps: its runs stand in whatever the number.
+    alone = ("local", "local_plus", "cpm")
+    one_alone = ExperimentPlan(strategies=alone, seeds=(0,), teachers_per_student=1)
+    two_alone = ExperimentPlan(strategies=alone, seeds=(0,), teachers_per_student=2)
+    assert list(reusable_runs(two_alone, [_stored(one_alone)], NLL)) == [("local", 0)]
     assert sorted(reusable_runs(two, [_stored(two)], NLL)) == [("cpm", 0), ("local_plus", 0)]
     before = _stored(one)
     del before["plan"]["teachers_per_student"]
