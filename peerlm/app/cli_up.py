@@ -524,7 +524,9 @@ def _agent_argvs(
             stop_grace_s=RealPlan.stop_grace_s,
         )
     if opts.simulated:
-        return sim_argv(fed, names, opts.rounds, opts.seed, opts.heterogeneity)
+        return sim_argv(
+            fed, names, opts.rounds, opts.seed, opts.heterogeneity, opts.teachers_per_student
+        )
     plan = RealPlan.of_size(
         opts.size,
         overlay=opts.overlay,

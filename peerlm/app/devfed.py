@@ -343,10 +343,16 @@ async def _watch(
 
 
 def sim_argv(
-    fed: DevFederation, agents: list[str], rounds: int, seed: int, heterogeneity: str
+    fed: DevFederation,
+    agents: list[str],
+    rounds: int,
+    seed: int,
+    heterogeneity: str,
+    teachers_per_student: int = 1,
 ) -> AgentArgv:
     """The command of each simulated agent. It waits for a round's directive as long as the
-    CPM's timer may take to match it (:data:`SIM_DIRECTIVE_WAIT_S`)."""
+    CPM's timer may take to match it (:data:`SIM_DIRECTIVE_WAIT_S`), and is told the CPM's
+    ``teachers_per_student`` (a round that gives it more teachers is its error)."""
 
     def argv(i: int, name: str, target: str) -> list[str]:
         t = fed.tls(name)
@@ -356,6 +362,7 @@ def sim_argv(
             "--cert", str(t.cert), "--key", str(t.key), "--federation", FEDERATION,
             "--rounds", str(rounds), "--seed", str(seed), "--heterogeneity", heterogeneity,
             "--round-timeout", f"{SIM_DIRECTIVE_WAIT_S:g}",
+            "--teachers-per-student", str(teachers_per_student),
         ]  # fmt: skip
 
     return argv

@@ -57,8 +57,11 @@ async def run_sim_agent(
     seed: int,
     heterogeneity: str,
     round_timeout_s: float,
+    teachers_per_student: int = 1,
 ) -> SimAgentReport:
-    """Play ``rounds`` rounds of Algorithm 3 against the CPM at ``cpm``."""
+    """Play ``rounds`` rounds of Algorithm 3 against the CPM at ``cpm``; more than
+    ``teachers_per_student`` student directives in a round (the CPM's setting, which the
+    agent is told) is reported as an error, and none of the extra ones is learnt."""
     from peerlm.bench.synthetic import SyntheticFederation  # numpy: only when run
 
     env = SyntheticFederation(len(peers), "high" if heterogeneity == "high" else "low", seed)
@@ -109,6 +112,10 @@ async def run_sim_agent(
                     report.errors.append(f"unknown teacher {d.teacher}")
                 elif any(teacher == t for _, t in learnt):
                     report.errors.append(f"a second directive from {d.teacher} in round {r}")
+                elif len(learnt) == teachers_per_student:
+                    report.errors.append(
+                        f"more than {teachers_per_student} teacher(s) in round {r}: {d.teacher}"
+                    )
                 else:
                     # Several under teachers_per_student: each lesson from the same state.
                     learnt.append((d, teacher))
@@ -141,6 +148,9 @@ def sim_agent_command(
     seed: Annotated[int, typer.Option()] = 0,
     heterogeneity: Annotated[str, typer.Option()] = "high",
     round_timeout: Annotated[float, typer.Option(help="Seconds to wait for a directive.")] = 5.0,
+    teachers_per_student: Annotated[
+        int, typer.Option(min=1, help="The CPM's teachers a student a round (more: an error).")
+    ] = 1,
 ) -> None:
     """Run a simulated agent (used by `peerlm up` until the model-hosting agent lands)."""
     tls = TlsFiles(ca_cert, cert, key) if ca_cert and cert and key else None
@@ -156,6 +166,7 @@ def sim_agent_command(
             seed=seed,
             heterogeneity=heterogeneity,
             round_timeout_s=round_timeout,
+            teachers_per_student=teachers_per_student,
         )
     )
     sys.stdout.write(json.dumps(asdict(report)) + "\n")
