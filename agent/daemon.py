@@ -355,14 +355,15 @@ class AgentDaemon:
             self.transfer_categories,
             [p.prompt for p in self.val],
         )
-        if self.s.slot_banks == "category" and self.router is not None:
+        banks = self.s.slot_banks or "category"
+        if banks == "category" and self.router is not None:
             self.slot.classify = self.router.unheld_category
         emit = self.log.info if self.router is not None else self.log.warning
         emit(
             "peer_router_fitted",
             how=how,
             threshold=None if self.router is None else round(self.router.threshold, 4),
-            slot_banks=self.s.slot_banks if self.router is not None else "one",
+            slot_banks=banks if self.router is not None else "one",
         )
         if self.s.reward_scope == "routed" and self.reward_scope is not None:
             self.reward_scope = self.reward_scope.routed(

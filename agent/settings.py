@@ -373,7 +373,9 @@ class AgentSettings(ServiceSettings):
     # bank of the category most of its learnt prompts fall in, each routed input answered
     # by its own category's bank (a mixture of LoRAs behind the router; ours:
     # peerlm.agent.exchange.peer_knowledge.PeerSlot). Merges and pulls write a shared bank.
-    slot_banks: Literal["one", "category"] = "one"
+    # None (the default): "category" (measured: docs/experiment.md "A bank per lacked
+    # category"); refused with "shared" only when given.
+    slot_banks: Literal["one", "category"] | None = None
     # With integration "separate": the learning rate of every integration into the peer
     # slot that trains (AKD, OnePeFT's HKA in a merge or an overlay pull; ours,
     # run-experiment's --slot-lr). None: learning_rate. The slot starts each lesson with a
@@ -409,7 +411,7 @@ class AgentSettings(ServiceSettings):
             raise ValueError(
                 "slot_rehearsal rehearses a peer slot's lessons: it needs integration 'separate'"
             )
-        if self.slot_banks != "one" and self.integration != "separate":
+        if self.slot_banks == "category" and self.integration != "separate":
             raise ValueError("slot_banks divides a peer slot: it needs integration 'separate'")
         if self.slot_learning_rate is not None and self.integration != "separate":
             raise ValueError("slot_learning_rate is a peer slot's: it needs integration 'separate'")

@@ -14,12 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["BEFORE", "render_report", "run_benchmark"]
+if TYPE_CHECKING:
+    from peerlm.app.experiment_plan import ExperimentPlan
+
+__all__ = ["BEFORE", "compared_plans", "render_report", "run_benchmark"]
 
 #: The final evaluation of a run that replays LocalOnly+'s track ("-" where none does).
 _REPLAYING = "final_replaying_seconds_per_client"
@@ -35,9 +38,19 @@ BEFORE: Mapping[str, Any] = {
     "curve_every": 1,
     "own_steps_every_round": False,
     "integration": "shared",
+    "slot_banks": "one",
     "pairing": "disjoint",
+    "teachers_per_student": 1,
     "probe_scope": "all",
 }
+
+
+def compared_plans(micro: bool) -> tuple[ExperimentPlan, ExperimentPlan]:
+    """The plan before the round was made cheap (:data:`BEFORE`) and today's default."""
+    from peerlm.app.experiment_plan import ExperimentPlan
+
+    after = ExperimentPlan(size="micro" if micro else "tiny")
+    return replace(after, **BEFORE), after
 
 
 def run_benchmark(
@@ -55,13 +68,11 @@ def run_benchmark(
     # harness itself (.importlinter names the exception).
     from peerlm.app.cli_models import models_cache_dir, quiet_transformers
     from peerlm.app.experiment_costs import round_costs
-    from peerlm.app.experiment_plan import ExperimentPlan
 
     quiet_transformers()
     models = models or models_cache_dir("micro" if micro else "tiny")
 
-    after = ExperimentPlan(size="micro" if micro else "tiny")
-    before = replace(after, **BEFORE)
+    before, after = compared_plans(micro)
     out: dict[str, Any] = {"cores": cores, "timed_rounds": rounds, "size": after.size}
     for k, (name, plan) in enumerate((("before", before), ("after", after))):
         progress(f"{name}: timing {rounds} rounds", k, 2)

@@ -177,8 +177,10 @@ class ExperimentPlan:
     slot_rehearsal: int = 0
     # With "separate": "one" adapter in the peer slot, or "category": a bank a category the
     # client lacks, each text lesson written to its learnt prompts' category's bank and
-    # each routed input answered by its category's (the agent's ``slot_banks``; ours).
-    slot_banks: Literal["one", "category"] = "one"
+    # each routed input answered by its category's (the agent's ``slot_banks``; ours;
+    # docs/experiment.md "A bank per lacked category"). None: "category" under "separate"
+    # (the default since 2026-12-08), "one" under "shared".
+    slot_banks: Literal["one", "category"] | None = None
     # With "separate": the peer slot's learning rate, what every integration into it trains
     # at (ours; the agent's ``slot_learning_rate``). None: ``learning_rate``, the own
     # adapter's. The slot starts each lesson with a fresh optimiser and a linear decay over
@@ -271,6 +273,9 @@ class ExperimentPlan:
             raise ValueError("teachers_per_student > 1 needs pairing 'per_student'")
         if self.slot_scope not in ("all", "routed"):
             raise ValueError(f"slot_scope must be 'all' or 'routed', not {self.slot_scope!r}")
+        if self.slot_banks is None:
+            banks = "category" if self.integration == "separate" else "one"
+            object.__setattr__(self, "slot_banks", banks)
         if self.slot_banks not in ("one", "category"):
             raise ValueError(f"slot_banks must be 'one' or 'category', not {self.slot_banks!r}")
         if not 0 <= self.slot_rehearsal <= 256:

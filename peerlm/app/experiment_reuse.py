@@ -137,6 +137,8 @@ _PREDATED: Mapping[str, Any] = MappingProxyType(
         "answer_check": "off",
         # Before ``teachers_per_student`` (2026-12-07) a student had one teacher a round.
         "teachers_per_student": 1,
+        # Before ``slot_banks`` (2026-12-08) the peer slot was one adapter.
+        "slot_banks": "one",
     }
 )
 

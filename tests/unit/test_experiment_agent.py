@@ -375,7 +375,7 @@ def test_a_slot_scoped_student_learns_nothing_the_router_keeps_and_earns_the_kb_
     w.plan = replace(w.plan, slot_scope="routed")
     routed = clients[0].slot_learns(w.plan)
     assert routed is not None and list(routed(["a"])) == [False]
-    assert clients[0].slot_learns(replace(w.plan, integration="shared")) is None
+    assert clients[0].slot_learns(replace(w.plan, integration="shared", slot_banks="one")) is None
     profiles = {c.name: np.ones(PROFILE_DIM) for c in clients}
     records, _ = exchange(w, "random", RandomMatchmaker(seed=0), clients, profiles, 0, 1)
     [record] = records

@@ -168,7 +168,7 @@ def test_a_proxy_tuning_beta_without_the_proxy_tuned_strategy_is_refused() -> No
         {"teach_limit": 8},
         {"teach_self_check": True},
         {"slot_rehearsal": 2},
-        {"slot_banks": "category"},
+        {"slot_banks": "one"},
         {"slot_learning_rate": 1e-2},
     ],
 )
@@ -203,6 +203,19 @@ def test_a_plan_of_another_number_of_teachers_reuses_no_run() -> None:
     assert sorted(reusable_runs(one, [before], NLL)) == [("cpm", 0), ("local_plus", 0)]
     with pytest.raises(ValueError, match="no run of this plan"):
         reusable_runs(two, [before], NLL)
+
+
+def test_a_plan_from_before_slot_banks_ran_one_adapter() -> None:
+    """A stored collaborative run without ``slot_banks`` had one peer slot adapter: it
+    stands in for ``slot_banks: one``, not for today's default, ``category``."""
+    strategies = ("local_plus", "cpm")
+    one = ExperimentPlan(strategies=strategies, seeds=(0,), slot_banks="one")
+    before = _stored(one)
+    del before["plan"]["slot_banks"]
+    assert sorted(reusable_runs(one, [before], NLL)) == [("cpm", 0), ("local_plus", 0)]
+    today = ExperimentPlan(strategies=strategies, seeds=(0,))
+    assert today.slot_banks == "category"
+    assert list(reusable_runs(today, [before], NLL)) == [("local_plus", 0)]
 
 
 def test_run_experiment_refuses_several_teachers_without_a_student_every_round(

@@ -368,6 +368,10 @@ def test_slot_only_settings_are_refused_without_a_slot() -> None:
     with pytest.raises(ValueError, match="slot_banks must be"):
         ExperimentPlan(slot_banks="teacher")  # type: ignore[arg-type]
     assert AgentSettings(slot_banks="category").slot_banks == "category"
+    # The default: banks by category with a slot, one adapter (nothing refused) without.
+    assert AgentSettings(integration="shared").slot_banks is None
+    assert ExperimentPlan().slot_banks == "category"
+    assert ExperimentPlan(integration="shared").slot_banks == "one"
     with pytest.raises(ValueError, match="slot_rehearsal and slot_learning_rate need"):
         ExperimentPlan(integration="shared", slot_rehearsal=8, slot_learning_rate=1e-2)
     for bad in (0.0, 1.5, float("nan"), True):
@@ -406,7 +410,7 @@ def test_the_daemon_narrows_a_routed_reward_scope_to_what_its_router_sends_the_s
     own_looking = (VAL[0], "return y + 20\n", "word")
     lacked_probe = (OTHER[5], "return w\n", "word")
 
-    def daemon(scope: str, probe: list[tuple[str, str, str]], banks: str = "one") -> Any:
+    def daemon(scope: str, probe: list[tuple[str, str, str]], banks: str | None = "one") -> Any:
         problem = SimpleNamespace
         return SimpleNamespace(
             s=SimpleNamespace(
@@ -432,9 +436,9 @@ def test_the_daemon_narrows_a_routed_reward_scope_to_what_its_router_sends_the_s
     assert agent.reward_scope(OTHER[:4]) == [lacked_probe[:2]]
     assert not [e for e in logs if e["event"] == "reward_scope_measures_nothing"]
 
-    answered = daemon("answered", [own_looking, lacked_probe], banks="category")
+    answered = daemon("answered", [own_looking, lacked_probe], banks=None)
     asyncio.run(AgentDaemon._fit_router(answered))
-    # slot_banks: category: the slot's banks are the router's lacked categories.
+    # slot_banks: category (the default, None): the banks are the router's lacked categories.
     assert answered.slot.classify is not None
     assert answered.slot.bank_for(OTHER[:4]) == "word"
     assert answered.reward_scope(OTHER[:4]) == [own_looking[:2], lacked_probe[:2]]
