@@ -19,9 +19,10 @@ in, the call runs, and the own adapter is back before the thread takes the next 
   :meth:`PeerSlot.active <peerlm.agent.exchange.peer_knowledge.PeerSlot.active>`: what it does to
   the adapter stays in the slot and counts as one integration. Its acceptance gate, which
   judges the adapter in the host against the agent's validation set, so protects the slot.
-* Any other call (the reward's probe loss, the norm bound a pulled adapter is checked
-  against) sees the slot and leaves it as it was: whatever it might write is dropped, so
-  nothing a peer sends can reach the own adapter even through a function not listed here.
+* Any other call (a merge's probe loss, the norm bound a pulled adapter is checked
+  against) sees the slot (with banks, its shared bank, the one merges and pulls write) and
+  leaves it as it was: whatever it might write is dropped, so nothing a peer sends can
+  reach the own adapter even through a function not listed here.
 
 What the agent teaches, its profile and the signature it publishes in the overlay (and the
 adapter peers pull from it) are the own adapter's; only the report's evaluation per slice
@@ -29,8 +30,8 @@ is routed (:func:`~peerlm.agent.exchange.peer_knowledge.route_map`).
 
 The slot is saved with every round's checkpoint as the extra tensor set ``peer_slot``
 (:mod:`peerlm.agent.checkpoint`) and checked on restore as a peer's adapter is
-(:func:`restore_slot`): a damaged or misfitting file is set aside and the slot starts
-empty, counted in ``peerlm_agent_peer_slot_quarantined_total``.
+(:func:`restore_slot`): a damaged or misfitting file is set aside and that bank (the slot,
+with one bank) starts empty, counted in ``peerlm_agent_peer_slot_quarantined_total``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ T = TypeVar("T")
 SLOT_EXTRA: Final = "peer_slot"
 #: Integration names kept in the checkpoint's state (the newest ones).
 _HISTORY_KEPT: Final = 64
+#: Banks read back from a checkpoint's record at most.
+_BANKS_READ: Final = 256
 
 
 def _integrations() -> frozenset[Callable[..., Any]]:
@@ -88,7 +91,9 @@ def in_slot(
 ) -> T:
     """On the model thread: ``fn(*args, **kw)`` with the slot in ``host``, the own adapter
     back afterwards. An integration (:data:`INTEGRATIONS`) keeps its effect in the slot and
-    counts as ``what``; any other call leaves the slot as it was (module docstring)."""
+    counts as ``what``; any other call sees the shared bank (the one slot with one bank; a
+    merge's or pull's, which measure through here, with banks) and leaves the slot as it was
+    (module docstring)."""
     if fn in INTEGRATIONS:
         from peerlm.agent.exchange.rounds import integrate_package
 
@@ -99,17 +104,22 @@ def in_slot(
         with slot.active(host, what, bank) as write:
             out = fn(*args, **kw)
             write.kept = learnt_anything(out)
+            write.rolled_back = bool(getattr(out, "rolled_back", False))
         if rehearses and write.kept and not getattr(out, "rolled_back", False):
             slot.remember(getattr(out, "learnt", ()))
         return out
-    if slot.state is None:
+    # What a measurement sees: the shared bank, which the only integrations that measure
+    # through this runner (a merge's probe, a pull's norm bounds) write; the one slot with
+    # one bank.
+    shared = slot.banks.get(SHARED_BANK)
+    if shared is None:
         own = host.adapter_state()
         try:
             return fn(*args, **kw)
         finally:
             host.load_adapter_state(own)
     own = host.adapter_state()
-    host.load_adapter_state(slot.state)
+    host.load_adapter_state(shared)
     try:
         return fn(*args, **kw)
     finally:
@@ -235,17 +245,21 @@ def _banks(record: Any) -> list[tuple[str, int]]:
     for a record from before banks (or one that does not list them as written)."""
     listed = record.get("banks") if isinstance(record, dict) else None
     banks: list[tuple[str, int]] = []
+    seen: set[str] = set()
     if isinstance(listed, list):
-        for entry in listed:
+        # A record lists no more banks than a router has categories; a longer list (a
+        # damaged or hand-made state file) is read up to the bound, not all of it.
+        for entry in listed[:_BANKS_READ]:
             if (
                 isinstance(entry, list)
                 and len(entry) == 2
                 and isinstance(entry[0], str)
                 and isinstance(entry[1], int)
                 and entry[1] >= 0
-                and entry[0] not in dict(banks)
+                and entry[0] not in seen
             ):
                 banks.append((entry[0], entry[1]))
+                seen.add(entry[0])
             else:
                 return [(SHARED_BANK, 0)]
     return banks or [(SHARED_BANK, 0)]

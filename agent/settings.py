@@ -370,8 +370,9 @@ class AgentSettings(ServiceSettings):
     slot_rehearsal: int = Field(default=0, ge=0, le=256)
     # With integration "separate": "one" adapter in the peer slot, or "category": one bank
     # (adapter) per category this agent holds no data of, each text lesson written to the
-    # bank of the category most of its learnt prompts fall in, each routed input answered
-    # by its own category's bank (a mixture of LoRAs behind the router; ours:
+    # bank its learnt prompts vote for (each its most probable lacked category), each
+    # routed input answered by its own category's bank (a mixture of LoRAs behind the
+    # router; ours:
     # peerlm.agent.exchange.peer_knowledge.PeerSlot). Merges and pulls write a shared bank.
     # None (the default): "category" (measured: docs/experiment.md "A bank per lacked
     # category"); refused with "shared" only when given.

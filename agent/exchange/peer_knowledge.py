@@ -155,9 +155,11 @@ class InputRouter:
 
 @dataclass
 class SlotWrite:
-    """What one :meth:`PeerSlot.active` block did: ``kept`` False when it learnt nothing."""
+    """What one :meth:`PeerSlot.active` block did: ``kept`` False when it learnt nothing;
+    ``rolled_back`` True when its gate undid what it learnt."""
 
     kept: bool = True
+    rolled_back: bool = False
 
 
 #: Lessons a peer slot remembers for its rehearsal (the newest), (prompt, completion)
@@ -223,13 +225,15 @@ class PeerSlot:
 
     **Banks** (``classify`` set: the agent's ``slot_banks: category``, ours): the slot
     then holds one adapter per category the participant lacks, a mixture of LoRAs behind
-    the router. A text lesson is written to the bank of the category most of its learnt
-    prompts fall in (``classify``: the router's :meth:`InputRouter.unheld_category`), and
+    the router. A text lesson is written to the bank most of its learnt prompts vote for,
+    each its most probable lacked category (``classify``: the router's
+    :meth:`InputRouter.unheld_category`; every learnt prompt votes, also one the router
+    keeps on the own adapter), and
     an input the router sends to the slot is answered by the bank of its own category
     (:meth:`bank_of`). Why: a student taught two skills by two teachers in alternating
     lessons of a few steps each writes both into one adapter, and each lesson overwrites
-    part of the one before (docs/experiment.md, "A bank per lacked skill"); a bank per
-    skill keeps them apart at no extra step. The banks are bounded by the router's
+    part of the one before (docs/experiment.md, "A bank per lacked category"); a bank per
+    category keeps them apart at no extra step. The banks are bounded by the router's
     categories, which come from the participant's own data and X_u, never from a peer.
     """
 
@@ -256,8 +260,7 @@ class PeerSlot:
 
     @property
     def state(self) -> dict[str, torch.Tensor] | None:
-        """The adapter the slot's last integration wrote (its only one with one bank);
-        what a call that only measures, such as the reward's probe loss, sees."""
+        """The adapter the slot's last integration wrote (its only one with one bank)."""
         return self.banks.get(self.last)
 
     @state.setter
@@ -296,18 +299,25 @@ class PeerSlot:
     def active(
         self, host: ModelHost, what: str = "integration", bank: str = SHARED_BANK
     ) -> Iterator[SlotWrite]:
-        """Bank ``bank`` of the slot in ``host`` inside the block (a new bank starts as the
-        own adapter); the own adapter restored after it, even when the block raises (the
-        slot then keeps its state from before the block). The block may set the yielded
-        :class:`SlotWrite`'s ``kept`` to False when it learnt nothing (an AKD package the
-        slot learns none of): the slot then stays as it was, uncounted."""
+        """Bank ``bank`` of the slot in ``host`` inside the block; the own adapter restored
+        after it, even when the block raises (the slot then keeps its state from before the
+        block). A new bank starts as the shared bank where there is one (what the slot
+        learnt before it had banks, or merges and pulls), else as the own adapter. The block
+        may set the yielded :class:`SlotWrite`'s ``kept`` to False when it learnt nothing
+        (an AKD package the slot learns none of): the slot then stays as it was, uncounted;
+        and ``rolled_back`` when its gate undid it: counted, but a bank it would have
+        created is not (it would hold only what it started as, and take its category's
+        inputs from the bank that answered them)."""
         own = host.adapter_state()
         before = self.banks.get(bank)
-        host.load_adapter_state(before if before is not None else own)
+        host.load_adapter_state(before if before is not None else self.banks.get(SHARED_BANK, own))
         write = SlotWrite()
         try:
             yield write
-            if write.kept:
+            if write.kept and write.rolled_back and before is None:
+                self.integrations += 1
+                self.history.append(what)
+            elif write.kept:
                 self.banks[bank] = host.adapter_state()
                 self.writes[bank] = self.writes.get(bank, 0) + 1
                 self.last = bank

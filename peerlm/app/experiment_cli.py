@@ -144,8 +144,8 @@ _AnswerCheckOption = Annotated[
 _SlotBanksOption = Annotated[
     str | None,
     typer.Option(
-        help="The peer slot's adapters: one (default) or category (a bank a lacked "
-        "category, each lesson written to its category's, each input answered by its own).",
+        help="The peer slot's adapters: category (default: a bank a lacked category, each "
+        "lesson written to its category's, each input answered by its own) or one.",
     ),
 ]
 _SlotRehearsalOption = Annotated[

@@ -523,3 +523,56 @@ def test_every_bank_survives_a_checkpoint_and_a_damaged_one_loses_only_itself(
         shared = PeerSlot()
         assert restore_slot(shared, host, restored, store)
         assert list(shared.banks) == [""] and shared.last == ""
+
+
+def test_with_banks_a_merge_measures_the_bank_it_writes_and_a_new_bank_starts_from_it(
+    host: ModelHost,
+) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot(classify=_stem)
+    in_slot(slot, host, "akd", integrate_package, host, _package(), **_akd_args(1))
+    assert list(slot.banks) == ["even"] and slot.last == "even"
+    # A measurement through the runner (a merge's probe) sees the shared bank, which a
+    # merge writes: here none yet, so the own adapter, not the "even" bank written last.
+    seen = in_slot(slot, host, "pmix", host.adapter_state)
+    assert _same(seen, own)
+    peer = {k: v + 0.01 for k, v in own.items()}
+    in_slot(
+        slot, host, "pmix", integrate_adapters, host, {"p": peer}, {"p": 1.0}, PullSettings(), "me"
+    )
+    shared = slot.banks[""]
+    assert _same(in_slot(slot, host, "pmix", host.adapter_state), shared)
+    # A new category bank starts as the shared bank (what the slot held before banks).
+    with slot.active(host, "trial", "odd"):
+        assert _same(host.adapter_state(), shared)
+    assert _same(host.adapter_state(), own)
+
+
+def test_a_rolled_back_lesson_counts_but_creates_no_bank(host: ModelHost) -> None:
+    own = host.adapter_state()
+    slot = PeerSlot(classify=_stem)
+    gated = _akd_args(1)
+    gated["config"] = RoundConfig(total_rounds=2, train=FAST, local_steps=1, acceptance_margin=-1.0)
+    out = in_slot(slot, host, "akd", integrate_package, host, _package(), **gated)
+    assert out.rolled_back and out.stats.steps == 1
+    assert slot.banks == {} and slot.integrations == 1 and slot.history == ["akd"]
+    # Into an existing bank a rolled-back lesson is kept as the gate left it.
+    in_slot(slot, host, "akd", integrate_package, host, _package(), **_akd_args(1))
+    even = slot.banks["even"]
+    out = in_slot(slot, host, "akd", integrate_package, host, _package(), **gated)
+    assert out.rolled_back and _same(slot.banks["even"], even) and slot.writes == {"even": 2}
+    assert _same(host.adapter_state(), own)
+
+
+def test_a_record_listing_too_many_banks_is_read_up_to_the_bound(
+    host: ModelHost, tmp_path: Path
+) -> None:
+    store = CheckpointStore(tmp_path / "ck")
+    own = host.adapter_state()
+    record = {"integrations": 1, "banks": [[f"c{k}", 1] for k in range(100_000)], "last": "c0"}
+    store.save(1, own, {SLOT_EXTRA: record}, extra={SLOT_EXTRA: own, f"{SLOT_EXTRA}_1": own})
+    restored = store.load_latest()
+    assert restored is not None
+    slot = PeerSlot(classify=_stem)
+    assert restore_slot(slot, host, restored, store)
+    assert list(slot.banks) == ["c0", "c1"] and slot.last == "c0"
