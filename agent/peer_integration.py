@@ -326,4 +326,5 @@ def restore_slot(
         slot.history = [str(h) for h in history] if isinstance(history, list) else []
         # Peers' text stays out of the slot (and its next checkpoints) without rehearsal.
         slot.lessons = _lessons(record.get("lessons")) if slot.rehearsal else []
+    slot.as_one_bank()
     return True

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -276,9 +277,7 @@ class PeerSlot:
         with one bank or no prompt."""
         if self.classify is None or not prompts:
             return SHARED_BANK
-        counts: dict[str, int] = {}
-        for category in self.classify(prompts):
-            counts[category] = counts.get(category, 0) + 1
+        counts = Counter(self.classify(prompts))
         return min(counts, key=lambda c: (-counts[c], c))
 
     def bank_of(self, prompts: Sequence[str]) -> list[str]:
@@ -286,14 +285,32 @@ class PeerSlot:
         shared bank, else the most written one (ties to the first in sort order)."""
         if not self.banks:
             raise ValueError("an empty peer slot answers nothing")
-        fallback = (
+        fallback = self._fallback()
+        if self.classify is None or len(self.banks) == 1:
+            return [fallback] * len(prompts)
+        return [c if c in self.banks else fallback for c in self.classify(prompts)]
+
+    def _fallback(self) -> str:
+        return (
             SHARED_BANK
             if SHARED_BANK in self.banks
             else min(self.banks, key=lambda b: (-self.writes.get(b, 0), b))
         )
-        if self.classify is None or len(self.banks) == 1:
-            return [fallback] * len(prompts)
-        return [c if c in self.banks else fallback for c in self.classify(prompts)]
+
+    def as_one_bank(self) -> None:
+        """Without ``classify`` (one bank), a slot that holds banks (restored from a
+        checkpoint taken under ``slot_banks: category``) becomes the one bank that
+        answered every input (:meth:`bank_of`'s fallback): the next lessons go on from
+        what it learnt, not from the own adapter, and the other banks, which nothing would
+        read again, are dropped. Nothing changes with ``classify`` set or one bank."""
+        if self.classify is not None or not self.banks or set(self.banks) == {SHARED_BANK}:
+            return
+        kept = self.banks[self._fallback()]
+        self.banks, self.writes, self.last = (
+            {SHARED_BANK: kept},
+            {SHARED_BANK: self.integrations},
+            SHARED_BANK,
+        )
 
     @contextmanager
     def active(

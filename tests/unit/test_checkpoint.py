@@ -74,6 +74,30 @@ def test_invalid_input_touches_nothing(tmp_path: Path) -> None:
         CheckpointStore(tmp_path, keep=0)
 
 
+def test_daemon_state_is_saved_with_non_finite_floats_as_null(tmp_path: Path) -> None:
+    # The daemon's state may hold a NaN loss or an infinite score; the store refuses them
+    # (above), so the daemon writes them as null, and a string that spells "NaN" stays.
+    from peerlm.agent.daemon import _jsonable
+
+    state = {
+        "round": 3,
+        "history": [{"loss": float("nan"), "peer": "NaNo-NaN"}, {"loss": 0.5}],
+        "scores": [float("inf"), -float("inf"), 1.0],
+        "at": Path("/x"),
+    }
+    clean = _jsonable(state)
+    assert clean == {
+        "round": 3,
+        "history": [{"loss": None, "peer": "NaNo-NaN"}, {"loss": 0.5}],
+        "scores": [None, None, 1.0],
+        "at": "/x",
+    }
+    store = CheckpointStore(tmp_path)
+    store.save(3, _adapter(3), clean)
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.state == clean
+
+
 def test_pruning_keeps_the_newest(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep=2)
     for r in range(1, 6):

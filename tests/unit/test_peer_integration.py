@@ -523,6 +523,27 @@ def test_every_bank_survives_a_checkpoint_and_a_damaged_one_loses_only_itself(
         shared = PeerSlot()
         assert restore_slot(shared, host, restored, store)
         assert list(shared.banks) == [""] and shared.last == ""
+    # Restored under one bank (``slot_banks: one`` after ``category``): the slot is the
+    # bank that answered every input, the shared one, and lessons go on from it.
+    store.save(3, own, {SLOT_EXTRA: record}, extra=extra)
+    restored = store.load_latest()
+    assert restored is not None
+    one = PeerSlot()
+    assert restore_slot(one, host, restored, store)
+    assert list(one.banks) == [""] and one.last == "" and one.writes == {"": 3}
+    assert _same(one.banks[""], slot.banks[""])
+    # Without a shared bank, the most written one is kept.
+    only = PeerSlot(integrations=4)
+    only.banks = {b: {k: v + d for k, v in own.items()} for b, d in (("a", 0.1), ("b", 0.2))}
+    only.writes = {"a": 1, "b": 3}
+    b_state = only.banks["b"]
+    only.as_one_bank()
+    assert only.banks == {"": b_state} and only.writes == {"": 4} and only.last == ""
+    # With classify set the banks stay.
+    kept = PeerSlot(classify=_stem)
+    kept.banks, kept.writes = dict(slot.banks), dict(slot.writes)
+    kept.as_one_bank()
+    assert list(kept.banks) == list(slot.banks)
 
 
 def test_with_banks_a_merge_measures_the_bank_it_writes_and_a_new_bank_starts_from_it(
