@@ -302,7 +302,9 @@ class PeerSlot:
         checkpoint taken under ``slot_banks: category``) becomes the one bank that
         answered every input (:meth:`bank_of`'s fallback): the next lessons go on from
         what it learnt, not from the own adapter, and the other banks, which nothing would
-        read again, are dropped. Nothing changes with ``classify`` set or one bank."""
+        read again, are dropped; so also when the agent's router could not be fitted
+        (no ``classify`` under ``category`` either). The daemon sets ``classify`` before
+        it restores a checkpoint. Nothing changes with ``classify`` set or one bank."""
         if self.classify is not None or not self.banks or set(self.banks) == {SHARED_BANK}:
             return
         kept = self.banks[self._fallback()]
