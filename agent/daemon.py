@@ -1555,18 +1555,10 @@ def _importance_state(tracker: Any) -> dict[str, Any]:
 
 def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` as strict JSON values: NaN and the infinities are not JSON and the
-    checkpoint's state.json must parse everywhere, so a non-finite float becomes None; a
-    string is kept as it is (a text substitution would rewrite "NaN" inside names too);
-    anything else JSON has no type for becomes its ``str``."""
-    clean: dict[str, Any] = _finite(json.loads(json.dumps(state, default=str)))
+    checkpoint's state.json must parse everywhere, so a non-finite float becomes None (the
+    decoder's ``parse_constant``; a string that spells "NaN" is kept as it is); anything
+    else JSON has no type for becomes its ``str``."""
+    clean: dict[str, Any] = json.loads(
+        json.dumps(state, default=str), parse_constant=lambda _constant: None
+    )
     return clean
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value

@@ -112,14 +112,9 @@ def in_slot(
     # through this runner (a merge's probe, a pull's norm bounds) write; the one slot with
     # one bank.
     shared = slot.banks.get(SHARED_BANK)
-    if shared is None:
-        own = host.adapter_state()
-        try:
-            return fn(*args, **kw)
-        finally:
-            host.load_adapter_state(own)
     own = host.adapter_state()
-    host.load_adapter_state(shared)
+    if shared is not None:
+        host.load_adapter_state(shared)
     try:
         return fn(*args, **kw)
     finally:
@@ -244,8 +239,7 @@ def _banks(record: Any) -> list[tuple[str, int]]:
     """The banks a checkpoint's slot record lists, in their sets' order; one shared bank
     for a record from before banks (or one that does not list them as written)."""
     listed = record.get("banks") if isinstance(record, dict) else None
-    banks: list[tuple[str, int]] = []
-    seen: set[str] = set()
+    banks: dict[str, int] = {}
     if isinstance(listed, list):
         # A record lists no more banks than a router has categories; a longer list (a
         # damaged or hand-made state file) is read up to the bound, not all of it.
@@ -256,13 +250,12 @@ def _banks(record: Any) -> list[tuple[str, int]]:
                 and isinstance(entry[0], str)
                 and isinstance(entry[1], int)
                 and entry[1] >= 0
-                and entry[0] not in seen
+                and entry[0] not in banks
             ):
-                banks.append((entry[0], entry[1]))
-                seen.add(entry[0])
+                banks[entry[0]] = entry[1]
             else:
                 return [(SHARED_BANK, 0)]
-    return banks or [(SHARED_BANK, 0)]
+    return list(banks.items()) or [(SHARED_BANK, 0)]
 
 
 def _lessons(record: Any) -> list[tuple[tuple[str, str], ...]]:

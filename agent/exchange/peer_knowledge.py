@@ -307,12 +307,7 @@ class PeerSlot:
         it restores a checkpoint. Nothing changes with ``classify`` set or one bank."""
         if self.classify is not None or not self.banks or set(self.banks) == {SHARED_BANK}:
             return
-        kept = self.banks[self._fallback()]
-        self.banks, self.writes, self.last = (
-            {SHARED_BANK: kept},
-            {SHARED_BANK: self.integrations},
-            SHARED_BANK,
-        )
+        self.state = self.banks[self._fallback()]
 
     @contextmanager
     def active(
